@@ -1,0 +1,88 @@
+"""Fixed pools of cache blocks, and the KV block manager on top of one (no torch).
+
+`BlockPool` hands out block ids with reference counts. Freed blocks that carry a content
+hash stay findable until they are reused (least recently freed first), so a prefix that
+was computed once can be shared by later requests. Every operation is O(1) per block.
+Callers ask before they act: `can_allocate(n)` then `allocate(n)`; `allocate` raises when
+asked for more than is free.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+
+class NoFreeBlocksError(RuntimeError):
+    pass
+
+
+class BlockPool:
+    def __init__(self, num_blocks: int):
+        if num_blocks < 1:
+            raise ValueError(f"a block pool needs at least one block, got {num_blocks}")
+        self.num_blocks = num_blocks
+        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self._refs = [0] * num_blocks
+        self._hash_of: dict[int, int] = {}
+        self._block_of: dict[int, int] = {}
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def ref_count(self, block_id: int) -> int:
+        return self._refs[block_id]
+
+    def can_allocate(self, n: int) -> bool:
+        return n <= len(self._free)
+
+    def allocate(self, n: int) -> list[int]:
+        if n > len(self._free):
+            raise NoFreeBlocksError(f"asked for {n} blocks, {len(self._free)} free")
+        ids = []
+        for _ in range(n):
+            block_id, _ = self._free.popitem(last=False)
+            self._forget_hash(block_id)
+            self._refs[block_id] = 1
+            ids.append(block_id)
+        return ids
+
+    def share(self, block_ids: list[int]) -> None:
+        """Take one more reference on blocks in use, or revive cached free ones."""
+        for block_id in block_ids:
+            if self._refs[block_id] == 0:
+                del self._free[block_id]
+            self._refs[block_id] += 1
+
+    def free(self, block_ids: list[int]) -> None:
+        for block_id in block_ids:
+            if self._refs[block_id] <= 0:
+                raise ValueError(f"block {block_id} freed more often than allocated")
+            self._refs[block_id] -= 1
+            if self._refs[block_id] == 0:
+                self._free[block_id] = None
+
+    def set_hash(self, block_id: int, content_hash: int) -> None:
+        """Mark a full, in-use block as holding `content_hash` (first writer wins)."""
+        if content_hash in self._block_of or block_id in self._hash_of:
+            return
+        self._hash_of[block_id] = content_hash
+        self._block_of[content_hash] = block_id
+
+    def lookup(self, content_hash: int) -> int | None:
+        """The block holding `content_hash`, in use or cached free; None when it is not cached."""
+        return self._block_of.get(content_hash)
+
+    def _forget_hash(self, block_id: int) -> None:
+        content_hash = self._hash_of.pop(block_id, None)
+        if content_hash is not None:
+            del self._block_of[content_hash]
+
+
+def chain_hashes(token_ids: list[int], block_size: int, salt: int = 0) -> list[int]:
+    """Hash of each full block of `token_ids`, each chained on the one before (a prefix identity)."""
+    hashes, previous = [], salt
+    for start in range(0, len(token_ids) - block_size + 1, block_size):
+        previous = hash((previous, tuple(token_ids[start : start + block_size])))
+        hashes.append(previous)
+    return hashes

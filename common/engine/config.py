@@ -1,0 +1,51 @@
+"""Configuration of one engine (one worker's model, caches, roles and batching)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from common.request import Stage
+from common.scheduler import SchedulerConfig
+
+ALL_ROLES = frozenset(Stage)
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+def parse_roles(text: str) -> frozenset[Stage]:
+    """'encode,prefill,decode' (or 'epd', 'e,p') → the role set."""
+    names = {"e": Stage.ENCODE, "encode": Stage.ENCODE, "p": Stage.PREFILL, "prefill": Stage.PREFILL,
+             "d": Stage.DECODE, "decode": Stage.DECODE}
+    parts = [p.strip().lower() for p in text.split(",") if p.strip()]
+    if len(parts) == 1 and parts[0] not in names:
+        parts = list(parts[0])
+    try:
+        return frozenset(names[p] for p in parts)
+    except KeyError as e:
+        raise ValueError(f"unknown role {e.args[0]!r} in {text!r}; use encode, prefill, decode") from None
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class EngineConfig:
+    model: str
+    dtype: str = "float32"
+    device: str = "cpu"
+    roles: frozenset[Stage] = ALL_ROLES
+    block_size: int = 16
+    image_block_size: int = 16
+    kv_cache_gib: float = 1.0
+    image_cache_gib: float = 0.25
+    max_model_len: int | None = None  # default: the model's max_position_embeddings
+    attention_backend: str = "auto"
+    enable_prefix_caching: bool = False
+    scheduler: SchedulerConfig = SchedulerConfig()
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype {self.dtype!r} is not one of {DTYPES}")
+        if not self.roles or not self.roles <= ALL_ROLES:
+            raise ValueError(f"roles must be a non-empty subset of {sorted(s.name for s in ALL_ROLES)}")
+        if self.block_size < 1 or self.image_block_size < 1:
+            raise ValueError("block sizes must be positive")
+        if self.kv_cache_gib <= 0 or self.image_cache_gib <= 0:
+            raise ValueError("cache sizes must be positive")

@@ -1,0 +1,281 @@
+"""One worker's engine: `step()` = schedule → run → postprocess, over the worker's role set.
+
+Life of a request in the engine:
+  1. `add_request` validates it against the model and the roles; pages handed over by the
+     previous stage (`image_pages`, `kv_pages`) are written into this engine's caches.
+  2. Each `step()` the scheduler picks decodes, prefill chunks and encodes under the budgets;
+     the model runner executes them; postprocess appends sampled tokens and checks stops.
+  3. A request finishes here (pages freed) or is HANDED_OFF when its last stage here is done;
+     then `export_*_pages` returns its pages as bytes and `release` frees them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Callable, Iterable
+
+import torch
+
+from common.engine.config import EngineConfig
+from common.engine.model_runner import ModelRunner
+from common.engine.outputs import RequestOutput
+from common.engine.sampler import Sampler
+from common.kv_manager import ImageBlockManager, KVBlockManager, blocks_for
+from common.model.llava import LlavaModel
+from common.model.loader import load_model
+from common.paged_cache import PagedImageCache, PagedKVCache, PagePayload
+from common.request import Request, RequestStatus, Stage
+from common.scheduler import Scheduler
+from kernels import make_attention_backend
+
+log = logging.getLogger(__name__)
+
+
+class RequestRejected(ValueError):
+    """The request cannot be served as asked; the message says what to change."""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class EngineStats:
+    kv_blocks_total: int
+    kv_blocks_free: int
+    image_blocks_total: int
+    image_blocks_free: int
+    num_waiting: int
+    num_running: int
+    num_handed_off: int
+
+
+class Engine:
+    def __init__(self, config: EngineConfig, model: LlavaModel | None = None, detokenize: Callable[[list[int]], str] | None = None):
+        self.config = config
+        dtype = getattr(torch, config.dtype)
+        device = torch.device(config.device)
+        self.model = model if model is not None else load_model(config.model, dtype, device)
+        self.model_config = self.model.cfg
+        text = self.model_config.text
+        self.max_model_len = min(config.max_model_len or text.max_position_embeddings, text.max_position_embeddings)
+        kv_block = PagedKVCache.bytes_per_block(config.block_size, text.num_layers, text.num_kv_heads, text.head_dim, dtype)
+        img_block = PagedImageCache.bytes_per_block(config.image_block_size, text.hidden_size, dtype)
+        num_kv = max(1, int(config.kv_cache_gib * 2**30) // kv_block)
+        num_img = max(1, int(config.image_cache_gib * 2**30) // img_block) if Stage.ENCODE in config.roles or Stage.PREFILL in config.roles else 1
+        self.kv_cache = PagedKVCache(num_kv, config.block_size, text.num_layers, text.num_kv_heads, text.head_dim, dtype, device)
+        self.image_cache = PagedImageCache(num_img, config.image_block_size, text.hidden_size, dtype, device)
+        self.scheduler = Scheduler(
+            config.scheduler,
+            KVBlockManager(num_kv, config.block_size, config.enable_prefix_caching),
+            ImageBlockManager(num_img, config.image_block_size),
+        )
+        self.runner = ModelRunner(self.model, self.kv_cache, self.image_cache, make_attention_backend(config.attention_backend, device))
+        self.sampler = Sampler(config.seed)
+        self.detokenize = detokenize
+        self.requests: dict[str, Request] = {}
+        self.handed_off: dict[str, Request] = {}
+        self.captured_logits: dict[str, list[torch.Tensor]] = {}
+
+    # ----- intake -----
+
+    def add_request(
+        self, request: Request, image_pages: PagePayload | None = None, kv_pages: PagePayload | None = None,
+        capture_logits: bool = False,
+    ) -> None:
+        self._validate(request)
+        needed = {s for s in Stage if request.first_stage <= s <= request.last_stage}
+        if not needed <= self.config.roles:
+            missing = sorted(s.name.lower() for s in needed - self.config.roles)
+            raise RequestRejected(f"this engine lacks the role(s) {missing} that request {request.request_id} needs")
+        if request.first_stage == Stage.PREFILL and request.images:
+            self._import_image_pages(request, image_pages)
+        if request.first_stage == Stage.DECODE:
+            self._import_kv_pages(request, kv_pages)
+        self.requests[request.request_id] = request
+        if capture_logits:
+            self.captured_logits[request.request_id] = []
+        self.scheduler.add(request)
+
+    def _validate(self, request: Request) -> None:
+        if request.request_id in self.requests or request.request_id in self.handed_off:
+            raise RequestRejected(f"request id {request.request_id!r} is already in use")
+        cfg = self.model_config
+        total = request.num_prompt_tokens + request.sampling.max_tokens
+        if total > self.max_model_len:
+            raise RequestRejected(
+                f"prompt ({request.num_prompt_tokens} tokens) plus max_tokens ({request.sampling.max_tokens}) is "
+                f"{total}, over the model's limit of {self.max_model_len}; shorten the prompt or lower max_tokens"
+            )
+        if not self.scheduler.kv.pool.num_blocks >= blocks_for(total, self.config.block_size):
+            raise RequestRejected(f"{total} tokens do not fit this engine's KV cache; lower max_tokens")
+        bad = [t for t in request.prompt_token_ids if not 0 <= t < cfg.text.vocab_size]
+        if bad:
+            raise RequestRejected(f"token id {bad[0]} is outside the vocabulary (0..{cfg.text.vocab_size - 1})")
+        placeholders = request.prompt_token_ids.count(cfg.image_token_id)
+        if placeholders != request.num_image_tokens or any(i.num_tokens != cfg.image_tokens_per_image for i in request.images):
+            raise RequestRejected(
+                f"the prompt has {placeholders} image placeholder tokens but {len(request.images)} image(s) need "
+                f"{len(request.images) * cfg.image_tokens_per_image}"
+            )
+        if request.sampling.stop and self.detokenize is None:
+            raise RequestRejected("stop strings need a tokenizer; this engine was built without one")
+
+    def _import_image_pages(self, request: Request, pages: PagePayload | None) -> None:
+        if pages is None or pages.num_tokens != request.num_image_tokens:
+            raise RequestRejected(f"request {request.request_id} starts at prefill with images but no matching image pages")
+        if not self.scheduler.images.can_allocate(request):
+            raise RequestRejected("no free image-cache blocks for the handed-over image pages")
+        self.scheduler.images.allocate(request)
+        try:
+            self.image_cache.write_blocks(request.image_block_table, pages)
+        except ValueError:
+            self.scheduler.images.free(request)
+            raise
+
+    def _import_kv_pages(self, request: Request, pages: PagePayload | None) -> None:
+        if len(request.output_token_ids) != 1:
+            raise RequestRejected("a request that starts at decode carries exactly its first sampled token")
+        if pages is None or pages.num_tokens != request.num_prompt_tokens:
+            raise RequestRejected(f"request {request.request_id} starts at decode but has no KV pages for its prompt")
+        if not self.scheduler.kv.can_allocate(request):
+            raise RequestRejected("no free KV blocks for the handed-over KV pages")
+        kv = self.scheduler.kv
+        request.block_table = kv.pool.allocate(blocks_for(kv.reserved_tokens(request), kv.block_size))
+        try:
+            self.kv_cache.write_blocks(request.block_table[: pages.num_blocks], pages)
+        except ValueError:
+            kv.free(request)
+            raise
+        request.num_computed_tokens = request.num_prompt_tokens
+
+    # ----- the loop -----
+
+    @property
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work
+
+    def step(self) -> list[RequestOutput]:
+        plan = self.scheduler.schedule()
+        if plan.is_empty:
+            return []
+        sampling, logits = self.runner.run(plan)
+        outputs: dict[str, RequestOutput] = {}
+        for work in plan.encodes:
+            work.request.num_encoded_images += work.num_images
+            if not work.request.needs_encode:
+                self.scheduler.finish_encode(work.request)
+                if work.request.status == RequestStatus.HANDED_OFF:
+                    outputs[work.request.request_id] = self._handoff(work.request)
+        for chunk in plan.prefills:
+            chunk.request.num_computed_tokens += chunk.num_tokens
+        for request in plan.decodes:
+            request.num_computed_tokens += 1
+        tokens = self.sampler(logits, sampling) if sampling else []
+        for row, (request, token) in enumerate(zip(sampling, tokens)):
+            if request.request_id in self.captured_logits:
+                self.captured_logits[request.request_id].append(logits[row].clone())
+            was_prefill = request.status == RequestStatus.PREFILLING
+            request.output_token_ids.append(token)
+            status = self._check_stop(request, token)
+            if status is not None:
+                self._finish(request, status)
+            elif was_prefill:
+                self.scheduler.finish_prefill(request)
+                if request.status == RequestStatus.HANDED_OFF:
+                    self._handoff(request)
+            outputs[request.request_id] = self._output(request, [token])
+        return list(outputs.values())
+
+    def _check_stop(self, request: Request, token: int) -> RequestStatus | None:
+        params = request.sampling
+        if not params.ignore_eos and token in self.model_config.eos_token_ids:
+            return RequestStatus.FINISHED_STOPPED
+        if token in params.stop_token_ids:
+            request.stop_reason = token
+            return RequestStatus.FINISHED_STOPPED
+        if params.stop:
+            text = self.detokenize(request.output_token_ids)
+            hits = [(text.find(s), s) for s in params.stop if s in text]
+            if hits:
+                cut, stop = min(hits)
+                request.output_text, request.stop_reason = text[:cut], stop
+                return RequestStatus.FINISHED_STOPPED
+            request.output_text = text
+        if len(request.output_token_ids) >= params.max_tokens or request.num_tokens >= self.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    def _finish(self, request: Request, status: RequestStatus) -> None:
+        self.scheduler.finish(request, status)
+        del self.requests[request.request_id]
+
+    def _handoff(self, request: Request) -> RequestOutput:
+        del self.requests[request.request_id]
+        self.handed_off[request.request_id] = request
+        return self._output(request, [])
+
+    def _output(self, request: Request, new: list[int]) -> RequestOutput:
+        return RequestOutput(
+            request_id=request.request_id,
+            new_token_ids=new,
+            output_token_ids=list(request.output_token_ids),
+            status=request.status,
+            finish_reason=request.finish_reason,
+            stop_reason=request.stop_reason,
+            text=request.output_text if request.sampling.stop else None,
+            num_prompt_tokens=request.num_prompt_tokens,
+        )
+
+    def abort(self, request_id: str) -> bool:
+        """Stop a request wherever it is and free its pages; False if unknown or already done."""
+        request = self.requests.get(request_id)
+        if request is not None:
+            self._finish(request, RequestStatus.FINISHED_ABORTED)
+            return True
+        return self.release(request_id)
+
+    # ----- handing pages to the next stage -----
+
+    def export_image_pages(self, request_id: str) -> PagePayload:
+        request = self._handed_off(request_id, Stage.ENCODE)
+        return self.image_cache.read_blocks(request.image_block_table, request.num_image_tokens)
+
+    def export_kv_pages(self, request_id: str) -> PagePayload:
+        request = self._handed_off(request_id, Stage.PREFILL)
+        n = request.num_prompt_tokens
+        return self.kv_cache.read_blocks(request.block_table[: blocks_for(n, self.config.block_size)], n)
+
+    def release(self, request_id: str) -> bool:
+        """Free a handed-off request's pages (the next stage has them, or gave up)."""
+        request = self.handed_off.pop(request_id, None)
+        if request is None:
+            return False
+        self.scheduler.finish(request, RequestStatus.HANDED_OFF)
+        self.captured_logits.pop(request_id, None)
+        return True
+
+    def _handed_off(self, request_id: str, stage: Stage) -> Request:
+        request = self.handed_off.get(request_id)
+        if request is None or request.last_stage != stage:
+            raise KeyError(f"no {stage.name.lower()} pages held for request {request_id!r}")
+        return request
+
+    # ----- conveniences -----
+
+    def generate(self, requests: Iterable[Request], capture_logits: bool = False) -> dict[str, RequestOutput]:
+        """Run the given requests to the end of their last stage here; returns each one's final output."""
+        final: dict[str, RequestOutput] = {}
+        for request in requests:
+            self.add_request(request, capture_logits=capture_logits)
+        while self.has_unfinished:
+            for out in self.step():
+                if out.finished or out.handed_off:
+                    final[out.request_id] = out
+        return final
+
+    def stats(self) -> EngineStats:
+        s = self.scheduler
+        return EngineStats(
+            kv_blocks_total=s.kv.pool.num_blocks, kv_blocks_free=s.kv.pool.num_free,
+            image_blocks_total=s.images.pool.num_blocks, image_blocks_free=s.images.pool.num_free,
+            num_waiting=len(s.waiting) + len(s.ready) + len(s.encoding), num_running=len(s.running) + len(s.prefilling),
+            num_handed_off=len(self.handed_off),
+        )

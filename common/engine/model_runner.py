@@ -1,0 +1,120 @@
+"""Build tensors from a `SchedulerOutput` and run the model: the only place the engine touches torch.
+
+One `run()` does the step's encodes (vision tower → image cache pages), then one forward
+over every decode token and prefill chunk flattened together, and returns the logits of
+the positions that sample: each decode, and each chunk that completes its prompt.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from common.model.llava import LlavaModel
+from common.paged_cache import PagedImageCache, PagedKVCache
+from common.request import Request
+from common.scheduler import SchedulerOutput
+from kernels import AttentionMetadata
+
+
+class ModelRunner:
+    def __init__(self, model: LlavaModel, kv_cache: PagedKVCache, image_cache: PagedImageCache, attention):
+        self.model = model
+        self.kv_cache = kv_cache
+        self.image_cache = image_cache
+        self.attention = attention
+        self.device = kv_cache.data.device
+        self.image_token_id = model.cfg.image_token_id
+
+    @torch.inference_mode()
+    def run(self, plan: SchedulerOutput) -> tuple[list[Request], torch.Tensor | None]:
+        """Execute the plan; returns the requests that sample and their logits rows [len, vocab] (float32)."""
+        if plan.encodes:
+            self._encode(plan)
+        if not (plan.decodes or plan.prefills):
+            return [], None
+        ids, positions, meta, sample_rows, sampling = self._prepare(plan)
+        embeds = self.model.embed(ids)
+        self._insert_image_embeddings(plan, ids, embeds, len(plan.decodes))
+        hidden = self.model.text(embeds, positions, self.kv_cache.layers, meta, self.attention)
+        return sampling, self.model.text.logits(hidden[sample_rows])
+
+    def _encode(self, plan: SchedulerOutput) -> None:
+        pixels = [w.request.images[i].pixel_values for w in plan.encodes for i in range(w.first_image, w.first_image + w.num_images)]
+        features = self.model.encode_images(torch.stack(pixels).to(self.device))
+        rows, block_size = [], self.image_cache.layout.block_size
+        for work in plan.encodes:
+            images = work.request.images
+            first = sum(img.num_tokens for img in images[: work.first_image])
+            count = sum(img.num_tokens for img in images[work.first_image : work.first_image + work.num_images])
+            table = work.request.image_block_table
+            rows.extend(table[k // block_size] * block_size + k % block_size for k in range(first, first + count))
+        self.image_cache.flat[torch.tensor(rows, device=self.device)] = features.flatten(0, 1).to(self.image_cache.data.dtype)
+
+    def _prepare(self, plan: SchedulerOutput):
+        block_size = self.kv_cache.layout.block_size
+        ids: list[int] = []
+        positions: list[int] = []
+        query_lens, seq_lens, tables = [], [], []
+        sample_rows, sampling = [], []
+        for request in plan.decodes:
+            pos = request.num_tokens - 1
+            ids.append(request.output_token_ids[-1] if request.output_token_ids else request.prompt_token_ids[-1])
+            positions.append(pos)
+            query_lens.append(1)
+            seq_lens.append(pos + 1)
+            tables.append(request.block_table)
+            sample_rows.append(len(ids) - 1)
+            sampling.append(request)
+        for chunk in plan.prefills:
+            end = chunk.start + chunk.num_tokens
+            ids.extend(chunk.request.prompt_token_ids[chunk.start : end])
+            positions.extend(range(chunk.start, end))
+            query_lens.append(chunk.num_tokens)
+            seq_lens.append(end)
+            tables.append(chunk.request.block_table)
+            if chunk.completes_prompt:
+                sample_rows.append(len(ids) - 1)
+                sampling.append(chunk.request)
+        width = max(-(-s // block_size) for s in seq_lens)
+        padded = [t[:width] + [0] * (width - len(t[:width])) for t in tables]
+        slot_blocks, slot_offsets = [], []
+        for table, qlen, slen in zip(tables, query_lens, seq_lens):
+            for p in range(slen - qlen, slen):
+                slot_blocks.append(table[p // block_size])
+                slot_offsets.append(p % block_size)
+        dev = self.device
+        meta = AttentionMetadata(
+            num_decodes=len(plan.decodes),
+            query_lens=query_lens,
+            seq_lens=seq_lens,
+            block_tables=torch.tensor(padded, dtype=torch.int32, device=dev),
+            seq_lens_t=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
+            query_start_loc=torch.tensor([0] + query_lens, dtype=torch.int32, device=dev).cumsum(0, dtype=torch.int32),
+            slot_blocks=torch.tensor(slot_blocks, dtype=torch.long, device=dev),
+            slot_offsets=torch.tensor(slot_offsets, dtype=torch.long, device=dev),
+        )
+        return (
+            torch.tensor(ids, dtype=torch.long, device=dev),
+            torch.tensor(positions, dtype=torch.long, device=dev),
+            meta,
+            torch.tensor(sample_rows, dtype=torch.long, device=dev),
+            sampling,
+        )
+
+    def _insert_image_embeddings(self, plan: SchedulerOutput, ids: torch.Tensor, embeds: torch.Tensor, offset: int) -> None:
+        block_size = self.image_cache.layout.block_size
+        rows_out, rows_in = [], []
+        row = offset
+        for chunk in plan.prefills:
+            prompt = chunk.request.prompt_token_ids
+            seen = prompt[: chunk.start].count(self.image_token_id)
+            table = chunk.request.image_block_table
+            for i, token in enumerate(prompt[chunk.start : chunk.start + chunk.num_tokens]):
+                if token == self.image_token_id:
+                    rows_out.append(row + i)
+                    rows_in.append(table[seen // block_size] * block_size + seen % block_size)
+                    seen += 1
+            row += chunk.num_tokens
+        if rows_out:
+            gathered = self.image_cache.flat[torch.tensor(rows_in, device=self.device)]
+            embeds[torch.tensor(rows_out, device=self.device)] = gathered.to(embeds.dtype)

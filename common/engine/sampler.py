@@ -1,0 +1,41 @@
+"""Turn the last-position logits of a batch into next tokens.
+
+Greedy rows take the argmax. Other rows apply temperature, top-k and top-p, then sample.
+A seeded request draws its n-th token from a generator seeded by (seed, n), so its output
+does not depend on batch composition or on which engine ran which step.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from common.request import Request
+
+
+class Sampler:
+    def __init__(self, seed: int = 0):
+        self._generator = torch.Generator().manual_seed(seed)
+
+    def __call__(self, logits: torch.Tensor, requests: list[Request]) -> list[int]:
+        tokens = logits.argmax(dim=-1).tolist()
+        for row, request in enumerate(requests):
+            if not request.sampling.greedy:
+                tokens[row] = self._sample(logits[row], request)
+        return tokens
+
+    def _sample(self, logits: torch.Tensor, request: Request) -> int:
+        params = request.sampling
+        scaled = logits.float().cpu() / params.temperature
+        if params.top_k:
+            kth = torch.topk(scaled, min(params.top_k, scaled.numel())).values[-1]
+            scaled = scaled.masked_fill(scaled < kth, float("-inf"))
+        probs = torch.softmax(scaled, dim=-1)
+        if params.top_p < 1.0:
+            sorted_probs, order = probs.sort(descending=True)
+            outside = sorted_probs.cumsum(0) - sorted_probs > params.top_p
+            probs = probs.scatter(0, order, sorted_probs.masked_fill(outside, 0.0))
+        if params.seed is None:
+            generator = self._generator
+        else:
+            generator = torch.Generator().manual_seed(params.seed * 1_000_003 + len(request.output_token_ids))
+        return int(torch.multinomial(probs, 1, generator=generator))

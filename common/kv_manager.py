@@ -1,0 +1,84 @@
+"""Per-request block tables over a `BlockPool` (no torch).
+
+Admission reserves a request's worst case — prompt plus `max_tokens` — so a running decode
+never runs out of KV and nothing is ever preempted. With prefix caching on, full prompt
+blocks whose chained hash is cached are shared instead of recomputed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+from common.block_pool import BlockPool, chain_hashes
+from common.request import Request
+
+
+def blocks_for(num_tokens: int, block_size: int) -> int:
+    return -(-num_tokens // block_size)
+
+
+class KVBlockManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False):
+        self.pool = BlockPool(num_blocks)
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+
+    def reserved_tokens(self, request: Request) -> int:
+        return request.num_prompt_tokens + request.sampling.max_tokens
+
+    def can_allocate(self, request: Request) -> bool:
+        return self.pool.can_allocate(blocks_for(self.reserved_tokens(request), self.block_size))
+
+    def allocate(self, request: Request) -> int:
+        """Give `request` its block table; returns how many leading prompt tokens are already cached."""
+        needed = blocks_for(self.reserved_tokens(request), self.block_size)
+        cached = self._cached_prefix(request) if self.enable_prefix_caching else []
+        self.pool.share(cached)
+        request.block_table = cached + self.pool.allocate(needed - len(cached))
+        return len(cached) * self.block_size
+
+    def commit_prompt(self, request: Request) -> None:
+        """Publish the hashes of the prompt's computed full blocks so later requests can share them."""
+        if not self.enable_prefix_caching:
+            return
+        computed = min(request.num_computed_tokens, request.num_prompt_tokens)
+        for block_id, h in zip(request.block_table, self._hashes(request, computed)):
+            self.pool.set_hash(block_id, h)
+
+    def free(self, request: Request) -> None:
+        self.pool.free(request.block_table)
+        request.block_table = []
+
+    def _cached_prefix(self, request: Request) -> list[int]:
+        # Never reuse the block holding the last prompt token: it must be computed for its logits.
+        usable = request.num_prompt_tokens - 1
+        blocks = []
+        for h in self._hashes(request, usable):
+            block_id = self.pool.lookup(h)
+            if block_id is None:
+                break
+            blocks.append(block_id)
+        return blocks
+
+    def _hashes(self, request: Request, num_tokens: int) -> list[int]:
+        digest = hashlib.blake2b("|".join(i.content_hash for i in request.images).encode(), digest_size=8)
+        salt = int.from_bytes(digest.digest(), "little")
+        return chain_hashes(request.prompt_token_ids[:num_tokens], self.block_size, salt)
+
+
+class ImageBlockManager:
+    """Image-cache blocks of a request: all its images' embeddings, token after token."""
+
+    def __init__(self, num_blocks: int, block_size: int):
+        self.pool = BlockPool(num_blocks)
+        self.block_size = block_size
+
+    def can_allocate(self, request: Request) -> bool:
+        return self.pool.can_allocate(blocks_for(request.num_image_tokens, self.block_size))
+
+    def allocate(self, request: Request) -> None:
+        request.image_block_table = self.pool.allocate(blocks_for(request.num_image_tokens, self.block_size))
+
+    def free(self, request: Request) -> None:
+        self.pool.free(request.image_block_table)
+        request.image_block_table = []

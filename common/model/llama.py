@@ -1,0 +1,65 @@
+"""Llama decoder over a paged KV cache: RMSNorm, RoPE, grouped-query attention, SwiGLU.
+
+Tokens of all sequences in a step are flattened into one [tokens, hidden] batch; attention
+reads and writes K/V through the block tables in `AttentionMetadata`.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from common.model.config import TextConfig
+from common.model.layers import RotaryEmbedding, activation, apply_rotary, rms_norm
+from kernels import AttentionMetadata, write_kv
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: TextConfig):
+        super().__init__()
+        self.cfg = cfg
+        q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        self.split = (q_size, kv_size, kv_size)
+        self.input_layernorm = nn.Parameter(torch.empty(cfg.hidden_size))
+        self.post_attention_layernorm = nn.Parameter(torch.empty(cfg.hidden_size))
+        self.qkv_proj = nn.Linear(cfg.hidden_size, sum(self.split), bias=False)
+        self.o_proj = nn.Linear(q_size, cfg.hidden_size, bias=False)
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.act = activation(cfg.hidden_act)
+
+    def forward(self, x, cos, sin, k_cache, v_cache, meta: AttentionMetadata, attention) -> torch.Tensor:
+        cfg = self.cfg
+        n = x.shape[0]
+        q, k, v = self.qkv_proj(rms_norm(x, self.input_layernorm, cfg.rms_norm_eps)).split(self.split, dim=-1)
+        q = apply_rotary(q.view(n, cfg.num_heads, cfg.head_dim), cos, sin)
+        k = apply_rotary(k.view(n, cfg.num_kv_heads, cfg.head_dim), cos, sin)
+        write_kv(k, v.view(n, cfg.num_kv_heads, cfg.head_dim), k_cache, v_cache, meta)
+        attn = attention.forward(q, k_cache, v_cache, meta, cfg.head_dim**-0.5)
+        x = x + self.o_proj(attn.reshape(n, -1))
+        gate, up = self.gate_up_proj(rms_norm(x, self.post_attention_layernorm, cfg.rms_norm_eps)).chunk(2, dim=-1)
+        return x + self.down_proj(self.act(gate) * up)
+
+
+class LlamaDecoder(nn.Module):
+    def __init__(self, cfg: TextConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.norm = nn.Parameter(torch.empty(cfg.hidden_size))
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.rotary: RotaryEmbedding | None = None
+
+    def forward(self, embeds, positions, kv_layers, meta: AttentionMetadata, attention) -> torch.Tensor:
+        """embeds [tokens, hidden], positions [tokens] → final hidden states (before the last norm)."""
+        if self.rotary is None:
+            self.rotary = RotaryEmbedding(self.cfg.head_dim, self.cfg.rope_theta, embeds.device)
+        cos, sin = self.rotary.cos_sin(positions, embeds.dtype)
+        x = embeds
+        for layer, (k_cache, v_cache) in zip(self.layers, kv_layers):
+            x = layer(x, cos, sin, k_cache, v_cache, meta, attention)
+        return x
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(rms_norm(hidden, self.norm, self.cfg.rms_norm_eps)).float()

@@ -1,0 +1,118 @@
+"""A request's state inside one engine (no torch: the scheduler reads and writes it).
+
+Life of a request in an engine:
+  1. WAITING      — queued; holds no pages.
+  2. ENCODING     — some of its images are encoded into image-cache pages.
+  3. PREFILLING   — KV blocks allocated for the whole prompt; chunks computed in order.
+  4. DECODING     — one token per iteration until a stop condition.
+  5. finished     — FINISHED_* (pages freed), or HANDED_OFF: its last stage here is done
+                    and its pages wait to be exported to the next stage's engine.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import time
+from typing import Any
+
+from common.sampling import SamplingParams
+
+
+class Stage(enum.IntEnum):
+    ENCODE = 0
+    PREFILL = 1
+    DECODE = 2
+
+
+class RequestStatus(enum.IntEnum):
+    WAITING = 0
+    ENCODING = 1
+    PREFILLING = 2
+    DECODING = 3
+    HANDED_OFF = 4
+    FINISHED_STOPPED = 5
+    FINISHED_LENGTH = 6
+    FINISHED_ABORTED = 7
+
+    @property
+    def finished(self) -> bool:
+        return self >= RequestStatus.FINISHED_STOPPED
+
+    @property
+    def done_here(self) -> bool:
+        return self >= RequestStatus.HANDED_OFF
+
+
+FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+}
+
+
+@dataclasses.dataclass(slots=True)
+class ImageInput:
+    """One image of a request: its preprocessed pixels (opaque here) and how many placeholder tokens it fills."""
+
+    pixel_values: Any
+    num_tokens: int
+    content_hash: str = ""
+
+
+@dataclasses.dataclass(slots=True, eq=False)
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingParams
+    images: list[ImageInput] = dataclasses.field(default_factory=list)
+    first_stage: Stage = Stage.ENCODE
+    last_stage: Stage = Stage.DECODE
+    arrival_time: float = dataclasses.field(default_factory=time.monotonic)
+    # mutable state
+    status: RequestStatus = RequestStatus.WAITING
+    output_token_ids: list[int] = dataclasses.field(default_factory=list)
+    num_computed_tokens: int = 0
+    num_encoded_images: int = 0
+    block_table: list[int] = dataclasses.field(default_factory=list)
+    image_block_table: list[int] = dataclasses.field(default_factory=list)
+    output_text: str = ""
+    stop_reason: str | int | None = None
+
+    def __post_init__(self) -> None:
+        if not self.prompt_token_ids:
+            raise ValueError("prompt must contain at least one token")
+        if self.first_stage > self.last_stage:
+            raise ValueError(f"first stage {self.first_stage.name} comes after last stage {self.last_stage.name}")
+        if self.first_stage == Stage.ENCODE and not self.images:
+            self.first_stage = Stage.PREFILL if self.last_stage >= Stage.PREFILL else Stage.ENCODE
+        if self.first_stage > Stage.ENCODE:
+            self.num_encoded_images = len(self.images)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_image_tokens(self) -> int:
+        return sum(image.num_tokens for image in self.images)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def needs_encode(self) -> bool:
+        return self.num_encoded_images < len(self.images)
+
+    @property
+    def prefill_remaining(self) -> int:
+        return max(0, self.num_prompt_tokens - self.num_computed_tokens)
+
+    @property
+    def finish_reason(self) -> str | None:
+        return FINISH_REASONS.get(self.status)

@@ -1,0 +1,186 @@
+"""Stage-level batching (TriInfer Algorithm 1) for one worker's role set. No torch.
+
+Each `schedule()` forms one iteration:
+  1. every running decode (one token each);
+  2. unfinished work: prefill chunks in progress, then images of partly encoded requests;
+  3. new work from the queues, oldest first, while the token budget τ_t (prefill + decode
+     tokens) and the image budget τ_e (images through the vision tower) last.
+Queues, in the order a request moves through them:
+  waiting (new) → encoding → ready (encoded, waiting for KV) → prefilling → running (decode).
+A request whose last stage here is done leaves them as HANDED_OFF, pages kept for export.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import deque
+
+from common.kv_manager import ImageBlockManager, KVBlockManager
+from common.request import Request, RequestStatus, Stage
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class SchedulerConfig:
+    token_budget: int = 2048  # τ_t: tokens (prefill chunks + decodes) per iteration
+    image_budget: int = 4  # τ_e: images encoded per iteration
+    max_num_seqs: int = 64  # requests decoding at once
+    enable_chunked_prefill: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("token_budget", "image_budget", "max_num_seqs"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1")
+
+
+@dataclasses.dataclass(slots=True)
+class PrefillChunk:
+    request: Request
+    start: int  # first prompt position computed
+    num_tokens: int
+
+    @property
+    def completes_prompt(self) -> bool:
+        return self.start + self.num_tokens == self.request.num_prompt_tokens
+
+
+@dataclasses.dataclass(slots=True)
+class EncodeWork:
+    request: Request
+    first_image: int
+    num_images: int
+
+
+@dataclasses.dataclass(slots=True)
+class SchedulerOutput:
+    decodes: list[Request] = dataclasses.field(default_factory=list)  # each computes its last token, samples one
+    prefills: list[PrefillChunk] = dataclasses.field(default_factory=list)  # prompt chunks, in request order
+    encodes: list[EncodeWork] = dataclasses.field(default_factory=list)  # images through the vision tower
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.decodes) + sum(c.num_tokens for c in self.prefills)
+
+    @property
+    def num_images(self) -> int:
+        return sum(e.num_images for e in self.encodes)
+
+    @property
+    def is_empty(self) -> bool:
+        return not (self.decodes or self.prefills or self.encodes)
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv: KVBlockManager, images: ImageBlockManager):
+        self.config = config
+        self.kv = kv
+        self.images = images
+        self.waiting: deque[Request] = deque()
+        self.encoding: list[Request] = []
+        self.ready: deque[Request] = deque()
+        self.prefilling: list[Request] = []
+        self.running: list[Request] = []
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.encoding or self.ready or self.prefilling or self.running)
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.waiting) + len(self.encoding) + len(self.ready) + len(self.prefilling) + len(self.running)
+
+    def add(self, request: Request) -> None:
+        """Queue a request. One arriving with its KV already in place (DECODE first) is running at once."""
+        if request.first_stage == Stage.DECODE:
+            request.status = RequestStatus.DECODING
+            self.running.append(request)
+        elif request.first_stage == Stage.PREFILL and request.image_block_table:
+            self.ready.append(request)  # image pages imported: straight to the prefill queue
+        else:
+            self.waiting.append(request)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        tokens, images = self.config.token_budget, self.config.image_budget
+        out.decodes = self.running[: min(tokens, self.config.max_num_seqs)]
+        tokens -= len(out.decodes)
+        for request in self.prefilling:
+            tokens -= self._chunk(out, request, tokens)
+        for request in self.encoding:
+            images -= self._encode(out, request, images)
+        while self.ready and tokens > 0 and self._admit_prefill(self.ready[0]):
+            request = self.ready.popleft()
+            tokens -= self._chunk(out, request, tokens)
+        for request in list(self.waiting):
+            if request.first_stage == Stage.ENCODE and request.needs_encode:
+                if images <= 0 or not self.images.can_allocate(request):
+                    continue
+                self.waiting.remove(request)
+                self.images.allocate(request)
+                request.status = RequestStatus.ENCODING
+                self.encoding.append(request)
+                images -= self._encode(out, request, images)
+            elif tokens > 0 and self._admit_prefill(request):
+                self.waiting.remove(request)
+                tokens -= self._chunk(out, request, tokens)
+            elif tokens <= 0 and images <= 0:
+                break
+        return out
+
+    def _admit_prefill(self, request: Request) -> bool:
+        """Move a request into `prefilling` with its KV blocks; False when it cannot start yet."""
+        decoding_soon = len(self.running) + len(self.prefilling)
+        if decoding_soon >= self.config.max_num_seqs or not self.kv.can_allocate(request):
+            return False
+        request.num_computed_tokens = self.kv.allocate(request)
+        request.status = RequestStatus.PREFILLING
+        self.prefilling.append(request)
+        return True
+
+    def _chunk(self, out: SchedulerOutput, request: Request, budget: int) -> int:
+        remaining = request.num_computed_tokens, request.prefill_remaining
+        start, left = remaining
+        if self.config.enable_chunked_prefill:
+            n = min(left, budget)
+        else:
+            n = left if (left <= budget or not out.prefills and not out.decodes) else 0
+        if n > 0:
+            out.prefills.append(PrefillChunk(request, start, n))
+        return n
+
+    def _encode(self, out: SchedulerOutput, request: Request, budget: int) -> int:
+        n = min(len(request.images) - request.num_encoded_images, budget)
+        if n > 0:
+            out.encodes.append(EncodeWork(request, request.num_encoded_images, n))
+        return n
+
+    # ----- called by the engine after the step ran -----
+
+    def finish_encode(self, request: Request) -> None:
+        self.encoding.remove(request)
+        if request.last_stage == Stage.ENCODE:
+            request.status = RequestStatus.HANDED_OFF
+        else:
+            request.status = RequestStatus.WAITING
+            self.ready.append(request)
+
+    def finish_prefill(self, request: Request) -> None:
+        self.prefilling.remove(request)
+        self.kv.commit_prompt(request)
+        if request.image_block_table:
+            self.images.free(request)
+        if request.last_stage == Stage.PREFILL:
+            request.status = RequestStatus.HANDED_OFF
+        else:
+            request.status = RequestStatus.DECODING
+            self.running.append(request)
+
+    def finish(self, request: Request, status: RequestStatus) -> None:
+        """Take a request out of every queue and free its pages (it ends here, finished or aborted)."""
+        for queue in (self.waiting, self.encoding, self.ready, self.prefilling, self.running):
+            if request in queue:
+                queue.remove(request)
+        if request.block_table:
+            self.kv.free(request)
+        if request.image_block_table:
+            self.images.free(request)
+        request.status = status
