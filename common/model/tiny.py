@@ -101,7 +101,8 @@ def _corpus(seed: int) -> list[str]:
             words.insert(rng.randrange(len(words)), str(rng.randint(0, 2026)))
         sentence = " ".join(words)
         lines.append(sentence[0].upper() + sentence[1:] + rng.choice([".", "?", "!", ",", ":"]))
-    return lines
+    # Chat-shaped lines so the template's role markers are single tokens, as in real tokenizers.
+    return lines + [f"USER: {lines[i]} ASSISTANT: {lines[i + 1]}" for i in range(0, 1000, 2)]
 
 
 def _write_tokenizer_and_processor(out: Path, spec: TinySpec, state: dict) -> None:

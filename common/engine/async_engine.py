@@ -1,0 +1,99 @@
+"""Run an `Engine` on its own thread and stream its outputs to asyncio callers.
+
+Life of a request here:
+  1. `generate()` registers an asyncio queue for it and posts it to the engine thread.
+  2. The thread adds it (a rejection travels back as the exception), steps the engine while
+     anything is unfinished, and hands each output to the caller's loop.
+  3. The caller's iterator ends at the finishing output; if the caller stops early (client
+     gone), the request is aborted and its pages freed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+from collections.abc import AsyncIterator
+
+from common.engine.engine import Engine
+from common.engine.outputs import RequestOutput
+from common.request import Request
+
+log = logging.getLogger(__name__)
+
+
+class EngineDead(RuntimeError):
+    pass
+
+
+class AsyncEngine:
+    def __init__(self, engine: Engine):
+        self.engine = engine
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="engine", daemon=True)
+        self._thread.start()
+
+    async def generate(self, request: Request) -> AsyncIterator[RequestOutput]:
+        if not self._thread.is_alive():
+            raise EngineDead("the engine thread has stopped")
+        outputs: asyncio.Queue = asyncio.Queue()
+        self._streams[request.request_id] = (asyncio.get_running_loop(), outputs)
+        self._inbox.put(("add", request))
+        done = False
+        try:
+            while not done:
+                item = await outputs.get()
+                if isinstance(item, BaseException):
+                    done = True
+                    raise item
+                done = item.finished or item.handed_off
+                yield item
+        finally:
+            self._streams.pop(request.request_id, None)
+            if not done:
+                self._inbox.put(("abort", request.request_id))
+
+    def stats(self):
+        return self.engine.stats()
+
+    def shutdown(self, timeout: float = 5.0) -> None:
+        self._stop.set()
+        self._inbox.put(("wake", None))
+        self._thread.join(timeout)
+
+    def _deliver(self, request_id: str, item) -> None:
+        stream = self._streams.get(request_id)
+        if stream is not None:
+            loop, outputs = stream
+            loop.call_soon_threadsafe(outputs.put_nowait, item)
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self._drain(block=not self.engine.has_unfinished)
+                if self.engine.has_unfinished:
+                    for out in self.engine.step():
+                        self._deliver(out.request_id, out)
+            except Exception as exc:  # a bug of ours: fail what is in flight, keep serving
+                log.exception("engine step failed; aborting the requests in flight")
+                for request_id in list(self.engine.requests):
+                    self.engine.abort(request_id)
+                    self._deliver(request_id, RuntimeError(f"engine failure: {exc}"))
+
+    def _drain(self, block: bool) -> None:
+        while True:
+            try:
+                kind, payload = self._inbox.get(timeout=0.5) if block else self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            block = False
+            if kind == "add":
+                try:
+                    self.engine.add_request(payload)
+                except Exception as exc:
+                    self._deliver(payload.request_id, exc)
+            elif kind == "abort":
+                self.engine.abort(payload)

@@ -1,0 +1,167 @@
+"""OpenAI-style HTTP API over a generation backend.
+
+Life of a chat request:
+  1. parse + validate the body (`protocol.parse_chat_request`); bad input → 4xx, nothing queued.
+  2. the backend applies the chat template and preprocesses images (off the event loop),
+     then starts generation and yields engine outputs.
+  3. non-streaming: collect to the end, answer one `chat.completion`;
+     streaming: SSE `chat.completion.chunk`s as tokens arrive, a usage chunk when asked,
+     then `[DONE]`. A client that disconnects cancels the stream, which aborts the request
+     and frees its pages.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+
+from starlette.applications import Starlette
+from starlette.requests import Request as HttpRequest
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from common.engine.async_engine import AsyncEngine
+from common.engine.engine import RequestRejected
+from common.engine.outputs import RequestOutput
+from common.model.processor import ChatProcessor
+from common.request import Request
+from services.gateway.protocol import ApiError, ChatRequest, parse_chat_request
+
+log = logging.getLogger(__name__)
+MAX_BODY_BYTES = 64 * 2**20
+
+
+class LocalBackend:
+    """One colocated worker (all roles) in this process."""
+
+    def __init__(self, processor: ChatProcessor, engine: AsyncEngine):
+        self.processor = processor
+        self.engine = engine
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.engine.max_model_len
+
+    async def start(self, chat: ChatRequest, request_id: str) -> tuple[int, AsyncIterator[RequestOutput]]:
+        try:
+            ids, images = await asyncio.to_thread(self.processor.apply, chat.conversation)
+        except (ValueError, TypeError, KeyError) as e:
+            raise ApiError(400, f"could not build the prompt from these messages: {e}") from None
+        request = Request(request_id, ids, chat.sampling, images)
+        stream = self.engine.generate(request)
+        try:
+            first = await anext(stream)
+        except RequestRejected as e:
+            raise ApiError(400, str(e)) from None
+
+        async def chained() -> AsyncIterator[RequestOutput]:
+            yield first
+            async for out in stream:
+                yield out
+
+        return len(ids), chained()
+
+    def detokenize(self, ids: list[int]) -> str:
+        return self.processor.detokenize(ids)
+
+    def stats(self) -> dict:
+        return _asdict(self.engine.stats())
+
+
+def _asdict(obj) -> dict:
+    return {name: getattr(obj, name) for name in obj.__slots__}
+
+
+def build_app(backend: LocalBackend, model_name: str, allow_remote_images: bool = False) -> Starlette:
+    created = int(time.time())
+
+    async def health(_: HttpRequest) -> Response:
+        return JSONResponse({"status": "ok"})
+
+    async def models(_: HttpRequest) -> Response:
+        card = {"id": model_name, "object": "model", "created": created, "owned_by": "epdmesh",
+                "max_model_len": backend.max_model_len}
+        return JSONResponse({"object": "list", "data": [card]})
+
+    async def stats(_: HttpRequest) -> Response:
+        return JSONResponse(backend.stats())
+
+    async def chat_completions(http: HttpRequest) -> Response:
+        try:
+            length = int(http.headers.get("content-length") or 0)
+            if length > MAX_BODY_BYTES:
+                raise ApiError(413, f"request body is {length} bytes, over {MAX_BODY_BYTES}")
+            chat = parse_chat_request(await http.body(), [model_name], allow_remote_images)
+            request_id = f"chatcmpl-{uuid.uuid4().hex}"
+            num_prompt, outputs = await backend.start(chat, request_id)
+        except ApiError as e:
+            return JSONResponse(e.body(), status_code=e.status)
+        if chat.stream:
+            events = _sse(chat, request_id, model_name, num_prompt, outputs, backend.detokenize)
+            return StreamingResponse(events, media_type="text/event-stream")
+        final = None
+        async for out in outputs:
+            final = out
+        return JSONResponse(_completion(chat, request_id, model_name, num_prompt, final, backend.detokenize))
+
+    return Starlette(routes=[
+        Route("/health", health),
+        Route("/v1/models", models),
+        Route("/stats", stats),
+        Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+    ])
+
+
+def _final_text(out: RequestOutput, detokenize) -> str:
+    return out.text if out.text is not None else detokenize(out.output_token_ids)
+
+
+def _usage(num_prompt: int, out: RequestOutput) -> dict:
+    n = len(out.output_token_ids)
+    return {"prompt_tokens": num_prompt, "completion_tokens": n, "total_tokens": num_prompt + n}
+
+
+def _completion(chat: ChatRequest, request_id: str, model: str, num_prompt: int, out: RequestOutput, detokenize) -> dict:
+    choice = {"index": 0, "message": {"role": "assistant", "content": _final_text(out, detokenize)},
+              "logprobs": None, "finish_reason": out.finish_reason, "stop_reason": out.stop_reason}
+    if chat.return_token_ids:
+        choice["token_ids"] = out.output_token_ids
+    return {"id": request_id, "object": "chat.completion", "created": int(time.time()), "model": model,
+            "choices": [choice], "usage": _usage(num_prompt, out)}
+
+
+async def _sse(chat, request_id, model, num_prompt, outputs, detokenize) -> AsyncIterator[str]:
+    created = int(time.time())
+    holdback = max((len(s) for s in chat.sampling.stop), default=1) - 1
+
+    def chunk(delta: dict, finish: str | None = None, token_ids: list[int] | None = None) -> str:
+        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+        if chat.return_token_ids and token_ids is not None:
+            choice["token_ids"] = token_ids
+        body = {"id": request_id, "object": "chat.completion.chunk", "created": created, "model": model, "choices": [choice]}
+        return f"data: {json.dumps(body)}\n\n"
+
+    yield chunk({"role": "assistant", "content": ""})
+    sent, last = "", None
+    async for out in outputs:
+        last = out
+        if out.finished:
+            break
+        text = detokenize(out.output_token_ids)
+        safe = text[: len(text) - holdback] if holdback else text
+        if safe.endswith("\ufffd"):
+            continue
+        if len(safe) > len(sent) or out.new_token_ids:
+            yield chunk({"content": safe[len(sent):]}, token_ids=out.new_token_ids)
+            sent = safe
+    final = _final_text(last, detokenize)
+    yield chunk({"content": final[len(sent):]}, finish=last.finish_reason, token_ids=last.new_token_ids)
+    if chat.include_usage:
+        usage = {"id": request_id, "object": "chat.completion.chunk", "created": created, "model": model,
+                 "choices": [], "usage": _usage(num_prompt, last)}
+        yield f"data: {json.dumps(usage)}\n\n"
+    yield "data: [DONE]\n\n"

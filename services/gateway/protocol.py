@@ -1,0 +1,174 @@
+"""OpenAI chat-completions requests in, validated `ChatRequest`s out; errors as OpenAI error JSON.
+
+Everything a client can get wrong is caught here with a message that says what to fix:
+malformed JSON, unknown model, bad message shapes, broken or oversized images, remote image
+URLs (refused unless enabled), out-of-range sampling parameters.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import dataclasses
+import io
+import json
+from typing import Any
+
+from PIL import Image, UnidentifiedImageError
+
+from common.sampling import SamplingParams
+
+MAX_IMAGE_BYTES = 20 * 2**20
+MAX_IMAGE_PIXELS = 50_000_000
+MAX_STOP_STRINGS = 4
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None, kind: str | None = None):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.kind = kind or {400: "BadRequestError", 404: "NotFoundError", 413: "RequestTooLargeError",
+                             503: "ServiceUnavailableError"}.get(status, "InternalServerError")
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.status}}
+
+
+@dataclasses.dataclass(slots=True)
+class ChatRequest:
+    model: str
+    conversation: list[dict]  # HF chat format; image parts carry PIL images
+    sampling: SamplingParams
+    stream: bool = False
+    include_usage: bool = False
+    return_token_ids: bool = False
+
+
+def parse_chat_request(raw: bytes, served_models: list[str], allow_remote_images: bool = False) -> ChatRequest:
+    try:
+        body = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ApiError(400, f"request body is not valid JSON: {e}") from None
+    if not isinstance(body, dict):
+        raise ApiError(400, "request body must be a JSON object")
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise ApiError(400, f"'model' is required; this server serves {served_models}", "model")
+    if model not in served_models:
+        raise ApiError(404, f"the model '{model}' does not exist; this server serves {served_models}", "model")
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise ApiError(400, "'messages' must be a non-empty list of {role, content} objects", "messages")
+    conversation = [_parse_message(m, i, allow_remote_images) for i, m in enumerate(messages)]
+    if body.get("n", 1) != 1:
+        raise ApiError(400, "only n=1 is supported", "n")
+    stream_options = body.get("stream_options") or {}
+    if not isinstance(stream_options, dict):
+        raise ApiError(400, "'stream_options' must be an object", "stream_options")
+    return ChatRequest(
+        model=model,
+        conversation=conversation,
+        sampling=_parse_sampling(body),
+        stream=_typed(body, "stream", bool, False),
+        include_usage=bool(stream_options.get("include_usage", False)),
+        return_token_ids=_typed(body, "return_token_ids", bool, False),
+    )
+
+
+def _typed(body: dict, key: str, kind, default):
+    value = body.get(key, default)
+    if value is None:
+        return default
+    if kind is float and isinstance(value, int) and not isinstance(value, bool):
+        value = float(value)
+    if not isinstance(value, kind) or (kind is not bool and isinstance(value, bool)):
+        raise ApiError(400, f"'{key}' must be {kind.__name__}, got {type(value).__name__}", key)
+    return value
+
+
+def _parse_sampling(body: dict) -> SamplingParams:
+    max_tokens = _typed(body, "max_completion_tokens", int, None)
+    if max_tokens is None:
+        max_tokens = _typed(body, "max_tokens", int, 16)
+    stop = body.get("stop") or []
+    if isinstance(stop, str):
+        stop = [stop]
+    if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop) or len(stop) > MAX_STOP_STRINGS:
+        raise ApiError(400, f"'stop' must be a non-empty string or a list of up to {MAX_STOP_STRINGS} of them", "stop")
+    stop_ids = body.get("stop_token_ids") or []
+    if not isinstance(stop_ids, list) or not all(isinstance(t, int) for t in stop_ids):
+        raise ApiError(400, "'stop_token_ids' must be a list of integers", "stop_token_ids")
+    try:
+        return SamplingParams(
+            max_tokens=max_tokens,
+            temperature=_typed(body, "temperature", float, 1.0),
+            top_p=_typed(body, "top_p", float, 1.0),
+            top_k=max(0, _typed(body, "top_k", int, 0)),  # -1 means off, as in vLLM
+            seed=_typed(body, "seed", int, None),
+            stop=tuple(stop),
+            stop_token_ids=tuple(stop_ids),
+            ignore_eos=_typed(body, "ignore_eos", bool, False),
+        )
+    except ValueError as e:
+        raise ApiError(400, str(e)) from None
+
+
+def _parse_message(message: Any, index: int, allow_remote: bool) -> dict:
+    where = f"messages[{index}]"
+    if not isinstance(message, dict):
+        raise ApiError(400, f"{where} must be an object with 'role' and 'content'", "messages")
+    role = message.get("role")
+    if role not in ("system", "user", "assistant"):
+        raise ApiError(400, f"{where}.role must be 'system', 'user' or 'assistant', got {role!r}", "messages")
+    content = message.get("content")
+    if isinstance(content, str):
+        return {"role": role, "content": [{"type": "text", "text": content}]}
+    if not isinstance(content, list):
+        raise ApiError(400, f"{where}.content must be a string or a list of content parts", "messages")
+    parts = []
+    for j, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind == "text" and isinstance(part.get("text"), str):
+            parts.append({"type": "text", "text": part["text"]})
+        elif kind == "image_url":
+            url = part.get("image_url", {})
+            url = url.get("url") if isinstance(url, dict) else url
+            if role != "user":
+                raise ApiError(400, f"{where}: images are accepted in user messages only", "messages")
+            parts.append({"type": "image", "image": load_image(url, f"{where}.content[{j}]", allow_remote)})
+        else:
+            raise ApiError(400, f"{where}.content[{j}] must be {{type: text, text}} or {{type: image_url, image_url: {{url}}}}", "messages")
+    return {"role": role, "content": parts}
+
+
+def load_image(url: Any, where: str, allow_remote: bool) -> Image.Image:
+    if not isinstance(url, str) or not url:
+        raise ApiError(400, f"{where}.image_url.url must be a string", "messages")
+    if url.startswith(("http://", "https://")):
+        if not allow_remote:
+            raise ApiError(400, f"{where}: remote image URLs are disabled on this server; send the image inline as a "
+                                f"base64 data URI (data:image/png;base64,...)", "messages")
+        raise ApiError(400, f"{where}: fetching remote images is not implemented; send a base64 data URI", "messages")
+    if not url.startswith("data:") or ";base64," not in url:
+        raise ApiError(400, f"{where}: image URL must be a base64 data URI like data:image/png;base64,...", "messages")
+    encoded = url.split(";base64,", 1)[1]
+    if len(encoded) * 3 // 4 > MAX_IMAGE_BYTES:
+        raise ApiError(413, f"{where}: image is larger than {MAX_IMAGE_BYTES // 2**20} MiB", "messages")
+    try:
+        data = base64.b64decode(encoded, validate=True)
+    except (binascii.Error, ValueError):
+        raise ApiError(400, f"{where}: image data is not valid base64", "messages") from None
+    try:
+        with Image.open(io.BytesIO(data)) as probe:
+            if probe.width * probe.height > MAX_IMAGE_PIXELS:
+                raise ApiError(413, f"{where}: image is {probe.width}x{probe.height}, over {MAX_IMAGE_PIXELS} pixels", "messages")
+            probe.verify()
+        image = Image.open(io.BytesIO(data))
+        image.load()
+        return image.convert("RGB")
+    except ApiError:
+        raise
+    except (UnidentifiedImageError, OSError, SyntaxError, ValueError, Image.DecompressionBombError) as e:
+        raise ApiError(400, f"{where}: could not decode the image ({e.__class__.__name__}: {e})", "messages") from None
