@@ -249,7 +249,6 @@ class Engine:
         if request is None:
             return False
         self.scheduler.finish(request, RequestStatus.HANDED_OFF)
-        self.captured_logits.pop(request_id, None)
         return True
 
     def _handed_off(self, request_id: str, stage: Stage) -> Request:

@@ -217,9 +217,9 @@ def _write_weights(out: Path, spec: TinySpec, state: dict) -> None:
     normal(f"{lp}.embed_tokens.weight", (preset["vocab"], th), 1.0)
     for i in range(t["layers"]):
         p = f"{lp}.layers.{i}"
-        # Query/key gain sharpens attention so outputs depend on context, not only the last token.
-        linear(f"{p}.self_attn.q_proj", th, t["heads"] * head_dim, bias=False, gain=2.0)
-        linear(f"{p}.self_attn.k_proj", th, t["kv_heads"] * head_dim, bias=False, gain=2.0)
+        # Unit gain: a sharper attention (gain 2) made the net chaotic, bf16 rounding then moved logits by ~2.
+        linear(f"{p}.self_attn.q_proj", th, t["heads"] * head_dim, bias=False)
+        linear(f"{p}.self_attn.k_proj", th, t["kv_heads"] * head_dim, bias=False)
         linear(f"{p}.self_attn.v_proj", th, t["kv_heads"] * head_dim, bias=False)
         linear(f"{p}.self_attn.o_proj", t["heads"] * head_dim, th, bias=False)
         linear(f"{p}.mlp.gate_proj", th, t["intermediate"], bias=False)

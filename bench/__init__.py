@@ -1,0 +1,1 @@
+"""Benchmarks: `python -m bench.engine` (our engine vs transformers `generate`)."""

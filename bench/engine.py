@@ -1,0 +1,204 @@
+"""Our engine vs transformers `generate`: prefill and decode tokens/s at batch 1 / 8 / 32.
+
+    python -m bench.engine [--preset small] [--dtype bfloat16] [--batch-sizes 1,8,32]
+
+Both sides load the same checkpoint and get the same text-only prompts (B random prompts of
+--prompt-len tokens, no images: the vision tower is idle), greedy, every request generating
+exactly --output-len tokens (EOS ignored). Per batch size B, prompt length P, output length N:
+  prefill tok/s = B·P / time to the first token (max_tokens=1)
+  decode tok/s  = B·(N−1) / (time for N tokens − time for 1 token)
+Each time is the median of --repeats runs after one warm-up. Goal (issue): ≥ 3× HF at batch 8.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+if not __package__:  # run as `python bench/engine.py`: make the repo root importable
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch  # noqa: E402
+from tqdm import tqdm  # noqa: E402
+
+from common.engine.config import EngineConfig  # noqa: E402
+from common.engine.engine import Engine  # noqa: E402
+from common.model.llava import LlavaModel  # noqa: E402
+from common.model.loader import load_model  # noqa: E402
+from common.paged_cache import PagedKVCache  # noqa: E402
+from common.request import Request  # noqa: E402
+from common.sampling import SamplingParams  # noqa: E402
+from common.scheduler import SchedulerConfig  # noqa: E402
+
+BACKEND = "real engine (torch CPU)"
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", help="llava-1.5 checkpoint dir (default: generate --preset's checkpoint, cached)")
+    p.add_argument("--preset", default="small", help="tiny-checkpoint preset when --model is not given")
+    p.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16"))
+    p.add_argument("--prompt-len", type=int, default=128)
+    p.add_argument("--output-len", type=int, default=64)
+    p.add_argument("--batch-sizes", default="1,8,32", help="comma-separated")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's own)")
+    p.add_argument("--token-budget", type=int, default=SchedulerConfig().token_budget, help="our scheduler's tokens/step")
+    p.add_argument("--out", default="bench/results/engine.json")
+    args = p.parse_args(argv)
+    args.batch_sizes = [int(b) for b in args.batch_sizes.split(",") if b.strip()]
+    if args.output_len < 2 or args.prompt_len < 2 or args.repeats < 1 or min(args.batch_sizes, default=0) < 1:
+        p.error("need --output-len >= 2, --prompt-len >= 2, --repeats >= 1 and positive batch sizes")
+    return args
+
+
+def resolve_model(args: argparse.Namespace) -> Path:
+    if args.model:
+        return Path(args.model)
+    from epdmesh.cli import make_model
+
+    home = Path(os.environ.get("EPDMESH_HOME", Path.home() / ".cache" / "epdmesh"))
+    path = home / "bench-models" / args.preset
+    if not (path / "model.safetensors").is_file():
+        tmp = path.with_name(path.name + ".partial")
+        make_model(tmp, args.preset)
+        tmp.rename(path)
+    return path
+
+
+def make_prompts(batch: int, length: int, seed: int) -> list[list[int]]:
+    """Equal-length prompts (so HF needs no padding): <s> then ordinary BPE ids, far from the image token."""
+    rng = random.Random(seed)
+    return [[1] + [rng.randrange(5, 2000) for _ in range(length - 1)] for _ in range(batch)]
+
+
+def make_engine(model_dir: Path, model: LlavaModel, args: argparse.Namespace, batch: int) -> Engine:
+    """An engine sharing the loaded weights, with a KV cache sized to one batch (plus slack)."""
+    text, block = model.cfg.text, 16
+    per_block = PagedKVCache.bytes_per_block(block, text.num_layers, text.num_kv_heads, text.head_dim, getattr(torch, args.dtype))
+    blocks = batch * -(-(args.prompt_len + args.output_len) // block) + 8
+    config = EngineConfig(
+        model=str(model_dir), dtype=args.dtype, block_size=block, kv_cache_gib=blocks * per_block / 2**30,
+        image_cache_gib=1 / 1024,
+        scheduler=SchedulerConfig(token_budget=args.token_budget, max_num_seqs=max(64, batch)),
+    )
+    return Engine(config, model=model)
+
+
+def run_ours(engine: Engine, ids: itertools.count, prompts: list[list[int]], max_tokens: int) -> float:
+    sampling = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    requests = [Request(f"r{next(ids)}", list(p), sampling) for p in prompts]
+    start = time.perf_counter()
+    outputs = engine.generate(requests)
+    elapsed = time.perf_counter() - start
+    stats = engine.stats()
+    assert len(outputs) == len(prompts) and all(len(o.output_token_ids) == max_tokens for o in outputs.values())
+    assert stats.kv_blocks_free == stats.kv_blocks_total and not engine.has_unfinished, "blocks leaked between runs"
+    return elapsed
+
+
+@torch.inference_mode()
+def run_hf(model, input_ids: torch.Tensor, max_tokens: int, pad_id: int) -> float:
+    start = time.perf_counter()
+    out = model.generate(
+        input_ids=input_ids, attention_mask=torch.ones_like(input_ids), do_sample=False,
+        max_new_tokens=max_tokens, min_new_tokens=max_tokens, pad_token_id=pad_id,
+    )
+    elapsed = time.perf_counter() - start
+    assert out.shape == (input_ids.shape[0], input_ids.shape[1] + max_tokens), tuple(out.shape)
+    return elapsed
+
+
+def measure(run, output_len: int, repeats: int, bar: tqdm) -> tuple[float, float]:
+    """(median seconds to the first token, median seconds for all output_len tokens), after one warm-up."""
+    run(output_len)
+    bar.update()
+    firsts, fulls = [], []
+    for _ in range(repeats):
+        firsts.append(run(1))
+        bar.update()
+        fulls.append(run(output_len))
+        bar.update()
+    return statistics.median(firsts), statistics.median(fulls)
+
+
+def rates(batch: int, args: argparse.Namespace, first: float, full: float) -> tuple[float, float]:
+    """(prefill tok/s, decode tok/s) from the two medians."""
+    decode_time = max(full - first, 1e-9)
+    return batch * args.prompt_len / first, batch * (args.output_len - 1) / decode_time
+
+
+def bench_batch(batch, args, model_dir, ours_model, hf_model, pad_id, bar) -> dict:
+    prompts = make_prompts(batch, args.prompt_len, seed=batch)
+    engine, ids = make_engine(model_dir, ours_model, args, batch), itertools.count()
+    bar.set_postfix_str(f"batch {batch}: ours")
+    ours = measure(lambda n: run_ours(engine, ids, prompts, n), args.output_len, args.repeats, bar)
+    del engine
+    bar.set_postfix_str(f"batch {batch}: HF")
+    input_ids = torch.tensor(prompts, dtype=torch.long)
+    hf = measure(lambda n: run_hf(hf_model, input_ids, n, pad_id), args.output_len, args.repeats, bar)
+    (op, od), (hp, hd) = rates(batch, args, *ours), rates(batch, args, *hf)
+    return dict(
+        batch=batch, ours_prefill_tok_s=op, hf_prefill_tok_s=hp, prefill_ratio=op / hp,
+        ours_decode_tok_s=od, hf_decode_tok_s=hd, decode_ratio=od / hd,
+        ours_first_s=ours[0], ours_full_s=ours[1], hf_first_s=hf[0], hf_full_s=hf[1],
+    )
+
+
+def print_report(meta: dict, rows: list[dict]) -> None:
+    print(
+        f"model {meta['model']} ({meta['params_m']:.1f}M params), dtype {meta['dtype']}, "
+        f"torch threads {meta['threads']}, backend {meta['backend']} vs transformers {meta['transformers']} generate; "
+        f"text-only prompts, prompt {meta['prompt_len']} tokens, output {meta['output_len']} tokens, "
+        f"median of {meta['repeats']} after 1 warm-up"
+    )
+    head = ("batch", "ours prefill tok/s", "HF prefill tok/s", "ratio", "ours decode tok/s", "HF decode tok/s", "ratio")
+    print("  ".join(f"{h:>18}" if i else f"{h:>5}" for i, h in enumerate(head)))
+    for r in rows:
+        cells = (r["ours_prefill_tok_s"], r["hf_prefill_tok_s"], r["prefill_ratio"],
+                 r["ours_decode_tok_s"], r["hf_decode_tok_s"], r["decode_ratio"])
+        text = [f"{c:.2f}x" if i in (2, 5) else f"{c:.1f}" for i, c in enumerate(cells)]
+        print(f"{r['batch']:>5}  " + "  ".join(t.rjust(18) for t in text))
+    at8 = next((r for r in rows if r["batch"] == 8), None)
+    if at8 is not None:
+        print(f"goal >= 3x HF at batch 8: prefill {at8['prefill_ratio']:.2f}x, decode {at8['decode_ratio']:.2f}x")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    import transformers
+
+    model_dir = resolve_model(args)
+    dtype = getattr(torch, args.dtype)
+    ours_model = load_model(str(model_dir), dtype, torch.device("cpu"))
+    hf_model = transformers.LlavaForConditionalGeneration.from_pretrained(str(model_dir), dtype=dtype).eval()
+    pad_id = hf_model.generation_config.pad_token_id or 0
+    meta = dict(
+        model=args.model or f"preset {args.preset!r}", checkpoint=str(model_dir),
+        params_m=sum(p.numel() for p in ours_model.parameters()) / 1e6, dtype=args.dtype,
+        threads=torch.get_num_threads(), backend=BACKEND, transformers=transformers.__version__,
+        prompt_len=args.prompt_len, output_len=args.output_len, repeats=args.repeats,
+        token_budget=args.token_budget, prompts="text-only (random token ids, no images)",
+    )
+    total = len(args.batch_sizes) * 2 * (1 + 2 * args.repeats)
+    with tqdm(total=total, desc="bench", unit="run", file=sys.stderr) as bar:
+        rows = [bench_batch(b, args, model_dir, ours_model, hf_model, pad_id, bar) for b in args.batch_sizes]
+    print_report(meta, rows)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(dict(meta, rows=rows), indent=2) + "\n")
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,28 @@
+import pytest
+import torch
+
+from common.model.processor import ChatProcessor
+from common.model.tiny import TinySpec, make_tiny_model
+
+SHAPES = ("tiny", "tiny-mha")  # grouped-query attention, multi-head attention
+
+
+@pytest.fixture(scope="session")
+def model_dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("models")
+    return {preset: make_tiny_model(root / preset, TinySpec(preset=preset)) for preset in SHAPES}
+
+
+@pytest.fixture(scope="session")
+def tiny_dir(model_dirs):
+    return model_dirs["tiny"]
+
+
+@pytest.fixture(scope="session")
+def processors(model_dirs):
+    return {preset: ChatProcessor(path) for preset, path in model_dirs.items()}
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _torch_threads():
+    torch.set_num_threads(2)
