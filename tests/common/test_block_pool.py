@@ -1,0 +1,100 @@
+import pytest
+
+from common.block_pool import BlockPool, NoFreeBlocksError, chain_hashes
+from common.kv_manager import ImageBlockManager, KVBlockManager
+from common.request import ImageInput, Request
+from common.sampling import SamplingParams
+
+
+def make_request(rid="r", prompt=20, max_tokens=5, images=0, tokens_per_image=4):
+    ids = list(range(10, 10 + prompt))
+    imgs = [ImageInput(None, tokens_per_image, f"img{i}") for i in range(images)]
+    return Request(rid, ids, SamplingParams(max_tokens=max_tokens), imgs)
+
+
+def test_allocate_hands_out_lowest_free_ids_first_and_free_returns_them_last():
+    pool = BlockPool(6)
+    assert pool.allocate(2) == [0, 1]
+    assert pool.allocate(3) == [2, 3, 4]
+    pool.free([1])
+    assert pool.num_free == 2
+    assert pool.allocate(2) == [5, 1]
+    assert not pool.can_allocate(1)
+    with pytest.raises(NoFreeBlocksError):
+        pool.allocate(1)
+    pool.free([0, 2, 3, 4, 5, 1])
+    assert pool.num_free == 6
+
+
+def test_shared_blocks_return_only_when_the_last_reference_is_dropped():
+    pool = BlockPool(4)
+    blocks = pool.allocate(2)
+    pool.share(blocks)
+    assert [pool.ref_count(b) for b in blocks] == [2, 2]
+    pool.free(blocks)
+    assert pool.num_free == 2
+    pool.free(blocks)
+    assert pool.num_free == 4
+    with pytest.raises(ValueError, match="freed more often"):
+        pool.free([0])
+
+
+def test_cached_free_block_is_found_revived_and_forgotten_when_reused():
+    pool = BlockPool(3)
+    [a] = pool.allocate(1)
+    pool.set_hash(a, 1234)
+    pool.free([a])
+    assert pool.lookup(1234) == a and pool.num_free == 3
+    pool.share([a])  # revive from the free list
+    assert pool.num_free == 2 and pool.ref_count(a) == 1
+    pool.free([a])
+    assert pool.allocate(3) == [1, 2, 0]  # a was freed last, so it is reused last
+    assert pool.lookup(1234) is None
+
+
+def test_chain_hashes_cover_full_blocks_and_depend_on_the_prefix():
+    a = chain_hashes(list(range(40)), 16)
+    b = chain_hashes([99] + list(range(1, 40)), 16)
+    assert len(a) == 2
+    assert a[0] != b[0] and a[1] != b[1]
+    assert chain_hashes(list(range(40)), 16) == a
+
+
+def test_kv_manager_reserves_prompt_plus_max_tokens():
+    kv = KVBlockManager(num_blocks=5, block_size=8)
+    req = make_request(prompt=20, max_tokens=5)  # 25 tokens → 4 blocks
+    assert kv.can_allocate(req)
+    assert kv.allocate(req) == 0
+    assert req.block_table == [0, 1, 2, 3]
+    assert not kv.can_allocate(make_request("s", prompt=8, max_tokens=1))  # 9 tokens need 2 blocks, 1 free
+    kv.free(req)
+    assert req.block_table == [] and kv.pool.num_free == 5
+
+
+def test_prefix_caching_shares_full_blocks_but_never_the_last_prompt_token():
+    kv = KVBlockManager(num_blocks=10, block_size=4, enable_prefix_caching=True)
+    first = make_request("a", prompt=12, max_tokens=4)
+    kv.allocate(first)
+    assert first.block_table == [0, 1, 2, 3]
+    first.num_computed_tokens = 12
+    kv.commit_prompt(first)
+    second = make_request("b", prompt=12, max_tokens=4)
+    assert kv.allocate(second) == 8  # blocks 0, 1 shared; block 2 holds the last prompt token: recomputed
+    assert second.block_table == [0, 1, 4, 5]
+    assert kv.pool.ref_count(0) == 2
+    other_image = make_request("c", prompt=12, max_tokens=4, images=1)
+    other_image.prompt_token_ids[:4] = [7] * 4
+    assert kv.allocate(other_image) == 0
+    for r in (first, second, other_image):
+        kv.free(r)
+    assert kv.pool.num_free == 10
+
+
+def test_image_manager_allocates_for_all_image_tokens():
+    images = ImageBlockManager(num_blocks=4, block_size=3)
+    req = make_request(images=2, tokens_per_image=4)  # 8 image tokens → 3 blocks
+    images.allocate(req)
+    assert req.image_block_table == [0, 1, 2]
+    assert not images.can_allocate(make_request("s", images=1, tokens_per_image=4))
+    images.free(req)
+    assert images.pool.num_free == 4

@@ -1,0 +1,137 @@
+"""Engine behaviour beyond greedy parity: sampling, stops, finish reasons, validation, page hygiene."""
+
+import dataclasses
+
+import pytest
+import torch
+
+from common.engine.config import EngineConfig, parse_roles
+from common.engine.engine import Engine, RequestRejected
+from common.model.loader import load_model
+from common.paged_cache import PageLayoutMismatch, PagePayload
+from common.request import Request, Stage
+from common.sampling import SamplingParams
+from common.scheduler import SchedulerConfig
+from tests.support import assert_pools_full
+
+PROMPT = [1, 354, 29, 405, 77, 1290, 33, 358, 29]
+
+
+@pytest.fixture(scope="module")
+def model(tiny_dir):
+    return load_model(tiny_dir, torch.float32)
+
+
+@pytest.fixture
+def engine(tiny_dir, model, processors):
+    config = EngineConfig(model=str(tiny_dir), kv_cache_gib=0.02, image_cache_gib=0.01, scheduler=SchedulerConfig(token_budget=64))
+    yield Engine(config, model=model, detokenize=processors["tiny"].detokenize)
+
+
+def run(engine, *requests):
+    return engine.generate(list(requests))
+
+
+def test_seeded_sampling_is_reproducible_and_independent_of_the_batch(engine):
+    params = SamplingParams(max_tokens=12, temperature=0.9, top_p=0.9, top_k=50, seed=7, ignore_eos=True)
+    alone = run(engine, Request("a", PROMPT, params))["a"].output_token_ids
+    batch = run(engine, Request("b", PROMPT, params), Request("c", PROMPT[:5], params),
+                Request("d", PROMPT, SamplingParams(max_tokens=12, temperature=1.0, seed=8, ignore_eos=True)))
+    assert batch["b"].output_token_ids == alone
+    assert batch["d"].output_token_ids != alone
+    greedy = run(engine, Request("g", PROMPT, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)))["g"]
+    top1 = run(engine, Request("k", PROMPT, SamplingParams(max_tokens=12, temperature=1.5, top_k=1, ignore_eos=True)))["k"]
+    assert top1.output_token_ids == greedy.output_token_ids != alone
+    assert_pools_full(engine)
+
+
+def test_finish_reasons_length_stop_token_and_stop_string(engine, processors):
+    greedy = run(engine, Request("x", PROMPT, SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)))["x"]
+    assert greedy.finish_reason == "length" and len(greedy.output_token_ids) == 10
+    tokens = greedy.output_token_ids
+    by_id = run(engine, Request("y", PROMPT, SamplingParams(max_tokens=10, temperature=0, stop_token_ids=(tokens[3],))))["y"]
+    assert by_id.output_token_ids == tokens[: tokens.index(tokens[3]) + 1]
+    assert (by_id.finish_reason, by_id.stop_reason) == ("stop", tokens[3])
+    text = processors["tiny"].detokenize(tokens)
+    stop = text[len(text) // 2 : len(text) // 2 + 2]
+    assert stop.strip()
+    by_str = run(engine, Request("z", PROMPT, SamplingParams(max_tokens=10, temperature=0, stop=(stop,))))["z"]
+    assert by_str.finish_reason == "stop" and by_str.stop_reason == stop
+    assert by_str.text == text[: text.index(stop)]
+    assert by_str.output_token_ids == tokens[: len(by_str.output_token_ids)]
+    assert_pools_full(engine)
+
+
+def test_eos_ends_a_request_unless_ignored(engine):
+    params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+    tokens = run(engine, Request("x", PROMPT, params))["x"].output_token_ids
+    engine.model_config = dataclasses.replace(engine.model_config, eos_token_ids=(tokens[4],))  # pretend it is EOS
+    stopped = run(engine, Request("e", PROMPT, SamplingParams(max_tokens=10, temperature=0)))["e"]
+    assert stopped.output_token_ids == tokens[: tokens.index(tokens[4]) + 1]
+    assert (stopped.finish_reason, stopped.stop_reason) == ("stop", None)
+    assert run(engine, Request("i", PROMPT, params))["i"].output_token_ids == tokens
+    assert_pools_full(engine)
+
+
+def test_bad_requests_are_rejected_with_a_reason_and_leave_nothing_behind(engine):
+    with pytest.raises(RequestRejected, match="over the model's limit"):
+        engine.add_request(Request("long", PROMPT * 500, SamplingParams(max_tokens=10)))
+    with pytest.raises(RequestRejected, match="outside the vocabulary"):
+        engine.add_request(Request("vocab", [1, 999999], SamplingParams()))
+    image_token = engine.model_config.image_token_id
+    with pytest.raises(RequestRejected, match="image placeholder"):
+        engine.add_request(Request("img", [1, image_token, 5], SamplingParams()))
+    with pytest.raises(ValueError, match="max_tokens"):
+        SamplingParams(max_tokens=0)
+    run(engine, Request("ok", PROMPT, SamplingParams(max_tokens=2)))
+    with pytest.raises(RequestRejected, match="already in use"):
+        engine.add_request(Request("dup", PROMPT, SamplingParams()))
+        engine.add_request(Request("dup", PROMPT, SamplingParams()))
+    engine.abort("dup")
+    assert_pools_full(engine)
+
+
+def test_abort_mid_decode_frees_pages_and_others_continue(engine):
+    keep = Request("keep", PROMPT, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
+    drop = Request("drop", PROMPT, SamplingParams(max_tokens=50, temperature=0, ignore_eos=True))
+    engine.add_request(keep)
+    engine.add_request(drop)
+    engine.step(); engine.step()
+    assert engine.abort("drop") and not engine.abort("drop")
+    final = None
+    while engine.has_unfinished:
+        for out in engine.step():
+            final = out
+    assert final.request_id == "keep" and len(final.output_token_ids) == 8
+    assert_pools_full(engine)
+
+
+def test_roles_are_enforced_and_page_layouts_checked(tiny_dir, model):
+    encoder = Engine(EngineConfig(model=str(tiny_dir), roles=parse_roles("encode"), kv_cache_gib=0.01,
+                                  image_cache_gib=0.01), model=model)
+    with pytest.raises(RequestRejected, match="lacks the role"):
+        encoder.add_request(Request("t", PROMPT, SamplingParams()))
+    decoder = Engine(EngineConfig(model=str(tiny_dir), roles=parse_roles("d"), kv_cache_gib=0.01, block_size=8), model=model)
+    foreign = PagePayload(decoder.kv_cache.layout.__class__("kv", "float32", 16, (6, 2, 16, 2, 32)), 9, bytes(16 * 6 * 2 * 2 * 32 * 4))
+    request = Request("d", PROMPT, SamplingParams(), first_stage=Stage.DECODE, output_token_ids=[5])
+    with pytest.raises(PageLayoutMismatch):
+        decoder.add_request(request, kv_pages=foreign)
+    assert_pools_full(encoder, decoder)
+    assert parse_roles("encode,prefill") == frozenset({Stage.ENCODE, Stage.PREFILL}) == parse_roles("ep")
+    with pytest.raises(ValueError, match="unknown role"):
+        parse_roles("x,y")
+
+
+def test_prefix_caching_reuses_blocks_and_keeps_outputs(tiny_dir, model):
+    config = EngineConfig(model=str(tiny_dir), kv_cache_gib=0.02, enable_prefix_caching=True)
+    engine = Engine(config, model=model)
+    starts = []
+    run_plan = engine.runner.run
+    engine.runner.run = lambda plan: (starts.extend(c.start for c in plan.prefills), run_plan(plan))[1]
+    prompt = list(range(100, 180))  # 80 tokens: 4 full blocks reusable, the 5th holds the last token
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    first = run(engine, Request("p1", prompt, params))["p1"]
+    second = run(engine, Request("p2", prompt, params))["p2"]
+    assert starts == [0, 64]
+    assert second.output_token_ids == first.output_token_ids
+    assert_pools_full(engine)

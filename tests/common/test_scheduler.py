@@ -1,0 +1,111 @@
+import subprocess
+import sys
+
+from common.kv_manager import ImageBlockManager, KVBlockManager
+from common.request import ImageInput, Request, RequestStatus, Stage
+from common.sampling import SamplingParams
+from common.scheduler import Scheduler, SchedulerConfig
+
+TORCH_FREE = ["common.scheduler", "common.block_pool", "common.kv_manager", "common.request", "common.sampling"]
+
+
+def test_scheduling_code_imports_no_torch():
+    code = f"import sys; import {', '.join(TORCH_FREE)}; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
+
+
+def req(rid, prompt=10, max_tokens=4, images=0, **kw):
+    imgs = [ImageInput(None, 4, f"{rid}-{i}") for i in range(images)]
+    return Request(rid, list(range(prompt)), SamplingParams(max_tokens=max_tokens), imgs, **kw)
+
+
+def make(token_budget=16, image_budget=2, max_num_seqs=8, chunked=True, kv_blocks=64, image_blocks=16):
+    config = SchedulerConfig(token_budget=token_budget, image_budget=image_budget, max_num_seqs=max_num_seqs,
+                             enable_chunked_prefill=chunked)
+    return Scheduler(config, KVBlockManager(kv_blocks, 4), ImageBlockManager(image_blocks, 4))
+
+
+def test_decodes_first_then_unfinished_chunks_then_new_work_within_the_token_budget():
+    s = make(token_budget=16)
+    running = req("run", prompt=4)
+    s.add(running)
+    plan = s.schedule()
+    running.num_computed_tokens = 4
+    running.output_token_ids.append(1)
+    s.finish_prefill(running)
+    assert [c.num_tokens for c in plan.prefills] == [4]
+
+    long = req("long", prompt=30)
+    s.add(long)
+    plan = s.schedule()
+    assert plan.decodes == [running]
+    assert [(c.request.request_id, c.start, c.num_tokens) for c in plan.prefills] == [("long", 0, 15)]
+    long.num_computed_tokens += 15
+    running.num_computed_tokens += 1
+
+    s.add(req("short", prompt=3))
+    plan = s.schedule()
+    assert plan.decodes == [running]
+    assert [(c.request.request_id, c.start, c.num_tokens) for c in plan.prefills] == [("long", 15, 15)]
+    assert plan.num_tokens == 16  # the budget is full: 'short' waits
+    assert [r.request_id for r in s.waiting] == ["short"]
+
+
+def test_images_are_encoded_under_the_image_budget_before_their_prefill():
+    s = make(image_budget=2)
+    three = req("three", prompt=12, images=3)
+    s.add(three)
+    plan = s.schedule()
+    assert [(e.first_image, e.num_images) for e in plan.encodes] == [(0, 2)]
+    assert not plan.prefills and three.status == RequestStatus.ENCODING
+    assert three.image_block_table == [0, 1, 2]
+    three.num_encoded_images = 2
+    plan = s.schedule()
+    assert [(e.first_image, e.num_images) for e in plan.encodes] == [(2, 1)]
+    three.num_encoded_images = 3
+    s.finish_encode(three)
+    plan = s.schedule()
+    assert [(c.start, c.num_tokens) for c in plan.prefills] == [(0, 12)]
+    assert three.block_table == [0, 1, 2, 3]
+
+
+def test_without_chunking_a_prompt_waits_for_a_budget_it_fits_in():
+    s = make(token_budget=10, chunked=False)
+    s.add(req("a", prompt=6))
+    s.add(req("b", prompt=6))
+    plan = s.schedule()
+    assert [(c.request.request_id, c.num_tokens) for c in plan.prefills] == [("a", 6)]
+    big = make(token_budget=10, chunked=False)
+    big.add(req("huge", prompt=25))
+    assert [c.num_tokens for c in big.schedule().prefills] == [25]  # alone, it runs whole
+
+
+def test_admission_stops_at_kv_capacity_and_max_num_seqs():
+    s = make(token_budget=100, kv_blocks=6, max_num_seqs=8)
+    for rid in "abc":
+        s.add(req(rid, prompt=8, max_tokens=4))  # 3 blocks each
+    plan = s.schedule()
+    assert [c.request.request_id for c in plan.prefills] == ["a", "b"]
+    assert [r.request_id for r in s.waiting] == ["c"]
+    t = make(token_budget=100, max_num_seqs=1)
+    t.add(req("x"))
+    t.add(req("y"))
+    assert [c.request.request_id for c in t.schedule().prefills] == ["x"]
+
+
+def test_last_stage_prefill_hands_off_and_decode_first_runs_at_once():
+    s = make()
+    p = req("p", prompt=5, last_stage=Stage.PREFILL)
+    s.add(p)
+    s.schedule()
+    p.num_computed_tokens = 5
+    s.finish_prefill(p)
+    assert p.status == RequestStatus.HANDED_OFF and not s.has_work
+    d = req("d", prompt=5, first_stage=Stage.DECODE)
+    d.output_token_ids.append(3)
+    s.add(d)
+    assert s.schedule().decodes == [d]
+    s.finish(d, RequestStatus.FINISHED_LENGTH)
+    s.finish(p, RequestStatus.HANDED_OFF)
+    assert s.kv.pool.num_free == 64 and not s.has_work
