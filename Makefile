@@ -1,0 +1,26 @@
+# The two commands of the README: `make serve` brings the system up, `make test` runs the tests.
+# Both create the virtual environment from this repo's own files on first use.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+ARGS ?=
+
+.PHONY: serve test bench-engine clean
+
+$(VENV)/.installed: pyproject.toml
+	python3 -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet "torch==2.13.0"
+	$(PY) -m pip install --quiet -e ".[dev]"
+	touch $@
+
+serve: $(VENV)/.installed
+	$(VENV)/bin/epdmesh serve $(ARGS)
+
+test: $(VENV)/.installed
+	$(PY) -m pytest -q $(ARGS)
+
+bench-engine: $(VENV)/.installed
+	$(PY) -m bench.engine $(ARGS)
+
+clean:
+	rm -rf $(VENV) *.egg-info

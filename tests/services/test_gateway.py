@@ -1,0 +1,181 @@
+"""`epdmesh serve` as a real process, driven over HTTP with the official openai client."""
+
+import asyncio
+import base64
+import io
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import openai
+import pytest
+import torch
+
+from tests.support import hf_reference, image, mixed_cases
+
+MODEL = "tiny"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server(tiny_dir, tmp_path_factory):
+    port = free_port()
+    log = tmp_path_factory.mktemp("serve") / "serve.log"
+    cmd = [sys.executable, "-m", "epdmesh.cli", "serve", "--model", str(tiny_dir), "--served-model-name", MODEL,
+           "--dtype", "float32", "--port", str(port), "--kv-cache-gib", "0.05", "--token-budget", "256", "--threads", "1"]
+    with open(log, "w") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(f"{base}/health", timeout=1).status_code == 200:
+                break
+        except httpx.HTTPError:
+            pass
+        assert proc.poll() is None, log.read_text()
+        time.sleep(0.3)
+    else:
+        proc.kill()
+        pytest.fail(f"server did not come up:\n{log.read_text()}")
+    yield base
+    proc.terminate()
+    proc.wait(timeout=30)
+
+
+def data_uri(img) -> str:
+    buf = io.BytesIO()
+    img.save(buf, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+
+
+def to_openai(conversation):
+    messages = []
+    for m in conversation:
+        parts = [{"type": "text", "text": p["text"]} if p["type"] == "text"
+                 else {"type": "image_url", "image_url": {"url": data_uri(p["image"])}} for p in m["content"]]
+        messages.append({"role": m["role"], "content": parts})
+    return messages
+
+
+def stats(base):
+    return httpx.get(f"{base}/stats").json()
+
+
+def assert_pools_full(base):
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        s = stats(base)
+        if s["kv_blocks_free"] == s["kv_blocks_total"] and s["image_blocks_free"] == s["image_blocks_total"]:
+            return
+        time.sleep(0.1)
+    pytest.fail(f"pages not returned: {s}")
+
+
+def test_models_and_health(server):
+    assert httpx.get(f"{server}/health").json() == {"status": "ok"}
+    models = openai.OpenAI(base_url=f"{server}/v1", api_key="none").models.list()
+    assert [m.id for m in models.data] == [MODEL]
+
+
+def test_concurrent_chat_requests_give_the_transformers_tokens(server, tiny_dir, processors):
+    cases = [c for c in mixed_cases() if c.conversation is not None]
+    refs = hf_reference(tiny_dir, processors["tiny"], cases, torch.float32)
+    client = openai.AsyncOpenAI(base_url=f"{server}/v1", api_key="none")
+
+    async def ask(case):
+        return await client.chat.completions.create(
+            model=MODEL, messages=to_openai(case.conversation), max_tokens=case.max_tokens, temperature=0,
+            extra_body={"return_token_ids": True})
+
+    async def main():
+        return await asyncio.gather(*(ask(c) for c in cases))
+
+    responses = asyncio.run(main())
+    assert len(cases) >= 8
+    for case, resp in zip(cases, responses):
+        ref = refs[case.name]
+        choice = resp.choices[0]
+        assert choice.model_extra["token_ids"] == ref.tokens, case.name
+        assert choice.message.content == processors["tiny"].detokenize(ref.tokens)
+        assert choice.finish_reason == ("stop" if ref.tokens[-1] == 2 else "length")
+        assert resp.usage.prompt_tokens == len(ref.prompt_ids)
+        assert resp.usage.completion_tokens == len(ref.tokens)
+    assert_pools_full(server)
+
+
+def test_streaming_matches_the_whole_answer_and_reports_usage(server):
+    client = openai.OpenAI(base_url=f"{server}/v1", api_key="none")
+    messages = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": data_uri(image(3, 120, 90))}},
+                                             {"type": "text", "text": "What is here?"}]}]
+    whole = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=20, temperature=0)
+    chunks = list(client.chat.completions.create(model=MODEL, messages=messages, max_tokens=20, temperature=0,
+                                                 stream=True, stream_options={"include_usage": True}))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == whole.choices[0].message.content
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == whole.choices[0].finish_reason
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+
+
+def test_stop_strings_cut_the_text(server):
+    client = openai.OpenAI(base_url=f"{server}/v1", api_key="none")
+    messages = [{"role": "user", "content": "Describe the picture please"}]
+    full = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=16, temperature=0).choices[0]
+    stop = full.message.content[6:8]
+    cut = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=16, temperature=0, stop=[stop]).choices[0]
+    assert cut.finish_reason == "stop" and cut.message.content == full.message.content[: full.message.content.index(stop)]
+    streamed = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=16, temperature=0, stop=stop, stream=True)
+    assert "".join(c.choices[0].delta.content or "" for c in streamed) == cut.message.content
+
+
+def test_client_disconnect_mid_stream_frees_pages_and_others_finish(server):
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "Tell a long story"}], "max_tokens": 400,
+            "temperature": 0, "ignore_eos": True, "stream": True}
+    client = openai.OpenAI(base_url=f"{server}/v1", api_key="none")
+    expected = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=30,
+                                              temperature=0).choices[0].message.content
+    with httpx.Client(timeout=30) as http:
+        with http.stream("POST", f"{server}/v1/chat/completions", json=body) as resp:
+            lines = resp.iter_lines()
+            received = [next(lines) for _ in range(6)]
+        assert any(line.startswith("data: ") for line in received)
+        other = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=30,
+                                               temperature=0)
+    assert other.choices[0].message.content == expected
+    assert_pools_full(server)
+
+
+@pytest.mark.parametrize("body,status,fragment", [
+    (b"{not json", 400, "not valid JSON"),
+    (json.dumps({"model": "gpt-4", "messages": [{"role": "user", "content": "hi"}]}).encode(), 404, "does not exist"),
+    (json.dumps({"model": MODEL, "messages": []}).encode(), 400, "non-empty list"),
+    (json.dumps({"model": MODEL, "messages": [{"role": "robot", "content": "hi"}]}).encode(), 400, "role"),
+    (json.dumps({"model": MODEL, "n": 2, "messages": [{"role": "user", "content": "hi"}]}).encode(), 400, "n=1"),
+    (json.dumps({"model": MODEL, "temperature": -1, "messages": [{"role": "user", "content": "hi"}]}).encode(), 400, "temperature"),
+    (json.dumps({"model": MODEL, "max_tokens": "many", "messages": [{"role": "user", "content": "hi"}]}).encode(), 400, "max_tokens"),
+    (json.dumps({"model": MODEL, "messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "data:image/png;base64,aGVsbG8gd29ybGQ="}}]}]}).encode(), 400, "could not decode"),
+    (json.dumps({"model": MODEL, "messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "data:image/png;base64,@@@"}}]}]}).encode(), 400, "base64"),
+    (json.dumps({"model": MODEL, "messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "https://example.com/cat.png"}}]}]}).encode(), 400, "remote image URLs are disabled"),
+    (json.dumps({"model": MODEL, "max_tokens": 10, "messages": [{"role": "user", "content": "word " * 5000}]}).encode(), 400, "over the model's limit"),
+])
+def test_bad_input_gets_a_clear_4xx_and_the_server_keeps_serving(server, body, status, fragment):
+    resp = httpx.post(f"{server}/v1/chat/completions", content=body, headers={"content-type": "application/json"}, timeout=60)
+    assert resp.status_code == status, resp.text
+    error = resp.json()["error"]
+    assert fragment in error["message"] and error["code"] == status
+    ok = httpx.post(f"{server}/v1/chat/completions", json={"model": MODEL, "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]}, timeout=60)
+    assert ok.status_code == 200
+    assert_pools_full(server)
