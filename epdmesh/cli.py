@@ -48,7 +48,7 @@ def _cmd_serve(args) -> int:
     import uvicorn
 
     from common.engine.async_engine import AsyncEngine
-    from common.engine.config import EngineConfig
+    from common.engine.config import EngineConfig, resolve_dtype
     from common.engine.engine import Engine
     from common.model.processor import ChatProcessor
     from common.scheduler import SchedulerConfig
@@ -61,7 +61,7 @@ def _cmd_serve(args) -> int:
 
         torch.set_num_threads(args.threads)
     config = EngineConfig(
-        model=str(model_dir), dtype=args.dtype, device=args.device, kv_cache_gib=args.kv_cache_gib,
+        model=str(model_dir), dtype=resolve_dtype(args.dtype, args.device), device=args.device, kv_cache_gib=args.kv_cache_gib,
         max_model_len=args.max_model_len, attention_backend=args.attention_backend,
         enable_prefix_caching=args.enable_prefix_caching,
         scheduler=SchedulerConfig(token_budget=args.token_budget, image_budget=args.image_budget,
@@ -91,7 +91,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve = sub.add_parser("serve", help="serve a model behind an OpenAI-compatible API")
     serve.add_argument("--model", help=f"Hugging Face llava-1.5 directory (default: the tiny model in {default_model_dir()})")
     serve.add_argument("--served-model-name")
-    serve.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    serve.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"],
+                       help="auto: bfloat16 on CUDA, float32 on CPU")
     serve.add_argument("--device", default="cpu")
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8000)

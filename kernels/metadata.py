@@ -43,4 +43,4 @@ def gather_context(cache: torch.Tensor, block_table: torch.Tensor, length: int) 
     """One sequence's first `length` cached tokens as a contiguous [length, kv_heads, head_dim]."""
     block_size = cache.shape[1]
     num_blocks = -(-length // block_size)
-    return cache[block_table[:num_blocks]].flatten(0, 1)[:length]
+    return cache.index_select(0, block_table[:num_blocks]).flatten(0, 1)[:length]

@@ -11,6 +11,13 @@ ALL_ROLES = frozenset(Stage)
 DTYPES = ("float32", "bfloat16", "float16")
 
 
+def resolve_dtype(dtype: str, device: str) -> str:
+    """'auto' → bfloat16 on CUDA, float32 on CPU (CPUs without AVX512-BF16/AMX emulate bf16 GEMMs, ~10x slower)."""
+    if dtype != "auto":
+        return dtype
+    return "bfloat16" if device.startswith("cuda") else "float32"
+
+
 def parse_roles(text: str) -> frozenset[Stage]:
     """'encode,prefill,decode' (or 'epd', 'e,p') → the role set."""
     names = {"e": Stage.ENCODE, "encode": Stage.ENCODE, "p": Stage.PREFILL, "prefill": Stage.PREFILL,
