@@ -137,8 +137,7 @@ class Scheduler:
         return True
 
     def _chunk(self, out: SchedulerOutput, request: Request, budget: int) -> int:
-        remaining = request.num_computed_tokens, request.prefill_remaining
-        start, left = remaining
+        start, left = request.num_computed_tokens, request.prefill_remaining
         if self.config.enable_chunked_prefill:
             n = min(left, budget)
         else:

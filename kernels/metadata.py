@@ -26,10 +26,6 @@ class AttentionMetadata:
     def num_sequences(self) -> int:
         return len(self.query_lens)
 
-    @property
-    def num_decode_tokens(self) -> int:
-        return self.num_decodes
-
 
 def write_kv(
     k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata
