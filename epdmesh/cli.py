@@ -1,4 +1,4 @@
-"""The `epdmesh` command: make-tiny-model, serve."""
+"""The `epdmesh` command: make-tiny-model, serve (the whole mesh), worker, toggle, gateway."""
 
 from __future__ import annotations
 
@@ -44,38 +44,127 @@ def _cmd_make_tiny_model(args) -> int:
     return 0
 
 
-def _cmd_serve(args) -> int:
-    import uvicorn
-
-    from common.engine.async_engine import AsyncEngine
-    from common.engine.config import EngineConfig, resolve_dtype
-    from common.engine.engine import Engine
-    from common.model.processor import ChatProcessor
+def _engine_config(args, roles: str = "encode,prefill,decode"):
+    from common.engine.config import EngineConfig, parse_roles, resolve_dtype
     from common.scheduler import SchedulerConfig
-    from services.gateway.app import LocalBackend, build_app
 
-    model_dir = Path(args.model) if args.model else ensure_default_model()
-    name = args.served_model_name or (DEFAULT_MODEL_NAME if not args.model else model_dir.name)
-    if args.threads:
-        import torch
-
-        torch.set_num_threads(args.threads)
-    config = EngineConfig(
-        model=str(model_dir), dtype=resolve_dtype(args.dtype, args.device), device=args.device, kv_cache_gib=args.kv_cache_gib,
-        max_model_len=args.max_model_len, attention_backend=args.attention_backend,
+    return EngineConfig(
+        model=args.model, dtype=resolve_dtype(args.dtype, args.device), device=args.device, roles=parse_roles(roles),
+        kv_cache_gib=args.kv_cache_gib, max_model_len=args.max_model_len, attention_backend=args.attention_backend,
         enable_prefix_caching=args.enable_prefix_caching,
         scheduler=SchedulerConfig(token_budget=args.token_budget, image_budget=args.image_budget,
                                   max_num_seqs=args.max_num_seqs),
     )
-    processor = ChatProcessor(model_dir)
-    engine = AsyncEngine(Engine(config, detokenize=processor.detokenize))
-    app = build_app(LocalBackend(processor, engine), name, allow_remote_images=args.allow_remote_images)
-    logging.getLogger("epdmesh").info("serving %s (%s) on http://%s:%d/v1", name, model_dir, args.host, args.port)
+
+
+def _set_threads(args) -> None:
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
+
+
+def _resolve_model(args) -> None:
+    model_dir = Path(args.model) if args.model else ensure_default_model()
+    args.served_model_name = args.served_model_name or (DEFAULT_MODEL_NAME if not args.model else model_dir.name)
+    args.model = str(model_dir)
+
+
+def _cmd_serve(args) -> int:
+    _resolve_model(args)
+    if args.topology != "local":
+        from epdmesh.launch import serve_mesh
+
+        return serve_mesh(args)
+    import uvicorn
+
+    from common.engine.async_engine import AsyncEngine
+    from common.engine.engine import Engine
+    from common.model.processor import ChatProcessor
+    from services.gateway.app import LocalBackend, build_app
+
+    _set_threads(args)
+    processor = ChatProcessor(args.model)
+    engine = AsyncEngine(Engine(_engine_config(args), detokenize=processor.detokenize))
+    app = build_app(LocalBackend(processor, engine), args.served_model_name, allow_remote_images=args.allow_remote_images)
+    logging.getLogger("epdmesh").info("serving %s (%s) in one process on http://%s:%d/v1", args.served_model_name,
+                                      args.model, args.host, args.port)
     try:
         uvicorn.run(app, host=args.host, port=args.port, loop="uvloop", log_level="info", timeout_graceful_shutdown=5)
     finally:
         engine.shutdown()
     return 0
+
+
+def _cmd_worker(args) -> int:
+    import asyncio
+
+    import uvloop
+
+    from services.worker.server import WorkerOptions, run_worker
+
+    _resolve_model(args)
+    _set_threads(args)
+    options = WorkerOptions(engine=_engine_config(args, args.roles), host=args.host, port=args.port,
+                            advertise_host=args.advertise_host, worker_id=args.worker_id, toggle=args.toggle,
+                            transfer=args.transfer, lease_ttl_s=args.lease_ttl, grace_s=args.grace)
+    uvloop.run(run_worker(options))
+    return 0
+
+
+def _cmd_toggle(args) -> int:
+    import uvloop
+
+    from common.policy.routing import RoutingConfig
+    from services.toggle.server import ToggleOptions, run_toggle
+
+    routing = RoutingConfig(prefill_mode=args.prefill_mode, multiplex_max_tokens=args.multiplex_max_tokens)
+    uvloop.run(run_toggle(ToggleOptions(args.redis_url, args.prefix, args.host, args.port, args.ttl, routing)))
+    return 0
+
+
+def _cmd_gateway(args) -> int:
+    import uvicorn
+
+    from common.model.config import LlavaConfig
+    from common.model.processor import ChatProcessor
+    from services.gateway.app import build_app
+    from services.gateway.mesh import MeshBackend
+
+    _resolve_model(args)
+    config = LlavaConfig.from_pretrained(args.model)
+    limit = config.text.max_position_embeddings
+    max_model_len = min(args.max_model_len or limit, limit)
+    backend = MeshBackend(ChatProcessor(args.model, config), args.toggle, max_model_len)
+    app = build_app(backend, args.served_model_name, allow_remote_images=args.allow_remote_images)
+    logging.getLogger("epdmesh").info("gateway for %s on http://%s:%d/v1, toggle %s", args.served_model_name, args.host,
+                                      args.port, args.toggle)
+    uvicorn.run(app, host=args.host, port=args.port, loop="uvloop", log_level="warning", timeout_graceful_shutdown=5)
+    return 0
+
+
+def _add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", help=f"Hugging Face llava-1.5 directory (default: the tiny model in {default_model_dir()})")
+    p.add_argument("--served-model-name")
+    p.add_argument("--max-model-len", type=int)
+
+
+def _add_engine_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"], help="auto: bfloat16 on CUDA, float32 on CPU")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--kv-cache-gib", type=float, default=1.0)
+    p.add_argument("--token-budget", type=int, default=2048, help="τ_t: tokens per iteration")
+    p.add_argument("--image-budget", type=int, default=4, help="τ_e: images per iteration")
+    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "flash-attn", "xformers"])
+    p.add_argument("--enable-prefix-caching", action="store_true")
+    p.add_argument("--threads", type=int, help="torch intra-op threads (serve: default cores / workers)")
+
+
+def _add_routing_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--prefill-mode", default="auto", choices=["auto", "dedicated", "multiplexed"],
+                   help="where prefills run when decoders can prefill too (auto: short prompts on the decoder)")
+    p.add_argument("--multiplex-max-tokens", type=int, default=256, help="auto mode: longest prompt prefilled on a decoder")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -88,24 +177,50 @@ def build_parser() -> argparse.ArgumentParser:
     make.add_argument("--seed", type=int, default=0)
     make.set_defaults(func=_cmd_make_tiny_model)
 
-    serve = sub.add_parser("serve", help="serve a model behind an OpenAI-compatible API")
-    serve.add_argument("--model", help=f"Hugging Face llava-1.5 directory (default: the tiny model in {default_model_dir()})")
-    serve.add_argument("--served-model-name")
-    serve.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"],
-                       help="auto: bfloat16 on CUDA, float32 on CPU")
-    serve.add_argument("--device", default="cpu")
+    serve = sub.add_parser("serve", help="bring up the mesh (toggle, workers, gateway) behind an OpenAI-compatible API")
+    _add_model_args(serve)
+    _add_engine_args(serve)
+    _add_routing_args(serve)
+    serve.add_argument("--topology", default="E1+P1+D1",
+                       help="worker role sets and counts, e.g. EPD1, E1+P1+D1, EP1+D2, ED1+P1, E2+P2+D4; "
+                            "'local' = one process, no gRPC or Redis")
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8000)
-    serve.add_argument("--kv-cache-gib", type=float, default=1.0)
-    serve.add_argument("--max-model-len", type=int)
-    serve.add_argument("--token-budget", type=int, default=2048, help="τ_t: tokens per iteration")
-    serve.add_argument("--image-budget", type=int, default=4, help="τ_e: images per iteration")
-    serve.add_argument("--max-num-seqs", type=int, default=64)
-    serve.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "flash-attn", "xformers"])
-    serve.add_argument("--enable-prefix-caching", action="store_true")
+    serve.add_argument("--redis-url", help="default: $REDIS_URL, else a private redis-server")
+    serve.add_argument("--transfer", default="auto", choices=["auto", "nixl", "grpc"], help="page transfer backend")
     serve.add_argument("--allow-remote-images", action="store_true", help="accept http(s) image URLs (off by default)")
-    serve.add_argument("--threads", type=int, help="torch intra-op threads")
     serve.set_defaults(func=_cmd_serve)
+
+    worker = sub.add_parser("worker", help="one worker: an engine and the gRPC services of its roles")
+    _add_model_args(worker)
+    _add_engine_args(worker)
+    worker.add_argument("--roles", default="encode,prefill,decode", help="e.g. encode,prefill or EP")
+    worker.add_argument("--host", default="127.0.0.1")
+    worker.add_argument("--port", type=int, default=0, help="0: any free port (registered with the toggle)")
+    worker.add_argument("--advertise-host", help="the host other services dial (default: --host)")
+    worker.add_argument("--worker-id")
+    worker.add_argument("--toggle", help="toggle address host:port to register with")
+    worker.add_argument("--transfer", default="auto", choices=["auto", "nixl", "grpc"])
+    worker.add_argument("--lease-ttl", type=float, default=30.0, help="seconds a page lease waits for its ack")
+    worker.add_argument("--grace", type=float, default=10.0, help="seconds to drain on shutdown")
+    worker.set_defaults(func=_cmd_worker)
+
+    toggle = sub.add_parser("toggle", help="the toggle: worker registry in Redis and request routing")
+    toggle.add_argument("--redis-url", default=os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0"))
+    toggle.add_argument("--prefix", default="epdmesh:default:", help="Redis key prefix of this mesh")
+    toggle.add_argument("--host", default="127.0.0.1")
+    toggle.add_argument("--port", type=int, default=50051)
+    toggle.add_argument("--ttl", type=float, default=3.0, help="seconds a worker stays registered without a heartbeat")
+    _add_routing_args(toggle)
+    toggle.set_defaults(func=_cmd_toggle)
+
+    gateway = sub.add_parser("gateway", help="the OpenAI-compatible HTTP gateway of a mesh")
+    _add_model_args(gateway)
+    gateway.add_argument("--toggle", required=True, help="toggle address host:port")
+    gateway.add_argument("--host", default="127.0.0.1")
+    gateway.add_argument("--port", type=int, default=8000)
+    gateway.add_argument("--allow-remote-images", action="store_true")
+    gateway.set_defaults(func=_cmd_gateway)
     return parser
 
 

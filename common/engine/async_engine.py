@@ -14,12 +14,16 @@ import asyncio
 import logging
 import queue
 import threading
-from collections.abc import AsyncIterator
+import time
+from collections.abc import AsyncIterator, Callable
+from typing import TypeVar
 
 from common.engine.engine import Engine
 from common.engine.outputs import RequestOutput
+from common.paged_cache import PagePayload
 from common.request import Request
 
+T = TypeVar("T")
 log = logging.getLogger(__name__)
 
 
@@ -34,14 +38,19 @@ class AsyncEngine:
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="engine", daemon=True)
+        self.iterations = 0
+        self.last_iteration_ms = 0.0
         self._thread.start()
 
-    async def generate(self, request: Request) -> AsyncIterator[RequestOutput]:
+    async def generate(
+        self, request: Request, image_pages: PagePayload | None = None, kv_pages: PagePayload | None = None,
+    ) -> AsyncIterator[RequestOutput]:
+        """Outputs of `request` until it finishes or is handed off; pages of an earlier stage go in with it."""
         if not self._thread.is_alive():
             raise EngineDead("the engine thread has stopped")
         outputs: asyncio.Queue = asyncio.Queue()
         self._streams[request.request_id] = (asyncio.get_running_loop(), outputs)
-        self._inbox.put(("add", request))
+        self._inbox.put(("add", (request, image_pages, kv_pages)))
         done = False
         try:
             while not done:
@@ -56,8 +65,21 @@ class AsyncEngine:
             if not done:
                 self._inbox.put(("abort", request.request_id))
 
+    async def call(self, fn: Callable[[Engine], T]) -> T:
+        """Run `fn(engine)` on the engine thread between steps and return its result."""
+        if not self._thread.is_alive():
+            raise EngineDead("the engine thread has stopped")
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+        self._inbox.put(("call", (fn, loop, future)))
+        return await future
+
     def stats(self):
         return self.engine.stats()
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
 
     def shutdown(self, timeout: float = 5.0) -> None:
         self._stop.set()
@@ -75,7 +97,11 @@ class AsyncEngine:
             try:
                 self._drain(block=not self.engine.has_unfinished)
                 if self.engine.has_unfinished:
-                    for out in self.engine.step():
+                    start = time.perf_counter()
+                    outputs = self.engine.step()
+                    self.last_iteration_ms = (time.perf_counter() - start) * 1e3
+                    self.iterations += 1
+                    for out in outputs:
                         self._deliver(out.request_id, out)
             except Exception as exc:  # a bug of ours: fail what is in flight, keep serving
                 log.exception("engine step failed; aborting the requests in flight")
@@ -91,9 +117,27 @@ class AsyncEngine:
                 return
             block = False
             if kind == "add":
+                request, image_pages, kv_pages = payload
                 try:
-                    self.engine.add_request(payload)
+                    self.engine.add_request(request, image_pages=image_pages, kv_pages=kv_pages)
                 except Exception as exc:
-                    self._deliver(payload.request_id, exc)
+                    self._deliver(request.request_id, exc)
+            elif kind == "call":
+                fn, loop, future = payload
+                try:
+                    result = fn(self.engine)
+                except Exception as exc:
+                    loop.call_soon_threadsafe(_settle, future, None, exc)
+                else:
+                    loop.call_soon_threadsafe(_settle, future, result, None)
             elif kind == "abort":
                 self.engine.abort(payload)
+
+
+def _settle(future: asyncio.Future, result, exc: BaseException | None) -> None:
+    if future.done():
+        return
+    if exc is not None:
+        future.set_exception(exc)
+    else:
+        future.set_result(result)

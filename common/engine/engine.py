@@ -45,6 +45,8 @@ class EngineStats:
     num_waiting: int
     num_running: int
     num_handed_off: int
+    running_decodes: int
+    unfinished_decode_tokens: int  # tokens the running decodes may still produce (max_tokens left)
 
 
 class Engine:
@@ -243,6 +245,19 @@ class Engine:
         n = request.num_prompt_tokens
         return self.kv_cache.read_blocks(request.block_table[: blocks_for(n, self.config.block_size)], n)
 
+    def handoff_pages(self, request_id: str) -> tuple[str, list[int], int]:
+        """(cache kind, block ids in token order, valid tokens) a handed-off request keeps for the next stage."""
+        request = self.handed_off.get(request_id)
+        if request is None:
+            raise KeyError(f"request {request_id!r} holds no handed-off pages")
+        if request.last_stage == Stage.ENCODE:
+            return "image", list(request.image_block_table), request.num_image_tokens
+        n = request.num_prompt_tokens
+        return "kv", list(request.block_table[: blocks_for(n, self.config.block_size)]), n
+
+    def cache(self, kind: str) -> PagedKVCache | PagedImageCache:
+        return self.kv_cache if kind == "kv" else self.image_cache
+
     def release(self, request_id: str) -> bool:
         """Free a handed-off request's pages (the next stage has them, or gave up)."""
         request = self.handed_off.pop(request_id, None)
@@ -276,5 +291,6 @@ class Engine:
             kv_blocks_total=s.kv.pool.num_blocks, kv_blocks_free=s.kv.pool.num_free,
             image_blocks_total=s.images.pool.num_blocks, image_blocks_free=s.images.pool.num_free,
             num_waiting=len(s.waiting) + len(s.ready) + len(s.encoding), num_running=len(s.running) + len(s.prefilling),
-            num_handed_off=len(self.handed_off),
+            num_handed_off=len(self.handed_off), running_decodes=len(s.running),
+            unfinished_decode_tokens=sum(r.sampling.max_tokens - len(r.output_token_ids) for r in s.running),
         )

@@ -1,4 +1,4 @@
-"""OpenAI-style HTTP API over a generation backend.
+"""OpenAI-style HTTP API over a generation backend: the mesh (`mesh.MeshBackend`) or one in-process engine.
 
 Life of a chat request:
   1. parse + validate the body (`protocol.parse_chat_request`); bad input → 4xx, nothing queued.
@@ -13,6 +13,7 @@ Life of a chat request:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import time
@@ -68,7 +69,7 @@ class LocalBackend:
     def detokenize(self, ids: list[int]) -> str:
         return self.processor.detokenize(ids)
 
-    def stats(self) -> dict:
+    async def stats(self) -> dict:
         return _asdict(self.engine.stats())
 
 
@@ -76,7 +77,7 @@ def _asdict(obj) -> dict:
     return {name: getattr(obj, name) for name in obj.__slots__}
 
 
-def build_app(backend: LocalBackend, model_name: str, allow_remote_images: bool = False) -> Starlette:
+def build_app(backend, model_name: str, allow_remote_images: bool = False) -> Starlette:
     created = int(time.time())
 
     async def health(_: HttpRequest) -> Response:
@@ -88,7 +89,7 @@ def build_app(backend: LocalBackend, model_name: str, allow_remote_images: bool 
         return JSONResponse({"object": "list", "data": [card]})
 
     async def stats(_: HttpRequest) -> Response:
-        return JSONResponse(backend.stats())
+        return JSONResponse(await backend.stats())
 
     async def chat_completions(http: HttpRequest) -> Response:
         try:
@@ -113,7 +114,16 @@ def build_app(backend: LocalBackend, model_name: str, allow_remote_images: bool 
         Route("/v1/models", models),
         Route("/stats", stats),
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
-    ])
+    ], lifespan=_lifespan(backend))
+
+
+def _lifespan(backend):
+    @contextlib.asynccontextmanager
+    async def lifespan(_app):
+        yield
+        if hasattr(backend, "close"):
+            await backend.close()
+    return lifespan
 
 
 def _final_text(out: RequestOutput, detokenize) -> str:

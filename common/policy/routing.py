@@ -1,0 +1,98 @@
+"""Routing: which encoder, which prefill path and worker, which decoder — a pure function.
+
+The least-loaded policy of the mesh (the SLO-aware multiplexing toggle builds on this shape):
+  1. decoder: among live workers with the decode role, fewest unfinished decode tokens, then
+     shortest queue, then worker id (a total order, so ties are deterministic);
+  2. prefill path: if the decoder also prefills and the cluster has no dedicated prefill worker,
+     COLOCATED; else MULTIPLEXED for prompts up to `multiplex_max_tokens` (or when the mode says
+     so), DEDICATED on the least-queued prefill-only worker otherwise;
+  3. encoder (requests with images): the prefill worker itself when it encodes (no image pages
+     move), else the least-queued encoder.
+`None` means no live worker set can serve the request.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+
+from common.request import Stage
+from common.workers import WorkerSnapshot
+
+
+class PrefillPath(enum.Enum):
+    COLOCATED = "colocated"
+    DEDICATED = "dedicated"
+    MULTIPLEXED = "multiplexed"
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class RouteSummary:
+    request_id: str
+    num_prompt_tokens: int
+    num_images: int
+    max_tokens: int
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class RoutePlan:
+    encoder: WorkerSnapshot | None
+    prefill: WorkerSnapshot
+    decoder: WorkerSnapshot
+    path: PrefillPath
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class RoutingConfig:
+    prefill_mode: str = "auto"  # auto | dedicated | multiplexed
+    multiplex_max_tokens: int = 256  # auto: prompts up to this many tokens prefill on the decoder
+    max_heartbeat_age_s: float = 3.0  # older statistics mean the worker may be dead: skip it
+
+    def __post_init__(self) -> None:
+        if self.prefill_mode not in ("auto", "dedicated", "multiplexed"):
+            raise ValueError(f"prefill_mode must be auto, dedicated or multiplexed, not {self.prefill_mode!r}")
+
+
+def _least_queued(workers: list[WorkerSnapshot]) -> WorkerSnapshot:
+    return min(workers, key=lambda w: (w.load.queue_length, w.load.num_leases, w.worker_id))
+
+
+def route(workers: list[WorkerSnapshot], request: RouteSummary, config: RoutingConfig) -> RoutePlan | None:
+    live = [w for w in workers if w.age_s <= config.max_heartbeat_age_s]
+    decoders = [w for w in live if w.has(Stage.DECODE)]
+    if not decoders:
+        return None
+    decoder = min(decoders, key=lambda w: (w.load.unfinished_decode_tokens, w.load.queue_length, w.worker_id))
+    dedicated = [w for w in live if w.has(Stage.PREFILL) and not w.has(Stage.DECODE)]
+    prefill, path = _choose_prefill(decoder, decoders, dedicated, request, config)
+    if prefill is None:
+        return None
+    if path != PrefillPath.DEDICATED:
+        decoder = prefill
+    encoder = None
+    if request.num_images:
+        encoders = [w for w in live if w.has(Stage.ENCODE)]
+        if not encoders:
+            return None
+        encoder = prefill if prefill.has(Stage.ENCODE) else _least_queued(encoders)
+    return RoutePlan(encoder, prefill, decoder, path)
+
+
+def _choose_prefill(decoder, decoders, dedicated, request, config) -> tuple[WorkerSnapshot | None, PrefillPath]:
+    mixed = [w for w in decoders if w.has(Stage.PREFILL)]
+    if not dedicated:
+        if not mixed:
+            return None, PrefillPath.DEDICATED
+        best = decoder if decoder.has(Stage.PREFILL) else _least_decoding(mixed)
+        return best, PrefillPath.COLOCATED
+    multiplex = bool(mixed) and (
+        config.prefill_mode == "multiplexed"
+        or (config.prefill_mode == "auto" and request.num_prompt_tokens <= config.multiplex_max_tokens)
+    )
+    if multiplex:
+        return (decoder if decoder.has(Stage.PREFILL) else _least_decoding(mixed)), PrefillPath.MULTIPLEXED
+    return _least_queued(dedicated), PrefillPath.DEDICATED
+
+
+def _least_decoding(workers: list[WorkerSnapshot]) -> WorkerSnapshot:
+    return min(workers, key=lambda w: (w.load.unfinished_decode_tokens, w.load.queue_length, w.worker_id))

@@ -1,0 +1,65 @@
+"""Pick a worker's transfer backend by configuration, falling back to the gRPC stream with a clear log line."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+from common.paged_cache import PagePayload
+from common.transfer.channels import ChannelPool
+from common.transfer.grpc_stream import GrpcStreamPuller
+from common.transfer.handle import PageHandle
+from common.transfer.puller import PagePuller
+
+log = logging.getLogger(__name__)
+BACKENDS = ("auto", "nixl", "grpc")
+
+
+class DispatchingPuller:
+    """Pulls each handle with the backend its source offers, when this worker has it; else over gRPC."""
+
+    name = "dispatch"
+
+    def __init__(self, pullers: dict[str, PagePuller], fallback: PagePuller):
+        self.pullers = pullers
+        self.fallback = fallback
+
+    def _for(self, handle: PageHandle) -> PagePuller:
+        return self.pullers.get(handle.backend, self.fallback)
+
+    async def pull(self, handle: PageHandle) -> PagePayload:
+        return await self._for(handle).pull(handle)
+
+    async def release(self, handle: PageHandle) -> bool:
+        return await self._for(handle).release(handle)
+
+    async def close(self) -> None:
+        for puller in {id(p): p for p in [*self.pullers.values(), self.fallback]}.values():
+            await puller.close()
+
+
+@dataclasses.dataclass(slots=True)
+class Transfer:
+    puller: PagePuller
+    offer: str  # the backend this worker's handles name
+    backend_info: bytes = b""
+
+    async def close(self) -> None:
+        await self.puller.close()
+
+
+def make_transfer(backend: str, engine, channels: ChannelPool, worker_id: str) -> Transfer:
+    if backend not in BACKENDS:
+        raise ValueError(f"transfer backend {backend!r} is not one of {BACKENDS}")
+    grpc_puller = GrpcStreamPuller(channels)
+    if backend in ("auto", "nixl"):
+        try:
+            from common.transfer.nixl_backend import NixlTransfer
+        except ImportError as e:
+            if backend == "nixl":
+                raise RuntimeError(f"transfer backend nixl asked for but unavailable: {e}; pip install 'epdmesh[ucx]'") from None
+            log.info("UCX transfer unavailable (%s); pages move over the gRPC stream fallback", e)
+        else:
+            nixl = NixlTransfer(worker_id, engine, channels)
+            return Transfer(DispatchingPuller({"nixl": nixl, "grpc": grpc_puller}, grpc_puller), "nixl", nixl.metadata)
+    return Transfer(DispatchingPuller({"grpc": grpc_puller}, grpc_puller), "grpc")

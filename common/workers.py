@@ -1,0 +1,60 @@
+"""What the registry knows about a worker (no torch; the routing policy reads these)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from common.request import Stage
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class WorkerInfo:
+    worker_id: str
+    address: str  # host:port of its gRPC server
+    roles: frozenset[Stage]
+    model: str = ""
+    max_model_len: int = 0
+    transfer_backend: str = "grpc"
+
+    def __post_init__(self) -> None:
+        if not self.worker_id or not self.address:
+            raise ValueError("a worker needs an id and an address")
+        if not self.roles:
+            raise ValueError(f"worker {self.worker_id} has no roles")
+
+    @property
+    def role_label(self) -> str:
+        return "".join(s.name[0] for s in sorted(self.roles))
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class WorkerLoad:
+    num_waiting: int = 0
+    num_running: int = 0
+    running_decode_batch: int = 0
+    unfinished_decode_tokens: int = 0
+    last_iteration_ms: float = 0.0
+    kv_blocks_free: int = 0
+    kv_blocks_total: int = 0
+    image_blocks_free: int = 0
+    image_blocks_total: int = 0
+    num_leases: int = 0
+    iterations: int = 0
+
+    @property
+    def queue_length(self) -> int:
+        return self.num_waiting + self.num_running
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class WorkerSnapshot:
+    info: WorkerInfo
+    load: WorkerLoad
+    age_s: float = 0.0  # since its last heartbeat
+
+    @property
+    def worker_id(self) -> str:
+        return self.info.worker_id
+
+    def has(self, stage: Stage) -> bool:
+        return stage in self.info.roles

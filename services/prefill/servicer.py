@@ -1,0 +1,44 @@
+"""The prefill stage's gRPC front.
+
+Life of a request here:
+  1. `Prefill(spec, image handle?)`: with a handle, the image pages are pulled from the encoder
+     and acked; without one, this worker encodes the pixels itself (an EP worker);
+  2. the prompt is prefilled in chunks under τ_t, batched with other prefills, and the first
+     token sampled;
+  3. the reply carries that token and a handle on the KV pages, leased until the decoder pulls
+     them — or no handle, when the first token already finished the request.
+"""
+
+from __future__ import annotations
+
+from common.request import Stage
+from epdmesh.v1 import mesh_pb2 as pb
+from epdmesh.v1 import mesh_pb2_grpc as pb_grpc
+from services import wire
+from services.errors import grpc_errors
+from services.worker.runtime import WorkerRuntime
+
+
+def first_stage_for(spec: pb.RequestSpec, has_image_pages: bool) -> Stage:
+    """ENCODE when the images still need the vision tower here, else PREFILL."""
+    if not spec.images or has_image_pages:
+        return Stage.PREFILL
+    if any(not image.pixel_values for image in spec.images):
+        raise ValueError("the request's images have neither pixel values nor encoded image pages")
+    return Stage.ENCODE
+
+
+class PrefillServicer(pb_grpc.PrefillerServicer):
+    def __init__(self, runtime: WorkerRuntime):
+        self.runtime = runtime
+
+    @grpc_errors
+    async def Prefill(self, request: pb.PrefillRequest, context) -> pb.PrefillResponse:
+        spec = request.request
+        images = wire.optional_handle(request, "image_pages")
+        first = first_stage_for(spec, images is not None)
+        engine_request = wire.request_from_pb(spec, first, Stage.PREFILL, f"{spec.request_id}@prefill")
+        out, kv = await self.runtime.prefill(engine_request, images)
+        chunk = wire.chunk_to_pb(out.new_token_ids or out.output_token_ids[-1:], out.finish_reason, out.stop_reason,
+                                 out.text, out.num_prompt_tokens)
+        return pb.PrefillResponse(first=chunk, kv_pages=wire.handle_to_pb(kv) if kv is not None else None)

@@ -1,0 +1,165 @@
+"""The toggle: worker registry (Redis) and per-request routing (a pure policy over a registry snapshot).
+
+Life of a request here:
+  1. `Route(summary)` takes the registry snapshot (refreshed from Redis at most every
+     `refresh_s`; the last good one is kept when Redis is unreachable, so routing degrades
+     instead of failing);
+  2. `common.policy.routing.route` picks encoder, prefill path and worker, decoder;
+  3. the chosen workers' loads in the local snapshot are bumped, so a burst between two
+     refreshes spreads instead of piling onto one worker; the plan goes back to the gateway.
+Workers `Register` once and `Heartbeat` their load; the TTL drops those that stop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import signal
+import time
+
+import grpc
+import redis.asyncio as aioredis
+import redis.exceptions
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from common.policy.routing import PrefillPath, RoutePlan, RoutingConfig, route
+from common.workers import WorkerSnapshot
+from epdmesh.v1 import mesh_pb2 as pb
+from epdmesh.v1 import mesh_pb2_grpc as pb_grpc
+from services import wire
+from services.errors import grpc_errors
+from services.toggle.registry import RedisRegistry
+
+log = logging.getLogger(__name__)
+
+
+class NoRoute(RuntimeError):
+    pass
+
+
+class ToggleServicer(pb_grpc.ToggleServicer):
+    def __init__(self, registry: RedisRegistry, routing: RoutingConfig, heartbeat_interval_s: float = 0.5,
+                 refresh_s: float = 0.05):
+        self.registry = registry
+        self.routing = routing
+        self.heartbeat_interval_s = heartbeat_interval_s
+        self.refresh_s = refresh_s
+        self._snapshot: list[WorkerSnapshot] = []
+        self._snapshot_at = float("-inf")
+        self._lock = asyncio.Lock()
+        self.decisions = {path: 0 for path in PrefillPath}
+
+    async def _workers(self) -> list[WorkerSnapshot]:
+        async with self._lock:
+            now = time.monotonic()
+            if now - self._snapshot_at >= self.refresh_s:
+                try:
+                    self._snapshot = await self.registry.snapshot()
+                except (redis.exceptions.RedisError, OSError) as e:
+                    log.warning("registry unreachable (%s); routing on the last snapshot", e)
+                    self._snapshot = [dataclasses.replace(w, age_s=w.age_s + now - self._snapshot_at) for w in self._snapshot]
+                self._snapshot_at = now
+            return self._snapshot
+
+    @grpc_errors
+    async def Register(self, request: pb.RegisterRequest, context) -> pb.RegisterResponse:
+        info = wire.info_from_pb(request.info)
+        await self.registry.register(info, wire.load_from_pb(request.load))
+        self._snapshot_at = float("-inf")
+        log.info("worker %s (%s) registered at %s", info.worker_id, info.role_label, info.address)
+        return pb.RegisterResponse(heartbeat_interval_s=self.heartbeat_interval_s, ttl_s=self.registry.ttl_ms / 1e3)
+
+    @grpc_errors
+    async def Heartbeat(self, request: pb.HeartbeatRequest, context) -> pb.HeartbeatResponse:
+        return pb.HeartbeatResponse(known=await self.registry.heartbeat(request.worker_id, wire.load_from_pb(request.load)))
+
+    @grpc_errors
+    async def Deregister(self, request: pb.DeregisterRequest, context) -> pb.DeregisterResponse:
+        await self.registry.deregister(request.worker_id)
+        self._snapshot_at = float("-inf")
+        log.info("worker %s deregistered", request.worker_id)
+        return pb.DeregisterResponse()
+
+    @grpc_errors
+    async def Route(self, request: pb.RouteRequest, context) -> pb.RoutePlan:
+        summary = wire.summary_from_pb(request)
+        workers = await self._workers()
+        plan = route(workers, summary, self.routing)
+        if plan is None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, _why_no_route(workers, summary.num_images))
+        self._bump(plan, summary.max_tokens)
+        self.decisions[plan.path] += 1
+        return wire.plan_to_pb(plan)
+
+    @grpc_errors
+    async def ListWorkers(self, request: pb.ListWorkersRequest, context) -> pb.ListWorkersResponse:
+        self._snapshot_at = float("-inf")
+        return pb.ListWorkersResponse(workers=[wire.snapshot_to_pb(w) for w in await self._workers()])
+
+    def _bump(self, plan: RoutePlan, max_tokens: int) -> None:
+        def bumped(w: WorkerSnapshot) -> WorkerSnapshot:
+            load = w.load
+            if w.worker_id == plan.decoder.worker_id:
+                load = dataclasses.replace(load, unfinished_decode_tokens=load.unfinished_decode_tokens + max_tokens)
+            if w.worker_id in {plan.prefill.worker_id, plan.encoder.worker_id if plan.encoder else None}:
+                load = dataclasses.replace(load, num_waiting=load.num_waiting + 1)
+            return dataclasses.replace(w, load=load)
+        self._snapshot = [bumped(w) for w in self._snapshot]
+
+
+def _why_no_route(workers: list[WorkerSnapshot], num_images: int) -> str:
+    if not workers:
+        return "no live workers are registered"
+    have = sorted({w.info.role_label for w in workers})
+    need = "an encoder, a prefill and a decode role" if num_images else "a prefill and a decode role"
+    return f"no live worker set covers {need}; live workers have roles {have}"
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ToggleOptions:
+    redis_url: str
+    prefix: str = "epdmesh:default:"
+    host: str = "127.0.0.1"
+    port: int = 0
+    ttl_s: float = 3.0
+    routing: RoutingConfig = RoutingConfig()
+
+
+async def run_toggle(options: ToggleOptions, ready: asyncio.Event | None = None, stop: asyncio.Event | None = None,
+                     bound: list | None = None) -> None:
+    client = aioredis.from_url(options.redis_url)
+    try:
+        await client.ping()
+    except (redis.exceptions.RedisError, OSError) as e:
+        raise SystemExit(f"cannot reach Redis at {options.redis_url}: {e}") from None
+    registry = RedisRegistry(client, options.prefix, options.ttl_s)
+    servicer = ToggleServicer(registry, options.routing)
+    server = grpc.aio.server()
+    port = server.add_insecure_port(f"{options.host}:{options.port}")
+    pb_grpc.add_ToggleServicer_to_server(servicer, server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    await server.start()
+    for name in ("", "epdmesh.v1.Toggle"):
+        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    address = f"{options.host}:{port}"
+    if bound is not None:
+        bound.append(address)
+    log.info("toggle serving on %s (registry %s, prefix %s)", address, options.redis_url, options.prefix)
+    print(f"EPDMESH_TOGGLE_READY {address}", flush=True)
+    stop = stop or asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        try:
+            loop.add_signal_handler(sig, stop.set)
+        except (NotImplementedError, RuntimeError):
+            pass
+    if ready is not None:
+        ready.set()
+    try:
+        await stop.wait()
+    finally:
+        await health_servicer.enter_graceful_shutdown()
+        await server.stop(2)
+        await client.aclose()

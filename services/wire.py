@@ -1,0 +1,185 @@
+"""Protobuf ↔ domain objects, at the process edge. Only this module and the servicers touch `*_pb2`."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from common.paged_cache import PageLayout
+from common.policy.routing import PrefillPath, RoutePlan, RouteSummary
+from common.request import ImageInput, Request, Stage
+from common.sampling import SamplingParams
+from common.transfer.handle import PageHandle
+from common.workers import WorkerInfo, WorkerLoad, WorkerSnapshot
+from epdmesh.v1 import mesh_pb2 as pb
+
+_STAGES = {Stage.ENCODE: pb.STAGE_ENCODE, Stage.PREFILL: pb.STAGE_PREFILL, Stage.DECODE: pb.STAGE_DECODE}
+_KINDS = {"kv": pb.CACHE_KIND_KV, "image": pb.CACHE_KIND_IMAGE}
+_PATHS = {PrefillPath.COLOCATED: pb.PREFILL_PATH_COLOCATED, PrefillPath.DEDICATED: pb.PREFILL_PATH_DEDICATED,
+          PrefillPath.MULTIPLEXED: pb.PREFILL_PATH_MULTIPLEXED}
+
+
+def _inverse(mapping: dict) -> dict:
+    return {v: k for k, v in mapping.items()}
+
+
+# ----- requests -----
+
+def sampling_to_pb(s: SamplingParams) -> pb.SamplingParams:
+    msg = pb.SamplingParams(max_tokens=s.max_tokens, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
+                            stop=list(s.stop), stop_token_ids=list(s.stop_token_ids), ignore_eos=s.ignore_eos)
+    if s.seed is not None:
+        msg.seed = s.seed
+    return msg
+
+
+def sampling_from_pb(msg: pb.SamplingParams) -> SamplingParams:
+    return SamplingParams(
+        max_tokens=msg.max_tokens, temperature=msg.temperature, top_p=msg.top_p, top_k=msg.top_k,
+        seed=msg.seed if msg.HasField("seed") else None, stop=tuple(msg.stop),
+        stop_token_ids=tuple(msg.stop_token_ids), ignore_eos=msg.ignore_eos,
+    )
+
+
+def image_to_pb(image: ImageInput, with_pixels: bool) -> pb.Image:
+    msg = pb.Image(num_tokens=image.num_tokens, content_hash=image.content_hash)
+    if with_pixels and image.pixel_values is not None:
+        pixels = image.pixel_values.contiguous()
+        msg.pixel_values = pixels.numpy().tobytes()
+        msg.shape.extend(pixels.shape)
+        msg.dtype = str(pixels.dtype).removeprefix("torch.")
+    return msg
+
+
+def image_from_pb(msg: pb.Image) -> ImageInput:
+    pixels = None
+    if msg.pixel_values:
+        dtype = getattr(torch, msg.dtype, None)
+        if not isinstance(dtype, torch.dtype):
+            raise ValueError(f"unknown pixel dtype {msg.dtype!r}")
+        array = np.frombuffer(msg.pixel_values, dtype=np.uint8)
+        pixels = torch.from_numpy(array.copy()).view(dtype).reshape(tuple(msg.shape))
+    return ImageInput(pixels, msg.num_tokens, msg.content_hash)
+
+
+def spec_to_pb(request: Request, with_pixels: bool) -> pb.RequestSpec:
+    return pb.RequestSpec(
+        request_id=request.request_id, prompt_token_ids=request.prompt_token_ids,
+        sampling=sampling_to_pb(request.sampling),
+        images=[image_to_pb(i, with_pixels) for i in request.images],
+        output_token_ids=request.output_token_ids,
+    )
+
+
+def request_from_pb(msg: pb.RequestSpec, first_stage: Stage, last_stage: Stage, request_id: str | None = None) -> Request:
+    """A fresh engine request for the stages [first_stage, last_stage] of the spec. Raises ValueError on bad input."""
+    request = Request(
+        request_id or msg.request_id, list(msg.prompt_token_ids), sampling_from_pb(msg.sampling),
+        [image_from_pb(i) for i in msg.images], first_stage=first_stage, last_stage=last_stage,
+    )
+    request.output_token_ids = list(msg.output_token_ids)
+    return request
+
+
+# ----- pages -----
+
+def layout_to_pb(layout: PageLayout) -> pb.PageLayout:
+    return pb.PageLayout(kind=_KINDS[layout.kind], dtype=layout.dtype, block_size=layout.block_size,
+                         block_shape=list(layout.block_shape))
+
+
+def layout_from_pb(msg: pb.PageLayout) -> PageLayout:
+    kind = _inverse(_KINDS).get(msg.kind)
+    if kind is None:
+        raise ValueError("page layout without a cache kind")
+    return PageLayout(kind, msg.dtype, msg.block_size, tuple(msg.block_shape))
+
+
+def handle_to_pb(h: PageHandle) -> pb.PageHandle:
+    return pb.PageHandle(
+        worker_id=h.worker_id, address=h.address, lease_id=h.lease_id, block_ids=list(h.block_ids),
+        num_tokens=h.num_tokens, layout=layout_to_pb(h.layout), lease_expiry_unix_ms=int(h.lease_expiry * 1e3),
+        backend=h.backend, backend_info=h.backend_info,
+    )
+
+
+def handle_from_pb(msg: pb.PageHandle) -> PageHandle:
+    return PageHandle(msg.worker_id, msg.address, msg.lease_id, tuple(msg.block_ids), msg.num_tokens,
+                      layout_from_pb(msg.layout), msg.lease_expiry_unix_ms / 1e3, msg.backend, msg.backend_info)
+
+
+def optional_handle(parent, field: str) -> PageHandle | None:
+    return handle_from_pb(getattr(parent, field)) if parent.HasField(field) else None
+
+
+# ----- outputs -----
+
+def chunk_to_pb(new_token_ids: list[int], finish_reason: str | None, stop_reason, text: str | None,
+                num_prompt_tokens: int) -> pb.TokenChunk:
+    msg = pb.TokenChunk(token_ids=new_token_ids, finish_reason=finish_reason or "", num_prompt_tokens=num_prompt_tokens)
+    if isinstance(stop_reason, str):
+        msg.stop_string = stop_reason
+    elif isinstance(stop_reason, int):
+        msg.stop_token_id = stop_reason
+    if text is not None:
+        msg.text = text
+    return msg
+
+
+def chunk_stop_reason(msg: pb.TokenChunk) -> str | int | None:
+    which = msg.WhichOneof("stop_reason")
+    return getattr(msg, which) if which else None
+
+
+# ----- registry -----
+
+def info_to_pb(info: WorkerInfo) -> pb.WorkerInfo:
+    return pb.WorkerInfo(worker_id=info.worker_id, address=info.address, roles=[_STAGES[s] for s in sorted(info.roles)],
+                         model=info.model, max_model_len=info.max_model_len, transfer_backend=info.transfer_backend)
+
+
+def info_from_pb(msg: pb.WorkerInfo) -> WorkerInfo:
+    stages = _inverse(_STAGES)
+    roles = frozenset(stages[r] for r in msg.roles if r in stages)
+    return WorkerInfo(msg.worker_id, msg.address, roles, msg.model, msg.max_model_len, msg.transfer_backend or "grpc")
+
+
+_LOAD_FIELDS = [f.name for f in pb.WorkerLoad.DESCRIPTOR.fields]
+
+
+def load_to_pb(load: WorkerLoad) -> pb.WorkerLoad:
+    return pb.WorkerLoad(**{name: getattr(load, name) for name in _LOAD_FIELDS})
+
+
+def load_from_pb(msg: pb.WorkerLoad) -> WorkerLoad:
+    return WorkerLoad(**{name: getattr(msg, name) for name in _LOAD_FIELDS})
+
+
+def summary_to_pb(s: RouteSummary) -> pb.RouteRequest:
+    return pb.RouteRequest(request_id=s.request_id, num_prompt_tokens=s.num_prompt_tokens, num_images=s.num_images,
+                           max_tokens=s.max_tokens)
+
+
+def summary_from_pb(msg: pb.RouteRequest) -> RouteSummary:
+    return RouteSummary(msg.request_id, msg.num_prompt_tokens, msg.num_images, msg.max_tokens)
+
+
+def _ref(w: WorkerSnapshot | None) -> pb.WorkerRef | None:
+    return None if w is None else pb.WorkerRef(worker_id=w.worker_id, address=w.info.address)
+
+
+def plan_to_pb(plan: RoutePlan) -> pb.RoutePlan:
+    return pb.RoutePlan(encoder=_ref(plan.encoder), prefill=_ref(plan.prefill), decoder=_ref(plan.decoder),
+                        path=_PATHS[plan.path])
+
+
+def path_from_pb(value: int) -> PrefillPath:
+    return _inverse(_PATHS)[value]
+
+
+def snapshot_to_pb(w: WorkerSnapshot) -> pb.WorkerEntry:
+    return pb.WorkerEntry(info=info_to_pb(w.info), load=load_to_pb(w.load), age_s=w.age_s)
+
+
+def snapshot_from_pb(msg: pb.WorkerEntry) -> WorkerSnapshot:
+    return WorkerSnapshot(info_from_pb(msg.info), load_from_pb(msg.load), msg.age_s)

@@ -1,0 +1,164 @@
+"""One worker's stage logic over its engine: pulls pages in, leases pages out.
+
+Life of a request in a worker:
+  1. a stage rpc (Encode / Prefill / Decode) arrives with a spec and, maybe, handles on pages
+     that another worker holds;
+  2. those pages are pulled through the transfer backend and acked at once (the source frees them);
+  3. the request runs in the engine up to its last stage here, under an id suffixed by the stage,
+     so one worker can hold the same request at two stages (ED: encode, later decode);
+  4. a handed-off request's pages are leased: the handle goes back to the caller, and the pages
+     are freed when the next stage acks (ReleasePages) or the lease expires.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+
+from common.engine.async_engine import AsyncEngine
+from common.engine.outputs import RequestOutput
+from common.paged_cache import PagePayload
+from common.request import Request, Stage
+from common.transfer import LeaseTable, PageHandle, PagePuller
+from common.workers import WorkerLoad
+
+log = logging.getLogger(__name__)
+
+
+class ShuttingDown(RuntimeError):
+    """The worker is draining and takes no new work."""
+
+
+class WorkerRuntime:
+    def __init__(self, worker_id: str, address: str, engine: AsyncEngine, puller: PagePuller,
+                 lease_ttl_s: float = 30.0, offer_backend: str = "grpc", backend_info: bytes = b""):
+        self.worker_id = worker_id
+        self.engine = engine
+        self.puller = puller
+        self.leases = LeaseTable(worker_id, address, lease_ttl_s)
+        self.offer_backend = offer_backend
+        self.backend_info = backend_info
+        self.accepting = True
+        self.in_flight = 0
+        self._background: set[asyncio.Task] = set()
+
+    @property
+    def roles(self) -> frozenset[Stage]:
+        return self.engine.engine.config.roles
+
+    # ----- the stages -----
+
+    async def encode(self, request: Request) -> PageHandle:
+        with self._admitted():
+            await self._run_to_handoff(request)
+            return await self._lease(request.request_id)
+
+    async def prefill(self, request: Request, image_pages: PageHandle | None) -> tuple[RequestOutput, PageHandle | None]:
+        """The first token, and a lease on the KV pages (None when the first token finished the request)."""
+        with self._admitted():
+            images = await self._pull(image_pages)
+            last = await self._run_to_handoff(request, image_pages=images)
+            return last, (await self._lease(request.request_id) if last.handed_off else None)
+
+    async def decode(self, request: Request, kv_pages: PageHandle | None,
+                     image_pages: PageHandle | None) -> AsyncIterator[RequestOutput]:
+        with self._admitted():
+            kv = await self._pull(kv_pages)
+            images = await self._pull(image_pages)
+            async for out in self.engine.generate(request, image_pages=images, kv_pages=kv):
+                yield out
+
+    async def _run_to_handoff(self, request: Request, image_pages: PagePayload | None = None) -> RequestOutput:
+        last = None
+        stream = self.engine.generate(request, image_pages=image_pages)
+        try:
+            async for out in stream:
+                last = out
+        except asyncio.CancelledError:
+            self._post_release(request.request_id)  # it may have been handed off just now
+            raise
+        return last
+
+    async def _lease(self, engine_request_id: str) -> PageHandle:
+        try:
+            kind, block_ids, num_tokens = await self.engine.call(lambda e: e.handoff_pages(engine_request_id))
+            layout = self.engine.engine.cache(kind).layout
+            return self.leases.grant(engine_request_id, block_ids, num_tokens, layout, self.offer_backend, self.backend_info)
+        except BaseException:
+            self._post_release(engine_request_id)
+            raise
+
+    async def _pull(self, handle: PageHandle | None) -> PagePayload | None:
+        if handle is None:
+            return None
+        try:
+            return await self.puller.pull(handle)
+        finally:  # we have the bytes, or gave up on them: either way the source may free them
+            self._spawn(self.puller.release(handle))
+
+    # ----- the source side of transfers -----
+
+    async def read_lease(self, lease_id: str) -> PagePayload:
+        lease = self.leases.get(lease_id)
+        if lease is None:
+            raise KeyError(f"worker {self.worker_id} holds no lease {lease_id!r} (acked, expired or never granted)")
+        h = lease.handle
+        cache = self.engine.engine.cache(h.kind)
+        return await asyncio.to_thread(cache.read_blocks, list(h.block_ids), h.num_tokens)
+
+    async def release_lease(self, lease_id: str) -> bool:
+        lease = self.leases.take(lease_id)
+        if lease is None:
+            return False
+        await self.engine.call(lambda e: e.release(lease.engine_request_id))
+        return True
+
+    async def expire_leases(self, interval_s: float = 0.5) -> None:
+        while True:
+            await asyncio.sleep(interval_s)
+            for lease in self.leases.expired():
+                log.warning("lease %s expired unacked; freeing its %d %s blocks", lease.lease_id,
+                            len(lease.handle.block_ids), lease.handle.kind)
+                await self.engine.call(lambda e, rid=lease.engine_request_id: e.release(rid))
+
+    # ----- bookkeeping -----
+
+    def load(self) -> WorkerLoad:
+        s = self.engine.stats()
+        return WorkerLoad(
+            num_waiting=s.num_waiting, num_running=s.num_running, running_decode_batch=s.running_decodes,
+            unfinished_decode_tokens=s.unfinished_decode_tokens, last_iteration_ms=self.engine.last_iteration_ms,
+            kv_blocks_free=s.kv_blocks_free, kv_blocks_total=s.kv_blocks_total,
+            image_blocks_free=s.image_blocks_free, image_blocks_total=s.image_blocks_total,
+            num_leases=len(self.leases), iterations=self.engine.iterations,
+        )
+
+    @contextlib.contextmanager
+    def _admitted(self):
+        if not self.accepting:
+            raise ShuttingDown(f"worker {self.worker_id} is shutting down")
+        self.in_flight += 1
+        try:
+            yield
+        finally:
+            self.in_flight -= 1
+
+    async def drain(self, grace_s: float) -> None:
+        """Stop taking work; wait up to `grace_s` for what is in flight and for leases to be acked."""
+        self.accepting = False
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + grace_s
+        while (self.in_flight or len(self.leases)) and loop.time() < deadline:
+            await asyncio.sleep(0.05)
+        if self.in_flight or len(self.leases):
+            log.warning("drain timed out with %d requests in flight and %d leases held", self.in_flight, len(self.leases))
+
+    def _post_release(self, engine_request_id: str) -> None:
+        self._spawn(self.engine.call(lambda e: e.abort(engine_request_id)))
+
+    def _spawn(self, coro) -> None:
+        task = asyncio.ensure_future(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)

@@ -1,0 +1,149 @@
+"""A worker process: one engine, the servicers of its roles on one grpc.aio server, registration with the toggle.
+
+Life of a worker:
+  1. load the model and build the engine (its own thread), the transfer backend and the runtime;
+  2. bind the gRPC server (port 0 = any free port), mount Worker + Health + the role servicers, start;
+  3. register with the toggle and heartbeat its load (re-registering if the toggle forgot it);
+  4. on SIGTERM/SIGINT: health NOT_SERVING, deregister, finish in-flight work and wait for
+     leases to be acked (grace period), `server.stop(grace)`, stop the engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import signal
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from common.engine.async_engine import AsyncEngine
+from common.engine.config import EngineConfig
+from common.engine.engine import Engine
+from common.request import Stage
+from common.transfer.channels import CHANNEL_OPTIONS, ChannelPool
+from common.workers import WorkerInfo
+from epdmesh.v1 import mesh_pb2 as pb
+from epdmesh.v1 import mesh_pb2_grpc as pb_grpc
+from services import wire
+from services.worker.runtime import WorkerRuntime
+from services.worker.servicer import WorkerServicer
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class WorkerOptions:
+    engine: EngineConfig
+    host: str = "127.0.0.1"
+    port: int = 0
+    advertise_host: str | None = None  # the host others dial (default: host)
+    worker_id: str | None = None
+    toggle: str | None = None  # toggle address; None: run unregistered
+    transfer: str = "auto"  # auto | nixl | grpc
+    lease_ttl_s: float = 30.0
+    grace_s: float = 10.0
+
+
+def _mount_roles(server: grpc.aio.Server, runtime: WorkerRuntime, roles: frozenset[Stage]) -> list[str]:
+    from services.decoder.servicer import DecoderServicer
+    from services.encoder.servicer import EncoderServicer
+    from services.prefill.servicer import PrefillServicer
+
+    names = []
+    if Stage.ENCODE in roles:
+        pb_grpc.add_EncoderServicer_to_server(EncoderServicer(runtime), server)
+        names.append("epdmesh.v1.Encoder")
+    if Stage.PREFILL in roles:
+        pb_grpc.add_PrefillerServicer_to_server(PrefillServicer(runtime), server)
+        names.append("epdmesh.v1.Prefiller")
+    if Stage.DECODE in roles or Stage.PREFILL in roles:
+        # a prefill-capable worker also serves Decode without KV pages (its prefill path for the decoder role)
+        pb_grpc.add_DecoderServicer_to_server(DecoderServicer(runtime), server)
+        names.append("epdmesh.v1.Decoder")
+    return names
+
+
+async def run_worker(options: WorkerOptions, engine: Engine | None = None, ready: asyncio.Event | None = None,
+                     stop: asyncio.Event | None = None) -> None:
+    from common.transfer.factory import make_transfer
+
+    config = options.engine
+    if engine is None:
+        from common.model.processor import ChatProcessor
+
+        processor = ChatProcessor(config.model)
+        engine = await asyncio.to_thread(Engine, config, None, processor.detokenize)
+    async_engine = AsyncEngine(engine)
+    server = grpc.aio.server(options=CHANNEL_OPTIONS)
+    port = server.add_insecure_port(f"{options.host}:{options.port}")
+    address = f"{options.advertise_host or options.host}:{port}"
+    label = "".join(s.name[0] for s in sorted(config.roles)).lower()
+    worker_id = options.worker_id or f"{label}-{port}"
+    channels = ChannelPool()
+    transfer = make_transfer(options.transfer, engine, channels, worker_id)
+    runtime = WorkerRuntime(worker_id, address, async_engine, transfer.puller, options.lease_ttl_s,
+                            transfer.offer, transfer.backend_info)
+    pb_grpc.add_WorkerServicer_to_server(WorkerServicer(runtime), server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    services = _mount_roles(server, runtime, config.roles)
+    await server.start()
+    for name in ["", "epdmesh.v1.Worker", *services]:
+        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    info = WorkerInfo(worker_id, address, config.roles, config.model, engine.max_model_len, transfer.offer)
+    log.info("worker %s (%s) serving on %s, transfer %s", worker_id, label.upper(), address, transfer.offer)
+
+    stop = stop or asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        try:
+            loop.add_signal_handler(sig, stop.set)
+        except (NotImplementedError, RuntimeError):  # not the main thread (tests)
+            pass
+    tasks = [asyncio.create_task(runtime.expire_leases())]
+    toggle = pb_grpc.ToggleStub(channels.get(options.toggle)) if options.toggle else None
+    if toggle is not None:
+        tasks.append(asyncio.create_task(_heartbeat(toggle, info, runtime)))
+    if ready is not None:
+        ready.set()
+    print(f"EPDMESH_WORKER_READY {worker_id} {address}", flush=True)
+    try:
+        await stop.wait()
+    finally:
+        log.info("worker %s shutting down: draining for up to %.0f s", worker_id, options.grace_s)
+        await health_servicer.enter_graceful_shutdown()
+        if toggle is not None:
+            tasks[-1].cancel()
+            try:
+                await toggle.Deregister(pb.DeregisterRequest(worker_id=worker_id), timeout=2)
+            except grpc.aio.AioRpcError:
+                pass
+        await runtime.drain(options.grace_s)
+        await server.stop(options.grace_s)
+        for task in tasks:
+            task.cancel()
+        await transfer.close()
+        await channels.close()
+        async_engine.shutdown()
+
+
+async def _heartbeat(toggle, info: WorkerInfo, runtime: WorkerRuntime) -> None:
+    interval, registered, warned = 0.5, False, False
+    while True:
+        try:
+            if not registered:
+                reply = await toggle.Register(pb.RegisterRequest(info=wire.info_to_pb(info), load=wire.load_to_pb(runtime.load())), timeout=5)
+                interval, registered, warned = reply.heartbeat_interval_s or interval, True, False
+                log.info("registered %s with the toggle", info.worker_id)
+            else:
+                reply = await toggle.Heartbeat(pb.HeartbeatRequest(worker_id=info.worker_id, load=wire.load_to_pb(runtime.load())), timeout=5)
+                registered = reply.known
+        except grpc.aio.AioRpcError as e:
+            registered = False
+            if not warned:
+                log.warning("toggle unreachable (%s); retrying", e.code().name)
+                warned = True
+        await asyncio.sleep(interval)
+

@@ -1,0 +1,33 @@
+"""The `Worker` service every worker mounts: page pulls and acks (source side), and its stats."""
+
+from __future__ import annotations
+
+from epdmesh.v1 import mesh_pb2 as pb
+from epdmesh.v1 import mesh_pb2_grpc as pb_grpc
+from services import wire
+from services.errors import grpc_errors
+from services.worker.runtime import WorkerRuntime
+
+DEFAULT_CHUNK_BYTES = 4 * 2**20
+MAX_CHUNK_BYTES = 32 * 2**20
+
+
+class WorkerServicer(pb_grpc.WorkerServicer):
+    def __init__(self, runtime: WorkerRuntime):
+        self.runtime = runtime
+
+    @grpc_errors
+    async def PullPages(self, request: pb.PullPagesRequest, context):
+        payload = await self.runtime.read_lease(request.lease_id)
+        size = min(request.chunk_bytes or DEFAULT_CHUNK_BYTES, MAX_CHUNK_BYTES)
+        data = memoryview(payload.data)
+        for start in range(0, len(data), size):
+            yield pb.PageChunk(data=bytes(data[start:start + size]))
+
+    @grpc_errors
+    async def ReleasePages(self, request: pb.ReleasePagesRequest, context) -> pb.ReleasePagesResponse:
+        return pb.ReleasePagesResponse(released=await self.runtime.release_lease(request.lease_id))
+
+    @grpc_errors
+    async def Stats(self, request: pb.StatsRequest, context) -> pb.WorkerLoad:
+        return wire.load_to_pb(self.runtime.load())
