@@ -23,6 +23,15 @@ def processors(model_dirs):
     return {preset: ChatProcessor(path) for preset, path in model_dirs.items()}
 
 
+@pytest.fixture(scope="session")
+def chat_reference(tiny_dir, processors):
+    """The chat cases of the mixed workload and transformers' greedy fp32 answers to them."""
+    from tests.support import hf_reference, mixed_cases
+
+    cases = [c for c in mixed_cases() if c.conversation is not None]
+    return cases, hf_reference(tiny_dir, processors["tiny"], cases, torch.float32)
+
+
 @pytest.fixture(autouse=True, scope="session")
 def _torch_threads():
     torch.set_num_threads(2)

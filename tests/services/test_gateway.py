@@ -1,55 +1,25 @@
-"""`epdmesh serve` as a real process, driven over HTTP with the official openai client."""
+"""`epdmesh serve` as real processes (one engine; an E1+P1+D1 mesh), driven over HTTP with the official openai client."""
 
 import asyncio
 import base64
 import io
 import json
-import os
-import socket
-import subprocess
-import sys
-import time
 
 import httpx
 import openai
 import pytest
-import torch
 
-from tests.support import hf_reference, image, mixed_cases
-
-MODEL = "tiny"
+from tests.services.servers import MODEL, assert_pools_full, running_server
+from tests.support import image, mixed_cases
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
-
-@pytest.fixture(scope="module")
-def server(tiny_dir, tmp_path_factory):
-    port = free_port()
+@pytest.fixture(scope="module", params=["local", "E1+P1+D1"])
+def server(request, tiny_dir, tmp_path_factory):
+    """The same HTTP contract from one process and from a disaggregated mesh."""
     log = tmp_path_factory.mktemp("serve") / "serve.log"
-    cmd = [sys.executable, "-m", "epdmesh.cli", "serve", "--model", str(tiny_dir), "--served-model-name", MODEL,
-           "--dtype", "float32", "--port", str(port), "--kv-cache-gib", "0.05", "--token-budget", "256", "--threads", "1"]
-    with open(log, "w") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(f"{base}/health", timeout=1).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        assert proc.poll() is None, log.read_text()
-        time.sleep(0.3)
-    else:
-        proc.kill()
-        pytest.fail(f"server did not come up:\n{log.read_text()}")
-    yield base
-    proc.terminate()
-    proc.wait(timeout=30)
+    with running_server(tiny_dir, request.param, log) as base:
+        yield base
 
 
 def data_uri(img) -> str:
@@ -67,29 +37,14 @@ def to_openai(conversation):
     return messages
 
 
-def stats(base):
-    return httpx.get(f"{base}/stats").json()
-
-
-def assert_pools_full(base):
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        s = stats(base)
-        if s["kv_blocks_free"] == s["kv_blocks_total"] and s["image_blocks_free"] == s["image_blocks_total"]:
-            return
-        time.sleep(0.1)
-    pytest.fail(f"pages not returned: {s}")
-
-
 def test_models_and_health(server):
     assert httpx.get(f"{server}/health").json() == {"status": "ok"}
     models = openai.OpenAI(base_url=f"{server}/v1", api_key="none").models.list()
     assert [m.id for m in models.data] == [MODEL]
 
 
-def test_concurrent_chat_requests_give_the_transformers_tokens(server, tiny_dir, processors):
-    cases = [c for c in mixed_cases() if c.conversation is not None]
-    refs = hf_reference(tiny_dir, processors["tiny"], cases, torch.float32)
+def test_concurrent_chat_requests_give_the_transformers_tokens(server, chat_reference, processors):
+    cases, refs = chat_reference
     client = openai.AsyncOpenAI(base_url=f"{server}/v1", api_key="none")
 
     async def ask(case):

@@ -1,0 +1,78 @@
+"""Start `epdmesh serve` (one process or a whole mesh) as real processes, and check their pools."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+MODEL = "tiny"
+REDIS_URL = os.environ.get("EPDMESH_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def running_server(model_dir, topology: str, log_path, *extra: str):
+    """`epdmesh serve --topology T` on a free loopback port; yields its base URL; stops it (SIGTERM) at the end."""
+    port = free_port()
+    cmd = [sys.executable, "-m", "epdmesh.cli", "serve", "--model", str(model_dir), "--served-model-name", MODEL,
+           "--topology", topology, "--dtype", "float32", "--port", str(port), "--kv-cache-gib", "0.05",
+           "--token-budget", "256", "--threads", "1", "--redis-url", REDIS_URL, *extra]
+    with open(log_path, "w") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 240
+    try:
+        while True:
+            try:
+                if httpx.get(f"{base}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if proc.poll() is not None or time.monotonic() > deadline:
+                pytest.fail(f"`epdmesh serve --topology {topology}` did not come up:\n{log_path.read_text()[-4000:]}")
+            time.sleep(0.3)
+        yield base
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def pools(base) -> list[dict]:
+    """Per worker (or the one engine): free and total KV/image blocks and leases held."""
+    stats = httpx.get(f"{base}/stats", timeout=10).json()
+    if "workers" in stats:
+        return list(stats["workers"].values())
+    return [stats]
+
+
+def _full(p: dict) -> bool:
+    return (p["kv_blocks_free"] == p["kv_blocks_total"] and p["image_blocks_free"] == p["image_blocks_total"]
+            and not p.get("num_leases", 0))
+
+
+def assert_pools_full(base, timeout: float = 15.0) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        current = pools(base)
+        if current and all(_full(p) for p in current):
+            return
+        if time.monotonic() > deadline:
+            pytest.fail(f"pages not returned: {current}")
+        time.sleep(0.1)
