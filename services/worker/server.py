@@ -66,7 +66,8 @@ def _mount_roles(server: grpc.aio.Server, runtime: WorkerRuntime, roles: frozens
 
 
 async def run_worker(options: WorkerOptions, engine: Engine | None = None, ready: asyncio.Event | None = None,
-                     stop: asyncio.Event | None = None) -> None:
+                     stop: asyncio.Event | None = None, bound: list | None = None) -> None:
+    """Serve until `stop` is set (or SIGTERM/SIGINT); `bound` gets the address, then `ready` is set."""
     from common.transfer.factory import make_transfer
 
     config = options.engine
@@ -106,6 +107,8 @@ async def run_worker(options: WorkerOptions, engine: Engine | None = None, ready
     toggle = pb_grpc.ToggleStub(channels.get(options.toggle)) if options.toggle else None
     if toggle is not None:
         tasks.append(asyncio.create_task(_heartbeat(toggle, info, runtime)))
+    if bound is not None:
+        bound.append(address)
     if ready is not None:
         ready.set()
     print(f"EPDMESH_WORKER_READY {worker_id} {address}", flush=True)

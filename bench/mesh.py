@@ -1,0 +1,181 @@
+"""What the mesh costs: TTFT and per-token gap of `E1+P1+D1` against the same engine in-process.
+
+    python -m bench.mesh [--requests 20] [--max-tokens 32] [--topology E1+P1+D1]
+
+Three configurations, measured one after another in the same run, every process on 1 torch thread,
+on the real engine (torch CPU, fp32, the default tiny checkpoint), one request at a time (no queueing),
+each request one image + a short prompt (the stage path every multimodal request takes):
+  engine   — AsyncEngine in this process, no HTTP, no gRPC (the baseline);
+  local    — `epdmesh serve --topology local`: the same engine behind the HTTP gateway (HTTP cost);
+  mesh     — `epdmesh serve --topology E1+P1+D1`: gateway → toggle → encoder → prefill → decoder,
+             image and KV pages pulled between processes (gRPC stream backend unless --transfer).
+TTFT is taken at the first streamed token, per-token gap as the mean gap after it. Reports p50s, the
+mesh's TTFT added over engine and over local (the goal: ≤ 2 ms over the in-process engine), and ratios.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import base64
+import io
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+if not __package__:
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import httpx  # noqa: E402
+import numpy as np  # noqa: E402
+from PIL import Image  # noqa: E402
+from tqdm import tqdm  # noqa: E402
+
+BACKEND = "real engine (torch CPU, float32, 1 thread per process)"
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", help="checkpoint dir (default: the default tiny model)")
+    p.add_argument("--requests", type=int, default=20)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--topology", default="E1+P1+D1")
+    p.add_argument("--transfer", default="grpc", choices=["auto", "nixl", "grpc"])
+    p.add_argument("--redis-url", default=None)
+    p.add_argument("--out", default="bench/results/mesh.json")
+    args = p.parse_args(argv)
+    if args.requests < 1 or args.max_tokens < 2:
+        p.error("need --requests >= 1 and --max-tokens >= 2")
+    return args
+
+
+def conversation(seed: int):
+    pixels = (np.random.RandomState(seed).rand(240, 320, 3) * 255).astype("uint8")
+    return Image.fromarray(pixels), "What is in this picture? Answer in one sentence."
+
+
+def _data_uri(img) -> str:
+    buf = io.BytesIO()
+    img.save(buf, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+
+
+async def measure_engine(model_dir: str, args, bar) -> list[tuple[float, float]]:
+    import torch
+
+    from common.engine.async_engine import AsyncEngine
+    from common.engine.config import EngineConfig
+    from common.engine.engine import Engine
+    from common.model.processor import ChatProcessor
+    from common.request import Request
+    from common.sampling import SamplingParams
+
+    torch.set_num_threads(1)
+    processor = ChatProcessor(model_dir)
+    engine = AsyncEngine(Engine(EngineConfig(model=model_dir, kv_cache_gib=0.25), detokenize=processor.detokenize))
+    results = []
+    try:
+        for i in range(args.warmup + args.requests):
+            img, text = conversation(i)
+            start = time.perf_counter()
+            ids, images = processor.apply([{"role": "user", "content": [{"type": "image", "image": img},
+                                                                         {"type": "text", "text": text}]}])
+            request = Request(f"b{i}", ids, SamplingParams(max_tokens=args.max_tokens, temperature=0, ignore_eos=True), images)
+            times = []
+            async for out in engine.generate(request):
+                if out.new_token_ids:
+                    times.append(time.perf_counter())
+            if i >= args.warmup:
+                results.append(_ttft_gap(start, times))
+                bar.update()
+    finally:
+        engine.shutdown()
+    return results
+
+
+async def measure_http(base: str, args, bar) -> list[tuple[float, float]]:
+    results = []
+    async with httpx.AsyncClient(timeout=120) as client:
+        for i in range(args.warmup + args.requests):
+            img, text = conversation(i)
+            body = {"model": "tiny-llava", "max_tokens": args.max_tokens, "temperature": 0, "ignore_eos": True,
+                    "stream": True, "return_token_ids": True,
+                    "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": _data_uri(img)}},
+                                                              {"type": "text", "text": text}]}]}
+            start, times = time.perf_counter(), []
+            async with client.stream("POST", f"{base}/v1/chat/completions", json=body) as resp:
+                resp.raise_for_status()
+                async for line in resp.aiter_lines():
+                    if line.startswith("data: {"):
+                        choices = json.loads(line[6:])["choices"]
+                        if choices and choices[0].get("token_ids"):
+                            times.extend([time.perf_counter()] * len(choices[0]["token_ids"]))
+            if i >= args.warmup:
+                results.append(_ttft_gap(start, times))
+                bar.update()
+    return results
+
+
+def _ttft_gap(start: float, times: list[float]) -> tuple[float, float]:
+    gaps = [b - a for a, b in zip(times, times[1:])]
+    return (times[0] - start) * 1e3, statistics.mean(gaps) * 1e3 if gaps else 0.0
+
+
+def summarize(samples: list[tuple[float, float]]) -> dict:
+    ttft = sorted(s[0] for s in samples)
+    gap = sorted(s[1] for s in samples)
+    return {"p50_ttft_ms": statistics.median(ttft), "p90_ttft_ms": ttft[int(0.9 * (len(ttft) - 1))],
+            "p50_tpot_ms": statistics.median(gap), "num_requests": len(samples)}
+
+
+def main(argv=None) -> int:
+    from epdmesh.cli import ensure_default_model
+    from tests.services.servers import running_server
+
+    args = parse_args(argv)
+    model_dir = args.model or str(ensure_default_model())
+    extra = ["--transfer", args.transfer] + (["--redis-url", args.redis_url] if args.redis_url else [])
+    results = {}
+    logs = Path(args.out).parent
+    logs.mkdir(parents=True, exist_ok=True)
+    with tqdm(total=3 * args.requests, desc="mesh bench", unit="req", file=sys.stderr) as bar:
+        bar.set_postfix_str("engine")
+        results["engine"] = summarize(asyncio.run(measure_engine(model_dir, args, bar)))
+        for name, topology in (("local", "local"), ("mesh", args.topology)):
+            bar.set_postfix_str(f"{name} (starting)")
+            with running_server(model_dir, topology, logs / f"mesh-{name}.log", *extra) as base:
+                bar.set_postfix_str(name)
+                results[name] = summarize(asyncio.run(measure_http(base, args, bar)))
+    for r in results.values():
+        r["served_model_name"] = "tiny-llava"
+    e, lo, m = results["engine"], results["local"], results["mesh"]
+    report = {
+        "backend": BACKEND, "topology": args.topology, "transfer": args.transfer, "max_tokens": args.max_tokens,
+        "results": results,
+        "mesh_ttft_added_over_engine_ms": m["p50_ttft_ms"] - e["p50_ttft_ms"],
+        "mesh_ttft_added_over_local_ms": m["p50_ttft_ms"] - lo["p50_ttft_ms"],
+        "mesh_ttft_ratio_over_engine": m["p50_ttft_ms"] / e["p50_ttft_ms"],
+        "mesh_tpot_added_over_engine_ms": m["p50_tpot_ms"] - e["p50_tpot_ms"],
+        "mesh_tpot_ratio_over_engine": m["p50_tpot_ms"] / e["p50_tpot_ms"],
+    }
+    print(f"\nbackend: {BACKEND}; {args.requests} requests each, one at a time, 1 image + short prompt, "
+          f"{args.max_tokens} tokens; transfer {args.transfer}")
+    print(f"{'config':<28}{'p50 TTFT ms':>12}{'p90 TTFT ms':>12}{'p50 gap ms':>12}")
+    for name, label in (("engine", "engine (in-process)"), ("local", "local (HTTP, one process)"),
+                        ("mesh", f"mesh {args.topology}")):
+        r = results[name]
+        print(f"{label:<28}{r['p50_ttft_ms']:>12.2f}{r['p90_ttft_ms']:>12.2f}{r['p50_tpot_ms']:>12.2f}")
+    print(f"mesh TTFT p50: +{report['mesh_ttft_added_over_engine_ms']:.2f} ms over the in-process engine "
+          f"({report['mesh_ttft_ratio_over_engine']:.2f}x; goal ≤ +2 ms), "
+          f"+{report['mesh_ttft_added_over_local_ms']:.2f} ms over one HTTP process")
+    print(f"mesh per-token gap p50: +{report['mesh_tpot_added_over_engine_ms']:.2f} ms "
+          f"({report['mesh_tpot_ratio_over_engine']:.2f}x)")
+    Path(args.out).write_text(json.dumps(report, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

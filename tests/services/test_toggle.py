@@ -1,0 +1,84 @@
+"""The toggle over a real Redis: registry with TTL, and Route over gRPC."""
+
+import asyncio
+import uuid
+
+import grpc
+import pytest
+import redis.asyncio as aioredis
+
+from common.policy.routing import RoutingConfig
+from common.request import Stage
+from common.workers import WorkerInfo, WorkerLoad
+from epdmesh.v1 import mesh_pb2 as pb
+from epdmesh.v1 import mesh_pb2_grpc as pb_grpc
+from services import wire
+from services.toggle.registry import RedisRegistry
+from services.toggle.server import ToggleOptions, run_toggle
+from tests.services.servers import REDIS_URL
+
+E, P, D = Stage.ENCODE, Stage.PREFILL, Stage.DECODE
+
+
+def info(wid, roles):
+    return WorkerInfo(wid, f"127.0.0.1:{abs(hash(wid)) % 50000 + 10000}", frozenset(roles), "m", 4096)
+
+
+def test_registry_heartbeats_expire_and_deregister():
+    async def main():
+        client = aioredis.from_url(REDIS_URL)
+        registry = RedisRegistry(client, f"epdmesh-test:{uuid.uuid4().hex}:", ttl_s=0.4)
+        try:
+            await registry.register(info("p-1", {P}), WorkerLoad(num_waiting=2))
+            await registry.register(info("d-1", {D}), WorkerLoad())
+            snap = {w.worker_id: w for w in await registry.snapshot()}
+            assert set(snap) == {"p-1", "d-1"}
+            assert snap["p-1"].info.roles == frozenset({P}) and snap["p-1"].load.num_waiting == 2
+            assert await registry.heartbeat("p-1", WorkerLoad(num_running=5))
+            assert {w.worker_id: w.load.num_running for w in await registry.snapshot()}["p-1"] == 5
+            for _ in range(4):  # p-1 keeps beating, d-1 goes silent past its TTL
+                await asyncio.sleep(0.15)
+                assert await registry.heartbeat("p-1", WorkerLoad())
+            assert [w.worker_id for w in await registry.snapshot()] == ["p-1"]
+            assert not await registry.heartbeat("d-1", WorkerLoad())  # must register again
+            await registry.deregister("p-1")
+            assert await registry.snapshot() == []
+        finally:
+            await registry.clear()
+            await client.aclose()
+
+    asyncio.run(main())
+
+
+def test_route_over_grpc_and_unavailable_without_workers():
+    async def main():
+        stop, bound = asyncio.Event(), []
+        options = ToggleOptions(REDIS_URL, f"epdmesh-test:{uuid.uuid4().hex}:", routing=RoutingConfig())
+        task = asyncio.create_task(run_toggle(options, stop=stop, bound=bound))
+        while not bound:
+            await asyncio.sleep(0.02)
+        async with grpc.aio.insecure_channel(bound[0]) as channel:
+            toggle = pb_grpc.ToggleStub(channel)
+            ask = pb.RouteRequest(request_id="r", num_prompt_tokens=40, num_images=1, max_tokens=8)
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await toggle.Route(ask)
+            assert err.value.code() == grpc.StatusCode.UNAVAILABLE and "no live workers" in err.value.details()
+            for wid, roles in [("e-1", {E}), ("p-1", {P}), ("d-1", {D}), ("d-2", {D})]:
+                await toggle.Register(pb.RegisterRequest(info=wire.info_to_pb(info(wid, roles)), load=pb.WorkerLoad()))
+            plan = await toggle.Route(ask)
+            assert (plan.encoder.worker_id, plan.prefill.worker_id, plan.path) == ("e-1", "p-1", pb.PREFILL_PATH_DEDICATED)
+            # the first decoder got the request's tokens booked locally, so the next one goes to the other
+            second = await toggle.Route(ask)
+            assert {plan.decoder.worker_id, second.decoder.worker_id} == {"d-1", "d-2"}
+            listed = await toggle.ListWorkers(pb.ListWorkersRequest())
+            assert sorted(w.info.worker_id for w in listed.workers) == ["d-1", "d-2", "e-1", "p-1"]
+            await toggle.Deregister(pb.DeregisterRequest(worker_id="e-1"))
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await toggle.Route(ask)
+            assert "an encoder" in err.value.details()
+            for wid in ("p-1", "d-1", "d-2"):
+                await toggle.Deregister(pb.DeregisterRequest(worker_id=wid))
+        stop.set()
+        await task
+
+    asyncio.run(main())
