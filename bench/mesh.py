@@ -34,6 +34,7 @@ from PIL import Image  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
 BACKEND = "real engine (torch CPU, float32, 1 thread per process)"
+SERVED_NAME = "tiny"  # the name tests.services.servers.running_server serves under
 
 
 def parse_args(argv=None):
@@ -101,7 +102,7 @@ async def measure_http(base: str, args, bar) -> list[tuple[float, float]]:
     async with httpx.AsyncClient(timeout=120) as client:
         for i in range(args.warmup + args.requests):
             img, text = conversation(i)
-            body = {"model": "tiny-llava", "max_tokens": args.max_tokens, "temperature": 0, "ignore_eos": True,
+            body = {"model": SERVED_NAME, "max_tokens": args.max_tokens, "temperature": 0, "ignore_eos": True,
                     "stream": True, "return_token_ids": True,
                     "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": _data_uri(img)}},
                                                               {"type": "text", "text": text}]}]}
@@ -149,8 +150,6 @@ def main(argv=None) -> int:
             with running_server(model_dir, topology, logs / f"mesh-{name}.log", *extra) as base:
                 bar.set_postfix_str(name)
                 results[name] = summarize(asyncio.run(measure_http(base, args, bar)))
-    for r in results.values():
-        r["served_model_name"] = "tiny-llava"
     e, lo, m = results["engine"], results["local"], results["mesh"]
     report = {
         "backend": BACKEND, "topology": args.topology, "transfer": args.transfer, "max_tokens": args.max_tokens,

@@ -1,16 +1,15 @@
-"""In-process transfer backend for unit tests: sources register by address, pulls read them directly."""
+"""In-process transfer backend for unit tests: sources attach to a fabric by address; pulls call them directly."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 from common.paged_cache import PagePayload
 from common.transfer.handle import PageHandle
 from common.transfer.puller import PullFailed
 
-# a source: lease id → the pages (None: unknown lease), and lease id → released?
-ReadFn = Callable[[str], PagePayload | None]
-ReleaseFn = Callable[[str], bool]
+ReadFn = Callable[[str], Awaitable[PagePayload]]  # lease id → pages; KeyError for an unknown lease
+ReleaseFn = Callable[[str], Awaitable[bool]]  # lease id → whether the source held it
 
 
 class FakeFabric:
@@ -19,6 +18,7 @@ class FakeFabric:
     def __init__(self):
         self.sources: dict[str, tuple[ReadFn, ReleaseFn]] = {}
         self.bytes_moved = 0
+        self.pulls = 0
 
     def attach(self, address: str, read: ReadFn, release: ReleaseFn) -> None:
         self.sources[address] = (read, release)
@@ -37,15 +37,17 @@ class FakePuller:
         source = self.fabric.sources.get(handle.address)
         if source is None:
             raise PullFailed(f"no source at {handle.address}")
-        payload = source[0](handle.lease_id)
-        if payload is None:
-            raise PullFailed(f"source {handle.worker_id} holds no lease {handle.lease_id!r}")
+        try:
+            payload = await source[0](handle.lease_id)
+        except KeyError as e:
+            raise PullFailed(str(e.args[0] if e.args else e)) from None
         self.fabric.bytes_moved += len(payload.data)
+        self.fabric.pulls += 1
         return payload
 
     async def release(self, handle: PageHandle) -> bool:
         source = self.fabric.sources.get(handle.address)
-        return source is not None and source[1](handle.lease_id)
+        return source is not None and await source[1](handle.lease_id)
 
     async def close(self) -> None:
         pass
