@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 ARGS ?=
 
-.PHONY: serve test bench-engine clean
+.PHONY: serve test bench-engine bench-mesh bench-transfer proto clean
 
 $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
@@ -21,6 +21,16 @@ test: $(VENV)/.installed
 
 bench-engine: $(VENV)/.installed
 	$(PY) -m bench.engine $(ARGS)
+
+bench-mesh: $(VENV)/.installed
+	$(PY) -m bench.mesh $(ARGS)
+
+bench-transfer: $(VENV)/.installed
+	$(PY) -m bench.transfer $(ARGS)
+
+# regenerate epdmesh/v1/*_pb2*.py from proto/ (a test fails when they are stale)
+proto: $(VENV)/.installed
+	$(PY) -m epdmesh.protogen
 
 clean:
 	rm -rf $(VENV) *.egg-info
