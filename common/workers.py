@@ -15,6 +15,7 @@ class WorkerInfo:
     model: str = ""
     max_model_len: int = 0
     transfer_backend: str = "grpc"
+    pid: int = 0
 
     def __post_init__(self) -> None:
         if not self.worker_id or not self.address:

@@ -170,11 +170,18 @@ def serve_mesh(args) -> int:
         _wait(lambda: _http_ok(f"http://{args.host}:{args.port}/health"), mesh, "the gateway", 120)
         print(f"EPDMESH_READY http://{args.host}:{args.port}/v1 topology={args.topology} workers={num_workers}", flush=True)
         log.info("mesh %s up: OpenAI API on http://%s:%d/v1 (Ctrl-C stops it)", args.topology, args.host, args.port)
+        reported: set[str] = set()
         while not stopping:
             for name, proc in mesh.procs:
-                if proc.poll() is not None and name in ("gateway", "toggle", "redis"):
+                if proc.poll() is None or name in reported:
+                    continue
+                reported.add(name)
+                if name in ("gateway", "toggle", "redis"):
                     log.error("%s exited with code %s; stopping the mesh", name, proc.returncode)
                     stopping = True
+                else:
+                    log.error("%s exited with code %s; the toggle routes around it (its heartbeat TTL drops it)",
+                              name, proc.returncode)
             time.sleep(0.2)
         return 0
     except RuntimeError as e:

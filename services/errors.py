@@ -21,7 +21,7 @@ _CODES: list[tuple[type[BaseException], grpc.StatusCode]] = [
     (RequestRejected, grpc.StatusCode.INVALID_ARGUMENT),
     (ValueError, grpc.StatusCode.INVALID_ARGUMENT),
     (KeyError, grpc.StatusCode.NOT_FOUND),
-    (PullFailed, grpc.StatusCode.UNAVAILABLE),
+    (PullFailed, grpc.StatusCode.ABORTED),  # the *source* of the pages failed: retry the request elsewhere
     (ShuttingDown, grpc.StatusCode.UNAVAILABLE),
     (EngineDead, grpc.StatusCode.UNAVAILABLE),
 ]

@@ -135,13 +135,15 @@ def chunk_stop_reason(msg: pb.TokenChunk) -> str | int | None:
 
 def info_to_pb(info: WorkerInfo) -> pb.WorkerInfo:
     return pb.WorkerInfo(worker_id=info.worker_id, address=info.address, roles=[_STAGES[s] for s in sorted(info.roles)],
-                         model=info.model, max_model_len=info.max_model_len, transfer_backend=info.transfer_backend)
+                         model=info.model, max_model_len=info.max_model_len, transfer_backend=info.transfer_backend,
+                         pid=info.pid)
 
 
 def info_from_pb(msg: pb.WorkerInfo) -> WorkerInfo:
     stages = _inverse(_STAGES)
     roles = frozenset(stages[r] for r in msg.roles if r in stages)
-    return WorkerInfo(msg.worker_id, msg.address, roles, msg.model, msg.max_model_len, msg.transfer_backend or "grpc")
+    return WorkerInfo(msg.worker_id, msg.address, roles, msg.model, msg.max_model_len, msg.transfer_backend or "grpc",
+                      msg.pid)
 
 
 _LOAD_FIELDS = [f.name for f in pb.WorkerLoad.DESCRIPTOR.fields]
@@ -157,11 +159,12 @@ def load_from_pb(msg: pb.WorkerLoad) -> WorkerLoad:
 
 def summary_to_pb(s: RouteSummary) -> pb.RouteRequest:
     return pb.RouteRequest(request_id=s.request_id, num_prompt_tokens=s.num_prompt_tokens, num_images=s.num_images,
-                           max_tokens=s.max_tokens)
+                           max_tokens=s.max_tokens, exclude_worker_ids=sorted(s.exclude))
 
 
 def summary_from_pb(msg: pb.RouteRequest) -> RouteSummary:
-    return RouteSummary(msg.request_id, msg.num_prompt_tokens, msg.num_images, msg.max_tokens)
+    return RouteSummary(msg.request_id, msg.num_prompt_tokens, msg.num_images, msg.max_tokens,
+                        frozenset(msg.exclude_worker_ids))
 
 
 def _ref(w: WorkerSnapshot | None) -> pb.WorkerRef | None:

@@ -8,7 +8,8 @@ The least-loaded policy of the mesh (the SLO-aware multiplexing toggle builds on
      so), DEDICATED on the least-queued prefill-only worker otherwise;
   3. encoder (requests with images): the prefill worker itself when it encodes (no image pages
      move), else the least-queued encoder.
-`None` means no live worker set can serve the request.
+Workers whose statistics are older than `max_heartbeat_age_s`, and those the request excludes
+(they just failed it), are not considered. `None` means no live worker set can serve the request.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ class RouteSummary:
     num_prompt_tokens: int
     num_images: int
     max_tokens: int
+    exclude: frozenset[str] = frozenset()  # worker ids that just failed this request
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -58,7 +60,7 @@ def _least_queued(workers: list[WorkerSnapshot]) -> WorkerSnapshot:
 
 
 def route(workers: list[WorkerSnapshot], request: RouteSummary, config: RoutingConfig) -> RoutePlan | None:
-    live = [w for w in workers if w.age_s <= config.max_heartbeat_age_s]
+    live = [w for w in workers if w.age_s <= config.max_heartbeat_age_s and w.worker_id not in request.exclude]
     decoders = [w for w in live if w.has(Stage.DECODE)]
     if not decoders:
         return None

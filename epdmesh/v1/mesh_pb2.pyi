@@ -231,20 +231,22 @@ class WorkerLoad(_message.Message):
     def __init__(self, num_waiting: _Optional[int] = ..., num_running: _Optional[int] = ..., running_decode_batch: _Optional[int] = ..., unfinished_decode_tokens: _Optional[int] = ..., last_iteration_ms: _Optional[float] = ..., kv_blocks_free: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., image_blocks_free: _Optional[int] = ..., image_blocks_total: _Optional[int] = ..., num_leases: _Optional[int] = ..., iterations: _Optional[int] = ...) -> None: ...
 
 class WorkerInfo(_message.Message):
-    __slots__ = ("worker_id", "address", "roles", "model", "max_model_len", "transfer_backend")
+    __slots__ = ("worker_id", "address", "roles", "model", "max_model_len", "transfer_backend", "pid")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     ROLES_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_BACKEND_FIELD_NUMBER: _ClassVar[int]
+    PID_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     address: str
     roles: _containers.RepeatedScalarFieldContainer[Stage]
     model: str
     max_model_len: int
     transfer_backend: str
-    def __init__(self, worker_id: _Optional[str] = ..., address: _Optional[str] = ..., roles: _Optional[_Iterable[_Union[Stage, str]]] = ..., model: _Optional[str] = ..., max_model_len: _Optional[int] = ..., transfer_backend: _Optional[str] = ...) -> None: ...
+    pid: int
+    def __init__(self, worker_id: _Optional[str] = ..., address: _Optional[str] = ..., roles: _Optional[_Iterable[_Union[Stage, str]]] = ..., model: _Optional[str] = ..., max_model_len: _Optional[int] = ..., transfer_backend: _Optional[str] = ..., pid: _Optional[int] = ...) -> None: ...
 
 class RegisterRequest(_message.Message):
     __slots__ = ("info", "load")
@@ -287,16 +289,18 @@ class DeregisterResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class RouteRequest(_message.Message):
-    __slots__ = ("request_id", "num_prompt_tokens", "num_images", "max_tokens")
+    __slots__ = ("request_id", "num_prompt_tokens", "num_images", "max_tokens", "exclude_worker_ids")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_IMAGES_FIELD_NUMBER: _ClassVar[int]
     MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    EXCLUDE_WORKER_IDS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     num_prompt_tokens: int
     num_images: int
     max_tokens: int
-    def __init__(self, request_id: _Optional[str] = ..., num_prompt_tokens: _Optional[int] = ..., num_images: _Optional[int] = ..., max_tokens: _Optional[int] = ...) -> None: ...
+    exclude_worker_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, request_id: _Optional[str] = ..., num_prompt_tokens: _Optional[int] = ..., num_images: _Optional[int] = ..., max_tokens: _Optional[int] = ..., exclude_worker_ids: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class WorkerRef(_message.Message):
     __slots__ = ("worker_id", "address")

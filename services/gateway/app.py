@@ -72,6 +72,9 @@ class LocalBackend:
     async def stats(self) -> dict:
         return _asdict(self.engine.stats())
 
+    async def health(self) -> dict:
+        return {"status": "ok"} if self.engine.alive else {"status": "error", "reason": "the engine thread has stopped"}
+
 
 def _asdict(obj) -> dict:
     return {name: getattr(obj, name) for name in obj.__slots__}
@@ -81,7 +84,8 @@ def build_app(backend, model_name: str, allow_remote_images: bool = False) -> St
     created = int(time.time())
 
     async def health(_: HttpRequest) -> Response:
-        return JSONResponse({"status": "ok"})
+        body = await backend.health()
+        return JSONResponse(body, status_code=200 if body["status"] == "ok" else 503)
 
     async def models(_: HttpRequest) -> Response:
         card = {"id": model_name, "object": "model", "created": created, "owned_by": "epdmesh",
@@ -105,8 +109,11 @@ def build_app(backend, model_name: str, allow_remote_images: bool = False) -> St
             events = _sse(chat, request_id, model_name, num_prompt, outputs, backend.detokenize)
             return StreamingResponse(events, media_type="text/event-stream")
         final = None
-        async for out in outputs:
-            final = out
+        try:
+            async for out in outputs:
+                final = out
+        except ApiError as e:  # a stage failed after the request started
+            return JSONResponse(e.body(), status_code=e.status)
         return JSONResponse(_completion(chat, request_id, model_name, num_prompt, final, backend.detokenize))
 
     return Starlette(routes=[
@@ -157,17 +164,22 @@ async def _sse(chat, request_id, model, num_prompt, outputs, detokenize) -> Asyn
 
     yield chunk({"role": "assistant", "content": ""})
     sent, last = "", None
-    async for out in outputs:
-        last = out
-        if out.finished:
-            break
-        text = detokenize(out.output_token_ids)
-        safe = text[: len(text) - holdback] if holdback else text
-        if safe.endswith("\ufffd"):
-            continue
-        if len(safe) > len(sent) or out.new_token_ids:
-            yield chunk({"content": safe[len(sent):]}, token_ids=out.new_token_ids)
-            sent = safe
+    try:
+        async for out in outputs:
+            last = out
+            if out.finished:
+                break
+            text = detokenize(out.output_token_ids)
+            safe = text[: len(text) - holdback] if holdback else text
+            if safe.endswith("\ufffd"):
+                continue
+            if len(safe) > len(sent) or out.new_token_ids:
+                yield chunk({"content": safe[len(sent):]}, token_ids=out.new_token_ids)
+                sent = safe
+    except ApiError as e:  # a stage failed mid-stream: say so in the stream (OpenAI clients raise on it)
+        yield f"data: {json.dumps(e.body())}\n\n"
+        yield "data: [DONE]\n\n"
+        return
     final = _final_text(last, detokenize)
     yield chunk({"content": final[len(sent):]}, finish=last.finish_reason, token_ids=last.new_token_ids)
     if chat.include_usage:

@@ -9,11 +9,15 @@ Life of a request here:
      `Decode(KV handle)`; colocated / multiplexed: `Decode` on the decoder, which prefills itself;
   5. the decode stream is the request's output. Pages never pass through here; a handle this
      gateway got but could not pass on (client gone) is released at its source.
+  6. a worker that fails the request (down, draining, or its pages' source died) is routed around:
+     the request starts again on another route — after some tokens went out, as a continuation that
+     prefills prompt + those tokens (request migration), so the client sees no duplicates.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 from collections.abc import AsyncIterator
 
@@ -34,6 +38,33 @@ log = logging.getLogger(__name__)
 _STATUS_OF = {reason: status for status, reason in FINISH_REASONS.items()}
 
 
+MAX_ATTEMPTS = 3  # routes tried per request when workers fail it
+
+
+class StageFailed(Exception):
+    """A stage failed before the request produced output; `blame` is the worker to route around (None: don't retry)."""
+
+    def __init__(self, error: ApiError, blame: str | None):
+        super().__init__(error.message)
+        self.error = error
+        self.blame = blame
+
+
+def _failure(stage: str, callee: str, source: str | None, e: grpc.aio.AioRpcError) -> StageFailed:
+    if e.code() == grpc.StatusCode.UNAVAILABLE:  # the callee is down or draining
+        return StageFailed(api_error_from_rpc(e, stage), callee)
+    if e.code() == grpc.StatusCode.ABORTED:  # the callee could not pull its pages: their source failed
+        return StageFailed(ApiError(503, f"{stage} could not get its pages: {e.details()}"), source or callee)
+    return StageFailed(api_error_from_rpc(e, stage), None)
+
+
+async def _stage(stage: str, callee: str, source: str | None, call):
+    try:
+        return await call
+    except grpc.aio.AioRpcError as e:
+        raise _failure(stage, callee, source, e) from None
+
+
 def api_error_from_rpc(e: grpc.aio.AioRpcError, stage: str) -> ApiError:
     code = e.code()
     if code == grpc.StatusCode.INVALID_ARGUMENT:
@@ -51,6 +82,7 @@ class MeshBackend:
         self.toggle_address = toggle_address
         self.max_model_len = max_model_len
         self.paths = {path: 0 for path in PrefillPath}
+        self.retries = 0
         self._background: set[asyncio.Task] = set()
 
     @property
@@ -66,40 +98,76 @@ class MeshBackend:
         if total > self.max_model_len:
             raise ApiError(400, f"prompt ({len(ids)} tokens) plus max_tokens ({chat.sampling.max_tokens}) is {total}, "
                                 f"over the model's limit of {self.max_model_len}; shorten the prompt or lower max_tokens")
-        request = Request(request_id, ids, chat.sampling, images)
-        summary = RouteSummary(request_id, len(ids), len(images), chat.sampling.max_tokens)
-        try:
-            plan = await self.toggle.Route(wire.summary_to_pb(summary), timeout=10)
-        except grpc.aio.AioRpcError as e:
-            raise api_error_from_rpc(e, "routing") from None
-        path = wire.path_from_pb(plan.path)
-        self.paths[path] += 1
-        stream = self._drive(request, plan, path)
-        first = await anext(stream)  # stage errors surface here, as 4xx/5xx before any byte is sent
+        stream = self._with_failover(Request(request_id, ids, chat.sampling, images))
+        first = await anext(stream)  # errors before the first token surface here, as an HTTP status
         return len(ids), _prepend(first, stream)
 
+    async def _with_failover(self, request: Request) -> AsyncIterator[RequestOutput]:
+        """The request's outputs; when a worker fails it, route again around that worker and continue.
+
+        Tokens already produced are never produced twice: a retry after some output prefills the prompt
+        plus those tokens on the new route (migration) and asks only for the rest.
+        """
+        emitted: list[int] = []
+        exclude: set[str] = set()
+        for attempt in range(1, MAX_ATTEMPTS + 1):
+            current = request if not emitted else _continuation(request, emitted, attempt)
+            summary = RouteSummary(current.request_id, current.num_prompt_tokens, len(current.images),
+                                   current.sampling.max_tokens, frozenset(exclude))
+            try:
+                plan = await self.toggle.Route(wire.summary_to_pb(summary), timeout=10)
+            except grpc.aio.AioRpcError as e:
+                raise api_error_from_rpc(e, "routing") from None
+            path = wire.path_from_pb(plan.path)
+            before = list(emitted)
+            stream = self._drive(current, plan, path)
+            try:
+                async for out in stream:
+                    if out.new_token_ids or out.finished:
+                        if not emitted:
+                            self.paths[path] += 1
+                        emitted.extend(out.new_token_ids)
+                        yield _rebased(out, request.request_id, before, self.detokenize)
+                return
+            except StageFailed as failed:
+                if failed.blame is None or attempt == MAX_ATTEMPTS:
+                    raise failed.error from None
+                exclude.add(failed.blame)
+                self.retries += 1
+                log.warning("request %s: %s; routing around worker %s (attempt %d, %d tokens kept)",
+                            request.request_id, failed.error.message, failed.blame, attempt + 1, len(emitted))
+            finally:
+                await stream.aclose()
+
     async def _drive(self, request: Request, plan: pb.RoutePlan, path: PrefillPath) -> AsyncIterator[RequestOutput]:
+        """The request's outputs through the planned stages; a failed stage raises StageFailed."""
         held: list[pb.PageHandle] = []  # handles we got and have not passed on yet
         try:
             image_pages = None
             if request.images and plan.encoder.worker_id != plan.prefill.worker_id:
-                image_pages = await self._encode(request, plan.encoder.address, held)
+                stub = pb_grpc.EncoderStub(self.channels.get(plan.encoder.address))
+                reply = await _stage("encode", plan.encoder.worker_id, None, stub.Encode(
+                    pb.EncodeRequest(request=wire.spec_to_pb(request, with_pixels=True))))
+                image_pages = reply.image_pages
+                held.append(image_pages)
             spec = wire.spec_to_pb(request, with_pixels=image_pages is None)
+            source = image_pages.worker_id if image_pages is not None else None
+            output: list[int] = []
             if path == PrefillPath.DEDICATED:
-                reply = await self._call("prefill", pb_grpc.PrefillerStub(self.channels.get(plan.prefill.address)).Prefill(
+                stub = pb_grpc.PrefillerStub(self.channels.get(plan.prefill.address))
+                reply = await _stage("prefill", plan.prefill.worker_id, source, stub.Prefill(
                     pb.PrefillRequest(request=spec, image_pages=image_pages)))
                 held.clear()
-                first = reply.first
-                output = list(first.token_ids)
-                yield _output(request.request_id, first, output)
-                if first.finish_reason:
+                output.extend(reply.first.token_ids)
+                yield _output(request.request_id, reply.first, output)
+                if reply.first.finish_reason:
                     return
                 held.append(reply.kv_pages)
                 spec = wire.spec_to_pb(request, with_pixels=False)
                 spec.output_token_ids.extend(output)
                 decode = pb.DecodeRequest(request=spec, kv_pages=reply.kv_pages)
+                source = reply.kv_pages.worker_id
             else:
-                output = []
                 decode = pb.DecodeRequest(request=spec, image_pages=image_pages)
             call = pb_grpc.DecoderStub(self.channels.get(plan.decoder.address)).Decode(decode)
             try:
@@ -108,25 +176,12 @@ class MeshBackend:
                     output.extend(chunk.token_ids)
                     yield _output(request.request_id, chunk, output)
             except grpc.aio.AioRpcError as e:
-                raise api_error_from_rpc(e, "decode") from None
+                raise _failure("decode", plan.decoder.worker_id, source if not output else None, e) from None
             finally:
                 call.cancel()
         finally:
             for handle in held:  # never passed on: let the source free them now rather than at lease expiry
                 self._spawn(release_over_grpc(self.channels, wire.handle_from_pb(handle)))
-
-    async def _encode(self, request: Request, address: str, held: list) -> pb.PageHandle:
-        stub = pb_grpc.EncoderStub(self.channels.get(address))
-        reply = await self._call("encode", stub.Encode(pb.EncodeRequest(request=wire.spec_to_pb(request, with_pixels=True))))
-        held.append(reply.image_pages)
-        return reply.image_pages
-
-    @staticmethod
-    async def _call(stage: str, call):
-        try:
-            return await call
-        except grpc.aio.AioRpcError as e:
-            raise api_error_from_rpc(e, stage) from None
 
     def detokenize(self, ids: list[int]) -> str:
         return self.processor.detokenize(ids)
@@ -139,14 +194,27 @@ class MeshBackend:
             try:
                 load = await pb_grpc.WorkerStub(self.channels.get(info.address)).Stats(pb.StatsRequest(), timeout=5)
             except grpc.aio.AioRpcError as e:
-                stats[info.worker_id] = {"roles": info.role_label, "address": info.address, "error": e.code().name}
+                stats[info.worker_id] = {"roles": info.role_label, "address": info.address, "pid": info.pid,
+                                         "heartbeat_age_s": entry.age_s, "error": e.code().name}
                 continue
-            stats[info.worker_id] = {"roles": info.role_label, "address": info.address,
+            stats[info.worker_id] = {"roles": info.role_label, "address": info.address, "pid": info.pid,
+                                     "heartbeat_age_s": entry.age_s,
                                      **{f.name: getattr(load, f.name) for f in pb.WorkerLoad.DESCRIPTOR.fields}}
         return stats
 
+    async def health(self) -> dict:
+        """ok when the toggle answers and knows at least one live worker."""
+        try:
+            reply = await self.toggle.ListWorkers(pb.ListWorkersRequest(), timeout=2)
+        except grpc.aio.AioRpcError as e:
+            return {"status": "error", "reason": f"toggle unreachable: {e.code().name}"}
+        if not reply.workers:
+            return {"status": "error", "reason": "no workers registered"}
+        return {"status": "ok", "workers": len(reply.workers)}
+
     async def stats(self) -> dict:
-        return {"paths": {p.value: n for p, n in self.paths.items()}, "workers": await self.worker_stats()}
+        return {"paths": {p.value: n for p, n in self.paths.items()}, "retries": self.retries,
+                "workers": await self.worker_stats()}
 
     async def close(self) -> None:
         await self.channels.close()
@@ -164,6 +232,21 @@ def _output(request_id: str, chunk: pb.TokenChunk, output: list[int]) -> Request
         finish_reason=chunk.finish_reason or None, stop_reason=wire.chunk_stop_reason(chunk),
         text=chunk.text if chunk.HasField("text") else None, num_prompt_tokens=chunk.num_prompt_tokens,
     )
+
+
+def _continuation(request: Request, emitted: list[int], attempt: int) -> Request:
+    """The rest of `request` after `emitted` tokens: their KV is rebuilt by prefilling them with the prompt."""
+    sampling = dataclasses.replace(request.sampling, max_tokens=request.sampling.max_tokens - len(emitted))
+    return Request(f"{request.request_id}-m{attempt}", request.prompt_token_ids + emitted, sampling, request.images)
+
+
+def _rebased(out: RequestOutput, request_id: str, before: list[int], detokenize) -> RequestOutput:
+    """An output of a continuation as the original request's: earlier tokens (and their text) in front."""
+    if not before:
+        return out
+    text = detokenize(before) + out.text if out.text is not None else None
+    return dataclasses.replace(out, request_id=request_id, output_token_ids=before + out.output_token_ids, text=text,
+                               num_prompt_tokens=out.num_prompt_tokens - len(before))
 
 
 async def _prepend(first: RequestOutput, rest: AsyncIterator[RequestOutput]) -> AsyncIterator[RequestOutput]:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import os
 import signal
 
 import grpc
@@ -93,7 +94,7 @@ async def run_worker(options: WorkerOptions, engine: Engine | None = None, ready
     await server.start()
     for name in ["", "epdmesh.v1.Worker", *services]:
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-    info = WorkerInfo(worker_id, address, config.roles, config.model, engine.max_model_len, transfer.offer)
+    info = WorkerInfo(worker_id, address, config.roles, config.model, engine.max_model_len, transfer.offer, os.getpid())
     log.info("worker %s (%s) serving on %s, transfer %s", worker_id, label.upper(), address, transfer.offer)
 
     stop = stop or asyncio.Event()

@@ -99,3 +99,11 @@ def test_policy_modules_import_no_torch():
     out = subprocess.run([sys.executable, "-c", "import sys, common.policy.routing, common.topology, common.workers; "
                           "print('torch' in sys.modules)"], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "False"
+
+
+def test_excluded_workers_are_routed_around():
+    workers = [worker("e", {E}), worker("p1", {P}), worker("p2", {P}, num_waiting=9), worker("d", {D})]
+    assert route(workers, ask(), RoutingConfig()).prefill.worker_id == "p1"
+    retry = RouteSummary("r", 100, 1, 16, exclude=frozenset({"p1"}))
+    assert route(workers, retry, RoutingConfig()).prefill.worker_id == "p2"
+    assert route(workers, RouteSummary("r", 100, 1, 16, exclude=frozenset({"d"})), RoutingConfig()) is None

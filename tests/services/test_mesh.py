@@ -4,6 +4,10 @@ real gRPC, real Redis and real page bytes; afterwards every worker's pools are f
 
 import asyncio
 import collections
+import json
+import os
+import signal
+import time
 
 import httpx
 import openai
@@ -48,3 +52,45 @@ def test_topology_gives_the_transformers_tokens(name, tiny_dir, chat_reference, 
         assert set(paths) == expected, paths
         assert sum(paths.values()) == len(cases)
         assert_pools_full(base)
+
+
+def test_a_killed_decoder_is_routed_around_without_losing_requests(tiny_dir, chat_reference, tmp_path):
+    cases, refs = chat_reference
+    with running_server(tiny_dir, "E1+P1+D2", tmp_path / "serve.log") as base:
+        workers = httpx.get(f"{base}/stats").json()["workers"]
+        victim = next(w for w in workers.values() if w["roles"] == "D")
+        os.kill(victim["pid"], signal.SIGKILL)
+        # at once, while the registry still lists the dead decoder (its TTL is 3 s)
+        responses = asyncio.run(_ask_all(base, cases))
+        for case, resp in zip(cases, responses):
+            assert resp.choices[0].model_extra["token_ids"] == refs[case.name].tokens, case.name
+        stats = httpx.get(f"{base}/stats").json()
+        assert stats["retries"] >= 1  # some requests were routed to it and retried elsewhere
+        deadline = time.monotonic() + 15
+        while len(httpx.get(f"{base}/stats").json()["workers"]) != 3:
+            assert time.monotonic() < deadline, "the registry still lists the dead decoder"
+            time.sleep(0.2)
+        assert_pools_full(base)
+
+
+def test_a_decoder_killed_mid_stream_is_replaced_without_duplicates(tiny_dir, tmp_path):
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "Tell a long story about the kitchen"}],
+            "max_tokens": 150, "temperature": 0, "ignore_eos": True, "return_token_ids": True}
+    with running_server(tiny_dir, "E1+P1+D2", tmp_path / "serve.log", "--prefill-mode", "dedicated") as base:
+        whole = httpx.post(f"{base}/v1/chat/completions", json=body, timeout=120).json()["choices"][0]["token_ids"]
+        streamed, killed = [], None
+        with httpx.stream("POST", f"{base}/v1/chat/completions", json={**body, "stream": True}, timeout=120) as resp:
+            for line in resp.iter_lines():
+                if not line.startswith("data: {"):
+                    continue
+                event = json.loads(line[6:])
+                assert "error" not in event, event
+                if event["choices"]:
+                    streamed += event["choices"][0].get("token_ids") or []
+                if killed is None and len(streamed) >= 20:
+                    workers = httpx.get(f"{base}/stats").json()["workers"].values()
+                    killed = next(w for w in workers if w["roles"] == "D" and w["running_decode_batch"])
+                    os.kill(killed["pid"], signal.SIGKILL)
+        assert killed is not None
+        assert streamed == whole  # the stream went on from another decoder: nothing lost, nothing twice
+        assert httpx.get(f"{base}/stats").json()["retries"] == 1

@@ -1,0 +1,390 @@
+"""Page pulls by one-sided NIXL READ over its UCX backend (CPU memory: cma/shared memory on one host).
+
+Each worker owns one NIXL agent, named by its worker id, with both page caches (KV, image)
+registered at start. `metadata` is what a puller needs about this worker: the agent's own
+metadata (connection info + memory keys) behind a small header with, per cache kind, the base
+address, bytes per block and block count. Every handle this worker leases carries it in
+`backend_info`, so a puller needs no extra round trip:
+
+  1. parse the header (cached per metadata), load the source's agent once (reloaded if the same
+     worker id comes back with new metadata, i.e. a restarted worker);
+  2. one descriptor per run of consecutive block ids: source base + id·block_bytes → the matching
+     offset of a registered staging buffer from a small pool (grown on demand, reused);
+  3. post the READ and wait for it in a thread of our own (the READ may copy inline: cma), so the
+     event loop never blocks; PullFailed on ERR, on timeout, or if the lease expired meanwhile;
+  4. copy the staging bytes into the payload's own `bytes` and give the buffer back to the pool,
+     so no caller ever sees a buffer that is reused.
+
+Progress: NIXL's own progress thread busy-polls a whole core (its Python API hardcodes
+`pthrDelay=0`: measured 3.0 s CPU per 3 s idle), which halves transfer speed on a 2-core host
+and steals the engine's CPU. It is switched off; instead a light thread ticks the agent every
+`progress_interval_s` (2 ms: about 1.5% of a core), which the passive (source) side needs for
+connection wire-up and for the tcp transport; once connected, cma READs need no source progress.
+
+Every call into the agent goes through one lock (the agent is also created thread-safe), taken
+in worker threads only, never on the event loop. UCX is kept on loopback unless the environment
+says otherwise (`UCX_NET_DEVICES=lo`, set before NIXL loads UCX).
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("UCX_NET_DEVICES", "lo")
+
+import asyncio  # noqa: E402
+import concurrent.futures  # noqa: E402
+import dataclasses  # noqa: E402
+import importlib  # noqa: E402
+import json  # noqa: E402
+import logging  # noqa: E402
+import struct  # noqa: E402
+import threading  # noqa: E402
+import time  # noqa: E402
+from collections import OrderedDict  # noqa: E402
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+from common.paged_cache import PagePayload  # noqa: E402
+from common.transfer.channels import ChannelPool  # noqa: E402
+from common.transfer.grpc_stream import release_over_grpc  # noqa: E402
+from common.transfer.handle import PageHandle  # noqa: E402
+from common.transfer.puller import PullFailed  # noqa: E402
+
+
+def _import_nixl():
+    """nixl-cu12 (what the `ucx` extra installs) provides `nixl_cu12`; the `nixl` meta package picks a build."""
+    errors = []
+    for module in ("nixl_cu12", "nixl", "nixl_cu13"):
+        try:
+            return importlib.import_module(f"{module}._api")
+        except ImportError as e:
+            errors.append(f"{module}: {e}")
+    raise ImportError("no NIXL Python package (" + "; ".join(errors) + ")")
+
+
+_nixl = _import_nixl()  # ImportError here → the factory falls back to the gRPC stream
+if not os.environ.get("NIXL_LOG_LEVEL"):
+    logging.getLogger("nixl").setLevel(logging.WARNING)  # its INFO lines go to stdout
+
+log = logging.getLogger(__name__)
+
+MAGIC = b"EPDNIXL1"
+KINDS = ("kv", "image")
+MIN_STAGING_BYTES = 1 << 20
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class CacheRegion:
+    addr: int  # address of block 0 in the owner's process
+    block_bytes: int
+    num_blocks: int
+    mem: str = "DRAM"  # NIXL memory type
+    dev: int = 0  # device id (0 for DRAM)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class PeerInfo:
+    agent: str
+    caches: dict[str, CacheRegion]
+    agent_metadata: bytes
+
+
+def pack_metadata(agent: str, caches: dict[str, CacheRegion], agent_metadata: bytes) -> bytes:
+    header = json.dumps({"v": 1, "agent": agent, "caches": {k: dataclasses.asdict(c) for k, c in caches.items()}},
+                        separators=(",", ":")).encode()
+    return MAGIC + struct.pack("<I", len(header)) + header + agent_metadata
+
+
+def parse_metadata(blob: bytes) -> PeerInfo:
+    """The inverse of `pack_metadata`; ValueError if `blob` is not ours."""
+    if not blob.startswith(MAGIC) or len(blob) < len(MAGIC) + 4:
+        raise ValueError("not epdmesh NIXL metadata")
+    (n,) = struct.unpack_from("<I", blob, len(MAGIC))
+    start = len(MAGIC) + 4
+    try:
+        header = json.loads(blob[start:start + n])
+        caches = {k: CacheRegion(**c) for k, c in header["caches"].items()}
+        agent = header["agent"]
+    except (ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"bad epdmesh NIXL metadata header: {e}") from None
+    return PeerInfo(agent, caches, bytes(blob[start + n:]))
+
+
+def _region_of(tensor: torch.Tensor) -> CacheRegion:
+    if not tensor.is_contiguous():
+        raise ValueError("page caches must be contiguous to be registered with NIXL")
+    on_cpu = tensor.device.type == "cpu"
+    return CacheRegion(tensor.data_ptr(), tensor[0].numel() * tensor.element_size(), tensor.shape[0],
+                       "DRAM" if on_cpu else "VRAM", 0 if on_cpu else (tensor.device.index or 0))
+
+
+def block_runs(block_ids, block_bytes: int) -> list[tuple[int, int, int]]:
+    """(source offset, local offset, length) per run of consecutive block ids, in token order."""
+    runs: list[tuple[int, int, int]] = []
+    local = 0
+    for b in block_ids:
+        src = b * block_bytes
+        if runs and runs[-1][0] + runs[-1][2] == src:
+            s, l0, n = runs[-1]
+            runs[-1] = (s, l0, n + block_bytes)
+        else:
+            runs.append((src, local, block_bytes))
+        local += block_bytes
+    return runs
+
+
+class _Staging:
+    """A registered CPU buffer the READs land in before being copied out."""
+
+    __slots__ = ("tensor", "reg", "nbytes")
+
+    def __init__(self, tensor: torch.Tensor, reg):
+        self.tensor = tensor
+        self.reg = reg
+        self.nbytes = tensor.numel()
+
+
+class NixlTransfer:
+    """The NIXL agent of one worker: the source side (registered caches, `metadata`) and a `PagePuller`."""
+
+    name = "nixl"
+
+    def __init__(self, worker_id: str, engine, channels: ChannelPool, *, timeout_s: float = 30.0,
+                 progress_interval_s: float = 0.002, staging_keep_bytes: int = 256 << 20, max_concurrent: int = 4,
+                 caches: dict[str, torch.Tensor] | None = None):
+        """`engine.cache(kind).data` for kind in ('kv', 'image') are the tensors to serve (or pass `caches`)."""
+        self.worker_id = worker_id
+        self.channels = channels
+        self.timeout_s = timeout_s
+        self.staging_keep_bytes = staging_keep_bytes
+        self._lock = threading.Lock()  # every call into the agent
+        self._pool_lock = threading.Lock()  # the free staging buffers
+        self._free: list[_Staging] = []
+        self._abandoned: list[tuple[object, _Staging]] = []  # READs that never finished: keep their buffers alive
+        self._remotes: dict[str, bytes] = {}  # loaded agent name → its metadata
+        self._peers: OrderedDict[bytes, PeerInfo] = OrderedDict()  # parsed metadata, bounded
+        self._closed = False
+
+        config = _nixl.nixl_agent_config(enable_prog_thread=False, backends=["UCX"],
+                                         sync_mode=_nixl.nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT)
+        self.agent = _nixl.nixl_agent(worker_id, config)
+        if "UCX" not in self.agent.backends:
+            raise ImportError("NIXL has no UCX backend plugin here")
+        if caches is None:
+            caches = {kind: getattr(engine.cache(kind), "data", engine.cache(kind)) for kind in KINDS}
+        self._tensors: dict[str, torch.Tensor] = {}
+        self._cache_regs = []
+        regions: dict[str, CacheRegion] = {}
+        for kind, tensor in caches.items():
+            if tensor is None or tensor.numel() == 0:
+                continue
+            regions[kind] = _region_of(tensor)
+            self._cache_regs.append(self.agent.register_memory(tensor))
+            self._tensors[kind] = tensor
+        self.regions = regions
+        self.metadata: bytes = pack_metadata(worker_id, regions, self.agent.get_agent_metadata())
+        self._executor = concurrent.futures.ThreadPoolExecutor(max_concurrent, thread_name_prefix=f"nixl-{worker_id}")
+        self._stop = threading.Event()
+        self._progress_interval_s = progress_interval_s
+        self._ticker = threading.Thread(target=self._tick, name=f"nixl-progress-{worker_id}", daemon=True)
+        self._ticker.start()
+        log.info("NIXL agent %s: registered %s", worker_id,
+                 ", ".join(f"{k} {r.num_blocks}×{r.block_bytes} B" for k, r in regions.items()) or "nothing")
+
+    # ----- the puller -----
+
+    async def pull(self, handle: PageHandle) -> PagePayload:
+        if self._closed:
+            raise PullFailed("NIXL transfer is closed")
+        loop = asyncio.get_running_loop()
+        data = await loop.run_in_executor(self._executor, self._pull_blocking, handle)
+        return PagePayload(handle.layout, handle.num_tokens, data)
+
+    async def release(self, handle: PageHandle) -> bool:
+        return await release_over_grpc(self.channels, handle)
+
+    async def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._stop.set()
+        await asyncio.to_thread(self._shutdown)
+
+    # ----- internals (worker threads) -----
+
+    def _tick(self) -> None:
+        """Progress the agent's UCX worker: connection wire-up and non-cma transports need the source to."""
+        while not self._stop.wait(self._progress_interval_s):
+            try:
+                with self._lock:
+                    if self._stop.is_set():
+                        return
+                    self.agent.get_new_notifs()
+            except Exception:  # never let the ticker die on a transient error
+                log.exception("NIXL progress tick failed")
+
+    def _peer(self, blob: bytes) -> PeerInfo:
+        peer = self._peers.get(blob)
+        if peer is None:
+            peer = parse_metadata(blob)
+            self._peers[blob] = peer
+            if len(self._peers) > 256:
+                self._peers.popitem(last=False)
+        return peer
+
+    def _ensure_remote(self, peer: PeerInfo, blob: bytes) -> None:
+        """Load the source's agent once; reload when its worker id comes back with new metadata. Under the lock."""
+        known = self._remotes.get(peer.agent)
+        if known == blob:
+            return
+        if known is not None:
+            log.info("NIXL peer %s changed its metadata (restarted?); reloading it", peer.agent)
+            try:
+                self.agent.remove_remote_agent(peer.agent)
+            except Exception as e:
+                log.warning("dropping NIXL peer %s: %s", peer.agent, e)
+            del self._remotes[peer.agent]
+        name = self.agent.add_remote_agent(peer.agent_metadata)
+        name = name.decode() if isinstance(name, bytes) else name
+        if name != peer.agent:
+            raise PullFailed(f"NIXL metadata names agent {name!r}, its header {peer.agent!r}")
+        self._remotes[peer.agent] = blob
+
+    def _take_staging(self, nbytes: int) -> _Staging:
+        with self._pool_lock:
+            fits = [s for s in self._free if s.nbytes >= nbytes]
+            if fits:
+                best = min(fits, key=lambda s: s.nbytes)
+                self._free.remove(best)
+                return best
+        size = max(MIN_STAGING_BYTES, 1 << (nbytes - 1).bit_length())
+        tensor = torch.empty(size, dtype=torch.uint8)
+        with self._lock:
+            reg = self.agent.register_memory(tensor)
+        return _Staging(tensor, reg)
+
+    def _give_staging(self, staging: _Staging) -> None:
+        with self._pool_lock:
+            kept = sum(s.nbytes for s in self._free)
+            if not self._closed and kept + staging.nbytes <= self.staging_keep_bytes:
+                self._free.append(staging)
+                return
+        with self._lock:
+            self.agent.deregister_memory(staging.reg)
+
+    def _pull_blocking(self, handle: PageHandle) -> bytes:
+        if not handle.backend_info:
+            raise PullFailed(f"handle {handle.lease_id} from {handle.worker_id} carries no NIXL metadata")
+        if handle.lease_expiry < time.time():
+            raise PullFailed(f"lease {handle.lease_id} from {handle.worker_id} expired before the pull")
+        try:
+            peer = self._peer(handle.backend_info)
+        except ValueError as e:
+            raise PullFailed(f"handle {handle.lease_id} from {handle.worker_id}: {e}") from None
+        region = peer.caches.get(handle.kind)
+        if region is None:
+            raise PullFailed(f"source {peer.agent} registered no {handle.kind} cache with NIXL")
+        if region.block_bytes != handle.layout.bytes_per_block:
+            raise PullFailed(f"source {peer.agent} has {region.block_bytes} B {handle.kind} blocks, "
+                             f"the handle {handle.layout.bytes_per_block} B")
+        bad = [b for b in handle.block_ids if not 0 <= b < region.num_blocks]
+        if bad:
+            raise PullFailed(f"block ids {bad[:4]} out of range for {peer.agent}'s {region.num_blocks} {handle.kind} blocks")
+        if peer.agent == self.worker_id:
+            data = self._read_own(handle, peer)
+        else:
+            data = self._read_remote(handle, peer, region)
+        if handle.lease_expiry < time.time():  # the source may have freed and reused the pages meanwhile
+            raise PullFailed(f"lease {handle.lease_id} from {handle.worker_id} expired during the pull")
+        return data
+
+    def _read_own(self, handle: PageHandle, peer: PeerInfo) -> bytes:
+        """A handle on this worker's own pages (e.g. encode and prefill on one worker): a local gather."""
+        if handle.backend_info != self.metadata:
+            raise PullFailed(f"handle {handle.lease_id} names this worker ({peer.agent}) with other NIXL metadata")
+        tensor = self._tensors[handle.kind]
+        index = torch.tensor(handle.block_ids, dtype=torch.long, device=tensor.device)
+        return tensor.index_select(0, index).contiguous().cpu().view(torch.uint8).numpy().tobytes()
+
+    def _read_remote(self, handle: PageHandle, peer: PeerInfo, region: CacheRegion) -> bytes:
+        nbytes = handle.num_bytes
+        runs = block_runs(handle.block_ids, region.block_bytes)
+        staging = self._take_staging(nbytes)
+        remote = np.array([(region.addr + s, n, region.dev) for s, _, n in runs], dtype=np.uint64)
+        base = staging.tensor.data_ptr()
+        local = np.array([(base + lo, n, 0) for _, lo, n in runs], dtype=np.uint64)
+        xfer = None
+        state = "ERR"
+        try:
+            try:
+                with self._lock:
+                    self._ensure_remote(peer, handle.backend_info)
+                    local_descs = self.agent.get_xfer_descs(local, "DRAM")
+                    remote_descs = self.agent.get_xfer_descs(remote, region.mem)
+                    xfer = self.agent.initialize_xfer("READ", local_descs, remote_descs, peer.agent)
+                    state = self.agent.transfer(xfer)
+                deadline = time.monotonic() + self.timeout_s
+                delay = 2e-5
+                while state == "PROC" and time.monotonic() < deadline:
+                    time.sleep(delay)
+                    delay = min(delay * 2, 1e-3)
+                    with self._lock:
+                        state = self.agent.check_xfer_state(xfer)
+            except PullFailed:
+                raise
+            except Exception as e:  # nixl raises its own binding errors (e.g. unknown memory at the source)
+                raise PullFailed(f"NIXL READ of {handle.lease_id} from {peer.agent}: {type(e).__name__}: {e}") from None
+            if state != "DONE":
+                what = "timed out after %.1f s" % self.timeout_s if state == "PROC" else "failed"
+                raise PullFailed(f"NIXL READ of {handle.lease_id} ({nbytes} B) from {peer.agent} {what}")
+            data = staging.tensor[:nbytes].numpy().tobytes()
+        except BaseException:
+            if not self._finish(xfer):  # still in flight: its buffer must never be reused or freed
+                self._abandoned.append((xfer, staging))
+                log.warning("NIXL READ of %s from %s could not be aborted; its %d B buffer is retired",
+                            handle.lease_id, peer.agent, staging.nbytes)
+                raise
+            self._give_staging(staging)
+            raise
+        self._finish(xfer)
+        self._give_staging(staging)
+        return data
+
+    def _finish(self, xfer) -> bool:
+        """Release a transfer request (aborting it if in flight); False if it could not be."""
+        if xfer is None:
+            return True
+        try:
+            with self._lock:
+                xfer.release()
+            return True
+        except Exception as e:
+            log.debug("releasing NIXL transfer: %s", e)
+            return False
+
+    def _shutdown(self) -> None:
+        self._ticker.join(timeout=5)
+        self._executor.shutdown(wait=True, cancel_futures=True)
+        with self._lock:
+            for xfer, _ in self._abandoned:
+                try:
+                    xfer.release()
+                except Exception:
+                    pass
+            with self._pool_lock:
+                free, self._free = self._free, []
+            # buffers of READs that never finished stay registered and referenced (see _abandoned)
+            for reg in [s.reg for s in free] + self._cache_regs:
+                try:
+                    self.agent.deregister_memory(reg)
+                except Exception as e:
+                    log.debug("deregistering NIXL memory: %s", e)
+            self._cache_regs = []
+            for name in list(self._remotes):
+                try:
+                    self.agent.remove_remote_agent(name)
+                except Exception:
+                    pass
+            self._remotes.clear()
