@@ -4,7 +4,8 @@
 
 Three configurations, measured one after another in the same run, every process on 1 torch thread,
 on the real engine (torch CPU, fp32, the default tiny checkpoint), one request at a time (no queueing),
-each request one image + a short prompt (the stage path every multimodal request takes):
+two workloads: `image` (one 320×240 image + a short prompt: encode → prefill → decode, image and KV
+pages move) and `text` (the short prompt alone: the mesh's control path with the least compute):
   engine   — AsyncEngine in this process, no HTTP, no gRPC (the baseline);
   local    — `epdmesh serve --topology local`: the same engine behind the HTTP gateway (HTTP cost);
   mesh     — `epdmesh serve --topology E1+P1+D1`: gateway → toggle → encoder → prefill → decoder,
@@ -19,6 +20,7 @@ import argparse
 import asyncio
 import base64
 import io
+import itertools
 import json
 import statistics
 import sys
@@ -53,9 +55,16 @@ def parse_args(argv=None):
     return args
 
 
-def conversation(seed: int):
+WORKLOADS = ("image", "text")
+
+
+def conversation(seed: int, workload: str = "image"):
+    """(PIL image or None, prompt text) of request `seed`."""
+    text = "What is in this picture? Answer in one sentence."
+    if workload == "text":
+        return None, text
     pixels = (np.random.RandomState(seed).rand(240, 320, 3) * 255).astype("uint8")
-    return Image.fromarray(pixels), "What is in this picture? Answer in one sentence."
+    return Image.fromarray(pixels), text
 
 
 def _data_uri(img) -> str:
@@ -64,7 +73,7 @@ def _data_uri(img) -> str:
     return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
 
 
-async def measure_engine(model_dir: str, args, bar) -> list[tuple[float, float]]:
+async def measure_engine(model_dir: str, args, bar) -> dict[str, list[tuple[float, float]]]:
     import torch
 
     from common.engine.async_engine import AsyncEngine
@@ -77,35 +86,37 @@ async def measure_engine(model_dir: str, args, bar) -> list[tuple[float, float]]
     torch.set_num_threads(1)
     processor = ChatProcessor(model_dir)
     engine = AsyncEngine(Engine(EngineConfig(model=model_dir, kv_cache_gib=0.25), detokenize=processor.detokenize))
-    results = []
+    results = {w: [] for w in WORKLOADS}
     try:
-        for i in range(args.warmup + args.requests):
-            img, text = conversation(i)
-            start = time.perf_counter()
-            ids, images = processor.apply([{"role": "user", "content": [{"type": "image", "image": img},
-                                                                         {"type": "text", "text": text}]}])
-            request = Request(f"b{i}", ids, SamplingParams(max_tokens=args.max_tokens, temperature=0, ignore_eos=True), images)
-            times = []
-            async for out in engine.generate(request):
-                if out.new_token_ids:
-                    times.append(time.perf_counter())
-            if i >= args.warmup:
-                results.append(_ttft_gap(start, times))
-                bar.update()
+        for workload in WORKLOADS:
+            for i in range(args.warmup + args.requests):
+                img, text = conversation(i, workload)
+                content = ([{"type": "image", "image": img}] if img is not None else []) + [{"type": "text", "text": text}]
+                start = time.perf_counter()
+                ids, images = processor.apply([{"role": "user", "content": content}])
+                request = Request(f"b{workload}{i}", ids, SamplingParams(max_tokens=args.max_tokens, temperature=0,
+                                                                         ignore_eos=True), images)
+                times = []
+                async for out in engine.generate(request):
+                    if out.new_token_ids:
+                        times.append(time.perf_counter())
+                if i >= args.warmup:
+                    results[workload].append(_ttft_gap(start, times))
+                    bar.update()
     finally:
         engine.shutdown()
     return results
 
 
-async def measure_http(base: str, args, bar) -> list[tuple[float, float]]:
-    results = []
+async def measure_http(base: str, args, bar) -> dict[str, list[tuple[float, float]]]:
+    results = {w: [] for w in WORKLOADS}
     async with httpx.AsyncClient(timeout=120) as client:
-        for i in range(args.warmup + args.requests):
-            img, text = conversation(i)
+        for workload, i in itertools.product(WORKLOADS, range(args.warmup + args.requests)):
+            img, text = conversation(i, workload)
+            content = [{"type": "image_url", "image_url": {"url": _data_uri(img)}}] if img is not None else []
             body = {"model": SERVED_NAME, "max_tokens": args.max_tokens, "temperature": 0, "ignore_eos": True,
                     "stream": True, "return_token_ids": True,
-                    "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": _data_uri(img)}},
-                                                              {"type": "text", "text": text}]}]}
+                    "messages": [{"role": "user", "content": content + [{"type": "text", "text": text}]}]}
             payload = json.dumps(body).encode()  # serialized before the clock starts: client-side cost, not ours
             start, times = time.perf_counter(), []
             async with client.stream("POST", f"{base}/v1/chat/completions", content=payload,
@@ -117,7 +128,7 @@ async def measure_http(base: str, args, bar) -> list[tuple[float, float]]:
                         if choices and choices[0].get("token_ids"):
                             times.extend([time.perf_counter()] * len(choices[0]["token_ids"]))
             if i >= args.warmup:
-                results.append(_ttft_gap(start, times))
+                results[workload].append(_ttft_gap(start, times))
                 bar.update()
     return results
 
@@ -141,39 +152,39 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     model_dir = args.model or str(ensure_default_model())
     extra = ["--transfer", args.transfer] + (["--redis-url", args.redis_url] if args.redis_url else [])
-    results = {}
+    samples = {}
     logs = Path(args.out).parent
     logs.mkdir(parents=True, exist_ok=True)
-    with tqdm(total=3 * args.requests, desc="mesh bench", unit="req", file=sys.stderr) as bar:
+    with tqdm(total=3 * len(WORKLOADS) * args.requests, desc="mesh bench", unit="req", file=sys.stderr) as bar:
         bar.set_postfix_str("engine")
-        results["engine"] = summarize(asyncio.run(measure_engine(model_dir, args, bar)))
+        samples["engine"] = asyncio.run(measure_engine(model_dir, args, bar))
         for name, topology in (("local", "local"), ("mesh", args.topology)):
             bar.set_postfix_str(f"{name} (starting)")
             with running_server(model_dir, topology, logs / f"mesh-{name}.log", *extra) as base:
                 bar.set_postfix_str(name)
-                results[name] = summarize(asyncio.run(measure_http(base, args, bar)))
-    e, lo, m = results["engine"], results["local"], results["mesh"]
-    report = {
-        "backend": BACKEND, "topology": args.topology, "transfer": args.transfer, "max_tokens": args.max_tokens,
-        "results": results,
-        "mesh_ttft_added_over_engine_ms": m["p50_ttft_ms"] - e["p50_ttft_ms"],
-        "mesh_ttft_added_over_local_ms": m["p50_ttft_ms"] - lo["p50_ttft_ms"],
-        "mesh_ttft_ratio_over_engine": m["p50_ttft_ms"] / e["p50_ttft_ms"],
-        "mesh_tpot_added_over_engine_ms": m["p50_tpot_ms"] - e["p50_tpot_ms"],
-        "mesh_tpot_ratio_over_engine": m["p50_tpot_ms"] / e["p50_tpot_ms"],
-    }
-    print(f"\nbackend: {BACKEND}; {args.requests} requests each, one at a time, 1 image + short prompt, "
-          f"{args.max_tokens} tokens; transfer {args.transfer}")
-    print(f"{'config':<28}{'p50 TTFT ms':>12}{'p90 TTFT ms':>12}{'p50 gap ms':>12}")
-    for name, label in (("engine", "engine (in-process)"), ("local", "local (HTTP, one process)"),
-                        ("mesh", f"mesh {args.topology}")):
-        r = results[name]
-        print(f"{label:<28}{r['p50_ttft_ms']:>12.2f}{r['p90_ttft_ms']:>12.2f}{r['p50_tpot_ms']:>12.2f}")
-    print(f"mesh TTFT p50: +{report['mesh_ttft_added_over_engine_ms']:.2f} ms over the in-process engine "
-          f"({report['mesh_ttft_ratio_over_engine']:.2f}x; goal ≤ +2 ms), "
-          f"+{report['mesh_ttft_added_over_local_ms']:.2f} ms over one HTTP process")
-    print(f"mesh per-token gap p50: +{report['mesh_tpot_added_over_engine_ms']:.2f} ms "
-          f"({report['mesh_tpot_ratio_over_engine']:.2f}x)")
+                samples[name] = asyncio.run(measure_http(base, args, bar))
+    results = {name: {w: summarize(s) for w, s in per.items()} for name, per in samples.items()}
+    report = {"backend": BACKEND, "topology": args.topology, "transfer": args.transfer, "max_tokens": args.max_tokens,
+              "requests": args.requests, "results": results, "mesh_added": {}}
+    print(f"\nbackend: {BACKEND}; {args.requests} requests per workload, one at a time, {args.max_tokens} tokens each; "
+          f"transfer {args.transfer}")
+    print(f"{'workload':<8}{'config':<28}{'p50 TTFT ms':>12}{'p90 TTFT ms':>12}{'p50 gap ms':>12}")
+    for workload in WORKLOADS:
+        for name, label in (("engine", "engine (in-process)"), ("local", "local (HTTP, one process)"),
+                            ("mesh", f"mesh {args.topology}")):
+            r = results[name][workload]
+            print(f"{workload:<8}{label:<28}{r['p50_ttft_ms']:>12.2f}{r['p90_ttft_ms']:>12.2f}{r['p50_tpot_ms']:>12.2f}")
+        e, lo, m = (results[n][workload] for n in ("engine", "local", "mesh"))
+        added = report["mesh_added"][workload] = {
+            "ttft_over_engine_ms": m["p50_ttft_ms"] - e["p50_ttft_ms"],
+            "ttft_over_local_ms": m["p50_ttft_ms"] - lo["p50_ttft_ms"],
+            "ttft_ratio_over_engine": m["p50_ttft_ms"] / e["p50_ttft_ms"],
+            "tpot_over_engine_ms": m["p50_tpot_ms"] - e["p50_tpot_ms"],
+            "tpot_ratio_over_engine": m["p50_tpot_ms"] / e["p50_tpot_ms"],
+        }
+        print(f"  {workload}: mesh TTFT p50 {added['ttft_over_engine_ms']:+.2f} ms over the in-process engine "
+              f"({added['ttft_ratio_over_engine']:.2f}x; goal ≤ +2 ms), {added['ttft_over_local_ms']:+.2f} ms over one "
+              f"HTTP process; per-token gap {added['tpot_over_engine_ms']:+.2f} ms ({added['tpot_ratio_over_engine']:.2f}x)")
     Path(args.out).write_text(json.dumps(report, indent=2))
     return 0
 

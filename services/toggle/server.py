@@ -1,8 +1,8 @@
 """The toggle: worker registry (Redis) and per-request routing (a pure policy over a registry snapshot).
 
 Life of a request here:
-  1. `Route(summary)` takes the registry snapshot (refreshed from Redis at most every
-     `refresh_s`; the last good one is kept when Redis is unreachable, so routing degrades
+  1. `Route(summary)` takes the registry snapshot (refreshed from Redis every `refresh_s` off the
+     request path; the last good one is kept when Redis is unreachable, so routing degrades
      instead of failing);
   2. `common.policy.routing.route` picks encoder, prefill path and worker, decoder;
   3. the chosen workers' loads in the local snapshot are bumped, so a burst between two
@@ -51,16 +51,26 @@ class ToggleServicer(pb_grpc.ToggleServicer):
         self.decisions = {path: 0 for path in PrefillPath}
 
     async def _workers(self) -> list[WorkerSnapshot]:
+        """The registry snapshot: kept fresh by `refresh_forever`; read inline only when it is older than that."""
+        if time.monotonic() - self._snapshot_at >= 2 * self.refresh_s:
+            await self._refresh()
+        return self._snapshot
+
+    async def _refresh(self) -> None:
         async with self._lock:
             now = time.monotonic()
-            if now - self._snapshot_at >= self.refresh_s:
-                try:
-                    self._snapshot = await self.registry.snapshot()
-                except (redis.exceptions.RedisError, OSError) as e:
-                    log.warning("registry unreachable (%s); routing on the last snapshot", e)
-                    self._snapshot = [dataclasses.replace(w, age_s=w.age_s + now - self._snapshot_at) for w in self._snapshot]
-                self._snapshot_at = now
-            return self._snapshot
+            try:
+                self._snapshot = await self.registry.snapshot()
+            except (redis.exceptions.RedisError, OSError) as e:
+                log.warning("registry unreachable (%s); routing on the last snapshot", e)
+                self._snapshot = [dataclasses.replace(w, age_s=w.age_s + now - self._snapshot_at) for w in self._snapshot]
+            self._snapshot_at = now
+
+    async def refresh_forever(self) -> None:
+        """Keep the snapshot fresh off the request path, so Route never waits on Redis."""
+        while True:
+            await self._refresh()
+            await asyncio.sleep(self.refresh_s)
 
     @grpc_errors
     async def Register(self, request: pb.RegisterRequest, context) -> pb.RegisterResponse:
@@ -141,6 +151,7 @@ async def run_toggle(options: ToggleOptions, ready: asyncio.Event | None = None,
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     await server.start()
+    refresher = asyncio.create_task(servicer.refresh_forever())
     for name in ("", "epdmesh.v1.Toggle"):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     address = f"{options.host}:{port}"
@@ -160,6 +171,7 @@ async def run_toggle(options: ToggleOptions, ready: asyncio.Event | None = None,
     try:
         await stop.wait()
     finally:
+        refresher.cancel()
         await health_servicer.enter_graceful_shutdown()
         await server.stop(2)
         await client.aclose()
