@@ -44,13 +44,15 @@ class AsyncEngine:
 
     async def generate(
         self, request: Request, image_pages: PagePayload | None = None, kv_pages: PagePayload | None = None,
+        preloaded: bool = False,
     ) -> AsyncIterator[RequestOutput]:
-        """Outputs of `request` until it finishes or is handed off; pages of an earlier stage go in with it."""
+        """Outputs of `request` until it finishes or is handed off; pages of an earlier stage go in with it
+        (or are already in the blocks `Engine.reserve_import` gave it: `preloaded`)."""
         if not self._thread.is_alive():
             raise EngineDead("the engine thread has stopped")
         outputs: asyncio.Queue = asyncio.Queue()
         self._streams[request.request_id] = (asyncio.get_running_loop(), outputs)
-        self._inbox.put(("add", (request, image_pages, kv_pages)))
+        self._inbox.put(("add", (request, image_pages, kv_pages, preloaded)))
         done = False
         try:
             while not done:
@@ -117,9 +119,9 @@ class AsyncEngine:
                 return
             block = False
             if kind == "add":
-                request, image_pages, kv_pages = payload
+                request, image_pages, kv_pages, preloaded = payload
                 try:
-                    self.engine.add_request(request, image_pages=image_pages, kv_pages=kv_pages)
+                    self.engine.add_request(request, image_pages=image_pages, kv_pages=kv_pages, preloaded=preloaded)
                 except Exception as exc:
                     self._deliver(request.request_id, exc)
             elif kind == "call":

@@ -74,30 +74,71 @@ class Engine:
         self.detokenize = detokenize
         self.requests: dict[str, Request] = {}
         self.handed_off: dict[str, Request] = {}
+        self.importing: dict[str, Request] = {}  # blocks reserved, being filled by a transfer
         self.captured_logits: dict[str, list[torch.Tensor]] = {}
 
     # ----- intake -----
 
     def add_request(
         self, request: Request, image_pages: PagePayload | None = None, kv_pages: PagePayload | None = None,
-        capture_logits: bool = False,
+        capture_logits: bool = False, preloaded: bool = False,
     ) -> None:
-        self._validate(request)
-        needed = {s for s in Stage if request.first_stage <= s <= request.last_stage}
-        if not needed <= self.config.roles:
-            missing = sorted(s.name.lower() for s in needed - self.config.roles)
-            raise RequestRejected(f"this engine lacks the role(s) {missing} that request {request.request_id} needs")
-        if request.first_stage == Stage.PREFILL and request.images:
-            self._import_image_pages(request, image_pages)
+        """Queue a request. Pages of an earlier stage come as payloads, or were written straight into the
+        blocks `reserve_import` gave (`preloaded=True`, the same request object)."""
+        if preloaded:
+            if self.importing.pop(request.request_id, None) is not request:
+                raise RequestRejected(f"no pages were reserved for request {request.request_id!r}")
+        else:
+            self._admit(request)
+            if request.first_stage == Stage.PREFILL and request.images:
+                self._import_image_pages(request, image_pages)
+            if request.first_stage == Stage.DECODE:
+                self._import_kv_pages(request, kv_pages)
         if request.first_stage == Stage.DECODE:
-            self._import_kv_pages(request, kv_pages)
+            request.num_computed_tokens = request.num_prompt_tokens
         self.requests[request.request_id] = request
         if capture_logits:
             self.captured_logits[request.request_id] = []
         self.scheduler.add(request)
 
+    def reserve_import(self, request: Request) -> tuple[str, list[int], int]:
+        """Allocate the blocks that `request`'s handed-over pages go into, for a transfer to fill directly.
+
+        Returns (cache kind, block ids in token order, tokens they must hold). Then either
+        `add_request(request, preloaded=True)` once they are written, or `cancel_import`.
+        """
+        self._admit(request)
+        if request.request_id in self.importing:
+            raise RequestRejected(f"request id {request.request_id!r} is already in use")
+        if request.first_stage == Stage.DECODE:
+            self._allocate_kv_import(request)
+            kind, n = "kv", request.num_prompt_tokens
+            blocks = request.block_table[: blocks_for(n, self.config.block_size)]
+        elif request.first_stage == Stage.PREFILL and request.images:
+            self._allocate_image_import(request)
+            kind, n, blocks = "image", request.num_image_tokens, request.image_block_table
+        else:
+            raise RequestRejected(f"request {request.request_id} starts at {request.first_stage.name}: no pages to import")
+        self.importing[request.request_id] = request
+        return kind, list(blocks), n
+
+    def cancel_import(self, request_id: str) -> bool:
+        request = self.importing.pop(request_id, None)
+        if request is None:
+            return False
+        self.scheduler.kv.free(request)
+        self.scheduler.images.free(request)
+        return True
+
+    def _admit(self, request: Request) -> None:
+        self._validate(request)
+        needed = {s for s in Stage if request.first_stage <= s <= request.last_stage}
+        if not needed <= self.config.roles:
+            missing = sorted(s.name.lower() for s in needed - self.config.roles)
+            raise RequestRejected(f"this engine lacks the role(s) {missing} that request {request.request_id} needs")
+
     def _validate(self, request: Request) -> None:
-        if request.request_id in self.requests or request.request_id in self.handed_off:
+        if request.request_id in self.requests or request.request_id in self.handed_off or request.request_id in self.importing:
             raise RequestRejected(f"request id {request.request_id!r} is already in use")
         cfg = self.model_config
         total = request.num_prompt_tokens + request.sampling.max_tokens
@@ -120,12 +161,23 @@ class Engine:
         if request.sampling.stop and self.detokenize is None:
             raise RequestRejected("stop strings need a tokenizer; this engine was built without one")
 
-    def _import_image_pages(self, request: Request, pages: PagePayload | None) -> None:
-        if pages is None or pages.num_tokens != request.num_image_tokens:
-            raise RequestRejected(f"request {request.request_id} starts at prefill with images but no matching image pages")
+    def _allocate_image_import(self, request: Request) -> None:
         if not self.scheduler.images.can_allocate(request):
             raise RequestRejected("no free image-cache blocks for the handed-over image pages")
         self.scheduler.images.allocate(request)
+
+    def _allocate_kv_import(self, request: Request) -> None:
+        if len(request.output_token_ids) != 1:
+            raise RequestRejected("a request that starts at decode carries exactly its first sampled token")
+        if not self.scheduler.kv.can_allocate(request):
+            raise RequestRejected("no free KV blocks for the handed-over KV pages")
+        kv = self.scheduler.kv
+        request.block_table = kv.pool.allocate(blocks_for(kv.reserved_tokens(request), kv.block_size))
+
+    def _import_image_pages(self, request: Request, pages: PagePayload | None) -> None:
+        if pages is None or pages.num_tokens != request.num_image_tokens:
+            raise RequestRejected(f"request {request.request_id} starts at prefill with images but no matching image pages")
+        self._allocate_image_import(request)
         try:
             self.image_cache.write_blocks(request.image_block_table, pages)
         except ValueError:
@@ -133,20 +185,14 @@ class Engine:
             raise
 
     def _import_kv_pages(self, request: Request, pages: PagePayload | None) -> None:
-        if len(request.output_token_ids) != 1:
-            raise RequestRejected("a request that starts at decode carries exactly its first sampled token")
         if pages is None or pages.num_tokens != request.num_prompt_tokens:
             raise RequestRejected(f"request {request.request_id} starts at decode but has no KV pages for its prompt")
-        if not self.scheduler.kv.can_allocate(request):
-            raise RequestRejected("no free KV blocks for the handed-over KV pages")
-        kv = self.scheduler.kv
-        request.block_table = kv.pool.allocate(blocks_for(kv.reserved_tokens(request), kv.block_size))
+        self._allocate_kv_import(request)
         try:
             self.kv_cache.write_blocks(request.block_table[: pages.num_blocks], pages)
         except ValueError:
-            kv.free(request)
+            self.scheduler.kv.free(request)
             raise
-        request.num_computed_tokens = request.num_prompt_tokens
 
     # ----- the loop -----
 

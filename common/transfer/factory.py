@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 
-from common.paged_cache import PagePayload
+from common.paged_cache import PagedBuffer, PagePayload
 from common.transfer.channels import ChannelPool
 from common.transfer.grpc_stream import GrpcStreamPuller
 from common.transfer.handle import PageHandle
@@ -29,6 +29,9 @@ class DispatchingPuller:
 
     async def pull(self, handle: PageHandle) -> PagePayload:
         return await self._for(handle).pull(handle)
+
+    async def pull_into(self, handle: PageHandle, cache: PagedBuffer, block_ids: list[int]) -> None:
+        await self._for(handle).pull_into(handle, cache, block_ids)
 
     async def release(self, handle: PageHandle) -> bool:
         return await self._for(handle).release(handle)
@@ -60,6 +63,13 @@ def make_transfer(backend: str, engine, channels: ChannelPool, worker_id: str) -
                 raise RuntimeError(f"transfer backend nixl asked for but unavailable: {e}; pip install 'epdmesh[ucx]'") from None
             log.info("UCX transfer unavailable (%s); pages move over the gRPC stream fallback", e)
         else:
-            nixl = NixlTransfer(worker_id, engine, channels)
-            return Transfer(DispatchingPuller({"nixl": nixl, "grpc": grpc_puller}, grpc_puller), "nixl", nixl.metadata)
+            try:
+                nixl = NixlTransfer(worker_id, engine, channels)
+            except Exception as e:  # UCX could not start here
+                if backend == "nixl":
+                    raise RuntimeError(f"transfer backend nixl asked for but it failed to start: {e}") from e
+                log.warning("NIXL/UCX failed to start (%s: %s); pages move over the gRPC stream fallback",
+                            type(e).__name__, e)
+            else:
+                return Transfer(DispatchingPuller({"nixl": nixl, "grpc": grpc_puller}, grpc_puller), "nixl", nixl.metadata)
     return Transfer(DispatchingPuller({"grpc": grpc_puller}, grpc_puller), "grpc")

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
 
-from common.paged_cache import PagePayload
+from common.paged_cache import PagedBuffer, PagePayload
 from common.transfer.handle import PageHandle
-from common.transfer.puller import PullFailed
+from common.transfer.puller import PullFailed, pull_then_write
 
 ReadFn = Callable[[str], Awaitable[PagePayload]]  # lease id → pages; KeyError for an unknown lease
 ReleaseFn = Callable[[str], Awaitable[bool]]  # lease id → whether the source held it
@@ -44,6 +44,9 @@ class FakePuller:
         self.fabric.bytes_moved += len(payload.data)
         self.fabric.pulls += 1
         return payload
+
+    async def pull_into(self, handle: PageHandle, cache: PagedBuffer, block_ids: list[int]) -> None:
+        await pull_then_write(self, handle, cache, block_ids)
 
     async def release(self, handle: PageHandle) -> bool:
         source = self.fabric.sources.get(handle.address)

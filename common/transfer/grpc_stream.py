@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import grpc
 
-from common.paged_cache import PagePayload
+from common.paged_cache import PagedBuffer, PagePayload
 from common.transfer.channels import ChannelPool
 from common.transfer.handle import PageHandle
-from common.transfer.puller import PullFailed
+from common.transfer.puller import PullFailed, pull_then_write
 from epdmesh.v1 import mesh_pb2 as pb
 from epdmesh.v1 import mesh_pb2_grpc as pb_grpc
 
@@ -41,6 +41,9 @@ class GrpcStreamPuller:
         if offset != len(buffer):
             raise PullFailed(f"source {handle.worker_id} sent {offset} of {len(buffer)} bytes")
         return PagePayload(handle.layout, handle.num_tokens, bytes(buffer))
+
+    async def pull_into(self, handle: PageHandle, cache: PagedBuffer, block_ids: list[int]) -> None:
+        await pull_then_write(self, handle, cache, block_ids)
 
     async def release(self, handle: PageHandle) -> bool:
         return await release_over_grpc(self.channels, handle)

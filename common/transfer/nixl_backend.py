@@ -48,11 +48,16 @@ from collections import OrderedDict  # noqa: E402
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from common.paged_cache import PagePayload  # noqa: E402
+from common.paged_cache import PagedBuffer, PagePayload  # noqa: E402
 from common.transfer.channels import ChannelPool  # noqa: E402
 from common.transfer.grpc_stream import release_over_grpc  # noqa: E402
 from common.transfer.handle import PageHandle  # noqa: E402
-from common.transfer.puller import PullFailed  # noqa: E402
+from common.transfer.puller import (  # noqa: E402
+    PullFailed,
+    check_destination,
+    finish_even_if_cancelled,
+    pull_then_write,
+)
 
 
 def _import_nixl():
@@ -176,6 +181,18 @@ def block_runs(block_ids, block_bytes: int) -> list[tuple[int, int, int]]:
     return runs
 
 
+def paired_runs(src_ids, dst_ids, block_bytes: int) -> list[tuple[int, int, int]]:
+    """(source offset, destination offset, length) per run where both sides' block ids are consecutive."""
+    runs: list[tuple[int, int, int]] = []
+    for s, d in zip(src_ids, dst_ids):
+        so, do = s * block_bytes, d * block_bytes
+        if runs and runs[-1][0] + runs[-1][2] == so and runs[-1][1] + runs[-1][2] == do:
+            runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + block_bytes)
+        else:
+            runs.append((so, do, block_bytes))
+    return runs
+
+
 class _Staging:
     """A registered CPU buffer the READs land in before being copied out."""
 
@@ -242,6 +259,19 @@ class NixlTransfer:
         loop = asyncio.get_running_loop()
         data = await loop.run_in_executor(self._executor, self._pull_blocking, handle)
         return PagePayload(handle.layout, handle.num_tokens, data)
+
+    async def pull_into(self, handle: PageHandle, cache: PagedBuffer, block_ids: list[int]) -> None:
+        """One READ from the source's cache straight into ours: no staging buffer, no bytes object."""
+        check_destination(handle, cache, block_ids)
+        if self._closed:
+            raise PullFailed("NIXL transfer is closed")
+        registered = self._tensors.get(handle.kind)
+        if registered is None or registered.data_ptr() != cache.data.data_ptr():
+            await pull_then_write(self, handle, cache, block_ids)  # not our registered cache: via bytes
+            return
+        loop = asyncio.get_running_loop()
+        await finish_even_if_cancelled(loop.run_in_executor(self._executor, self._pull_into_blocking, handle,
+                                                            cache.data, list(block_ids)))
 
     async def release(self, handle: PageHandle) -> bool:
         return await release_over_grpc(self.channels, handle)
@@ -329,7 +359,8 @@ class NixlTransfer:
                 for s in dropped:
                     self.agent.deregister_memory(s.reg)
 
-    def _pull_blocking(self, handle: PageHandle) -> bytes:
+    def _source(self, handle: PageHandle) -> tuple[PeerInfo, CacheRegion]:
+        """The handle's source agent and cache region, checked; PullFailed if the handle cannot be read."""
         if not handle.backend_info:
             raise PullFailed(f"handle {handle.lease_id} from {handle.worker_id} carries no NIXL metadata")
         if handle.lease_expiry < time.time():
@@ -347,13 +378,73 @@ class NixlTransfer:
         bad = [b for b in handle.block_ids if not 0 <= b < region.num_blocks]
         if bad:
             raise PullFailed(f"block ids {bad[:4]} out of range for {peer.agent}'s {region.num_blocks} {handle.kind} blocks")
+        return peer, region
+
+    def _check_still_leased(self, handle: PageHandle) -> None:
+        if handle.lease_expiry < time.time():  # the source may have freed and reused the pages meanwhile
+            raise PullFailed(f"lease {handle.lease_id} from {handle.worker_id} expired during the pull")
+
+    def _pull_blocking(self, handle: PageHandle) -> bytes:
+        peer, region = self._source(handle)
         if peer.agent == self.worker_id:
             data = self._read_own(handle, peer)
         else:
             data = self._read_remote(handle, peer, region)
-        if handle.lease_expiry < time.time():  # the source may have freed and reused the pages meanwhile
-            raise PullFailed(f"lease {handle.lease_id} from {handle.worker_id} expired during the pull")
+        self._check_still_leased(handle)
         return data
+
+    def _pull_into_blocking(self, handle: PageHandle, tensor: torch.Tensor, block_ids: list[int]) -> None:
+        """READ the source blocks straight into this worker's registered cache `tensor` at `block_ids`."""
+        peer, region = self._source(handle)
+        if peer.agent == self.worker_id:
+            src = torch.tensor(handle.block_ids, dtype=torch.long, device=tensor.device)
+            dst = torch.tensor(block_ids, dtype=torch.long, device=tensor.device)
+            tensor[dst] = tensor.index_select(0, src)
+            return
+        runs = paired_runs(handle.block_ids, block_ids, region.block_bytes)
+        base = tensor.data_ptr()
+        remote = np.array([(region.addr + s, n, region.dev) for s, _, n in runs], dtype=np.uint64)
+        local = np.array([(base + d, n, 0) for _, d, n in runs], dtype=np.uint64)
+        xfer = None
+        try:
+            xfer = self._read(handle, peer, region, local, remote)
+        except PullFailed as e:
+            xfer = getattr(e, "xfer", None)
+            raise
+        finally:
+            if not self._finish(xfer):
+                log.error("NIXL READ of %s into cache blocks could not be aborted; those blocks may still change",
+                          handle.lease_id)
+        self._check_still_leased(handle)
+
+    def _read(self, handle: PageHandle, peer: PeerInfo, region: CacheRegion, local, remote):
+        """Post one READ of `remote` into `local` descriptors and wait for it; returns the transfer (to finish)."""
+        xfer = None
+        try:
+            with self._lock:
+                self._ensure_remote(peer, handle.backend_info)
+                local_descs = self.agent.get_xfer_descs(local, "DRAM")
+                remote_descs = self.agent.get_xfer_descs(remote, region.mem)
+                xfer = self.agent.initialize_xfer("READ", local_descs, remote_descs, peer.agent)
+                state = self.agent.transfer(xfer)
+            deadline = time.monotonic() + self.timeout_s
+            delay = 2e-5
+            while state == "PROC" and time.monotonic() < deadline:
+                time.sleep(delay)
+                delay = min(delay * 2, 1e-3)
+                with self._lock:
+                    state = self.agent.check_xfer_state(xfer)
+        except PullFailed:
+            raise
+        except Exception as e:  # nixl raises its own binding errors (e.g. unknown memory at the source)
+            self._finish(xfer)
+            raise PullFailed(f"NIXL READ of {handle.lease_id} from {peer.agent}: {type(e).__name__}: {e}") from None
+        if state != "DONE":
+            what = "timed out after %.1f s" % self.timeout_s if state == "PROC" else "failed"
+            error = PullFailed(f"NIXL READ of {handle.lease_id} ({handle.num_bytes} B) from {peer.agent} {what}")
+            error.xfer = xfer
+            raise error
+        return xfer
 
     def _read_own(self, handle: PageHandle, peer: PeerInfo) -> bytes:
         """A handle on this worker's own pages (e.g. encode and prefill on one worker): a local gather."""
@@ -374,29 +465,12 @@ class NixlTransfer:
         base = staging.tensor.data_ptr()
         local = np.array([(base + lo, n, 0) for _, lo, n in runs], dtype=np.uint64)
         xfer = None
-        state = "ERR"
         try:
             try:
-                with self._lock:
-                    self._ensure_remote(peer, handle.backend_info)
-                    local_descs = self.agent.get_xfer_descs(local, "DRAM")
-                    remote_descs = self.agent.get_xfer_descs(remote, region.mem)
-                    xfer = self.agent.initialize_xfer("READ", local_descs, remote_descs, peer.agent)
-                    state = self.agent.transfer(xfer)
-                deadline = time.monotonic() + self.timeout_s
-                delay = 2e-5
-                while state == "PROC" and time.monotonic() < deadline:
-                    time.sleep(delay)
-                    delay = min(delay * 2, 1e-3)
-                    with self._lock:
-                        state = self.agent.check_xfer_state(xfer)
-            except PullFailed:
+                xfer = self._read(handle, peer, region, local, remote)
+            except PullFailed as e:
+                xfer = getattr(e, "xfer", None)
                 raise
-            except Exception as e:  # nixl raises its own binding errors (e.g. unknown memory at the source)
-                raise PullFailed(f"NIXL READ of {handle.lease_id} from {peer.agent}: {type(e).__name__}: {e}") from None
-            if state != "DONE":
-                what = "timed out after %.1f s" % self.timeout_s if state == "PROC" else "failed"
-                raise PullFailed(f"NIXL READ of {handle.lease_id} ({nbytes} B) from {peer.agent} {what}")
             data = bytes_of(staging.tensor[:nbytes])
         except BaseException:
             if not self._finish(xfer):  # still in flight: its buffer must never be reused or freed

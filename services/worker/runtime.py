@@ -3,7 +3,8 @@
 Life of a request in a worker:
   1. a stage rpc (Encode / Prefill / Decode) arrives with a spec and, maybe, handles on pages
      that another worker holds;
-  2. those pages are pulled through the transfer backend and acked at once (the source frees them);
+  2. blocks are reserved in this engine and those pages pulled straight into them through the
+     transfer backend, then acked at once (the source frees them);
   3. the request runs in the engine up to its last stage here, under an id suffixed by the stage,
      so one worker can hold the same request at two stages (ED: encode, later decode);
   4. a handed-off request's pages are leased: the handle goes back to the caller, and the pages
@@ -58,21 +59,42 @@ class WorkerRuntime:
     async def prefill(self, request: Request, image_pages: PageHandle | None) -> tuple[RequestOutput, PageHandle | None]:
         """The first token, and a lease on the KV pages (None when the first token finished the request)."""
         with self._admitted():
-            images = await self._pull(image_pages)
-            last = await self._run_to_handoff(request, image_pages=images)
+            preloaded = await self._import(request, image_pages)
+            last = await self._run_to_handoff(request, preloaded)
             return last, (await self._lease(request.request_id) if last.handed_off else None)
 
     async def decode(self, request: Request, kv_pages: PageHandle | None,
                      image_pages: PageHandle | None) -> AsyncIterator[RequestOutput]:
         with self._admitted():
-            kv = await self._pull(kv_pages)
-            images = await self._pull(image_pages)
-            async for out in self.engine.generate(request, image_pages=images, kv_pages=kv):
+            preloaded = await self._import(request, kv_pages or image_pages)
+            async for out in self.engine.generate(request, preloaded=preloaded):
                 yield out
 
-    async def _run_to_handoff(self, request: Request, image_pages: PagePayload | None = None) -> RequestOutput:
+    async def _import(self, request: Request, handle: PageHandle | None) -> bool:
+        """Reserve blocks for the handle's pages, pull them straight in, ack the source. False: no pages to bring."""
+        if handle is None:
+            return False
+        try:
+            kind, block_ids, num_tokens = await self.engine.call(lambda e: e.reserve_import(request))
+        except BaseException:
+            self._spawn(self.puller.release(handle))  # we will never pull them: let the source free them now
+            raise
+        done = False
+        try:
+            if kind != handle.kind or num_tokens != handle.num_tokens:
+                raise ValueError(f"the {handle.kind} pages of {handle.lease_id} hold {handle.num_tokens} tokens; "
+                                 f"request {request.request_id} needs {num_tokens} tokens of {kind} pages")
+            await self.puller.pull_into(handle, self.engine.engine.cache(kind), block_ids)
+            done = True
+        finally:  # we have the pages, or gave up on them: either way the source may free them
+            self._spawn(self.puller.release(handle))
+            if not done:  # free the reserved blocks before the error goes back
+                await asyncio.shield(self.engine.call(lambda e: e.cancel_import(request.request_id)))
+        return True
+
+    async def _run_to_handoff(self, request: Request, preloaded: bool = False) -> RequestOutput:
         last = None
-        stream = self.engine.generate(request, image_pages=image_pages)
+        stream = self.engine.generate(request, preloaded=preloaded)
         try:
             async for out in stream:
                 last = out
@@ -89,14 +111,6 @@ class WorkerRuntime:
         except BaseException:
             self._post_release(engine_request_id)
             raise
-
-    async def _pull(self, handle: PageHandle | None) -> PagePayload | None:
-        if handle is None:
-            return None
-        try:
-            return await self.puller.pull(handle)
-        finally:  # we have the bytes, or gave up on them: either way the source may free them
-            self._spawn(self.puller.release(handle))
 
     # ----- the source side of transfers -----
 

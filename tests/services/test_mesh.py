@@ -18,8 +18,11 @@ from tests.services.test_gateway import to_openai
 
 TOPOLOGIES = {
     "EPD1": ("EPD1", ()),  # colocated: one worker, no pages move
-    "EP1+D1": ("EP1+D1", ()),  # encode+prefill together, KV pages move to the decoder
-    "ED1+P1": ("ED1+P1", ()),  # image pages move to the prefill worker, KV pages back to the encoder's process
+    # encode+prefill together, KV pages move to the decoder — over the gRPC-stream fallback
+    "EP1+D1": ("EP1+D1", ("--transfer", "grpc")),
+    # image pages move to the prefill worker, KV pages back to the encoder's process — by the default backend
+    # (NIXL/UCX when installed, as `make test` does)
+    "ED1+P1": ("ED1+P1", ()),
     # decoders that prefill too: short prompts prefill on the decoder (no KV moves), long ones on P
     "multiplexed": ("E1+P1+PD1", ("--prefill-mode", "auto", "--multiplex-max-tokens", "300")),
 }
