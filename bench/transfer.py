@@ -3,12 +3,18 @@
     python -m bench.transfer [--sizes-mib 1,4,16,64,256] [--block-kib 256] [--repeats 5] [--order shuffled]
 
 Backends, each measured on the code path the workers run:
-  memcpy      baseline, one process: torch `copy_` of the same number of bytes into a preallocated tensor
+  memcpy      baseline, one process: a plain memcpy (`ctypes.memmove`, one thread) of the same number of
+              bytes into a preallocated buffer (torch's `copy_` would split it over both cores)
   gather      one process: `PagedBuffer.read_blocks` (index the blocks, copy them into new bytes); what a
               source does per gRPC pull, and the in-process ceiling for a pull that must return new bytes
   grpc        `GrpcStreamPuller.pull` against a real grpc.aio server in another process that mounts the
               real `WorkerServicer` over a real `WorkerRuntime` (its lease table, `read_lease`), 4 MiB chunks
-  nixl        `NixlTransfer.pull` against the same source process's NIXL agent (one-sided UCX READ, loopback)
+  nixl        `NixlTransfer.pull` against the same source process's NIXL agent (one-sided UCX READ, loopback),
+              into a staging buffer, then copied out to new bytes
+  grpc-into   `GrpcStreamPuller.pull_into`: the same pull, then written into blocks of a destination cache —
+              what a worker does with a handle it is given
+  nixl-into   `NixlTransfer.pull_into`: one READ straight into the blocks of this process's registered
+              destination cache (shuffled destination ids too) — what a worker does with a NIXL handle
 
 The source process holds a paged cache of (largest size × 1.25) in blocks of --block-kib and leases
 one page set per size (block ids a random sample, so runs are non-contiguous unless --order contiguous).
@@ -21,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import ctypes
 import datetime
 import importlib.metadata
 import json
@@ -45,10 +52,12 @@ from common.paged_cache import PagedBuffer  # noqa: E402
 MiB = 1 << 20
 BLOCK_SIZE = 16  # tokens per block (only the layout's bookkeeping; bytes per block is what matters)
 DESCRIPTIONS = {
-    "memcpy": "torch copy_ into a preallocated tensor, 1 process (baseline)",
+    "memcpy": "plain memcpy (ctypes.memmove, 1 thread) into a preallocated buffer, 1 process (baseline)",
     "gather": "PagedBuffer.read_blocks → new bytes, 1 process",
     "grpc": "GrpcStreamPuller ↔ WorkerServicer.PullPages (grpc.aio, 2 processes, 4 MiB chunks)",
-    "nixl": "NixlTransfer.pull: NIXL one-sided READ over UCX (2 processes, UCX_NET_DEVICES=lo)",
+    "nixl": "NixlTransfer.pull: NIXL one-sided READ over UCX (2 processes, UCX_NET_DEVICES=lo) → new bytes",
+    "grpc-into": "GrpcStreamPuller.pull_into: gRPC pull, then written into destination cache blocks",
+    "nixl-into": "NixlTransfer.pull_into: one NIXL READ straight into registered destination cache blocks",
 }
 
 
@@ -58,7 +67,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--block-kib", type=int, default=256, help="bytes per page block, KiB")
     p.add_argument("--repeats", type=int, default=5, help="timed pulls per cell, after one warm-up")
     p.add_argument("--order", choices=("shuffled", "contiguous"), default="shuffled", help="block ids of a page set")
-    p.add_argument("--backends", default="memcpy,gather,grpc,nixl", help="comma-separated subset")
+    p.add_argument("--backends", default="memcpy,gather,grpc,nixl,grpc-into,nixl-into", help="comma-separated subset")
     p.add_argument("--cell-budget-s", type=float, default=8.0, help="stop repeating a cell after this long")
     p.add_argument("--budget-s", type=float, default=100.0, help="skip the cells left after this long")
     p.add_argument("--out", default="bench/results/transfer.json")
@@ -82,8 +91,8 @@ def fill_cache(num_blocks: int, block_bytes: int) -> PagedBuffer:
     return cache
 
 
-def block_ids_for(sizes: list[int], block_bytes: int, num_blocks: int, order: str) -> dict[int, list[int]]:
-    gen = torch.Generator().manual_seed(1234)
+def block_ids_for(sizes: list[int], block_bytes: int, num_blocks: int, order: str, seed: int = 1234) -> dict[int, list[int]]:
+    gen = torch.Generator().manual_seed(seed)
     out = {}
     for size in sizes:
         n = size // block_bytes
@@ -158,6 +167,9 @@ async def _serve(conn, sizes, block_bytes, num_blocks, order, with_nixl) -> None
 
 async def _time_cell(pull, size: int, expect: bytes | None, repeats: int, cell_budget_s: float, bar) -> list[float]:
     data = await pull()  # warm-up (connection set-up, staging buffers), checked byte for byte
+    if isinstance(expect, tuple):  # pulled into destination blocks: read those back
+        _, block_ids, expect = expect
+        data = data.read_blocks(block_ids, len(block_ids) * BLOCK_SIZE).data
     if expect is not None and data != expect:
         raise AssertionError(f"pulled bytes differ from the source's ({size} B)")
     del data
@@ -182,10 +194,13 @@ async def _run(args, handles: dict[int, object], local: PagedBuffer, ids: dict[i
 
     channels = ChannelPool()
     pullers = {"grpc": GrpcStreamPuller(channels)}
-    if "nixl" in args.backends:
+    pullers["grpc-into"] = pullers["grpc"]
+    dest = fill_cache(local.num_blocks, local.layout.bytes_per_block)  # where pull_into writes
+    dest_ids = block_ids_for(args.sizes, local.layout.bytes_per_block, local.num_blocks, args.order, seed=99)
+    if {"nixl", "nixl-into"} & set(args.backends):
         from common.transfer.nixl_backend import NixlTransfer
 
-        pullers["nixl"] = NixlTransfer("bench-puller", None, channels, caches={})
+        pullers["nixl"] = pullers["nixl-into"] = NixlTransfer("bench-puller", None, channels, caches={"kv": dest.data})
     rows: list[dict] = []
     deadline = time.perf_counter() + args.budget_s
     try:
@@ -201,12 +216,17 @@ async def _run(args, handles: dict[int, object], local: PagedBuffer, ids: dict[i
                     continue
                 if backend == "memcpy":
                     async def pull(src=src, dst=dst):
-                        dst.copy_(src)
+                        ctypes.memmove(dst.data_ptr(), src.data_ptr(), src.numel())
                     check = None
                 elif backend == "gather":
                     async def pull(size=size):
                         return local.read_blocks(ids[size], len(ids[size]) * BLOCK_SIZE).data
                     check = expect
+                elif backend.endswith("-into"):
+                    async def pull(puller=pullers[backend], handle=handles[size], size=size):
+                        await puller.pull_into(handle, dest, dest_ids[size])
+                        return dest
+                    check = ("into", dest_ids[size], expect)
                 else:
                     async def pull(puller=pullers[backend], handle=handles[size]):
                         return (await puller.pull(handle)).data
@@ -259,14 +279,14 @@ def main(argv: list[str] | None = None) -> int:
         nixl_version = importlib.metadata.version("nixl-cu12")
     except importlib.metadata.PackageNotFoundError:
         nixl_version = None
-    if "nixl" in args.backends:
+    if {"nixl", "nixl-into"} & set(args.backends):
         try:
             import common.transfer.nixl_backend  # noqa: F401
         except ImportError as e:
-            print(f"NIXL unavailable ({e}); skipping the nixl backend", file=sys.stderr)
-            args.backends.remove("nixl")
-    with_nixl = "nixl" in args.backends
-    needs_source = with_nixl or "grpc" in args.backends
+            print(f"NIXL unavailable ({e}); skipping the nixl backends", file=sys.stderr)
+            args.backends = [b for b in args.backends if not b.startswith("nixl")]
+    with_nixl = any(b.startswith("nixl") for b in args.backends)
+    needs_source = with_nixl or any(b.startswith("grpc") for b in args.backends)
     local = fill_cache(num_blocks, block_bytes)
     ids = block_ids_for(args.sizes, block_bytes, num_blocks, args.order)
     meta = {
