@@ -10,8 +10,11 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import warnings
 
 import torch
+
+from common.memory import bytes_of
 
 
 class PageLayoutMismatch(ValueError):
@@ -59,18 +62,30 @@ class PagedBuffer:
         """Zero-copy view of one block's bytes (CPU caches)."""
         return memoryview(self.data[block_id].view(torch.uint8).reshape(-1).numpy())
 
+    def gather_bytes(self, block_ids: list[int]) -> bytes:
+        """The blocks' bytes, in the given order (copied out without holding the GIL where possible)."""
+        index = torch.tensor(block_ids, dtype=torch.long, device=self.data.device)
+        return bytes_of(self.data.index_select(0, index).cpu())
+
     def read_blocks(self, block_ids: list[int], num_tokens: int) -> PagePayload:
-        data = self.data[torch.tensor(block_ids, dtype=torch.long, device=self.data.device)].cpu().contiguous()
-        return PagePayload(self.layout, num_tokens, data.view(torch.uint8).numpy().tobytes())
+        return PagePayload(self.layout, num_tokens, self.gather_bytes(block_ids))
+
+    def write_raw(self, block_ids: list[int], data) -> None:
+        """Write whole blocks' bytes (any buffer; read only) into `block_ids`, in order."""
+        if len(data) != len(block_ids) * self.layout.bytes_per_block:
+            raise ValueError(f"{len(data)} bytes are not {len(block_ids)} blocks of {self.layout.bytes_per_block}")
+        with warnings.catch_warnings():  # torch warns that a read-only buffer is not writable: we only read it
+            warnings.simplefilter("ignore", UserWarning)
+            src = torch.frombuffer(data, dtype=torch.uint8)
+        index = torch.tensor(block_ids, dtype=torch.long, device=self.data.device)
+        self.data[index] = src.view(self.data.dtype).view(len(block_ids), *self.layout.block_shape).to(self.data.device)
 
     def write_blocks(self, block_ids: list[int], payload: PagePayload) -> None:
         if payload.layout != self.layout:
             raise PageLayoutMismatch(f"pages have layout {payload.layout}, this cache {self.layout}")
         if len(block_ids) != payload.num_blocks:
             raise ValueError(f"{payload.num_blocks} blocks of data for {len(block_ids)} block ids")
-        src = torch.frombuffer(bytearray(payload.data), dtype=torch.uint8).view(self.data.dtype)
-        index = torch.tensor(block_ids, dtype=torch.long, device=self.data.device)
-        self.data[index] = src.view(len(block_ids), *self.layout.block_shape).to(self.data.device)
+        self.write_raw(block_ids, payload.data)
 
 
 class PagedKVCache(PagedBuffer):

@@ -97,8 +97,6 @@ def _cmd_serve(args) -> int:
 
 
 def _cmd_worker(args) -> int:
-    import asyncio
-
     import uvloop
 
     from services.worker.server import WorkerOptions, run_worker

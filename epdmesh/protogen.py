@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import subprocess
 import sys
 from pathlib import Path
 
@@ -10,13 +11,16 @@ PROTOS = ["epdmesh/v1/mesh.proto"]
 
 
 def generate(out_dir: Path) -> list[Path]:
-    """Write the stubs for every proto under `out_dir` (a package root); returns the files written."""
-    from grpc_tools import protoc
+    """Write the stubs for every proto under `out_dir` (a package root); returns the files written.
 
+    protoc runs in its own process: its bundled libprotobuf must not meet the native libraries other
+    packages have loaded into ours (seen: a segfault importing it after NIXL)."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    args = ["protoc", f"-I{ROOT / 'proto'}", f"--python_out={out_dir}", f"--pyi_out={out_dir}", f"--grpc_python_out={out_dir}"]
-    if protoc.main(args + [str(ROOT / "proto" / p) for p in PROTOS]) != 0:
-        raise RuntimeError("protoc failed")
+    args = [sys.executable, "-m", "grpc_tools.protoc", f"-I{ROOT / 'proto'}", f"--python_out={out_dir}",
+            f"--pyi_out={out_dir}", f"--grpc_python_out={out_dir}"]
+    done = subprocess.run(args + [str(ROOT / "proto" / p) for p in PROTOS], capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"protoc failed: {done.stderr.strip()}")
     stems = [out_dir / p.removesuffix(".proto") for p in PROTOS]
     return [stem.with_name(stem.name + suffix) for stem in stems for suffix in ("_pb2.py", "_pb2.pyi", "_pb2_grpc.py")]
 

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import grpc
 
 from common.paged_cache import PagedBuffer, PagePayload
 from common.transfer.channels import ChannelPool
 from common.transfer.handle import PageHandle
-from common.transfer.puller import PullFailed, pull_then_write
+from common.transfer.puller import PullFailed, check_destination, finish_even_if_cancelled
 from epdmesh.v1 import mesh_pb2 as pb
 from epdmesh.v1 import mesh_pb2_grpc as pb_grpc
 
@@ -43,7 +45,26 @@ class GrpcStreamPuller:
         return PagePayload(handle.layout, handle.num_tokens, bytes(buffer))
 
     async def pull_into(self, handle: PageHandle, cache: PagedBuffer, block_ids: list[int]) -> None:
-        await pull_then_write(self, handle, cache, block_ids)
+        """Each chunk (whole blocks) goes into its destination blocks as it arrives: one copy, no assembly."""
+        check_destination(handle, cache, block_ids)
+        stub = pb_grpc.WorkerStub(self.channels.get(handle.address))
+        block_bytes, written = cache.layout.bytes_per_block, 0
+        try:
+            call = stub.PullPages(pb.PullPagesRequest(lease_id=handle.lease_id, chunk_bytes=self.chunk_bytes),
+                                  timeout=self.timeout_s)
+            async for chunk in call:
+                count, rest = divmod(len(chunk.data), block_bytes)
+                if rest or written + count > len(block_ids):
+                    raise PullFailed(f"source {handle.worker_id} sent a chunk of {len(chunk.data)} B that is not "
+                                     f"whole blocks of the {len(block_ids) - written} still expected")
+                target = block_ids[written:written + count]
+                await finish_even_if_cancelled(asyncio.ensure_future(asyncio.to_thread(cache.write_raw, target, chunk.data)))
+                written += count
+        except grpc.aio.AioRpcError as e:
+            raise PullFailed(f"pulling {handle.lease_id} from {handle.worker_id} at {handle.address}: "
+                             f"{e.code().name}: {e.details()}") from None
+        if written != len(block_ids):
+            raise PullFailed(f"source {handle.worker_id} sent {written} of {len(block_ids)} blocks")
 
     async def release(self, handle: PageHandle) -> bool:
         return await release_over_grpc(self.channels, handle)

@@ -20,7 +20,7 @@ from collections.abc import AsyncIterator
 
 from common.engine.async_engine import AsyncEngine
 from common.engine.outputs import RequestOutput
-from common.paged_cache import PagePayload
+from common.paged_cache import PagedBuffer, PagePayload
 from common.request import Request, Stage
 from common.transfer import LeaseTable, PageHandle, PagePuller
 from common.workers import WorkerLoad
@@ -114,13 +114,17 @@ class WorkerRuntime:
 
     # ----- the source side of transfers -----
 
-    async def read_lease(self, lease_id: str) -> PagePayload:
+    def leased_blocks(self, lease_id: str) -> tuple[PagedBuffer, list[int]]:
+        """The cache and block ids (token order) a live lease holds; KeyError if there is no such lease."""
         lease = self.leases.get(lease_id)
         if lease is None:
             raise KeyError(f"worker {self.worker_id} holds no lease {lease_id!r} (acked, expired or never granted)")
-        h = lease.handle
-        cache = self.engine.engine.cache(h.kind)
-        return await asyncio.to_thread(cache.read_blocks, list(h.block_ids), h.num_tokens)
+        return self.engine.engine.cache(lease.handle.kind), list(lease.handle.block_ids)
+
+    async def read_lease(self, lease_id: str) -> PagePayload:
+        cache, block_ids = self.leased_blocks(lease_id)
+        return PagePayload(cache.layout, self.leases.get(lease_id).handle.num_tokens,
+                           await asyncio.to_thread(cache.gather_bytes, block_ids))
 
     async def release_lease(self, lease_id: str) -> bool:
         lease = self.leases.take(lease_id)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 from epdmesh.v1 import mesh_pb2 as pb
 from epdmesh.v1 import mesh_pb2_grpc as pb_grpc
 from services import wire
@@ -18,11 +20,12 @@ class WorkerServicer(pb_grpc.WorkerServicer):
 
     @grpc_errors
     async def PullPages(self, request: pb.PullPagesRequest, context):
-        payload = await self.runtime.read_lease(request.lease_id)
+        """The lease's blocks in token order, each chunk whole blocks (so a puller can place them as they come)."""
+        cache, block_ids = self.runtime.leased_blocks(request.lease_id)
         size = min(request.chunk_bytes or DEFAULT_CHUNK_BYTES, MAX_CHUNK_BYTES)
-        data = memoryview(payload.data)
-        for start in range(0, len(data), size):
-            yield pb.PageChunk(data=bytes(data[start:start + size]))
+        per_chunk = max(1, size // cache.layout.bytes_per_block)
+        for start in range(0, len(block_ids), per_chunk):
+            yield pb.PageChunk(data=await asyncio.to_thread(cache.gather_bytes, block_ids[start:start + per_chunk]))
 
     @grpc_errors
     async def ReleasePages(self, request: pb.ReleasePagesRequest, context) -> pb.ReleasePagesResponse:

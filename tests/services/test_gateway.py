@@ -2,6 +2,7 @@
 
 import asyncio
 import base64
+import concurrent.futures
 import io
 import json
 
@@ -10,7 +11,7 @@ import openai
 import pytest
 
 from tests.services.servers import MODEL, assert_pools_full, running_server
-from tests.support import image, mixed_cases
+from tests.support import image
 
 
 
@@ -94,19 +95,26 @@ def test_stop_strings_cut_the_text(server):
 
 
 def test_client_disconnect_mid_stream_frees_pages_and_others_finish(server):
-    body = {"model": MODEL, "messages": [{"role": "user", "content": "Tell a long story"}], "max_tokens": 400,
-            "temperature": 0, "ignore_eos": True, "stream": True}
     client = openai.OpenAI(base_url=f"{server}/v1", api_key="none")
-    expected = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=30,
+
+    def ask_other() -> str:
+        return client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=30,
                                               temperature=0).choices[0].message.content
-    with httpx.Client(timeout=30) as http:
-        with http.stream("POST", f"{server}/v1/chat/completions", json=body) as resp:
-            lines = resp.iter_lines()
-            received = [next(lines) for _ in range(6)]
-        assert any(line.startswith("data: ") for line in received)
-        other = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=30,
-                                               temperature=0)
-    assert other.choices[0].message.content == expected
+
+    expected = ask_other()
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        stream = client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "Tell a long story"}], max_tokens=400, temperature=0,
+            stream=True, extra_body={"ignore_eos": True})
+        others = [pool.submit(ask_other) for _ in range(2)]  # in flight while the first client walks away
+        received = []
+        for chunk in stream:
+            received.append(chunk)
+            if len(received) == 6:
+                break
+        stream.close()
+        assert [f.result(timeout=60) for f in others] == [expected, expected]
+    assert len(received) == 6 and received[0].choices[0].delta.role == "assistant"
     assert_pools_full(server)
 
 

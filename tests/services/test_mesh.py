@@ -7,17 +7,20 @@ import collections
 import json
 import os
 import signal
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import httpx
 import openai
 import pytest
 
-from tests.services.servers import MODEL, assert_pools_full, running_server
+from tests.services.servers import MODEL, REDIS_URL, assert_pools_full, running_server
 from tests.services.test_gateway import to_openai
 
 TOPOLOGIES = {
-    "EPD1": ("EPD1", ()),  # colocated: one worker, no pages move
+    "EPD1": ("EPD1", ()),  # colocated: one worker, no pages move; serve starts its own private redis-server
     # encode+prefill together, KV pages move to the decoder — over the gRPC-stream fallback
     "EP1+D1": ("EP1+D1", ("--transfer", "grpc")),
     # image pages move to the prefill worker, KV pages back to the encoder's process — by the default backend
@@ -44,7 +47,10 @@ def test_topology_gives_the_transformers_tokens(name, tiny_dir, chat_reference, 
     topology, extra = TOPOLOGIES[name]
     cases, refs = chat_reference
     assert len(cases) >= 8 and any(c.conversation for c in cases)
-    with running_server(tiny_dir, topology, tmp_path / "serve.log", *extra) as base:
+    redis_url = None if name == "EPD1" else REDIS_URL
+    with running_server(tiny_dir, topology, tmp_path / "serve.log", *extra, redis_url=redis_url) as base:
+        if redis_url is None:
+            assert "started a private redis-server" in (tmp_path / "serve.log").read_text()
         responses = asyncio.run(_ask_all(base, cases))
         for case, resp in zip(cases, responses):
             assert resp.choices[0].model_extra["token_ids"] == refs[case.name].tokens, (name, case.name)
@@ -97,3 +103,12 @@ def test_a_decoder_killed_mid_stream_is_replaced_without_duplicates(tiny_dir, tm
         assert killed is not None
         assert streamed == whole  # the stream went on from another decoder: nothing lost, nothing twice
         assert httpx.get(f"{base}/stats").json()["retries"] == 1
+
+
+def test_serve_without_redis_says_what_to_install(tiny_dir, tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "REDIS_URL"}
+    env["PATH"] = str(Path(sys.executable).parent)  # no redis-server on it
+    out = subprocess.run([sys.executable, "-m", "epdmesh.cli", "serve", "--model", str(tiny_dir), "--topology", "EPD1",
+                          "--port", "0"], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode != 0
+    assert "REDIS_URL" in out.stderr and "apt-get install redis-server" in out.stderr

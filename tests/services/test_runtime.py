@@ -13,7 +13,7 @@ from common.sampling import SamplingParams
 from common.transfer import PullFailed
 from common.transfer.fake import FakeFabric, FakePuller
 from services.worker.runtime import WorkerRuntime
-from tests.support import build_requests, mixed_cases
+from tests.support import build_requests
 
 
 def runtime(name, roles, tiny_dir, processor, fabric) -> WorkerRuntime:
