@@ -78,6 +78,9 @@ class Request:
     image_block_table: list[int] = dataclasses.field(default_factory=list)
     output_text: str = ""
     stop_reason: str | int | None = None
+    # engine clock (time.monotonic): first step that scheduled it, and when it finished or was handed off here
+    first_scheduled_time: float | None = None
+    done_time: float | None = None
 
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:

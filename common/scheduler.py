@@ -68,6 +68,11 @@ class SchedulerOutput:
     def is_empty(self) -> bool:
         return not (self.decodes or self.prefills or self.encodes)
 
+    @property
+    def requests(self) -> list[Request]:
+        """Every request with work in this step (a request may appear once per kind of work)."""
+        return [*self.decodes, *(c.request for c in self.prefills), *(e.request for e in self.encodes)]
+
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, kv: KVBlockManager, images: ImageBlockManager):

@@ -16,6 +16,7 @@ class WorkerInfo:
     max_model_len: int = 0
     transfer_backend: str = "grpc"
     pid: int = 0
+    metrics_port: int = 0
 
     def __post_init__(self) -> None:
         if not self.worker_id or not self.address:

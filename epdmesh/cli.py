@@ -84,9 +84,11 @@ def _cmd_serve(args) -> int:
     from services.gateway.app import LocalBackend, build_app
 
     _set_threads(args)
+    metrics, tracing = _gateway_telemetry(args)
     processor = ChatProcessor(args.model)
     engine = AsyncEngine(Engine(_engine_config(args), detokenize=processor.detokenize))
-    app = build_app(LocalBackend(processor, engine), args.served_model_name, allow_remote_images=args.allow_remote_images)
+    app = build_app(LocalBackend(processor, engine), args.served_model_name, allow_remote_images=args.allow_remote_images,
+                    metrics=metrics, tracing=tracing)
     logging.getLogger("epdmesh").info("serving %s (%s) in one process on http://%s:%d/v1", args.served_model_name,
                                       args.model, args.host, args.port)
     try:
@@ -105,7 +107,8 @@ def _cmd_worker(args) -> int:
     _set_threads(args)
     options = WorkerOptions(engine=_engine_config(args, args.roles), host=args.host, port=args.port,
                             advertise_host=args.advertise_host, worker_id=args.worker_id, toggle=args.toggle,
-                            transfer=args.transfer, lease_ttl_s=args.lease_ttl, grace_s=args.grace)
+                            transfer=args.transfer, lease_ttl_s=args.lease_ttl, grace_s=args.grace,
+                            metrics_port=None if args.metrics_port < 0 else args.metrics_port)
     uvloop.run(run_worker(options))
     return 0
 
@@ -130,15 +133,30 @@ def _cmd_gateway(args) -> int:
     from services.gateway.mesh import MeshBackend
 
     _resolve_model(args)
+    metrics, tracing = _gateway_telemetry(args)
     config = LlavaConfig.from_pretrained(args.model)
     limit = config.text.max_position_embeddings
     max_model_len = min(args.max_model_len or limit, limit)
-    backend = MeshBackend(ChatProcessor(args.model, config), args.toggle, max_model_len)
-    app = build_app(backend, args.served_model_name, allow_remote_images=args.allow_remote_images)
+    backend = MeshBackend(ChatProcessor(args.model, config), args.toggle, max_model_len, metrics, tracing)
+    app = build_app(backend, args.served_model_name, allow_remote_images=args.allow_remote_images, metrics=metrics,
+                    tracing=tracing)
     logging.getLogger("epdmesh").info("gateway for %s on http://%s:%d/v1, toggle %s", args.served_model_name, args.host,
                                       args.port, args.toggle)
     uvicorn.run(app, host=args.host, port=args.port, loop="uvloop", log_level="warning", timeout_graceful_shutdown=5)
     return 0
+
+
+def _gateway_telemetry(args):
+    from common.telemetry.metrics import GatewayMetrics
+    from common.telemetry.tracing import Tracing
+
+    tracing = Tracing("epdmesh-gateway")  # before any gRPC channel exists
+    return GatewayMetrics(args.served_model_name, args.slo_ttft_ms / 1e3, args.slo_tbt_ms / 1e3), tracing
+
+
+def _add_slo_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--slo-ttft-ms", type=float, default=2000.0, help="default TTFT target (SLO attainment metrics)")
+    p.add_argument("--slo-tbt-ms", type=float, default=200.0, help="default P90 time-between-tokens target")
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
@@ -187,6 +205,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--redis-url", help="default: $REDIS_URL, else a private redis-server")
     serve.add_argument("--transfer", default="auto", choices=["auto", "nixl", "grpc"], help="page transfer backend")
     serve.add_argument("--allow-remote-images", action="store_true", help="accept http(s) image URLs (off by default)")
+    _add_slo_args(serve)
     serve.set_defaults(func=_cmd_serve)
 
     worker = sub.add_parser("worker", help="one worker: an engine and the gRPC services of its roles")
@@ -201,6 +220,8 @@ def build_parser() -> argparse.ArgumentParser:
     worker.add_argument("--transfer", default="auto", choices=["auto", "nixl", "grpc"])
     worker.add_argument("--lease-ttl", type=float, default=30.0, help="seconds a page lease waits for its ack")
     worker.add_argument("--grace", type=float, default=10.0, help="seconds to drain on shutdown")
+    worker.add_argument("--metrics-port", type=int, default=0,
+                        help="Prometheus /metrics port on --host (0: any free port, shown in the gateway's /stats; -1: off)")
     worker.set_defaults(func=_cmd_worker)
 
     toggle = sub.add_parser("toggle", help="the toggle: worker registry in Redis and request routing")
@@ -218,6 +239,7 @@ def build_parser() -> argparse.ArgumentParser:
     gateway.add_argument("--host", default="127.0.0.1")
     gateway.add_argument("--port", type=int, default=8000)
     gateway.add_argument("--allow-remote-images", action="store_true")
+    _add_slo_args(gateway)
     gateway.set_defaults(func=_cmd_gateway)
     return parser
 

@@ -53,7 +53,11 @@ class Mesh:
         self.tmp = tempfile.TemporaryDirectory(prefix="epdmesh-")
 
     def spawn(self, name: str, argv: list[str], env: dict | None = None) -> subprocess.Popen:
-        proc = subprocess.Popen(argv, env={**os.environ, **(env or {})}, preexec_fn=_die_with_parent)
+        """Start a child; its traces carry its own service name (`$OTEL_SERVICE_NAME-<kind>` or `epdmesh-<kind>`)."""
+        kind = name.split()[0] + ("-" + name.split()[1].split("#")[0].lower() if name.startswith("worker ") else "")
+        service = f"{os.environ.get('OTEL_SERVICE_NAME', 'epdmesh')}-{kind}"
+        proc = subprocess.Popen(argv, env={**os.environ, "OTEL_SERVICE_NAME": service, **(env or {})},
+                                preexec_fn=_die_with_parent)
         self.procs.append((name, proc))
         return proc
 
@@ -161,7 +165,8 @@ def serve_mesh(args) -> int:
                 mesh.spawn(f"worker {group.label}#{i}", worker_argv(group, toggle, args, threads))
         _wait(lambda: _registered(toggle) == num_workers, mesh, f"{num_workers} workers", 600)
         gateway_argv = [sys.executable, "-m", "epdmesh.cli", "gateway", "--toggle", toggle, "--model", args.model,
-                        "--host", args.host, "--port", str(args.port), "--served-model-name", args.served_model_name]
+                        "--host", args.host, "--port", str(args.port), "--served-model-name", args.served_model_name,
+                        "--slo-ttft-ms", str(args.slo_ttft_ms), "--slo-tbt-ms", str(args.slo_tbt_ms)]
         if args.max_model_len:
             gateway_argv += ["--max-model-len", str(args.max_model_len)]
         if args.allow_remote_images:

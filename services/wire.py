@@ -136,14 +136,14 @@ def chunk_stop_reason(msg: pb.TokenChunk) -> str | int | None:
 def info_to_pb(info: WorkerInfo) -> pb.WorkerInfo:
     return pb.WorkerInfo(worker_id=info.worker_id, address=info.address, roles=[_STAGES[s] for s in sorted(info.roles)],
                          model=info.model, max_model_len=info.max_model_len, transfer_backend=info.transfer_backend,
-                         pid=info.pid)
+                         pid=info.pid, metrics_port=info.metrics_port)
 
 
 def info_from_pb(msg: pb.WorkerInfo) -> WorkerInfo:
     stages = _inverse(_STAGES)
     roles = frozenset(stages[r] for r in msg.roles if r in stages)
     return WorkerInfo(msg.worker_id, msg.address, roles, msg.model, msg.max_model_len, msg.transfer_backend or "grpc",
-                      msg.pid)
+                      msg.pid, msg.metrics_port)
 
 
 _LOAD_FIELDS = [f.name for f in pb.WorkerLoad.DESCRIPTOR.fields]

@@ -32,8 +32,10 @@ class EngineDead(RuntimeError):
 
 
 class AsyncEngine:
-    def __init__(self, engine: Engine):
+    def __init__(self, engine: Engine, on_iteration: Callable[[float], None] | None = None):
+        """`on_iteration(seconds)` is called on the engine thread after every step that did work."""
         self.engine = engine
+        self.on_iteration = on_iteration
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._stop = threading.Event()
@@ -101,8 +103,11 @@ class AsyncEngine:
                 if self.engine.has_unfinished:
                     start = time.perf_counter()
                     outputs = self.engine.step()
-                    self.last_iteration_ms = (time.perf_counter() - start) * 1e3
+                    elapsed = time.perf_counter() - start
+                    self.last_iteration_ms = elapsed * 1e3
                     self.iterations += 1
+                    if self.on_iteration is not None:
+                        self.on_iteration(elapsed)
                     for out in outputs:
                         self._deliver(out.request_id, out)
             except Exception as exc:  # a bug of ours: fail what is in flight, keep serving

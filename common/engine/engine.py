@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 from collections.abc import Callable, Iterable
 
 import torch
@@ -204,6 +205,10 @@ class Engine:
         plan = self.scheduler.schedule()
         if plan.is_empty:
             return []
+        now = time.monotonic()
+        for request in plan.requests:
+            if request.first_scheduled_time is None:
+                request.first_scheduled_time = now
         sampling, logits = self.runner.run(plan)
         outputs: dict[str, RequestOutput] = {}
         for work in plan.encodes:
@@ -252,10 +257,12 @@ class Engine:
         return None
 
     def _finish(self, request: Request, status: RequestStatus) -> None:
+        request.done_time = time.monotonic()
         self.scheduler.finish(request, status)
         del self.requests[request.request_id]
 
     def _handoff(self, request: Request) -> RequestOutput:
+        request.done_time = time.monotonic()
         del self.requests[request.request_id]
         self.handed_off[request.request_id] = request
         return self._output(request, [])

@@ -30,6 +30,9 @@ from common.engine.engine import RequestRejected
 from common.engine.outputs import RequestOutput
 from common.model.processor import ChatProcessor
 from common.request import Request
+from common.telemetry.metrics import GatewayMetrics, render
+from common.telemetry.tracing import Tracing
+from services.gateway.observe import RequestObserver
 from services.gateway.protocol import ApiError, ChatRequest, parse_chat_request
 
 log = logging.getLogger(__name__)
@@ -47,7 +50,7 @@ class LocalBackend:
     def max_model_len(self) -> int:
         return self.engine.engine.max_model_len
 
-    async def start(self, chat: ChatRequest, request_id: str) -> tuple[int, AsyncIterator[RequestOutput]]:
+    async def start(self, chat: ChatRequest, request_id: str, span=None) -> tuple[int, AsyncIterator[RequestOutput]]:
         try:
             ids, images = await asyncio.to_thread(self.processor.apply, chat.conversation)
         except (ValueError, TypeError, KeyError) as e:
@@ -80,8 +83,12 @@ def _asdict(obj) -> dict:
     return {name: getattr(obj, name) for name in obj.__slots__}
 
 
-def build_app(backend, model_name: str, allow_remote_images: bool = False) -> Starlette:
+def build_app(backend, model_name: str, allow_remote_images: bool = False, metrics: GatewayMetrics | None = None,
+              tracing: Tracing | None = None) -> Starlette:
+    """`metrics` default: a fresh registry with SLO targets of 2 s TTFT / 200 ms TBT; `tracing` default: from the env."""
     created = int(time.time())
+    metrics = metrics or GatewayMetrics(model_name, ttft_slo_s=2.0, tbt_slo_s=0.2)
+    tracing = tracing or Tracing("epdmesh-gateway")
 
     async def health(_: HttpRequest) -> Response:
         body = await backend.health()
@@ -95,16 +102,24 @@ def build_app(backend, model_name: str, allow_remote_images: bool = False) -> St
     async def stats(_: HttpRequest) -> Response:
         return JSONResponse(await backend.stats())
 
+    async def prometheus(_: HttpRequest) -> Response:
+        body, content_type = render(metrics.registry)
+        return Response(body, media_type=content_type)
+
     async def chat_completions(http: HttpRequest) -> Response:
+        observer = RequestObserver(metrics, tracing, http.headers, model_name)
         try:
             length = int(http.headers.get("content-length") or 0)
             if length > MAX_BODY_BYTES:
                 raise ApiError(413, f"request body is {length} bytes, over {MAX_BODY_BYTES}")
             chat = parse_chat_request(await http.body(), [model_name], allow_remote_images)
             request_id = f"chatcmpl-{uuid.uuid4().hex}"
-            num_prompt, outputs = await backend.start(chat, request_id)
+            observer.request(chat, request_id)
+            num_prompt, outputs = await backend.start(chat, request_id, observer.span)
         except ApiError as e:
+            observer.failed(e.status, e.message)
             return JSONResponse(e.body(), status_code=e.status)
+        outputs = observer.observe(outputs, num_prompt)
         if chat.stream:
             events = _sse(chat, request_id, model_name, num_prompt, outputs, backend.detokenize)
             return StreamingResponse(events, media_type="text/event-stream")
@@ -120,6 +135,7 @@ def build_app(backend, model_name: str, allow_remote_images: bool = False) -> St
         Route("/health", health),
         Route("/v1/models", models),
         Route("/stats", stats),
+        Route("/metrics", prometheus),
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
     ], lifespan=_lifespan(backend))
 

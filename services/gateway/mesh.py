@@ -32,6 +32,8 @@ from common.transfer.grpc_stream import release_over_grpc
 from epdmesh.v1 import mesh_pb2 as pb
 from epdmesh.v1 import mesh_pb2_grpc as pb_grpc
 from services import wire
+from common.telemetry.metrics import GatewayMetrics
+from common.telemetry.tracing import Tracing, set_attributes
 from services.gateway.protocol import ApiError, ChatRequest
 
 log = logging.getLogger(__name__)
@@ -76,8 +78,11 @@ def api_error_from_rpc(e: grpc.aio.AioRpcError, stage: str) -> ApiError:
 
 
 class MeshBackend:
-    def __init__(self, processor: ChatProcessor, toggle_address: str, max_model_len: int):
+    def __init__(self, processor: ChatProcessor, toggle_address: str, max_model_len: int,
+                 metrics: GatewayMetrics | None = None, tracing: Tracing | None = None):
         self.processor = processor
+        self.metrics = metrics
+        self.tracing = tracing or Tracing()
         self.channels = ChannelPool()  # channels are made on first use, inside the serving event loop
         self.toggle_address = toggle_address
         self.max_model_len = max_model_len
@@ -89,7 +94,8 @@ class MeshBackend:
     def toggle(self) -> pb_grpc.ToggleStub:
         return pb_grpc.ToggleStub(self.channels.get(self.toggle_address))
 
-    async def start(self, chat: ChatRequest, request_id: str) -> tuple[int, AsyncIterator[RequestOutput]]:
+    async def start(self, chat: ChatRequest, request_id: str, span=None) -> tuple[int, AsyncIterator[RequestOutput]]:
+        """`span`: the request's root span; route and stage calls become its children."""
         try:
             ids, images = await asyncio.to_thread(self.processor.apply, chat.conversation)
         except (ValueError, TypeError, KeyError) as e:
@@ -98,11 +104,11 @@ class MeshBackend:
         if total > self.max_model_len:
             raise ApiError(400, f"prompt ({len(ids)} tokens) plus max_tokens ({chat.sampling.max_tokens}) is {total}, "
                                 f"over the model's limit of {self.max_model_len}; shorten the prompt or lower max_tokens")
-        stream = self._with_failover(Request(request_id, ids, chat.sampling, images))
+        stream = self._with_failover(Request(request_id, ids, chat.sampling, images), span)
         first = await anext(stream)  # errors before the first token surface here, as an HTTP status
         return len(ids), _prepend(first, stream)
 
-    async def _with_failover(self, request: Request) -> AsyncIterator[RequestOutput]:
+    async def _with_failover(self, request: Request, span=None) -> AsyncIterator[RequestOutput]:
         """The request's outputs; when a worker fails it, route again around that worker and continue.
 
         Tokens already produced are never produced twice: a retry after some output prefills the prompt
@@ -115,17 +121,23 @@ class MeshBackend:
             summary = RouteSummary(current.request_id, current.num_prompt_tokens, len(current.images),
                                    current.sampling.max_tokens, frozenset(exclude))
             try:
-                plan = await self.toggle.Route(wire.summary_to_pb(summary), timeout=10)
+                with self.tracing.activate(span), self.tracing.span("route", {"epdmesh.attempt": attempt}):
+                    plan = await self.toggle.Route(wire.summary_to_pb(summary), timeout=10)
             except grpc.aio.AioRpcError as e:
                 raise api_error_from_rpc(e, "routing") from None
             path = wire.path_from_pb(plan.path)
+            set_attributes(span, {"epdmesh.path": path.value, "epdmesh.decoder": plan.decoder.worker_id,
+                                  "epdmesh.prefill": plan.prefill.worker_id, "epdmesh.attempts": attempt,
+                                  "epdmesh.encoder": plan.encoder.worker_id if plan.HasField("encoder") else None})
             before = list(emitted)
-            stream = self._drive(current, plan, path)
+            stream = self._drive(current, plan, path, span)
             try:
                 async for out in stream:
                     if out.new_token_ids or out.finished:
                         if not emitted:
                             self.paths[path] += 1
+                            if self.metrics is not None:
+                                self.metrics.paths.labels(self.metrics.model, path.value).inc()
                         emitted.extend(out.new_token_ids)
                         yield _rebased(out, request.request_id, before, self.detokenize)
                 return
@@ -134,20 +146,24 @@ class MeshBackend:
                     raise failed.error from None
                 exclude.add(failed.blame)
                 self.retries += 1
+                if self.metrics is not None:
+                    self.metrics.retries.labels(self.metrics.model).inc()
                 log.warning("request %s: %s; routing around worker %s (attempt %d, %d tokens kept)",
                             request.request_id, failed.error.message, failed.blame, attempt + 1, len(emitted))
             finally:
                 await stream.aclose()
 
-    async def _drive(self, request: Request, plan: pb.RoutePlan, path: PrefillPath) -> AsyncIterator[RequestOutput]:
+    async def _drive(self, request: Request, plan: pb.RoutePlan, path: PrefillPath,
+                     span=None) -> AsyncIterator[RequestOutput]:
         """The request's outputs through the planned stages; a failed stage raises StageFailed."""
         held: list[pb.PageHandle] = []  # handles we got and have not passed on yet
         try:
             image_pages = None
             if request.images and plan.encoder.worker_id != plan.prefill.worker_id:
                 stub = pb_grpc.EncoderStub(self.channels.get(plan.encoder.address))
-                reply = await _stage("encode", plan.encoder.worker_id, None, stub.Encode(
-                    pb.EncodeRequest(request=wire.spec_to_pb(request, with_pixels=True))))
+                with self.tracing.activate(span):
+                    reply = await _stage("encode", plan.encoder.worker_id, None, stub.Encode(
+                        pb.EncodeRequest(request=wire.spec_to_pb(request, with_pixels=True))))
                 image_pages = reply.image_pages
                 held.append(image_pages)
             spec = wire.spec_to_pb(request, with_pixels=image_pages is None)
@@ -155,8 +171,9 @@ class MeshBackend:
             output: list[int] = []
             if path == PrefillPath.DEDICATED:
                 stub = pb_grpc.PrefillerStub(self.channels.get(plan.prefill.address))
-                reply = await _stage("prefill", plan.prefill.worker_id, source, stub.Prefill(
-                    pb.PrefillRequest(request=spec, image_pages=image_pages)))
+                with self.tracing.activate(span):
+                    reply = await _stage("prefill", plan.prefill.worker_id, source, stub.Prefill(
+                        pb.PrefillRequest(request=spec, image_pages=image_pages)))
                 held.clear()
                 output.extend(reply.first.token_ids)
                 yield _output(request.request_id, reply.first, output)
@@ -169,7 +186,8 @@ class MeshBackend:
                 source = reply.kv_pages.worker_id
             else:
                 decode = pb.DecodeRequest(request=spec, image_pages=image_pages)
-            call = pb_grpc.DecoderStub(self.channels.get(plan.decoder.address)).Decode(decode)
+            with self.tracing.activate(span):  # the call's client span is made here, under the request's span
+                call = pb_grpc.DecoderStub(self.channels.get(plan.decoder.address)).Decode(decode)
             try:
                 async for chunk in call:
                     held.clear()
@@ -198,7 +216,7 @@ class MeshBackend:
                                          "heartbeat_age_s": entry.age_s, "error": e.code().name}
                 continue
             stats[info.worker_id] = {"roles": info.role_label, "address": info.address, "pid": info.pid,
-                                     "heartbeat_age_s": entry.age_s,
+                                     "metrics_port": info.metrics_port, "heartbeat_age_s": entry.age_s,
                                      **{f.name: getattr(load, f.name) for f in pb.WorkerLoad.DESCRIPTOR.fields}}
         return stats
 

@@ -24,6 +24,7 @@ import redis.exceptions
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from common.policy.routing import PrefillPath, RoutePlan, RoutingConfig, route
+from common.telemetry.tracing import Tracing
 from common.workers import WorkerSnapshot
 from epdmesh.v1 import mesh_pb2 as pb
 from epdmesh.v1 import mesh_pb2_grpc as pb_grpc
@@ -40,8 +41,9 @@ class NoRoute(RuntimeError):
 
 class ToggleServicer(pb_grpc.ToggleServicer):
     def __init__(self, registry: RedisRegistry, routing: RoutingConfig, heartbeat_interval_s: float = 0.5,
-                 refresh_s: float = 0.05):
+                 refresh_s: float = 0.05, tracing: Tracing | None = None):
         self.registry = registry
+        self.tracing = tracing or Tracing()
         self.routing = routing
         self.heartbeat_interval_s = heartbeat_interval_s
         self.refresh_s = refresh_s
@@ -100,6 +102,10 @@ class ToggleServicer(pb_grpc.ToggleServicer):
             await context.abort(grpc.StatusCode.UNAVAILABLE, _why_no_route(workers, summary.num_images))
         self._bump(plan, summary.max_tokens)
         self.decisions[plan.path] += 1
+        self.tracing.annotate({"epdmesh.path": plan.path.value, "epdmesh.decoder": plan.decoder.worker_id,
+                               "epdmesh.prefill": plan.prefill.worker_id,
+                               "epdmesh.encoder": plan.encoder.worker_id if plan.encoder else None,
+                               "epdmesh.live_workers": len(workers)})
         return wire.plan_to_pb(plan)
 
     @grpc_errors
@@ -138,13 +144,14 @@ class ToggleOptions:
 
 async def run_toggle(options: ToggleOptions, ready: asyncio.Event | None = None, stop: asyncio.Event | None = None,
                      bound: list | None = None) -> None:
+    tracing = Tracing("epdmesh-toggle")  # before the server: its Route spans join the gateway's traces
     client = aioredis.from_url(options.redis_url)
     try:
         await client.ping()
     except (redis.exceptions.RedisError, OSError) as e:
         raise SystemExit(f"cannot reach Redis at {options.redis_url}: {e}") from None
     registry = RedisRegistry(client, options.prefix, options.ttl_s)
-    servicer = ToggleServicer(registry, options.routing)
+    servicer = ToggleServicer(registry, options.routing, tracing=tracing)
     server = grpc.aio.server()
     port = server.add_insecure_port(f"{options.host}:{options.port}")
     pb_grpc.add_ToggleServicer_to_server(servicer, server)
@@ -175,3 +182,4 @@ async def run_toggle(options: ToggleOptions, ready: asyncio.Event | None = None,
         await health_servicer.enter_graceful_shutdown()
         await server.stop(2)
         await client.aclose()
+        tracing.shutdown()

@@ -16,12 +16,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import AsyncIterator
 
 from common.engine.async_engine import AsyncEngine
 from common.engine.outputs import RequestOutput
 from common.paged_cache import PagedBuffer, PagePayload
 from common.request import Request, Stage
+from common.telemetry.metrics import WorkerMetrics
+from common.telemetry.tracing import Tracing
 from common.transfer import LeaseTable, PageHandle, PagePuller
 from common.workers import WorkerLoad
 
@@ -34,8 +37,11 @@ class ShuttingDown(RuntimeError):
 
 class WorkerRuntime:
     def __init__(self, worker_id: str, address: str, engine: AsyncEngine, puller: PagePuller,
-                 lease_ttl_s: float = 30.0, offer_backend: str = "grpc", backend_info: bytes = b""):
+                 lease_ttl_s: float = 30.0, offer_backend: str = "grpc", backend_info: bytes = b"",
+                 metrics: WorkerMetrics | None = None, tracing: Tracing | None = None):
         self.worker_id = worker_id
+        self.metrics = metrics
+        self.tracing = tracing or Tracing()
         self.engine = engine
         self.puller = puller
         self.leases = LeaseTable(worker_id, address, lease_ttl_s)
@@ -54,6 +60,7 @@ class WorkerRuntime:
     async def encode(self, request: Request) -> PageHandle:
         with self._admitted():
             await self._run_to_handoff(request)
+            self._observe_stage("encode", request)
             return await self._lease(request.request_id)
 
     async def prefill(self, request: Request, image_pages: PageHandle | None) -> tuple[RequestOutput, PageHandle | None]:
@@ -61,6 +68,7 @@ class WorkerRuntime:
         with self._admitted():
             preloaded = await self._import(request, image_pages)
             last = await self._run_to_handoff(request, preloaded)
+            self._observe_stage("prefill", request)
             return last, (await self._lease(request.request_id) if last.handed_off else None)
 
     async def decode(self, request: Request, kv_pages: PageHandle | None,
@@ -68,6 +76,8 @@ class WorkerRuntime:
         with self._admitted():
             preloaded = await self._import(request, kv_pages or image_pages)
             async for out in self.engine.generate(request, preloaded=preloaded):
+                if out.finished:
+                    self._observe_stage("decode", request)
                 yield out
 
     async def _import(self, request: Request, handle: PageHandle | None) -> bool:
@@ -80,13 +90,21 @@ class WorkerRuntime:
             self._spawn(self.puller.release(handle))  # we will never pull them: let the source free them now
             raise
         done = False
+        attributes = {"epdmesh.transfer.backend": handle.backend, "epdmesh.transfer.kind": handle.kind,
+                      "epdmesh.transfer.bytes": handle.num_bytes, "epdmesh.transfer.blocks": len(handle.block_ids),
+                      "epdmesh.transfer.source": handle.worker_id}
+        start = time.perf_counter()
         try:
             if kind != handle.kind or num_tokens != handle.num_tokens:
                 raise ValueError(f"the {handle.kind} pages of {handle.lease_id} hold {handle.num_tokens} tokens; "
                                  f"request {request.request_id} needs {num_tokens} tokens of {kind} pages")
-            await self.puller.pull_into(handle, self.engine.engine.cache(kind), block_ids)
+            with self.tracing.span("page_pull", attributes):
+                await self.puller.pull_into(handle, self.engine.engine.cache(kind), block_ids)
             done = True
-        finally:  # we have the pages, or gave up on them: either way the source may free them
+        finally:
+            if self.metrics is not None:
+                self.metrics.transfer(handle.backend, handle.kind, handle.num_bytes,
+                                      time.perf_counter() - start if done else None)  # we have the pages, or gave up on them: either way the source may free them
             self._spawn(self.puller.release(handle))
             if not done:  # free the reserved blocks before the error goes back
                 await asyncio.shield(self.engine.call(lambda e: e.cancel_import(request.request_id)))
@@ -137,11 +155,27 @@ class WorkerRuntime:
         while True:
             await asyncio.sleep(interval_s)
             for lease in self.leases.expired():
+                if self.metrics is not None:
+                    self.metrics.leases_expired.labels(**self.metrics.labels).inc()
                 log.warning("lease %s expired unacked; freeing its %d %s blocks", lease.lease_id,
                             len(lease.handle.block_ids), lease.handle.kind)
                 await self.engine.call(lambda e, rid=lease.engine_request_id: e.release(rid))
 
     # ----- bookkeeping -----
+
+    def _observe_stage(self, stage: str, request: Request) -> None:
+        """Queue wait and execution of `request`'s stage here, as metrics and as spans under the current one."""
+        scheduled, done = request.first_scheduled_time, request.done_time
+        if scheduled is None or done is None:
+            return
+        queue_s, execute_s = scheduled - request.arrival_time, done - scheduled
+        if self.metrics is not None:
+            self.metrics.stage(stage, queue_s, execute_s)
+        if self.tracing.enabled:
+            attributes = {"epdmesh.worker_id": self.worker_id, "epdmesh.stage": stage,
+                          "gen_ai.usage.input_tokens": request.num_prompt_tokens}
+            self.tracing.record_span(f"{stage}.queue", wall_ns(request.arrival_time), wall_ns(scheduled), attributes)
+            self.tracing.record_span(f"{stage}.execute", wall_ns(scheduled), wall_ns(done), attributes)
 
     def load(self) -> WorkerLoad:
         s = self.engine.stats()
@@ -180,3 +214,8 @@ class WorkerRuntime:
         task = asyncio.ensure_future(coro)
         self._background.add(task)
         task.add_done_callback(self._background.discard)
+
+
+def wall_ns(monotonic_s: float) -> int:
+    """A time.monotonic() reading as wall-clock nanoseconds (what span timestamps are)."""
+    return time.time_ns() - int((time.monotonic() - monotonic_s) * 1e9)

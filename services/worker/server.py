@@ -18,11 +18,14 @@ import signal
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from prometheus_client import start_http_server
 
 from common.engine.async_engine import AsyncEngine
 from common.engine.config import EngineConfig
 from common.engine.engine import Engine
 from common.request import Stage
+from common.telemetry.metrics import WorkerMetrics
+from common.telemetry.tracing import Tracing
 from common.transfer.channels import CHANNEL_OPTIONS, ChannelPool
 from common.workers import WorkerInfo
 from epdmesh.v1 import mesh_pb2 as pb
@@ -45,6 +48,7 @@ class WorkerOptions:
     transfer: str = "auto"  # auto | nixl | grpc
     lease_ttl_s: float = 30.0
     grace_s: float = 10.0
+    metrics_port: int | None = 0  # Prometheus /metrics on host:port (0: any free port; None: off)
 
 
 def _mount_roles(server: grpc.aio.Server, runtime: WorkerRuntime, roles: frozenset[Stage]) -> list[str]:
@@ -72,21 +76,30 @@ async def run_worker(options: WorkerOptions, engine: Engine | None = None, ready
     from common.transfer.factory import make_transfer
 
     config = options.engine
+    label = "".join(s.name[0] for s in sorted(config.roles)).lower()
+    tracing = Tracing(f"epdmesh-worker-{label}")  # before any server or channel: it instruments grpc.aio
     if engine is None:
         from common.model.processor import ChatProcessor
 
         processor = ChatProcessor(config.model)
         engine = await asyncio.to_thread(Engine, config, None, processor.detokenize)
-    async_engine = AsyncEngine(engine)
     server = grpc.aio.server(options=CHANNEL_OPTIONS)
     port = server.add_insecure_port(f"{options.host}:{options.port}")
     address = f"{options.advertise_host or options.host}:{port}"
-    label = "".join(s.name[0] for s in sorted(config.roles)).lower()
     worker_id = options.worker_id or f"{label}-{port}"
+    metrics = WorkerMetrics(worker_id, label.upper())
+    async_engine = AsyncEngine(engine, on_iteration=metrics.iteration.labels(**metrics.labels).observe)
     channels = ChannelPool()
     transfer = make_transfer(options.transfer, engine, channels, worker_id)
     runtime = WorkerRuntime(worker_id, address, async_engine, transfer.puller, options.lease_ttl_s,
-                            transfer.offer, transfer.backend_info)
+                            transfer.offer, transfer.backend_info, metrics, tracing)
+    stats = engine.stats
+    metrics.gauges(running=lambda: stats().num_running, waiting=lambda: stats().num_waiting,
+                   kv_usage=lambda: 1 - stats().kv_blocks_free / stats().kv_blocks_total)
+    metrics_server, metrics_port = None, 0
+    if options.metrics_port is not None:
+        metrics_server, _ = start_http_server(options.metrics_port, options.host, registry=metrics.registry)
+        metrics_port = metrics_server.server_port
     pb_grpc.add_WorkerServicer_to_server(WorkerServicer(runtime), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -94,8 +107,10 @@ async def run_worker(options: WorkerOptions, engine: Engine | None = None, ready
     await server.start()
     for name in ["", "epdmesh.v1.Worker", *services]:
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-    info = WorkerInfo(worker_id, address, config.roles, config.model, engine.max_model_len, transfer.offer, os.getpid())
-    log.info("worker %s (%s) serving on %s, transfer %s", worker_id, label.upper(), address, transfer.offer)
+    info = WorkerInfo(worker_id, address, config.roles, config.model, engine.max_model_len, transfer.offer, os.getpid(),
+                      metrics_port)
+    log.info("worker %s (%s) serving on %s, transfer %s, metrics on port %s", worker_id, label.upper(), address,
+             transfer.offer, metrics_port or "-")
 
     stop = stop or asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -131,6 +146,9 @@ async def run_worker(options: WorkerOptions, engine: Engine | None = None, ready
         await transfer.close()
         await channels.close()
         async_engine.shutdown()
+        if metrics_server is not None:
+            metrics_server.shutdown()
+        tracing.shutdown()
 
 
 async def _heartbeat(toggle, info: WorkerInfo, runtime: WorkerRuntime) -> None:

@@ -24,14 +24,15 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def running_server(model_dir, topology: str, log_path, *extra: str, redis_url: str | None = REDIS_URL):
+def running_server(model_dir, topology: str, log_path, *extra: str, redis_url: str | None = REDIS_URL,
+                   env: dict | None = None):
     """`epdmesh serve --topology T` on a free loopback port; yields its base URL; stops it (SIGTERM) at the end.
     `redis_url=None`: no --redis-url and no REDIS_URL, so serve starts its own private redis-server."""
     port = free_port()
     cmd = [sys.executable, "-m", "epdmesh.cli", "serve", "--model", str(model_dir), "--served-model-name", MODEL,
            "--topology", topology, "--dtype", "float32", "--port", str(port), "--kv-cache-gib", "0.05",
            "--token-budget", "256", "--threads", "1", *extra]
-    env = {k: v for k, v in os.environ.items() if k != "REDIS_URL"}
+    env = {**{k: v for k, v in os.environ.items() if k != "REDIS_URL"}, **(env or {})}
     if redis_url is not None:
         cmd += ["--redis-url", redis_url]
     with open(log_path, "w") as out:

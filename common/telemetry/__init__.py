@@ -1,0 +1,1 @@
+"""Traces (OpenTelemetry → OTLP) and metrics (Prometheus) of every epdmesh process."""

@@ -1,0 +1,97 @@
+"""What the gateway records about each request: the trace's root span and the request metrics.
+
+Life of a request here:
+  1. `RequestObserver(...)` at arrival: root span `chat.completions` (continuing the client's W3C
+     trace context if it sent one), `num_requests_running` up;
+  2. `request(chat)`: the request's gen_ai attributes; `failed(status)` when it is refused;
+  3. `observe(outputs)` wraps the output stream: TTFT at the first token, one inter-token gap per
+     later output, and at the end the usage, finish reason, e2e latency and SLO outcome;
+  4. the span ends and the gauge goes down exactly once, however the stream ends (finished,
+     failed, or the client gone).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator, Mapping
+
+from common.engine.outputs import RequestOutput
+from common.telemetry.metrics import GatewayMetrics
+from common.telemetry.tracing import Tracing, set_attributes
+from services.gateway.protocol import ApiError, ChatRequest
+
+
+class RequestObserver:
+    def __init__(self, metrics: GatewayMetrics, tracing: Tracing, headers: Mapping[str, str], model: str):
+        self.metrics = metrics
+        self.tracing = tracing
+        self.model = model
+        self.arrival = time.monotonic()
+        self.first_at: float | None = None
+        self.last_at: float | None = None
+        self.gaps: list[float] = []
+        self.num_prompt = 0
+        self._open = True
+        self.span = tracing.start_span("chat.completions", {"gen_ai.operation.name": "chat", "gen_ai.system": "epdmesh",
+                                                            "gen_ai.request.model": model}, kind="server",
+                                       context=tracing.extract(headers))
+        metrics.running.labels(model).inc()
+
+    def request(self, chat: ChatRequest, request_id: str) -> None:
+        s = chat.sampling
+        set_attributes(self.span, {"gen_ai.request.max_tokens": s.max_tokens, "gen_ai.request.temperature": s.temperature,
+                                   "gen_ai.request.top_p": s.top_p, "gen_ai.request.seed": s.seed,
+                                   "gen_ai.response.id": request_id, "epdmesh.stream": chat.stream})
+
+    def failed(self, status: int, message: str) -> None:
+        self.metrics.errors.labels(self.model, str(status)).inc()
+        if self.span is not None:
+            from opentelemetry.trace import Status, StatusCode
+
+            self.span.set_status(Status(StatusCode.ERROR, message))
+            self.span.set_attribute("http.response.status_code", status)
+        self._close()
+
+    async def observe(self, outputs: AsyncIterator[RequestOutput], num_prompt: int) -> AsyncIterator[RequestOutput]:
+        self.num_prompt = num_prompt
+        final = None
+        try:
+            async for out in outputs:
+                self._tokens(out)
+                final = out
+                yield out
+        except ApiError as e:
+            self.failed(e.status, e.message)
+            raise
+        finally:
+            if self._open:
+                self._finish(final)
+
+    def _tokens(self, out: RequestOutput) -> None:
+        if not out.new_token_ids:
+            return
+        now = time.monotonic()
+        if self.first_at is None:
+            self.first_at = now
+            self.metrics.first_token(now - self.arrival)
+        else:
+            self.gaps.append(now - self.last_at)
+            self.metrics.inter_token(now - self.last_at)
+        self.last_at = now
+
+    def _finish(self, final: RequestOutput | None) -> None:
+        reason = final.finish_reason if final is not None and final.finished else "abort"  # abort: the client left
+        generated = len(final.output_token_ids) if final is not None else 0
+        ttft = (self.first_at or time.monotonic()) - self.arrival
+        self.metrics.finished(reason, self.num_prompt, generated, time.monotonic() - self.arrival, ttft, self.gaps)
+        set_attributes(self.span, {"gen_ai.usage.input_tokens": self.num_prompt, "gen_ai.usage.output_tokens": generated,
+                                   "gen_ai.response.finish_reasons": [reason], "epdmesh.ttft_ms": ttft * 1e3})
+        self._close()
+
+    def _close(self) -> None:
+        if not self._open:
+            return
+        self._open = False
+        self.metrics.running.labels(self.model).dec()
+        if self.span is not None:
+            self.span.end()
