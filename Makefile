@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 ARGS ?=
 
-.PHONY: serve test bench-engine bench-mesh bench-transfer proto clean
+.PHONY: serve test bench-engine bench-mesh bench-transfer bench-tracing proto clean
 
 $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
@@ -27,6 +27,9 @@ bench-mesh: $(VENV)/.installed
 
 bench-transfer: $(VENV)/.installed
 	$(PY) -m bench.transfer $(ARGS)
+
+bench-tracing: $(VENV)/.installed
+	$(PY) -m bench.tracing $(ARGS)
 
 # regenerate epdmesh/v1/*_pb2*.py from proto/ (a test fails when they are stale)
 proto: $(VENV)/.installed
