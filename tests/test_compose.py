@@ -29,6 +29,7 @@ ROOT = Path(__file__).resolve().parents[1]
 COMPOSE_FILE = ROOT / "docker-compose.yml"
 COMPOSE_BIN = Path(sys.executable).parent / "docker-compose"
 PROFILE = "second-decoder"  # the scale example: a second decoder
+MONITORING = "monitoring"  # Prometheus + Grafana
 WORKER_ROLES = {"encoder": "encode", "prefill": "prefill", "decoder": "decode"}  # E1+P1+D1
 DEFAULT_SERVICES = {"redis", "jaeger", "model-init", "toggle", *WORKER_ROLES, "gateway"}
 ONE_SHOT = {"model-init"}
@@ -53,7 +54,7 @@ def services() -> dict:
     """The rendered config with every profile on (the default services plus the scale example)."""
     import json
 
-    result = compose("config", "--format", "json", profiles=(PROFILE,))
+    result = compose("config", "--format", "json", profiles=(PROFILE, MONITORING))
     assert result.returncode == 0, result.stderr
     return json.loads(result.stdout)["services"]
 
@@ -102,7 +103,7 @@ def workers(services: dict) -> list[str]:
 
 
 @needs_compose
-@pytest.mark.parametrize("profiles", [(), (PROFILE,)], ids=["default", PROFILE])
+@pytest.mark.parametrize("profiles", [(), (PROFILE,), (MONITORING,)], ids=["default", PROFILE, MONITORING])
 def test_config_is_valid(profiles):
     result = compose("config", "-q", profiles=profiles)
     assert result.returncode == 0, result.stderr
@@ -134,6 +135,8 @@ def test_services_exist():
     assert set(result.stdout.split()) == DEFAULT_SERVICES  # the scale example stays off by default
     result = compose("config", "--services", profiles=(PROFILE,))
     assert set(result.stdout.split()) == DEFAULT_SERVICES | {"decoder-2"}
+    result = compose("config", "--services", profiles=(MONITORING,))
+    assert set(result.stdout.split()) == DEFAULT_SERVICES | {"prometheus", "grafana"}
 
 
 @needs_compose
