@@ -271,6 +271,34 @@ def print_report(meta: dict, rows: list[dict]) -> None:
         print(f"{size // MiB:>5} MiB  " + "  ".join(cells))
 
 
+def plot(meta: dict, rows: list[dict], path: Path) -> Path | None:
+    """GB/s against pull size, one line per backend (log scales); None when matplotlib is missing."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    fig, ax = plt.subplots(figsize=(7.5, 4.5), dpi=120)
+    for backend in meta["backends"]:
+        points = sorted((r["size_bytes"] / MiB, r["gbps"]) for r in rows if r["backend"] == backend and "gbps" in r)
+        if points:
+            style = {"linestyle": "--", "color": "black"} if backend == "memcpy" else {"marker": "o"}
+            ax.plot(*zip(*points), label=backend, **style)
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("pull size (MiB)")
+    ax.set_ylabel("GB/s (median)")
+    ax.set_title(f"page pulls, {meta['block_bytes'] // 1024} KiB blocks ({meta['order']} ids), {meta['cpus']} CPUs")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return path
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     block_bytes = args.block_kib * 1024
@@ -327,7 +355,8 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(dict(meta, rows=rows), indent=2) + "\n")
-    print(f"\nwrote {out} ({meta['wall_s']} s)")
+    png = plot(meta, rows, out.with_suffix(".png"))
+    print(f"\nwrote {out}{f' and {png}' if png else ''} ({meta['wall_s']} s)")
     return 0
 
 
