@@ -1,0 +1,17 @@
+"""Latency model: how long encode, prefill, decode and page transfers take — pure functions over a profile.
+
+Two sources, one format (`LatencyProfile`, JSON): *measured* on this machine by `epdmesh profile`,
+and *analytic* (`roofline.py`) for accelerators we do not have. No torch here.
+"""
+
+from common.latency.model import (
+    LatencyProfile,
+    StageCost,
+    decode_ms,
+    encode_ms,
+    prefill_chunk_ms,
+    prefill_ms,
+    transfer_ms,
+)
+
+__all__ = ["LatencyProfile", "StageCost", "decode_ms", "encode_ms", "prefill_chunk_ms", "prefill_ms", "transfer_ms"]

@@ -1,0 +1,50 @@
+"""Stage budgets (TriInfer): the largest batch whose predicted iteration time stays within the stage's
+time limit — α·TTFT_max on instances without the decode role (a request needs at least two iterations,
+encode then prefill, before its first token), TBT_max on instances with it. Iteration time grows with
+batch size, so a binary search over the latency model finds it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+from common.latency.model import LatencyProfile, encode_ms, prefill_chunk_ms
+
+ALPHA = 0.5
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Budgets:
+    image_budget: int  # τ_e
+    token_budget: int  # τ_t
+    limit_ms: float  # the iteration-time limit they were derived for
+    fits: bool  # False: even a batch of one exceeds the limit (budgets are 1)
+
+
+def largest_within(time_of: Callable[[int], float], limit_ms: float, upper: int) -> int:
+    """Largest x in [1, upper] with time_of(x) <= limit_ms (time_of non-decreasing); 0 if none."""
+    if time_of(1) > limit_ms:
+        return 0
+    lo, hi = 1, upper
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if time_of(mid) <= limit_ms:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+def stage_limit_ms(has_decode: bool, ttft_ms: float, tbt_ms: float, alpha: float = ALPHA) -> float:
+    if ttft_ms <= 0 or tbt_ms <= 0 or not 0 < alpha <= 1:
+        raise ValueError("SLO targets must be positive and 0 < alpha <= 1")
+    return tbt_ms if has_decode else alpha * ttft_ms
+
+
+def budgets_for(profile: LatencyProfile, has_decode: bool, ttft_ms: float, tbt_ms: float,
+                max_images: int = 64, max_tokens: int = 1 << 15, alpha: float = ALPHA) -> Budgets:
+    limit = stage_limit_ms(has_decode, ttft_ms, tbt_ms, alpha)
+    images = largest_within(lambda n: encode_ms(profile, n), limit, max_images)
+    tokens = largest_within(lambda t: prefill_chunk_ms(profile, t), limit, max_tokens)
+    return Budgets(max(images, 1), max(tokens, 1), limit, fits=images > 0 and tokens > 0)

@@ -1,0 +1,126 @@
+"""The latency model's format and its pure functions.
+
+Every stage has the same shape of cost, which a roofline gives and a least-squares fit can give:
+
+    time(x) = overhead + max(floor, per_unit · (x + half_units)) + extra
+
+x is the stage's batch size (images for encode, tokens for prefill, sequences for decode); `floor`
+is the memory-bound time of reading the weights once; `per_unit · (x + half_units)` is the compute
+time when the accelerator reaches a fraction x / (x + half_units) of its peak (small batches do not
+fill it); `extra` is what grows with context: attention over the chunk's context for prefill,
+reading the KV cache for decode. Throughput x / time(x) rises and flattens: the *saturation point*
+(`saturation`) is the smallest x reaching 90% of the asymptote.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from pathlib import Path
+
+FORMAT = "epdmesh-latency/1"
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class StageCost:
+    overhead_ms: float = 0.0
+    floor_ms: float = 0.0
+    per_unit_ms: float = 0.0
+    half_units: float = 0.0
+    quadratic_ms: float = 0.0  # prefill: per token × context token of attention; decode: per context token (KV read)
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if not math.isfinite(value) or value < 0:
+                raise ValueError(f"{f.name} must be a finite number >= 0, got {value}")
+
+    def base_ms(self, units: float) -> float:
+        if units <= 0:
+            return 0.0
+        return self.overhead_ms + max(self.floor_ms, self.per_unit_ms * (units + self.half_units))
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class LatencyProfile:
+    name: str
+    source: str  # "measured" | "analytic"
+    hardware: str
+    model: str
+    encode: StageCost
+    prefill: StageCost
+    decode: StageCost
+    transfer_latency_ms: float
+    transfer_gbps: float
+    image_tokens: int  # placeholder tokens per image of this model
+    notes: str = ""
+
+    def __post_init__(self) -> None:
+        if self.source not in ("measured", "analytic", "emulated"):
+            raise ValueError(f"source must be measured, analytic or emulated, not {self.source!r}")
+        if self.transfer_gbps <= 0 or self.image_tokens < 1:
+            raise ValueError("transfer_gbps must be > 0 and image_tokens >= 1")
+
+    def to_json(self) -> str:
+        return json.dumps({"format": FORMAT, **dataclasses.asdict(self)}, indent=2) + "\n"
+
+    @classmethod
+    def from_json(cls, text: str) -> LatencyProfile:
+        data = json.loads(text)
+        if data.pop("format", None) != FORMAT:
+            raise ValueError(f"not an {FORMAT} profile")
+        for stage in ("encode", "prefill", "decode"):
+            data[stage] = StageCost(**data[stage])
+        return cls(**data)
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(self.to_json())
+
+    @classmethod
+    def load(cls, path: str | Path) -> LatencyProfile:
+        return cls.from_json(Path(path).read_text())
+
+
+def encode_ms(p: LatencyProfile, images: int) -> float:
+    """One encode iteration over `images` images."""
+    return p.encode.base_ms(images)
+
+
+def prefill_chunk_ms(p: LatencyProfile, tokens: int, context: int = 0) -> float:
+    """One iteration prefilling `tokens` prompt tokens that follow `context` already-cached tokens."""
+    if tokens <= 0:
+        return 0.0
+    return p.prefill.base_ms(tokens) + p.prefill.quadratic_ms * tokens * (context + tokens / 2)
+
+
+def prefill_ms(p: LatencyProfile, tokens: int, chunk: int | None = None) -> float:
+    """A whole prompt of `tokens` tokens, in one iteration or in chunks of `chunk` tokens."""
+    if tokens <= 0:
+        return 0.0
+    step = tokens if not chunk or chunk >= tokens else chunk
+    return sum(prefill_chunk_ms(p, min(step, tokens - start), start) for start in range(0, tokens, step))
+
+
+def decode_ms(p: LatencyProfile, batch: int, context_tokens: int) -> float:
+    """One decode iteration of `batch` sequences holding `context_tokens` KV tokens between them."""
+    if batch <= 0:
+        return 0.0
+    return p.decode.base_ms(batch) + p.decode.quadratic_ms * context_tokens
+
+
+def transfer_ms(p: LatencyProfile, num_bytes: int) -> float:
+    return p.transfer_latency_ms + num_bytes / (p.transfer_gbps * 1e9) * 1e3 if num_bytes > 0 else 0.0
+
+
+def saturation(time_of, limit: int = 1 << 16, fraction: float = 0.9) -> int:
+    """Smallest batch x whose throughput x / time_of(x) reaches `fraction` of the best up to `limit`."""
+    best = max(x / time_of(x) for x in _grid(limit))
+    return next(x for x in _grid(limit) if x / time_of(x) >= fraction * best)
+
+
+def _grid(limit: int):
+    x = 1
+    while x <= limit:
+        yield x
+        x = x + 1 if x < 16 else int(x * 1.0625) + 1

@@ -1,0 +1,97 @@
+"""The latency model as pure functions, the budgets found on it, and the analytic profiles."""
+
+import math
+import subprocess
+import sys
+
+import pytest
+
+from common.latency import LatencyProfile, StageCost, decode_ms, encode_ms, prefill_chunk_ms, prefill_ms, transfer_ms
+from common.latency.budgets import budgets_for, largest_within, stage_limit_ms
+from common.latency.roofline import LLAVA_15_7B, TRIINFER_H20, analytic_profile, saturation_points
+
+
+def profile(**overrides) -> LatencyProfile:
+    base = dict(name="t", source="measured", hardware="cpu", model="m",
+                encode=StageCost(overhead_ms=1.0, floor_ms=5.0, per_unit_ms=2.0, half_units=0.5),
+                prefill=StageCost(overhead_ms=0.5, floor_ms=3.0, per_unit_ms=0.1, half_units=10.0, quadratic_ms=0.001),
+                decode=StageCost(overhead_ms=0.5, floor_ms=4.0, per_unit_ms=0.2, half_units=5.0, quadratic_ms=0.01),
+                transfer_latency_ms=0.1, transfer_gbps=2.0, image_tokens=256)
+    return LatencyProfile(**{**base, **overrides})
+
+
+def test_stage_times_follow_the_formula():
+    p = profile()
+    assert encode_ms(p, 0) == 0
+    assert encode_ms(p, 1) == 1.0 + 5.0  # floor: max(5, 2·1.5)
+    assert encode_ms(p, 4) == 1.0 + 2.0 * 4.5
+    assert prefill_chunk_ms(p, 100) == pytest.approx(0.5 + 0.1 * 110 + 0.001 * 100 * 50)
+    assert prefill_chunk_ms(p, 50, context=100) == pytest.approx(0.5 + 0.1 * 60 + 0.001 * 50 * 125)
+    assert prefill_ms(p, 100, chunk=50) == pytest.approx(prefill_chunk_ms(p, 50) + prefill_chunk_ms(p, 50, 50))
+    assert prefill_ms(p, 120, chunk=50) == pytest.approx(prefill_chunk_ms(p, 50) + prefill_chunk_ms(p, 50, 50)
+                                                         + prefill_chunk_ms(p, 20, 100))
+    assert prefill_ms(p, 100) == prefill_ms(p, 100, chunk=500) == prefill_chunk_ms(p, 100)
+    assert decode_ms(p, 8, 800) == pytest.approx(0.5 + 4.0 + 0.01 * 800)  # floor: max(4, 0.2·13)
+    assert decode_ms(p, 40, 0) == pytest.approx(0.5 + 0.2 * 45)
+    assert transfer_ms(p, 2_000_000) == pytest.approx(0.1 + 1.0)
+
+
+def test_profiles_round_trip_and_reject_nonsense(tmp_path):
+    p = profile()
+    p.save(tmp_path / "p.json")
+    assert LatencyProfile.load(tmp_path / "p.json") == p
+    with pytest.raises(ValueError, match="per_unit_ms"):
+        StageCost(per_unit_ms=-1)
+    with pytest.raises(ValueError, match="source"):
+        profile(source="guessed")
+    with pytest.raises(ValueError, match="profile"):
+        LatencyProfile.from_json('{"format": "other"}')
+
+
+def test_binary_search_finds_the_last_batch_within_the_limit():
+    assert largest_within(lambda x: x * x, 50, 1000) == 7
+    assert largest_within(lambda x: 10 + x, 5, 1000) == 0
+    assert largest_within(lambda x: 1, 5, 64) == 64
+    calls = []
+    largest_within(lambda x: calls.append(x) or x, 700, 1 << 20)
+    assert len(calls) <= 22  # logarithmic
+
+
+@pytest.mark.parametrize("has_decode", [False, True])
+def test_budgets_are_the_largest_batches_under_the_stage_limit(has_decode):
+    p = profile()
+    b = budgets_for(p, has_decode, ttft_ms=200, tbt_ms=30)
+    limit = 30 if has_decode else 100  # TBT on decode instances, α·TTFT (α = 0.5) elsewhere
+    assert b.limit_ms == limit == stage_limit_ms(has_decode, 200, 30) and b.fits
+    assert encode_ms(p, b.image_budget) <= limit < encode_ms(p, b.image_budget + 1)
+    assert prefill_chunk_ms(p, b.token_budget) <= limit < prefill_chunk_ms(p, b.token_budget + 1)
+    tight = budgets_for(p, has_decode, ttft_ms=2, tbt_ms=1)
+    assert (tight.image_budget, tight.token_budget, tight.fits) == (1, 1, False)
+
+
+def test_h20_roofline_saturates_where_triinfer_measured():
+    points = saturation_points(analytic_profile("H20"))
+    for key, measured in (("encode_images", TRIINFER_H20["encode_images"]),
+                          ("prefill_tokens", TRIINFER_H20["prefill_tokens"]),
+                          ("decode_sequences", TRIINFER_H20["decode_sequences"])):
+        assert abs(points[key] - measured) <= 0.2 * measured, (key, points[key], measured)
+
+
+def test_roofline_agrees_with_what_was_not_calibrated():
+    h20, h100, h200 = (analytic_profile(hw) for hw in ("H20", "H100", "H200"))
+    # TriInfer Fig. 11 (H20, NVLink): 95% of image pulls < 2 ms, of KV pulls < 8 ms
+    image_bytes = LLAVA_15_7B.image_tokens * 4096 * 2
+    kv_bytes = (1024 + LLAVA_15_7B.image_tokens) * LLAVA_15_7B.kv_bytes_per_token
+    assert transfer_ms(h20, image_bytes) < 2 and transfer_ms(h20, kv_bytes) < 8
+    # compute-bound prefill follows peak FLOP/s; memory-bound decode follows HBM bandwidth
+    assert prefill_ms(h100, 4096) < prefill_ms(h20, 4096) / 4
+    assert decode_ms(h200, 8, 8 * 1024) < decode_ms(h100, 8, 8 * 1024) < decode_ms(h20, 8, 8 * 1024) * 1.5
+    for p in (h20, h100, h200):
+        times = [prefill_chunk_ms(p, t) for t in range(1, 4096, 64)]
+        assert times == sorted(times) and all(math.isfinite(t) for t in times)
+
+
+def test_latency_code_imports_no_torch():
+    code = ("import sys, common.latency, common.latency.budgets, common.latency.roofline; "
+            "print('torch' in sys.modules)")
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip() == "False"
