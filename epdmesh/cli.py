@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import os
 import sys
@@ -52,9 +53,30 @@ def _engine_config(args, roles: str = "encode,prefill,decode"):
         model=args.model, dtype=resolve_dtype(args.dtype, args.device), device=args.device, roles=parse_roles(roles),
         kv_cache_gib=args.kv_cache_gib, max_model_len=args.max_model_len, attention_backend=args.attention_backend,
         enable_prefix_caching=args.enable_prefix_caching,
-        scheduler=SchedulerConfig(token_budget=args.token_budget, image_budget=args.image_budget,
+        scheduler=SchedulerConfig(*_budgets(args, parse_roles(roles)),
                                   max_num_seqs=args.max_num_seqs),
     )
+
+
+def _budgets(args, roles) -> tuple[int, int]:
+    """(τ_t, τ_e): given explicitly, else derived from --latency-profile and the SLOs, else 2048 tokens / 4 images."""
+    token, image = getattr(args, "token_budget", None), getattr(args, "image_budget", None)
+    profile_path = getattr(args, "latency_profile", None)
+    if profile_path and (token is None or image is None):
+        from common.latency import LatencyProfile
+        from common.latency.budgets import budgets_for
+        from common.request import Stage
+
+        derived = budgets_for(LatencyProfile.load(profile_path), Stage.DECODE in roles, args.slo_ttft_ms, args.slo_tbt_ms)
+        log = logging.getLogger("epdmesh")
+        log.info("budgets from %s for a %.0f ms iteration limit: %d tokens, %d images per iteration",
+                 profile_path, derived.limit_ms, derived.token_budget, derived.image_budget)
+        if not derived.fits:
+            log.warning("even a batch of one exceeds the %.0f ms limit on this profile: the SLOs cannot be met",
+                        derived.limit_ms)
+        token = derived.token_budget if token is None else token
+        image = derived.image_budget if image is None else image
+    return (2048 if token is None else token), (4 if image is None else image)
 
 
 def _set_threads(args) -> None:
@@ -159,6 +181,43 @@ def _add_slo_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--slo-tbt-ms", type=float, default=200.0, help="default P90 time-between-tokens target")
 
 
+def _cmd_profile(args) -> int:
+    import platform
+
+    from common.latency.roofline import analytic_profile
+
+    out = Path(args.out)
+    if args.analytic:
+        profile = analytic_profile(args.analytic)
+    else:
+        from tqdm import tqdm
+
+        from common.engine.engine import Engine
+        from common.engine.profiler import Profiler
+        from common.scheduler import SchedulerConfig
+
+        _resolve_model(args)
+        _set_threads(args)
+        config = dataclasses.replace(_engine_config(args), kv_cache_gib=args.kv_cache_gib,
+                                     scheduler=SchedulerConfig(token_budget=1 << 15, image_budget=64, max_num_seqs=256))
+        encodes, lengths, batches, contexts = [1, 2, 3, 4], [16, 32, 64, 128, 256, 512], [1, 2, 4, 8, 16], [64, 256]
+        steps = len(encodes) + len(lengths) + len(batches) * len(contexts) + 1
+        with tqdm(total=steps, desc="profiling the engine", unit="point", file=sys.stderr) as bar:
+            profiler = Profiler(Engine(config), args.repeats, lambda what: (bar.set_postfix_str(what), bar.update()))
+            profiler.encode(encodes)
+            profiler.prefill(lengths)
+            profiler.decode(batches, contexts)
+            transfer = profiler.transfer()
+        import torch
+
+        hardware = f"{platform.processor() or platform.machine()} CPU, {torch.get_num_threads()} threads, {config.dtype}"
+        profile = profiler.profile(f"{Path(args.model).name} on this machine (measured)", hardware, Path(args.model).name,
+                                   transfer)
+    profile.save(out)
+    print(f"wrote {out}: {profile.name}")
+    return 0
+
+
 def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", help=f"Hugging Face llava-1.5 directory (default: the tiny model in {default_model_dir()})")
     p.add_argument("--served-model-name")
@@ -169,8 +228,10 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"], help="auto: bfloat16 on CUDA, float32 on CPU")
     p.add_argument("--device", default="cpu")
     p.add_argument("--kv-cache-gib", type=float, default=1.0)
-    p.add_argument("--token-budget", type=int, default=2048, help="τ_t: tokens per iteration")
-    p.add_argument("--image-budget", type=int, default=4, help="τ_e: images per iteration")
+    p.add_argument("--token-budget", type=int, help="τ_t: tokens per iteration (default: from --latency-profile, else 2048)")
+    p.add_argument("--image-budget", type=int, help="τ_e: images per iteration (default: from --latency-profile, else 4)")
+    p.add_argument("--latency-profile", help="a latency profile (epdmesh profile): τ_t and τ_e are the largest batches "
+                                            "within α·TTFT (instances without decode) or TBT (with decode)")
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "flash-attn", "xformers"])
     p.add_argument("--enable-prefix-caching", action="store_true")
@@ -212,6 +273,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_args(worker)
     _add_engine_args(worker)
     worker.add_argument("--roles", default="encode,prefill,decode", help="e.g. encode,prefill or EP")
+    _add_slo_args(worker)
     worker.add_argument("--host", default="127.0.0.1")
     worker.add_argument("--port", type=int, default=0, help="0: any free port (registered with the toggle)")
     worker.add_argument("--advertise-host", help="the host other services dial (default: --host)")
@@ -223,6 +285,16 @@ def build_parser() -> argparse.ArgumentParser:
     worker.add_argument("--metrics-port", type=int, default=0,
                         help="Prometheus /metrics port on --host (0: any free port, shown in the gateway's /stats; -1: off)")
     worker.set_defaults(func=_cmd_worker)
+
+    profile = sub.add_parser("profile", help="write a latency profile: measured on this machine, or analytic")
+    _add_model_args(profile)
+    _add_engine_args(profile)
+    profile.add_argument("--analytic", choices=["H20", "H100", "H200"],
+                         help="the roofline profile of LLaVA-1.5-7B on this accelerator instead of measuring")
+    profile.add_argument("--repeats", type=int, default=3)
+    _add_slo_args(profile)
+    profile.add_argument("--out", default="latency-profile.json")
+    profile.set_defaults(func=_cmd_profile)
 
     toggle = sub.add_parser("toggle", help="the toggle: worker registry in Redis and request routing")
     toggle.add_argument("--redis-url", default=os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0"))

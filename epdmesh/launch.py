@@ -129,11 +129,15 @@ def _http_ok(url: str) -> bool:
 def worker_argv(group: WorkerGroup, toggle: str, args, threads: int) -> list[str]:
     argv = [sys.executable, "-m", "epdmesh.cli", "worker", "--roles", group.label, "--toggle", toggle,
             "--model", args.model, "--dtype", args.dtype, "--device", args.device, "--kv-cache-gib", str(args.kv_cache_gib),
-            "--token-budget", str(args.token_budget), "--image-budget", str(args.image_budget),
+            "--slo-ttft-ms", str(args.slo_ttft_ms), "--slo-tbt-ms", str(args.slo_tbt_ms),
             "--max-num-seqs", str(args.max_num_seqs), "--attention-backend", args.attention_backend,
             "--transfer", args.transfer, "--threads", str(threads)]
     if args.max_model_len:
         argv += ["--max-model-len", str(args.max_model_len)]
+    for flag, value in (("--token-budget", args.token_budget), ("--image-budget", args.image_budget),
+                        ("--latency-profile", args.latency_profile)):
+        if value is not None:
+            argv += [flag, str(value)]
     if args.enable_prefix_caching:
         argv.append("--enable-prefix-caching")
     return argv

@@ -63,12 +63,14 @@ class GatewayMetrics:
         self.itl.labels(self.model).observe(seconds)
 
     def finished(self, reason: str, prompt_tokens: int, generation_tokens: int, e2e_s: float, ttft_s: float,
-                 gaps_s: list[float]) -> None:
+                 gaps_s: list[float], ttft_slo_s: float | None = None, tbt_slo_s: float | None = None) -> None:
+        """A finished request; its SLO outcome against its own targets, else the server's defaults."""
         self.success.labels(self.model, reason).inc()
         self.prompt_tokens.labels(self.model).inc(prompt_tokens)
         self.generation_tokens.labels(self.model).inc(generation_tokens)
         self.e2e.labels(self.model).observe(e2e_s)
-        self.slo.labels(self.model, slo_outcome(ttft_s, gaps_s, self.ttft_slo_s, self.tbt_slo_s)).inc()
+        self.slo.labels(self.model, slo_outcome(ttft_s, gaps_s, ttft_slo_s or self.ttft_slo_s,
+                                                tbt_slo_s or self.tbt_slo_s)).inc()
 
 
 def p90(values: list[float]) -> float:

@@ -31,6 +31,7 @@ class RequestObserver:
         self.last_at: float | None = None
         self.gaps: list[float] = []
         self.num_prompt = 0
+        self.slo: tuple[float | None, float | None] = (None, None)  # the request's own targets, seconds
         self._open = True
         self.span = tracing.start_span("chat.completions", {"gen_ai.operation.name": "chat", "gen_ai.system": "epdmesh",
                                                             "gen_ai.request.model": model}, kind="server",
@@ -38,6 +39,7 @@ class RequestObserver:
         metrics.running.labels(model).inc()
 
     def request(self, chat: ChatRequest, request_id: str) -> None:
+        self.slo = (chat.slo_ttft_ms / 1e3 if chat.slo_ttft_ms else None, chat.slo_tbt_ms / 1e3 if chat.slo_tbt_ms else None)
         s = chat.sampling
         set_attributes(self.span, {"gen_ai.request.max_tokens": s.max_tokens, "gen_ai.request.temperature": s.temperature,
                                    "gen_ai.request.top_p": s.top_p, "gen_ai.request.seed": s.seed,
@@ -83,7 +85,8 @@ class RequestObserver:
         reason = final.finish_reason if final is not None and final.finished else "abort"  # abort: the client left
         generated = len(final.output_token_ids) if final is not None else 0
         ttft = (self.first_at or time.monotonic()) - self.arrival
-        self.metrics.finished(reason, self.num_prompt, generated, time.monotonic() - self.arrival, ttft, self.gaps)
+        self.metrics.finished(reason, self.num_prompt, generated, time.monotonic() - self.arrival, ttft, self.gaps,
+                              *self.slo)
         set_attributes(self.span, {"gen_ai.usage.input_tokens": self.num_prompt, "gen_ai.usage.output_tokens": generated,
                                    "gen_ai.response.finish_reasons": [reason], "epdmesh.ttft_ms": ttft * 1e3})
         self._close()

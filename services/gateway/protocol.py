@@ -44,6 +44,8 @@ class ChatRequest:
     stream: bool = False
     include_usage: bool = False
     return_token_ids: bool = False
+    slo_ttft_ms: float | None = None  # this request's own targets (body field "slo"); None: the server's defaults
+    slo_tbt_ms: float | None = None
 
 
 def parse_chat_request(raw: bytes, served_models: list[str], allow_remote_images: bool = False) -> ChatRequest:
@@ -74,6 +76,7 @@ def parse_chat_request(raw: bytes, served_models: list[str], allow_remote_images
         stream=_typed(body, "stream", bool, False),
         include_usage=bool(stream_options.get("include_usage", False)),
         return_token_ids=_typed(body, "return_token_ids", bool, False),
+        **_parse_slo(body.get("slo")),
     )
 
 
@@ -86,6 +89,22 @@ def _typed(body: dict, key: str, kind, default):
     if not isinstance(value, kind) or (kind is not bool and isinstance(value, bool)):
         raise ApiError(400, f"'{key}' must be {kind.__name__}, got {type(value).__name__}", key)
     return value
+
+
+def _parse_slo(slo: Any) -> dict:
+    """`"slo": {"ttft_ms": 500, "tbt_ms": 50}` — an extension: this request's latency targets."""
+    if slo is None:
+        return {}
+    if not isinstance(slo, dict) or not set(slo) <= {"ttft_ms", "tbt_ms"}:
+        raise ApiError(400, "'slo' must be an object with 'ttft_ms' and/or 'tbt_ms' (milliseconds)", "slo")
+    out = {}
+    for key in ("ttft_ms", "tbt_ms"):
+        if key in slo:
+            value = slo[key]
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 3_600_000:
+                raise ApiError(400, f"'slo.{key}' must be a positive number of milliseconds", "slo")
+            out[f"slo_{key}"] = float(value)
+    return out
 
 
 def _parse_sampling(body: dict) -> SamplingParams:

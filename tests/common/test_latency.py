@@ -95,3 +95,12 @@ def test_latency_code_imports_no_torch():
     code = ("import sys, common.latency, common.latency.budgets, common.latency.roofline; "
             "print('torch' in sys.modules)")
     assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip() == "False"
+
+
+def test_shipped_profiles_are_what_the_roofline_gives():
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2] / "profiles"
+    for hw in ("H20", "H100", "H200"):
+        shipped = LatencyProfile.load(root / f"llava-1.5-7b-{hw.lower()}.json")
+        assert shipped == analytic_profile(hw), f"profiles/llava-1.5-7b-{hw.lower()}.json is stale: epdmesh profile --analytic {hw}"

@@ -126,6 +126,7 @@ def test_client_disconnect_mid_stream_frees_pages_and_others_finish(server):
     (json.dumps({"model": MODEL, "n": 2, "messages": [{"role": "user", "content": "hi"}]}).encode(), 400, "n=1"),
     (json.dumps({"model": MODEL, "temperature": -1, "messages": [{"role": "user", "content": "hi"}]}).encode(), 400, "temperature"),
     (json.dumps({"model": MODEL, "max_tokens": "many", "messages": [{"role": "user", "content": "hi"}]}).encode(), 400, "max_tokens"),
+    (json.dumps({"model": MODEL, "slo": {"ttft_ms": -5}, "messages": [{"role": "user", "content": "hi"}]}).encode(), 400, "slo.ttft_ms"),
     (json.dumps({"model": MODEL, "messages": [{"role": "user", "content": [
         {"type": "image_url", "image_url": {"url": "data:image/png;base64,aGVsbG8gd29ybGQ="}}]}]}).encode(), 400, "could not decode"),
     (json.dumps({"model": MODEL, "messages": [{"role": "user", "content": [

@@ -174,3 +174,18 @@ def test_tracing_is_off_and_not_even_imported_without_an_endpoint():
             " for m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
     assert out == ["False", "False"]
+
+
+def test_a_request_can_carry_its_own_slo(traced_mesh):
+    base, _ = traced_mesh
+
+    def outcomes():
+        samples = scrape(f"{base}/metrics")
+        return {o: total(samples, "epdmesh:slo_requests_total", outcome=o) for o in ("attained", "ttft_violated")}
+
+    before = outcomes()
+    ask_with_image(base, max_tokens=3, slo={"ttft_ms": 0.001})  # no first token comes that fast
+    ask_with_image(base, max_tokens=3, slo={"ttft_ms": 600_000, "tbt_ms": 600_000})
+    after = outcomes()
+    assert after["ttft_violated"] - before["ttft_violated"] == 1
+    assert after["attained"] - before["attained"] == 1
