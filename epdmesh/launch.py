@@ -20,7 +20,6 @@ import logging
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -28,18 +27,13 @@ import time
 import urllib.request
 import uuid
 
+from common.ports import free_port
 from common.topology import WorkerGroup, parse_topology
 
 log = logging.getLogger("epdmesh.launch")
 NO_REDIS = ("epdmesh serve needs Redis for the toggle's registry, and none was found: set REDIS_URL "
             "(e.g. REDIS_URL=redis://127.0.0.1:6379/0) or install redis-server "
             "(Debian/Ubuntu: apt-get install redis-server; macOS: brew install redis)")
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 def _die_with_parent() -> None:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -13,14 +12,10 @@ import time
 import httpx
 import pytest
 
+from common.ports import free_port
+
 MODEL = "tiny"
 REDIS_URL = os.environ.get("EPDMESH_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @contextlib.contextmanager
