@@ -42,6 +42,9 @@ class WorkerLoad:
     image_blocks_total: int = 0
     num_leases: int = 0
     iterations: int = 0
+    queued_prefill_tokens: int = 0  # prompt tokens waiting or still to prefill here
+    queued_images: int = 0  # images waiting or still to encode here
+    decode_context_tokens: int = 0  # KV tokens of the running decodes (what one decode iteration reads)
 
     @property
     def queue_length(self) -> int:

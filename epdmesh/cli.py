@@ -142,7 +142,16 @@ def _cmd_toggle(args) -> int:
     from services.toggle.server import ToggleOptions, run_toggle
 
     routing = RoutingConfig(prefill_mode=args.prefill_mode, multiplex_max_tokens=args.multiplex_max_tokens)
-    uvloop.run(run_toggle(ToggleOptions(args.redis_url, args.prefix, args.host, args.port, args.ttl, routing)))
+    slo = None
+    if args.latency_profile:
+        from common.latency import LatencyProfile
+        from common.policy.multiplex import MultiplexConfig
+        from services.toggle.server import SloRouting
+
+        slo = SloRouting(LatencyProfile.load(args.latency_profile), args.slo_ttft_ms, args.slo_tbt_ms,
+                         MultiplexConfig(short_prompt_tokens=args.multiplex_max_tokens,
+                                         admission_control=args.admission_control))
+    uvloop.run(run_toggle(ToggleOptions(args.redis_url, args.prefix, args.host, args.port, args.ttl, routing, slo)))
     return 0
 
 
@@ -241,7 +250,10 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
 def _add_routing_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefill-mode", default="auto", choices=["auto", "dedicated", "multiplexed"],
                    help="where prefills run when decoders can prefill too (auto: short prompts on the decoder)")
-    p.add_argument("--multiplex-max-tokens", type=int, default=256, help="auto mode: longest prompt prefilled on a decoder")
+    p.add_argument("--multiplex-max-tokens", type=int, default=256,
+                   help="auto mode: longest prompt prefilled on a decoder (SLO routing: when both paths fit)")
+    p.add_argument("--admission-control", action="store_true",
+                   help="SLO routing: refuse (503 + Retry-After) a request no path can serve within its SLO")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -303,6 +315,9 @@ def build_parser() -> argparse.ArgumentParser:
     toggle.add_argument("--port", type=int, default=50051)
     toggle.add_argument("--ttl", type=float, default=3.0, help="seconds a worker stays registered without a heartbeat")
     _add_routing_args(toggle)
+    _add_slo_args(toggle)
+    toggle.add_argument("--latency-profile", help="route by the SLO-aware multiplexing policy over this profile "
+                                                  "(default: least loaded)")
     toggle.set_defaults(func=_cmd_toggle)
 
     gateway = sub.add_parser("gateway", help="the OpenAI-compatible HTTP gateway of a mesh")

@@ -156,7 +156,10 @@ def serve_mesh(args) -> int:
         prefix = f"epdmesh:{uuid.uuid4().hex[:12]}:"
         mesh.spawn("toggle", [sys.executable, "-m", "epdmesh.cli", "toggle", "--redis-url", redis_url, "--prefix", prefix,
                               "--port", toggle.rsplit(":", 1)[1], "--prefill-mode", args.prefill_mode,
-                              "--multiplex-max-tokens", str(args.multiplex_max_tokens)])
+                              "--multiplex-max-tokens", str(args.multiplex_max_tokens),
+                              "--slo-ttft-ms", str(args.slo_ttft_ms), "--slo-tbt-ms", str(args.slo_tbt_ms),
+                              *(["--latency-profile", args.latency_profile] if args.latency_profile else []),
+                              *(["--admission-control"] if args.admission_control else [])])
         _wait(lambda: _registered(toggle) >= 0, mesh, "the toggle", 60)
         for group in groups:
             for i in range(group.count):

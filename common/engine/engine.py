@@ -48,6 +48,9 @@ class EngineStats:
     num_handed_off: int
     running_decodes: int
     unfinished_decode_tokens: int  # tokens the running decodes may still produce (max_tokens left)
+    queued_prefill_tokens: int = 0  # prompt tokens waiting or still to prefill
+    queued_images: int = 0  # images waiting or still to encode
+    decode_context_tokens: int = 0  # KV tokens of the running decodes
 
 
 class Engine:
@@ -346,4 +349,8 @@ class Engine:
             num_waiting=len(s.waiting) + len(s.ready) + len(s.encoding), num_running=len(s.running) + len(s.prefilling),
             num_handed_off=len(self.handed_off), running_decodes=len(s.running),
             unfinished_decode_tokens=sum(r.sampling.max_tokens - len(r.output_token_ids) for r in s.running),
+            queued_prefill_tokens=sum(r.prefill_remaining for q in (s.waiting, s.encoding, s.ready, s.prefilling) for r in q
+                                      if r.last_stage >= Stage.PREFILL),
+            queued_images=sum(len(r.images) - r.num_encoded_images for q in (s.waiting, s.encoding) for r in q),
+            decode_context_tokens=sum(r.num_tokens for r in s.running),
         )

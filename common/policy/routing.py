@@ -34,6 +34,9 @@ class RouteSummary:
     num_images: int
     max_tokens: int
     exclude: frozenset[str] = frozenset()  # worker ids that just failed this request
+    ttft_slo_ms: float | None = None  # the request's own targets (None: the router's defaults)
+    tbt_slo_ms: float | None = None
+    elapsed_ms: float = 0.0  # time already spent before routing
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

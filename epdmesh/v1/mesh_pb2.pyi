@@ -205,7 +205,7 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerLoad(_message.Message):
-    __slots__ = ("num_waiting", "num_running", "running_decode_batch", "unfinished_decode_tokens", "last_iteration_ms", "kv_blocks_free", "kv_blocks_total", "image_blocks_free", "image_blocks_total", "num_leases", "iterations")
+    __slots__ = ("num_waiting", "num_running", "running_decode_batch", "unfinished_decode_tokens", "last_iteration_ms", "kv_blocks_free", "kv_blocks_total", "image_blocks_free", "image_blocks_total", "num_leases", "iterations", "queued_prefill_tokens", "queued_images", "decode_context_tokens")
     NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
     RUNNING_DECODE_BATCH_FIELD_NUMBER: _ClassVar[int]
@@ -217,6 +217,9 @@ class WorkerLoad(_message.Message):
     IMAGE_BLOCKS_TOTAL_FIELD_NUMBER: _ClassVar[int]
     NUM_LEASES_FIELD_NUMBER: _ClassVar[int]
     ITERATIONS_FIELD_NUMBER: _ClassVar[int]
+    QUEUED_PREFILL_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    QUEUED_IMAGES_FIELD_NUMBER: _ClassVar[int]
+    DECODE_CONTEXT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     num_waiting: int
     num_running: int
     running_decode_batch: int
@@ -228,7 +231,10 @@ class WorkerLoad(_message.Message):
     image_blocks_total: int
     num_leases: int
     iterations: int
-    def __init__(self, num_waiting: _Optional[int] = ..., num_running: _Optional[int] = ..., running_decode_batch: _Optional[int] = ..., unfinished_decode_tokens: _Optional[int] = ..., last_iteration_ms: _Optional[float] = ..., kv_blocks_free: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., image_blocks_free: _Optional[int] = ..., image_blocks_total: _Optional[int] = ..., num_leases: _Optional[int] = ..., iterations: _Optional[int] = ...) -> None: ...
+    queued_prefill_tokens: int
+    queued_images: int
+    decode_context_tokens: int
+    def __init__(self, num_waiting: _Optional[int] = ..., num_running: _Optional[int] = ..., running_decode_batch: _Optional[int] = ..., unfinished_decode_tokens: _Optional[int] = ..., last_iteration_ms: _Optional[float] = ..., kv_blocks_free: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., image_blocks_free: _Optional[int] = ..., image_blocks_total: _Optional[int] = ..., num_leases: _Optional[int] = ..., iterations: _Optional[int] = ..., queued_prefill_tokens: _Optional[int] = ..., queued_images: _Optional[int] = ..., decode_context_tokens: _Optional[int] = ...) -> None: ...
 
 class WorkerInfo(_message.Message):
     __slots__ = ("worker_id", "address", "roles", "model", "max_model_len", "transfer_backend", "pid", "metrics_port")
@@ -291,18 +297,24 @@ class DeregisterResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class RouteRequest(_message.Message):
-    __slots__ = ("request_id", "num_prompt_tokens", "num_images", "max_tokens", "exclude_worker_ids")
+    __slots__ = ("request_id", "num_prompt_tokens", "num_images", "max_tokens", "exclude_worker_ids", "ttft_slo_ms", "tbt_slo_ms", "elapsed_ms")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_IMAGES_FIELD_NUMBER: _ClassVar[int]
     MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
     EXCLUDE_WORKER_IDS_FIELD_NUMBER: _ClassVar[int]
+    TTFT_SLO_MS_FIELD_NUMBER: _ClassVar[int]
+    TBT_SLO_MS_FIELD_NUMBER: _ClassVar[int]
+    ELAPSED_MS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     num_prompt_tokens: int
     num_images: int
     max_tokens: int
     exclude_worker_ids: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, request_id: _Optional[str] = ..., num_prompt_tokens: _Optional[int] = ..., num_images: _Optional[int] = ..., max_tokens: _Optional[int] = ..., exclude_worker_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+    ttft_slo_ms: float
+    tbt_slo_ms: float
+    elapsed_ms: float
+    def __init__(self, request_id: _Optional[str] = ..., num_prompt_tokens: _Optional[int] = ..., num_images: _Optional[int] = ..., max_tokens: _Optional[int] = ..., exclude_worker_ids: _Optional[_Iterable[str]] = ..., ttft_slo_ms: _Optional[float] = ..., tbt_slo_ms: _Optional[float] = ..., elapsed_ms: _Optional[float] = ...) -> None: ...
 
 class WorkerRef(_message.Message):
     __slots__ = ("worker_id", "address")

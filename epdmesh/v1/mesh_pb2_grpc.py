@@ -466,7 +466,8 @@ class ToggleServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Route(self, request, context):
-        """Which encoder, which prefill path and worker, which decoder. UNAVAILABLE when no live worker can serve it.
+        """Which encoder, which prefill path and worker, which decoder. UNAVAILABLE when no live worker can serve it,
+        RESOURCE_EXHAUSTED when admission control refuses a request no path can serve within its SLO.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -118,7 +118,7 @@ def build_app(backend, model_name: str, allow_remote_images: bool = False, metri
             num_prompt, outputs = await backend.start(chat, request_id, observer.span)
         except ApiError as e:
             observer.failed(e.status, e.message)
-            return JSONResponse(e.body(), status_code=e.status)
+            return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
         outputs = observer.observe(outputs, num_prompt)
         if chat.stream:
             events = _sse(chat, request_id, model_name, num_prompt, outputs, backend.detokenize)

@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import time
 from collections.abc import AsyncIterator
 
 import grpc
@@ -71,7 +72,9 @@ def api_error_from_rpc(e: grpc.aio.AioRpcError, stage: str) -> ApiError:
     code = e.code()
     if code == grpc.StatusCode.INVALID_ARGUMENT:
         return ApiError(400, e.details())
-    if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.DEADLINE_EXCEEDED):
+    if code == grpc.StatusCode.RESOURCE_EXHAUSTED:  # admission control: come back shortly
+        return ApiError(503, f"{stage}: {e.details()}", headers={"Retry-After": "1"})
+    if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
         return ApiError(503, f"{stage} is unavailable: {e.details()}")
     log.error("%s failed: %s %s", stage, code.name, e.details())
     return ApiError(500, f"{stage} failed: {code.name}: {e.details()}")
@@ -104,11 +107,13 @@ class MeshBackend:
         if total > self.max_model_len:
             raise ApiError(400, f"prompt ({len(ids)} tokens) plus max_tokens ({chat.sampling.max_tokens}) is {total}, "
                                 f"over the model's limit of {self.max_model_len}; shorten the prompt or lower max_tokens")
-        stream = self._with_failover(Request(request_id, ids, chat.sampling, images), span)
+        slo = (chat.slo_ttft_ms, chat.slo_tbt_ms)
+        stream = self._with_failover(Request(request_id, ids, chat.sampling, images), span, slo)
         first = await anext(stream)  # errors before the first token surface here, as an HTTP status
         return len(ids), _prepend(first, stream)
 
-    async def _with_failover(self, request: Request, span=None) -> AsyncIterator[RequestOutput]:
+    async def _with_failover(self, request: Request, span=None,
+                             slo: tuple[float | None, float | None] = (None, None)) -> AsyncIterator[RequestOutput]:
         """The request's outputs; when a worker fails it, route again around that worker and continue.
 
         Tokens already produced are never produced twice: a retry after some output prefills the prompt
@@ -119,7 +124,8 @@ class MeshBackend:
         for attempt in range(1, MAX_ATTEMPTS + 1):
             current = request if not emitted else _continuation(request, emitted, attempt)
             summary = RouteSummary(current.request_id, current.num_prompt_tokens, len(current.images),
-                                   current.sampling.max_tokens, frozenset(exclude))
+                                   current.sampling.max_tokens, frozenset(exclude), *slo,
+                                   elapsed_ms=(time.monotonic() - request.arrival_time) * 1e3)
             try:
                 with self.tracing.activate(span), self.tracing.span("route", {"epdmesh.attempt": attempt}):
                     plan = await self.toggle.Route(wire.summary_to_pb(summary), timeout=10)

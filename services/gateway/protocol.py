@@ -24,8 +24,10 @@ MAX_STOP_STRINGS = 4
 
 
 class ApiError(Exception):
-    def __init__(self, status: int, message: str, param: str | None = None, kind: str | None = None):
+    def __init__(self, status: int, message: str, param: str | None = None, kind: str | None = None,
+                 headers: dict[str, str] | None = None):
         super().__init__(message)
+        self.headers = headers or {}
         self.status = status
         self.message = message
         self.param = param

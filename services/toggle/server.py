@@ -23,6 +23,8 @@ import redis.asyncio as aioredis
 import redis.exceptions
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from common.latency import LatencyProfile
+from common.policy.multiplex import MultiplexConfig, route_slo
 from common.policy.routing import PrefillPath, RoutePlan, RoutingConfig, route
 from common.telemetry.tracing import Tracing
 from common.workers import WorkerSnapshot
@@ -35,14 +37,20 @@ from services.toggle.registry import RedisRegistry
 log = logging.getLogger(__name__)
 
 
-class NoRoute(RuntimeError):
-    pass
+@dataclasses.dataclass(frozen=True, slots=True)
+class SloRouting:
+    profile: LatencyProfile
+    ttft_ms: float  # default targets for requests that bring none
+    tbt_ms: float
+    config: MultiplexConfig = MultiplexConfig()
 
 
 class ToggleServicer(pb_grpc.ToggleServicer):
     def __init__(self, registry: RedisRegistry, routing: RoutingConfig, heartbeat_interval_s: float = 0.5,
-                 refresh_s: float = 0.05, tracing: Tracing | None = None):
+                 refresh_s: float = 0.05, tracing: Tracing | None = None, slo: SloRouting | None = None):
+        """`slo`: route by the SLO-aware multiplexing policy over this latency profile; None: least loaded."""
         self.registry = registry
+        self.slo = slo
         self.tracing = tracing or Tracing()
         self.routing = routing
         self.heartbeat_interval_s = heartbeat_interval_s
@@ -97,10 +105,13 @@ class ToggleServicer(pb_grpc.ToggleServicer):
     async def Route(self, request: pb.RouteRequest, context) -> pb.RoutePlan:
         summary = wire.summary_from_pb(request)
         workers = await self._workers()
-        plan = route(workers, summary, self.routing)
+        if self.slo is None:
+            plan = route(workers, summary, self.routing)
+        else:
+            plan = await self._route_slo(workers, summary, context)
         if plan is None:
             await context.abort(grpc.StatusCode.UNAVAILABLE, _why_no_route(workers, summary.num_images))
-        self._bump(plan, summary.max_tokens)
+        self._bump(plan, summary)
         self.decisions[plan.path] += 1
         self.tracing.annotate({"epdmesh.path": plan.path.value, "epdmesh.decoder": plan.decoder.worker_id,
                                "epdmesh.prefill": plan.prefill.worker_id,
@@ -108,18 +119,35 @@ class ToggleServicer(pb_grpc.ToggleServicer):
                                "epdmesh.live_workers": len(workers)})
         return wire.plan_to_pb(plan)
 
+    async def _route_slo(self, workers, summary, context) -> RoutePlan | None:
+        s = self.slo
+        ttft, tbt = summary.ttft_slo_ms or s.ttft_ms, summary.tbt_slo_ms or s.tbt_ms
+        decision = route_slo(workers, summary, ttft, tbt, summary.elapsed_ms, s.profile, s.config)
+        self.tracing.annotate({"epdmesh.slack_ms": decision.slack_ms, "epdmesh.predicted_ttft_ms": decision.predicted_ttft_ms,
+                               "epdmesh.route_reason": decision.reason, "epdmesh.meets_slo": decision.meets_slo})
+        if decision.plan is None and s.config.admission_control and workers:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                f"no worker can serve this request within its SLO (TTFT {ttft:.0f} ms, TBT {tbt:.0f} ms, "
+                                f"predicted TTFT {decision.predicted_ttft_ms:.0f} ms); retry later")
+        return decision.plan
+
     @grpc_errors
     async def ListWorkers(self, request: pb.ListWorkersRequest, context) -> pb.ListWorkersResponse:
         self._snapshot_at = float("-inf")
         return pb.ListWorkersResponse(workers=[wire.snapshot_to_pb(w) for w in await self._workers()])
 
-    def _bump(self, plan: RoutePlan, max_tokens: int) -> None:
+    def _bump(self, plan: RoutePlan, summary) -> None:
+        """Book the request's work on the chosen workers in the local snapshot until the next refresh."""
         def bumped(w: WorkerSnapshot) -> WorkerSnapshot:
             load = w.load
             if w.worker_id == plan.decoder.worker_id:
-                load = dataclasses.replace(load, unfinished_decode_tokens=load.unfinished_decode_tokens + max_tokens)
-            if w.worker_id in {plan.prefill.worker_id, plan.encoder.worker_id if plan.encoder else None}:
-                load = dataclasses.replace(load, num_waiting=load.num_waiting + 1)
+                load = dataclasses.replace(load, unfinished_decode_tokens=load.unfinished_decode_tokens + summary.max_tokens)
+            if w.worker_id == plan.prefill.worker_id:
+                load = dataclasses.replace(load, num_waiting=load.num_waiting + 1,
+                                           queued_prefill_tokens=load.queued_prefill_tokens + summary.num_prompt_tokens)
+            if plan.encoder is not None and w.worker_id == plan.encoder.worker_id:
+                load = dataclasses.replace(load, queued_images=load.queued_images + summary.num_images,
+                                           num_waiting=load.num_waiting + (w.worker_id != plan.prefill.worker_id))
             return dataclasses.replace(w, load=load)
         self._snapshot = [bumped(w) for w in self._snapshot]
 
@@ -140,6 +168,7 @@ class ToggleOptions:
     port: int = 0
     ttl_s: float = 3.0
     routing: RoutingConfig = RoutingConfig()
+    slo: SloRouting | None = None
 
 
 async def run_toggle(options: ToggleOptions, ready: asyncio.Event | None = None, stop: asyncio.Event | None = None,
@@ -151,7 +180,7 @@ async def run_toggle(options: ToggleOptions, ready: asyncio.Event | None = None,
     except (redis.exceptions.RedisError, OSError) as e:
         raise SystemExit(f"cannot reach Redis at {options.redis_url}: {e}") from None
     registry = RedisRegistry(client, options.prefix, options.ttl_s)
-    servicer = ToggleServicer(registry, options.routing, tracing=tracing)
+    servicer = ToggleServicer(registry, options.routing, tracing=tracing, slo=options.slo)
     server = grpc.aio.server()
     port = server.add_insecure_port(f"{options.host}:{options.port}")
     pb_grpc.add_ToggleServicer_to_server(servicer, server)

@@ -185,6 +185,8 @@ class WorkerRuntime:
             kv_blocks_free=s.kv_blocks_free, kv_blocks_total=s.kv_blocks_total,
             image_blocks_free=s.image_blocks_free, image_blocks_total=s.image_blocks_total,
             num_leases=len(self.leases), iterations=self.engine.iterations,
+            queued_prefill_tokens=s.queued_prefill_tokens, queued_images=s.queued_images,
+            decode_context_tokens=s.decode_context_tokens,
         )
 
     @contextlib.contextmanager

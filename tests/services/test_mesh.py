@@ -112,3 +112,19 @@ def test_serve_without_redis_says_what_to_install(tiny_dir, tmp_path):
                           "--port", "0"], env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode != 0
     assert "REDIS_URL" in out.stderr and "apt-get install redis-server" in out.stderr
+
+
+def test_slo_routing_with_admission_control_refuses_with_retry_after(tiny_dir, chat_reference, tmp_path):
+    cases, refs = chat_reference
+    profile = Path(__file__).resolve().parents[2] / "profiles" / "llava-1.5-7b-h20.json"
+    with running_server(tiny_dir, "E1+P1+PD1", tmp_path / "serve.log", "--latency-profile", str(profile),
+                        "--admission-control") as base:
+        case = next(c for c in cases if c.name == "img-short")
+        body = {"model": MODEL, "messages": to_openai(case.conversation), "max_tokens": case.max_tokens, "temperature": 0,
+                "return_token_ids": True}
+        ok = httpx.post(f"{base}/v1/chat/completions", json=body, timeout=60)
+        assert ok.status_code == 200 and ok.json()["choices"][0]["token_ids"] == refs[case.name].tokens
+        refused = httpx.post(f"{base}/v1/chat/completions", json={**body, "slo": {"ttft_ms": 1}}, timeout=60)
+        assert refused.status_code == 503 and refused.headers["retry-after"] == "1"
+        assert "within its SLO" in refused.json()["error"]["message"]
+        assert_pools_full(base)

@@ -82,3 +82,44 @@ def test_route_over_grpc_and_unavailable_without_workers():
         await task
 
     asyncio.run(main())
+
+
+def test_slo_routing_over_grpc_chooses_paths_and_refuses_what_cannot_fit():
+    from common.latency import LatencyProfile, StageCost
+    from common.policy.multiplex import MultiplexConfig
+    from services.toggle.server import SloRouting
+
+    profile = LatencyProfile("t", "analytic", "hw", "m", encode=StageCost(per_unit_ms=10.0),
+                             prefill=StageCost(per_unit_ms=0.1), decode=StageCost(overhead_ms=5.0, per_unit_ms=1.0),
+                             transfer_latency_ms=0.0, transfer_gbps=1.0, image_tokens=576)
+
+    async def main():
+        stop, bound = asyncio.Event(), []
+        slo = SloRouting(profile, ttft_ms=500, tbt_ms=50, config=MultiplexConfig(short_prompt_tokens=256,
+                                                                                   admission_control=True))
+        options = ToggleOptions(REDIS_URL, f"epdmesh-test:{uuid.uuid4().hex}:", slo=slo)
+        task = asyncio.create_task(run_toggle(options, stop=stop, bound=bound))
+        while not bound:
+            await asyncio.sleep(0.02)
+        async with grpc.aio.insecure_channel(bound[0]) as channel:
+            toggle = pb_grpc.ToggleStub(channel)
+            loads = {"e-1": ({E}, WorkerLoad()), "p-1": ({P}, WorkerLoad()), "pd-1": ({P, D}, WorkerLoad(running_decode_batch=10))}
+            for wid, (roles, load) in loads.items():
+                await toggle.Register(pb.RegisterRequest(info=wire.info_to_pb(info(wid, roles)), load=wire.load_to_pb(load)))
+
+            async def route(tokens, **slo_fields):
+                return await toggle.Route(pb.RouteRequest(request_id="r", num_prompt_tokens=tokens, num_images=1,
+                                                          max_tokens=8, **slo_fields))
+
+            short, long = await route(100), await route(1000)
+            assert (short.path, short.prefill.worker_id) == (pb.PREFILL_PATH_MULTIPLEXED, "pd-1")
+            assert (long.path, long.prefill.worker_id, long.decoder.worker_id) == (pb.PREFILL_PATH_DEDICATED, "p-1", "pd-1")
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await route(1000, ttft_slo_ms=20)  # its own target: no path can reach it
+            assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "within its SLO" in err.value.details()
+            for wid in loads:
+                await toggle.Deregister(pb.DeregisterRequest(worker_id=wid))
+        stop.set()
+        await task
+
+    asyncio.run(main())

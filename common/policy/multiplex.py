@@ -1,0 +1,127 @@
+"""The SLO-aware multiplexing toggle (Tropical), a pure function over a registry snapshot and a latency profile.
+
+For one request (prompt tokens T, images, its TTFT/TBT targets, time already spent):
+  1. encoder — the one with the least predicted finish time (its queued images plus these);
+     its time and the image-page pull come off the request's TTFT slack;
+  2. path ① dedicated prefill worker p: allowed when p's predicted queue (its queued prompt tokens)
+     + this prefill + the KV pull fit the remaining slack;
+  3. path ② prefill on a decoder d that can prefill: allowed when d's current iteration (its running
+     batch and their context) + this prefill fit the TBT target — the decodes it delays still meet
+     their SLO — and the prefill itself fits the slack;
+  4. both allowed: short prompts (≤ `short_prompt_tokens`) take ②, long ones ①; one allowed: that one;
+     none: the least-violating option, or no plan (HTTP 503) when admission control is on;
+  5. the decoder of path ① is the one with the fewest unfinished tokens.
+Workers with stale statistics (a missed heartbeat) or that the request excludes are never chosen.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from common.latency.model import LatencyProfile, decode_ms, encode_ms, prefill_chunk_ms, prefill_ms, transfer_ms
+from common.policy.routing import PrefillPath, RoutePlan, RouteSummary
+from common.request import Stage
+from common.workers import WorkerSnapshot
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class MultiplexConfig:
+    short_prompt_tokens: int = 512  # both paths allowed: prompts up to this prefill on the decoder
+    admission_control: bool = False  # no path meets the SLO: refuse (503) instead of the least-violating one
+    max_heartbeat_age_s: float = 3.0
+    image_bytes: int = 0  # bytes of one image's pages (transfer time); 0: ignore
+    kv_bytes_per_token: int = 0  # bytes of one token's KV pages; 0: ignore
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Decision:
+    plan: RoutePlan | None  # None: refused (admission control) or nothing can serve it
+    predicted_ttft_ms: float
+    slack_ms: float  # the TTFT budget left for the prefill after encode and image pull
+    reason: str
+    meets_slo: bool
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Option:
+    path: PrefillPath
+    worker: WorkerSnapshot
+    ttft_ms: float  # predicted prefill-side time to the first token
+    violation: float  # 0 when the option meets every target; else how far off, relative to the target
+
+
+def route_slo(workers: list[WorkerSnapshot], request: RouteSummary, ttft_ms: float, tbt_ms: float, elapsed_ms: float,
+              profile: LatencyProfile, config: MultiplexConfig = MultiplexConfig()) -> Decision:
+    live = [w for w in workers if w.age_s <= config.max_heartbeat_age_s and w.worker_id not in request.exclude]
+    decoders = [w for w in live if w.has(Stage.DECODE)]
+    if not decoders:
+        return Decision(None, 0.0, 0.0, "no live decoder", False)
+    encoder, encode_pred = _encoder(live, request, profile, config)
+    if request.num_images and encoder is None:
+        return Decision(None, 0.0, 0.0, "no live encoder", False)
+    slack = ttft_ms - elapsed_ms - encode_pred
+    options = [_dedicated(p, request, slack, ttft_ms, profile, config)
+               for p in live if p.has(Stage.PREFILL) and not p.has(Stage.DECODE)]
+    options += [_multiplexed(d, request, slack, ttft_ms, tbt_ms, profile) for d in decoders if d.has(Stage.PREFILL)]
+    if not options:
+        return Decision(None, 0.0, slack, "no live prefill worker", False)
+    chosen, reason = _choose(options, request, config)
+    if chosen is None:
+        return Decision(None, encode_pred + min(o.ttft_ms for o in options), slack, reason, False)
+    if chosen.path == PrefillPath.DEDICATED:
+        decoder = min(decoders, key=lambda w: (w.load.unfinished_decode_tokens, w.load.queue_length, w.worker_id))
+    else:
+        decoder = chosen.worker
+    has_dedicated = any(o.path == PrefillPath.DEDICATED for o in options)
+    path = PrefillPath.COLOCATED if chosen.path == PrefillPath.MULTIPLEXED and not has_dedicated else chosen.path
+    if encoder is not None and chosen.worker.has(Stage.ENCODE):
+        encoder = chosen.worker  # encode where the prefill runs: no image pages move
+    plan = RoutePlan(encoder if request.num_images else None, chosen.worker, decoder, path)
+    return Decision(plan, encode_pred + chosen.ttft_ms, slack, reason, chosen.violation == 0)
+
+
+def _encoder(live, request, profile, config) -> tuple[WorkerSnapshot | None, float]:
+    if not request.num_images:
+        return None, 0.0
+    encoders = [w for w in live if w.has(Stage.ENCODE)]
+    if not encoders:
+        return None, 0.0
+
+    def finish(w: WorkerSnapshot) -> float:
+        return encode_ms(profile, w.load.queued_images + request.num_images)
+
+    best = min(encoders, key=lambda w: (finish(w), w.worker_id))
+    pull = transfer_ms(profile, config.image_bytes * request.num_images) if config.image_bytes else 0.0
+    return best, finish(best) + pull
+
+
+def _dedicated(p, request, slack, ttft_ms, profile, config) -> _Option:
+    queue = prefill_ms(profile, p.load.queued_prefill_tokens)
+    pull = transfer_ms(profile, config.kv_bytes_per_token * request.num_prompt_tokens) if config.kv_bytes_per_token else 0.0
+    predicted = queue + prefill_ms(profile, request.num_prompt_tokens) + pull
+    return _Option(PrefillPath.DEDICATED, p, predicted, max(0.0, (predicted - slack) / ttft_ms))
+
+
+def _multiplexed(d, request, slack, ttft_ms, tbt_ms, profile) -> _Option:
+    iteration = decode_ms(profile, d.load.running_decode_batch, d.load.decode_context_tokens)
+    queue = prefill_ms(profile, d.load.queued_prefill_tokens)
+    this = prefill_chunk_ms(profile, request.num_prompt_tokens)
+    predicted = queue + iteration + this
+    tbt_over = (iteration + this - tbt_ms) / tbt_ms if d.load.running_decode_batch else 0.0
+    return _Option(PrefillPath.MULTIPLEXED, d, predicted, max(0.0, tbt_over, (predicted - slack) / ttft_ms))
+
+
+def _choose(options: list[_Option], request: RouteSummary, config: MultiplexConfig) -> tuple[_Option | None, str]:
+    ok = [o for o in options if o.violation == 0]
+    by_path = {path: min((o for o in ok if o.path == path), key=lambda o: (o.ttft_ms, o.worker.worker_id), default=None)
+               for path in (PrefillPath.DEDICATED, PrefillPath.MULTIPLEXED)}
+    dedicated, multiplexed = by_path[PrefillPath.DEDICATED], by_path[PrefillPath.MULTIPLEXED]
+    if dedicated and multiplexed:
+        short = request.num_prompt_tokens <= config.short_prompt_tokens
+        return (multiplexed, "both paths fit; short prompt on the decoder") if short else \
+            (dedicated, "both paths fit; long prompt on a prefill worker")
+    if dedicated or multiplexed:
+        return dedicated or multiplexed, "the only path that fits the SLO"
+    if config.admission_control:
+        return None, "no path meets the SLO (admission control)"
+    return min(options, key=lambda o: (o.violation, o.ttft_ms, o.worker.worker_id)), "no path meets the SLO; least violating"

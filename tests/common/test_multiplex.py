@@ -1,0 +1,89 @@
+"""The SLO-aware multiplexing toggle as a pure function: which path, which workers, when it refuses."""
+
+import pytest
+
+from common.latency import LatencyProfile, StageCost
+from common.policy.multiplex import MultiplexConfig, route_slo
+from common.policy.routing import PrefillPath, RouteSummary
+from common.request import Stage
+from common.workers import WorkerInfo, WorkerLoad, WorkerSnapshot
+
+E, P, D = Stage.ENCODE, Stage.PREFILL, Stage.DECODE
+# encode 10 ms per image; prefill 0.1 ms per token; decode 5 ms + 1 ms per running sequence
+PROFILE = LatencyProfile("t", "analytic", "hw", "m", encode=StageCost(per_unit_ms=10.0),
+                         prefill=StageCost(per_unit_ms=0.1), decode=StageCost(overhead_ms=5.0, per_unit_ms=1.0),
+                         transfer_latency_ms=0.0, transfer_gbps=1.0, image_tokens=576)
+
+
+def w(wid, roles, age=0.0, **load):
+    return WorkerSnapshot(WorkerInfo(wid, "127.0.0.1:1", frozenset(roles)), WorkerLoad(**load), age)
+
+
+def ask(tokens, images=0, exclude=()):
+    return RouteSummary("r", tokens, images, 16, frozenset(exclude))
+
+
+def decide(workers, tokens, images=0, ttft=500.0, tbt=50.0, elapsed=0.0, **config):
+    return route_slo(workers, ask(tokens, images), ttft, tbt, elapsed, PROFILE, MultiplexConfig(**config))
+
+
+MESH = [w("e", {E}), w("p", {P}), w("pd", {P, D}, running_decode_batch=10)]
+
+
+def test_both_paths_fit_short_prompts_go_to_the_decoder_long_ones_to_prefill_workers():
+    short = decide(MESH, 100)
+    assert (short.plan.path, short.plan.prefill.worker_id, short.plan.decoder.worker_id) == (PrefillPath.MULTIPLEXED, "pd", "pd")
+    assert short.meets_slo and short.predicted_ttft_ms == pytest.approx(15 + 10)  # the decode iteration it joins + itself
+    longer = decide(MESH, 600, short_prompt_tokens=512, tbt=200)
+    assert (longer.plan.path, longer.plan.prefill.worker_id) == (PrefillPath.DEDICATED, "p")
+    assert longer.reason.startswith("both paths fit")
+
+
+def test_a_prefill_that_would_break_the_decoders_tbt_goes_to_a_prefill_worker():
+    d = decide(MESH, 1000)  # 15 ms iteration + 100 ms prefill > 50 ms TBT
+    assert (d.plan.path, d.plan.prefill.worker_id, d.plan.decoder.worker_id) == (PrefillPath.DEDICATED, "p", "pd")
+    assert d.meets_slo and d.reason == "the only path that fits the SLO" and d.predicted_ttft_ms == pytest.approx(100)
+
+
+def test_a_busy_prefill_worker_sends_the_prefill_to_a_decoder_with_slack():
+    busy = [w("e", {E}), w("p", {P}, queued_prefill_tokens=6000), w("pd", {P, D}, running_decode_batch=2)]
+    d = decide(busy, 300)  # P: 600 + 30 ms > 500; PD: 7 + 30 ≤ 50
+    assert (d.plan.path, d.plan.prefill.worker_id) == (PrefillPath.MULTIPLEXED, "pd") and d.meets_slo
+
+
+def test_when_nothing_fits_the_least_violating_option_or_a_refusal():
+    d = decide(MESH, 1000, ttft=50, tbt=20)
+    assert d.plan is not None and not d.meets_slo and "least violating" in d.reason
+    assert d.plan.prefill.worker_id == "p"  # 100 ms vs 50: 1.0 over; the decoder would be (115-20)/20 over
+    refused = decide(MESH, 1000, ttft=50, tbt=20, admission_control=True)
+    assert refused.plan is None and "admission control" in refused.reason
+
+
+def test_the_encoder_with_the_earliest_finish_and_its_time_comes_off_the_slack():
+    mesh = [w("e1", {E}, queued_images=3), w("e2", {E}), w("p", {P}), w("d", {D})]
+    d = decide(mesh, 200, images=1, elapsed=100)
+    assert d.plan.encoder.worker_id == "e2" and d.slack_ms == pytest.approx(500 - 100 - 10)
+    with_ep = [w("e", {E}, queued_images=1), w("ep", {E, P}), w("d", {D})]
+    assert decide(with_ep, 200, images=1).plan.encoder.worker_id == "ep"  # encode where the prefill runs
+
+
+def test_colocated_when_no_dedicated_prefill_worker_exists():
+    d = decide([w("epd", {E, P, D})], 100, images=1)
+    assert (d.plan.path, d.plan.encoder.worker_id, d.plan.prefill.worker_id) == (PrefillPath.COLOCATED, "epd", "epd")
+
+
+def test_stale_and_excluded_workers_are_never_chosen():
+    mesh = [w("e", {E}), w("p-stale", {P}, age=9.0), w("p", {P}, queued_prefill_tokens=100), w("d", {D})]
+    assert decide(mesh, 100).plan.prefill.worker_id == "p"
+    d = route_slo(mesh, ask(100, exclude={"p"}), 500, 50, 0, PROFILE)
+    assert d.plan is None and d.reason == "no live prefill worker"
+    assert route_slo([w("d", {D}, age=9.0)], ask(10), 500, 50, 0, PROFILE).reason == "no live decoder"
+
+
+def test_policy_imports_no_torch():
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", "import sys, common.policy.multiplex; print('torch' in sys.modules)"],
+                         capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "False"
