@@ -55,8 +55,11 @@ class Mesh:
         self.procs.append((name, proc))
         return proc
 
-    def check_alive(self) -> None:
+    def check_alive(self, only: tuple[str, ...] | None = None) -> None:
+        """Raise if a child (of those named in `only`, default all) has exited."""
         for name, proc in self.procs:
+            if only is not None and name not in only:
+                continue
             if proc.poll() is not None:
                 raise RuntimeError(f"{name} exited with code {proc.returncode} during start-up")
 
@@ -91,10 +94,10 @@ def start_redis(mesh: Mesh, redis_url: str | None) -> str:
     return f"redis://127.0.0.1:{port}/0"
 
 
-def _wait(probe, mesh: Mesh, what: str, timeout: float) -> None:
+def _wait(probe, mesh: Mesh, what: str, timeout: float, only: tuple[str, ...] | None = None) -> None:
     deadline = time.monotonic() + timeout
     while True:
-        mesh.check_alive()
+        mesh.check_alive(only)
         try:
             if probe():
                 return
@@ -173,7 +176,9 @@ def serve_mesh(args) -> int:
         if args.allow_remote_images:
             gateway_argv.append("--allow-remote-images")
         mesh.spawn("gateway", gateway_argv)
-        _wait(lambda: _http_ok(f"http://{args.host}:{args.port}/health"), mesh, "the gateway", 120)
+        # from here on a worker may die (or be killed) without stopping the mesh: the toggle routes around it
+        _wait(lambda: _http_ok(f"http://{args.host}:{args.port}/health"), mesh, "the gateway", 120,
+              only=("redis", "toggle", "gateway"))
         print(f"EPDMESH_READY http://{args.host}:{args.port}/v1 topology={args.topology} workers={num_workers}", flush=True)
         log.info("mesh %s up: OpenAI API on http://%s:%d/v1 (Ctrl-C stops it)", args.topology, args.host, args.port)
         reported: set[str] = set()
