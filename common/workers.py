@@ -45,6 +45,7 @@ class WorkerLoad:
     queued_prefill_tokens: int = 0  # prompt tokens waiting or still to prefill here
     queued_images: int = 0  # images waiting or still to encode here
     decode_context_tokens: int = 0  # KV tokens of the running decodes (what one decode iteration reads)
+    kv_tokens_free: int = 0  # tokens the free KV blocks hold
 
     @property
     def queue_length(self) -> int:

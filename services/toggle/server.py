@@ -5,7 +5,9 @@ Life of a request here:
      request path; the last good one is kept when Redis is unreachable, so routing degrades
      instead of failing);
   2. `common.policy.routing.route` picks encoder, prefill path and worker, decoder;
-  3. the chosen workers' loads in the local snapshot are bumped, so a burst between two
+  3. the request's KV tokens are reserved on the chosen workers in Redis, atomically (a Lua
+     script), so several toggles cannot overbook a worker; a worker without room is routed around;
+  4. the chosen workers' loads in the local snapshot are bumped, so a burst between two
      refreshes spreads instead of piling onto one worker; the plan goes back to the gateway.
 Workers `Register` once and `Heartbeat` their load; the TTL drops those that stop.
 """
@@ -33,6 +35,9 @@ from epdmesh.v1 import mesh_pb2_grpc as pb_grpc
 from services import wire
 from services.errors import grpc_errors
 from services.toggle.registry import RedisRegistry
+from services.toggle.reservations import Reservations, needs
+
+MAX_RESERVE_ATTEMPTS = 4  # plans tried when workers have no KV room left
 
 log = logging.getLogger(__name__)
 
@@ -47,9 +52,12 @@ class SloRouting:
 
 class ToggleServicer(pb_grpc.ToggleServicer):
     def __init__(self, registry: RedisRegistry, routing: RoutingConfig, heartbeat_interval_s: float = 0.5,
-                 refresh_s: float = 0.05, tracing: Tracing | None = None, slo: SloRouting | None = None):
-        """`slo`: route by the SLO-aware multiplexing policy over this latency profile; None: least loaded."""
+                 refresh_s: float = 0.05, tracing: Tracing | None = None, slo: SloRouting | None = None,
+                 reservations: Reservations | None = None):
+        """`slo`: route by the SLO-aware multiplexing policy over this latency profile; None: least loaded.
+        `reservations`: book each route's KV tokens in Redis so concurrent toggles never overbook a worker."""
         self.registry = registry
+        self.reservations = reservations
         self.slo = slo
         self.tracing = tracing or Tracing()
         self.routing = routing
@@ -92,6 +100,8 @@ class ToggleServicer(pb_grpc.ToggleServicer):
 
     @grpc_errors
     async def Heartbeat(self, request: pb.HeartbeatRequest, context) -> pb.HeartbeatResponse:
+        if self.reservations is not None:
+            await self.reservations.release(request.worker_id, list(request.admitted_request_ids))
         return pb.HeartbeatResponse(known=await self.registry.heartbeat(request.worker_id, wire.load_from_pb(request.load)))
 
     @grpc_errors
@@ -105,12 +115,27 @@ class ToggleServicer(pb_grpc.ToggleServicer):
     async def Route(self, request: pb.RouteRequest, context) -> pb.RoutePlan:
         summary = wire.summary_from_pb(request)
         workers = await self._workers()
-        if self.slo is None:
-            plan = route(workers, summary, self.routing)
-        else:
-            plan = await self._route_slo(workers, summary, context)
-        if plan is None:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, _why_no_route(workers, summary.num_images))
+        full_workers: set[str] = set()
+        plan, full = None, None
+        for _ in range(MAX_RESERVE_ATTEMPTS):
+            plan = await self._plan(workers, summary, context)
+            if plan is None and not full_workers:  # maybe workers registered (elsewhere) since the last refresh
+                await self._refresh()
+                workers = self._snapshot
+                plan = await self._plan(workers, summary, context)
+            if plan is None and full_workers:
+                break
+            if plan is None:
+                await context.abort(grpc.StatusCode.UNAVAILABLE, _why_no_route(workers, summary.num_images))
+            full = None if self.reservations is None else await self.reservations.reserve(summary.request_id,
+                                                                                           needs(plan, summary))
+            if full is None:
+                break
+            full_workers.add(full)
+            summary = dataclasses.replace(summary, exclude=summary.exclude | {full})  # no room there: route around it
+        if plan is None or full is not None:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                "no worker has KV room for this request now (all reserved); retry later")
         self._bump(plan, summary)
         self.decisions[plan.path] += 1
         self.tracing.annotate({"epdmesh.path": plan.path.value, "epdmesh.decoder": plan.decoder.worker_id,
@@ -118,6 +143,11 @@ class ToggleServicer(pb_grpc.ToggleServicer):
                                "epdmesh.encoder": plan.encoder.worker_id if plan.encoder else None,
                                "epdmesh.live_workers": len(workers)})
         return wire.plan_to_pb(plan)
+
+    async def _plan(self, workers, summary, context) -> RoutePlan | None:
+        if self.slo is None:
+            return route(workers, summary, self.routing)
+        return await self._route_slo(workers, summary, context)
 
     async def _route_slo(self, workers, summary, context) -> RoutePlan | None:
         s = self.slo
@@ -180,7 +210,8 @@ async def run_toggle(options: ToggleOptions, ready: asyncio.Event | None = None,
     except (redis.exceptions.RedisError, OSError) as e:
         raise SystemExit(f"cannot reach Redis at {options.redis_url}: {e}") from None
     registry = RedisRegistry(client, options.prefix, options.ttl_s)
-    servicer = ToggleServicer(registry, options.routing, tracing=tracing, slo=options.slo)
+    servicer = ToggleServicer(registry, options.routing, tracing=tracing, slo=options.slo,
+                              reservations=Reservations(client, options.prefix))
     server = grpc.aio.server()
     port = server.add_insecure_port(f"{options.host}:{options.port}")
     pb_grpc.add_ToggleServicer_to_server(servicer, server)

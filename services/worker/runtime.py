@@ -49,6 +49,7 @@ class WorkerRuntime:
         self.backend_info = backend_info
         self.accepting = True
         self.in_flight = 0
+        self.admitted: set[str] = set()
         self._background: set[asyncio.Task] = set()
 
     @property
@@ -58,14 +59,14 @@ class WorkerRuntime:
     # ----- the stages -----
 
     async def encode(self, request: Request) -> PageHandle:
-        with self._admitted():
+        with self._admitted(request):
             await self._run_to_handoff(request)
             self._observe_stage("encode", request)
             return await self._lease(request.request_id)
 
     async def prefill(self, request: Request, image_pages: PageHandle | None) -> tuple[RequestOutput, PageHandle | None]:
         """The first token, and a lease on the KV pages (None when the first token finished the request)."""
-        with self._admitted():
+        with self._admitted(request):
             preloaded = await self._import(request, image_pages)
             last = await self._run_to_handoff(request, preloaded)
             self._observe_stage("prefill", request)
@@ -73,7 +74,7 @@ class WorkerRuntime:
 
     async def decode(self, request: Request, kv_pages: PageHandle | None,
                      image_pages: PageHandle | None) -> AsyncIterator[RequestOutput]:
-        with self._admitted():
+        with self._admitted(request):
             preloaded = await self._import(request, kv_pages or image_pages)
             async for out in self.engine.generate(request, preloaded=preloaded):
                 if out.finished:
@@ -187,12 +188,19 @@ class WorkerRuntime:
             num_leases=len(self.leases), iterations=self.engine.iterations,
             queued_prefill_tokens=s.queued_prefill_tokens, queued_images=s.queued_images,
             decode_context_tokens=s.decode_context_tokens,
+            kv_tokens_free=s.kv_blocks_free * self.engine.engine.config.block_size,
         )
 
+    def take_admitted(self) -> list[str]:
+        """Request ids admitted since the last call (the toggle ends their reservations)."""
+        admitted, self.admitted = sorted(self.admitted), set()
+        return admitted
+
     @contextlib.contextmanager
-    def _admitted(self):
+    def _admitted(self, request: Request):
         if not self.accepting:
             raise ShuttingDown(f"worker {self.worker_id} is shutting down")
+        self.admitted.add(request.request_id.split("@", 1)[0])
         self.in_flight += 1
         try:
             yield

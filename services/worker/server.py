@@ -160,7 +160,9 @@ async def _heartbeat(toggle, info: WorkerInfo, runtime: WorkerRuntime) -> None:
                 interval, registered, warned = reply.heartbeat_interval_s or interval, True, False
                 log.info("registered %s with the toggle", info.worker_id)
             else:
-                reply = await toggle.Heartbeat(pb.HeartbeatRequest(worker_id=info.worker_id, load=wire.load_to_pb(runtime.load())), timeout=5)
+                beat = pb.HeartbeatRequest(worker_id=info.worker_id, load=wire.load_to_pb(runtime.load()),
+                                           admitted_request_ids=runtime.take_admitted())
+                reply = await toggle.Heartbeat(beat, timeout=5)
                 registered = reply.known
         except grpc.aio.AioRpcError as e:
             registered = False

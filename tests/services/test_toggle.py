@@ -64,7 +64,8 @@ def test_route_over_grpc_and_unavailable_without_workers():
                 await toggle.Route(ask)
             assert err.value.code() == grpc.StatusCode.UNAVAILABLE and "no live workers" in err.value.details()
             for wid, roles in [("e-1", {E}), ("p-1", {P}), ("d-1", {D}), ("d-2", {D})]:
-                await toggle.Register(pb.RegisterRequest(info=wire.info_to_pb(info(wid, roles)), load=pb.WorkerLoad()))
+                await toggle.Register(pb.RegisterRequest(info=wire.info_to_pb(info(wid, roles)),
+                                                         load=pb.WorkerLoad(kv_tokens_free=100_000)))
             plan = await toggle.Route(ask)
             assert (plan.encoder.worker_id, plan.prefill.worker_id, plan.path) == ("e-1", "p-1", pb.PREFILL_PATH_DEDICATED)
             # the first decoder got the request's tokens booked locally, so the next one goes to the other
@@ -103,7 +104,9 @@ def test_slo_routing_over_grpc_chooses_paths_and_refuses_what_cannot_fit():
             await asyncio.sleep(0.02)
         async with grpc.aio.insecure_channel(bound[0]) as channel:
             toggle = pb_grpc.ToggleStub(channel)
-            loads = {"e-1": ({E}, WorkerLoad()), "p-1": ({P}, WorkerLoad()), "pd-1": ({P, D}, WorkerLoad(running_decode_batch=10))}
+            room = 100_000
+            loads = {"e-1": ({E}, WorkerLoad(kv_tokens_free=room)), "p-1": ({P}, WorkerLoad(kv_tokens_free=room)),
+                     "pd-1": ({P, D}, WorkerLoad(running_decode_batch=10, kv_tokens_free=room))}
             for wid, (roles, load) in loads.items():
                 await toggle.Register(pb.RegisterRequest(info=wire.info_to_pb(info(wid, roles)), load=wire.load_to_pb(load)))
 
@@ -121,5 +124,53 @@ def test_slo_routing_over_grpc_chooses_paths_and_refuses_what_cannot_fit():
                 await toggle.Deregister(pb.DeregisterRequest(worker_id=wid))
         stop.set()
         await task
+
+    asyncio.run(main())
+
+
+def test_two_toggles_routing_at_once_never_overbook_a_decoder():
+    """Two toggles share one Redis; 30 concurrent requests of 100 KV tokens each meet two decoders with
+    room for 1,000 tokens each: exactly 20 are routed, no decoder gets more than it holds, the rest are
+    refused (503 upstream); an admission reported by a heartbeat frees its reservation."""
+    async def main():
+        prefix = f"epdmesh-test:{uuid.uuid4().hex}:"
+        stops, bounds, tasks = [], [], []
+        for _ in range(2):
+            stop, bound = asyncio.Event(), []
+            tasks.append(asyncio.create_task(run_toggle(ToggleOptions(REDIS_URL, prefix), stop=stop, bound=bound)))
+            stops.append(stop)
+            bounds.append(bound)
+        while not all(bounds):
+            await asyncio.sleep(0.02)
+        channels = [grpc.aio.insecure_channel(b[0]) for b in bounds]
+        toggles = [pb_grpc.ToggleStub(c) for c in channels]
+        for wid, roles in [("p-1", {P}), ("d-1", {D}), ("d-2", {D})]:
+            load = pb.WorkerLoad(kv_tokens_free=1000 if roles == {D} else 100_000)
+            await toggles[0].Register(pb.RegisterRequest(info=wire.info_to_pb(info(wid, roles)), load=load))
+
+        async def ask(i):
+            try:
+                plan = await toggles[i % 2].Route(pb.RouteRequest(request_id=f"r{i}", num_prompt_tokens=60, max_tokens=40))
+                return plan.decoder.worker_id
+            except grpc.aio.AioRpcError as e:
+                assert e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, e.details()
+                return None
+
+        routed = await asyncio.gather(*(ask(i) for i in range(30)))
+        per_decoder = {d: routed.count(d) for d in ("d-1", "d-2")}
+        assert per_decoder == {"d-1": 10, "d-2": 10} and routed.count(None) == 10
+        # d-1 reports five of its requests admitted: their reservations end and five more fit
+        admitted = [f"r{i}" for i, d in enumerate(routed) if d == "d-1"][:5]
+        await toggles[1].Heartbeat(pb.HeartbeatRequest(worker_id="d-1", load=pb.WorkerLoad(kv_tokens_free=1000),
+                                                       admitted_request_ids=admitted))
+        again = await asyncio.gather(*(ask(100 + i) for i in range(6)))
+        assert again.count("d-1") == 5 and again.count(None) == 1
+        for wid in ("p-1", "d-1", "d-2"):
+            await toggles[0].Deregister(pb.DeregisterRequest(worker_id=wid))
+        for channel in channels:
+            await channel.close()
+        for stop in stops:
+            stop.set()
+        await asyncio.gather(*tasks)
 
     asyncio.run(main())

@@ -1,0 +1,87 @@
+"""KV capacity reserved in Redis for routed requests, so several toggles (or gateways) never overbook a worker.
+
+Keys, under the mesh's prefix:
+  resv:<worker id>   hash {request id: "<tokens>:<expiry unix s>"}
+A route reserves, atomically across its workers (one Lua script), the KV tokens the request will take on
+each: prompt + max_tokens on the decoder, the prompt on a dedicated prefill worker. It succeeds only if
+every worker's free KV tokens (its last report) minus what is already reserved there still hold it.
+A reservation ends when the worker reports the request admitted (its heartbeat), or at its expiry.
+"""
+
+from __future__ import annotations
+
+import time
+
+import redis.asyncio as aioredis
+
+from common.policy.routing import PrefillPath, RoutePlan, RouteSummary
+
+# KEYS[i]: reservation hash of worker i. ARGV: request id, now, ttl, then per worker i: tokens, capacity.
+# Returns 0 when reserved on every worker, else the 1-based index of the first worker without room.
+_RESERVE = """
+local now = tonumber(ARGV[2])
+for i, key in ipairs(KEYS) do
+  local tokens, capacity = tonumber(ARGV[2 + 2 * i]), tonumber(ARGV[3 + 2 * i])
+  local held = 0
+  local entries = redis.call('HGETALL', key)
+  for j = 1, #entries, 2 do
+    local amount, expiry = string.match(entries[j + 1], '([^:]+):([^:]+)')
+    if tonumber(expiry) < now then
+      redis.call('HDEL', key, entries[j])
+    elseif entries[j] ~= ARGV[1] then
+      held = held + tonumber(amount)
+    end
+  end
+  if held + tokens > capacity then
+    return i
+  end
+end
+for i, key in ipairs(KEYS) do
+  redis.call('HSET', key, ARGV[1], ARGV[2 + 2 * i] .. ':' .. (now + tonumber(ARGV[3])))
+  redis.call('EXPIRE', key, math.ceil(tonumber(ARGV[3])) + 1)
+end
+return 0
+"""
+
+
+def needs(plan: RoutePlan, request: RouteSummary) -> dict[str, tuple[int, int]]:
+    """worker id → (KV tokens this request takes there, that worker's reported free KV tokens)."""
+    out: dict[str, tuple[int, int]] = {}
+    decoder = plan.decoder
+    out[decoder.worker_id] = (request.num_prompt_tokens + request.max_tokens, decoder.load.kv_tokens_free)
+    if plan.path == PrefillPath.DEDICATED:
+        out[plan.prefill.worker_id] = (request.num_prompt_tokens, plan.prefill.load.kv_tokens_free)
+    return out
+
+
+class Reservations:
+    def __init__(self, client: aioredis.Redis, prefix: str, ttl_s: float = 10.0):
+        self.redis = client
+        self.prefix = prefix
+        self.ttl_s = ttl_s
+        self._reserve = client.register_script(_RESERVE)
+
+    def _key(self, worker_id: str) -> str:
+        return f"{self.prefix}resv:{worker_id}"
+
+    async def reserve(self, request_id: str, amounts: dict[str, tuple[int, int]]) -> str | None:
+        """Reserve on every worker or none; returns None on success, else the worker id without room."""
+        workers = sorted(amounts)
+        args: list = [request_id, time.time(), self.ttl_s]
+        for worker_id in workers:
+            args += list(amounts[worker_id])
+        failed = int(await self._reserve(keys=[self._key(w) for w in workers], args=args))
+        return None if failed == 0 else workers[failed - 1]
+
+    async def release(self, worker_id: str, request_ids: list[str]) -> None:
+        if request_ids:
+            await self.redis.hdel(self._key(worker_id), *request_ids)
+
+    async def held(self, worker_id: str) -> int:
+        """KV tokens currently reserved on a worker (expired entries included until the next reserve)."""
+        now = time.time()
+        total = 0
+        for value in (await self.redis.hgetall(self._key(worker_id))).values():
+            amount, expiry = value.decode().split(":")
+            total += int(amount) if float(expiry) >= now else 0
+        return total
