@@ -24,6 +24,12 @@ class Span:
     parent_id: str
     kind: int
     attributes: dict
+    start_ns: int = 0
+    end_ns: int = 0
+
+    @property
+    def duration_ms(self) -> float:
+        return (self.end_ns - self.start_ns) / 1e6
 
 
 def _value(v):
@@ -53,7 +59,8 @@ class OtlpReceiver(trace_service_pb2_grpc.TraceServiceServicer):
                 for s in scope.spans:
                     received.append(Span(attrs.get("service.name", ""), s.name, s.trace_id.hex(), s.span_id.hex(),
                                          s.parent_span_id.hex(), s.kind,
-                                         {a.key: _value(a.value) for a in s.attributes}))
+                                         {a.key: _value(a.value) for a in s.attributes},
+                                         s.start_time_unix_nano, s.end_time_unix_nano))
         with self._lock:
             self.spans.extend(received)
         return trace_service_pb2.ExportTraceServiceResponse()
