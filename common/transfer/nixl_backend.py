@@ -34,11 +34,8 @@ os.environ.setdefault("UCX_NET_DEVICES", "lo")
 
 import asyncio  # noqa: E402
 import concurrent.futures  # noqa: E402
-import dataclasses  # noqa: E402
 import importlib  # noqa: E402
-import json  # noqa: E402
 import logging  # noqa: E402
-import struct  # noqa: E402
 import threading  # noqa: E402
 import time  # noqa: E402
 from collections import OrderedDict  # noqa: E402
@@ -46,11 +43,13 @@ from collections import OrderedDict  # noqa: E402
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
+from common.memory import block_runs, bytes_of, paired_runs  # noqa: E402
 from common.paged_cache import PagedBuffer, PagePayload  # noqa: E402
 from common.transfer.channels import ChannelPool  # noqa: E402
 from common.transfer.grpc_stream import release_over_grpc  # noqa: E402
 from common.transfer.handle import PageHandle  # noqa: E402
-from common.memory import block_runs, bytes_of, paired_runs  # noqa: E402
+from common.transfer.nixl_meta import CacheRegion, PeerInfo, pack_metadata, parse_metadata  # noqa: E402
+from common.transfer.nixl_staging import Staging, StagingPool  # noqa: E402
 from common.transfer.puller import (  # noqa: E402
     PullFailed,
     check_destination,
@@ -76,46 +75,7 @@ if not os.environ.get("NIXL_LOG_LEVEL"):
 
 log = logging.getLogger(__name__)
 
-MAGIC = b"EPDNIXL1"
 KINDS = ("kv", "image")
-MIN_STAGING_BYTES = 1 << 20
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class CacheRegion:
-    addr: int  # address of block 0 in the owner's process
-    block_bytes: int
-    num_blocks: int
-    mem: str = "DRAM"  # NIXL memory type
-    dev: int = 0  # device id (0 for DRAM)
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class PeerInfo:
-    agent: str
-    caches: dict[str, CacheRegion]
-    agent_metadata: bytes
-
-
-def pack_metadata(agent: str, caches: dict[str, CacheRegion], agent_metadata: bytes) -> bytes:
-    header = json.dumps({"v": 1, "agent": agent, "caches": {k: dataclasses.asdict(c) for k, c in caches.items()}},
-                        separators=(",", ":")).encode()
-    return MAGIC + struct.pack("<I", len(header)) + header + agent_metadata
-
-
-def parse_metadata(blob: bytes) -> PeerInfo:
-    """The inverse of `pack_metadata`; ValueError if `blob` is not ours."""
-    if not blob.startswith(MAGIC) or len(blob) < len(MAGIC) + 4:
-        raise ValueError("not epdmesh NIXL metadata")
-    (n,) = struct.unpack_from("<I", blob, len(MAGIC))
-    start = len(MAGIC) + 4
-    try:
-        header = json.loads(blob[start:start + n])
-        caches = {k: CacheRegion(**c) for k, c in header["caches"].items()}
-        agent = header["agent"]
-    except (ValueError, KeyError, TypeError) as e:
-        raise ValueError(f"bad epdmesh NIXL metadata header: {e}") from None
-    return PeerInfo(agent, caches, bytes(blob[start + n:]))
 
 
 def _region_of(tensor: torch.Tensor) -> CacheRegion:
@@ -124,17 +84,6 @@ def _region_of(tensor: torch.Tensor) -> CacheRegion:
     on_cpu = tensor.device.type == "cpu"
     return CacheRegion(tensor.data_ptr(), tensor[0].numel() * tensor.element_size(), tensor.shape[0],
                        "DRAM" if on_cpu else "VRAM", 0 if on_cpu else (tensor.device.index or 0))
-
-
-class _Staging:
-    """A registered CPU buffer the READs land in before being copied out."""
-
-    __slots__ = ("tensor", "reg", "nbytes")
-
-    def __init__(self, tensor: torch.Tensor, reg):
-        self.tensor = tensor
-        self.reg = reg
-        self.nbytes = tensor.numel()
 
 
 class NixlTransfer:
@@ -149,11 +98,9 @@ class NixlTransfer:
         self.worker_id = worker_id
         self.channels = channels
         self.timeout_s = timeout_s
-        self.staging_keep_bytes = staging_keep_bytes
         self._lock = threading.Lock()  # every call into the agent
-        self._pool_lock = threading.Lock()  # the free staging buffers and the parsed-metadata cache
-        self._free: list[_Staging] = []
-        self._abandoned: list[tuple[object, _Staging]] = []  # READs that never finished: keep their buffers alive
+        self._pool_lock = threading.Lock()  # the parsed-metadata cache
+        self._abandoned: list[tuple[object, Staging]] = []  # READs that never finished: keep their buffers alive
         self._remotes: dict[str, bytes] = {}  # loaded agent name → its metadata
         self._peers: OrderedDict[bytes, PeerInfo] = OrderedDict()  # parsed metadata, bounded
         self._closed = False
@@ -161,6 +108,7 @@ class NixlTransfer:
         config = _nixl.nixl_agent_config(enable_prog_thread=False, backends=["UCX"],
                                          sync_mode=_nixl.nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT)
         self.agent = _nixl.nixl_agent(worker_id, config)
+        self._staging = StagingPool(self.agent, self._lock, staging_keep_bytes)
         if "UCX" not in self.agent.backends:
             raise ImportError("NIXL has no UCX backend plugin here")
         if caches is None:
@@ -257,40 +205,6 @@ class NixlTransfer:
         if name != peer.agent:
             raise PullFailed(f"NIXL metadata names agent {name!r}, its header {peer.agent!r}")
         self._remotes[peer.agent] = blob
-
-    def _take_staging(self, nbytes: int) -> _Staging:
-        with self._pool_lock:
-            fits = [s for s in self._free if s.nbytes >= nbytes]
-            if fits:
-                best = min(fits, key=lambda s: s.nbytes)
-                self._free.remove(best)
-                return best
-        # powers of two up to 64 MiB (reusable across sizes), then whole 16 MiB steps (no doubling of big buffers)
-        if nbytes <= 64 << 20:
-            size = max(MIN_STAGING_BYTES, 1 << (nbytes - 1).bit_length())
-        else:
-            size = -(-nbytes // (16 << 20)) * (16 << 20)
-        tensor = torch.empty(size, dtype=torch.uint8)
-        with self._lock:
-            reg = self.agent.register_memory(tensor)
-        return _Staging(tensor, reg)
-
-    def _give_staging(self, staging: _Staging) -> None:
-        """Back to the pool; the pool keeps its largest buffers up to `staging_keep_bytes` (a big one serves small pulls)."""
-        with self._pool_lock:
-            self._free.append(staging)
-            self._free.sort(key=lambda s: s.nbytes, reverse=True)
-            kept, total = [], 0
-            for s in self._free:
-                if not self._closed and total + s.nbytes <= self.staging_keep_bytes:
-                    kept.append(s)
-                    total += s.nbytes
-            dropped = [s for s in self._free if s not in kept]
-            self._free = kept
-        if dropped:
-            with self._lock:
-                for s in dropped:
-                    self.agent.deregister_memory(s.reg)
 
     def _source(self, handle: PageHandle) -> tuple[PeerInfo, CacheRegion]:
         """The handle's source agent and cache region, checked; PullFailed if the handle cannot be read."""
@@ -391,7 +305,7 @@ class NixlTransfer:
         nbytes = handle.num_bytes
         runs = block_runs(handle.block_ids, region.block_bytes)
         try:
-            staging = self._take_staging(nbytes)
+            staging = self._staging.take(nbytes)
         except Exception as e:  # out of memory, or NIXL refused to register it
             raise PullFailed(f"no {nbytes} B staging buffer for {handle.lease_id}: {type(e).__name__}: {e}") from None
         remote = np.array([(region.addr + s, n, region.dev) for s, _, n in runs], dtype=np.uint64)
@@ -411,10 +325,10 @@ class NixlTransfer:
                 log.warning("NIXL READ of %s from %s could not be aborted; its %d B buffer is retired",
                             handle.lease_id, peer.agent, staging.nbytes)
                 raise
-            self._give_staging(staging)
+            self._staging.give(staging, self._closed)
             raise
         self._finish(xfer)
-        self._give_staging(staging)
+        self._staging.give(staging, self._closed)
         return data
 
     def _finish(self, xfer) -> bool:
@@ -438,10 +352,8 @@ class NixlTransfer:
                     xfer.release()
                 except Exception:
                     pass
-            with self._pool_lock:
-                free, self._free = self._free, []
             # buffers of READs that never finished stay registered and referenced (see _abandoned)
-            for reg in [s.reg for s in free] + self._cache_regs:
+            for reg in self._staging.drain() + self._cache_regs:
                 try:
                     self.agent.deregister_memory(reg)
                 except Exception as e:
