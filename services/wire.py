@@ -19,8 +19,9 @@ _PATHS = {PrefillPath.COLOCATED: pb.PREFILL_PATH_COLOCATED, PrefillPath.DEDICATE
           PrefillPath.MULTIPLEXED: pb.PREFILL_PATH_MULTIPLEXED}
 
 
-def _inverse(mapping: dict) -> dict:
-    return {v: k for k, v in mapping.items()}
+_STAGES_OF = {v: k for k, v in _STAGES.items()}
+_KINDS_OF = {v: k for k, v in _KINDS.items()}
+_PATHS_OF = {v: k for k, v in _PATHS.items()}
 
 
 # ----- requests -----
@@ -89,7 +90,7 @@ def layout_to_pb(layout: PageLayout) -> pb.PageLayout:
 
 
 def layout_from_pb(msg: pb.PageLayout) -> PageLayout:
-    kind = _inverse(_KINDS).get(msg.kind)
+    kind = _KINDS_OF.get(msg.kind)
     if kind is None:
         raise ValueError("page layout without a cache kind")
     return PageLayout(kind, msg.dtype, msg.block_size, tuple(msg.block_shape))
@@ -140,8 +141,7 @@ def info_to_pb(info: WorkerInfo) -> pb.WorkerInfo:
 
 
 def info_from_pb(msg: pb.WorkerInfo) -> WorkerInfo:
-    stages = _inverse(_STAGES)
-    roles = frozenset(stages[r] for r in msg.roles if r in stages)
+    roles = frozenset(_STAGES_OF[r] for r in msg.roles if r in _STAGES_OF)
     return WorkerInfo(msg.worker_id, msg.address, roles, msg.model, msg.max_model_len, msg.transfer_backend or "grpc",
                       msg.pid, msg.metrics_port)
 
@@ -178,7 +178,7 @@ def plan_to_pb(plan: RoutePlan) -> pb.RoutePlan:
 
 
 def path_from_pb(value: int) -> PrefillPath:
-    return _inverse(_PATHS)[value]
+    return _PATHS_OF[value]
 
 
 def snapshot_to_pb(w: WorkerSnapshot) -> pb.WorkerEntry:

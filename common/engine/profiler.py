@@ -61,6 +61,17 @@ class Profiler:
         self.engine.step()
         return (time.perf_counter() - start) * 1e3
 
+    def _median_first_step(self, add: Callable[[], None]) -> float:
+        """Median time of the first step after `add()` queued work, over `repeats` runs after a warm-up."""
+        samples = []
+        for rep in range(self.repeats + 1):
+            add()
+            elapsed = self._time_step()
+            self._drain()
+            if rep:
+                samples.append(elapsed)
+        return statistics.median(samples)
+
     def _drain(self) -> None:
         while self.engine.has_unfinished:
             self.engine.step()
@@ -74,27 +85,17 @@ class Profiler:
         pixels = torch.rand(v.num_channels, v.image_size, v.image_size)
         prompt = [1] + [cfg.image_token_id] * n_img + [5, 6]
         for n in counts:
-            samples = []
-            for rep in range(self.repeats + 1):
+            def add(n=n):
                 for _ in range(n):
                     self.engine.add_request(self._request(list(prompt), [ImageInput(pixels, n_img)], Stage.ENCODE, Stage.ENCODE))
-                elapsed = self._time_step()
-                self._drain()
-                if rep:
-                    samples.append(elapsed)
-            self.points["encode"].append((n, statistics.median(samples)))
+            self.points["encode"].append((n, self._median_first_step(add)))
             self.progress(f"encode {n}")
 
     def prefill(self, lengths: list[int]) -> None:
         for t in lengths:
-            samples = []
-            for rep in range(self.repeats + 1):
-                self.engine.add_request(self._request([1] + [7 + i % 1000 for i in range(t - 1)], [], Stage.PREFILL, Stage.PREFILL))
-                elapsed = self._time_step()
-                self._drain()
-                if rep:
-                    samples.append(elapsed)
-            self.points["prefill"].append((t, statistics.median(samples)))
+            ids = [1] + [7 + i % 1000 for i in range(t - 1)]
+            self.points["prefill"].append(
+                (t, self._median_first_step(lambda: self.engine.add_request(self._request(list(ids), [], Stage.PREFILL, Stage.PREFILL)))))
             self.progress(f"prefill {t}")
 
     def decode(self, batches: list[int], contexts: list[int]) -> None:

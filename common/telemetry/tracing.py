@@ -54,10 +54,7 @@ class Tracing:
         if not self.enabled:
             yield None
             return
-        from opentelemetry.trace import SpanKind
-
-        kinds = {"internal": SpanKind.INTERNAL, "server": SpanKind.SERVER, "client": SpanKind.CLIENT}
-        with self._tracer.start_as_current_span(name, context=context, kind=kinds[kind],
+        with self._tracer.start_as_current_span(name, context=context, kind=_span_kind(kind),
                                                 attributes=dict(attributes or {})) as span:
             yield span
 
@@ -65,10 +62,7 @@ class Tracing:
         """A span the caller ends (`span.end()`), not made current; None when tracing is off."""
         if not self.enabled:
             return None
-        from opentelemetry.trace import SpanKind
-
-        kinds = {"internal": SpanKind.INTERNAL, "server": SpanKind.SERVER, "client": SpanKind.CLIENT}
-        return self._tracer.start_span(name, context=context, kind=kinds[kind], attributes=dict(attributes or {}))
+        return self._tracer.start_span(name, context=context, kind=_span_kind(kind), attributes=dict(attributes or {}))
 
     @contextlib.contextmanager
     def activate(self, span) -> Iterator[None]:
@@ -111,6 +105,12 @@ class Tracing:
     def shutdown(self) -> None:
         if self._provider is not None:
             self._provider.shutdown()
+
+
+def _span_kind(kind: str):
+    from opentelemetry.trace import SpanKind
+
+    return {"internal": SpanKind.INTERNAL, "server": SpanKind.SERVER, "client": SpanKind.CLIENT}[kind]
 
 
 def set_attributes(span, attributes: Mapping) -> None:

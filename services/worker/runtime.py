@@ -133,17 +133,21 @@ class WorkerRuntime:
 
     # ----- the source side of transfers -----
 
-    def leased_blocks(self, lease_id: str) -> tuple[PagedBuffer, list[int]]:
-        """The cache and block ids (token order) a live lease holds; KeyError if there is no such lease."""
+    def _live_lease(self, lease_id: str):
         lease = self.leases.get(lease_id)
         if lease is None:
             raise KeyError(f"worker {self.worker_id} holds no lease {lease_id!r} (acked, expired or never granted)")
-        return self.engine.engine.cache(lease.handle.kind), list(lease.handle.block_ids)
+        return lease
+
+    def leased_blocks(self, lease_id: str) -> tuple[PagedBuffer, list[int]]:
+        """The cache and block ids (token order) a live lease holds; KeyError if there is no such lease."""
+        handle = self._live_lease(lease_id).handle
+        return self.engine.engine.cache(handle.kind), list(handle.block_ids)
 
     async def read_lease(self, lease_id: str) -> PagePayload:
-        cache, block_ids = self.leased_blocks(lease_id)
-        return PagePayload(cache.layout, self.leases.get(lease_id).handle.num_tokens,
-                           await asyncio.to_thread(cache.gather_bytes, block_ids))
+        handle = self._live_lease(lease_id).handle
+        cache = self.engine.engine.cache(handle.kind)
+        return PagePayload(cache.layout, handle.num_tokens, await asyncio.to_thread(cache.gather_bytes, list(handle.block_ids)))
 
     async def release_lease(self, lease_id: str) -> bool:
         lease = self.leases.take(lease_id)

@@ -93,9 +93,9 @@ async def run_worker(options: WorkerOptions, engine: Engine | None = None, ready
     transfer = make_transfer(options.transfer, engine, channels, worker_id)
     runtime = WorkerRuntime(worker_id, address, async_engine, transfer.puller, options.lease_ttl_s,
                             transfer.offer, transfer.backend_info, metrics, tracing)
-    stats = engine.stats
-    metrics.gauges(running=lambda: stats().num_running, waiting=lambda: stats().num_waiting,
-                   kv_usage=lambda: 1 - stats().kv_blocks_free / stats().kv_blocks_total)
+    pool = engine.scheduler.kv.pool
+    metrics.gauges(running=lambda: engine.stats().num_running, waiting=lambda: engine.stats().num_waiting,
+                   kv_usage=lambda: 1 - pool.num_free / pool.num_blocks)
     metrics_server, metrics_port = None, 0
     if options.metrics_port is not None:
         metrics_server, _ = start_http_server(options.metrics_port, options.host, registry=metrics.registry)
