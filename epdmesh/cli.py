@@ -12,6 +12,7 @@ from pathlib import Path
 from common.model.tiny import PRESETS, TinySpec
 
 DEFAULT_MODEL_NAME = "tiny-llava"
+DEFAULT_EMULATED_PROFILE = "H20"  # the analytic LLaVA-1.5-7B on H20 profile (= profiles/llava-1.5-7b-h20.json)
 
 
 def default_model_dir() -> Path:
@@ -51,11 +52,18 @@ def _engine_config(args, roles: str = "encode,prefill,decode"):
 
     return EngineConfig(
         model=args.model, dtype=resolve_dtype(args.dtype, args.device), device=args.device, roles=parse_roles(roles),
-        kv_cache_gib=args.kv_cache_gib, max_model_len=args.max_model_len, attention_backend=args.attention_backend,
+        kv_cache_gib=_kv_cache_gib(args), max_model_len=args.max_model_len, attention_backend=args.attention_backend,
         enable_prefix_caching=args.enable_prefix_caching,
         scheduler=SchedulerConfig(*_budgets(args, parse_roles(roles)),
                                   max_num_seqs=args.max_num_seqs),
     )
+
+
+def _kv_cache_gib(args) -> float:
+    """--kv-cache-gib, else 1 GiB, or 64 GiB of the real model's pages on the emulated backend (an H20-sized cache)."""
+    if getattr(args, "kv_cache_gib", None) is not None:
+        return args.kv_cache_gib
+    return 64.0 if getattr(args, "backend", "torch") == "emulated" else 1.0
 
 
 def _budgets(args, roles) -> tuple[int, int]:
@@ -63,11 +71,11 @@ def _budgets(args, roles) -> tuple[int, int]:
     token, image = getattr(args, "token_budget", None), getattr(args, "image_budget", None)
     profile_path = getattr(args, "latency_profile", None)
     if profile_path and (token is None or image is None):
-        from common.latency import LatencyProfile
         from common.latency.budgets import budgets_for
+        from common.latency.roofline import load_profile
         from common.request import Stage
 
-        derived = budgets_for(LatencyProfile.load(profile_path), Stage.DECODE in roles, args.slo_ttft_ms, args.slo_tbt_ms)
+        derived = budgets_for(load_profile(profile_path), Stage.DECODE in roles, args.slo_ttft_ms, args.slo_tbt_ms)
         log = logging.getLogger("epdmesh")
         log.info("budgets from %s for a %.0f ms iteration limit: %d tokens, %d images per iteration",
                  profile_path, derived.limit_ms, derived.token_budget, derived.image_budget)
@@ -86,9 +94,34 @@ def _set_threads(args) -> None:
         torch.set_num_threads(args.threads)
 
 
+def ensure_emulated_model(profile_path: str) -> Path:
+    """The config-only checkpoint an emulated profile's model needs (created on first use), or the default tiny
+    model when the profile is of another model (a measured profile of the tiny model, say)."""
+    from common.latency.roofline import load_profile
+    from common.model.tiny import CONFIG_ONLY_PRESETS
+
+    model = load_profile(profile_path).model
+    if model not in CONFIG_ONLY_PRESETS:
+        return ensure_default_model()
+    path = default_model_dir().with_name(f"{model}-config")
+    if not (path / "config.json").is_file():
+        logging.getLogger("epdmesh").info("emulating %s: writing its config-only checkpoint in %s", model, path)
+        from common.model.tiny import make_tiny_model
+
+        tmp = path.with_name(path.name + ".partial")
+        make_tiny_model(tmp, TinySpec(preset=model, config_only=True))
+        tmp.rename(path)
+    return path
+
+
 def _resolve_model(args) -> None:
-    model_dir = Path(args.model) if args.model else ensure_default_model()
-    args.served_model_name = args.served_model_name or (DEFAULT_MODEL_NAME if not args.model else model_dir.name)
+    emulated = getattr(args, "backend", "torch") == "emulated"
+    if emulated and not args.profile:
+        args.profile = DEFAULT_EMULATED_PROFILE
+    args.kv_cache_gib = _kv_cache_gib(args)
+    model_dir = Path(args.model) if args.model else ensure_emulated_model(args.profile) if emulated else ensure_default_model()
+    default_name = model_dir.name.removesuffix("-config") if emulated else DEFAULT_MODEL_NAME
+    args.served_model_name = args.served_model_name or (default_name if not args.model else model_dir.name)
     args.model = str(model_dir)
 
 
@@ -101,14 +134,14 @@ def _cmd_serve(args) -> int:
     import uvicorn
 
     from common.engine.async_engine import AsyncEngine
-    from common.engine.engine import Engine
     from common.model.processor import ChatProcessor
     from services.gateway.app import LocalBackend, build_app
+    from services.worker.server import build_engine
 
     _set_threads(args)
     metrics, tracing = _gateway_telemetry(args)
     processor = ChatProcessor(args.model)
-    engine = AsyncEngine(Engine(_engine_config(args), detokenize=processor.detokenize))
+    engine = AsyncEngine(build_engine(_engine_config(args), _emulation(args)))
     app = build_app(LocalBackend(processor, engine), args.served_model_name, allow_remote_images=args.allow_remote_images,
                     metrics=metrics, tracing=tracing)
     logging.getLogger("epdmesh").info("serving %s (%s) in one process on http://%s:%d/v1", args.served_model_name,
@@ -130,9 +163,18 @@ def _cmd_worker(args) -> int:
     options = WorkerOptions(engine=_engine_config(args, args.roles), host=args.host, port=args.port,
                             advertise_host=args.advertise_host, worker_id=args.worker_id, toggle=args.toggle,
                             transfer=args.transfer, lease_ttl_s=args.lease_ttl, grace_s=args.grace,
-                            metrics_port=None if args.metrics_port < 0 else args.metrics_port)
+                            metrics_port=None if args.metrics_port < 0 else args.metrics_port,
+                            emulation=_emulation(args))
     uvloop.run(run_worker(options))
     return 0
+
+
+def _emulation(args):
+    if args.backend != "emulated":
+        return None
+    from services.worker.server import EmulationOptions
+
+    return EmulationOptions(args.profile, args.emulated_kv_bytes_per_token, args.emulated_image_bytes_per_token)
 
 
 def _cmd_toggle(args) -> int:
@@ -143,12 +185,14 @@ def _cmd_toggle(args) -> int:
 
     routing = RoutingConfig(prefill_mode=args.prefill_mode, multiplex_max_tokens=args.multiplex_max_tokens)
     slo = None
-    if args.latency_profile:
-        from common.latency import LatencyProfile
+    if args.routing == "slo" and not args.latency_profile:
+        raise SystemExit("--routing slo needs --latency-profile")
+    if args.latency_profile and args.routing != "least-loaded":
+        from common.latency.roofline import load_profile
         from common.policy.multiplex import MultiplexConfig
         from services.toggle.server import SloRouting
 
-        slo = SloRouting(LatencyProfile.load(args.latency_profile), args.slo_ttft_ms, args.slo_tbt_ms,
+        slo = SloRouting(load_profile(args.latency_profile), args.slo_ttft_ms, args.slo_tbt_ms,
                          MultiplexConfig(short_prompt_tokens=args.multiplex_max_tokens,
                                          admission_control=args.admission_control))
     uvloop.run(run_toggle(ToggleOptions(args.redis_url, args.prefix, args.host, args.port, args.ttl, routing, slo)))
@@ -236,15 +280,24 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"], help="auto: bfloat16 on CUDA, float32 on CPU")
     p.add_argument("--device", default="cpu")
-    p.add_argument("--kv-cache-gib", type=float, default=1.0)
+    p.add_argument("--kv-cache-gib", type=float, help="KV cache size (default 1; emulated: 64, counted in the model's "
+                                                      "real page bytes)")
     p.add_argument("--token-budget", type=int, help="τ_t: tokens per iteration (default: from --latency-profile, else 2048)")
     p.add_argument("--image-budget", type=int, help="τ_e: images per iteration (default: from --latency-profile, else 4)")
-    p.add_argument("--latency-profile", help="a latency profile (epdmesh profile): τ_t and τ_e are the largest batches "
+    p.add_argument("--latency-profile", help="a latency profile (epdmesh profile; or H20/H100/H200): τ_t and τ_e are the largest batches "
                                             "within α·TTFT (instances without decode) or TBT (with decode)")
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "flash-attn", "xformers"])
     p.add_argument("--enable-prefix-caching", action="store_true")
     p.add_argument("--threads", type=int, help="torch intra-op threads (serve: default cores / workers)")
+    p.add_argument("--backend", default="torch", choices=["torch", "emulated"],
+                   help="emulated: iterations wait the --profile's predicted time and emit deterministic tokens; "
+                        "everything else (batching, caches, transfers, routing) is the real code")
+    p.add_argument("--profile", help="emulated backend: the latency profile to run, a file or H20 / H100 / H200 for the "
+                                     f"analytic LLaVA-1.5-7B one (default {DEFAULT_EMULATED_PROFILE})")
+    p.add_argument("--emulated-kv-bytes-per-token", type=int, default=256,
+                   help="emulated backend: real KV bytes per token in the pages (the transfer waits for the model's)")
+    p.add_argument("--emulated-image-bytes-per-token", type=int, default=64)
 
 
 def _add_routing_args(p: argparse.ArgumentParser) -> None:
@@ -252,6 +305,8 @@ def _add_routing_args(p: argparse.ArgumentParser) -> None:
                    help="where prefills run when decoders can prefill too (auto: short prompts on the decoder)")
     p.add_argument("--multiplex-max-tokens", type=int, default=256,
                    help="auto mode: longest prompt prefilled on a decoder (SLO routing: when both paths fit)")
+    p.add_argument("--routing", default="auto", choices=["auto", "least-loaded", "slo"],
+                   help="the toggle's policy; auto: the SLO-aware multiplexing toggle when --latency-profile is given")
     p.add_argument("--admission-control", action="store_true",
                    help="SLO routing: refuse (503 + Retry-After) a request no path can serve within its SLO")
 
@@ -259,6 +314,7 @@ def _add_routing_args(p: argparse.ArgumentParser) -> None:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="epdmesh", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
+    sub.add_parser("bench", help="benchmarks against a running or launched mesh: epdmesh bench goodput --help")
 
     make = sub.add_parser("make-tiny-model", help="write a small random LLaVA-1.5 checkpoint in Hugging Face format")
     make.add_argument("dir")
@@ -331,8 +387,19 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+BENCHMARKS = {"goodput": "bench.goodput"}
+
+
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["bench"]:  # `epdmesh bench NAME ARGS`: the benchmark's own parser takes ARGS
+        if len(argv) < 2 or argv[1] not in BENCHMARKS:
+            print(f"usage: epdmesh bench {{{','.join(BENCHMARKS)}}} [ARGS] (--help for a benchmark's own)", file=sys.stderr)
+            return 2
+        import importlib
+
+        return importlib.import_module(BENCHMARKS[argv[1]]).main(argv[2:])
     args = build_parser().parse_args(argv)
     return args.func(args)
 

@@ -128,7 +128,10 @@ def worker_argv(group: WorkerGroup, toggle: str, args, threads: int) -> list[str
             "--model", args.model, "--dtype", args.dtype, "--device", args.device, "--kv-cache-gib", str(args.kv_cache_gib),
             "--slo-ttft-ms", str(args.slo_ttft_ms), "--slo-tbt-ms", str(args.slo_tbt_ms),
             "--max-num-seqs", str(args.max_num_seqs), "--attention-backend", args.attention_backend,
-            "--transfer", args.transfer, "--threads", str(threads)]
+            "--transfer", args.transfer, "--threads", str(threads), "--backend", args.backend]
+    if args.backend == "emulated":
+        argv += ["--profile", args.profile, "--emulated-kv-bytes-per-token", str(args.emulated_kv_bytes_per_token),
+                 "--emulated-image-bytes-per-token", str(args.emulated_image_bytes_per_token)]
     if args.max_model_len:
         argv += ["--max-model-len", str(args.max_model_len)]
     for flag, value in (("--token-budget", args.token_budget), ("--image-budget", args.image_budget),
@@ -159,7 +162,7 @@ def serve_mesh(args) -> int:
         prefix = f"epdmesh:{uuid.uuid4().hex[:12]}:"
         mesh.spawn("toggle", [sys.executable, "-m", "epdmesh.cli", "toggle", "--redis-url", redis_url, "--prefix", prefix,
                               "--port", toggle.rsplit(":", 1)[1], "--prefill-mode", args.prefill_mode,
-                              "--multiplex-max-tokens", str(args.multiplex_max_tokens),
+                              "--multiplex-max-tokens", str(args.multiplex_max_tokens), "--routing", args.routing,
                               "--slo-ttft-ms", str(args.slo_ttft_ms), "--slo-tbt-ms", str(args.slo_tbt_ms),
                               *(["--latency-profile", args.latency_profile] if args.latency_profile else []),
                               *(["--admission-control"] if args.admission_control else [])])

@@ -23,11 +23,12 @@ from common.engine.model_runner import ModelRunner
 from common.engine.outputs import RequestOutput
 from common.engine.sampler import Sampler
 from common.kv_manager import ImageBlockManager, KVBlockManager, blocks_for
+from common.model.config import LlavaConfig
 from common.model.llava import LlavaModel
 from common.model.loader import load_model
 from common.paged_cache import PagedImageCache, PagedKVCache, PagePayload
 from common.request import Request, RequestStatus, Stage
-from common.scheduler import Scheduler
+from common.scheduler import Scheduler, SchedulerOutput
 from kernels import make_attention_backend
 
 log = logging.getLogger(__name__)
@@ -55,26 +56,37 @@ class EngineStats:
 
 class Engine:
     def __init__(self, config: EngineConfig, model: LlavaModel | None = None, detokenize: Callable[[list[int]], str] | None = None):
-        self.config = config
         dtype = getattr(torch, config.dtype)
         device = torch.device(config.device)
         self.model = model if model is not None else load_model(config.model, dtype, device)
-        self.model_config = self.model.cfg
-        text = self.model_config.text
+        text = self.model.cfg.text
+        self._build(config, self.model.cfg, (text.num_layers, text.num_kv_heads, text.head_dim), text.hidden_size, dtype,
+                    device, detokenize)
+        self.runner = ModelRunner(self.model, self.kv_cache, self.image_cache, make_attention_backend(config.attention_backend, device))
+        self.sampler = Sampler(config.seed)
+
+    def _build(self, config: EngineConfig, model_config: LlavaConfig, kv_shape: tuple[int, int, int], image_hidden: int,
+               dtype: torch.dtype, device: torch.device, detokenize, count_as: tuple[int, int] | None = None) -> None:
+        """Caches, block managers and the scheduler for a model of `model_config`, pages of the given shapes
+        (`kv_shape` = layers, KV heads, head dim; `image_hidden` values per image token). The cache sizes of
+        `config` buy blocks of these pages, or of `count_as` bytes (KV, image) per block when given."""
+        self.config = config
+        self.model_config = model_config
+        text = model_config.text
         self.max_model_len = min(config.max_model_len or text.max_position_embeddings, text.max_position_embeddings)
-        kv_block = PagedKVCache.bytes_per_block(config.block_size, text.num_layers, text.num_kv_heads, text.head_dim, dtype)
-        img_block = PagedImageCache.bytes_per_block(config.image_block_size, text.hidden_size, dtype)
-        num_kv = max(1, int(config.kv_cache_gib * 2**30) // kv_block)
-        num_img = max(1, int(config.image_cache_gib * 2**30) // img_block) if Stage.ENCODE in config.roles or Stage.PREFILL in config.roles else 1
-        self.kv_cache = PagedKVCache(num_kv, config.block_size, text.num_layers, text.num_kv_heads, text.head_dim, dtype, device)
-        self.image_cache = PagedImageCache(num_img, config.image_block_size, text.hidden_size, dtype, device)
+        kv_block = PagedKVCache.bytes_per_block(config.block_size, *kv_shape, dtype)
+        img_block = PagedImageCache.bytes_per_block(config.image_block_size, image_hidden, dtype)
+        kv_cost, img_cost = count_as or (kv_block, img_block)
+        num_kv = max(1, int(config.kv_cache_gib * 2**30) // kv_cost)
+        images_here = Stage.ENCODE in config.roles or Stage.PREFILL in config.roles
+        num_img = max(1, int(config.image_cache_gib * 2**30) // img_cost) if images_here else 1
+        self.kv_cache = PagedKVCache(num_kv, config.block_size, *kv_shape, dtype, device)
+        self.image_cache = PagedImageCache(num_img, config.image_block_size, image_hidden, dtype, device)
         self.scheduler = Scheduler(
             config.scheduler,
             KVBlockManager(num_kv, config.block_size, config.enable_prefix_caching),
             ImageBlockManager(num_img, config.image_block_size),
         )
-        self.runner = ModelRunner(self.model, self.kv_cache, self.image_cache, make_attention_backend(config.attention_backend, device))
-        self.sampler = Sampler(config.seed)
         self.detokenize = detokenize
         self.requests: dict[str, Request] = {}
         self.handed_off: dict[str, Request] = {}
@@ -212,7 +224,7 @@ class Engine:
         for request in plan.requests:
             if request.first_scheduled_time is None:
                 request.first_scheduled_time = now
-        sampling, logits = self.runner.run(plan)
+        sampling, tokens = self._execute(plan)
         outputs: dict[str, RequestOutput] = {}
         for work in plan.encodes:
             work.request.num_encoded_images += work.num_images
@@ -224,10 +236,7 @@ class Engine:
             chunk.request.num_computed_tokens += chunk.num_tokens
         for request in plan.decodes:
             request.num_computed_tokens += 1
-        tokens = self.sampler(logits, sampling) if sampling else []
-        for row, (request, token) in enumerate(zip(sampling, tokens)):
-            if request.request_id in self.captured_logits:
-                self.captured_logits[request.request_id].append(logits[row].clone())
+        for request, token in zip(sampling, tokens):
             was_prefill = request.status == RequestStatus.PREFILLING
             request.output_token_ids.append(token)
             status = self._check_stop(request, token)
@@ -239,6 +248,15 @@ class Engine:
                     self._handoff(request)
             outputs[request.request_id] = self._output(request, [token])
         return list(outputs.values())
+
+    def _execute(self, plan: SchedulerOutput) -> tuple[list[Request], list[int]]:
+        """Run the plan on the model: the requests that sample this step and their sampled tokens."""
+        sampling, logits = self.runner.run(plan)
+        tokens = self.sampler(logits, sampling) if sampling else []
+        for row, request in enumerate(sampling):
+            if request.request_id in self.captured_logits:
+                self.captured_logits[request.request_id].append(logits[row].clone())
+        return sampling, tokens
 
     def _check_stop(self, request: Request, token: int) -> RequestStatus | None:
         params = request.sampling
@@ -310,6 +328,11 @@ class Engine:
             return "image", list(request.image_block_table), request.num_image_tokens
         n = request.num_prompt_tokens
         return "kv", list(request.block_table[: blocks_for(n, self.config.block_size)]), n
+
+    def transfer_delay_s(self, kind: str, num_tokens: int) -> float:
+        """Extra time an import of `num_tokens` tokens of `kind` pages should take (the emulated engine's
+        stand-in for the real model's page bytes); 0 for a real engine."""
+        return 0.0
 
     def cache(self, kind: str) -> PagedKVCache | PagedImageCache:
         return self.kv_cache if kind == "kv" else self.image_cache

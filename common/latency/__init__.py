@@ -9,9 +9,12 @@ from common.latency.model import (
     StageCost,
     decode_ms,
     encode_ms,
+    iteration_ms,
     prefill_chunk_ms,
     prefill_ms,
+    scaled,
     transfer_ms,
 )
 
-__all__ = ["LatencyProfile", "StageCost", "decode_ms", "encode_ms", "prefill_chunk_ms", "prefill_ms", "transfer_ms"]
+__all__ = ["LatencyProfile", "StageCost", "decode_ms", "encode_ms", "iteration_ms", "prefill_chunk_ms", "prefill_ms",
+           "scaled", "transfer_ms"]

@@ -132,3 +132,10 @@ def _calibrated_half_units(shape: ModelShape) -> dict[str, float]:
             lo, hi = (mid, hi) if point < target else (lo, mid)
         half[stage] = (lo + hi) / 2
     return half
+
+
+def load_profile(spec: str) -> LatencyProfile:
+    """`H20`, `H100` or `H200`: the shipped analytic profile of LLaVA-1.5-7B on it; anything else: a profile file."""
+    if spec.upper() in ACCELERATORS:
+        return analytic_profile(spec.upper())
+    return LatencyProfile.load(spec)

@@ -37,7 +37,15 @@ PRESETS: dict[str, dict] = {
         vision=dict(hidden=256, layers=4, heads=4, intermediate=1024, image=336, patch=14),
         vocab=8192,
     ),
+    # LLaVA-1.5-7B's shapes (Llama-2-7B decoder, CLIP ViT-L/14 at 336 px: 576 image tokens) for the emulated
+    # backend: written config-only (`config_only`), as no 7B weights can exist here.
+    "llava-1.5-7b": dict(
+        text=dict(hidden=4096, layers=32, heads=32, kv_heads=32, intermediate=11008, rope_theta=10000.0, eps=1e-5),
+        vision=dict(hidden=1024, layers=24, heads=16, intermediate=4096, image=336, patch=14),
+        vocab=32064,
+    ),
 }
+CONFIG_ONLY_PRESETS = {"llava-1.5-7b"}  # too big to write random weights for
 
 CHAT_TEMPLATE = (
     "{%- for message in messages -%}"
@@ -55,7 +63,7 @@ CHAT_TEMPLATE = (
     "{%- if add_generation_prompt -%}{{ 'ASSISTANT:' }}{%- endif -%}"
 )
 
-_WORDS = (
+WORDS = (
     "the a an of to in and is are was were be it this that what which who where when why how "
     "image picture photo shows show see look color red green blue yellow black white orange "
     "man woman child dog cat bird car bus train street road sign tree sky water table chair "
@@ -73,6 +81,7 @@ class TinySpec:
     preset: str = "tiny"
     seed: int = 0
     logit_scale: float = 8.0
+    config_only: bool = False  # tokenizer, processor and config, no weights (for the emulated backend)
 
     def __post_init__(self) -> None:
         if self.preset not in PRESETS:
@@ -83,7 +92,11 @@ def make_tiny_model(out_dir: str | Path, spec: TinySpec = TinySpec(), progress=N
     """Write the checkpoint to `out_dir` (created) and return its path."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    steps = [("tokenizer", _write_tokenizer_and_processor), ("config", _write_config), ("weights", _write_weights)]
+    steps = [("tokenizer", _write_tokenizer_and_processor), ("config", _write_config)]
+    if not spec.config_only:
+        if spec.preset in CONFIG_ONLY_PRESETS:
+            raise ValueError(f"preset {spec.preset!r} is written config-only (for the emulated backend)")
+        steps.append(("weights", _write_weights))
     state: dict = {}
     for name, step in steps:
         step(out, spec, state)
@@ -96,7 +109,7 @@ def _corpus(seed: int) -> list[str]:
     rng = random.Random(seed)
     lines = []
     for _ in range(4000):
-        words = [rng.choice(_WORDS) for _ in range(rng.randint(4, 14))]
+        words = [rng.choice(WORDS) for _ in range(rng.randint(4, 14))]
         if rng.random() < 0.3:
             words.insert(rng.randrange(len(words)), str(rng.randint(0, 2026)))
         sentence = " ".join(words)

@@ -101,6 +101,9 @@ class WorkerRuntime:
                                  f"request {request.request_id} needs {num_tokens} tokens of {kind} pages")
             with self.tracing.span("page_pull", attributes):
                 await self.puller.pull_into(handle, self.engine.engine.cache(kind), block_ids)
+                emulated = self.engine.engine.transfer_delay_s(kind, num_tokens) - (time.perf_counter() - start)
+                if emulated > 0:  # an emulated engine's pages stand in for bigger ones: take their time
+                    await asyncio.sleep(emulated)
             done = True
         finally:
             if self.metrics is not None:

@@ -49,6 +49,30 @@ class WorkerOptions:
     lease_ttl_s: float = 30.0
     grace_s: float = 10.0
     metrics_port: int | None = 0  # Prometheus /metrics on host:port (0: any free port; None: off)
+    emulation: EmulationOptions | None = None  # run the emulated backend instead of the model
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class EmulationOptions:
+    """The emulated backend (common/engine/emulated.py): iterations take the profile's predicted time."""
+
+    profile: str  # latency profile file (epdmesh-latency/1), or H20 / H100 / H200 for the analytic LLaVA-1.5-7B one
+    kv_bytes_per_token: int = 256  # real bytes moved per token, standing in for the model's
+    image_bytes_per_token: int = 64
+
+
+def build_engine(config: EngineConfig, emulation: EmulationOptions | None = None) -> Engine:
+    """The model's engine, or the emulated one."""
+    if emulation is not None:
+        from common.engine.emulated import EmulatedEngine, light_detokenizer, word_token_pool
+        from common.latency.roofline import load_profile
+
+        e = emulation
+        return EmulatedEngine(config, load_profile(e.profile), light_detokenizer(config.model),
+                              word_token_pool(config.model), e.kv_bytes_per_token, e.image_bytes_per_token)
+    from common.model.processor import ChatProcessor
+
+    return Engine(config, None, ChatProcessor(config.model).detokenize)
 
 
 def _mount_roles(server: grpc.aio.Server, runtime: WorkerRuntime, roles: frozenset[Stage]) -> list[str]:
@@ -79,10 +103,7 @@ async def run_worker(options: WorkerOptions, engine: Engine | None = None, ready
     label = "".join(s.name[0] for s in sorted(config.roles)).lower()
     tracing = Tracing(f"epdmesh-worker-{label}")  # before any server or channel: it instruments grpc.aio
     if engine is None:
-        from common.model.processor import ChatProcessor
-
-        processor = ChatProcessor(config.model)
-        engine = await asyncio.to_thread(Engine, config, None, processor.detokenize)
+        engine = await asyncio.to_thread(build_engine, config, options.emulation)
     server = grpc.aio.server(options=CHANNEL_OPTIONS)
     port = server.add_insecure_port(f"{options.host}:{options.port}")
     address = f"{options.advertise_host or options.host}:{port}"
@@ -109,8 +130,9 @@ async def run_worker(options: WorkerOptions, engine: Engine | None = None, ready
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     info = WorkerInfo(worker_id, address, config.roles, config.model, engine.max_model_len, transfer.offer, os.getpid(),
                       metrics_port)
-    log.info("worker %s (%s) serving on %s, transfer %s, metrics on port %s", worker_id, label.upper(), address,
-             transfer.offer, metrics_port or "-")
+    log.info("worker %s (%s) serving on %s, transfer %s, metrics on port %s%s", worker_id, label.upper(), address,
+             transfer.offer, metrics_port or "-",
+             f", emulated by {options.emulation.profile}" if options.emulation is not None else "")
 
     stop = stop or asyncio.Event()
     loop = asyncio.get_running_loop()

@@ -104,3 +104,24 @@ def test_shipped_profiles_are_what_the_roofline_gives():
     for hw in ("H20", "H100", "H200"):
         shipped = LatencyProfile.load(root / f"llava-1.5-7b-{hw.lower()}.json")
         assert shipped == analytic_profile(hw), f"profiles/llava-1.5-7b-{hw.lower()}.json is stale: epdmesh profile --analytic {hw}"
+
+
+def test_iteration_time_composes_the_stages_and_scaling_dilates_every_time():
+    from common.latency import iteration_ms, scaled
+
+    p = analytic_profile("H20")
+    assert iteration_ms(p) == 0.0
+    assert iteration_ms(p, images=3) == encode_ms(p, 3)
+    assert iteration_ms(p, decodes=8, decode_context=4000) == decode_ms(p, 8, 4000)
+    assert iteration_ms(p, chunks=[(512, 0)]) == pytest.approx(prefill_chunk_ms(p, 512))
+    assert iteration_ms(p, chunks=[(256, 256)]) == pytest.approx(prefill_chunk_ms(p, 256, 256))
+    mixed = iteration_ms(p, images=1, decodes=4, decode_context=2000, chunks=[(300, 0), (200, 100)])
+    assert mixed == pytest.approx(encode_ms(p, 1) + p.prefill.base_ms(504) + p.decode.quadratic_ms * 2000
+                                  + p.prefill.quadratic_ms * (300 * 150 + 200 * 200))
+    slow = scaled(p, 10)
+    for args in ((3, 0, 0, ()), (0, 8, 4000, ()), (1, 4, 2000, ((300, 0), (200, 100)))):
+        assert iteration_ms(slow, *args) == pytest.approx(10 * iteration_ms(p, *args))
+    assert transfer_ms(slow, 1 << 30) == pytest.approx(10 * transfer_ms(p, 1 << 30))
+    assert scaled(p, 1) is p
+    with pytest.raises(ValueError):
+        scaled(p, 0)

@@ -1,0 +1,358 @@
+"""Goodput under SLO: replay a workload against a mesh through its HTTP API over a sweep of request rates.
+
+    epdmesh bench goodput --url http://127.0.0.1:8000 --workload textcaps --rates 1,2,4
+    epdmesh bench goodput --backend emulated --time-scale 10 --workload textcaps,pope \\
+        --config 'EPD8=--topology EPD8' --config 'E2+P2+D4=--topology E2+P2+D4' --rates 10,20,30,40
+
+Per request, client-side: TTFT (send → first streamed token) and every inter-token gap. A request
+meets its SLO when TTFT ≤ --slo-ttft-ms and the P90 of its gaps ≤ --slo-tbt-ms; a failed request
+does not. SLO attainment at a rate = the fraction of requests meeting it; **goodput** = the highest
+rate swept whose attainment is ≥ --attainment (0.9). The sweep runs the rates in ascending order and
+stops after two consecutive rates below the target. Per-rate metrics carry the key names of
+`vllm bench serve` (request_throughput, request_goodput, mean/median/p90/p99 _ttft_ms, _tpot_ms,
+_itl_ms, _e2el_ms, …).
+
+`--config NAME=ARGS` (repeatable): launch `epdmesh serve ARGS` on a free loopback port for each
+configuration in turn, sweep it, stop it; `{profile}` in ARGS is the (time-scaled) latency profile.
+With `--backend emulated`, every launched mesh runs the emulated backend on `--profile`; with
+`--time-scale K` the profile and the SLOs given to the mesh are K× slower, requests are sent K×
+less often and every measured time is divided by K, so a host that cannot keep up with the real
+hardware's pace still queues exactly as it would (reported rates and times are the hardware's).
+Writes JSON (every configuration, workload and rate) and a PNG of SLO attainment vs rate.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import dataclasses
+import json
+import math
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+if not __package__:
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.workloads import SHAPES, arrivals, request_bodies, trace_times  # noqa: E402
+
+PERCENTILES = (50, 90, 99)
+
+
+@dataclasses.dataclass(slots=True)
+class Result:
+    ok: bool
+    ttft: float = 0.0  # seconds, in the hardware's time (÷ time scale)
+    itl: list[float] = dataclasses.field(default_factory=list)
+    e2el: float = 0.0
+    input_tokens: int = 0
+    output_tokens: int = 0
+    error: str = ""
+
+
+async def send(client, url: str, body: dict, scale: float) -> Result:
+    """One streamed chat completion; times every content chunk as it arrives."""
+    start = time.perf_counter()
+    times: list[float] = []
+    usage = {}
+    try:
+        async with client.stream("POST", url, json=body) as response:
+            if response.status_code != 200:
+                text = (await response.aread()).decode(errors="replace")
+                return Result(False, error=f"HTTP {response.status_code}: {text[:200]}")
+            async for line in response.aiter_lines():
+                if not line.startswith("data: "):
+                    continue
+                data = line[6:]
+                if data == "[DONE]":
+                    break
+                chunk = json.loads(data)
+                if "error" in chunk:
+                    return Result(False, error=str(chunk["error"])[:200])
+                if chunk.get("usage"):
+                    usage = chunk["usage"]
+                if any(c.get("delta", {}).get("content") for c in chunk.get("choices", [])):
+                    times.append(time.perf_counter())
+    except Exception as exc:  # connection trouble counts as a failed request, not a failed benchmark
+        return Result(False, error=f"{type(exc).__name__}: {exc}"[:200])
+    if not times:
+        return Result(False, error="no tokens streamed")
+    end = time.perf_counter()
+    return Result(True, (times[0] - start) / scale, [(b - a) / scale for a, b in zip(times, times[1:])],
+                  (end - start) / scale, usage.get("prompt_tokens", 0), usage.get("completion_tokens", len(times)))
+
+
+def _pct(values: list[float], p: float) -> float:
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    k = (len(ordered) - 1) * p / 100
+    lo, hi = math.floor(k), math.ceil(k)
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * (k - lo)
+
+
+def meets_slo(r: Result, ttft_ms: float, tbt_ms: float) -> bool:
+    return r.ok and r.ttft * 1e3 <= ttft_ms and (not r.itl or _pct(r.itl, 90) * 1e3 <= tbt_ms)
+
+
+def summarize(results: list[Result], duration: float, rate: float, ttft_ms: float, tbt_ms: float) -> dict:
+    """vllm bench serve's metrics (times in ms) plus SLO attainment."""
+    done = [r for r in results if r.ok]
+    good = [r for r in results if meets_slo(r, ttft_ms, tbt_ms)]
+    out = {
+        "request_rate": rate, "num_prompts": len(results), "completed": len(done), "failed": len(results) - len(done),
+        "duration": duration, "total_input_tokens": sum(r.input_tokens for r in done),
+        "total_output_tokens": sum(r.output_tokens for r in done),
+        "request_throughput": len(done) / duration, "request_goodput": len(good) / duration,
+        "output_throughput": sum(r.output_tokens for r in done) / duration,
+        "slo_attainment": len(good) / len(results) if results else 0.0,
+        "ttft_attainment": sum(r.ok and r.ttft * 1e3 <= ttft_ms for r in results) / max(1, len(results)),
+        "tbt_attainment": sum(r.ok and (not r.itl or _pct(r.itl, 90) * 1e3 <= tbt_ms) for r in results) / max(1, len(results)),
+        "errors": sorted({r.error for r in results if not r.ok})[:5],
+    }
+    out["total_token_throughput"] = (out["total_input_tokens"] + out["total_output_tokens"]) / duration
+    series = {
+        "ttft": [r.ttft * 1e3 for r in done],
+        "tpot": [(r.e2el - r.ttft) * 1e3 / (r.output_tokens - 1) for r in done if r.output_tokens > 1],
+        "itl": [g * 1e3 for r in done for g in r.itl],
+        "e2el": [r.e2el * 1e3 for r in done],
+    }
+    for name, values in series.items():
+        out[f"mean_{name}_ms"] = statistics.fmean(values) if values else float("nan")
+        out[f"median_{name}_ms"] = statistics.median(values) if values else float("nan")
+        out[f"std_{name}_ms"] = statistics.pstdev(values) if values else float("nan")
+        for p in PERCENTILES:
+            out[f"p{p}_{name}_ms"] = _pct(values, p)
+    return out
+
+
+async def run_rate(base: str, bodies: list[dict], times: list[float], scale: float, bar=None) -> tuple[list[Result], float]:
+    """Send `bodies` at `times` (hardware seconds; × scale on the wall clock) and wait for all of them."""
+    import httpx
+
+    url = f"{base}/v1/chat/completions"
+    limits = httpx.Limits(max_connections=4096, max_keepalive_connections=256)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(600.0), limits=limits) as client:
+        start = time.perf_counter()
+
+        async def one(body: dict, at: float) -> Result:
+            delay = start + at * scale - time.perf_counter()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            result = await send(client, url, body, scale)
+            if bar is not None:
+                bar.update()
+            return result
+
+        results = await asyncio.gather(*(one(b, t) for b, t in zip(bodies, times)))
+        return list(results), (time.perf_counter() - start) / scale
+
+
+def sweep(base: str, model: str, workload: str, rates: list[float], args, label: str, gaps) -> dict:
+    from tqdm import tqdm
+
+    shape = SHAPES[workload]
+    bodies = request_bodies(shape, args.num_prompts, model, seed=args.seed)
+    asyncio.run(run_rate(base, bodies[: args.warmup], [0.0] * args.warmup, args.time_scale))  # warm every path once
+    points, below = [], 0
+    for rate in sorted(rates):
+        times = arrivals(args.num_prompts, rate, args.arrival, args.seed, gaps)
+        with tqdm(total=len(bodies), desc=f"{label} {workload} @ {rate:g} req/s", unit="req", file=sys.stderr,
+                  leave=False) as bar:
+            results, duration = asyncio.run(run_rate(base, bodies, times, args.time_scale, bar))
+        point = summarize(results, duration, rate, args.slo_ttft_ms, args.slo_tbt_ms)
+        points.append(point)
+        print(f"  {label:>12} {workload:<9} rate {rate:6.2f}  attainment {point['slo_attainment']:5.1%} "
+              f"(TTFT {point['ttft_attainment']:5.1%}, TBT {point['tbt_attainment']:5.1%})  p90 TTFT "
+              f"{point['p90_ttft_ms']:7.1f} ms  p90 ITL {point['p90_itl_ms']:6.1f} ms  failed {point['failed']}",
+              file=sys.stderr, flush=True)
+        below = below + 1 if point["slo_attainment"] < args.attainment else 0
+        if below >= 2:
+            break
+        time.sleep(args.pause)
+    good = [p["request_rate"] for p in points if p["slo_attainment"] >= args.attainment]
+    return {"workload": workload, "output_tokens": shape.output_tokens, "goodput": max(good) if good else 0.0,
+            "points": points}
+
+
+# ----- launching configurations -----
+
+@contextlib.contextmanager
+def launched(serve_args: list[str], log_path: Path, timeout: float = 900.0):
+    """`epdmesh serve ARGS` on a free loopback port; yields (base URL, served model name); stops it at the end."""
+    import httpx
+
+    from common.ports import free_port
+
+    port = free_port()
+    cmd = [sys.executable, "-m", "epdmesh.cli", "serve", *serve_args, "--host", "127.0.0.1", "--port", str(port)]
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + timeout
+    try:
+        while True:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"`epdmesh serve {' '.join(serve_args)}` did not come up; see {log_path}")
+            if "EPDMESH_READY" in log_path.read_text(errors="replace"):
+                break
+            time.sleep(0.5)
+        model = httpx.get(f"{base}/v1/models", timeout=10).json()["data"][0]["id"]
+        yield base, model
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=120)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def _serve_args(config_args: str, args, profile: Path | None) -> list[str]:
+    import shlex
+
+    out = shlex.split(config_args.replace("{profile}", str(profile or "")))
+    if args.backend == "emulated":
+        out += ["--backend", "emulated", "--profile", str(profile)]
+    out += ["--slo-ttft-ms", str(args.slo_ttft_ms * args.time_scale), "--slo-tbt-ms", str(args.slo_tbt_ms * args.time_scale)]
+    return out + (["--model", args.model] if args.model else [])
+
+
+# ----- the plot -----
+
+def plot(report: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    workloads = report["workloads"]
+    fig, axes = plt.subplots(1, len(workloads), figsize=(5.5 * len(workloads), 4.2), squeeze=False)
+    for ax, workload in zip(axes[0], workloads):
+        for name, runs in report["configs"].items():
+            run = runs.get(workload)
+            if not run:
+                continue
+            rates = [p["request_rate"] for p in run["points"]]
+            ax.plot(rates, [100 * p["slo_attainment"] for p in run["points"]], marker="o",
+                    label=f"{name} (goodput {run['goodput']:g})")
+        ax.axhline(100 * report["attainment"], color="grey", linestyle="--", linewidth=1)
+        ax.set_title(f"{workload}: {SHAPES[workload].output_tokens} output tokens")
+        ax.set_xlabel("request rate (req/s)")
+        ax.set_ylabel("SLO attainment (%)")
+        ax.set_ylim(0, 102)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle(f"{report['backend']} — SLO TTFT {report['slo_ttft_ms']:g} ms, P90 TBT {report['slo_tbt_ms']:g} ms, "
+                 f"{report['arrival']} arrivals", fontsize=10)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+# ----- main -----
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(prog="epdmesh bench goodput", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--url", help="a running mesh's base URL (instead of --config)")
+    p.add_argument("--config", action="append", default=[], metavar="NAME=SERVE_ARGS",
+                   help="launch `epdmesh serve SERVE_ARGS` per configuration (repeatable)")
+    p.add_argument("--workload", default="textcaps", help=f"comma-separated: {', '.join(SHAPES)}")
+    p.add_argument("--rates", default="1,2,4,8", help="comma-separated request rates (req/s, the hardware's time)")
+    p.add_argument("--num-prompts", type=int, default=100, help="requests per rate")
+    p.add_argument("--warmup", type=int, default=4)
+    p.add_argument("--arrival", default="mooncake", choices=["mooncake", "poisson"])
+    p.add_argument("--slo-ttft-ms", type=float, default=1000.0)
+    p.add_argument("--slo-tbt-ms", type=float, default=100.0)
+    p.add_argument("--attainment", type=float, default=0.9)
+    p.add_argument("--backend", default="torch", choices=["torch", "emulated"],
+                   help="of the launched meshes (with --url: what the running mesh runs, for the report)")
+    p.add_argument("--profile", default="H20",
+                   help="emulated backend: the latency profile the workers run (a file, or H20 / H100 / H200: analytic)")
+    p.add_argument("--time-scale", type=float, default=1.0, help="time dilation of an emulated mesh (see above)")
+    p.add_argument("--model", help="checkpoint directory for launched meshes (default: serve's)")
+    p.add_argument("--pause", type=float, default=2.0, help="seconds between rates (queues drain)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default="bench/results/goodput.json")
+    p.add_argument("--plot", help="PNG path (default: the --out path with .png)")
+    args = p.parse_args(argv)
+    if bool(args.url) == bool(args.config):
+        p.error("give either --url or one or more --config NAME=SERVE_ARGS")
+    if args.time_scale != 1 and (args.url or args.backend != "emulated"):
+        p.error("--time-scale applies to meshes this benchmark launches with --backend emulated")
+    args.workloads = [w.strip() for w in args.workload.split(",") if w.strip()]
+    unknown = [w for w in args.workloads if w not in SHAPES]
+    if unknown:
+        p.error(f"unknown workload(s) {unknown}; choose from {', '.join(SHAPES)}")
+    args.rate_list = [float(r) for r in args.rates.split(",") if r.strip()]
+    if not args.rate_list or min(args.rate_list) <= 0 or args.num_prompts < 2:
+        p.error("need positive --rates and --num-prompts >= 2")
+    return args
+
+
+def main(argv=None) -> int:
+    import logging
+
+    args = parse_args(argv)
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    gaps = trace_times(seed=args.seed) if args.arrival == "mooncake" else None
+    backend = ("emulated: " + Path(args.profile).stem + (f", time ×{args.time_scale:g}" if args.time_scale != 1 else "")
+               if args.backend == "emulated" else "real engine (torch CPU)")
+    report = {"backend": backend, "arrival": args.arrival, "slo_ttft_ms": args.slo_ttft_ms, "slo_tbt_ms": args.slo_tbt_ms,
+              "attainment": args.attainment, "num_prompts": args.num_prompts, "time_scale": args.time_scale,
+              "workloads": args.workloads, "configs": {}, "serve_args": {}}
+    with tempfile.TemporaryDirectory(prefix="epdmesh-goodput-") as tmp:
+        profile = None
+        if args.backend == "emulated" or any("{profile}" in c for c in args.config):
+            from common.latency import scaled
+            from common.latency.roofline import load_profile
+
+            profile = Path(tmp) / "profile.json"
+            scaled(load_profile(args.profile), args.time_scale).save(profile)
+        if args.url:
+            import httpx
+
+            model = httpx.get(f"{args.url}/v1/models", timeout=10).json()["data"][0]["id"]
+            report["configs"]["mesh"] = {w: sweep(args.url, model, w, args.rate_list, args, "mesh", gaps)
+                                         for w in args.workloads}
+        for spec in args.config:
+            name, _, config_args = spec.partition("=")
+            serve_args = _serve_args(config_args, args, profile)
+            report["serve_args"][name] = serve_args
+            print(f"{name}: epdmesh serve {' '.join(serve_args)}", file=sys.stderr, flush=True)
+            with launched(serve_args, out.with_name(f"{out.stem}-{name.replace('+', '_')}.log")) as (base, model):
+                report["configs"][name] = {w: sweep(base, model, w, args.rate_list, args, name, gaps)
+                                           for w in args.workloads}
+            out.write_text(json.dumps(report, indent=2) + "\n")  # partial results survive a later failure
+    out.write_text(json.dumps(report, indent=2) + "\n")
+    png = Path(args.plot) if args.plot else out.with_suffix(".png")
+    plot(report, png)
+    print(f"\ngoodput (highest rate with ≥ {args.attainment:.0%} of requests within TTFT {args.slo_ttft_ms:g} ms and "
+          f"P90 TBT {args.slo_tbt_ms:g} ms), backend {backend}:")
+    names = list(report["configs"])
+    print(f"{'config':>14} " + " ".join(f"{w:>10}" for w in args.workloads))
+    for name in names:
+        print(f"{name:>14} " + " ".join(f"{report['configs'][name][w]['goodput']:>10g}" for w in args.workloads))
+    if len(names) > 1:
+        base = names[0]
+        for w in args.workloads:
+            ref = report["configs"][base][w]["goodput"]
+            ratios = ", ".join(f"{n} {report['configs'][n][w]['goodput'] / ref:.2f}×" if ref else f"{n} -" for n in names[1:])
+            print(f"{w}: vs {base}: {ratios}")
+    print(f"wrote {out} and {png}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

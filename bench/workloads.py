@@ -1,0 +1,164 @@
+"""Workloads of the goodput benchmark: request shapes like the papers' datasets, arrivals from a real trace.
+
+Shapes (TriInfer and Tropical evaluate on these; one image per request, a short prompt and a fixed
+output length — `max_tokens` with EOS ignored, as TriInfer does, so every configuration gets the same
+load). No dataset can be downloaded here, so prompts are drawn from templates shaped like each
+dataset's and images are synthetic JPEGs of a typical size for it (every image becomes 576 tokens at
+336 px on LLaVA-1.5; the source size only changes the gateway's decode/resize work):
+
+| workload | prompt (what it looks like) | prompt words | output tokens | source image |
+|---|---|---|---|---|
+| textcaps | "Provide a one-sentence caption for the provided image." (+ a style hint) | 8–14 | 32 | 512×384 |
+| pope     | "Is there a <object> in the image? Answer yes or no." | 10–12 | 4 | 640×480 |
+| mme      | "<question about the image>? Please answer yes or no." | 12–20 | 2 | 512×512 |
+| textvqa  | "<question about text in the image>? Reference OCR tokens: <6–12 words>. Answer the question using a single word or phrase." | 25–40 | 10 | 512×384 |
+| vizwiz   | "<question>? When the provided information is insufficient, respond with 'Unanswerable'. Answer the question using a single word or phrase." | 25–35 | 10 | 480×640 |
+
+Output lengths follow each dataset's answers (TextCaps captions ≈ 12 words; POPE/MME yes/no; TextVQA and
+VizWiz a word or short phrase, padded to 10 tokens). Arrivals: the Mooncake conversation trace's
+timestamps (`bench/data/`, one hour of production traffic, recorded in 3 s slots: each slot's requests
+are spread uniformly over it), a window of `n` consecutive requests rescaled so its mean rate is the
+target rate — the trace's burstiness at any rate; or a Poisson process.
+"""
+
+from __future__ import annotations
+
+import base64
+import dataclasses
+import io
+import random
+import statistics
+from pathlib import Path
+
+# the timestamps of the Mooncake FAST'25 conversation trace (Apache-2.0), one per line, in milliseconds
+TRACE = Path(__file__).resolve().parent / "data" / "mooncake_conversation_arrivals.txt"
+OBJECTS = ("dog", "cat", "car", "bus", "person", "chair", "bottle", "cup", "bird", "umbrella", "clock", "book",
+           "bicycle", "traffic light", "bench", "horse", "laptop", "phone", "pizza", "sink")
+WORDS = ("red", "sign", "street", "open", "sale", "coffee", "station", "exit", "park", "north", "main", "free",
+         "menu", "hotel", "city", "bank", "stop", "book", "cafe", "market", "road", "label", "brand", "store")
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Shape:
+    name: str
+    output_tokens: int
+    image_size: tuple[int, int]
+
+    def prompt(self, rng: random.Random) -> str:
+        return _PROMPTS[self.name](rng)
+
+
+def _textcaps(rng: random.Random) -> str:
+    hint = rng.choice(["", " Mention any visible text.", " Be specific about the setting.", " Keep it short."])
+    return "Provide a one-sentence caption for the provided image." + hint
+
+
+def _pope(rng: random.Random) -> str:
+    return f"Is there a {rng.choice(OBJECTS)} in the image? Answer yes or no."
+
+
+def _mme(rng: random.Random) -> str:
+    subject = rng.choice(OBJECTS)
+    question = rng.choice([f"Is the {subject} on the left side of the picture",
+                           f"Are there exactly {rng.randint(2, 5)} {subject}s in this image",
+                           f"Is this photo taken in a place where a {subject} would usually be found",
+                           f"Is the {subject} in this image {rng.choice(WORDS)}"])
+    return f"{question}? Please answer yes or no."
+
+
+def _textvqa(rng: random.Random) -> str:
+    ocr = " ".join(rng.choice(WORDS) for _ in range(rng.randint(6, 12)))
+    question = rng.choice(["What is written on the sign", "What brand is shown", "What number is on the bus",
+                           "What does the label say", "What is the name of the store"])
+    return f"{question}? Reference OCR tokens: {ocr}. Answer the question using a single word or phrase."
+
+
+def _vizwiz(rng: random.Random) -> str:
+    question = rng.choice(["What is this", "What color is this shirt", "What does this can say",
+                           "Can you tell me what this box is", "What is the expiration date on this"])
+    return (f"{question}? When the provided information is insufficient, respond with 'Unanswerable'. "
+            "Answer the question using a single word or phrase.")
+
+
+_PROMPTS = {"textcaps": _textcaps, "pope": _pope, "mme": _mme, "textvqa": _textvqa, "vizwiz": _vizwiz}
+SHAPES = {
+    "textcaps": Shape("textcaps", 32, (512, 384)),
+    "pope": Shape("pope", 4, (640, 480)),
+    "mme": Shape("mme", 2, (512, 512)),
+    "textvqa": Shape("textvqa", 10, (512, 384)),
+    "vizwiz": Shape("vizwiz", 10, (480, 640)),
+}
+
+
+def images(shape: Shape, count: int, seed: int) -> list[str]:
+    """`count` distinct synthetic JPEGs (smooth gradients, blocks and noise) as data URIs."""
+    import numpy as np
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    w, h = shape.image_size
+    uris = []
+    for _ in range(count):
+        yy, xx = np.mgrid[0:h, 0:w]
+        base = np.stack([(xx * rng.uniform(0.2, 0.6) + yy * rng.uniform(0.1, 0.5) + rng.uniform(0, 255)) % 256
+                         for _ in range(3)], axis=-1)
+        for _ in range(6):
+            x0, y0 = rng.integers(0, w - 32), rng.integers(0, h - 32)
+            base[y0:y0 + rng.integers(16, h // 2), x0:x0 + rng.integers(16, w // 2)] = rng.uniform(0, 255, 3)
+        pixels = np.clip(base + rng.normal(0, 12, base.shape), 0, 255).astype(np.uint8)
+        buf = io.BytesIO()
+        Image.fromarray(pixels).save(buf, "JPEG", quality=85)
+        uris.append("data:image/jpeg;base64," + base64.b64encode(buf.getvalue()).decode())
+    return uris
+
+
+def request_bodies(shape: Shape, n: int, model: str, seed: int = 0, distinct_images: int = 32) -> list[dict]:
+    """`n` OpenAI chat-completion bodies (streaming, usage in the last chunk, fixed output length)."""
+    rng = random.Random(seed)
+    uris = images(shape, min(n, distinct_images), seed)
+    return [{
+        "model": model, "stream": True, "stream_options": {"include_usage": True},
+        "max_tokens": shape.output_tokens, "ignore_eos": True, "temperature": 0.0,
+        "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": uris[i % len(uris)]}},
+                                                  {"type": "text", "text": shape.prompt(rng)}]}],
+    } for i in range(n)]
+
+
+def trace_times(path: Path = TRACE, seed: int = 0) -> list[float]:
+    """Arrival times (seconds) of the trace's requests. Its timestamps are recorded in 3-second slots
+    (every request of a slot carries the slot's time), so each slot's requests are spread uniformly at
+    random over their slot: the per-slot counts — the trace's burstiness — are kept, and no request
+    arrives at exactly the same instant as another."""
+    lines = [line.strip() for line in path.read_text().splitlines()]
+    stamps = [float(line) / 1e3 for line in lines if line and not line.startswith("#")]
+    slots = sorted(set(stamps))
+    length = {a: b - a for a, b in zip(slots, slots[1:])}
+    length[slots[-1]] = statistics.median(length.values()) if length else 1.0
+    rng = random.Random(seed)
+    return sorted(s + rng.random() * length[s] for s in stamps)
+
+
+def arrivals(n: int, rate: float, kind: str = "mooncake", seed: int = 0, trace: list[float] | None = None) -> list[float]:
+    """Send times (seconds from the start) of `n` requests at mean `rate` requests/s: a window of `n`
+    consecutive trace arrivals (its start drawn by `seed`) rescaled to that mean rate, or a Poisson process."""
+    if n < 1 or rate <= 0:
+        raise ValueError("need n >= 1 and rate > 0")
+    if kind == "poisson":
+        rng = random.Random(seed)
+        times, t = [0.0], 0.0
+        for _ in range(n - 1):
+            t += rng.expovariate(rate)
+            times.append(t)
+        return times
+    if kind != "mooncake":
+        raise ValueError(f"unknown arrival process {kind!r}; use mooncake or poisson")
+    trace = trace if trace is not None else trace_times()
+    if len(trace) < n:
+        raise ValueError(f"the trace has {len(trace)} requests; ask for at most that many")
+    start = random.Random(seed).randrange(0, len(trace) - n + 1)
+    window = [t - trace[start] for t in trace[start:start + n]]
+    span = window[-1]
+    if n == 1 or span <= 0:
+        return [i / rate for i in range(n)]
+    factor = (n - 1) / rate / span  # mean gap 1/rate
+    return [t * factor for t in window]

@@ -1,0 +1,98 @@
+"""The emulated backend: the real engine around a latency profile instead of the model."""
+
+import pytest
+
+from common.engine.config import EngineConfig, parse_roles
+from common.engine.emulated import EmulatedEngine, light_detokenizer, word_token_pool
+from common.latency import iteration_ms, transfer_ms
+from common.latency.roofline import analytic_profile
+from common.model.config import LlavaConfig
+from common.request import ImageInput, Request
+from common.sampling import SamplingParams
+from common.scheduler import SchedulerConfig
+from tests.support import assert_pools_full, run_disaggregated
+
+PROFILE = analytic_profile("H20")
+
+
+@pytest.fixture(scope="module")
+def cfg(emulated_dir):
+    return LlavaConfig.from_pretrained(emulated_dir)
+
+
+def make(emulated_dir, cfg, roles="epd", **config):
+    engine_config = EngineConfig(model=str(emulated_dir), roles=parse_roles(roles), kv_cache_gib=config.pop("kv_cache_gib", 8.0),
+                                 image_cache_gib=0.05, **config)
+    return EmulatedEngine(engine_config, PROFILE, light_detokenizer(emulated_dir), word_token_pool(emulated_dir),
+                          model_config=cfg)
+
+
+def requests(cfg, max_tokens=6):
+    image = ImageInput(None, cfg.image_tokens_per_image, "img-a")
+    other = ImageInput(None, cfg.image_tokens_per_image, "img-b")
+    placeholders = [cfg.image_token_id] * cfg.image_tokens_per_image
+    text = [1, 319, 320, 321]
+    return [
+        Request("img", [1, *placeholders, 319, 400, 401], SamplingParams(max_tokens=max_tokens), images=[image]),
+        Request("img2", [1, *placeholders, 319, 400, 401], SamplingParams(max_tokens=max_tokens), images=[other]),
+        Request("txt", text * 30, SamplingParams(max_tokens=max_tokens + 3)),
+        Request("short", text, SamplingParams(max_tokens=1)),
+    ]
+
+
+def test_the_7b_shape_is_the_real_models(cfg):
+    assert cfg.image_tokens_per_image == 576 and cfg.text.vocab_size == 32064
+    assert (cfg.text.num_layers, cfg.text.num_kv_heads, cfg.text.head_dim) == (32, 32, 128)
+
+
+def test_tokens_are_deterministic_depend_on_the_prompt_and_images_and_survive_disaggregation(emulated_dir, cfg):
+    colocated = make(emulated_dir, cfg)
+    together = {k: v.output_token_ids for k, v in colocated.generate(requests(cfg)).items()}
+    assert [len(together[k]) for k in ("img", "img2", "txt", "short")] == [6, 6, 9, 1]
+    assert together["img"] != together["img2"]  # same prompt, other image: the image pages feed the tokens
+    assert len(set(together["txt"])) > 3 and set(together["txt"]) <= set(colocated.token_pool)
+    again = make(emulated_dir, cfg)
+    assert {k: v.output_token_ids for k, v in again.generate(requests(cfg)).items()} == together
+    e, p, d = (make(emulated_dir, cfg, roles) for roles in ("e", "p", "d"))
+    assert run_disaggregated(e, p, d, requests(cfg)) == together  # image and KV pages went through bytes
+    assert_pools_full(colocated, again, e, p, d)
+
+
+def test_a_garbled_kv_page_changes_the_tokens(emulated_dir, cfg):
+    engine = make(emulated_dir, cfg)
+    prompt = [1, 319, 320, 321] * 10
+    clean = engine.generate([Request("t", prompt, SamplingParams(max_tokens=4))])["t"].output_token_ids
+    request = Request("t", prompt, SamplingParams(max_tokens=4))
+    engine.add_request(request)
+    first = engine.step()[0]  # prefill: the first token, the stamp written into the first KV page
+    engine.kv_cache.data[request.block_table[0]].zero_()
+    while engine.has_unfinished:
+        engine.step()
+    assert first.new_token_ids == clean[:1] and request.output_token_ids != clean
+    assert_pools_full(engine)
+
+
+def test_each_iteration_is_predicted_by_the_profile(emulated_dir, cfg):
+    engine = make(emulated_dir, cfg, scheduler=SchedulerConfig(token_budget=4096, image_budget=4))
+    img, img2, txt, short = requests(cfg)
+    for r in (img, img2, txt):
+        engine.add_request(r)
+    engine.step()  # both images encoded, the text prompt prefilled
+    assert engine.predicted_ms == pytest.approx(iteration_ms(PROFILE, images=2, chunks=[(txt.num_prompt_tokens, 0)]))
+    engine.step()  # the two image prompts prefilled beside the text request's first decode
+    context = txt.num_prompt_tokens + 1
+    expected = iteration_ms(PROFILE, decodes=1, decode_context=context,
+                            chunks=[(img.num_prompt_tokens, 0), (img2.num_prompt_tokens, 0)])
+    assert engine.predicted_ms == pytest.approx(expected)
+    while engine.has_unfinished:
+        engine.step()
+    assert_pools_full(engine)
+
+
+def test_cache_capacity_and_transfer_time_are_the_real_models(emulated_dir, cfg):
+    engine = make(emulated_dir, cfg, kv_cache_gib=2.0)
+    real_kv_token = 2 * 32 * 32 * 128 * 2  # 512 KiB: K and V of 32 layers × 32 heads × 128 in 16-bit
+    assert engine.stats().kv_blocks_total == (2 << 30) // (real_kv_token * 16)
+    assert engine.kv_cache.layout.bytes_per_block == 16 * 256  # the bytes actually held and moved: 256 per token
+    assert engine.transfer_delay_s("kv", 600) == pytest.approx(transfer_ms(PROFILE, 600 * real_kv_token) / 1e3)
+    assert engine.transfer_delay_s("image", 576) == pytest.approx(transfer_ms(PROFILE, 576 * 4096 * 2) / 1e3)

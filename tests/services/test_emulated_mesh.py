@@ -1,0 +1,43 @@
+"""The emulated backend behind the real mesh: same tokens on every topology (pages really move), and the
+goodput benchmark's smoke run against it."""
+
+import json
+from pathlib import Path
+
+import httpx
+
+from bench import goodput
+from bench.workloads import SHAPES, request_bodies
+from tests.services.servers import MODEL, assert_pools_full, running_server
+
+H20 = str(Path(__file__).resolve().parents[2] / "profiles" / "llava-1.5-7b-h20.json")
+
+
+def test_emulated_meshes_agree_and_the_goodput_benchmark_measures_one(emulated_dir, tmp_path):
+    bodies = [{k: v for k, v in b.items() if k not in ("stream", "stream_options")}
+              for b in request_bodies(SHAPES["textcaps"], 4, MODEL, seed=3)]
+    answers = {}
+    for topology in ("EPD1", "E1+P1+D1"):
+        log = tmp_path / f"{topology.replace('+', '_')}.log"
+        with running_server(emulated_dir, topology, log, "--backend", "emulated", "--profile", H20, "--kv-cache-gib", "4",
+                            "--transfer", "grpc") as base:
+            replies = [httpx.post(f"{base}/v1/chat/completions", json=b, timeout=60).json() for b in bodies]
+            answers[topology] = [(r["choices"][0]["message"]["content"], r["usage"]["completion_tokens"]) for r in replies]
+            assert all(r["usage"]["prompt_tokens"] > 576 for r in replies)  # 576 image tokens of LLaVA-1.5-7B
+            if topology == "E1+P1+D1":
+                out = tmp_path / "goodput.json"
+                assert goodput.main(["--url", base, "--backend", "emulated", "--workload", "pope", "--rates", "2,50",
+                                     "--num-prompts", "6", "--warmup", "1", "--pause", "0", "--slo-ttft-ms", "60000",
+                                     "--slo-tbt-ms", "60000", "--out", str(out)]) == 0
+                report = json.loads(out.read_text())
+                run = report["configs"]["mesh"]["pope"]
+                assert [p["request_rate"] for p in run["points"]] == [2.0, 50.0]
+                assert all(p["completed"] == 6 and p["slo_attainment"] == 1.0 for p in run["points"])
+                assert run["goodput"] == 50.0 and report["backend"].startswith("emulated")
+                for key in ("request_throughput", "request_goodput", "p90_ttft_ms", "median_itl_ms", "p99_e2el_ms"):
+                    assert key in run["points"][0]
+                assert out.with_suffix(".png").stat().st_size > 10_000
+            assert_pools_full(base)
+    assert answers["EPD1"] == answers["E1+P1+D1"]
+    assert {n for _, n in answers["EPD1"]} == {SHAPES["textcaps"].output_tokens}
+    assert len({text for text, _ in answers["EPD1"]}) == len(bodies)  # other images, other answers

@@ -1,0 +1,51 @@
+"""The goodput benchmark's pure parts: arrivals, request shapes, SLO attainment and the vllm-named metrics."""
+
+import statistics
+
+import pytest
+
+from bench.goodput import Result, meets_slo, plot, summarize
+from bench.workloads import SHAPES, arrivals, request_bodies, trace_times
+
+
+def test_trace_arrivals_keep_the_traces_burstiness_at_any_rate():
+    trace = trace_times()
+    assert len(trace) == 12031 and trace == sorted(trace) and 3500 < trace[-1] < 3700  # one hour
+    for rate in (0.5, 8.0):
+        times = arrivals(400, rate, "mooncake", seed=1, trace=trace)
+        gaps = [b - a for a, b in zip(times, times[1:])]
+        assert times[0] == 0 and min(gaps) >= 0
+        assert statistics.fmean(gaps) == pytest.approx(1 / rate)
+    assert arrivals(50, 4.0, seed=2, trace=trace) == arrivals(50, 4.0, seed=2, trace=trace) != arrivals(50, 4.0, seed=3, trace=trace)
+    poisson = arrivals(2000, 5.0, "poisson", seed=0)
+    gaps = [b - a for a, b in zip(poisson, poisson[1:])]
+    assert statistics.fmean(gaps) == pytest.approx(0.2, rel=0.1) and statistics.pstdev(gaps) == pytest.approx(0.2, rel=0.15)
+    with pytest.raises(ValueError):
+        arrivals(5, 1.0, "uniform")
+
+
+def test_request_bodies_are_streaming_one_image_fixed_output():
+    bodies = request_bodies(SHAPES["pope"], 5, "m", seed=1)
+    assert len(bodies) == 5 and all(b["stream"] and b["ignore_eos"] and b["max_tokens"] == 4 for b in bodies)
+    parts = bodies[0]["messages"][0]["content"]
+    assert parts[0]["image_url"]["url"].startswith("data:image/jpeg;base64,") and "Answer yes or no" in parts[1]["text"]
+    assert len({b["messages"][0]["content"][0]["image_url"]["url"] for b in bodies}) == 5
+
+
+def test_attainment_needs_ttft_and_p90_tbt_and_metrics_use_vllms_names(tmp_path):
+    fast = Result(True, 0.2, [0.01] * 20, 0.4, 600, 21)
+    slow_start = Result(True, 2.0, [0.01] * 20, 2.2, 600, 21)
+    stalls = Result(True, 0.2, [0.01] * 17 + [0.5] * 3, 1.9, 600, 21)  # 3 of 20 gaps slow: P90 over
+    one_stall = Result(True, 0.2, [0.01] * 19 + [0.5], 0.9, 600, 21)  # 1 of 20: P90 fine
+    failed = Result(False, error="HTTP 503")
+    assert [meets_slo(r, 1000, 100) for r in (fast, slow_start, stalls, one_stall, failed)] == [True, False, False, True, False]
+    m = summarize([fast, slow_start, stalls, one_stall, failed], 10.0, 0.5, 1000, 100)
+    assert m["completed"] == 4 and m["failed"] == 1 and m["slo_attainment"] == 0.4
+    assert m["request_goodput"] == pytest.approx(0.2) and m["request_throughput"] == pytest.approx(0.4)
+    assert m["ttft_attainment"] == 0.6 and m["tbt_attainment"] == 0.6
+    assert m["median_ttft_ms"] == pytest.approx(200) and m["p99_ttft_ms"] > 1900
+    assert m["total_output_tokens"] == 84 and m["mean_tpot_ms"] > 10
+    report = {"workloads": ["pope"], "attainment": 0.9, "backend": "test", "slo_ttft_ms": 1000, "slo_tbt_ms": 100,
+              "arrival": "mooncake", "configs": {"A": {"pope": {"goodput": 0.5, "points": [m]}}}}
+    plot(report, tmp_path / "p.png")
+    assert (tmp_path / "p.png").stat().st_size > 5000
