@@ -1,5 +1,7 @@
 """The CLI turns a latency profile and SLO targets into the engine's stage budgets."""
 
+import pytest
+
 from common.latency.budgets import budgets_for
 from common.latency.roofline import analytic_profile
 from epdmesh.cli import _engine_config, build_parser
@@ -25,3 +27,15 @@ def test_budgets_come_from_the_profile_and_the_slos(tmp_path):
     assert explicit.token_budget == 99
     plain = config_for("--roles", "decode")
     assert (plain.token_budget, plain.image_budget) == (2048, 4)
+
+
+def test_emulated_defaults_and_routing_choice(tmp_path):
+    from epdmesh.cli import _kv_cache_gib
+
+    args = build_parser().parse_args(["worker", "--backend", "emulated"])
+    assert _kv_cache_gib(args) == 64.0  # an H20-sized cache, counted in the model's real page bytes
+    assert _kv_cache_gib(build_parser().parse_args(["worker"])) == 1.0
+    assert _kv_cache_gib(build_parser().parse_args(["worker", "--kv-cache-gib", "3"])) == 3.0
+    toggle = build_parser().parse_args(["toggle", "--routing", "slo"])
+    with pytest.raises(SystemExit, match="--latency-profile"):  # SLO routing without a profile refuses to start
+        toggle.func(toggle)
