@@ -190,11 +190,13 @@ def launched(serve_args: list[str], log_path: Path, timeout: float = 900.0):
     import httpx
 
     from common.ports import free_port
+    from epdmesh.launch import die_with_parent
 
     port = free_port()
     cmd = [sys.executable, "-m", "epdmesh.cli", "serve", *serve_args, "--host", "127.0.0.1", "--port", str(port)]
     with open(log_path, "w") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+                                preexec_fn=die_with_parent)  # a killed benchmark takes its mesh with it
     base = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + timeout
     try:

@@ -188,13 +188,21 @@ def _cmd_toggle(args) -> int:
     if args.routing == "slo" and not args.latency_profile:
         raise SystemExit("--routing slo needs --latency-profile")
     if args.latency_profile and args.routing != "least-loaded":
+        from common.latency.budgets import budgets_for
         from common.latency.roofline import load_profile
         from common.policy.multiplex import MultiplexConfig
         from services.toggle.server import SloRouting
 
-        slo = SloRouting(load_profile(args.latency_profile), args.slo_ttft_ms, args.slo_tbt_ms,
+        profile = load_profile(args.latency_profile)
+        # the workers of a mesh given this profile run its stage budgets (epdmesh serve passes it to them):
+        # a decoder's prefills come in TBT-sized chunks, a prefill worker's next iteration holds τ_t tokens
+        decoder_budget, prefill_budget = (budgets_for(profile, has_decode, args.slo_ttft_ms, args.slo_tbt_ms).token_budget
+                                          for has_decode in (True, False))
+        slo = SloRouting(profile, args.slo_ttft_ms, args.slo_tbt_ms,
                          MultiplexConfig(short_prompt_tokens=args.multiplex_max_tokens,
-                                         admission_control=args.admission_control))
+                                         admission_control=args.admission_control,
+                                         decoder_token_budget=decoder_budget if args.worker_budgets else None,
+                                         prefill_token_budget=prefill_budget if args.worker_budgets else None))
     uvloop.run(run_toggle(ToggleOptions(args.redis_url, args.prefix, args.host, args.port, args.ttl, routing, slo)))
     return 0
 
@@ -374,6 +382,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_slo_args(toggle)
     toggle.add_argument("--latency-profile", help="route by the SLO-aware multiplexing policy over this profile "
                                                   "(default: least loaded)")
+    toggle.add_argument("--no-worker-budgets", dest="worker_budgets", action="store_false",
+                        help="the workers do not run this profile's stage budgets (explicit --token-budget): "
+                             "do not count on multiplexed prefills being chunked within TBT")
     toggle.set_defaults(func=_cmd_toggle)
 
     gateway = sub.add_parser("gateway", help="the OpenAI-compatible HTTP gateway of a mesh")

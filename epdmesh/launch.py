@@ -36,7 +36,7 @@ NO_REDIS = ("epdmesh serve needs Redis for the toggle's registry, and none was f
             "(Debian/Ubuntu: apt-get install redis-server; macOS: brew install redis)")
 
 
-def _die_with_parent() -> None:
+def die_with_parent() -> None:
     with contextlib.suppress(Exception):
         ctypes.CDLL("libc.so.6").prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
@@ -51,7 +51,7 @@ class Mesh:
         kind = name.split()[0] + ("-" + name.split()[1].split("#")[0].lower() if name.startswith("worker ") else "")
         service = f"{os.environ.get('OTEL_SERVICE_NAME', 'epdmesh')}-{kind}"
         proc = subprocess.Popen(argv, env={**os.environ, "OTEL_SERVICE_NAME": service, **(env or {})},
-                                preexec_fn=_die_with_parent)
+                                preexec_fn=die_with_parent)
         self.procs.append((name, proc))
         return proc
 
@@ -165,6 +165,7 @@ def serve_mesh(args) -> int:
                               "--multiplex-max-tokens", str(args.multiplex_max_tokens), "--routing", args.routing,
                               "--slo-ttft-ms", str(args.slo_ttft_ms), "--slo-tbt-ms", str(args.slo_tbt_ms),
                               *(["--latency-profile", args.latency_profile] if args.latency_profile else []),
+                              *(["--no-worker-budgets"] if args.token_budget is not None else []),
                               *(["--admission-control"] if args.admission_control else [])])
         _wait(lambda: _registered(toggle) >= 0, mesh, "the toggle", 60)
         for group in groups:

@@ -1,13 +1,17 @@
 """The SLO-aware multiplexing toggle (Tropical), a pure function over a registry snapshot and a latency profile.
 
 For one request (prompt tokens T, images, its TTFT/TBT targets, time already spent):
-  1. encoder — the one with the least predicted finish time (its queued images plus these);
+  1. encoder — the one with the least predicted finish time (its queued images plus these, beside the
+     next prefill chunk when it prefills too);
      its time and the image-page pull come off the request's TTFT slack;
   2. path ① dedicated prefill worker p: allowed when p's predicted queue (its queued prompt tokens)
      + this prefill + the KV pull fit the remaining slack;
   3. path ② prefill on a decoder d that can prefill: allowed when d's current iteration (its running
      batch and their context) + this prefill fit the TBT target — the decodes it delays still meet
-     their SLO — and the prefill itself fits the slack;
+     their SLO — and the prefill itself fits the slack. When the decoders run with their TBT-derived
+     stage budget (`decoder_token_budget`, TriInfer), the prefill is chunked to what the budget leaves
+     beside the decodes, one chunk per iteration, so every iteration stays within TBT and ② needs only
+     that the chunks (after d's queued prompts) finish within the slack;
   4. both allowed: short prompts (≤ `short_prompt_tokens`) take ②, long ones ①; one allowed: that one;
      none: the least-violating option, or no plan (HTTP 503) when admission control is on;
   5. the decoder of path ① is the one with the fewest unfinished tokens.
@@ -18,7 +22,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from common.latency.model import LatencyProfile, decode_ms, encode_ms, prefill_chunk_ms, prefill_ms, transfer_ms
+from common.latency.model import (LatencyProfile, decode_ms, encode_ms, iteration_ms, prefill_chunk_ms, prefill_ms,
+                                  transfer_ms)
 from common.policy.routing import PrefillPath, RoutePlan, RouteSummary
 from common.request import Stage
 from common.workers import WorkerSnapshot
@@ -31,6 +36,11 @@ class MultiplexConfig:
     max_heartbeat_age_s: float = 3.0
     image_bytes: int = 0  # bytes of one image's pages (transfer time); 0: ignore
     kv_bytes_per_token: int = 0  # bytes of one token's KV pages; 0: ignore
+    # τ_t of the workers with the decode role (their TBT-derived stage budget), when they run with one: a
+    # multiplexed prefill is then chunked to fit each iteration within TBT, and path ② needs only TTFT slack
+    decoder_token_budget: int | None = None
+    # τ_t of prefill workers without the decode role: how much of their queue runs in the next iteration
+    prefill_token_budget: int | None = None
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -62,7 +72,8 @@ def route_slo(workers: list[WorkerSnapshot], request: RouteSummary, ttft_ms: flo
     slack = ttft_ms - elapsed_ms - encode_pred
     options = [_dedicated(p, request, slack, ttft_ms, profile, config)
                for p in live if p.has(Stage.PREFILL) and not p.has(Stage.DECODE)]
-    options += [_multiplexed(d, request, slack, ttft_ms, tbt_ms, profile) for d in decoders if d.has(Stage.PREFILL)]
+    options += [_multiplexed(d, request, slack, ttft_ms, tbt_ms, profile, config.decoder_token_budget)
+                for d in decoders if d.has(Stage.PREFILL)]
     if not options:
         return Decision(None, 0.0, slack, "no live prefill worker", False)
     chosen, reason = _choose(options, request, config)
@@ -88,7 +99,10 @@ def _encoder(live, request, profile, config) -> tuple[WorkerSnapshot | None, flo
         return None, 0.0
 
     def finish(w: WorkerSnapshot) -> float:
-        return encode_ms(profile, w.load.queued_images + request.num_images)
+        # an encoder that also prefills runs the encode beside its next prefill chunk (one iteration)
+        budget = (config.decoder_token_budget if w.has(Stage.DECODE) else config.prefill_token_budget) or 0
+        beside = prefill_chunk_ms(profile, min(w.load.queued_prefill_tokens, budget)) if w.has(Stage.PREFILL) else 0.0
+        return encode_ms(profile, w.load.queued_images + request.num_images) + beside
 
     best = min(encoders, key=lambda w: (finish(w), w.worker_id))
     pull = transfer_ms(profile, config.image_bytes * request.num_images) if config.image_bytes else 0.0
@@ -102,12 +116,21 @@ def _dedicated(p, request, slack, ttft_ms, profile, config) -> _Option:
     return _Option(PrefillPath.DEDICATED, p, predicted, max(0.0, (predicted - slack) / ttft_ms))
 
 
-def _multiplexed(d, request, slack, ttft_ms, tbt_ms, profile) -> _Option:
-    iteration = decode_ms(profile, d.load.running_decode_batch, d.load.decode_context_tokens)
-    queue = prefill_ms(profile, d.load.queued_prefill_tokens)
-    this = prefill_chunk_ms(profile, request.num_prompt_tokens)
-    predicted = queue + iteration + this
-    tbt_over = (iteration + this - tbt_ms) / tbt_ms if d.load.running_decode_batch else 0.0
+def _multiplexed(d, request, slack, ttft_ms, tbt_ms, profile, budget: int | None) -> _Option:
+    batch, context = d.load.running_decode_batch, d.load.decode_context_tokens
+    iteration = decode_ms(profile, batch, context)
+    if budget is None:  # the whole prompt in one iteration beside the running decodes
+        queue = prefill_ms(profile, d.load.queued_prefill_tokens)
+        steps = [iteration_ms(profile, decodes=batch, decode_context=context, chunks=[(request.num_prompt_tokens, 0)])]
+    else:  # chunks of what the budget leaves beside the decodes, one per iteration, queued prompts first
+        chunk = max(1, budget - batch)
+        queue = sum(iteration_ms(profile, decodes=batch, decode_context=context, chunks=[(min(chunk, n - start), start)])
+                    for n in [d.load.queued_prefill_tokens] for start in range(0, n, chunk))
+        steps = [iteration_ms(profile, decodes=batch, decode_context=context,
+                              chunks=[(min(chunk, request.num_prompt_tokens - start), start)])
+                 for start in range(0, request.num_prompt_tokens, chunk)]
+    predicted = queue + iteration + sum(steps)
+    tbt_over = (max(steps) - tbt_ms) / tbt_ms if batch else 0.0
     return _Option(PrefillPath.MULTIPLEXED, d, predicted, max(0.0, tbt_over, (predicted - slack) / ttft_ms))
 
 

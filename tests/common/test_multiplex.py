@@ -33,14 +33,15 @@ MESH = [w("e", {E}), w("p", {P}), w("pd", {P, D}, running_decode_batch=10)]
 def test_both_paths_fit_short_prompts_go_to_the_decoder_long_ones_to_prefill_workers():
     short = decide(MESH, 100)
     assert (short.plan.path, short.plan.prefill.worker_id, short.plan.decoder.worker_id) == (PrefillPath.MULTIPLEXED, "pd", "pd")
-    assert short.meets_slo and short.predicted_ttft_ms == pytest.approx(15 + 10)  # the decode iteration it joins + itself
+    # the decode iteration running now (15), then one iteration of its 10 decodes and these 100 tokens (11)
+    assert short.meets_slo and short.predicted_ttft_ms == pytest.approx(15 + 11)
     longer = decide(MESH, 600, short_prompt_tokens=512, tbt=200)
     assert (longer.plan.path, longer.plan.prefill.worker_id) == (PrefillPath.DEDICATED, "p")
     assert longer.reason.startswith("both paths fit")
 
 
 def test_a_prefill_that_would_break_the_decoders_tbt_goes_to_a_prefill_worker():
-    d = decide(MESH, 1000)  # 15 ms iteration + 100 ms prefill > 50 ms TBT
+    d = decide(MESH, 1000)  # an iteration of 10 decodes + 1000 prompt tokens: 101 ms > 50 ms TBT
     assert (d.plan.path, d.plan.prefill.worker_id, d.plan.decoder.worker_id) == (PrefillPath.DEDICATED, "p", "pd")
     assert d.meets_slo and d.reason == "the only path that fits the SLO" and d.predicted_ttft_ms == pytest.approx(100)
 
@@ -54,7 +55,7 @@ def test_a_busy_prefill_worker_sends_the_prefill_to_a_decoder_with_slack():
 def test_when_nothing_fits_the_least_violating_option_or_a_refusal():
     d = decide(MESH, 1000, ttft=50, tbt=20)
     assert d.plan is not None and not d.meets_slo and "least violating" in d.reason
-    assert d.plan.prefill.worker_id == "p"  # 100 ms vs 50: 1.0 over; the decoder would be (115-20)/20 over
+    assert d.plan.prefill.worker_id == "p"  # 100 ms vs 50: 1.0 over; the decoder would be (101-20)/20 over
     refused = decide(MESH, 1000, ttft=50, tbt=20, admission_control=True)
     assert refused.plan is None and "admission control" in refused.reason
 
@@ -65,6 +66,29 @@ def test_the_encoder_with_the_earliest_finish_and_its_time_comes_off_the_slack()
     assert d.plan.encoder.worker_id == "e2" and d.slack_ms == pytest.approx(500 - 100 - 10)
     with_ep = [w("e", {E}, queued_images=1), w("ep", {E, P}), w("d", {D})]
     assert decide(with_ep, 200, images=1).plan.encoder.worker_id == "ep"  # encode where the prefill runs
+
+
+def test_with_stage_budgets_a_long_prefill_is_chunked_onto_a_decoder_within_tbt():
+    busy = [w("e", {E}), w("p", {P}, queued_prefill_tokens=6000), w("pd", {P, D}, running_decode_batch=10)]
+    unchunked = decide(busy, 1000)  # P: 700 ms > 500; PD: one 101 ms iteration > 50 ms TBT
+    assert not unchunked.meets_slo
+    # τ_t = 410 on the decoder: 400 prompt tokens per iteration beside its 10 decodes (41 ms ≤ 50),
+    # 1000 tokens in 400 + 400 + 200: 41 + 41 + 21 ms after the running iteration (15)
+    chunked = decide(busy, 1000, decoder_token_budget=410)
+    assert (chunked.plan.path, chunked.plan.prefill.worker_id) == (PrefillPath.MULTIPLEXED, "pd") and chunked.meets_slo
+    assert chunked.predicted_ttft_ms == pytest.approx(15 + 41 + 41 + 21)
+    queued = [w("e", {E}), w("p", {P}, queued_prefill_tokens=6000),
+              w("pd", {P, D}, running_decode_batch=10, queued_prefill_tokens=800)]
+    assert decide(queued, 1000, decoder_token_budget=410).predicted_ttft_ms == pytest.approx(15 + 2 * 41 + 41 + 41 + 21)
+    tight = decide(busy, 1000, decoder_token_budget=410, tbt=30)  # the budget's iterations (41 ms) break a 30 ms TBT
+    assert not tight.meets_slo
+
+
+def test_an_encoder_that_prefills_too_encodes_beside_its_next_chunk():
+    mesh = [w("ep1", {E, P}, queued_prefill_tokens=3000), w("ep2", {E, P}, queued_images=1), w("d", {D})]
+    d = decide(mesh, 200, images=1, prefill_token_budget=1000)
+    assert d.plan.encoder.worker_id == "ep2"  # 20 ms of encodes beats 10 ms + a 100 ms chunk beside it
+    assert d.slack_ms == pytest.approx(500 - 20)
 
 
 def test_colocated_when_no_dedicated_prefill_worker_exists():
