@@ -78,7 +78,8 @@ async def send(client, url: str, body: dict, scale: float) -> Result:
                     return Result(False, error=str(chunk["error"])[:200])
                 if chunk.get("usage"):
                     usage = chunk["usage"]
-                if any(c.get("delta", {}).get("content") for c in chunk.get("choices", [])):
+                # a chunk per token: ours carry its ids (return_token_ids), elsewhere count chunks with text
+                if any(c.get("token_ids") or c.get("delta", {}).get("content") for c in chunk.get("choices", [])):
                     times.append(time.perf_counter())
     except Exception as exc:  # connection trouble counts as a failed request, not a failed benchmark
         return Result(False, error=f"{type(exc).__name__}: {exc}"[:200])

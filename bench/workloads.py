@@ -113,12 +113,13 @@ def images(shape: Shape, count: int, seed: int) -> list[str]:
 
 
 def request_bodies(shape: Shape, n: int, model: str, seed: int = 0, distinct_images: int = 32) -> list[dict]:
-    """`n` OpenAI chat-completion bodies (streaming, usage in the last chunk, fixed output length)."""
+    """`n` OpenAI chat-completion bodies (streaming, usage in the last chunk, fixed output length; token ids in
+    each chunk, so a token that adds no text — EOS, with `ignore_eos` — still counts as a token event)."""
     rng = random.Random(seed)
     uris = images(shape, min(n, distinct_images), seed)
     return [{
         "model": model, "stream": True, "stream_options": {"include_usage": True},
-        "max_tokens": shape.output_tokens, "ignore_eos": True, "temperature": 0.0,
+        "max_tokens": shape.output_tokens, "ignore_eos": True, "temperature": 0.0, "return_token_ids": True,
         "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": uris[i % len(uris)]}},
                                                   {"type": "text", "text": shape.prompt(rng)}]}],
     } for i in range(n)]
