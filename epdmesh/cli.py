@@ -75,7 +75,8 @@ def _budgets(args, roles) -> tuple[int, int]:
         from common.latency.roofline import load_profile
         from common.request import Stage
 
-        derived = budgets_for(load_profile(profile_path), Stage.DECODE in roles, args.slo_ttft_ms, args.slo_tbt_ms)
+        derived = budgets_for(load_profile(profile_path), Stage.DECODE in roles, args.slo_ttft_ms, args.slo_tbt_ms,
+                              headroom=args.budget_headroom)
         log = logging.getLogger("epdmesh")
         log.info("budgets from %s for a %.0f ms iteration limit: %d tokens, %d images per iteration",
                  profile_path, derived.limit_ms, derived.token_budget, derived.image_budget)
@@ -196,7 +197,8 @@ def _cmd_toggle(args) -> int:
         profile = load_profile(args.latency_profile)
         # the workers of a mesh given this profile run its stage budgets (epdmesh serve passes it to them):
         # a decoder's prefills come in TBT-sized chunks, a prefill worker's next iteration holds τ_t tokens
-        decoder_budget, prefill_budget = (budgets_for(profile, has_decode, args.slo_ttft_ms, args.slo_tbt_ms).token_budget
+        decoder_budget, prefill_budget = (budgets_for(profile, has_decode, args.slo_ttft_ms, args.slo_tbt_ms,
+                                                      headroom=args.budget_headroom).token_budget
                                           for has_decode in (True, False))
         slo = SloRouting(profile, args.slo_ttft_ms, args.slo_tbt_ms,
                          MultiplexConfig(short_prompt_tokens=args.multiplex_max_tokens,
@@ -240,6 +242,9 @@ def _gateway_telemetry(args):
 def _add_slo_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--slo-ttft-ms", type=float, default=2000.0, help="default TTFT target (SLO attainment metrics)")
     p.add_argument("--slo-tbt-ms", type=float, default=200.0, help="default P90 time-between-tokens target")
+    p.add_argument("--budget-headroom", type=float, default=1.0,
+                   help="stage budgets fill this fraction of their iteration-time limit (α·TTFT or TBT); < 1 leaves "
+                        "room for what the latency profile does not predict")
 
 
 def _cmd_profile(args) -> int:

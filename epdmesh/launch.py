@@ -127,7 +127,7 @@ def worker_argv(group: WorkerGroup, toggle: str, args, threads: int) -> list[str
     argv = [sys.executable, "-m", "epdmesh.cli", "worker", "--roles", group.label, "--toggle", toggle,
             "--model", args.model, "--dtype", args.dtype, "--device", args.device, "--kv-cache-gib", str(args.kv_cache_gib),
             "--slo-ttft-ms", str(args.slo_ttft_ms), "--slo-tbt-ms", str(args.slo_tbt_ms),
-            "--max-num-seqs", str(args.max_num_seqs), "--attention-backend", args.attention_backend,
+            "--budget-headroom", str(args.budget_headroom), "--max-num-seqs", str(args.max_num_seqs), "--attention-backend", args.attention_backend,
             "--transfer", args.transfer, "--threads", str(threads), "--backend", args.backend]
     if args.backend == "emulated":
         argv += ["--profile", args.profile, "--emulated-kv-bytes-per-token", str(args.emulated_kv_bytes_per_token),
@@ -164,6 +164,7 @@ def serve_mesh(args) -> int:
                               "--port", toggle.rsplit(":", 1)[1], "--prefill-mode", args.prefill_mode,
                               "--multiplex-max-tokens", str(args.multiplex_max_tokens), "--routing", args.routing,
                               "--slo-ttft-ms", str(args.slo_ttft_ms), "--slo-tbt-ms", str(args.slo_tbt_ms),
+                              "--budget-headroom", str(args.budget_headroom),
                               *(["--latency-profile", args.latency_profile] if args.latency_profile else []),
                               *(["--no-worker-budgets"] if args.token_budget is not None else []),
                               *(["--admission-control"] if args.admission_control else [])])

@@ -43,8 +43,12 @@ def stage_limit_ms(has_decode: bool, ttft_ms: float, tbt_ms: float, alpha: float
 
 
 def budgets_for(profile: LatencyProfile, has_decode: bool, ttft_ms: float, tbt_ms: float,
-                max_images: int = 64, max_tokens: int = 1 << 15, alpha: float = ALPHA) -> Budgets:
-    limit = stage_limit_ms(has_decode, ttft_ms, tbt_ms, alpha)
+                max_images: int = 64, max_tokens: int = 1 << 15, alpha: float = ALPHA, headroom: float = 1.0) -> Budgets:
+    """`headroom` < 1 sizes iterations to that fraction of the limit, leaving room for what the profile does not
+    predict (host overhead, delivery), so an iteration at the budget still lands within the SLO."""
+    if not 0 < headroom <= 1:
+        raise ValueError("headroom must be in (0, 1]")
+    limit = stage_limit_ms(has_decode, ttft_ms, tbt_ms, alpha) * headroom
     images = largest_within(lambda n: encode_ms(profile, n), limit, max_images)
     tokens = largest_within(lambda t: prefill_chunk_ms(profile, t), limit, max_tokens)
     return Budgets(max(images, 1), max(tokens, 1), limit, fits=images > 0 and tokens > 0)

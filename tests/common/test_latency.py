@@ -1,5 +1,6 @@
 """The latency model as pure functions, the budgets found on it, and the analytic profiles."""
 
+import dataclasses
 import math
 import subprocess
 import sys
@@ -125,3 +126,11 @@ def test_iteration_time_composes_the_stages_and_scaling_dilates_every_time():
     assert scaled(p, 1) is p
     with pytest.raises(ValueError):
         scaled(p, 0)
+
+
+def test_budget_headroom_sizes_iterations_to_a_fraction_of_the_limit():
+    p = analytic_profile("H20")
+    assert budgets_for(p, True, 1000, 50, headroom=0.8) == dataclasses.replace(budgets_for(p, True, 1000, 40), limit_ms=40)
+    assert budgets_for(p, True, 1000, 50, headroom=0.8).token_budget < budgets_for(p, True, 1000, 50).token_budget
+    with pytest.raises(ValueError):
+        budgets_for(p, True, 1000, 50, headroom=0)
