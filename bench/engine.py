@@ -62,7 +62,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def resolve_model(args: argparse.Namespace) -> Path:
     if args.model:
         return Path(args.model)
-    from epdmesh.cli import make_model
+    from epdmesh.checkpoints import make_model
 
     home = Path(os.environ.get("EPDMESH_HOME", Path.home() / ".cache" / "epdmesh"))
     path = home / "bench-models" / args.preset

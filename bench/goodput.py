@@ -30,7 +30,6 @@ import dataclasses
 import json
 import math
 import os
-import signal
 import statistics
 import subprocess
 import sys
@@ -191,7 +190,7 @@ def launched(serve_args: list[str], log_path: Path, timeout: float = 900.0):
     import httpx
 
     from common.ports import free_port
-    from epdmesh.launch import die_with_parent
+    from epdmesh.launch import die_with_parent, stop_process
 
     port = free_port()
     cmd = [sys.executable, "-m", "epdmesh.cli", "serve", *serve_args, "--host", "127.0.0.1", "--port", str(port)]
@@ -210,12 +209,7 @@ def launched(serve_args: list[str], log_path: Path, timeout: float = 900.0):
         model = httpx.get(f"{base}/v1/models", timeout=10).json()["data"][0]["id"]
         yield base, model
     finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=120)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop_process(proc, 120, "the benchmarked mesh")
 
 
 def _serve_args(config_args: str, args, profile: Path | None) -> list[str]:

@@ -146,7 +146,7 @@ def summarize(samples: list[tuple[float, float]]) -> dict:
 
 
 def main(argv=None) -> int:
-    from epdmesh.cli import ensure_default_model
+    from epdmesh.checkpoints import ensure_default_model
     from tests.services.servers import running_server
 
     args = parse_args(argv)

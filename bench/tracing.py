@@ -86,7 +86,7 @@ async def client_warmup(http: httpx.AsyncClient, base: str, body: bytes) -> None
 
 
 def main(argv=None) -> int:
-    from epdmesh.cli import ensure_default_model
+    from epdmesh.checkpoints import ensure_default_model
     from tests.services.otlp import OtlpReceiver
     from tests.services.servers import running_server
 

@@ -9,35 +9,11 @@ import os
 import sys
 from pathlib import Path
 
-from common.model.tiny import PRESETS, TinySpec
+from common.model.tiny import PRESETS
+from epdmesh.checkpoints import (DEFAULT_MODEL_NAME, default_model_dir, ensure_default_model, ensure_emulated_model,
+                                 make_model)
 
-DEFAULT_MODEL_NAME = "tiny-llava"
 DEFAULT_EMULATED_PROFILE = "H20"  # the analytic LLaVA-1.5-7B on H20 profile (= profiles/llava-1.5-7b-h20.json)
-
-
-def default_model_dir() -> Path:
-    home = Path(os.environ.get("EPDMESH_HOME", Path.home() / ".cache" / "epdmesh"))
-    return home / "models" / DEFAULT_MODEL_NAME
-
-
-def make_model(out_dir: Path, preset: str = "tiny", seed: int = 0) -> Path:
-    from tqdm import tqdm
-
-    from common.model.tiny import make_tiny_model
-
-    with tqdm(total=3, desc=f"writing {preset} checkpoint", unit="step", file=sys.stderr) as bar:
-        make_tiny_model(out_dir, TinySpec(preset=preset, seed=seed), progress=lambda name: (bar.set_postfix_str(name), bar.update()))
-    return out_dir
-
-
-def ensure_default_model() -> Path:
-    path = default_model_dir()
-    if not (path / "model.safetensors").is_file():
-        logging.getLogger("epdmesh").info("no model given: creating the default tiny checkpoint in %s", path)
-        tmp = path.with_name(path.name + ".partial")
-        make_model(tmp)
-        tmp.rename(path)
-    return path
 
 
 def _cmd_make_tiny_model(args) -> int:
@@ -93,26 +69,6 @@ def _set_threads(args) -> None:
         import torch
 
         torch.set_num_threads(args.threads)
-
-
-def ensure_emulated_model(profile_path: str) -> Path:
-    """The config-only checkpoint an emulated profile's model needs (created on first use), or the default tiny
-    model when the profile is of another model (a measured profile of the tiny model, say)."""
-    from common.latency.roofline import load_profile
-    from common.model.tiny import CONFIG_ONLY_PRESETS
-
-    model = load_profile(profile_path).model
-    if model not in CONFIG_ONLY_PRESETS:
-        return ensure_default_model()
-    path = default_model_dir().with_name(f"{model}-config")
-    if not (path / "config.json").is_file():
-        logging.getLogger("epdmesh").info("emulating %s: writing its config-only checkpoint in %s", model, path)
-        from common.model.tiny import make_tiny_model
-
-        tmp = path.with_name(path.name + ".partial")
-        make_tiny_model(tmp, TinySpec(preset=model, config_only=True))
-        tmp.rename(path)
-    return path
 
 
 def _resolve_model(args) -> None:

@@ -41,6 +41,19 @@ def die_with_parent() -> None:
         ctypes.CDLL("libc.so.6").prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
+def stop_process(proc: subprocess.Popen, timeout: float, name: str = "") -> None:
+    """SIGTERM (graceful drain), then SIGKILL if it has not exited after `timeout` seconds."""
+    if proc.poll() is not None:
+        return
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        log.warning("%s did not stop in %.0f s; killing it", name or proc.args, timeout)
+        proc.kill()
+        proc.wait()
+
+
 class Mesh:
     def __init__(self):
         self.procs: list[tuple[str, subprocess.Popen]] = []
@@ -65,14 +78,7 @@ class Mesh:
 
     def stop(self, timeout: float = 15.0) -> None:
         for name, proc in reversed(self.procs):  # gateway first, redis last
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-                try:
-                    proc.wait(timeout)
-                except subprocess.TimeoutExpired:
-                    log.warning("%s did not stop in %.0f s; killing it", name, timeout)
-                    proc.kill()
-                    proc.wait()
+            stop_process(proc, timeout, name)
         self.tmp.cleanup()
 
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -13,6 +12,7 @@ import httpx
 import pytest
 
 from common.ports import free_port
+from epdmesh.launch import stop_process
 
 MODEL = "tiny"
 REDIS_URL = os.environ.get("EPDMESH_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
@@ -46,12 +46,7 @@ def running_server(model_dir, topology: str, log_path, *extra: str, redis_url: s
             time.sleep(0.3)
         yield base
     finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop_process(proc, 60, f"epdmesh serve --topology {topology}")
 
 
 def pools(base) -> list[dict]:
