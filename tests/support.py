@@ -111,6 +111,7 @@ def run_disaggregated(encoder: Engine, prefiller: Engine, decoder: Engine, reque
     while encoder.has_unfinished or prefiller.has_unfinished or decoder.has_unfinished:
         for out in encoder.step():
             r = encoder.handed_off[out.request_id]
+            assert out.pages == ("image", r.image_block_table, r.num_image_tokens)  # what a worker leases
             pages = encoder.export_image_pages(out.request_id)
             encoder.release(out.request_id)
             prefiller.add_request(Request(r.request_id, r.prompt_token_ids, r.sampling, r.images, first_stage=Stage.PREFILL,
@@ -120,6 +121,7 @@ def run_disaggregated(encoder: Engine, prefiller: Engine, decoder: Engine, reque
                 finals[out.request_id] = out.output_token_ids
                 continue
             r = prefiller.handed_off[out.request_id]
+            assert out.pages == ("kv", r.block_table[:len(out.pages[1])], r.num_prompt_tokens) and out.pages[1]
             pages = prefiller.export_kv_pages(out.request_id)
             prefiller.release(out.request_id)
             decoder.add_request(Request(r.request_id, r.prompt_token_ids, r.sampling, r.images, first_stage=Stage.DECODE,

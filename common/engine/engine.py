@@ -245,7 +245,8 @@ class Engine:
             elif was_prefill:
                 self.scheduler.finish_prefill(request)
                 if request.status == RequestStatus.HANDED_OFF:
-                    self._handoff(request)
+                    outputs[request.request_id] = self._handoff(request, [token])
+                    continue
             outputs[request.request_id] = self._output(request, [token])
         return list(outputs.values())
 
@@ -282,11 +283,13 @@ class Engine:
         self.scheduler.finish(request, status)
         del self.requests[request.request_id]
 
-    def _handoff(self, request: Request) -> RequestOutput:
+    def _handoff(self, request: Request, new: list[int] | None = None) -> RequestOutput:
         request.done_time = time.monotonic()
         del self.requests[request.request_id]
         self.handed_off[request.request_id] = request
-        return self._output(request, [])
+        out = self._output(request, new or [])
+        out.pages = self.handoff_pages(request.request_id)
+        return out
 
     def _output(self, request: Request, new: list[int]) -> RequestOutput:
         return RequestOutput(

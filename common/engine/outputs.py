@@ -18,6 +18,7 @@ class RequestOutput:
     text: str | None = None  # final text cut at the stop string, when stop strings were given
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
+    pages: tuple[str, list[int], int] | None = None  # handed off: (cache kind, block ids, tokens) kept for the next stage
 
     @property
     def finished(self) -> bool:

@@ -60,9 +60,9 @@ class WorkerRuntime:
 
     async def encode(self, request: Request) -> PageHandle:
         with self._admitted(request):
-            await self._run_to_handoff(request)
+            last = await self._run_to_handoff(request)
             self._observe_stage("encode", request)
-            return await self._lease(request.request_id)
+            return await self._lease(request.request_id, last.pages)
 
     async def prefill(self, request: Request, image_pages: PageHandle | None) -> tuple[RequestOutput, PageHandle | None]:
         """The first token, and a lease on the KV pages (None when the first token finished the request)."""
@@ -70,7 +70,7 @@ class WorkerRuntime:
             preloaded = await self._import(request, image_pages)
             last = await self._run_to_handoff(request, preloaded)
             self._observe_stage("prefill", request)
-            return last, (await self._lease(request.request_id) if last.handed_off else None)
+            return last, (await self._lease(request.request_id, last.pages) if last.handed_off else None)
 
     async def decode(self, request: Request, kv_pages: PageHandle | None,
                      image_pages: PageHandle | None) -> AsyncIterator[RequestOutput]:
@@ -125,9 +125,12 @@ class WorkerRuntime:
             raise
         return last
 
-    async def _lease(self, engine_request_id: str) -> PageHandle:
+    async def _lease(self, engine_request_id: str, pages: tuple[str, list[int], int] | None = None) -> PageHandle:
+        """`pages`: what the handing-off output says the request keeps; None: ask the engine."""
         try:
-            kind, block_ids, num_tokens = await self.engine.call(lambda e: e.handoff_pages(engine_request_id))
+            if pages is None:
+                pages = await self.engine.call(lambda e: e.handoff_pages(engine_request_id))
+            kind, block_ids, num_tokens = pages
             layout = self.engine.engine.cache(kind).layout
             return self.leases.grant(engine_request_id, block_ids, num_tokens, layout, self.offer_backend, self.backend_info)
         except BaseException:
