@@ -98,23 +98,59 @@ class MeshBackend:
         return pb_grpc.ToggleStub(self.channels.get(self.toggle_address))
 
     async def start(self, chat: ChatRequest, request_id: str, span=None) -> tuple[int, AsyncIterator[RequestOutput]]:
-        """`span`: the request's root span; route and stage calls become its children."""
-        try:
-            ids, images = await asyncio.to_thread(self.processor.apply, chat.conversation)
-        except (ValueError, TypeError, KeyError) as e:
-            raise ApiError(400, f"could not build the prompt from these messages: {e}") from None
-        total = len(ids) + chat.sampling.max_tokens
-        if total > self.max_model_len:
-            raise ApiError(400, f"prompt ({len(ids)} tokens) plus max_tokens ({chat.sampling.max_tokens}) is {total}, "
-                                f"over the model's limit of {self.max_model_len}; shorten the prompt or lower max_tokens")
+        """`span`: the request's root span; route and stage calls become its children.
+
+        With images, the route is asked for while the pixels are preprocessed (milliseconds per image), on the
+        prompt's length counted without them; a text prompt is tokenized first (that is as quick)."""
+        arrival = time.monotonic()
         slo = (chat.slo_ttft_ms, chat.slo_tbt_ms)
-        stream = self._with_failover(Request(request_id, ids, chat.sampling, images), span, slo)
+        num_images = chat.num_images
+        plan = None
+        if num_images:
+            num_tokens = await self._prepare(self.processor.count_prompt_tokens, chat)
+            self._check_length(num_tokens, chat.sampling.max_tokens)
+            summary = RouteSummary(request_id, num_tokens, num_images, chat.sampling.max_tokens, frozenset(), *slo,
+                                   elapsed_ms=(time.monotonic() - arrival) * 1e3)
+            routing = asyncio.ensure_future(self._route(summary, span, attempt=1))
+            routing.add_done_callback(_consume)
+            try:
+                ids, images = await self._prepare(self.processor.apply, chat)
+            except BaseException:
+                routing.cancel()  # a route already made keeps its reservation until it expires (seconds)
+                raise
+            plan = await routing
+        else:
+            ids, images = await self._prepare(self.processor.apply, chat)
+        self._check_length(len(ids), chat.sampling.max_tokens)
+        request = Request(request_id, ids, chat.sampling, images, arrival_time=arrival)
+        stream = self._with_failover(request, span, slo, plan)
         first = await anext(stream)  # errors before the first token surface here, as an HTTP status
         return len(ids), _prepend(first, stream)
 
-    async def _with_failover(self, request: Request, span=None,
-                             slo: tuple[float | None, float | None] = (None, None)) -> AsyncIterator[RequestOutput]:
+    async def _prepare(self, fn, chat: ChatRequest):
+        """`fn(conversation)` off the event loop; a conversation the checkpoint's processor refuses is a 400."""
+        try:
+            return await asyncio.to_thread(fn, chat.conversation)
+        except (ValueError, TypeError, KeyError) as e:
+            raise ApiError(400, f"could not build the prompt from these messages: {e}") from None
+
+    def _check_length(self, num_tokens: int, max_tokens: int) -> None:
+        total = num_tokens + max_tokens
+        if total > self.max_model_len:
+            raise ApiError(400, f"prompt ({num_tokens} tokens) plus max_tokens ({max_tokens}) is {total}, "
+                                f"over the model's limit of {self.max_model_len}; shorten the prompt or lower max_tokens")
+
+    async def _route(self, summary: RouteSummary, span, attempt: int) -> pb.RoutePlan:
+        try:
+            with self.tracing.activate(span), self.tracing.span("route", {"epdmesh.attempt": attempt}):
+                return await self.toggle.Route(wire.summary_to_pb(summary), timeout=10)
+        except grpc.aio.AioRpcError as e:
+            raise api_error_from_rpc(e, "routing") from None
+
+    async def _with_failover(self, request: Request, span=None, slo: tuple[float | None, float | None] = (None, None),
+                             plan: pb.RoutePlan | None = None) -> AsyncIterator[RequestOutput]:
         """The request's outputs; when a worker fails it, route again around that worker and continue.
+        `plan`: the first attempt's route, when it was asked for already.
 
         Tokens already produced are never produced twice: a retry after some output prefills the prompt
         plus those tokens on the new route (migration) and asks only for the rest.
@@ -123,14 +159,11 @@ class MeshBackend:
         exclude: set[str] = set()
         for attempt in range(1, MAX_ATTEMPTS + 1):
             current = request if not emitted else _continuation(request, emitted, attempt)
-            summary = RouteSummary(current.request_id, current.num_prompt_tokens, len(current.images),
-                                   current.sampling.max_tokens, frozenset(exclude), *slo,
-                                   elapsed_ms=(time.monotonic() - request.arrival_time) * 1e3)
-            try:
-                with self.tracing.activate(span), self.tracing.span("route", {"epdmesh.attempt": attempt}):
-                    plan = await self.toggle.Route(wire.summary_to_pb(summary), timeout=10)
-            except grpc.aio.AioRpcError as e:
-                raise api_error_from_rpc(e, "routing") from None
+            if plan is None or attempt > 1:
+                summary = RouteSummary(current.request_id, current.num_prompt_tokens, len(current.images),
+                                       current.sampling.max_tokens, frozenset(exclude), *slo,
+                                       elapsed_ms=(time.monotonic() - request.arrival_time) * 1e3)
+                plan = await self._route(summary, span, attempt)
             path = wire.path_from_pb(plan.path)
             set_attributes(span, {"epdmesh.path": path.value, "epdmesh.decoder": plan.decoder.worker_id,
                                   "epdmesh.prefill": plan.prefill.worker_id, "epdmesh.attempts": attempt,
@@ -271,6 +304,12 @@ def _rebased(out: RequestOutput, request_id: str, before: list[int], detokenize)
     text = detokenize(before) + out.text if out.text is not None else None
     return dataclasses.replace(out, request_id=request_id, output_token_ids=before + out.output_token_ids, text=text,
                                num_prompt_tokens=out.num_prompt_tokens - len(before))
+
+
+def _consume(task: asyncio.Future) -> None:
+    """Retrieve a background route's outcome, so an error nobody awaited is not logged as unhandled."""
+    if not task.cancelled():
+        task.exception()
 
 
 async def _prepend(first: RequestOutput, rest: AsyncIterator[RequestOutput]) -> AsyncIterator[RequestOutput]:

@@ -49,6 +49,10 @@ class ChatRequest:
     slo_ttft_ms: float | None = None  # this request's own targets (body field "slo"); None: the server's defaults
     slo_tbt_ms: float | None = None
 
+    @property
+    def num_images(self) -> int:
+        return sum(part["type"] == "image" for message in self.conversation for part in message["content"])
+
 
 def parse_chat_request(raw: bytes, served_models: list[str], allow_remote_images: bool = False) -> ChatRequest:
     try:

@@ -120,3 +120,16 @@ def test_transformers_saved_and_sharded_checkpoints_load_to_the_same_outputs(tin
     save_file({k: tensors[k] for k in names[len(names) // 2 : -1]}, str(sharded / "model-00002-of-00002.safetensors"))
     with pytest.raises(ValueError, match="lacks 1 tensors"):
         load_model(sharded)
+
+
+@pytest.mark.parametrize("preset", ["tiny", "tiny-mha"])
+def test_prompt_length_counted_without_pixels_is_the_processors(processors, preset):
+    """The gateway routes an image request on this count while the pixels are made: it must be exact."""
+    from tests.support import mixed_cases
+
+    processor = processors[preset]
+    cases = [case for case in mixed_cases() if case.conversation is not None]
+    assert any(sum(p["type"] == "image" for m in c.conversation for p in m["content"]) == 2 for c in cases)
+    for case in cases:
+        ids, images = processor.apply(case.conversation)
+        assert processor.count_prompt_tokens(case.conversation) == len(ids), case.name
