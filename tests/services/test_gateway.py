@@ -134,6 +134,9 @@ def test_client_disconnect_mid_stream_frees_pages_and_others_finish(server):
     (json.dumps({"model": MODEL, "messages": [{"role": "user", "content": [
         {"type": "image_url", "image_url": {"url": "https://example.com/cat.png"}}]}]}).encode(), 400, "remote image URLs are disabled"),
     (json.dumps({"model": MODEL, "max_tokens": 10, "messages": [{"role": "user", "content": "word " * 5000}]}).encode(), 400, "over the model's limit"),
+    (json.dumps({"model": MODEL, "max_tokens": 10, "messages": [{"role": "user", "content": [  # the mesh checks before routing
+        {"type": "image_url", "image_url": {"url": data_uri(image(3, 64, 64))}}, {"type": "text", "text": "word " * 5000}]}]}).encode(),
+     400, "over the model's limit"),
 ])
 def test_bad_input_gets_a_clear_4xx_and_the_server_keeps_serving(server, body, status, fragment):
     resp = httpx.post(f"{server}/v1/chat/completions", content=body, headers={"content-type": "application/json"}, timeout=60)
