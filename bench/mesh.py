@@ -2,14 +2,15 @@
 
     python -m bench.mesh [--requests 20] [--max-tokens 32] [--topology E1+P1+D1]
 
-Three configurations, measured one after another in the same run, every process on 1 torch thread,
-on the real engine (torch CPU, fp32, the default tiny checkpoint), one request at a time (no queueing),
-two workloads: `image` (one 320×240 image + a short prompt: encode → prefill → decode, image and KV
+Three configurations, all up at once and measured interleaved (request i on each in turn), every process
+on 1 torch thread, on the real engine (torch CPU, fp32, the default tiny checkpoint, the same scheduler
+settings: 256-token budget), one request at a time (no queueing), two workloads: `image` (one 320×240 image + a short prompt: encode → prefill → decode, image and KV
 pages move) and `text` (the short prompt alone: the mesh's control path with the least compute):
   engine   — AsyncEngine in this process, no HTTP, no gRPC (the baseline);
   local    — `epdmesh serve --topology local`: the same engine behind the HTTP gateway (HTTP cost);
   mesh     — `epdmesh serve --topology E1+P1+D1`: gateway → toggle → encoder → prefill → decoder,
-             image and KV pages pulled between processes (gRPC stream backend unless --transfer).
+             image and KV pages pulled between processes (the transfer backend `serve` picks: NIXL where
+             it loads, else the gRPC stream; --transfer to choose).
 TTFT is taken at the first streamed token, per-token gap as the mean gap after it. Reports p50s, the
 mesh's TTFT added over engine and over local (the goal: ≤ 2 ms over the in-process engine), and ratios.
 """
@@ -19,6 +20,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import base64
+import contextlib
 import io
 import itertools
 import json
@@ -46,7 +48,7 @@ def parse_args(argv=None):
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--topology", default="E1+P1+D1")
-    p.add_argument("--transfer", default="grpc", choices=["auto", "nixl", "grpc"])
+    p.add_argument("--transfer", default="auto", choices=["auto", "nixl", "grpc"])
     p.add_argument("--redis-url", default=None)
     p.add_argument("--out", default="bench/results/mesh.json")
     args = p.parse_args(argv)
@@ -73,64 +75,83 @@ def _data_uri(img) -> str:
     return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
 
 
-async def measure_engine(model_dir: str, args, bar) -> dict[str, list[tuple[float, float]]]:
-    import torch
+class InProcess:
+    """The baseline: the engine in this process, called directly (no HTTP, no gRPC)."""
 
-    from common.engine.async_engine import AsyncEngine
-    from common.engine.config import EngineConfig
-    from common.engine.engine import Engine
-    from common.model.processor import ChatProcessor
-    from common.request import Request
-    from common.sampling import SamplingParams
+    def __init__(self, model_dir: str):
+        import torch
 
-    torch.set_num_threads(1)
-    processor = ChatProcessor(model_dir)
-    engine = AsyncEngine(Engine(EngineConfig(model=model_dir, kv_cache_gib=0.25), detokenize=processor.detokenize))
-    results = {w: [] for w in WORKLOADS}
+        from common.engine.async_engine import AsyncEngine
+        from common.engine.config import EngineConfig
+        from common.engine.engine import Engine
+        from common.model.processor import ChatProcessor
+        from common.scheduler import SchedulerConfig
+
+        torch.set_num_threads(1)
+        self.processor = ChatProcessor(model_dir)
+        config = EngineConfig(model=model_dir, kv_cache_gib=0.05, scheduler=SchedulerConfig(token_budget=256))
+        self.engine = AsyncEngine(Engine(config, detokenize=self.processor.detokenize))
+        self.count = 0
+
+    async def measure(self, workload: str, i: int, max_tokens: int) -> tuple[float, float]:
+        from common.request import Request
+        from common.sampling import SamplingParams
+
+        img, text = conversation(i, workload)
+        content = ([{"type": "image", "image": img}] if img is not None else []) + [{"type": "text", "text": text}]
+        start = time.perf_counter()
+        ids, images = self.processor.apply([{"role": "user", "content": content}])
+        self.count += 1
+        request = Request(f"b{self.count}", ids, SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True),
+                          images)
+        times = []
+        async for out in self.engine.generate(request):
+            if out.new_token_ids:
+                times.append(time.perf_counter())
+        return _ttft_gap(start, times)
+
+    def close(self) -> None:
+        self.engine.shutdown()
+
+
+async def measure_http(client: httpx.AsyncClient, base: str, workload: str, i: int, max_tokens: int) -> tuple[float, float]:
+    img, text = conversation(i, workload)
+    content = [{"type": "image_url", "image_url": {"url": _data_uri(img)}}] if img is not None else []
+    body = {"model": SERVED_NAME, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+            "stream": True, "return_token_ids": True,
+            "messages": [{"role": "user", "content": content + [{"type": "text", "text": text}]}]}
+    payload = json.dumps(body).encode()  # serialized before the clock starts: client-side cost, not ours
+    start, times = time.perf_counter(), []
+    async with client.stream("POST", f"{base}/v1/chat/completions", content=payload,
+                             headers={"content-type": "application/json"}) as resp:
+        resp.raise_for_status()
+        async for line in resp.aiter_lines():
+            if line.startswith("data: {"):
+                choices = json.loads(line[6:])["choices"]
+                if choices and choices[0].get("token_ids"):
+                    times.extend([time.perf_counter()] * len(choices[0]["token_ids"]))
+    return _ttft_gap(start, times)
+
+
+async def measure_interleaved(model_dir: str, bases: dict[str, str], args, bar) -> dict[str, dict[str, list]]:
+    """Request i of each workload goes to engine, then local, then mesh, before request i + 1: a slow spell
+    of this noisy machine hits all three alike, so their differences hold even when absolute times drift."""
+    engine = InProcess(model_dir)
+    samples = {name: {w: [] for w in WORKLOADS} for name in ("engine", *bases)}
     try:
-        for workload in WORKLOADS:
-            for i in range(args.warmup + args.requests):
-                img, text = conversation(i, workload)
-                content = ([{"type": "image", "image": img}] if img is not None else []) + [{"type": "text", "text": text}]
-                start = time.perf_counter()
-                ids, images = processor.apply([{"role": "user", "content": content}])
-                request = Request(f"b{workload}{i}", ids, SamplingParams(max_tokens=args.max_tokens, temperature=0,
-                                                                         ignore_eos=True), images)
-                times = []
-                async for out in engine.generate(request):
-                    if out.new_token_ids:
-                        times.append(time.perf_counter())
-                if i >= args.warmup:
-                    results[workload].append(_ttft_gap(start, times))
-                    bar.update()
+        async with httpx.AsyncClient(timeout=120) as client:
+            for i, workload in itertools.product(range(args.warmup + args.requests), WORKLOADS):
+                for name in samples:
+                    if name == "engine":
+                        sample = await engine.measure(workload, i, args.max_tokens)
+                    else:
+                        sample = await measure_http(client, bases[name], workload, i, args.max_tokens)
+                    if i >= args.warmup:
+                        samples[name][workload].append(sample)
+                        bar.update()
     finally:
-        engine.shutdown()
-    return results
-
-
-async def measure_http(base: str, args, bar) -> dict[str, list[tuple[float, float]]]:
-    results = {w: [] for w in WORKLOADS}
-    async with httpx.AsyncClient(timeout=120) as client:
-        for workload, i in itertools.product(WORKLOADS, range(args.warmup + args.requests)):
-            img, text = conversation(i, workload)
-            content = [{"type": "image_url", "image_url": {"url": _data_uri(img)}}] if img is not None else []
-            body = {"model": SERVED_NAME, "max_tokens": args.max_tokens, "temperature": 0, "ignore_eos": True,
-                    "stream": True, "return_token_ids": True,
-                    "messages": [{"role": "user", "content": content + [{"type": "text", "text": text}]}]}
-            payload = json.dumps(body).encode()  # serialized before the clock starts: client-side cost, not ours
-            start, times = time.perf_counter(), []
-            async with client.stream("POST", f"{base}/v1/chat/completions", content=payload,
-                                     headers={"content-type": "application/json"}) as resp:
-                resp.raise_for_status()
-                async for line in resp.aiter_lines():
-                    if line.startswith("data: {"):
-                        choices = json.loads(line[6:])["choices"]
-                        if choices and choices[0].get("token_ids"):
-                            times.extend([time.perf_counter()] * len(choices[0]["token_ids"]))
-            if i >= args.warmup:
-                results[workload].append(_ttft_gap(start, times))
-                bar.update()
-    return results
+        engine.close()
+    return samples
 
 
 def _ttft_gap(start: float, times: list[float]) -> tuple[float, float]:
@@ -152,17 +173,15 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     model_dir = args.model or str(ensure_default_model())
     extra = ["--transfer", args.transfer] + (["--redis-url", args.redis_url] if args.redis_url else [])
-    samples = {}
     logs = Path(args.out).parent
     logs.mkdir(parents=True, exist_ok=True)
-    with tqdm(total=3 * len(WORKLOADS) * args.requests, desc="mesh bench", unit="req", file=sys.stderr) as bar:
-        bar.set_postfix_str("engine")
-        samples["engine"] = asyncio.run(measure_engine(model_dir, args, bar))
-        for name, topology in (("local", "local"), ("mesh", args.topology)):
-            bar.set_postfix_str(f"{name} (starting)")
-            with running_server(model_dir, topology, logs / f"mesh-{name}.log", *extra) as base:
-                bar.set_postfix_str(name)
-                samples[name] = asyncio.run(measure_http(base, args, bar))
+    with tqdm(total=3 * len(WORKLOADS) * args.requests, desc="mesh bench", unit="req", file=sys.stderr) as bar, \
+            contextlib.ExitStack() as servers:
+        bar.set_postfix_str("starting local and mesh")
+        bases = {name: servers.enter_context(running_server(model_dir, topology, logs / f"mesh-{name}.log", *extra))
+                 for name, topology in (("local", "local"), ("mesh", args.topology))}
+        bar.set_postfix_str("interleaved")
+        samples = asyncio.run(measure_interleaved(model_dir, bases, args, bar))
     results = {name: {w: summarize(s) for w, s in per.items()} for name, per in samples.items()}
     report = {"backend": BACKEND, "topology": args.topology, "transfer": args.transfer, "max_tokens": args.max_tokens,
               "requests": args.requests, "results": results, "mesh_added": {}}
