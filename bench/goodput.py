@@ -40,6 +40,7 @@ from pathlib import Path
 if not __package__:
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench.goodput_report import add_bound, finish, instances_of, replot  # noqa: E402
 from bench.workloads import SHAPES, arrivals, request_bodies, trace_times  # noqa: E402
 
 PERCENTILES = (50, 90, 99)
@@ -222,39 +223,6 @@ def _serve_args(config_args: str, args, profile: Path | None) -> list[str]:
     return out + (["--model", args.model] if args.model else [])
 
 
-# ----- the plot -----
-
-def plot(report: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    workloads = report["workloads"]
-    fig, axes = plt.subplots(1, len(workloads), figsize=(5.5 * len(workloads), 4.2), squeeze=False)
-    for ax, workload in zip(axes[0], workloads):
-        for name, runs in report["configs"].items():
-            run = runs.get(workload)
-            if not run:
-                continue
-            rates = [p["request_rate"] for p in run["points"]]
-            ax.plot(rates, [100 * p["slo_attainment"] for p in run["points"]], marker="o",
-                    label=f"{name} (goodput {run['goodput']:g})")
-        ax.axhline(100 * report["attainment"], color="grey", linestyle="--", linewidth=1)
-        ax.set_title(f"{workload}: {SHAPES[workload].output_tokens} output tokens")
-        ax.set_xlabel("request rate (req/s)")
-        ax.set_ylabel("SLO attainment (%)")
-        ax.set_ylim(0, 102)
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
-    fig.suptitle(f"{report['backend']} — SLO TTFT {report['slo_ttft_ms']:g} ms, P90 TBT {report['slo_tbt_ms']:g} ms, "
-                 f"{report['arrival']} arrivals", fontsize=10)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-
-
 # ----- main -----
 
 def parse_args(argv=None):
@@ -281,7 +249,11 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="bench/results/goodput.json")
     p.add_argument("--plot", help="PNG path (default: the --out path with .png)")
+    p.add_argument("--replot", metavar="JSON", help="measure nothing: add the goodput bounds to a saved report "
+                   "(emulated runs, on --profile), rewrite it, plot it and print its table")
     args = p.parse_args(argv)
+    if args.replot:
+        return args
     if bool(args.url) == bool(args.config):
         p.error("give either --url or one or more --config NAME=SERVE_ARGS")
     if args.time_scale != 1 and (args.url or args.backend != "emulated"):
@@ -300,6 +272,8 @@ def main(argv=None) -> int:
     import logging
 
     args = parse_args(argv)
+    if args.replot:
+        return replot(args)
     logging.getLogger("httpx").setLevel(logging.WARNING)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -308,15 +282,17 @@ def main(argv=None) -> int:
                if args.backend == "emulated" else "real engine (torch CPU)")
     report = {"backend": backend, "arrival": args.arrival, "slo_ttft_ms": args.slo_ttft_ms, "slo_tbt_ms": args.slo_tbt_ms,
               "attainment": args.attainment, "num_prompts": args.num_prompts, "time_scale": args.time_scale,
-              "workloads": args.workloads, "configs": {}, "serve_args": {}}
+              "workloads": args.workloads, "configs": {}, "serve_args": {},
+              "profile": args.profile if args.backend == "emulated" else None}
     with tempfile.TemporaryDirectory(prefix="epdmesh-goodput-") as tmp:
-        profile = None
+        profile, hardware = None, None
         if args.backend == "emulated" or any("{profile}" in c for c in args.config):
             from common.latency import scaled
             from common.latency.roofline import load_profile
 
+            hardware = load_profile(args.profile)  # rates are in its (unscaled) time
             profile = Path(tmp) / "profile.json"
-            scaled(load_profile(args.profile), args.time_scale).save(profile)
+            scaled(hardware, args.time_scale).save(profile)
         if args.url:
             import httpx
 
@@ -331,23 +307,11 @@ def main(argv=None) -> int:
             with launched(serve_args, out.with_name(f"{out.stem}-{name.replace('+', '_')}.log")) as (base, model):
                 report["configs"][name] = {w: sweep(base, model, w, args.rate_list, args, name, gaps)
                                            for w in args.workloads}
+            for result in report["configs"][name].values():
+                add_bound(result, hardware if args.backend == "emulated" else None, instances_of(serve_args))
             out.write_text(json.dumps(report, indent=2) + "\n")  # partial results survive a later failure
     out.write_text(json.dumps(report, indent=2) + "\n")
-    png = Path(args.plot) if args.plot else out.with_suffix(".png")
-    plot(report, png)
-    print(f"\ngoodput (highest rate with ≥ {args.attainment:.0%} of requests within TTFT {args.slo_ttft_ms:g} ms and "
-          f"P90 TBT {args.slo_tbt_ms:g} ms), backend {backend}:")
-    names = list(report["configs"])
-    print(f"{'config':>14} " + " ".join(f"{w:>10}" for w in args.workloads))
-    for name in names:
-        print(f"{name:>14} " + " ".join(f"{report['configs'][name][w]['goodput']:>10g}" for w in args.workloads))
-    if len(names) > 1:
-        base = names[0]
-        for w in args.workloads:
-            ref = report["configs"][base][w]["goodput"]
-            ratios = ", ".join(f"{n} {report['configs'][n][w]['goodput'] / ref:.2f}×" if ref else f"{n} -" for n in names[1:])
-            print(f"{w}: vs {base}: {ratios}")
-    print(f"wrote {out} and {png}")
+    finish(report, out, args)
     return 0
 
 

@@ -4,7 +4,8 @@ import statistics
 
 import pytest
 
-from bench.goodput import Result, meets_slo, plot, summarize
+from bench.goodput import Result, meets_slo, summarize
+from bench.goodput_report import plot
 from bench.workloads import SHAPES, arrivals, request_bodies, trace_times
 
 
@@ -49,3 +50,27 @@ def test_attainment_needs_ttft_and_p90_tbt_and_metrics_use_vllms_names(tmp_path)
               "arrival": "mooncake", "configs": {"A": {"pope": {"goodput": 0.5, "points": [m]}}}}
     plot(report, tmp_path / "p.png")
     assert (tmp_path / "p.png").stat().st_size > 5000
+
+
+def test_each_configuration_is_measured_against_the_bound_of_its_instances(tmp_path):
+    from bench.goodput_report import add_bound, instances_of
+    from common.latency import goodput_bound
+    from common.latency.roofline import load_profile
+
+    assert instances_of(["--topology", "E2+P2+D4", "--backend", "emulated"]) == 8
+    assert instances_of(["--topology", "EP4+PD4"]) == 8 and instances_of(["--topology", "local"]) == 1
+    assert instances_of(["--backend", "emulated"]) == 0
+    h20 = load_profile("H20")
+    point = {"completed": 10, "total_input_tokens": 6200}
+    result = {"output_tokens": 32, "goodput": 40.0, "points": [{"completed": 0, "total_input_tokens": 0}, point]}
+    add_bound(result, h20, 8)
+    assert result["goodput_bound"] == pytest.approx(goodput_bound(h20, 8, 620, 1, 32))
+    assert 60 < result["goodput_bound"] < 120 and result["fraction_of_bound"] == pytest.approx(40 / result["goodput_bound"])
+    real = {"output_tokens": 32, "goodput": 4.0, "points": [point]}
+    add_bound(real, None, 1)  # the real backend has no profile: no bound claimed
+    assert "goodput_bound" not in real
+    report = {"workloads": ["textcaps"], "attainment": 0.9, "backend": "test", "slo_ttft_ms": 1000, "slo_tbt_ms": 100,
+              "arrival": "mooncake", "configs": {"A": {"textcaps": {**result, "points": [
+                  {**point, "request_rate": 10.0, "slo_attainment": 1.0}]}}}}
+    plot(report, tmp_path / "b.png")
+    assert (tmp_path / "b.png").stat().st_size > 5000

@@ -9,12 +9,14 @@ from common.latency.model import (
     StageCost,
     decode_ms,
     encode_ms,
+    goodput_bound,
     iteration_ms,
     prefill_chunk_ms,
     prefill_ms,
+    request_cost_ms,
     scaled,
     transfer_ms,
 )
 
-__all__ = ["LatencyProfile", "StageCost", "decode_ms", "encode_ms", "iteration_ms", "prefill_chunk_ms", "prefill_ms",
-           "scaled", "transfer_ms"]
+__all__ = ["LatencyProfile", "StageCost", "decode_ms", "encode_ms", "goodput_bound", "iteration_ms", "prefill_chunk_ms",
+           "prefill_ms", "request_cost_ms", "scaled", "transfer_ms"]

@@ -125,6 +125,25 @@ def iteration_ms(p: LatencyProfile, images: int = 0, decodes: int = 0, decode_co
     return total
 
 
+def request_cost_ms(p: LatencyProfile, prompt_tokens: int, images: int, output_tokens: int,
+                    max_images: int = 64) -> float:
+    """The least instance time one request can take on this profile, however it is batched or placed: its
+    images encoded in a full batch (`max_images`), every prompt and output token at the saturated per-token
+    cost of a large mixed batch, plus its own attention (prefill) and KV reads (decode). Transfers and
+    queueing are left out, so no scheduler beats it."""
+    encode = encode_ms(p, max_images) / max_images * images
+    tokens = p.prefill.per_unit_ms * (prompt_tokens + output_tokens)
+    attention = p.prefill.quadratic_ms * prompt_tokens * prompt_tokens / 2
+    kv_reads = p.decode.quadratic_ms * output_tokens * (prompt_tokens + output_tokens / 2)
+    return encode + tokens + attention + kv_reads
+
+
+def goodput_bound(p: LatencyProfile, instances: int, prompt_tokens: int, images: int, output_tokens: int) -> float:
+    """Requests per second that `instances` accelerators of this profile cannot exceed on this request
+    shape, at any SLO (every instance busy all the time at `request_cost_ms` per request)."""
+    return instances * 1e3 / request_cost_ms(p, prompt_tokens, images, output_tokens)
+
+
 def scaled(p: LatencyProfile, factor: float) -> LatencyProfile:
     """The same hardware `factor` times slower (every time × factor): time dilation, so an emulated mesh
     whose host cannot keep up in real time runs at 1/factor the rate with the same queueing."""

@@ -134,3 +134,35 @@ def test_budget_headroom_sizes_iterations_to_a_fraction_of_the_limit():
     assert budgets_for(p, True, 1000, 50, headroom=0.8).token_budget < budgets_for(p, True, 1000, 50).token_budget
     with pytest.raises(ValueError):
         budgets_for(p, True, 1000, 50, headroom=0)
+
+
+@pytest.mark.parametrize("hardware", ["H20", "H100"])
+def test_request_cost_is_a_lower_bound_of_every_schedule_and_a_tight_one(hardware):
+    """No batching of the iteration model serves N requests in less than N × request_cost_ms; one huge
+    mixed batch comes close, so the goodput bound is what the hardware allows, not a loose guess."""
+    import random
+
+    from common.latency import goodput_bound, iteration_ms, request_cost_ms
+    from common.latency.roofline import load_profile
+
+    p = load_profile(hardware)
+    prompt, out, n = 620, 16, 64
+    per_request = request_cost_ms(p, prompt, 1, out)
+    rng = random.Random(0)
+    for _ in range(20):  # random schedules: encode batch, prefill chunk, requests per mixed iteration
+        batch, chunk, group = rng.choice([1, 3, 8, 64]), rng.choice([64, 256, 620, 2048]), rng.choice([1, 4, 16, 64])
+        total = sum(encode_ms(p, min(batch, n - i)) for i in range(0, n, batch))
+        for first in range(0, n, group):
+            members = min(group, n - first)
+            done = 0
+            while done < prompt:  # the group's prompts in chunks, side by side
+                step = min(chunk, prompt - done)
+                total += iteration_ms(p, chunks=[(step, done)] * members)
+                done += step
+            for t in range(out):  # then their decodes, one token each per iteration
+                total += iteration_ms(p, decodes=members, decode_context=members * (prompt + t))
+        assert total >= n * per_request * (1 - 1e-9)
+    packed = encode_ms(p, 64) + iteration_ms(p, chunks=[(prompt, 0)] * 64) + sum(
+        iteration_ms(p, decodes=4096, decode_context=4096 * (prompt + t)) / 64 for t in range(out))
+    assert packed <= n * per_request * 1.1
+    assert goodput_bound(p, 8, prompt, 1, out) == pytest.approx(2 * goodput_bound(p, 4, prompt, 1, out))
