@@ -12,11 +12,8 @@ For one request (prompt tokens T, images, its TTFT/TBT targets, time already spe
      stage budget (`decoder_token_budget`, TriInfer), the prefill is chunked to what the budget leaves
      beside the decodes, one chunk per iteration, so every iteration stays within TBT and ② needs only
      that the chunks (after d's queued prompts) finish within the slack;
-  4. both allowed: short prompts (≤ `short_prompt_tokens`) take ②, long ones ① — an unchunked long prefill
-     is what stalls a decoder; with the decoders' stage budget it is chunked within TBT, so the option
-     predicted to give the first token sooner wins, and every instance that can prefill shares the
-     prompts; one allowed: that one; none: the least-violating option, or no plan (HTTP 503) when
-     admission control is on;
+  4. both allowed: short prompts (≤ `short_prompt_tokens`) take ②, long ones ①; one allowed: that one;
+     none: the least-violating option, or no plan (HTTP 503) when admission control is on;
   5. the decoder of path ① is the one with the fewest unfinished tokens.
 Workers with stale statistics (a missed heartbeat) or that the request excludes are never chosen.
 """
@@ -142,9 +139,6 @@ def _choose(options: list[_Option], request: RouteSummary, config: MultiplexConf
     by_path = {path: min((o for o in ok if o.path == path), key=lambda o: (o.ttft_ms, o.worker.worker_id), default=None)
                for path in (PrefillPath.DEDICATED, PrefillPath.MULTIPLEXED)}
     dedicated, multiplexed = by_path[PrefillPath.DEDICATED], by_path[PrefillPath.MULTIPLEXED]
-    if dedicated and multiplexed and config.decoder_token_budget is not None:
-        return min((dedicated, multiplexed), key=lambda o: (o.ttft_ms, o.path != PrefillPath.DEDICATED)), \
-            "both paths fit; the sooner first token (the decoder's budget keeps it within TBT)"
     if dedicated and multiplexed:
         short = request.num_prompt_tokens <= config.short_prompt_tokens
         return (multiplexed, "both paths fit; short prompt on the decoder") if short else \

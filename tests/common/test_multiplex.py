@@ -111,17 +111,3 @@ def test_policy_imports_no_torch():
     out = subprocess.run([sys.executable, "-c", "import sys, common.policy.multiplex; print('torch' in sys.modules)"],
                          capture_output=True, text=True, check=True).stdout
     assert out.strip() == "False"
-
-
-def test_with_stage_budgets_both_paths_fitting_go_to_the_sooner_first_token_whatever_the_length():
-    """Chunked within TBT, a long prefill no longer stalls the decoder: the toggle spreads prompts over every
-    instance that can prefill, by predicted first token, instead of keeping long ones on prefill workers."""
-    queued = [w("e", {E}), w("p", {P}, queued_prefill_tokens=1500), w("pd", {P, D}, running_decode_batch=10)]
-    d = decide(queued, 600, decoder_token_budget=410, tbt=200)  # P: 150 + 60 ms; PD: 15 + 41 + 21 ms
-    assert (d.plan.path, d.plan.prefill.worker_id) == (PrefillPath.MULTIPLEXED, "pd") and d.meets_slo
-    assert d.reason.startswith("both paths fit; the sooner") and d.predicted_ttft_ms == pytest.approx(15 + 41 + 21)
-    idle = [w("e", {E}), w("p", {P}), w("pd", {P, D}, running_decode_batch=10)]
-    d = decide(idle, 600, decoder_token_budget=410, tbt=200)  # P: 60 ms beats PD's 77
-    assert (d.plan.path, d.plan.prefill.worker_id) == (PrefillPath.DEDICATED, "p")
-    without_budget = decide(queued, 600, tbt=200)  # unchunked: the long prompt stays on the prefill worker
-    assert (without_budget.plan.path, without_budget.plan.prefill.worker_id) == (PrefillPath.DEDICATED, "p")
