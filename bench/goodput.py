@@ -156,6 +156,17 @@ async def run_rate(base: str, bodies: list[dict], times: list[float], scale: flo
         return list(results), (time.perf_counter() - start) / scale
 
 
+def paths_taken(base: str) -> dict[str, int] | None:
+    """The gateway's count of requests per prefill path so far (None: a one-process server has no paths)."""
+    import httpx
+
+    try:
+        paths = httpx.get(f"{base}/stats", timeout=10).json().get("paths")
+    except (httpx.HTTPError, ValueError):
+        return None
+    return dict(paths) if isinstance(paths, dict) else None
+
+
 def sweep(base: str, model: str, workload: str, rates: list[float], args, label: str, gaps) -> dict:
     from tqdm import tqdm
 
@@ -167,13 +178,18 @@ def sweep(base: str, model: str, workload: str, rates: list[float], args, label:
         times = arrivals(args.num_prompts, rate, args.arrival, args.seed, gaps)
         with tqdm(total=len(bodies), desc=f"{label} {workload} @ {rate:g} req/s", unit="req", file=sys.stderr,
                   leave=False) as bar:
+            before = paths_taken(base)
             results, duration = asyncio.run(run_rate(base, bodies, times, args.time_scale, bar))
         point = summarize(results, duration, rate, args.slo_ttft_ms, args.slo_tbt_ms)
+        after = paths_taken(base)
+        if before is not None and after is not None:  # where the prefills ran (mesh gateways count them)
+            point["prefill_paths"] = {path: after[path] - before.get(path, 0) for path in after}
         points.append(point)
+        paths = " ".join(f"{k} {v}" for k, v in point.get("prefill_paths", {}).items() if v)
         print(f"  {label:>12} {workload:<9} rate {rate:6.2f}  attainment {point['slo_attainment']:5.1%} "
               f"(TTFT {point['ttft_attainment']:5.1%}, TBT {point['tbt_attainment']:5.1%})  p90 TTFT "
-              f"{point['p90_ttft_ms']:7.1f} ms  p90 ITL {point['p90_itl_ms']:6.1f} ms  failed {point['failed']}",
-              file=sys.stderr, flush=True)
+              f"{point['p90_ttft_ms']:7.1f} ms  p90 ITL {point['p90_itl_ms']:6.1f} ms  failed {point['failed']}"
+              + (f"  paths: {paths}" if paths else ""), file=sys.stderr, flush=True)
         below = below + 1 if point["slo_attainment"] < args.attainment else 0
         if below >= 2:
             break

@@ -34,6 +34,7 @@ def test_emulated_meshes_agree_and_the_goodput_benchmark_measures_one(emulated_d
                 assert [p["request_rate"] for p in run["points"]] == [2.0, 50.0]
                 assert all(p["completed"] == 6 and p["slo_attainment"] == 1.0 for p in run["points"])
                 assert run["goodput"] == 50.0 and report["backend"].startswith("emulated")
+                assert [p["prefill_paths"]["dedicated"] for p in run["points"]] == [6, 6]  # E1+P1+D1: all on P
                 for key in ("request_throughput", "request_goodput", "p90_ttft_ms", "median_itl_ms", "p99_e2el_ms"):
                     assert key in run["points"][0]
                 assert out.with_suffix(".png").stat().st_size > 10_000
