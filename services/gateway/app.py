@@ -37,6 +37,7 @@ from services.gateway.protocol import ApiError, ChatRequest, parse_chat_request
 
 log = logging.getLogger(__name__)
 MAX_BODY_BYTES = 64 * 2**20
+INLINE_PARSE_BYTES = 64 * 2**10  # bodies up to this are parsed on the event loop (a thread hop costs more)
 
 
 class LocalBackend:
@@ -112,7 +113,11 @@ def build_app(backend, model_name: str, allow_remote_images: bool = False, metri
             length = int(http.headers.get("content-length") or 0)
             if length > MAX_BODY_BYTES:
                 raise ApiError(413, f"request body is {length} bytes, over {MAX_BODY_BYTES}")
-            chat = parse_chat_request(await http.body(), [model_name], allow_remote_images)
+            body = await http.body()
+            if len(body) > INLINE_PARSE_BYTES:  # images: base64 + decoding take ms; keep the event loop serving streams
+                chat = await asyncio.to_thread(parse_chat_request, body, [model_name], allow_remote_images)
+            else:
+                chat = parse_chat_request(body, [model_name], allow_remote_images)
             request_id = f"chatcmpl-{uuid.uuid4().hex}"
             observer.request(chat, request_id)
             num_prompt, outputs = await backend.start(chat, request_id, observer.span)

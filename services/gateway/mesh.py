@@ -42,6 +42,7 @@ _STATUS_OF = {reason: status for status, reason in FINISH_REASONS.items()}
 
 
 MAX_ATTEMPTS = 3  # routes tried per request when workers fail it
+INLINE_COUNT_CHARS = 4096  # prompts up to this many characters are counted on the event loop
 
 
 class StageFailed(Exception):
@@ -107,7 +108,9 @@ class MeshBackend:
         num_images = chat.num_images
         plan = None
         if num_images:
-            num_tokens = await self._prepare(self.processor.count_prompt_tokens, chat)
+            # tokenizing a short text costs less than a thread hop
+            num_tokens = await self._prepare(self.processor.count_prompt_tokens, chat,
+                                             inline=chat.num_text_chars <= INLINE_COUNT_CHARS)
             self._check_length(num_tokens, chat.sampling.max_tokens)
             summary = RouteSummary(request_id, num_tokens, num_images, chat.sampling.max_tokens, frozenset(), *slo,
                                    elapsed_ms=(time.monotonic() - arrival) * 1e3)
@@ -127,10 +130,10 @@ class MeshBackend:
         first = await anext(stream)  # errors before the first token surface here, as an HTTP status
         return len(ids), _prepend(first, stream)
 
-    async def _prepare(self, fn, chat: ChatRequest):
-        """`fn(conversation)` off the event loop; a conversation the checkpoint's processor refuses is a 400."""
+    async def _prepare(self, fn, chat: ChatRequest, inline: bool = False):
+        """`fn(conversation)`, off the event loop unless `inline`; a conversation the processor refuses is a 400."""
         try:
-            return await asyncio.to_thread(fn, chat.conversation)
+            return fn(chat.conversation) if inline else await asyncio.to_thread(fn, chat.conversation)
         except (ValueError, TypeError, KeyError) as e:
             raise ApiError(400, f"could not build the prompt from these messages: {e}") from None
 

@@ -50,6 +50,10 @@ class ChatRequest:
     slo_tbt_ms: float | None = None
 
     @property
+    def num_text_chars(self) -> int:
+        return sum(len(part["text"]) for message in self.conversation for part in message["content"] if part["type"] == "text")
+
+    @property
     def num_images(self) -> int:
         return sum(part["type"] == "image" for message in self.conversation for part in message["content"])
 

@@ -131,6 +131,9 @@ def test_client_disconnect_mid_stream_frees_pages_and_others_finish(server):
         {"type": "image_url", "image_url": {"url": "data:image/png;base64,aGVsbG8gd29ybGQ="}}]}]}).encode(), 400, "could not decode"),
     (json.dumps({"model": MODEL, "messages": [{"role": "user", "content": [
         {"type": "image_url", "image_url": {"url": "data:image/png;base64,@@@"}}]}]}).encode(), 400, "base64"),
+    (json.dumps({"model": MODEL, "messages": [{"role": "user", "content": [  # over 64 KiB: parsed off the event loop
+        {"type": "image_url", "image_url": {"url": "data:image/png;base64," + base64.b64encode(b"\x89PNG" + bytes(100_000)).decode()}}]}]}).encode(),
+     400, "could not decode"),
     (json.dumps({"model": MODEL, "messages": [{"role": "user", "content": [
         {"type": "image_url", "image_url": {"url": "https://example.com/cat.png"}}]}]}).encode(), 400, "remote image URLs are disabled"),
     (json.dumps({"model": MODEL, "max_tokens": 10, "messages": [{"role": "user", "content": "word " * 5000}]}).encode(), 400, "over the model's limit"),
