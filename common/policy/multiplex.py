@@ -14,7 +14,9 @@ For one request (prompt tokens T, images, its TTFT/TBT targets, time already spe
      that the chunks (after d's queued prompts) finish within the slack;
   4. both allowed: short prompts (≤ `short_prompt_tokens`) take ②, long ones ①; one allowed: that one;
      none: the least-violating option, or no plan (HTTP 503) when admission control is on;
-  5. the decoder of path ① is the one with the fewest unfinished tokens.
+  5. the decoder of path ① is the one where the handed-over request's first decode comes soonest (the
+     iteration in flight plus the next, with the chunks of prefills multiplexed onto it — on a short
+     answer that one gap is most of its P90 TBT), then the fewest unfinished tokens.
 Workers with stale statistics (a missed heartbeat) or that the request excludes are never chosen.
 """
 
@@ -80,7 +82,8 @@ def route_slo(workers: list[WorkerSnapshot], request: RouteSummary, ttft_ms: flo
     if chosen is None:
         return Decision(None, encode_pred + min(o.ttft_ms for o in options), slack, reason, False)
     if chosen.path == PrefillPath.DEDICATED:
-        decoder = min(decoders, key=lambda w: (w.load.unfinished_decode_tokens, w.load.queue_length, w.worker_id))
+        decoder = min(decoders, key=lambda w: (_join_gap_ms(w, profile, config.decoder_token_budget),
+                                               w.load.unfinished_decode_tokens, w.load.queue_length, w.worker_id))
     else:
         decoder = chosen.worker
     has_dedicated = any(o.path == PrefillPath.DEDICATED for o in options)
@@ -132,6 +135,16 @@ def _multiplexed(d, request, slack, ttft_ms, tbt_ms, profile, budget: int | None
     predicted = queue + iteration + sum(steps)
     tbt_over = (max(steps) - tbt_ms) / tbt_ms if batch else 0.0
     return _Option(PrefillPath.MULTIPLEXED, d, predicted, max(0.0, tbt_over, (predicted - slack) / ttft_ms))
+
+
+def _join_gap_ms(d: WorkerSnapshot, profile: LatencyProfile, budget: int | None) -> float:
+    """The gap a request handed to decoder d waits for its first decode: the iteration in flight, then the
+    next, which carries it — each with the chunk of d's queued prefills that fits beside the decodes."""
+    batch, context, queued = d.load.running_decode_batch, d.load.decode_context_tokens, d.load.queued_prefill_tokens
+    chunk = queued if budget is None else min(queued, max(0, budget - batch - 1))
+    chunks = [(chunk, 0)] if chunk else []
+    return (iteration_ms(profile, decodes=batch, decode_context=context, chunks=chunks)
+            + iteration_ms(profile, decodes=batch + 1, decode_context=context, chunks=chunks))
 
 
 def _choose(options: list[_Option], request: RouteSummary, config: MultiplexConfig) -> tuple[_Option | None, str]:

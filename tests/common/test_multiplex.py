@@ -111,3 +111,15 @@ def test_policy_imports_no_torch():
     out = subprocess.run([sys.executable, "-c", "import sys, common.policy.multiplex; print('torch' in sys.modules)"],
                          capture_output=True, text=True, check=True).stdout
     assert out.strip() == "False"
+
+
+def test_a_handed_over_request_goes_to_the_decoder_whose_next_iterations_are_short():
+    """A decoder busy with multiplexed prefill chunks runs long iterations; a request joining it waits for
+    the one in flight and then its own, and on a 4-token answer that gap is its P90 TBT."""
+    mesh = [w("p", {P}), w("pd1", {P, D}, running_decode_batch=4, unfinished_decode_tokens=40, queued_prefill_tokens=2000),
+            w("pd2", {P, D}, running_decode_batch=10, unfinished_decode_tokens=400)]
+    d = decide(mesh, 1000, decoder_token_budget=410)  # prefill fits only on P (PD chunks: 3 × ~41 ms + queue)
+    assert d.plan.path == PrefillPath.DEDICATED and d.plan.decoder.worker_id == "pd2"
+    quiet = [w("p", {P}), w("pd1", {P, D}, running_decode_batch=4, unfinished_decode_tokens=40),
+             w("pd2", {P, D}, running_decode_batch=10, unfinished_decode_tokens=400)]
+    assert decide(quiet, 1000, decoder_token_budget=410).plan.decoder.worker_id == "pd1"  # no chunks: the lighter one
