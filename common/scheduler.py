@@ -1,7 +1,8 @@
 """Stage-level batching (TriInfer Algorithm 1) for one worker's role set. No torch.
 
 Each `schedule()` forms one iteration:
-  1. every running decode (one token each);
+  1. every running decode (one token each), up to `max_num_seqs` (beyond it they take turns) — the
+     token budget never holds back a running decode; decodes over it leave no room for new work;
   2. unfinished work: prefill chunks in progress, then images of partly encoded requests;
   3. new work from the queues, oldest first, while the token budget τ_t (prefill + decode
      tokens) and the image budget τ_e (images through the vision tower) last.
@@ -106,7 +107,10 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         tokens, images = self.config.token_budget, self.config.image_budget
-        out.decodes = self.running[: min(tokens, self.config.max_num_seqs)]
+        cap = self.config.max_num_seqs  # every running decode: τ_t limits new work, never a decode's next token
+        out.decodes = self.running[:cap]
+        if len(self.running) > cap:  # more arrived with their KV than the batch holds: take turns, none starves
+            self.running = self.running[cap:] + self.running[:cap]
         tokens -= len(out.decodes)
         for request in self.prefilling:
             tokens -= self._chunk(out, request, tokens)
@@ -147,8 +151,9 @@ class Scheduler:
             n = min(left, budget)
         else:
             n = left if (left <= budget or not out.prefills and not out.decodes) else 0
-        if n > 0:
-            out.prefills.append(PrefillChunk(request, start, n))
+        if n <= 0:
+            return 0
+        out.prefills.append(PrefillChunk(request, start, n))
         return n
 
     def _encode(self, out: SchedulerOutput, request: Request, budget: int) -> int:

@@ -109,3 +109,21 @@ def test_last_stage_prefill_hands_off_and_decode_first_runs_at_once():
     s.finish(d, RequestStatus.FINISHED_LENGTH)
     s.finish(p, RequestStatus.HANDED_OFF)
     assert s.kv.pool.num_free == 64 and not s.has_work
+
+
+def test_every_running_decode_runs_whatever_the_token_budget_and_a_full_batch_takes_turns():
+    """TriInfer Algorithm 1: decodes first, all of them; τ_t only bounds new work. Decodes beyond the batch
+    limit (requests that arrived with their KV) rotate, so none waits for the others to finish."""
+    s = make(token_budget=4, max_num_seqs=8)
+    decoding = [req(f"d{i}", prompt=4, first_stage=Stage.DECODE) for i in range(6)]
+    for r in decoding:
+        s.add(r)
+    s.add(req("new", prompt=8))
+    plan = s.schedule()
+    assert plan.decodes == decoding and not plan.prefills  # 6 decodes > τ_t = 4: no room for the prompt
+    full = make(token_budget=64, max_num_seqs=4)
+    for r in decoding:
+        full.add(r)
+    turns = [full.schedule().decodes for _ in range(3)]
+    assert all(len(t) == 4 for t in turns)
+    assert {r.request_id: sum(r in t for t in turns) for r in decoding} == {r.request_id: 2 for r in decoding}
