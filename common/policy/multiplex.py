@@ -8,7 +8,9 @@ For one request (prompt tokens T, images, its TTFT/TBT targets, time already spe
      + this prefill + the KV pull fit the remaining slack;
   3. path ② prefill on a decoder d that can prefill: allowed when d's current iteration (its running
      batch and their context) + this prefill fit the TBT target — the decodes it delays still meet
-     their SLO — and the prefill itself fits the slack. When the decoders run with their TBT-derived
+     their SLO — and the prefill itself fits the slack. Where prefill workers hand requests over to the
+     decoders, a request joining d waits for the prefill's iteration in flight and then its own, so two
+     such iterations must fit TBT (on a short answer that first gap is its P90). When the decoders run with their TBT-derived
      stage budget (`decoder_token_budget`, TriInfer), the prefill is chunked to what the budget leaves
      beside the decodes, one chunk per iteration, so every iteration stays within TBT and ② needs only
      that the chunks (after d's queued prompts) finish within the slack;
@@ -74,7 +76,8 @@ def route_slo(workers: list[WorkerSnapshot], request: RouteSummary, ttft_ms: flo
     slack = ttft_ms - elapsed_ms - encode_pred
     options = [_dedicated(p, request, slack, ttft_ms, profile, config)
                for p in live if p.has(Stage.PREFILL) and not p.has(Stage.DECODE)]
-    options += [_multiplexed(d, request, slack, ttft_ms, tbt_ms, profile, config.decoder_token_budget)
+    handoffs = any(p.has(Stage.PREFILL) and not p.has(Stage.DECODE) for p in live)
+    options += [_multiplexed(d, request, slack, ttft_ms, tbt_ms, profile, config.decoder_token_budget, handoffs)
                 for d in decoders if d.has(Stage.PREFILL)]
     if not options:
         return Decision(None, 0.0, slack, "no live prefill worker", False)
@@ -119,7 +122,9 @@ def _dedicated(p, request, slack, ttft_ms, profile, config) -> _Option:
     return _Option(PrefillPath.DEDICATED, p, predicted, max(0.0, (predicted - slack) / ttft_ms))
 
 
-def _multiplexed(d, request, slack, ttft_ms, tbt_ms, profile, budget: int | None) -> _Option:
+def _multiplexed(d, request, slack, ttft_ms, tbt_ms, profile, budget: int | None, handoffs: bool = False) -> _Option:
+    """`handoffs`: prefill workers hand requests over to the decoders, so one may join d while this prefill
+    runs there, and its first gap is the chunk iteration in flight plus its own: two of them must fit TBT."""
     batch, context = d.load.running_decode_batch, d.load.decode_context_tokens
     iteration = decode_ms(profile, batch, context)
     if budget is None:  # the whole prompt in one iteration beside the running decodes
@@ -133,7 +138,7 @@ def _multiplexed(d, request, slack, ttft_ms, tbt_ms, profile, budget: int | None
                               chunks=[(min(chunk, request.num_prompt_tokens - start), start)])
                  for start in range(0, request.num_prompt_tokens, chunk)]
     predicted = queue + iteration + sum(steps)
-    tbt_over = (max(steps) - tbt_ms) / tbt_ms if batch else 0.0
+    tbt_over = (max(steps) * (2 if handoffs else 1) - tbt_ms) / tbt_ms if batch or handoffs else 0.0
     return _Option(PrefillPath.MULTIPLEXED, d, predicted, max(0.0, tbt_over, (predicted - slack) / ttft_ms))
 
 

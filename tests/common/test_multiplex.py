@@ -48,8 +48,21 @@ def test_a_prefill_that_would_break_the_decoders_tbt_goes_to_a_prefill_worker():
 
 def test_a_busy_prefill_worker_sends_the_prefill_to_a_decoder_with_slack():
     busy = [w("e", {E}), w("p", {P}, queued_prefill_tokens=6000), w("pd", {P, D}, running_decode_batch=2)]
-    d = decide(busy, 300)  # P: 600 + 30 ms > 500; PD: 7 + 30 ≤ 50
+    d = decide(busy, 300, tbt=100)  # P: 600 + 30 ms > 500; PD: iterations of 30 ms, a joiner's two ≤ 100
     assert (d.plan.path, d.plan.prefill.worker_id) == (PrefillPath.MULTIPLEXED, "pd") and d.meets_slo
+
+
+def test_where_prefill_workers_hand_requests_over_two_multiplexed_iterations_must_fit_tbt():
+    """A request P hands to the decoder while a multiplexed prefill runs there waits for the iteration in
+    flight and then its own; with only decoders (nothing joins from elsewhere) one iteration is the limit."""
+    busy = [w("e", {E}), w("p", {P}, queued_prefill_tokens=5200), w("pd", {P, D}, running_decode_batch=2)]
+    d = decide(busy, 300)  # PD: a 30 ms iteration suits its decodes, but a joiner's gap is 60 ms (20% over 50)
+    assert d.plan.path == PrefillPath.DEDICATED and not d.meets_slo  # P: 550 ms, 10% over the 500 ms TTFT
+    assert "least violating" in d.reason
+    decoders_only = [w("e", {E}), w("pd1", {P, D}, running_decode_batch=2), w("pd2", {P, D}, running_decode_batch=2,
+                                                                               queued_prefill_tokens=6000)]
+    d = decide(decoders_only, 300)
+    assert (d.plan.path, d.plan.prefill.worker_id) == (PrefillPath.COLOCATED, "pd1") and d.meets_slo
 
 
 def test_when_nothing_fits_the_least_violating_option_or_a_refusal():
@@ -70,16 +83,16 @@ def test_the_encoder_with_the_earliest_finish_and_its_time_comes_off_the_slack()
 
 def test_with_stage_budgets_a_long_prefill_is_chunked_onto_a_decoder_within_tbt():
     busy = [w("e", {E}), w("p", {P}, queued_prefill_tokens=6000), w("pd", {P, D}, running_decode_batch=10)]
-    unchunked = decide(busy, 1000)  # P: 700 ms > 500; PD: one 101 ms iteration > 50 ms TBT
+    unchunked = decide(busy, 1000, tbt=100)  # P: 700 ms > 500; PD: one 101 ms iteration, a joiner's two > 100
     assert not unchunked.meets_slo
-    # τ_t = 410 on the decoder: 400 prompt tokens per iteration beside its 10 decodes (41 ms ≤ 50),
+    # τ_t = 410 on the decoder: 400 prompt tokens per iteration beside its 10 decodes (41 ms; two ≤ 100),
     # 1000 tokens in 400 + 400 + 200: 41 + 41 + 21 ms after the running iteration (15)
-    chunked = decide(busy, 1000, decoder_token_budget=410)
+    chunked = decide(busy, 1000, decoder_token_budget=410, tbt=100)
     assert (chunked.plan.path, chunked.plan.prefill.worker_id) == (PrefillPath.MULTIPLEXED, "pd") and chunked.meets_slo
     assert chunked.predicted_ttft_ms == pytest.approx(15 + 41 + 41 + 21)
     queued = [w("e", {E}), w("p", {P}, queued_prefill_tokens=6000),
               w("pd", {P, D}, running_decode_batch=10, queued_prefill_tokens=800)]
-    assert decide(queued, 1000, decoder_token_budget=410).predicted_ttft_ms == pytest.approx(15 + 2 * 41 + 41 + 41 + 21)
+    assert decide(queued, 1000, decoder_token_budget=410, tbt=100).predicted_ttft_ms == pytest.approx(15 + 2 * 41 + 41 + 41 + 21)
     tight = decide(busy, 1000, decoder_token_budget=410, tbt=30)  # the budget's iterations (41 ms) break a 30 ms TBT
     assert not tight.meets_slo
 
