@@ -4,8 +4,9 @@
 
 Three configurations, all up at once and measured interleaved (request i on each in turn), every process
 on 1 torch thread, on the real engine (torch CPU, fp32, the default tiny checkpoint, the same scheduler
-settings: 256-token budget), one request at a time (no queueing), two workloads: `image` (one 320×240 image + a short prompt: encode → prefill → decode, image and KV
-pages move) and `text` (the short prompt alone: the mesh's control path with the least compute):
+settings: 256-token budget), one request at a time (no queueing), two workloads: `image` (one 320×240
+image + a short prompt: encode → prefill → decode, image and KV pages move) and `text` (the short prompt
+alone: the mesh's control path with the least compute):
   engine   — AsyncEngine in this process, no HTTP, no gRPC (the baseline);
   local    — `epdmesh serve --topology local`: the same engine behind the HTTP gateway (HTTP cost);
   mesh     — `epdmesh serve --topology E1+P1+D1`: gateway → toggle → encoder → prefill → decoder,

@@ -10,10 +10,11 @@ For one request (prompt tokens T, images, its TTFT/TBT targets, time already spe
      batch and their context) + this prefill fit the TBT target — the decodes it delays still meet
      their SLO — and the prefill itself fits the slack. Where prefill workers hand requests over to the
      decoders, a request joining d waits for the prefill's iteration in flight and then its own, so two
-     such iterations must fit TBT (on a short answer that first gap is its P90). When the decoders run with their TBT-derived
-     stage budget (`decoder_token_budget`, TriInfer), the prefill is chunked to what the budget leaves
-     beside the decodes, one chunk per iteration, so every iteration stays within TBT and ② needs only
-     that the chunks (after d's queued prompts) finish within the slack;
+     such iterations must fit TBT (on a short answer that first gap is its P90). When the decoders run
+     with their TBT-derived stage budget (`decoder_token_budget`, TriInfer), the prefill is chunked to
+     what the budget leaves beside the decodes, one chunk per iteration, and ② needs that each chunk's
+     iteration fits (twice, where requests are handed over) and that the chunks (after d's queued
+     prompts) finish within the slack;
   4. both allowed: short prompts (≤ `short_prompt_tokens`) take ②, long ones ①; one allowed: that one;
      none: the least-violating option, or no plan (HTTP 503) when admission control is on;
   5. the decoder of path ① is the one where the handed-over request's first decode comes soonest (the
