@@ -77,7 +77,7 @@ def route_slo(workers: list[WorkerSnapshot], request: RouteSummary, ttft_ms: flo
     slack = ttft_ms - elapsed_ms - encode_pred
     options = [_dedicated(p, request, slack, ttft_ms, profile, config)
                for p in live if p.has(Stage.PREFILL) and not p.has(Stage.DECODE)]
-    handoffs = any(p.has(Stage.PREFILL) and not p.has(Stage.DECODE) for p in live)
+    handoffs = bool(options)  # dedicated prefill workers exist: they hand requests over to the decoders
     options += [_multiplexed(d, request, slack, ttft_ms, tbt_ms, profile, config.decoder_token_budget, handoffs)
                 for d in decoders if d.has(Stage.PREFILL)]
     if not options:
@@ -90,8 +90,7 @@ def route_slo(workers: list[WorkerSnapshot], request: RouteSummary, ttft_ms: flo
                                                w.load.unfinished_decode_tokens, w.load.queue_length, w.worker_id))
     else:
         decoder = chosen.worker
-    has_dedicated = any(o.path == PrefillPath.DEDICATED for o in options)
-    path = PrefillPath.COLOCATED if chosen.path == PrefillPath.MULTIPLEXED and not has_dedicated else chosen.path
+    path = PrefillPath.COLOCATED if chosen.path == PrefillPath.MULTIPLEXED and not handoffs else chosen.path
     if encoder is not None and chosen.worker.has(Stage.ENCODE):
         encoder = chosen.worker  # encode where the prefill runs: no image pages move
     plan = RoutePlan(encoder if request.num_images else None, chosen.worker, decoder, path)

@@ -125,11 +125,9 @@ class WorkerRuntime:
             raise
         return last
 
-    async def _lease(self, engine_request_id: str, pages: tuple[str, list[int], int] | None = None) -> PageHandle:
-        """`pages`: what the handing-off output says the request keeps; None: ask the engine."""
+    async def _lease(self, engine_request_id: str, pages: tuple[str, list[int], int]) -> PageHandle:
+        """`pages`: what the handing-off output says the request keeps (kind, block ids, tokens)."""
         try:
-            if pages is None:
-                pages = await self.engine.call(lambda e: e.handoff_pages(engine_request_id))
             kind, block_ids, num_tokens = pages
             layout = self.engine.engine.cache(kind).layout
             return self.leases.grant(engine_request_id, block_ids, num_tokens, layout, self.offer_backend, self.backend_info)
