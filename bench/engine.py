@@ -8,6 +8,14 @@ exactly --output-len tokens (EOS ignored). Per batch size B, prompt length P, ou
   prefill tok/s = B·P / time to the first token (max_tokens=1)
   decode tok/s  = B·(N−1) / (time for N tokens − time for 1 token)
 Each time is the median of --repeats runs after one warm-up. Goal (issue): ≥ 3× HF at batch 8.
+
+`--workload mixed` (or `both`, the default) adds what a server actually sees: --mixed-requests-per-batch × B
+requests with prompt and output lengths drawn (seeded) from --mixed-prompt-lens and --mixed-output-lens, run
+at concurrency B. Ours: all submitted at once, `max_num_seqs` = B (continuous batching: a finished request's
+slot is refilled at the next iteration, prompts are packed without padding). HF: `generate` over consecutive
+static batches of B, prompts left-padded to the batch's longest, each batch generating its longest output
+(the way `vllm bench throughput --backend hf` drives it). Both count only the tokens each request asked for:
+output tok/s = Σ outputs / wall time, and requests/s. Medians of --repeats runs after a warm-up batch.
 """
 
 from __future__ import annotations
@@ -51,9 +59,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's own)")
     p.add_argument("--token-budget", type=int, default=SchedulerConfig().token_budget, help="our scheduler's tokens/step")
+    p.add_argument("--workload", default="both", choices=("uniform", "mixed", "both"))
+    p.add_argument("--mixed-requests-per-batch", type=int, default=4, help="mixed: requests = this × B")
+    p.add_argument("--mixed-prompt-lens", default="16,512", help="mixed: min,max prompt tokens (uniform draw)")
+    p.add_argument("--mixed-output-lens", default="8,128", help="mixed: min,max output tokens (uniform draw)")
     p.add_argument("--out", default="bench/results/engine.json")
     args = p.parse_args(argv)
     args.batch_sizes = [int(b) for b in args.batch_sizes.split(",") if b.strip()]
+    args.mixed_prompt_lens, args.mixed_output_lens = (tuple(int(x) for x in v.split(","))
+                                                      for v in (args.mixed_prompt_lens, args.mixed_output_lens))
+    if not all(len(v) == 2 and 2 <= v[0] <= v[1] for v in (args.mixed_prompt_lens, args.mixed_output_lens)):
+        p.error("--mixed-prompt-lens and --mixed-output-lens are MIN,MAX with 2 <= MIN <= MAX")
     if args.output_len < 2 or args.prompt_len < 2 or args.repeats < 1 or min(args.batch_sizes, default=0) < 1:
         p.error("need --output-len >= 2, --prompt-len >= 2, --repeats >= 1 and positive batch sizes")
     return args
@@ -79,15 +95,16 @@ def make_prompts(batch: int, length: int, seed: int) -> list[list[int]]:
     return [[1] + [rng.randrange(5, 2000) for _ in range(length - 1)] for _ in range(batch)]
 
 
-def make_engine(model_dir: Path, model: LlavaModel, args: argparse.Namespace, batch: int) -> Engine:
-    """An engine sharing the loaded weights, with a KV cache sized to one batch (plus slack)."""
+def make_engine(model_dir: Path, model: LlavaModel, args: argparse.Namespace, batch: int, max_len: int | None = None,
+                max_num_seqs: int | None = None) -> Engine:
+    """An engine sharing the loaded weights, with a KV cache sized to `batch` requests of `max_len` (plus slack)."""
     text, block = model.cfg.text, 16
     per_block = PagedKVCache.bytes_per_block(block, text.num_layers, text.num_kv_heads, text.head_dim, getattr(torch, args.dtype))
-    blocks = batch * -(-(args.prompt_len + args.output_len) // block) + 8
+    blocks = batch * -(-(max_len or args.prompt_len + args.output_len) // block) + 8
     config = EngineConfig(
         model=str(model_dir), dtype=args.dtype, block_size=block, kv_cache_gib=blocks * per_block / 2**30,
         image_cache_gib=1 / 1024,
-        scheduler=SchedulerConfig(token_budget=args.token_budget, max_num_seqs=max(64, batch)),
+        scheduler=SchedulerConfig(token_budget=args.token_budget, max_num_seqs=max_num_seqs or max(64, batch)),
     )
     return Engine(config, model=model)
 
@@ -152,13 +169,92 @@ def bench_batch(batch, args, model_dir, ours_model, hf_model, pad_id, bar) -> di
     )
 
 
-def print_report(meta: dict, rows: list[dict]) -> None:
+def make_mixed(n: int, args: argparse.Namespace, seed: int) -> list[tuple[list[int], int]]:
+    """n (prompt ids, output length) pairs, lengths drawn uniformly from the --mixed ranges."""
+    rng = random.Random(seed)
+    (p_lo, p_hi), (o_lo, o_hi) = args.mixed_prompt_lens, args.mixed_output_lens
+    return [([1] + [rng.randrange(5, 2000) for _ in range(rng.randint(p_lo, p_hi) - 1)], rng.randint(o_lo, o_hi))
+            for _ in range(n)]
+
+
+def run_ours_mixed(engine: Engine, ids: itertools.count, work: list[tuple[list[int], int]]) -> float:
+    requests = [Request(f"m{next(ids)}", list(p), SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True))
+                for p, n in work]
+    start = time.perf_counter()
+    outputs = engine.generate(requests)
+    elapsed = time.perf_counter() - start
+    assert [len(outputs[r.request_id].output_token_ids) for r in requests] == [n for _, n in work]
+    stats = engine.stats()
+    assert stats.kv_blocks_free == stats.kv_blocks_total and not engine.has_unfinished, "blocks leaked between runs"
+    return elapsed
+
+
+@torch.inference_mode()
+def run_hf_mixed(model, work: list[tuple[list[int], int]], batch: int, pad_id: int) -> float:
+    """Consecutive static batches of `batch`: left-padded to the longest prompt, run to the longest output."""
+    start = time.perf_counter()
+    for i in range(0, len(work), batch):
+        chunk = work[i:i + batch]
+        width, new = max(len(p) for p, _ in chunk), max(n for _, n in chunk)
+        input_ids = torch.full((len(chunk), width), pad_id, dtype=torch.long)
+        mask = torch.zeros_like(input_ids)
+        for row, (prompt, _) in enumerate(chunk):
+            input_ids[row, width - len(prompt):] = torch.tensor(prompt)
+            mask[row, width - len(prompt):] = 1
+        out = model.generate(input_ids=input_ids, attention_mask=mask, do_sample=False, max_new_tokens=new,
+                             min_new_tokens=new, pad_token_id=pad_id)
+        assert out.shape == (len(chunk), width + new), tuple(out.shape)
+    return time.perf_counter() - start
+
+
+def bench_mixed(batch, args, model_dir, ours_model, hf_model, pad_id, bar) -> dict:
+    work = make_mixed(args.mixed_requests_per_batch * batch, args, seed=1000 + batch)
+    max_len = max(len(p) + n for p, n in work)
+    engine, ids = make_engine(model_dir, ours_model, args, batch, max_len=max_len, max_num_seqs=batch), itertools.count()
+    times: dict[str, list[float]] = {"ours": [], "hf": []}
+    runs = {"ours": lambda w: run_ours_mixed(engine, ids, w), "hf": lambda w: run_hf_mixed(hf_model, w, batch, pad_id)}
+    for side in runs:  # warm-up: the first batch
+        bar.set_postfix_str(f"mixed batch {batch}: warm-up {side}")
+        runs[side](work[:batch])
+        bar.update()
+    for _ in range(args.repeats):  # interleaved: a slow spell of the machine hits both sides
+        for side, run in runs.items():
+            bar.set_postfix_str(f"mixed batch {batch}: {side}")
+            times[side].append(run(work))
+            bar.update()
+    del engine
+    ours, hf = statistics.median(times["ours"]), statistics.median(times["hf"])
+    outputs = sum(n for _, n in work)
+    return dict(batch=batch, requests=len(work), prompt_tokens=sum(len(p) for p, _ in work), output_tokens=outputs,
+                ours_s=ours, hf_s=hf, ours_output_tok_s=outputs / ours, hf_output_tok_s=outputs / hf,
+                ours_req_s=len(work) / ours, hf_req_s=len(work) / hf, ratio=hf / ours)
+
+
+def print_mixed(meta: dict, rows: list[dict]) -> None:
+    (p_lo, p_hi), (o_lo, o_hi) = meta["mixed_prompt_lens"], meta["mixed_output_lens"]
+    print(f"\nmixed workload: {meta['mixed_requests_per_batch']}×B requests, prompts {p_lo}-{p_hi} tokens, outputs "
+          f"{o_lo}-{o_hi} tokens (seeded uniform draws), concurrency B; ours continuous batching, HF static batches")
+    head = ("batch", "requests", "ours out tok/s", "HF out tok/s", "ours req/s", "HF req/s", "ratio")
+    print("  ".join(f"{h:>15}" if i else f"{h:>5}" for i, h in enumerate(head)))
+    for r in rows:
+        cells = (f"{r['requests']}", f"{r['ours_output_tok_s']:.1f}", f"{r['hf_output_tok_s']:.1f}", f"{r['ours_req_s']:.2f}",
+                 f"{r['hf_req_s']:.2f}", f"{r['ratio']:.2f}x")
+        print(f"{r['batch']:>5}  " + "  ".join(c.rjust(15) for c in cells))
+    at8 = next((r for r in rows if r["batch"] == 8), None)
+    if at8 is not None:
+        print(f"mixed workload at batch 8: {at8['ratio']:.2f}x HF's throughput")
+
+
+def print_meta(meta: dict) -> None:
     print(
         f"model {meta['model']} ({meta['params_m']:.1f}M params), dtype {meta['dtype']}, "
         f"torch threads {meta['threads']}, backend {meta['backend']} vs transformers {meta['transformers']} generate; "
-        f"text-only prompts, prompt {meta['prompt_len']} tokens, output {meta['output_len']} tokens, "
-        f"median of {meta['repeats']} after 1 warm-up"
+        f"text-only prompts; median of {meta['repeats']} after 1 warm-up"
     )
+
+
+def print_report(meta: dict, rows: list[dict]) -> None:
+    print(f"uniform workload: prompt {meta['prompt_len']} tokens, output {meta['output_len']} tokens, B at once")
     head = ("batch", "ours prefill tok/s", "HF prefill tok/s", "ratio", "ours decode tok/s", "HF decode tok/s", "ratio")
     print("  ".join(f"{h:>18}" if i else f"{h:>5}" for i, h in enumerate(head)))
     for r in rows:
@@ -187,15 +283,27 @@ def main(argv: list[str] | None = None) -> int:
         params_m=sum(p.numel() for p in ours_model.parameters()) / 1e6, dtype=args.dtype,
         threads=torch.get_num_threads(), backend=BACKEND, transformers=transformers.__version__,
         prompt_len=args.prompt_len, output_len=args.output_len, repeats=args.repeats,
-        token_budget=args.token_budget, prompts="text-only (random token ids, no images)",
+        token_budget=args.token_budget, prompts="text-only (random token ids, no images)", workload=args.workload,
+        mixed_requests_per_batch=args.mixed_requests_per_batch, mixed_prompt_lens=args.mixed_prompt_lens,
+        mixed_output_lens=args.mixed_output_lens,
     )
-    total = len(args.batch_sizes) * 2 * (1 + 2 * args.repeats)
+    uniform, mixed = args.workload in ("uniform", "both"), args.workload in ("mixed", "both")
+    total = len(args.batch_sizes) * 2 * ((1 + 2 * args.repeats) * uniform + (1 + args.repeats) * mixed)
+    rows, mixed_rows = [], []
     with tqdm(total=total, desc="bench", unit="run", file=sys.stderr) as bar:
-        rows = [bench_batch(b, args, model_dir, ours_model, hf_model, pad_id, bar) for b in args.batch_sizes]
-    print_report(meta, rows)
+        for b in args.batch_sizes:
+            if uniform:
+                rows.append(bench_batch(b, args, model_dir, ours_model, hf_model, pad_id, bar))
+            if mixed:
+                mixed_rows.append(bench_mixed(b, args, model_dir, ours_model, hf_model, pad_id, bar))
+    print_meta(meta)
+    if rows:
+        print_report(meta, rows)
+    if mixed_rows:
+        print_mixed(meta, mixed_rows)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(dict(meta, rows=rows), indent=2) + "\n")
+    out.write_text(json.dumps(dict(meta, rows=rows, mixed_rows=mixed_rows), indent=2) + "\n")
     print(f"wrote {out}")
     return 0
 

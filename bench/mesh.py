@@ -9,9 +9,11 @@ image + a short prompt: encode → prefill → decode, image and KV pages move) 
 alone: the mesh's control path with the least compute):
   engine   — AsyncEngine in this process, no HTTP, no gRPC (the baseline);
   local    — `epdmesh serve --topology local`: the same engine behind the HTTP gateway (HTTP cost);
-  mesh     — `epdmesh serve --topology E1+P1+D1`: gateway → toggle → encoder → prefill → decoder,
-             image and KV pages pulled between processes (the transfer backend `serve` picks: NIXL where
-             it loads, else the gRPC stream; --transfer to choose).
+  mesh     — `epdmesh serve --topology E1+P1+D1`: gateway (routes in-process over Redis) → encoder →
+             prefill → decoder, image and KV pages pulled between processes (the transfer backend `serve`
+             picks: NIXL where it loads, else the gRPC stream; --transfer to choose);
+  mesh-toggle — the same mesh with `--route-in toggle`: every request's route is a gRPC call to the
+             toggle (what routing in the gateway saves); --no-toggle-route leaves it out.
 TTFT is taken at the first streamed token, per-token gap as the mean gap after it. Reports p50s, the
 mesh's TTFT added over engine and over local (the goal: ≤ 2 ms over the in-process engine), and ratios.
 """
@@ -51,6 +53,8 @@ def parse_args(argv=None):
     p.add_argument("--topology", default="E1+P1+D1")
     p.add_argument("--transfer", default="auto", choices=["auto", "nixl", "grpc"])
     p.add_argument("--redis-url", default=None)
+    p.add_argument("--no-toggle-route", dest="toggle_route", action="store_false",
+                   help="leave out the mesh routed by the toggle's Route rpc")
     p.add_argument("--out", default="bench/results/mesh.json")
     args = p.parse_args(argv)
     if args.requests < 1 or args.max_tokens < 2:
@@ -135,8 +139,8 @@ async def measure_http(client: httpx.AsyncClient, base: str, workload: str, i: i
 
 
 async def measure_interleaved(model_dir: str, bases: dict[str, str], args, bar) -> dict[str, dict[str, list]]:
-    """Request i of each workload goes to engine, then local, then mesh, before request i + 1: a slow spell
-    of this noisy machine hits all three alike, so their differences hold even when absolute times drift."""
+    """Request i of each workload goes to engine, then local, then each mesh, before request i + 1: a slow
+    spell of this noisy machine hits all alike, so their differences hold even when absolute times drift."""
     engine = InProcess(model_dir)
     samples = {name: {w: [] for w in WORKLOADS} for name in ("engine", *bases)}
     try:
@@ -176,11 +180,14 @@ def main(argv=None) -> int:
     extra = ["--transfer", args.transfer] + (["--redis-url", args.redis_url] if args.redis_url else [])
     logs = Path(args.out).parent
     logs.mkdir(parents=True, exist_ok=True)
-    with tqdm(total=3 * len(WORKLOADS) * args.requests, desc="mesh bench", unit="req", file=sys.stderr) as bar, \
-            contextlib.ExitStack() as servers:
-        bar.set_postfix_str("starting local and mesh")
-        bases = {name: servers.enter_context(running_server(model_dir, topology, logs / f"mesh-{name}.log", *extra))
-                 for name, topology in (("local", "local"), ("mesh", args.topology))}
+    configs = [("local", "local", ()), ("mesh", args.topology, ())]
+    if args.toggle_route:
+        configs.append(("mesh-toggle", args.topology, ("--route-in", "toggle")))
+    with tqdm(total=(1 + len(configs)) * len(WORKLOADS) * args.requests, desc="mesh bench", unit="req",
+              file=sys.stderr) as bar, contextlib.ExitStack() as servers:
+        bar.set_postfix_str("starting " + ", ".join(name for name, *_ in configs))
+        bases = {name: servers.enter_context(running_server(model_dir, topology, logs / f"mesh-{name}.log", *extra, *more))
+                 for name, topology, more in configs}
         bar.set_postfix_str("interleaved")
         samples = asyncio.run(measure_interleaved(model_dir, bases, args, bar))
     results = {name: {w: summarize(s) for w, s in per.items()} for name, per in samples.items()}
@@ -190,9 +197,10 @@ def main(argv=None) -> int:
           f"transfer {args.transfer}")
     print(f"{'workload':<8}{'config':<28}{'p50 TTFT ms':>12}{'p90 TTFT ms':>12}{'p50 gap ms':>12}")
     for workload in WORKLOADS:
-        for name, label in (("engine", "engine (in-process)"), ("local", "local (HTTP, one process)"),
-                            ("mesh", f"mesh {args.topology}")):
-            r = results[name][workload]
+        labels = {"engine": "engine (in-process)", "local": "local (HTTP, one process)", "mesh": f"mesh {args.topology}",
+                  "mesh-toggle": f"mesh {args.topology}, toggle rpc"}
+        for name in results:
+            label, r = labels[name], results[name][workload]
             print(f"{workload:<8}{label:<28}{r['p50_ttft_ms']:>12.2f}{r['p90_ttft_ms']:>12.2f}{r['p50_tpot_ms']:>12.2f}")
         e, lo, m = (results[n][workload] for n in ("engine", "local", "mesh"))
         added = report["mesh_added"][workload] = {
@@ -205,6 +213,9 @@ def main(argv=None) -> int:
         print(f"  {workload}: mesh TTFT p50 {added['ttft_over_engine_ms']:+.2f} ms over the in-process engine "
               f"({added['ttft_ratio_over_engine']:.2f}x; goal ≤ +2 ms), {added['ttft_over_local_ms']:+.2f} ms over one "
               f"HTTP process; per-token gap {added['tpot_over_engine_ms']:+.2f} ms ({added['tpot_ratio_over_engine']:.2f}x)")
+        if "mesh-toggle" in results:
+            saved = added["routing_in_gateway_saves_ms"] = results["mesh-toggle"][workload]["p50_ttft_ms"] - m["p50_ttft_ms"]
+            print(f"  {workload}: routing in the gateway instead of by the toggle's rpc: TTFT p50 {-saved:+.2f} ms")
     Path(args.out).write_text(json.dumps(report, indent=2))
     return 0
 

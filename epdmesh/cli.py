@@ -12,6 +12,7 @@ from pathlib import Path
 from common.model.tiny import PRESETS
 from epdmesh.checkpoints import (DEFAULT_MODEL_NAME, default_model_dir, ensure_default_model, ensure_emulated_model,
                                  make_model)
+from epdmesh.routing_args import add_router_args, add_routing_args, routing_policy
 
 DEFAULT_EMULATED_PROFILE = "H20"  # the analytic LLaVA-1.5-7B on H20 profile (= profiles/llava-1.5-7b-h20.json)
 
@@ -137,30 +138,9 @@ def _emulation(args):
 def _cmd_toggle(args) -> int:
     import uvloop
 
-    from common.policy.routing import RoutingConfig
     from services.toggle.server import ToggleOptions, run_toggle
 
-    routing = RoutingConfig(prefill_mode=args.prefill_mode, multiplex_max_tokens=args.multiplex_max_tokens)
-    slo = None
-    if args.routing == "slo" and not args.latency_profile:
-        raise SystemExit("--routing slo needs --latency-profile")
-    if args.latency_profile and args.routing != "least-loaded":
-        from common.latency.budgets import budgets_for
-        from common.latency.roofline import load_profile
-        from common.policy.multiplex import MultiplexConfig
-        from services.toggle.server import SloRouting
-
-        profile = load_profile(args.latency_profile)
-        # the workers of a mesh given this profile run its stage budgets (epdmesh serve passes it to them):
-        # a decoder's prefills come in TBT-sized chunks, a prefill worker's next iteration holds τ_t tokens
-        decoder_budget, prefill_budget = (budgets_for(profile, has_decode, args.slo_ttft_ms, args.slo_tbt_ms,
-                                                      headroom=args.budget_headroom).token_budget
-                                          for has_decode in (True, False))
-        slo = SloRouting(profile, args.slo_ttft_ms, args.slo_tbt_ms,
-                         MultiplexConfig(short_prompt_tokens=args.multiplex_max_tokens,
-                                         admission_control=args.admission_control,
-                                         decoder_token_budget=decoder_budget if args.worker_budgets else None,
-                                         prefill_token_budget=prefill_budget if args.worker_budgets else None))
+    routing, slo = routing_policy(args)
     uvloop.run(run_toggle(ToggleOptions(args.redis_url, args.prefix, args.host, args.port, args.ttl, routing, slo)))
     return 0
 
@@ -178,13 +158,29 @@ def _cmd_gateway(args) -> int:
     config = LlavaConfig.from_pretrained(args.model)
     limit = config.text.max_position_embeddings
     max_model_len = min(args.max_model_len or limit, limit)
-    backend = MeshBackend(ChatProcessor(args.model, config), args.toggle, max_model_len, metrics, tracing)
+    router = _gateway_router(args, tracing) if args.redis_url else None
+    backend = MeshBackend(ChatProcessor(args.model, config), args.toggle, max_model_len, metrics, tracing, router)
     app = build_app(backend, args.served_model_name, allow_remote_images=args.allow_remote_images, metrics=metrics,
                     tracing=tracing)
-    logging.getLogger("epdmesh").info("gateway for %s on http://%s:%d/v1, toggle %s", args.served_model_name, args.host,
-                                      args.port, args.toggle)
+    logging.getLogger("epdmesh").info("gateway for %s on http://%s:%d/v1, toggle %s, routing %s", args.served_model_name,
+                                      args.host, args.port, args.toggle,
+                                      f"in-process over {args.redis_url}" if router else "by the toggle")
     uvicorn.run(app, host=args.host, port=args.port, loop="uvloop", log_level="warning", timeout_graceful_shutdown=5)
     return 0
+
+
+def _gateway_router(args, tracing):
+    """The toggle's router run in the gateway: one Redis round trip (the reservation) instead of a gRPC hop."""
+    import redis.asyncio as aioredis
+
+    from services.toggle.registry import RedisRegistry
+    from services.toggle.reservations import Reservations
+    from services.toggle.router import Router
+
+    routing, slo = routing_policy(args)
+    client = aioredis.from_url(args.redis_url)
+    return Router(RedisRegistry(client, args.prefix), routing, tracing=tracing, slo=slo,
+                  reservations=Reservations(client, args.prefix))
 
 
 def _gateway_telemetry(args):
@@ -269,17 +265,6 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--emulated-image-bytes-per-token", type=int, default=64)
 
 
-def _add_routing_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--prefill-mode", default="auto", choices=["auto", "dedicated", "multiplexed"],
-                   help="where prefills run when decoders can prefill too (auto: short prompts on the decoder)")
-    p.add_argument("--multiplex-max-tokens", type=int, default=256,
-                   help="auto mode: longest prompt prefilled on a decoder (SLO routing: when both paths fit)")
-    p.add_argument("--routing", default="auto", choices=["auto", "least-loaded", "slo"],
-                   help="the toggle's policy; auto: the SLO-aware multiplexing toggle when --latency-profile is given")
-    p.add_argument("--admission-control", action="store_true",
-                   help="SLO routing: refuse (503 + Retry-After) a request no path can serve within its SLO")
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="epdmesh", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -294,13 +279,16 @@ def build_parser() -> argparse.ArgumentParser:
     serve = sub.add_parser("serve", help="bring up the mesh (toggle, workers, gateway) behind an OpenAI-compatible API")
     _add_model_args(serve)
     _add_engine_args(serve)
-    _add_routing_args(serve)
+    add_routing_args(serve)
     serve.add_argument("--topology", default="E1+P1+D1",
                        help="worker role sets and counts, e.g. EPD1, E1+P1+D1, EP1+D2, ED1+P1, E2+P2+D4; "
                             "'local' = one process, no gRPC or Redis")
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument("--redis-url", help="default: $REDIS_URL, else a private redis-server")
+    serve.add_argument("--route-in", default="gateway", choices=["gateway", "toggle"],
+                       help="where requests are routed: in the gateway (over Redis, no extra hop) or by a gRPC call to "
+                            "the toggle; the toggle keeps the registry either way")
     serve.add_argument("--transfer", default="auto", choices=["auto", "nixl", "grpc"], help="page transfer backend")
     serve.add_argument("--allow-remote-images", action="store_true", help="accept http(s) image URLs (off by default)")
     _add_slo_args(serve)
@@ -339,13 +327,9 @@ def build_parser() -> argparse.ArgumentParser:
     toggle.add_argument("--host", default="127.0.0.1")
     toggle.add_argument("--port", type=int, default=50051)
     toggle.add_argument("--ttl", type=float, default=3.0, help="seconds a worker stays registered without a heartbeat")
-    _add_routing_args(toggle)
+    add_routing_args(toggle)
     _add_slo_args(toggle)
-    toggle.add_argument("--latency-profile", help="route by the SLO-aware multiplexing policy over this profile "
-                                                  "(default: least loaded)")
-    toggle.add_argument("--no-worker-budgets", dest="worker_budgets", action="store_false",
-                        help="the workers do not run this profile's stage budgets (explicit --token-budget): "
-                             "do not count on multiplexed prefills being chunked within TBT")
+    add_router_args(toggle)
     toggle.set_defaults(func=_cmd_toggle)
 
     gateway = sub.add_parser("gateway", help="the OpenAI-compatible HTTP gateway of a mesh")
@@ -354,7 +338,12 @@ def build_parser() -> argparse.ArgumentParser:
     gateway.add_argument("--host", default="127.0.0.1")
     gateway.add_argument("--port", type=int, default=8000)
     gateway.add_argument("--allow-remote-images", action="store_true")
+    gateway.add_argument("--redis-url", help="route in the gateway over this registry (one Redis round trip per "
+                                             "request instead of a gRPC hop to the toggle); default: ask the toggle")
+    gateway.add_argument("--prefix", default="epdmesh:default:", help="with --redis-url: the mesh's Redis key prefix")
+    add_routing_args(gateway)
     _add_slo_args(gateway)
+    add_router_args(gateway)
     gateway.set_defaults(func=_cmd_gateway)
     return parser
 

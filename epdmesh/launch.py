@@ -29,6 +29,7 @@ import uuid
 
 from common.ports import free_port
 from common.topology import WorkerGroup, parse_topology
+from epdmesh.routing_args import router_argv
 
 log = logging.getLogger("epdmesh.launch")
 NO_REDIS = ("epdmesh serve needs Redis for the toggle's registry, and none was found: set REDIS_URL "
@@ -166,14 +167,9 @@ def serve_mesh(args) -> int:
         redis_url = start_redis(mesh, args.redis_url)
         toggle = f"127.0.0.1:{free_port()}"
         prefix = f"epdmesh:{uuid.uuid4().hex[:12]}:"
+        routing = router_argv(args, args.latency_profile, worker_budgets=args.token_budget is None)
         mesh.spawn("toggle", [sys.executable, "-m", "epdmesh.cli", "toggle", "--redis-url", redis_url, "--prefix", prefix,
-                              "--port", toggle.rsplit(":", 1)[1], "--prefill-mode", args.prefill_mode,
-                              "--multiplex-max-tokens", str(args.multiplex_max_tokens), "--routing", args.routing,
-                              "--slo-ttft-ms", str(args.slo_ttft_ms), "--slo-tbt-ms", str(args.slo_tbt_ms),
-                              "--budget-headroom", str(args.budget_headroom),
-                              *(["--latency-profile", args.latency_profile] if args.latency_profile else []),
-                              *(["--no-worker-budgets"] if args.token_budget is not None else []),
-                              *(["--admission-control"] if args.admission_control else [])])
+                              "--port", toggle.rsplit(":", 1)[1], *routing])
         _wait(lambda: _registered(toggle) >= 0, mesh, "the toggle", 60)
         for group in groups:
             for i in range(group.count):
@@ -181,7 +177,9 @@ def serve_mesh(args) -> int:
         _wait(lambda: _registered(toggle) == num_workers, mesh, f"{num_workers} workers", 600)
         gateway_argv = [sys.executable, "-m", "epdmesh.cli", "gateway", "--toggle", toggle, "--model", args.model,
                         "--host", args.host, "--port", str(args.port), "--served-model-name", args.served_model_name,
-                        "--slo-ttft-ms", str(args.slo_ttft_ms), "--slo-tbt-ms", str(args.slo_tbt_ms)]
+                        *routing]
+        if args.route_in == "gateway":
+            gateway_argv += ["--redis-url", redis_url, "--prefix", prefix]
         if args.max_model_len:
             gateway_argv += ["--max-model-len", str(args.max_model_len)]
         if args.allow_remote_images:

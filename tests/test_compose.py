@@ -247,6 +247,8 @@ def test_mesh_wiring(services):
 
     gateway = parsed(services, "gateway")
     assert gateway.toggle == toggle_address and gateway.model == model and gateway.host == "0.0.0.0"
+    # a gateway that routes in-process must read the toggle's registry: same Redis, same key prefix
+    assert (gateway.redis_url, gateway.prefix) == (toggle.redis_url, toggle.prefix), "gateway and toggle see different registries"
     assert services["gateway"]["ports"][0]["target"] == gateway.port
     assert services["gateway"]["healthcheck"]["test"][-1] == f"http://127.0.0.1:{gateway.port}/health"
 

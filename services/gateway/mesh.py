@@ -3,7 +3,8 @@
 Life of a request here:
   1. the chat is turned into prompt tokens and pixels (the checkpoint's own processor), and
      checked against the model's length limit — nothing is routed for a request that cannot run;
-  2. toggle `Route` → plan (encoder, prefill path + worker, decoder);
+  2. route → plan (encoder, prefill path + worker, decoder): in-process (`services.toggle.router`, one Redis
+     round trip for the reservation) when this gateway was given the registry, else the toggle's `Route` rpc;
   3. images on a worker other than the prefill one: `Encode` there → image handle;
   4. dedicated path: `Prefill` (pixels or image handle) → first token + KV handle, then
      `Decode(KV handle)`; colocated / multiplexed: `Decode` on the decoder, which prefills itself;
@@ -36,6 +37,7 @@ from services import wire
 from common.telemetry.metrics import GatewayMetrics
 from common.telemetry.tracing import Tracing, set_attributes
 from services.gateway.protocol import ApiError, ChatRequest
+from services.toggle.router import NoRoute, Router
 
 log = logging.getLogger(__name__)
 _STATUS_OF = {reason: status for status, reason in FINISH_REASONS.items()}
@@ -83,8 +85,11 @@ def api_error_from_rpc(e: grpc.aio.AioRpcError, stage: str) -> ApiError:
 
 class MeshBackend:
     def __init__(self, processor: ChatProcessor, toggle_address: str, max_model_len: int,
-                 metrics: GatewayMetrics | None = None, tracing: Tracing | None = None):
+                 metrics: GatewayMetrics | None = None, tracing: Tracing | None = None, router: Router | None = None):
+        """`router`: route in this process over the registry in Redis; None: ask the toggle (a gRPC hop)."""
         self.processor = processor
+        self.router = router
+        self._refresher: asyncio.Task | None = None
         self.metrics = metrics
         self.tracing = tracing or Tracing()
         self.channels = ChannelPool()  # channels are made on first use, inside the serving event loop
@@ -146,9 +151,17 @@ class MeshBackend:
     async def _route(self, summary: RouteSummary, span, attempt: int) -> pb.RoutePlan:
         try:
             with self.tracing.activate(span), self.tracing.span("route", {"epdmesh.attempt": attempt}):
-                return await self.toggle.Route(wire.summary_to_pb(summary), timeout=10)
+                if self.router is None:
+                    return await self.toggle.Route(wire.summary_to_pb(summary), timeout=10)
+                if self._refresher is None:  # in the serving loop, where the Redis client's connections live
+                    self._refresher = asyncio.ensure_future(self.router.refresh_forever())
+                return wire.plan_to_pb(await self.router.route(summary))
         except grpc.aio.AioRpcError as e:
             raise api_error_from_rpc(e, "routing") from None
+        except NoRoute as e:
+            if e.busy:
+                raise ApiError(503, f"routing: {e.message}", headers={"Retry-After": "1"}) from None
+            raise ApiError(503, f"routing is unavailable: {e.message}") from None
 
     async def _with_failover(self, request: Request, span=None, slo: tuple[float | None, float | None] = (None, None),
                              plan: pb.RoutePlan | None = None) -> AsyncIterator[RequestOutput]:
@@ -277,6 +290,10 @@ class MeshBackend:
                 "workers": await self.worker_stats()}
 
     async def close(self) -> None:
+        if self._refresher is not None:
+            self._refresher.cancel()
+        if self.router is not None:
+            await self.router.registry.redis.aclose()
         await self.channels.close()
 
     def _spawn(self, coro) -> None:

@@ -21,8 +21,9 @@ from tests.services.test_gateway import to_openai
 
 TOPOLOGIES = {
     "EPD1": ("EPD1", ()),  # colocated: one worker, no pages move; serve starts its own private redis-server
-    # encode+prefill together, KV pages move to the decoder — over the gRPC-stream fallback
-    "EP1+D1": ("EP1+D1", ("--transfer", "grpc")),
+    # encode+prefill together, KV pages move to the decoder — over the gRPC-stream fallback; routed by the
+    # toggle's Route rpc (every other shape routes in the gateway)
+    "EP1+D1": ("EP1+D1", ("--transfer", "grpc", "--route-in", "toggle")),
     # image pages move to the prefill worker, KV pages back to the encoder's process — by the default backend
     # (NIXL/UCX when installed, as `make test` does)
     "ED1+P1": ("ED1+P1", ()),
@@ -49,8 +50,10 @@ def test_topology_gives_the_transformers_tokens(name, tiny_dir, chat_reference, 
     assert len(cases) >= 8 and any(c.conversation for c in cases)
     redis_url = None if name == "EPD1" else REDIS_URL
     with running_server(tiny_dir, topology, tmp_path / "serve.log", *extra, redis_url=redis_url) as base:
+        log = (tmp_path / "serve.log").read_text()
         if redis_url is None:
-            assert "started a private redis-server" in (tmp_path / "serve.log").read_text()
+            assert "started a private redis-server" in log
+        assert ("routing by the toggle" in log) == ("--route-in" in extra) != ("routing in-process" in log), log[-3000:]
         responses = asyncio.run(_ask_all(base, cases))
         for case, resp in zip(cases, responses):
             assert resp.choices[0].model_extra["token_ids"] == refs[case.name].tokens, (name, case.name)

@@ -32,10 +32,11 @@ def ask_with_image(base, max_tokens=6, **extra):
                                           extra_body={"ignore_eos": True, **extra})
 
 
-def test_one_trace_spans_gateway_toggle_encoder_prefill_pull_and_decoder(traced_mesh):
+def test_one_trace_spans_gateway_router_encoder_prefill_pull_and_decoder(traced_mesh):
     base, receiver = traced_mesh
     resp = ask_with_image(base)
-    services = {"epdmesh-gateway", "epdmesh-toggle", "epdmesh-worker-e", "epdmesh-worker-p", "epdmesh-worker-d"}
+    # serve routes in the gateway (over Redis): the toggle is not on a request's path, so not in its trace
+    services = {"epdmesh-gateway", "epdmesh-worker-e", "epdmesh-worker-p", "epdmesh-worker-d"}
 
     def roots(spans):
         return [s for s in spans if s.name == "chat.completions" and s.attributes.get("gen_ai.response.id") == resp.id]
@@ -45,7 +46,7 @@ def test_one_trace_spans_gateway_toggle_encoder_prefill_pull_and_decoder(traced_
         if not found:
             return False
         names = {s.name for s in spans if s.trace_id == found[0].trace_id}
-        return {"decode.execute", "page_pull", "/epdmesh.v1.Toggle/Route"} <= names and \
+        return {"decode.execute", "page_pull", "route"} <= names and \
             {s.service for s in spans if s.trace_id == found[0].trace_id} >= services
 
     spans = receiver.wait_for(complete)
@@ -68,11 +69,10 @@ def test_one_trace_spans_gateway_toggle_encoder_prefill_pull_and_decoder(traced_
     assert root.attributes["gen_ai.usage.input_tokens"] == resp.usage.prompt_tokens
     assert root.attributes["gen_ai.usage.output_tokens"] == resp.usage.completion_tokens == 6
     assert root.attributes["epdmesh.path"] == "dedicated"
-    # routing: gateway `route` → gRPC client span → the toggle's server span
+    # routing: the gateway's `route` span carries the router's decision, and makes no call
     route = one("epdmesh-gateway", "route")
-    toggle = one("epdmesh-toggle", "/epdmesh.v1.Toggle/Route", SERVER)
-    assert parent(route) is root and parent(parent(toggle)) is route
-    assert toggle.attributes["epdmesh.path"] == "dedicated"
+    assert parent(route) is root and not [s for s in trace if s.parent_id == route.span_id]
+    assert route.attributes["epdmesh.path"] == "dedicated" and route.attributes["epdmesh.live_workers"] == 3
     # each stage: the gateway's client span → the worker's server span → its queue/execute (and pull) spans
     for service, rpc, stage in (("epdmesh-worker-e", "/epdmesh.v1.Encoder/Encode", "encode"),
                                 ("epdmesh-worker-p", "/epdmesh.v1.Prefiller/Prefill", "prefill"),

@@ -1,0 +1,62 @@
+"""Routing options, shared by the toggle and a gateway that routes in-process (both run `services.toggle.router`)."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def add_routing_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--prefill-mode", default="auto", choices=["auto", "dedicated", "multiplexed"],
+                   help="where prefills run when decoders can prefill too (auto: short prompts on the decoder)")
+    p.add_argument("--multiplex-max-tokens", type=int, default=256,
+                   help="auto mode: longest prompt prefilled on a decoder (SLO routing: when both paths fit)")
+    p.add_argument("--routing", default="auto", choices=["auto", "least-loaded", "slo"],
+                   help="the toggle's policy; auto: the SLO-aware multiplexing toggle when --latency-profile is given")
+    p.add_argument("--admission-control", action="store_true",
+                   help="SLO routing: refuse (503 + Retry-After) a request no path can serve within its SLO")
+
+
+def add_router_args(p: argparse.ArgumentParser) -> None:
+    """What a router needs beyond `add_routing_args` (the toggle's; serve has its own --latency-profile)."""
+    p.add_argument("--latency-profile", help="route by the SLO-aware multiplexing policy over this profile "
+                                             "(default: least loaded)")
+    p.add_argument("--no-worker-budgets", dest="worker_budgets", action="store_false",
+                   help="the workers do not run this profile's stage budgets (explicit --token-budget): "
+                        "do not count on multiplexed prefills being chunked within TBT")
+
+
+def routing_policy(args):
+    """(RoutingConfig, SloRouting or None) from the parsed routing, router and SLO options."""
+    from common.policy.routing import RoutingConfig
+
+    routing = RoutingConfig(prefill_mode=args.prefill_mode, multiplex_max_tokens=args.multiplex_max_tokens)
+    if args.routing == "slo" and not args.latency_profile:
+        raise SystemExit("--routing slo needs --latency-profile")
+    if not args.latency_profile or args.routing == "least-loaded":
+        return routing, None
+    from common.latency.budgets import budgets_for
+    from common.latency.roofline import load_profile
+    from common.policy.multiplex import MultiplexConfig
+    from services.toggle.router import SloRouting
+
+    profile = load_profile(args.latency_profile)
+    # the workers of a mesh given this profile run its stage budgets (epdmesh serve passes it to them):
+    # a decoder's prefills come in TBT-sized chunks, a prefill worker's next iteration holds τ_t tokens
+    decoder_budget, prefill_budget = (budgets_for(profile, has_decode, args.slo_ttft_ms, args.slo_tbt_ms,
+                                                  headroom=args.budget_headroom).token_budget
+                                      for has_decode in (True, False))
+    return routing, SloRouting(profile, args.slo_ttft_ms, args.slo_tbt_ms,
+                               MultiplexConfig(short_prompt_tokens=args.multiplex_max_tokens,
+                                               admission_control=args.admission_control,
+                                               decoder_token_budget=decoder_budget if args.worker_budgets else None,
+                                               prefill_token_budget=prefill_budget if args.worker_budgets else None))
+
+
+def router_argv(args, latency_profile: str | None, worker_budgets: bool) -> list[str]:
+    """The command-line options that give a toggle or gateway process this launch's routing policy."""
+    return ["--prefill-mode", args.prefill_mode, "--multiplex-max-tokens", str(args.multiplex_max_tokens),
+            "--routing", args.routing, "--slo-ttft-ms", str(args.slo_ttft_ms), "--slo-tbt-ms", str(args.slo_tbt_ms),
+            "--budget-headroom", str(args.budget_headroom),
+            *(["--latency-profile", latency_profile] if latency_profile else []),
+            *([] if worker_budgets else ["--no-worker-budgets"]),
+            *(["--admission-control"] if args.admission_control else [])]
