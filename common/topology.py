@@ -42,3 +42,10 @@ def parse_topology(text: str) -> list[WorkerGroup]:
     if missing:
         raise ValueError(f"topology {text!r} has no worker for {missing}")
     return groups
+
+
+def decoders_join(groups: list[WorkerGroup]) -> bool:
+    """Whether decoders that prefill also take requests handed over by dedicated prefill workers (`E1+P1+PD1`):
+    then such a decoder's iterations must fit TBT twice (a joining request waits for the one in flight)."""
+    handoffs = any(Stage.PREFILL in g.roles and Stage.DECODE not in g.roles for g in groups)
+    return handoffs and any({Stage.PREFILL, Stage.DECODE} <= g.roles for g in groups)

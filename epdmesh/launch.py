@@ -28,7 +28,7 @@ import urllib.request
 import uuid
 
 from common.ports import free_port
-from common.topology import WorkerGroup, parse_topology
+from common.topology import WorkerGroup, decoders_join, parse_topology
 from epdmesh.routing_args import router_argv
 
 log = logging.getLogger("epdmesh.launch")
@@ -134,7 +134,7 @@ def worker_argv(group: WorkerGroup, toggle: str, args, threads: int) -> list[str
     argv = [sys.executable, "-m", "epdmesh.cli", "worker", "--roles", group.label, "--toggle", toggle,
             "--model", args.model, "--dtype", args.dtype, "--device", args.device, "--kv-cache-gib", str(args.kv_cache_gib),
             "--slo-ttft-ms", str(args.slo_ttft_ms), "--slo-tbt-ms", str(args.slo_tbt_ms),
-            "--budget-headroom", str(args.budget_headroom), "--max-num-seqs", str(args.max_num_seqs), "--attention-backend", args.attention_backend,
+            "--budget-headroom", str(args.budget_headroom), "--decoder-joins", args.decoder_joins, "--max-num-seqs", str(args.max_num_seqs), "--attention-backend", args.attention_backend,
             "--transfer", args.transfer, "--threads", str(threads), "--backend", args.backend]
     if args.backend == "emulated":
         argv += ["--profile", args.profile, "--emulated-kv-bytes-per-token", str(args.emulated_kv_bytes_per_token),
@@ -152,6 +152,8 @@ def worker_argv(group: WorkerGroup, toggle: str, args, threads: int) -> list[str
 
 def serve_mesh(args) -> int:
     groups = parse_topology(args.topology)
+    if args.decoder_joins == "auto":
+        args.decoder_joins = "on" if decoders_join(groups) else "off"
     num_workers = sum(g.count for g in groups)
     threads = args.threads or max(1, (os.cpu_count() or 1) // num_workers)
     mesh = Mesh()

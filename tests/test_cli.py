@@ -27,6 +27,24 @@ def test_budgets_come_from_the_profile_and_the_slos(tmp_path):
     assert explicit.token_budget == 99
     plain = config_for("--roles", "decode")
     assert (plain.token_budget, plain.image_budget) == (2048, 4)
+    joined = config_for("--roles", "prefill,decode", "--latency-profile", str(path), "--slo-tbt-ms", "50",
+                        "--decoder-joins", "on")
+    assert joined.token_budget == budgets_for(analytic_profile("H100"), True, 2000, 50, joins=True).token_budget
+    assert joined.token_budget < budgets_for(analytic_profile("H100"), True, 2000, 50).token_budget
+
+
+def test_serve_passes_its_routing_policy_to_toggle_and_gateway_alike():
+    from epdmesh.routing_args import router_argv
+
+    args = build_parser().parse_args(["serve", "--latency-profile", "H20", "--slo-tbt-ms", "150", "--admission-control",
+                                      "--decoder-joins", "on", "--budget-headroom", "0.8"])
+    argv = router_argv(args, args.latency_profile, worker_budgets=True)
+    toggle = build_parser().parse_args(["toggle", *argv])
+    gateway = build_parser().parse_args(["gateway", "--toggle", "127.0.0.1:1", *argv])
+    fields = ("prefill_mode", "multiplex_max_tokens", "routing", "slo_ttft_ms", "slo_tbt_ms", "budget_headroom",
+              "decoder_joins", "latency_profile", "worker_budgets", "admission_control")
+    assert [getattr(toggle, f) for f in fields] == [getattr(gateway, f) for f in fields]
+    assert (gateway.decoder_joins, gateway.admission_control, gateway.slo_tbt_ms) == ("on", True, 150)
 
 
 def test_emulated_defaults_and_routing_choice(tmp_path):

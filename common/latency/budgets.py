@@ -36,19 +36,25 @@ def largest_within(time_of: Callable[[int], float], limit_ms: float, upper: int)
     return lo
 
 
-def stage_limit_ms(has_decode: bool, ttft_ms: float, tbt_ms: float, alpha: float = ALPHA) -> float:
+def stage_limit_ms(has_decode: bool, ttft_ms: float, tbt_ms: float, alpha: float = ALPHA, joins: bool = False) -> float:
+    """`joins`: requests are handed over to this decoder by prefill workers; one that joins waits for the
+    iteration in flight, then runs its own, so two iterations must fit TBT (the limit is TBT/2)."""
     if ttft_ms <= 0 or tbt_ms <= 0 or not 0 < alpha <= 1:
         raise ValueError("SLO targets must be positive and 0 < alpha <= 1")
-    return tbt_ms if has_decode else alpha * ttft_ms
+    if not has_decode:
+        return alpha * ttft_ms
+    return tbt_ms / 2 if joins else tbt_ms
 
 
 def budgets_for(profile: LatencyProfile, has_decode: bool, ttft_ms: float, tbt_ms: float,
-                max_images: int = 64, max_tokens: int = 1 << 15, alpha: float = ALPHA, headroom: float = 1.0) -> Budgets:
+                max_images: int = 64, max_tokens: int = 1 << 15, alpha: float = ALPHA, headroom: float = 1.0,
+                joins: bool = False) -> Budgets:
     """`headroom` < 1 sizes iterations to that fraction of the limit, leaving room for what the profile does not
-    predict (host overhead, delivery), so an iteration at the budget still lands within the SLO."""
+    predict (host overhead, delivery), so an iteration at the budget still lands within the SLO.
+    `joins`: a decoder that prefills while prefill workers hand requests over to it (see `stage_limit_ms`)."""
     if not 0 < headroom <= 1:
         raise ValueError("headroom must be in (0, 1]")
-    limit = stage_limit_ms(has_decode, ttft_ms, tbt_ms, alpha) * headroom
+    limit = stage_limit_ms(has_decode, ttft_ms, tbt_ms, alpha, joins) * headroom
     images = largest_within(lambda n: encode_ms(profile, n), limit, max_images)
     tokens = largest_within(lambda t: prefill_chunk_ms(profile, t), limit, max_tokens)
     return Budgets(max(images, 1), max(tokens, 1), limit, fits=images > 0 and tokens > 0)

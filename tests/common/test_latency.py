@@ -136,6 +136,15 @@ def test_budget_headroom_sizes_iterations_to_a_fraction_of_the_limit():
         budgets_for(p, True, 1000, 50, headroom=0)
 
 
+def test_decoders_that_requests_join_get_half_the_tbt():
+    p = analytic_profile("H20")
+    joined = budgets_for(p, True, 1000, 150, headroom=0.8, joins=True)
+    assert joined == dataclasses.replace(budgets_for(p, True, 1000, 60), limit_ms=60)  # 150 / 2 · 0.8
+    assert joined.token_budget < budgets_for(p, True, 1000, 150, headroom=0.8).token_budget
+    assert prefill_chunk_ms(p, joined.token_budget) * 2 <= 150  # two iterations fit one TBT
+    assert budgets_for(p, False, 1000, 150, joins=True) == budgets_for(p, False, 1000, 150)  # only decoders
+
+
 @pytest.mark.parametrize("hardware", ["H20", "H100"])
 def test_request_cost_is_a_lower_bound_of_every_schedule_and_a_tight_one(hardware):
     """No batching of the iteration model serves N requests in less than N × request_cost_ms; one huge

@@ -4,7 +4,7 @@ import pytest
 
 from common.policy.routing import PrefillPath, RouteSummary, RoutingConfig, route
 from common.request import Stage
-from common.topology import parse_topology
+from common.topology import decoders_join, parse_topology
 from common.workers import WorkerInfo, WorkerLoad, WorkerSnapshot
 
 E, P, D = Stage.ENCODE, Stage.PREFILL, Stage.DECODE
@@ -90,6 +90,12 @@ def test_topology_strings():
                           ("EPD0", "at least one"), ("EPD", "bad topology")]:
         with pytest.raises(ValueError, match=fragment.replace("[", r"\[").replace("]", r"\]")):
             parse_topology(bad)
+
+
+def test_decoders_join_where_dedicated_prefill_workers_hand_requests_to_decoders_that_prefill():
+    joins = {t: decoders_join(parse_topology(t)) for t in ("E1+P1+PD1", "EP4+PD4", "EP4+D4", "EPD8", "E2+P2+D4", "ED1+P1")}
+    assert joins == {"E1+P1+PD1": True, "EP4+PD4": True, "EP4+D4": False, "EPD8": False, "E2+P2+D4": False,
+                     "ED1+P1": False}
 
 
 def test_policy_modules_import_no_torch():
