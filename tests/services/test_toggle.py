@@ -174,3 +174,56 @@ def test_two_toggles_routing_at_once_never_overbook_a_decoder():
         await asyncio.gather(*tasks)
 
     asyncio.run(main())
+
+
+def test_a_gateway_routing_in_process_and_a_toggle_share_one_view_of_capacity():
+    """The gateway's in-process router and the toggle's Route rpc reserve in the same Redis: 30 concurrent
+    requests, alternating between the two, meet two decoders with room for 10 each: exactly 20 go through.
+    With no workers at all, the gateway answers 503 with the reason, as the toggle would."""
+    from common.policy.routing import RouteSummary
+    from services.gateway.mesh import MeshBackend
+    from services.gateway.protocol import ApiError
+    from services.toggle.reservations import Reservations
+    from services.toggle.router import NoRoute, Router
+
+    async def main():
+        prefix = f"epdmesh-test:{uuid.uuid4().hex}:"
+        stop, bound = asyncio.Event(), []
+        task = asyncio.create_task(run_toggle(ToggleOptions(REDIS_URL, prefix), stop=stop, bound=bound))
+        while not bound:
+            await asyncio.sleep(0.02)
+        client = aioredis.from_url(REDIS_URL)
+        router = Router(RedisRegistry(client, prefix), reservations=Reservations(client, prefix))
+        channel = grpc.aio.insecure_channel(bound[0])
+        toggle = pb_grpc.ToggleStub(channel)
+        for wid, roles in [("p-1", {P}), ("d-1", {D}), ("d-2", {D})]:
+            load = pb.WorkerLoad(kv_tokens_free=1000 if roles == {D} else 100_000)
+            await toggle.Register(pb.RegisterRequest(info=wire.info_to_pb(info(wid, roles)), load=load))
+
+        async def ask(i):
+            try:
+                if i % 2:
+                    return (await router.route(RouteSummary(f"r{i}", 60, 0, 40))).decoder.worker_id
+                return (await toggle.Route(pb.RouteRequest(request_id=f"r{i}", num_prompt_tokens=60,
+                                                           max_tokens=40))).decoder.worker_id
+            except NoRoute as e:
+                assert e.busy, e.message
+            except grpc.aio.AioRpcError as e:
+                assert e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, e.details()
+
+        routed = await asyncio.gather(*(ask(i) for i in range(30)))
+        assert {d: routed.count(d) for d in ("d-1", "d-2", None)} == {"d-1": 10, "d-2": 10, None: 10}
+        assert sum(router.decisions.values()) == sum(1 for i, d in enumerate(routed) if d and i % 2)
+        for wid in ("p-1", "d-1", "d-2"):
+            await toggle.Deregister(pb.DeregisterRequest(worker_id=wid))
+        router.invalidate()
+        backend = MeshBackend(None, bound[0], 4096, router=router)
+        with pytest.raises(ApiError) as err:
+            await backend._route(RouteSummary("lonely", 60, 0, 40), None, attempt=1)
+        assert err.value.status == 503 and "no live workers are registered" in err.value.message
+        await backend.close()  # closes the router's Redis client too
+        await channel.close()
+        stop.set()
+        await task
+
+    asyncio.run(main())
