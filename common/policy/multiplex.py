@@ -1,11 +1,13 @@
 """The SLO-aware multiplexing toggle (Tropical), a pure function over a registry snapshot and a latency profile.
 
 For one request (prompt tokens T, images, its TTFT/TBT targets, time already spent):
+  0. a busy worker first finishes the iteration under way (predicted as long as its last one): new work
+     there waits it out — a prefill worker's iteration may be α·TTFT long;
   1. encoder — the one with the least predicted finish time (its queued images plus these, beside the
-     next prefill chunk when it prefills too);
-     its time and the image-page pull come off the request's TTFT slack;
-  2. path ① dedicated prefill worker p: allowed when p's predicted queue (its queued prompt tokens)
-     + this prefill + the KV pull fit the remaining slack;
+     next prefill chunk when it prefills too); a prefill worker that can encode encodes the request
+     itself (no image pages move), else the encode and the image-page pull come off the TTFT slack;
+  2. path ① dedicated prefill worker p: allowed when the encode, p's predicted queue (its queued prompt
+     tokens) + this prefill + the KV pull fit the remaining slack;
   3. path ② prefill on a decoder d that can prefill: allowed when d's current iteration (its running
      batch and their context) + this prefill fit the TBT target — the decodes it delays still meet
      their SLO — and the prefill itself fits the slack. Where prefill workers hand requests over to the
@@ -52,7 +54,7 @@ class MultiplexConfig:
 class Decision:
     plan: RoutePlan | None  # None: refused (admission control) or nothing can serve it
     predicted_ttft_ms: float
-    slack_ms: float  # the TTFT budget left for the prefill after encode and image pull
+    slack_ms: float  # the TTFT budget left for the prefill after the (chosen) encode and image pull
     reason: str
     meets_slo: bool
 
@@ -61,7 +63,7 @@ class Decision:
 class _Option:
     path: PrefillPath
     worker: WorkerSnapshot
-    ttft_ms: float  # predicted prefill-side time to the first token
+    ttft_ms: float  # predicted time to the first token from now: encode wait, queue, the prefill, the KV pull
     violation: float  # 0 when the option meets every target; else how far off, relative to the target
 
 
@@ -74,17 +76,26 @@ def route_slo(workers: list[WorkerSnapshot], request: RouteSummary, ttft_ms: flo
     encoder, encode_pred = _encoder(live, request, profile, config)
     if request.num_images and encoder is None:
         return Decision(None, 0.0, 0.0, "no live encoder", False)
-    slack = ttft_ms - elapsed_ms - encode_pred
-    options = [_dedicated(p, request, slack, ttft_ms, profile, config)
+
+    def encode_wait(w: WorkerSnapshot) -> float:
+        """When the request's image pages are ready for a prefill on w: w encodes it itself when it can
+        (no image pages move; its own queue and the iteration under way count), else the chosen encoder."""
+        if request.num_images and w.has(Stage.ENCODE):
+            return _encode_finish(w, request, profile, config)
+        return encode_pred
+
+    left = ttft_ms - elapsed_ms  # the TTFT still to spend: encode, prefill queue, the prefill, the KV pull
+    options = [_dedicated(p, request, encode_wait(p), left, ttft_ms, profile, config)
                for p in live if p.has(Stage.PREFILL) and not p.has(Stage.DECODE)]
     handoffs = bool(options)  # dedicated prefill workers exist: they hand requests over to the decoders
-    options += [_multiplexed(d, request, slack, ttft_ms, tbt_ms, profile, config.decoder_token_budget, handoffs)
+    options += [_multiplexed(d, request, encode_wait(d), left, ttft_ms, tbt_ms, profile, config.decoder_token_budget,
+                             handoffs)
                 for d in decoders if d.has(Stage.PREFILL)]
     if not options:
-        return Decision(None, 0.0, slack, "no live prefill worker", False)
+        return Decision(None, 0.0, left - encode_pred, "no live prefill worker", False)
     chosen, reason = _choose(options, request, config)
     if chosen is None:
-        return Decision(None, encode_pred + min(o.ttft_ms for o in options), slack, reason, False)
+        return Decision(None, min(o.ttft_ms for o in options), left - encode_pred, reason, False)
     if chosen.path == PrefillPath.DEDICATED:
         decoder = min(decoders, key=lambda w: (_join_gap_ms(w, profile, config.decoder_token_budget),
                                                w.load.unfinished_decode_tokens, w.load.queue_length, w.worker_id))
@@ -94,7 +105,22 @@ def route_slo(workers: list[WorkerSnapshot], request: RouteSummary, ttft_ms: flo
     if encoder is not None and chosen.worker.has(Stage.ENCODE):
         encoder = chosen.worker  # encode where the prefill runs: no image pages move
     plan = RoutePlan(encoder if request.num_images else None, chosen.worker, decoder, path)
-    return Decision(plan, encode_pred + chosen.ttft_ms, slack, reason, chosen.violation == 0)
+    return Decision(plan, chosen.ttft_ms, left - encode_wait(chosen.worker), reason, chosen.violation == 0)
+
+
+def _in_flight_ms(w: WorkerSnapshot) -> float:
+    """The iteration under way on w, which new work there waits out: the length of its last one, while w has
+    work (a prefill worker's can be α·TTFT long: ignoring it made busy workers look free)."""
+    load = w.load
+    return load.last_iteration_ms if (load.num_running or load.num_waiting or load.running_decode_batch) else 0.0
+
+
+def _encode_finish(w: WorkerSnapshot, request: RouteSummary, profile: LatencyProfile, config: MultiplexConfig) -> float:
+    """When w would have this request's images encoded: after its iteration under way, in the next one, beside
+    its next prefill chunk when it prefills too."""
+    budget = (config.decoder_token_budget if w.has(Stage.DECODE) else config.prefill_token_budget) or 0
+    beside = prefill_chunk_ms(profile, min(w.load.queued_prefill_tokens, budget)) if w.has(Stage.PREFILL) else 0.0
+    return _in_flight_ms(w) + encode_ms(profile, w.load.queued_images + request.num_images) + beside
 
 
 def _encoder(live, request, profile, config) -> tuple[WorkerSnapshot | None, float]:
@@ -103,30 +129,27 @@ def _encoder(live, request, profile, config) -> tuple[WorkerSnapshot | None, flo
     encoders = [w for w in live if w.has(Stage.ENCODE)]
     if not encoders:
         return None, 0.0
-
-    def finish(w: WorkerSnapshot) -> float:
-        # an encoder that also prefills runs the encode beside its next prefill chunk (one iteration)
-        budget = (config.decoder_token_budget if w.has(Stage.DECODE) else config.prefill_token_budget) or 0
-        beside = prefill_chunk_ms(profile, min(w.load.queued_prefill_tokens, budget)) if w.has(Stage.PREFILL) else 0.0
-        return encode_ms(profile, w.load.queued_images + request.num_images) + beside
-
-    best = min(encoders, key=lambda w: (finish(w), w.worker_id))
+    best = min(encoders, key=lambda w: (_encode_finish(w, request, profile, config), w.worker_id))
     pull = transfer_ms(profile, config.image_bytes * request.num_images) if config.image_bytes else 0.0
-    return best, finish(best) + pull
+    return best, _encode_finish(best, request, profile, config) + pull
 
 
-def _dedicated(p, request, slack, ttft_ms, profile, config) -> _Option:
-    queue = prefill_ms(profile, p.load.queued_prefill_tokens)
+def _dedicated(p, request, encode_wait, left, ttft_ms, profile, config) -> _Option:
+    """`encode_wait`: when the image pages are ready; `left`: the TTFT still to spend."""
+    encodes_here = request.num_images and p.has(Stage.ENCODE)  # then its iteration under way is in encode_wait
+    queue = (0.0 if encodes_here else _in_flight_ms(p)) + prefill_ms(profile, p.load.queued_prefill_tokens)
     pull = transfer_ms(profile, config.kv_bytes_per_token * request.num_prompt_tokens) if config.kv_bytes_per_token else 0.0
-    predicted = queue + prefill_ms(profile, request.num_prompt_tokens) + pull
-    return _Option(PrefillPath.DEDICATED, p, predicted, max(0.0, (predicted - slack) / ttft_ms))
+    predicted = encode_wait + queue + prefill_ms(profile, request.num_prompt_tokens) + pull
+    return _Option(PrefillPath.DEDICATED, p, predicted, max(0.0, (predicted - left) / ttft_ms))
 
 
-def _multiplexed(d, request, slack, ttft_ms, tbt_ms, profile, budget: int | None, handoffs: bool = False) -> _Option:
+def _multiplexed(d, request, encode_wait, left, ttft_ms, tbt_ms, profile, budget: int | None,
+                 handoffs: bool = False) -> _Option:
     """`handoffs`: prefill workers hand requests over to the decoders, so one may join d while this prefill
     runs there, and its first gap is the chunk iteration in flight plus its own: two of them must fit TBT."""
     batch, context = d.load.running_decode_batch, d.load.decode_context_tokens
     iteration = decode_ms(profile, batch, context)
+    in_flight = 0.0 if request.num_images and d.has(Stage.ENCODE) else max(iteration, _in_flight_ms(d))
     if budget is None:  # the whole prompt in one iteration beside the running decodes
         queue = prefill_ms(profile, d.load.queued_prefill_tokens)
         steps = [iteration_ms(profile, decodes=batch, decode_context=context, chunks=[(request.num_prompt_tokens, 0)])]
@@ -137,9 +160,9 @@ def _multiplexed(d, request, slack, ttft_ms, tbt_ms, profile, budget: int | None
         steps = [iteration_ms(profile, decodes=batch, decode_context=context,
                               chunks=[(min(chunk, request.num_prompt_tokens - start), start)])
                  for start in range(0, request.num_prompt_tokens, chunk)]
-    predicted = queue + iteration + sum(steps)
+    predicted = encode_wait + in_flight + queue + sum(steps)
     tbt_over = (max(steps) * (2 if handoffs else 1) - tbt_ms) / tbt_ms if batch or handoffs else 0.0
-    return _Option(PrefillPath.MULTIPLEXED, d, predicted, max(0.0, tbt_over, (predicted - slack) / ttft_ms))
+    return _Option(PrefillPath.MULTIPLEXED, d, predicted, max(0.0, tbt_over, (predicted - left) / ttft_ms))
 
 
 def _join_gap_ms(d: WorkerSnapshot, profile: LatencyProfile, budget: int | None) -> float:

@@ -136,3 +136,21 @@ def test_a_handed_over_request_goes_to_the_decoder_whose_next_iterations_are_sho
     quiet = [w("p", {P}), w("pd1", {P, D}, running_decode_batch=4, unfinished_decode_tokens=40),
              w("pd2", {P, D}, running_decode_batch=10, unfinished_decode_tokens=400)]
     assert decide(quiet, 1000, decoder_token_budget=410).plan.decoder.worker_id == "pd1"  # no chunks: the lighter one
+
+
+def test_a_busy_prefill_worker_first_finishes_its_iteration_under_way():
+    """A prefill worker's iteration can be α·TTFT long; a request sent there waits it out. Counting it sends a
+    long prompt to the decoder when the dedicated worker is mid-iteration, and not when it is idle."""
+    idle = [w("e", {E}), w("p", {P}), w("pd", {P, D}, running_decode_batch=2)]
+    assert decide(idle, 600, tbt=200).plan.path == PrefillPath.DEDICATED  # 60 ms on P; long prompts prefer ①
+    busy = [w("e", {E}), w("p", {P}, num_running=1, last_iteration_ms=450), w("pd", {P, D}, running_decode_batch=2)]
+    d = decide(busy, 600, tbt=200)  # P: 450 + 60 > 500; PD: its decode step under way, then one with 600 tokens
+    assert (d.plan.path, d.plan.prefill.worker_id) == (PrefillPath.MULTIPLEXED, "pd") and d.meets_slo
+    from common.latency.model import decode_ms, iteration_ms
+
+    assert d.predicted_ttft_ms == pytest.approx(decode_ms(PROFILE, 2, 0)
+                                                + iteration_ms(PROFILE, decodes=2, decode_context=0, chunks=[(600, 0)]))
+    ep = [w("ep1", {E, P}, num_running=1, last_iteration_ms=300), w("ep2", {E, P}, queued_images=2), w("d", {D})]
+    d = decide(ep, 200, images=1)  # ep1: 300 under way + 10 to encode; ep2: its 3 images, 30 ms: ep2 encodes
+    assert (d.plan.encoder.worker_id, d.plan.prefill.worker_id) == ("ep2", "ep2")
+    assert d.predicted_ttft_ms == pytest.approx(30 + 20) and d.slack_ms == pytest.approx(500 - 30)
