@@ -53,7 +53,8 @@ def _budgets(args, roles) -> tuple[int, int]:
         from common.request import Stage
 
         derived = budgets_for(load_profile(profile_path), Stage.DECODE in roles, args.slo_ttft_ms, args.slo_tbt_ms,
-                              headroom=args.budget_headroom, joins=getattr(args, "decoder_joins", "auto") == "on")
+                              headroom=args.budget_headroom, joins=getattr(args, "decoder_joins", "auto") == "on",
+                              alpha=args.budget_alpha)
         log = logging.getLogger("epdmesh")
         log.info("budgets from %s for a %.0f ms iteration limit: %d tokens, %d images per iteration",
                  profile_path, derived.limit_ms, derived.token_budget, derived.image_budget)
@@ -197,6 +198,8 @@ def _add_slo_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--budget-headroom", type=float, default=1.0,
                    help="stage budgets fill this fraction of their iteration-time limit (α·TTFT or TBT); < 1 leaves "
                         "room for what the latency profile does not predict")
+    p.add_argument("--budget-alpha", type=float, default=0.5,
+                   help="α: instances without the decode role size their iterations to α·TTFT (TriInfer: 0.5)")
     p.add_argument("--decoder-joins", default="auto", choices=["auto", "on", "off"],
                    help="decoders take requests handed over by dedicated prefill workers: size their iterations to "
                         "TBT/2 (a request that joins waits for the iteration in flight, then its own). serve: auto = on "

@@ -134,7 +134,8 @@ def worker_argv(group: WorkerGroup, toggle: str, args, threads: int) -> list[str
     argv = [sys.executable, "-m", "epdmesh.cli", "worker", "--roles", group.label, "--toggle", toggle,
             "--model", args.model, "--dtype", args.dtype, "--device", args.device, "--kv-cache-gib", str(args.kv_cache_gib),
             "--slo-ttft-ms", str(args.slo_ttft_ms), "--slo-tbt-ms", str(args.slo_tbt_ms),
-            "--budget-headroom", str(args.budget_headroom), "--decoder-joins", args.decoder_joins, "--max-num-seqs", str(args.max_num_seqs), "--attention-backend", args.attention_backend,
+            "--budget-headroom", str(args.budget_headroom), "--budget-alpha", str(args.budget_alpha),
+            "--decoder-joins", args.decoder_joins, "--max-num-seqs", str(args.max_num_seqs), "--attention-backend", args.attention_backend,
             "--transfer", args.transfer, "--threads", str(threads), "--backend", args.backend]
     if args.backend == "emulated":
         argv += ["--profile", args.profile, "--emulated-kv-bytes-per-token", str(args.emulated_kv_bytes_per_token),

@@ -43,7 +43,7 @@ def routing_policy(args):
     # the workers of a mesh given this profile run its stage budgets (epdmesh serve passes it to them):
     # a decoder's prefills come in TBT-sized chunks, a prefill worker's next iteration holds τ_t tokens
     decoder_budget, prefill_budget = (budgets_for(profile, has_decode, args.slo_ttft_ms, args.slo_tbt_ms,
-                                                  headroom=args.budget_headroom,
+                                                  headroom=args.budget_headroom, alpha=args.budget_alpha,
                                                   joins=has_decode and args.decoder_joins == "on").token_budget
                                       for has_decode in (True, False))
     return routing, SloRouting(profile, args.slo_ttft_ms, args.slo_tbt_ms,
@@ -57,7 +57,8 @@ def router_argv(args, latency_profile: str | None, worker_budgets: bool) -> list
     """The command-line options that give a toggle or gateway process this launch's routing policy."""
     return ["--prefill-mode", args.prefill_mode, "--multiplex-max-tokens", str(args.multiplex_max_tokens),
             "--routing", args.routing, "--slo-ttft-ms", str(args.slo_ttft_ms), "--slo-tbt-ms", str(args.slo_tbt_ms),
-            "--budget-headroom", str(args.budget_headroom), "--decoder-joins", args.decoder_joins,
+            "--budget-headroom", str(args.budget_headroom), "--budget-alpha", str(args.budget_alpha),
+            "--decoder-joins", args.decoder_joins,
             *(["--latency-profile", latency_profile] if latency_profile else []),
             *([] if worker_budgets else ["--no-worker-budgets"]),
             *(["--admission-control"] if args.admission_control else [])]

@@ -31,20 +31,24 @@ def test_budgets_come_from_the_profile_and_the_slos(tmp_path):
                         "--decoder-joins", "on")
     assert joined.token_budget == budgets_for(analytic_profile("H100"), True, 2000, 50, joins=True).token_budget
     assert joined.token_budget < budgets_for(analytic_profile("H100"), True, 2000, 50).token_budget
+    shorter = config_for("--roles", "encode,prefill", "--latency-profile", str(path), "--slo-ttft-ms", "400",
+                         "--budget-alpha", "0.25")  # limit α·TTFT = 100 ms
+    assert shorter.token_budget == budgets_for(analytic_profile("H100"), False, 400, 50, alpha=0.25).token_budget
+    assert shorter.token_budget < prefill.token_budget
 
 
 def test_serve_passes_its_routing_policy_to_toggle_and_gateway_alike():
     from epdmesh.routing_args import router_argv
 
     args = build_parser().parse_args(["serve", "--latency-profile", "H20", "--slo-tbt-ms", "150", "--admission-control",
-                                      "--decoder-joins", "on", "--budget-headroom", "0.8"])
+                                      "--decoder-joins", "on", "--budget-headroom", "0.8", "--budget-alpha", "0.3"])
     argv = router_argv(args, args.latency_profile, worker_budgets=True)
     toggle = build_parser().parse_args(["toggle", *argv])
     gateway = build_parser().parse_args(["gateway", "--toggle", "127.0.0.1:1", *argv])
     fields = ("prefill_mode", "multiplex_max_tokens", "routing", "slo_ttft_ms", "slo_tbt_ms", "budget_headroom",
-              "decoder_joins", "latency_profile", "worker_budgets", "admission_control")
+              "budget_alpha", "decoder_joins", "latency_profile", "worker_budgets", "admission_control")
     assert [getattr(toggle, f) for f in fields] == [getattr(gateway, f) for f in fields]
-    assert (gateway.decoder_joins, gateway.admission_control, gateway.slo_tbt_ms) == ("on", True, 150)
+    assert (gateway.decoder_joins, gateway.admission_control, gateway.slo_tbt_ms, gateway.budget_alpha) == ("on", True, 150, 0.3)
 
 
 def test_emulated_defaults_and_routing_choice(tmp_path):
