@@ -174,14 +174,10 @@ def _gateway_router(args, tracing):
     """The toggle's router run in the gateway: one Redis round trip (the reservation) instead of a gRPC hop."""
     import redis.asyncio as aioredis
 
-    from services.toggle.registry import RedisRegistry
-    from services.toggle.reservations import Reservations
     from services.toggle.router import Router
 
     routing, slo = routing_policy(args)
-    client = aioredis.from_url(args.redis_url)
-    return Router(RedisRegistry(client, args.prefix), routing, tracing=tracing, slo=slo,
-                  reservations=Reservations(client, args.prefix))
+    return Router.over_redis(aioredis.from_url(args.redis_url), args.prefix, routing, tracing, slo)
 
 
 def _gateway_telemetry(args):

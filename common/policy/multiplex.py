@@ -73,16 +73,17 @@ def route_slo(workers: list[WorkerSnapshot], request: RouteSummary, ttft_ms: flo
     decoders = [w for w in live if w.has(Stage.DECODE)]
     if not decoders:
         return Decision(None, 0.0, 0.0, "no live decoder", False)
-    encoder, encode_pred = _encoder(live, request, profile, config)
+    # each encoder's predicted finish, once: it picks the encoder and prices a prefill on a worker that encodes
+    finishes = {w.worker_id: _encode_finish(w, request, profile, config)
+                for w in live if _encodes_here(w, request)}
+    encoder, encode_pred = _encoder(live, finishes, request, profile, config)
     if request.num_images and encoder is None:
         return Decision(None, 0.0, 0.0, "no live encoder", False)
 
     def encode_wait(w: WorkerSnapshot) -> float:
         """When the request's image pages are ready for a prefill on w: w encodes it itself when it can
         (no image pages move; its own queue and the iteration under way count), else the chosen encoder."""
-        if request.num_images and w.has(Stage.ENCODE):
-            return _encode_finish(w, request, profile, config)
-        return encode_pred
+        return finishes[w.worker_id] if _encodes_here(w, request) else encode_pred
 
     left = ttft_ms - elapsed_ms  # the TTFT still to spend: encode, prefill queue, the prefill, the KV pull
     options = [_dedicated(p, request, encode_wait(p), left, ttft_ms, profile, config)
@@ -123,21 +124,24 @@ def _encode_finish(w: WorkerSnapshot, request: RouteSummary, profile: LatencyPro
     return _in_flight_ms(w) + encode_ms(profile, w.load.queued_images + request.num_images) + beside
 
 
-def _encoder(live, request, profile, config) -> tuple[WorkerSnapshot | None, float]:
-    if not request.num_images:
-        return None, 0.0
-    encoders = [w for w in live if w.has(Stage.ENCODE)]
+def _encodes_here(w: WorkerSnapshot, request: RouteSummary) -> bool:
+    """A prefill on w encodes the request's images there too: its iteration under way is in the encode wait."""
+    return bool(request.num_images) and w.has(Stage.ENCODE)
+
+
+def _encoder(live, finishes: dict[str, float], request, profile, config) -> tuple[WorkerSnapshot | None, float]:
+    """The encoder with the least predicted finish (`finishes`: by worker id) and when its pages are pulled."""
+    encoders = [w for w in live if w.worker_id in finishes]
     if not encoders:
         return None, 0.0
-    best = min(encoders, key=lambda w: (_encode_finish(w, request, profile, config), w.worker_id))
+    best = min(encoders, key=lambda w: (finishes[w.worker_id], w.worker_id))
     pull = transfer_ms(profile, config.image_bytes * request.num_images) if config.image_bytes else 0.0
-    return best, _encode_finish(best, request, profile, config) + pull
+    return best, finishes[best.worker_id] + pull
 
 
 def _dedicated(p, request, encode_wait, left, ttft_ms, profile, config) -> _Option:
     """`encode_wait`: when the image pages are ready; `left`: the TTFT still to spend."""
-    encodes_here = request.num_images and p.has(Stage.ENCODE)  # then its iteration under way is in encode_wait
-    queue = (0.0 if encodes_here else _in_flight_ms(p)) + prefill_ms(profile, p.load.queued_prefill_tokens)
+    queue = (0.0 if _encodes_here(p, request) else _in_flight_ms(p)) + prefill_ms(profile, p.load.queued_prefill_tokens)
     pull = transfer_ms(profile, config.kv_bytes_per_token * request.num_prompt_tokens) if config.kv_bytes_per_token else 0.0
     predicted = encode_wait + queue + prefill_ms(profile, request.num_prompt_tokens) + pull
     return _Option(PrefillPath.DEDICATED, p, predicted, max(0.0, (predicted - left) / ttft_ms))
@@ -149,7 +153,7 @@ def _multiplexed(d, request, encode_wait, left, ttft_ms, tbt_ms, profile, budget
     runs there, and its first gap is the chunk iteration in flight plus its own: two of them must fit TBT."""
     batch, context = d.load.running_decode_batch, d.load.decode_context_tokens
     iteration = decode_ms(profile, batch, context)
-    in_flight = 0.0 if request.num_images and d.has(Stage.ENCODE) else max(iteration, _in_flight_ms(d))
+    in_flight = 0.0 if _encodes_here(d, request) else max(iteration, _in_flight_ms(d))
     if budget is None:  # the whole prompt in one iteration beside the running decodes
         queue = prefill_ms(profile, d.load.queued_prefill_tokens)
         steps = [iteration_ms(profile, decodes=batch, decode_context=context, chunks=[(request.num_prompt_tokens, 0)])]

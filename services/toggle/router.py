@@ -70,6 +70,13 @@ class Router:
         self._snapshot_at = float("-inf")
         self._lock = asyncio.Lock()
 
+    @classmethod
+    def over_redis(cls, client, prefix: str, routing: RoutingConfig = RoutingConfig(), tracing: Tracing | None = None,
+                   slo: SloRouting | None = None, ttl_s: float = 3.0) -> Router:
+        """A router over the mesh's registry and reservations under `prefix` in this Redis."""
+        return cls(RedisRegistry(client, prefix, ttl_s), routing, tracing=tracing, slo=slo,
+                   reservations=Reservations(client, prefix))
+
     def invalidate(self) -> None:
         """The registry changed (a worker came or went): the next read goes to Redis."""
         self._snapshot_at = float("-inf")

@@ -24,8 +24,6 @@ from epdmesh.v1 import mesh_pb2 as pb
 from epdmesh.v1 import mesh_pb2_grpc as pb_grpc
 from services import wire
 from services.errors import grpc_errors
-from services.toggle.registry import RedisRegistry
-from services.toggle.reservations import Reservations
 from services.toggle.router import NoRoute, Router, SloRouting
 
 __all__ = ["SloRouting", "ToggleOptions", "ToggleServicer", "run_toggle"]
@@ -98,9 +96,7 @@ async def run_toggle(options: ToggleOptions, ready: asyncio.Event | None = None,
         await client.ping()
     except (redis.exceptions.RedisError, OSError) as e:
         raise SystemExit(f"cannot reach Redis at {options.redis_url}: {e}") from None
-    registry = RedisRegistry(client, options.prefix, options.ttl_s)
-    router = Router(registry, options.routing, tracing=tracing, slo=options.slo,
-                    reservations=Reservations(client, options.prefix))
+    router = Router.over_redis(client, options.prefix, options.routing, tracing, options.slo, options.ttl_s)
     servicer = ToggleServicer(router)
     server = grpc.aio.server()
     port = server.add_insecure_port(f"{options.host}:{options.port}")
