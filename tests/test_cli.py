@@ -41,7 +41,9 @@ def test_serve_passes_its_routing_policy_to_toggle_and_gateway_alike():
     from epdmesh.routing_args import router_argv
 
     args = build_parser().parse_args(["serve", "--latency-profile", "H20", "--slo-tbt-ms", "150", "--admission-control",
-                                      "--decoder-joins", "on", "--budget-headroom", "0.8", "--budget-alpha", "0.3"])
+                                      "--decoder-joins", "on", "--budget-headroom", "0.8", "--budget-alpha", "0.3",
+                                      "--prefill-mode", "dedicated", "--multiplex-max-tokens", "300", "--routing", "slo",
+                                      "--slo-ttft-ms", "900"])  # none at its default
     argv = router_argv(args, args.latency_profile, worker_budgets=True)
     toggle = build_parser().parse_args(["toggle", *argv])
     gateway = build_parser().parse_args(["gateway", "--toggle", "127.0.0.1:1", *argv])
@@ -49,6 +51,9 @@ def test_serve_passes_its_routing_policy_to_toggle_and_gateway_alike():
               "budget_alpha", "decoder_joins", "latency_profile", "worker_budgets", "admission_control")
     assert [getattr(toggle, f) for f in fields] == [getattr(gateway, f) for f in fields]
     assert (gateway.decoder_joins, gateway.admission_control, gateway.slo_tbt_ms, gateway.budget_alpha) == ("on", True, 150, 0.3)
+    # every option reaches them as serve was given it (an option router_argv forgot would fall back to its default)
+    assert [getattr(gateway, f) for f in fields[:-3]] == [getattr(args, f) for f in fields[:-3]]
+    assert (gateway.latency_profile, gateway.worker_budgets, gateway.admission_control) == ("H20", True, True)
 
 
 def test_emulated_defaults_and_routing_choice(tmp_path):
