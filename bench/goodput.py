@@ -156,15 +156,29 @@ async def run_rate(base: str, bodies: list[dict], times: list[float], scale: flo
         return list(results), (time.perf_counter() - start) / scale
 
 
-def paths_taken(base: str) -> dict[str, int] | None:
-    """The gateway's count of requests per prefill path so far (None: a one-process server has no paths)."""
+def gateway_stats(base: str) -> dict | None:
+    """The gateway's /stats (None: a one-process server has no mesh statistics)."""
     import httpx
 
     try:
-        paths = httpx.get(f"{base}/stats", timeout=10).json().get("paths")
+        stats = httpx.get(f"{base}/stats", timeout=10).json()
     except (httpx.HTTPError, ValueError):
         return None
-    return dict(paths) if isinstance(paths, dict) else None
+    return stats if isinstance(stats.get("paths"), dict) else None
+
+
+def prediction_report(before: dict, after: dict, scale: float) -> dict:
+    """Per prefill path, how the SLO-aware policy's predicted TTFT compared with the gateway's measured one for
+    the requests routed between two /stats reads (ms, divided by the time scale): error = actual − predicted."""
+    seen = max((row[0] for row in before.get("ttft_predictions", {}).get("recent", [])), default=0)
+    rows = [r for r in after.get("ttft_predictions", {}).get("recent", []) if r[0] > seen]
+    report = {}
+    for path in sorted({r[1] for r in rows}):
+        errors = sorted((r[3] - r[2]) / scale for r in rows if r[1] == path)
+        pick = lambda q: errors[min(len(errors) - 1, int(q * len(errors)))]  # noqa: E731
+        report[path] = {"count": len(errors), "p10_error_ms": pick(0.1), "median_error_ms": pick(0.5),
+                        "p90_error_ms": pick(0.9), "late_fraction": sum(e > 0 for e in errors) / len(errors)}
+    return {"by_path": report, "requests": [[r[1], r[2] / scale, r[3] / scale] for r in rows]}
 
 
 def sweep(base: str, model: str, workload: str, rates: list[float], args, label: str, gaps) -> dict:
@@ -178,18 +192,22 @@ def sweep(base: str, model: str, workload: str, rates: list[float], args, label:
         times = arrivals(args.num_prompts, rate, args.arrival, args.seed, gaps)
         with tqdm(total=len(bodies), desc=f"{label} {workload} @ {rate:g} req/s", unit="req", file=sys.stderr,
                   leave=False) as bar:
-            before = paths_taken(base)
+            before = gateway_stats(base)
             results, duration = asyncio.run(run_rate(base, bodies, times, args.time_scale, bar))
         point = summarize(results, duration, rate, args.slo_ttft_ms, args.slo_tbt_ms)
-        after = paths_taken(base)
+        after = gateway_stats(base)
         if before is not None and after is not None:  # where the prefills ran (mesh gateways count them)
-            point["prefill_paths"] = {path: after[path] - before.get(path, 0) for path in after}
+            point["prefill_paths"] = {path: n - before["paths"].get(path, 0) for path, n in after["paths"].items()}
+            point["ttft_prediction"] = prediction_report(before, after, args.time_scale)
         points.append(point)
         paths = " ".join(f"{k} {v}" for k, v in point.get("prefill_paths", {}).items() if v)
+        errors = " ".join(f"{k} {v['median_error_ms']:+.0f}/{v['p90_error_ms']:+.0f}"
+                          for k, v in point.get("ttft_prediction", {}).get("by_path", {}).items())
         print(f"  {label:>12} {workload:<9} rate {rate:6.2f}  attainment {point['slo_attainment']:5.1%} "
               f"(TTFT {point['ttft_attainment']:5.1%}, TBT {point['tbt_attainment']:5.1%})  p90 TTFT "
               f"{point['p90_ttft_ms']:7.1f} ms  p90 ITL {point['p90_itl_ms']:6.1f} ms  failed {point['failed']}"
-              + (f"  paths: {paths}" if paths else ""), file=sys.stderr, flush=True)
+              + (f"  paths: {paths}" if paths else "")
+              + (f"  TTFT late by (p50/p90 ms): {errors}" if errors else ""), file=sys.stderr, flush=True)
         below = below + 1 if point["slo_attainment"] < args.attainment else 0
         if below >= 2:
             break

@@ -174,7 +174,7 @@ def _ref(w: WorkerSnapshot | None) -> pb.WorkerRef | None:
 
 def plan_to_pb(plan: RoutePlan) -> pb.RoutePlan:
     return pb.RoutePlan(encoder=_ref(plan.encoder), prefill=_ref(plan.prefill), decoder=_ref(plan.decoder),
-                        path=_PATHS[plan.path])
+                        path=_PATHS[plan.path], predicted_ttft_ms=plan.predicted_ttft_ms)
 
 
 def path_from_pb(value: int) -> PrefillPath:

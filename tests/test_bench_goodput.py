@@ -4,7 +4,7 @@ import statistics
 
 import pytest
 
-from bench.goodput import Result, meets_slo, summarize
+from bench.goodput import Result, meets_slo, prediction_report, summarize
 from bench.goodput_report import plot
 from bench.workloads import SHAPES, arrivals, request_bodies, trace_times
 
@@ -74,3 +74,17 @@ def test_each_configuration_is_measured_against_the_bound_of_its_instances(tmp_p
                   {**point, "request_rate": 10.0, "slo_attainment": 1.0}]}}}}
     plot(report, tmp_path / "b.png")
     assert (tmp_path / "b.png").stat().st_size > 5000
+
+
+def test_prediction_report_takes_the_requests_routed_between_two_reads_per_path_in_unscaled_ms():
+    fields = ["seq", "path", "predicted_ms", "actual_ms"]
+    before = {"ttft_predictions": {"fields": fields, "recent": [[1, "dedicated", 100.0, 900.0]]}}
+    rows = [[1, "dedicated", 100.0, 900.0]] + [[1 + i, "dedicated", 100.0, 100.0 + 10 * i] for i in range(1, 11)]
+    after = {"ttft_predictions": {"fields": fields, "recent": rows + [[12, "multiplexed", 300.0, 200.0]]}}
+    report = prediction_report(before, after, scale=10)
+    assert len(report["requests"]) == 11 and report["requests"][-1] == ["multiplexed", 30.0, 20.0]
+    late = report["by_path"]["dedicated"]  # errors 1..10 ms once unscaled; the one before is left out
+    assert late["count"] == 10 and late["median_error_ms"] == 6 and late["p90_error_ms"] == 10
+    assert late["p10_error_ms"] == 2 and late["late_fraction"] == 1.0
+    assert report["by_path"]["multiplexed"] == {"count": 1, "p10_error_ms": -10, "median_error_ms": -10,
+                                                "p90_error_ms": -10, "late_fraction": 0.0}

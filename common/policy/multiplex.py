@@ -105,7 +105,7 @@ def route_slo(workers: list[WorkerSnapshot], request: RouteSummary, ttft_ms: flo
     path = PrefillPath.COLOCATED if chosen.path == PrefillPath.MULTIPLEXED and not handoffs else chosen.path
     if encoder is not None and chosen.worker.has(Stage.ENCODE):
         encoder = chosen.worker  # encode where the prefill runs: no image pages move
-    plan = RoutePlan(encoder if request.num_images else None, chosen.worker, decoder, path)
+    plan = RoutePlan(encoder if request.num_images else None, chosen.worker, decoder, path, elapsed_ms + chosen.ttft_ms)
     return Decision(plan, chosen.ttft_ms, left - encode_wait(chosen.worker), reason, chosen.violation == 0)
 
 

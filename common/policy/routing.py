@@ -45,6 +45,7 @@ class RoutePlan:
     prefill: WorkerSnapshot
     decoder: WorkerSnapshot
     path: PrefillPath
+    predicted_ttft_ms: float | None = None  # from the request's arrival to its first token (SLO-aware policy only)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

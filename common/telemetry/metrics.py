@@ -18,6 +18,9 @@ TTFT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0
                 10.0, 20.0, 40.0, 80.0)
 ITL_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0,
                2.5, 5.0, 7.5, 10.0)
+# actual − predicted TTFT of a routed request: negative when the policy was pessimistic
+PREDICTION_ERROR_BUCKETS = (-1.0, -0.5, -0.25, -0.1, -0.05, -0.025, -0.01, 0.0, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
+                            2.5, 5.0)
 E2E_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0)
 TRANSFER_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 
@@ -50,6 +53,10 @@ class GatewayMetrics:
         self.paths = Counter(P + "route_decisions", "Routing decisions by prefill path.", m + ["path"], registry=r)
         self.retries = Counter(P + "request_retries", "Times a request was routed again around a failed worker.", m,
                                registry=r)
+        self.prediction_error = Histogram(
+            P + "ttft_prediction_error_seconds", "First token's actual minus the SLO-aware policy's predicted time from "
+            "arrival, per prefill path (positive: later than predicted).", m + ["path"],
+            buckets=PREDICTION_ERROR_BUCKETS, registry=r)
         self.slo = Counter(P + "slo_requests", "Finished requests by SLO outcome (TTFT ≤ ttft_ms and P90 TBT ≤ tbt_ms).",
                            m + ["outcome"], registry=r)
         for outcome in ("attained", "ttft_violated", "tbt_violated"):

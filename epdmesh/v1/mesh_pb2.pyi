@@ -329,16 +329,18 @@ class WorkerRef(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., address: _Optional[str] = ...) -> None: ...
 
 class RoutePlan(_message.Message):
-    __slots__ = ("encoder", "prefill", "decoder", "path")
+    __slots__ = ("encoder", "prefill", "decoder", "path", "predicted_ttft_ms")
     ENCODER_FIELD_NUMBER: _ClassVar[int]
     PREFILL_FIELD_NUMBER: _ClassVar[int]
     DECODER_FIELD_NUMBER: _ClassVar[int]
     PATH_FIELD_NUMBER: _ClassVar[int]
+    PREDICTED_TTFT_MS_FIELD_NUMBER: _ClassVar[int]
     encoder: WorkerRef
     prefill: WorkerRef
     decoder: WorkerRef
     path: PrefillPath
-    def __init__(self, encoder: _Optional[_Union[WorkerRef, _Mapping]] = ..., prefill: _Optional[_Union[WorkerRef, _Mapping]] = ..., decoder: _Optional[_Union[WorkerRef, _Mapping]] = ..., path: _Optional[_Union[PrefillPath, str]] = ...) -> None: ...
+    predicted_ttft_ms: float
+    def __init__(self, encoder: _Optional[_Union[WorkerRef, _Mapping]] = ..., prefill: _Optional[_Union[WorkerRef, _Mapping]] = ..., decoder: _Optional[_Union[WorkerRef, _Mapping]] = ..., path: _Optional[_Union[PrefillPath, str]] = ..., predicted_ttft_ms: _Optional[float] = ...) -> None: ...
 
 class ListWorkersRequest(_message.Message):
     __slots__ = ()

@@ -18,6 +18,7 @@ Life of a request here:
 from __future__ import annotations
 
 import asyncio
+import collections
 import dataclasses
 import logging
 import time
@@ -45,6 +46,7 @@ _STATUS_OF = {reason: status for status, reason in FINISH_REASONS.items()}
 
 MAX_ATTEMPTS = 3  # routes tried per request when workers fail it
 INLINE_COUNT_CHARS = 4096  # prompts up to this many characters are counted on the event loop
+RECENT_PREDICTIONS = 1024  # routed requests whose predicted and actual TTFT /stats shows
 
 
 class StageFailed(Exception):
@@ -97,6 +99,9 @@ class MeshBackend:
         self.max_model_len = max_model_len
         self.paths = {path: 0 for path in PrefillPath}
         self.retries = 0
+        # (seq, path, predicted, actual TTFT ms from arrival) of the last requests the SLO-aware policy routed
+        self.predictions: collections.deque[tuple[int, str, float, float]] = collections.deque(maxlen=RECENT_PREDICTIONS)
+        self.num_predictions = 0
         self._background: set[asyncio.Task] = set()
 
     @property
@@ -190,9 +195,7 @@ class MeshBackend:
                 async for out in stream:
                     if out.new_token_ids or out.finished:
                         if not emitted:
-                            self.paths[path] += 1
-                            if self.metrics is not None:
-                                self.metrics.paths.labels(self.metrics.model, path.value).inc()
+                            self._first_token(path, plan, request.arrival_time)
                         emitted.extend(out.new_token_ids)
                         yield _rebased(out, request.request_id, before, self.detokenize)
                 return
@@ -285,8 +288,24 @@ class MeshBackend:
             return {"status": "error", "reason": "no workers registered"}
         return {"status": "ok", "workers": len(reply.workers)}
 
+    def _first_token(self, path: PrefillPath, plan: pb.RoutePlan, arrival: float) -> None:
+        """Count the path that made the request's first token, and how far the policy's prediction of it was off."""
+        self.paths[path] += 1
+        if self.metrics is not None:
+            self.metrics.paths.labels(self.metrics.model, path.value).inc()
+        if not plan.HasField("predicted_ttft_ms"):
+            return
+        actual = (time.monotonic() - arrival) * 1e3
+        self.num_predictions += 1
+        self.predictions.append((self.num_predictions, path.value, round(plan.predicted_ttft_ms, 3), round(actual, 3)))
+        if self.metrics is not None:
+            self.metrics.prediction_error.labels(self.metrics.model, path.value).observe(
+                (actual - plan.predicted_ttft_ms) / 1e3)
+
     async def stats(self) -> dict:
         return {"paths": {p.value: n for p, n in self.paths.items()}, "retries": self.retries,
+                "ttft_predictions": {"fields": ["seq", "path", "predicted_ms", "actual_ms"],
+                                     "recent": list(self.predictions)},
                 "workers": await self.worker_stats()}
 
     async def close(self) -> None:

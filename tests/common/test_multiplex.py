@@ -35,6 +35,9 @@ def test_both_paths_fit_short_prompts_go_to_the_decoder_long_ones_to_prefill_wor
     assert (short.plan.path, short.plan.prefill.worker_id, short.plan.decoder.worker_id) == (PrefillPath.MULTIPLEXED, "pd", "pd")
     # the decode iteration running now (15), then one iteration of its 10 decodes and these 100 tokens (11)
     assert short.meets_slo and short.predicted_ttft_ms == pytest.approx(15 + 11)
+    # the plan carries the prediction from the request's arrival: time already spent plus what is to come
+    assert short.plan.predicted_ttft_ms == pytest.approx(15 + 11)
+    assert decide(MESH, 100, elapsed=40).plan.predicted_ttft_ms == pytest.approx(40 + 15 + 11)
     longer = decide(MESH, 600, short_prompt_tokens=512, tbt=200)
     assert (longer.plan.path, longer.plan.prefill.worker_id) == (PrefillPath.DEDICATED, "p")
     assert longer.reason.startswith("both paths fit")
