@@ -194,6 +194,8 @@ class MeshBackend:
             try:
                 async for out in stream:
                     if out.new_token_ids or out.finished:
+                        if len(emitted) == len(before) and self.router is not None:
+                            self.router.prefilled(current.request_id)  # its prefill no longer loads the worker
                         if not emitted:
                             self._first_token(path, plan, request.arrival_time)
                         emitted.extend(out.new_token_ids)
@@ -210,6 +212,8 @@ class MeshBackend:
                             request.request_id, failed.error.message, failed.blame, attempt + 1, len(emitted))
             finally:
                 await stream.aclose()
+                if self.router is not None:
+                    self.router.forget(current.request_id)
 
     async def _drive(self, request: Request, plan: pb.RoutePlan, path: PrefillPath,
                      span=None) -> AsyncIterator[RequestOutput]:

@@ -7,8 +7,11 @@ Life of a route:
      multiplexing toggle) picks encoder, prefill path and worker, decoder;
   3. the request's KV tokens are reserved on the chosen workers in Redis, atomically (a Lua script), so
      several routers — toggles or gateways — cannot overbook a worker; a worker without room is routed around;
-  4. the chosen workers' loads in the local snapshot are bumped, so a burst between two refreshes spreads
-     instead of piling onto one worker.
+  4. the route is remembered as pending and the chosen workers' loads in the local snapshot are bumped, so a
+     burst between two refreshes spreads instead of piling onto one worker. A worker's load in Redis is its
+     last heartbeat's (every 0.5 s): each refresh adds back the pending routes made after that heartbeat,
+     which it cannot include yet. A gateway that routes in-process tells the router when a request's prefill
+     is done (`prefilled`: its queued tokens and images are gone) and when it ends (`forget`).
 A gateway that routes in-process saves the gRPC hop to the toggle on every request's path to its first token
 (the toggle still keeps the registry: workers register and heartbeat there, and it releases reservations).
 """
@@ -31,6 +34,7 @@ from services.toggle.registry import RedisRegistry
 from services.toggle.reservations import Reservations, needs
 
 MAX_RESERVE_ATTEMPTS = 4  # plans tried when workers have no KV room left
+PENDING_MAX_S = 30.0  # kept at most this long (with no worker registered, no heartbeat makes it redundant)
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +57,14 @@ class NoRoute(Exception):
         self.busy = busy
 
 
+@dataclasses.dataclass(slots=True)
+class _Pending:
+    routed_at: float  # unix seconds, the clock of the registry's heartbeat timestamps
+    plan: RoutePlan
+    summary: RouteSummary
+    prefilled: bool = False  # its first token came: nothing of it is queued for encode or prefill any more
+
+
 class Router:
     def __init__(self, registry: RedisRegistry, routing: RoutingConfig = RoutingConfig(), refresh_s: float = 0.05,
                  tracing: Tracing | None = None, slo: SloRouting | None = None,
@@ -69,6 +81,7 @@ class Router:
         self._snapshot: list[WorkerSnapshot] = []
         self._snapshot_at = float("-inf")
         self._lock = asyncio.Lock()
+        self._pending: dict[str, _Pending] = {}  # by request id: routes made here, until forgotten
 
     @classmethod
     def over_redis(cls, client, prefix: str, routing: RoutingConfig = RoutingConfig(), tracing: Tracing | None = None,
@@ -91,7 +104,7 @@ class Router:
         async with self._lock:
             now = time.monotonic()
             try:
-                self._snapshot = await self.registry.snapshot()
+                self._snapshot = self._with_pending(await self.registry.snapshot())
             except (redis.exceptions.RedisError, OSError) as e:
                 log.warning("registry unreachable (%s); routing on the last snapshot", e)
                 self._snapshot = [dataclasses.replace(w, age_s=w.age_s + now - self._snapshot_at) for w in self._snapshot]
@@ -147,20 +160,52 @@ class Router:
                           f"predicted TTFT {decision.predicted_ttft_ms:.0f} ms); retry later", busy=True)
         return decision.plan
 
+    def prefilled(self, request_id: str) -> None:
+        """The request's first token came: its encode and prefill no longer load the workers it was routed to."""
+        if (entry := self._pending.get(request_id)) is not None:
+            entry.prefilled = True
+
+    def forget(self, request_id: str) -> None:
+        """The request ended (finished, failed or routed again under another id)."""
+        self._pending.pop(request_id, None)
+
     def _bump(self, plan: RoutePlan, summary: RouteSummary) -> None:
-        """Book the request's work on the chosen workers in the local snapshot until the next refresh."""
-        def bumped(w: WorkerSnapshot) -> WorkerSnapshot:
-            load = w.load
-            if w.worker_id == plan.decoder.worker_id:
-                load = dataclasses.replace(load, unfinished_decode_tokens=load.unfinished_decode_tokens + summary.max_tokens)
-            if w.worker_id == plan.prefill.worker_id:
-                load = dataclasses.replace(load, num_waiting=load.num_waiting + 1,
-                                           queued_prefill_tokens=load.queued_prefill_tokens + summary.num_prompt_tokens)
-            if plan.encoder is not None and w.worker_id == plan.encoder.worker_id:
-                load = dataclasses.replace(load, queued_images=load.queued_images + summary.num_images,
-                                           num_waiting=load.num_waiting + (w.worker_id != plan.prefill.worker_id))
-            return dataclasses.replace(w, load=load)
-        self._snapshot = [bumped(w) for w in self._snapshot]
+        """Book the request's work on the chosen workers in the local snapshot, and remember it as pending."""
+        entry = _Pending(time.time(), plan, summary)
+        self._pending[summary.request_id] = entry
+        self._snapshot = [_plus(w, [entry]) for w in self._snapshot]
+
+    def _with_pending(self, snapshot: list[WorkerSnapshot]) -> list[WorkerSnapshot]:
+        """Each worker's reported load plus the pending routes made after its heartbeat (which it cannot include)."""
+        now = time.time()
+        # a route older than every worker's heartbeat is in every load already: nothing left to add
+        oldest = min((now - w.age_s for w in snapshot), default=now - PENDING_MAX_S)
+        for request_id in [r for r, e in self._pending.items() if e.routed_at <= max(oldest, now - PENDING_MAX_S)]:
+            del self._pending[request_id]
+        return [_plus(w, [e for e in self._pending.values() if e.routed_at > now - w.age_s]) for w in snapshot]
+
+
+def _plus(w: WorkerSnapshot, pending: list[_Pending]) -> WorkerSnapshot:
+    """w with the work of these routes added to its load: queued encode and prefill until their first token,
+    the decode tokens they will generate."""
+    load, wid = w.load, w.worker_id
+    decode_tokens = waiting = prefill_tokens = images = 0
+    for e in pending:
+        plan, summary = e.plan, e.summary
+        if plan.decoder.worker_id == wid:
+            decode_tokens += summary.max_tokens
+        if e.prefilled:
+            continue
+        if plan.prefill.worker_id == wid:
+            waiting, prefill_tokens = waiting + 1, prefill_tokens + summary.num_prompt_tokens
+        if plan.encoder is not None and plan.encoder.worker_id == wid:
+            images += summary.num_images
+            waiting += plan.prefill.worker_id != wid
+    if not (decode_tokens or waiting or images):
+        return w
+    return dataclasses.replace(w, load=dataclasses.replace(
+        load, unfinished_decode_tokens=load.unfinished_decode_tokens + decode_tokens, num_waiting=load.num_waiting + waiting,
+        queued_prefill_tokens=load.queued_prefill_tokens + prefill_tokens, queued_images=load.queued_images + images))
 
 
 def _why_no_route(workers: list[WorkerSnapshot], num_images: int) -> str:

@@ -227,3 +227,43 @@ def test_a_gateway_routing_in_process_and_a_toggle_share_one_view_of_capacity():
         await task
 
     asyncio.run(main())
+
+
+def test_routes_made_since_a_workers_last_heartbeat_stay_in_its_load_until_prefilled_or_reported():
+    """Loads in Redis are the workers' last heartbeats: a refresh must not drop the routes made after them
+    (a burst would pile onto the worker that looks idle), nor keep them once the heartbeat can include them."""
+    from common.policy.routing import RouteSummary
+    from services.toggle.router import Router
+
+    async def main():
+        client = aioredis.from_url(REDIS_URL)
+        registry = RedisRegistry(client, f"epdmesh-test:{uuid.uuid4().hex}:")
+        try:
+            for wid, roles in [("p-1", {P}), ("p-2", {P}), ("d-1", {D})]:
+                await registry.register(info(wid, roles), WorkerLoad(kv_tokens_free=100_000))
+            router = Router(registry)
+
+            async def loads():
+                await router.refresh()
+                return {w.worker_id: (w.load.num_waiting, w.load.queued_prefill_tokens, w.load.unfinished_decode_tokens)
+                        for w in router._snapshot}
+
+            first = await router.route(RouteSummary("r1", 600, 0, 40))
+            second = await router.route(RouteSummary("r2", 300, 0, 20))
+            assert {first.prefill.worker_id, second.prefill.worker_id} == {"p-1", "p-2"}  # spread, not piled
+            p1, p2 = first.prefill.worker_id, second.prefill.worker_id
+            assert await loads() == {p1: (1, 600, 0), p2: (1, 300, 0), "d-1": (0, 0, 60)}  # survives a refresh
+            router.prefilled("r1")  # its first token came: its prompt is no longer queued
+            assert await loads() == {p1: (0, 0, 0), p2: (1, 300, 0), "d-1": (0, 0, 60)}
+            await registry.heartbeat(p2, WorkerLoad(num_waiting=1, queued_prefill_tokens=300))  # now p2 reports r2
+            await registry.heartbeat("d-1", WorkerLoad(unfinished_decode_tokens=55))
+            assert await loads() == {p1: (0, 0, 0), p2: (1, 300, 0), "d-1": (0, 0, 55)}  # not counted twice
+            router.forget("r1")
+            router.forget("r2")
+            await registry.heartbeat(p1, WorkerLoad())
+            assert await loads() == {p1: (0, 0, 0), p2: (1, 300, 0), "d-1": (0, 0, 55)} and not router._pending
+        finally:
+            await registry.clear()
+            await client.aclose()
+
+    asyncio.run(main())
