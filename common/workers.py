@@ -46,6 +46,7 @@ class WorkerLoad:
     queued_images: int = 0  # images waiting or still to encode here
     decode_context_tokens: int = 0  # KV tokens of the running decodes (what one decode iteration reads)
     kv_tokens_free: int = 0  # tokens the free KV blocks hold
+    iteration_elapsed_ms: float = 0.0  # how long the iteration under way had run when this was taken (0: none)
 
     @property
     def queue_length(self) -> int:

@@ -42,6 +42,7 @@ class AsyncEngine:
         self._thread = threading.Thread(target=self._loop, name="engine", daemon=True)
         self.iterations = 0
         self.last_iteration_ms = 0.0
+        self._iteration_started = 0.0  # perf_counter() at the start of the step under way; 0 between steps
         self._thread.start()
 
     async def generate(
@@ -82,6 +83,12 @@ class AsyncEngine:
         return self.engine.stats()
 
     @property
+    def iteration_elapsed_ms(self) -> float:
+        """How long the step under way has run (0: none is)."""
+        started = self._iteration_started
+        return (time.perf_counter() - started) * 1e3 if started else 0.0
+
+    @property
     def alive(self) -> bool:
         return self._thread.is_alive()
 
@@ -101,8 +108,11 @@ class AsyncEngine:
             try:
                 self._drain(block=not self.engine.has_unfinished)
                 if self.engine.has_unfinished:
-                    start = time.perf_counter()
-                    outputs = self.engine.step()
+                    start = self._iteration_started = time.perf_counter()
+                    try:
+                        outputs = self.engine.step()
+                    finally:
+                        self._iteration_started = 0.0
                     elapsed = time.perf_counter() - start
                     self.last_iteration_ms = elapsed * 1e3
                     self.iterations += 1

@@ -1,8 +1,8 @@
 """The SLO-aware multiplexing toggle (Tropical), a pure function over a registry snapshot and a latency profile.
 
 For one request (prompt tokens T, images, its TTFT/TBT targets, time already spent):
-  0. a busy worker first finishes the iteration under way (predicted as long as its last one): new work
-     there waits it out — a prefill worker's iteration may be α·TTFT long;
+  0. a busy worker first finishes the iteration under way (predicted as long as its last one, less what it
+     had run when reported): new work there waits it out — a prefill worker's iteration may be α·TTFT long;
   1. encoder — the one with the least predicted finish time (its queued images plus these, beside the
      next prefill chunk when it prefills too); a prefill worker that can encode encodes the request
      itself (no image pages move), else the encode and the image-page pull come off the TTFT slack;
@@ -110,10 +110,15 @@ def route_slo(workers: list[WorkerSnapshot], request: RouteSummary, ttft_ms: flo
 
 
 def _in_flight_ms(w: WorkerSnapshot) -> float:
-    """The iteration under way on w, which new work there waits out: the length of its last one, while w has
-    work (a prefill worker's can be α·TTFT long: ignoring it made busy workers look free)."""
+    """What is left of the iteration under way on w, which new work there waits out (a prefill worker's can be
+    α·TTFT long: ignoring it made busy workers look free). Its length is taken as its last one's, less what it
+    had run when w reported and since (the report's age). Past that length another has begun at a point we
+    cannot know: half of one. No iteration under way when w reported: the work since starts the next one."""
     load = w.load
-    return load.last_iteration_ms if (load.num_running or load.num_waiting or load.running_decode_batch) else 0.0
+    if not load.iteration_elapsed_ms:
+        return 0.0
+    left = load.last_iteration_ms - load.iteration_elapsed_ms - w.age_s * 1e3
+    return left if left > 0 else load.last_iteration_ms / 2
 
 
 def _encode_finish(w: WorkerSnapshot, request: RouteSummary, profile: LatencyProfile, config: MultiplexConfig) -> float:

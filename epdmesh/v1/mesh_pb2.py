@@ -24,19 +24,19 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15\x65pdmesh/v1/mesh.proto\x12\nepdmesh.v1\"\xad\x01\n\x0eSamplingParams\x12\x12\n\nmax_tokens\x18\x01 \x01(\r\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\r\n\x05top_k\x18\x04 \x01(\x05\x12\x11\n\x04seed\x18\x05 \x01(\x03H\x00\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\x05\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x42\x07\n\x05_seed\"e\n\x05Image\x12\x14\n\x0cpixel_values\x18\x01 \x01(\x0c\x12\r\n\x05shape\x18\x02 \x03(\r\x12\r\n\x05\x64type\x18\x03 \x01(\t\x12\x12\n\nnum_tokens\x18\x04 \x01(\r\x12\x14\n\x0c\x63ontent_hash\x18\x05 \x01(\t\"\xa6\x01\n\x0bRequestSpec\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.epdmesh.v1.SamplingParams\x12!\n\x06images\x18\x04 \x03(\x0b\x32\x11.epdmesh.v1.Image\x12\x18\n\x10output_token_ids\x18\x05 \x03(\x05\"i\n\nPageLayout\x12#\n\x04kind\x18\x01 \x01(\x0e\x32\x15.epdmesh.v1.CacheKind\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\x12\n\nblock_size\x18\x03 \x01(\r\x12\x13\n\x0b\x62lock_shape\x18\x04 \x03(\r\"\xd6\x01\n\nPageHandle\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x10\n\x08lease_id\x18\x03 \x01(\t\x12\x11\n\tblock_ids\x18\x04 \x03(\r\x12\x12\n\nnum_tokens\x18\x05 \x01(\r\x12&\n\x06layout\x18\x06 \x01(\x0b\x32\x16.epdmesh.v1.PageLayout\x12\x1c\n\x14lease_expiry_unix_ms\x18\x07 \x01(\x03\x12\x0f\n\x07\x62\x61\x63kend\x18\x08 \x01(\t\x12\x14\n\x0c\x62\x61\x63kend_info\x18\t \x01(\x0c\"\xac\x01\n\nTokenChunk\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x15\n\rfinish_reason\x18\x02 \x01(\t\x12\x15\n\x0bstop_string\x18\x03 \x01(\tH\x00\x12\x17\n\rstop_token_id\x18\x04 \x01(\x05H\x00\x12\x11\n\x04text\x18\x05 \x01(\tH\x01\x88\x01\x01\x12\x19\n\x11num_prompt_tokens\x18\x06 \x01(\rB\r\n\x0bstop_reasonB\x07\n\x05_text\"9\n\rEncodeRequest\x12(\n\x07request\x18\x01 \x01(\x0b\x32\x17.epdmesh.v1.RequestSpec\"=\n\x0e\x45ncodeResponse\x12+\n\x0bimage_pages\x18\x01 \x01(\x0b\x32\x16.epdmesh.v1.PageHandle\"g\n\x0ePrefillRequest\x12(\n\x07request\x18\x01 \x01(\x0b\x32\x17.epdmesh.v1.RequestSpec\x12+\n\x0bimage_pages\x18\x02 \x01(\x0b\x32\x16.epdmesh.v1.PageHandle\"b\n\x0fPrefillResponse\x12%\n\x05\x66irst\x18\x01 \x01(\x0b\x32\x16.epdmesh.v1.TokenChunk\x12(\n\x08kv_pages\x18\x02 \x01(\x0b\x32\x16.epdmesh.v1.PageHandle\"\x90\x01\n\rDecodeRequest\x12(\n\x07request\x18\x01 \x01(\x0b\x32\x17.epdmesh.v1.RequestSpec\x12(\n\x08kv_pages\x18\x02 \x01(\x0b\x32\x16.epdmesh.v1.PageHandle\x12+\n\x0bimage_pages\x18\x03 \x01(\x0b\x32\x16.epdmesh.v1.PageHandle\"9\n\x10PullPagesRequest\x12\x10\n\x08lease_id\x18\x01 \x01(\t\x12\x13\n\x0b\x63hunk_bytes\x18\x02 \x01(\r\"\x19\n\tPageChunk\x12\x0c\n\x04\x64\x61ta\x18\x01 \x01(\x0c\"\'\n\x13ReleasePagesRequest\x12\x10\n\x08lease_id\x18\x01 \x01(\t\"(\n\x14ReleasePagesResponse\x12\x10\n\x08released\x18\x01 \x01(\x08\"\x0e\n\x0cStatsRequest\"\x8e\x03\n\nWorkerLoad\x12\x13\n\x0bnum_waiting\x18\x01 \x01(\r\x12\x13\n\x0bnum_running\x18\x02 \x01(\r\x12\x1c\n\x14running_decode_batch\x18\x03 \x01(\r\x12 \n\x18unfinished_decode_tokens\x18\x04 \x01(\r\x12\x19\n\x11last_iteration_ms\x18\x05 \x01(\x01\x12\x16\n\x0ekv_blocks_free\x18\x06 \x01(\r\x12\x17\n\x0fkv_blocks_total\x18\x07 \x01(\r\x12\x19\n\x11image_blocks_free\x18\x08 \x01(\r\x12\x1a\n\x12image_blocks_total\x18\t \x01(\r\x12\x12\n\nnum_leases\x18\n \x01(\r\x12\x12\n\niterations\x18\x0b \x01(\x04\x12\x1d\n\x15queued_prefill_tokens\x18\x0c \x01(\r\x12\x15\n\rqueued_images\x18\r \x01(\r\x12\x1d\n\x15\x64\x65\x63ode_context_tokens\x18\x0e \x01(\r\x12\x16\n\x0ekv_tokens_free\x18\x0f \x01(\r\"\xb5\x01\n\nWorkerInfo\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12 \n\x05roles\x18\x03 \x03(\x0e\x32\x11.epdmesh.v1.Stage\x12\r\n\x05model\x18\x04 \x01(\t\x12\x15\n\rmax_model_len\x18\x05 \x01(\r\x12\x18\n\x10transfer_backend\x18\x06 \x01(\t\x12\x0b\n\x03pid\x18\x07 \x01(\r\x12\x14\n\x0cmetrics_port\x18\x08 \x01(\r\"]\n\x0fRegisterRequest\x12$\n\x04info\x18\x01 \x01(\x0b\x32\x16.epdmesh.v1.WorkerInfo\x12$\n\x04load\x18\x02 \x01(\x0b\x32\x16.epdmesh.v1.WorkerLoad\"?\n\x10RegisterResponse\x12\x1c\n\x14heartbeat_interval_s\x18\x01 \x01(\x01\x12\r\n\x05ttl_s\x18\x02 \x01(\x01\"i\n\x10HeartbeatRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12$\n\x04load\x18\x02 \x01(\x0b\x32\x16.epdmesh.v1.WorkerLoad\x12\x1c\n\x14\x61\x64mitted_request_ids\x18\x03 \x03(\t\"\"\n\x11HeartbeatResponse\x12\r\n\x05known\x18\x01 \x01(\x08\"&\n\x11\x44\x65registerRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\"\x14\n\x12\x44\x65registerResponse\"\xbe\x01\n\x0cRouteRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x19\n\x11num_prompt_tokens\x18\x02 \x01(\r\x12\x12\n\nnum_images\x18\x03 \x01(\r\x12\x12\n\nmax_tokens\x18\x04 \x01(\r\x12\x1a\n\x12\x65xclude_worker_ids\x18\x05 \x03(\t\x12\x13\n\x0bttft_slo_ms\x18\x06 \x01(\x02\x12\x12\n\ntbt_slo_ms\x18\x07 \x01(\x02\x12\x12\n\nelapsed_ms\x18\x08 \x01(\x02\"/\n\tWorkerRef\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\"\xe0\x01\n\tRoutePlan\x12&\n\x07\x65ncoder\x18\x01 \x01(\x0b\x32\x15.epdmesh.v1.WorkerRef\x12&\n\x07prefill\x18\x02 \x01(\x0b\x32\x15.epdmesh.v1.WorkerRef\x12&\n\x07\x64\x65\x63oder\x18\x03 \x01(\x0b\x32\x15.epdmesh.v1.WorkerRef\x12%\n\x04path\x18\x04 \x01(\x0e\x32\x17.epdmesh.v1.PrefillPath\x12\x1e\n\x11predicted_ttft_ms\x18\x05 \x01(\x01H\x00\x88\x01\x01\x42\x14\n\x12_predicted_ttft_ms\"\x14\n\x12ListWorkersRequest\"h\n\x0bWorkerEntry\x12$\n\x04info\x18\x01 \x01(\x0b\x32\x16.epdmesh.v1.WorkerInfo\x12$\n\x04load\x18\x02 \x01(\x0b\x32\x16.epdmesh.v1.WorkerLoad\x12\r\n\x05\x61ge_s\x18\x03 \x01(\x01\"?\n\x13ListWorkersResponse\x12(\n\x07workers\x18\x01 \x03(\x0b\x32\x17.epdmesh.v1.WorkerEntry*U\n\x05Stage\x12\x15\n\x11STAGE_UNSPECIFIED\x10\x00\x12\x10\n\x0cSTAGE_ENCODE\x10\x01\x12\x11\n\rSTAGE_PREFILL\x10\x02\x12\x10\n\x0cSTAGE_DECODE\x10\x03*P\n\tCacheKind\x12\x1a\n\x16\x43\x41\x43HE_KIND_UNSPECIFIED\x10\x00\x12\x11\n\rCACHE_KIND_KV\x10\x01\x12\x14\n\x10\x43\x41\x43HE_KIND_IMAGE\x10\x02*\x81\x01\n\x0bPrefillPath\x12\x1c\n\x18PREFILL_PATH_UNSPECIFIED\x10\x00\x12\x1a\n\x16PREFILL_PATH_COLOCATED\x10\x01\x12\x1a\n\x16PREFILL_PATH_DEDICATED\x10\x02\x12\x1c\n\x18PREFILL_PATH_MULTIPLEXED\x10\x03\x32J\n\x07\x45ncoder\x12?\n\x06\x45ncode\x12\x19.epdmesh.v1.EncodeRequest\x1a\x1a.epdmesh.v1.EncodeResponse2O\n\tPrefiller\x12\x42\n\x07Prefill\x12\x1a.epdmesh.v1.PrefillRequest\x1a\x1b.epdmesh.v1.PrefillResponse2H\n\x07\x44\x65\x63oder\x12=\n\x06\x44\x65\x63ode\x12\x19.epdmesh.v1.DecodeRequest\x1a\x16.epdmesh.v1.TokenChunk0\x01\x32\xda\x01\n\x06Worker\x12\x42\n\tPullPages\x12\x1c.epdmesh.v1.PullPagesRequest\x1a\x15.epdmesh.v1.PageChunk0\x01\x12Q\n\x0cReleasePages\x12\x1f.epdmesh.v1.ReleasePagesRequest\x1a .epdmesh.v1.ReleasePagesResponse\x12\x39\n\x05Stats\x12\x18.epdmesh.v1.StatsRequest\x1a\x16.epdmesh.v1.WorkerLoad2\xf0\x02\n\x06Toggle\x12\x45\n\x08Register\x12\x1b.epdmesh.v1.RegisterRequest\x1a\x1c.epdmesh.v1.RegisterResponse\x12H\n\tHeartbeat\x12\x1c.epdmesh.v1.HeartbeatRequest\x1a\x1d.epdmesh.v1.HeartbeatResponse\x12K\n\nDeregister\x12\x1d.epdmesh.v1.DeregisterRequest\x1a\x1e.epdmesh.v1.DeregisterResponse\x12\x38\n\x05Route\x12\x18.epdmesh.v1.RouteRequest\x1a\x15.epdmesh.v1.RoutePlan\x12N\n\x0bListWorkers\x12\x1e.epdmesh.v1.ListWorkersRequest\x1a\x1f.epdmesh.v1.ListWorkersResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15\x65pdmesh/v1/mesh.proto\x12\nepdmesh.v1\"\xad\x01\n\x0eSamplingParams\x12\x12\n\nmax_tokens\x18\x01 \x01(\r\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\r\n\x05top_k\x18\x04 \x01(\x05\x12\x11\n\x04seed\x18\x05 \x01(\x03H\x00\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\x05\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x42\x07\n\x05_seed\"e\n\x05Image\x12\x14\n\x0cpixel_values\x18\x01 \x01(\x0c\x12\r\n\x05shape\x18\x02 \x03(\r\x12\r\n\x05\x64type\x18\x03 \x01(\t\x12\x12\n\nnum_tokens\x18\x04 \x01(\r\x12\x14\n\x0c\x63ontent_hash\x18\x05 \x01(\t\"\xa6\x01\n\x0bRequestSpec\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.epdmesh.v1.SamplingParams\x12!\n\x06images\x18\x04 \x03(\x0b\x32\x11.epdmesh.v1.Image\x12\x18\n\x10output_token_ids\x18\x05 \x03(\x05\"i\n\nPageLayout\x12#\n\x04kind\x18\x01 \x01(\x0e\x32\x15.epdmesh.v1.CacheKind\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\x12\n\nblock_size\x18\x03 \x01(\r\x12\x13\n\x0b\x62lock_shape\x18\x04 \x03(\r\"\xd6\x01\n\nPageHandle\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x10\n\x08lease_id\x18\x03 \x01(\t\x12\x11\n\tblock_ids\x18\x04 \x03(\r\x12\x12\n\nnum_tokens\x18\x05 \x01(\r\x12&\n\x06layout\x18\x06 \x01(\x0b\x32\x16.epdmesh.v1.PageLayout\x12\x1c\n\x14lease_expiry_unix_ms\x18\x07 \x01(\x03\x12\x0f\n\x07\x62\x61\x63kend\x18\x08 \x01(\t\x12\x14\n\x0c\x62\x61\x63kend_info\x18\t \x01(\x0c\"\xac\x01\n\nTokenChunk\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x15\n\rfinish_reason\x18\x02 \x01(\t\x12\x15\n\x0bstop_string\x18\x03 \x01(\tH\x00\x12\x17\n\rstop_token_id\x18\x04 \x01(\x05H\x00\x12\x11\n\x04text\x18\x05 \x01(\tH\x01\x88\x01\x01\x12\x19\n\x11num_prompt_tokens\x18\x06 \x01(\rB\r\n\x0bstop_reasonB\x07\n\x05_text\"9\n\rEncodeRequest\x12(\n\x07request\x18\x01 \x01(\x0b\x32\x17.epdmesh.v1.RequestSpec\"=\n\x0e\x45ncodeResponse\x12+\n\x0bimage_pages\x18\x01 \x01(\x0b\x32\x16.epdmesh.v1.PageHandle\"g\n\x0ePrefillRequest\x12(\n\x07request\x18\x01 \x01(\x0b\x32\x17.epdmesh.v1.RequestSpec\x12+\n\x0bimage_pages\x18\x02 \x01(\x0b\x32\x16.epdmesh.v1.PageHandle\"b\n\x0fPrefillResponse\x12%\n\x05\x66irst\x18\x01 \x01(\x0b\x32\x16.epdmesh.v1.TokenChunk\x12(\n\x08kv_pages\x18\x02 \x01(\x0b\x32\x16.epdmesh.v1.PageHandle\"\x90\x01\n\rDecodeRequest\x12(\n\x07request\x18\x01 \x01(\x0b\x32\x17.epdmesh.v1.RequestSpec\x12(\n\x08kv_pages\x18\x02 \x01(\x0b\x32\x16.epdmesh.v1.PageHandle\x12+\n\x0bimage_pages\x18\x03 \x01(\x0b\x32\x16.epdmesh.v1.PageHandle\"9\n\x10PullPagesRequest\x12\x10\n\x08lease_id\x18\x01 \x01(\t\x12\x13\n\x0b\x63hunk_bytes\x18\x02 \x01(\r\"\x19\n\tPageChunk\x12\x0c\n\x04\x64\x61ta\x18\x01 \x01(\x0c\"\'\n\x13ReleasePagesRequest\x12\x10\n\x08lease_id\x18\x01 \x01(\t\"(\n\x14ReleasePagesResponse\x12\x10\n\x08released\x18\x01 \x01(\x08\"\x0e\n\x0cStatsRequest\"\xac\x03\n\nWorkerLoad\x12\x13\n\x0bnum_waiting\x18\x01 \x01(\r\x12\x13\n\x0bnum_running\x18\x02 \x01(\r\x12\x1c\n\x14running_decode_batch\x18\x03 \x01(\r\x12 \n\x18unfinished_decode_tokens\x18\x04 \x01(\r\x12\x19\n\x11last_iteration_ms\x18\x05 \x01(\x01\x12\x16\n\x0ekv_blocks_free\x18\x06 \x01(\r\x12\x17\n\x0fkv_blocks_total\x18\x07 \x01(\r\x12\x19\n\x11image_blocks_free\x18\x08 \x01(\r\x12\x1a\n\x12image_blocks_total\x18\t \x01(\r\x12\x12\n\nnum_leases\x18\n \x01(\r\x12\x12\n\niterations\x18\x0b \x01(\x04\x12\x1d\n\x15queued_prefill_tokens\x18\x0c \x01(\r\x12\x15\n\rqueued_images\x18\r \x01(\r\x12\x1d\n\x15\x64\x65\x63ode_context_tokens\x18\x0e \x01(\r\x12\x16\n\x0ekv_tokens_free\x18\x0f \x01(\r\x12\x1c\n\x14iteration_elapsed_ms\x18\x10 \x01(\x01\"\xb5\x01\n\nWorkerInfo\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12 \n\x05roles\x18\x03 \x03(\x0e\x32\x11.epdmesh.v1.Stage\x12\r\n\x05model\x18\x04 \x01(\t\x12\x15\n\rmax_model_len\x18\x05 \x01(\r\x12\x18\n\x10transfer_backend\x18\x06 \x01(\t\x12\x0b\n\x03pid\x18\x07 \x01(\r\x12\x14\n\x0cmetrics_port\x18\x08 \x01(\r\"]\n\x0fRegisterRequest\x12$\n\x04info\x18\x01 \x01(\x0b\x32\x16.epdmesh.v1.WorkerInfo\x12$\n\x04load\x18\x02 \x01(\x0b\x32\x16.epdmesh.v1.WorkerLoad\"?\n\x10RegisterResponse\x12\x1c\n\x14heartbeat_interval_s\x18\x01 \x01(\x01\x12\r\n\x05ttl_s\x18\x02 \x01(\x01\"i\n\x10HeartbeatRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12$\n\x04load\x18\x02 \x01(\x0b\x32\x16.epdmesh.v1.WorkerLoad\x12\x1c\n\x14\x61\x64mitted_request_ids\x18\x03 \x03(\t\"\"\n\x11HeartbeatResponse\x12\r\n\x05known\x18\x01 \x01(\x08\"&\n\x11\x44\x65registerRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\"\x14\n\x12\x44\x65registerResponse\"\xbe\x01\n\x0cRouteRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x19\n\x11num_prompt_tokens\x18\x02 \x01(\r\x12\x12\n\nnum_images\x18\x03 \x01(\r\x12\x12\n\nmax_tokens\x18\x04 \x01(\r\x12\x1a\n\x12\x65xclude_worker_ids\x18\x05 \x03(\t\x12\x13\n\x0bttft_slo_ms\x18\x06 \x01(\x02\x12\x12\n\ntbt_slo_ms\x18\x07 \x01(\x02\x12\x12\n\nelapsed_ms\x18\x08 \x01(\x02\"/\n\tWorkerRef\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\"\xe0\x01\n\tRoutePlan\x12&\n\x07\x65ncoder\x18\x01 \x01(\x0b\x32\x15.epdmesh.v1.WorkerRef\x12&\n\x07prefill\x18\x02 \x01(\x0b\x32\x15.epdmesh.v1.WorkerRef\x12&\n\x07\x64\x65\x63oder\x18\x03 \x01(\x0b\x32\x15.epdmesh.v1.WorkerRef\x12%\n\x04path\x18\x04 \x01(\x0e\x32\x17.epdmesh.v1.PrefillPath\x12\x1e\n\x11predicted_ttft_ms\x18\x05 \x01(\x01H\x00\x88\x01\x01\x42\x14\n\x12_predicted_ttft_ms\"\x14\n\x12ListWorkersRequest\"h\n\x0bWorkerEntry\x12$\n\x04info\x18\x01 \x01(\x0b\x32\x16.epdmesh.v1.WorkerInfo\x12$\n\x04load\x18\x02 \x01(\x0b\x32\x16.epdmesh.v1.WorkerLoad\x12\r\n\x05\x61ge_s\x18\x03 \x01(\x01\"?\n\x13ListWorkersResponse\x12(\n\x07workers\x18\x01 \x03(\x0b\x32\x17.epdmesh.v1.WorkerEntry*U\n\x05Stage\x12\x15\n\x11STAGE_UNSPECIFIED\x10\x00\x12\x10\n\x0cSTAGE_ENCODE\x10\x01\x12\x11\n\rSTAGE_PREFILL\x10\x02\x12\x10\n\x0cSTAGE_DECODE\x10\x03*P\n\tCacheKind\x12\x1a\n\x16\x43\x41\x43HE_KIND_UNSPECIFIED\x10\x00\x12\x11\n\rCACHE_KIND_KV\x10\x01\x12\x14\n\x10\x43\x41\x43HE_KIND_IMAGE\x10\x02*\x81\x01\n\x0bPrefillPath\x12\x1c\n\x18PREFILL_PATH_UNSPECIFIED\x10\x00\x12\x1a\n\x16PREFILL_PATH_COLOCATED\x10\x01\x12\x1a\n\x16PREFILL_PATH_DEDICATED\x10\x02\x12\x1c\n\x18PREFILL_PATH_MULTIPLEXED\x10\x03\x32J\n\x07\x45ncoder\x12?\n\x06\x45ncode\x12\x19.epdmesh.v1.EncodeRequest\x1a\x1a.epdmesh.v1.EncodeResponse2O\n\tPrefiller\x12\x42\n\x07Prefill\x12\x1a.epdmesh.v1.PrefillRequest\x1a\x1b.epdmesh.v1.PrefillResponse2H\n\x07\x44\x65\x63oder\x12=\n\x06\x44\x65\x63ode\x12\x19.epdmesh.v1.DecodeRequest\x1a\x16.epdmesh.v1.TokenChunk0\x01\x32\xda\x01\n\x06Worker\x12\x42\n\tPullPages\x12\x1c.epdmesh.v1.PullPagesRequest\x1a\x15.epdmesh.v1.PageChunk0\x01\x12Q\n\x0cReleasePages\x12\x1f.epdmesh.v1.ReleasePagesRequest\x1a .epdmesh.v1.ReleasePagesResponse\x12\x39\n\x05Stats\x12\x18.epdmesh.v1.StatsRequest\x1a\x16.epdmesh.v1.WorkerLoad2\xf0\x02\n\x06Toggle\x12\x45\n\x08Register\x12\x1b.epdmesh.v1.RegisterRequest\x1a\x1c.epdmesh.v1.RegisterResponse\x12H\n\tHeartbeat\x12\x1c.epdmesh.v1.HeartbeatRequest\x1a\x1d.epdmesh.v1.HeartbeatResponse\x12K\n\nDeregister\x12\x1d.epdmesh.v1.DeregisterRequest\x1a\x1e.epdmesh.v1.DeregisterResponse\x12\x38\n\x05Route\x12\x18.epdmesh.v1.RouteRequest\x1a\x15.epdmesh.v1.RoutePlan\x12N\n\x0bListWorkers\x12\x1e.epdmesh.v1.ListWorkersRequest\x1a\x1f.epdmesh.v1.ListWorkersResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'epdmesh.v1.mesh_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_STAGE']._serialized_start=3255
-  _globals['_STAGE']._serialized_end=3340
-  _globals['_CACHEKIND']._serialized_start=3342
-  _globals['_CACHEKIND']._serialized_end=3422
-  _globals['_PREFILLPATH']._serialized_start=3425
-  _globals['_PREFILLPATH']._serialized_end=3554
+  _globals['_STAGE']._serialized_start=3285
+  _globals['_STAGE']._serialized_end=3370
+  _globals['_CACHEKIND']._serialized_start=3372
+  _globals['_CACHEKIND']._serialized_end=3452
+  _globals['_PREFILLPATH']._serialized_start=3455
+  _globals['_PREFILLPATH']._serialized_end=3584
   _globals['_SAMPLINGPARAMS']._serialized_start=38
   _globals['_SAMPLINGPARAMS']._serialized_end=211
   _globals['_IMAGE']._serialized_start=213
@@ -70,41 +70,41 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_STATSREQUEST']._serialized_start=1627
   _globals['_STATSREQUEST']._serialized_end=1641
   _globals['_WORKERLOAD']._serialized_start=1644
-  _globals['_WORKERLOAD']._serialized_end=2042
-  _globals['_WORKERINFO']._serialized_start=2045
-  _globals['_WORKERINFO']._serialized_end=2226
-  _globals['_REGISTERREQUEST']._serialized_start=2228
-  _globals['_REGISTERREQUEST']._serialized_end=2321
-  _globals['_REGISTERRESPONSE']._serialized_start=2323
-  _globals['_REGISTERRESPONSE']._serialized_end=2386
-  _globals['_HEARTBEATREQUEST']._serialized_start=2388
-  _globals['_HEARTBEATREQUEST']._serialized_end=2493
-  _globals['_HEARTBEATRESPONSE']._serialized_start=2495
-  _globals['_HEARTBEATRESPONSE']._serialized_end=2529
-  _globals['_DEREGISTERREQUEST']._serialized_start=2531
-  _globals['_DEREGISTERREQUEST']._serialized_end=2569
-  _globals['_DEREGISTERRESPONSE']._serialized_start=2571
-  _globals['_DEREGISTERRESPONSE']._serialized_end=2591
-  _globals['_ROUTEREQUEST']._serialized_start=2594
-  _globals['_ROUTEREQUEST']._serialized_end=2784
-  _globals['_WORKERREF']._serialized_start=2786
-  _globals['_WORKERREF']._serialized_end=2833
-  _globals['_ROUTEPLAN']._serialized_start=2836
-  _globals['_ROUTEPLAN']._serialized_end=3060
-  _globals['_LISTWORKERSREQUEST']._serialized_start=3062
-  _globals['_LISTWORKERSREQUEST']._serialized_end=3082
-  _globals['_WORKERENTRY']._serialized_start=3084
-  _globals['_WORKERENTRY']._serialized_end=3188
-  _globals['_LISTWORKERSRESPONSE']._serialized_start=3190
-  _globals['_LISTWORKERSRESPONSE']._serialized_end=3253
-  _globals['_ENCODER']._serialized_start=3556
-  _globals['_ENCODER']._serialized_end=3630
-  _globals['_PREFILLER']._serialized_start=3632
-  _globals['_PREFILLER']._serialized_end=3711
-  _globals['_DECODER']._serialized_start=3713
-  _globals['_DECODER']._serialized_end=3785
-  _globals['_WORKER']._serialized_start=3788
-  _globals['_WORKER']._serialized_end=4006
-  _globals['_TOGGLE']._serialized_start=4009
-  _globals['_TOGGLE']._serialized_end=4377
+  _globals['_WORKERLOAD']._serialized_end=2072
+  _globals['_WORKERINFO']._serialized_start=2075
+  _globals['_WORKERINFO']._serialized_end=2256
+  _globals['_REGISTERREQUEST']._serialized_start=2258
+  _globals['_REGISTERREQUEST']._serialized_end=2351
+  _globals['_REGISTERRESPONSE']._serialized_start=2353
+  _globals['_REGISTERRESPONSE']._serialized_end=2416
+  _globals['_HEARTBEATREQUEST']._serialized_start=2418
+  _globals['_HEARTBEATREQUEST']._serialized_end=2523
+  _globals['_HEARTBEATRESPONSE']._serialized_start=2525
+  _globals['_HEARTBEATRESPONSE']._serialized_end=2559
+  _globals['_DEREGISTERREQUEST']._serialized_start=2561
+  _globals['_DEREGISTERREQUEST']._serialized_end=2599
+  _globals['_DEREGISTERRESPONSE']._serialized_start=2601
+  _globals['_DEREGISTERRESPONSE']._serialized_end=2621
+  _globals['_ROUTEREQUEST']._serialized_start=2624
+  _globals['_ROUTEREQUEST']._serialized_end=2814
+  _globals['_WORKERREF']._serialized_start=2816
+  _globals['_WORKERREF']._serialized_end=2863
+  _globals['_ROUTEPLAN']._serialized_start=2866
+  _globals['_ROUTEPLAN']._serialized_end=3090
+  _globals['_LISTWORKERSREQUEST']._serialized_start=3092
+  _globals['_LISTWORKERSREQUEST']._serialized_end=3112
+  _globals['_WORKERENTRY']._serialized_start=3114
+  _globals['_WORKERENTRY']._serialized_end=3218
+  _globals['_LISTWORKERSRESPONSE']._serialized_start=3220
+  _globals['_LISTWORKERSRESPONSE']._serialized_end=3283
+  _globals['_ENCODER']._serialized_start=3586
+  _globals['_ENCODER']._serialized_end=3660
+  _globals['_PREFILLER']._serialized_start=3662
+  _globals['_PREFILLER']._serialized_end=3741
+  _globals['_DECODER']._serialized_start=3743
+  _globals['_DECODER']._serialized_end=3815
+  _globals['_WORKER']._serialized_start=3818
+  _globals['_WORKER']._serialized_end=4036
+  _globals['_TOGGLE']._serialized_start=4039
+  _globals['_TOGGLE']._serialized_end=4407
 # @@protoc_insertion_point(module_scope)

@@ -135,3 +135,39 @@ def test_prefix_caching_reuses_blocks_and_keeps_outputs(tiny_dir, model):
     assert starts == [0, 64]
     assert second.output_token_ids == first.output_token_ids
     assert_pools_full(engine)
+
+
+def test_the_async_engine_reports_how_long_the_step_under_way_has_run():
+    """What a worker's load reports, so a router knows what is left of a long prefill iteration."""
+    import threading
+    import time
+
+    from common.engine.async_engine import AsyncEngine
+
+    release = threading.Event()
+
+    class OneSlowStep:
+        requests: dict = {}
+        steps = 0
+
+        @property
+        def has_unfinished(self) -> bool:
+            return self.steps < 1
+
+        def step(self):
+            release.wait(10)
+            self.steps += 1
+            return []
+
+    engine = AsyncEngine(OneSlowStep())
+    try:
+        time.sleep(0.2)
+        assert 150 <= engine.iteration_elapsed_ms < 10_000
+        release.set()
+        for _ in range(100):
+            if engine.iterations:
+                break
+            time.sleep(0.01)
+        assert engine.iteration_elapsed_ms == 0 and engine.last_iteration_ms >= 150
+    finally:
+        engine.shutdown()

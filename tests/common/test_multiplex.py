@@ -146,14 +146,29 @@ def test_a_busy_prefill_worker_first_finishes_its_iteration_under_way():
     long prompt to the decoder when the dedicated worker is mid-iteration, and not when it is idle."""
     idle = [w("e", {E}), w("p", {P}), w("pd", {P, D}, running_decode_batch=2)]
     assert decide(idle, 600, tbt=200).plan.path == PrefillPath.DEDICATED  # 60 ms on P; long prompts prefer ①
-    busy = [w("e", {E}), w("p", {P}, num_running=1, last_iteration_ms=450), w("pd", {P, D}, running_decode_batch=2)]
-    d = decide(busy, 600, tbt=200)  # P: 450 + 60 > 500; PD: its decode step under way, then one with 600 tokens
+    busy = [w("e", {E}), w("p", {P}, num_running=1, last_iteration_ms=480, iteration_elapsed_ms=30),
+            w("pd", {P, D}, running_decode_batch=2)]
+    d = decide(busy, 600, tbt=200)  # P: 450 left + 60 > 500; PD: its decode step under way, then one with 600 tokens
     assert (d.plan.path, d.plan.prefill.worker_id) == (PrefillPath.MULTIPLEXED, "pd") and d.meets_slo
     from common.latency.model import decode_ms, iteration_ms
 
     assert d.predicted_ttft_ms == pytest.approx(decode_ms(PROFILE, 2, 0)
                                                 + iteration_ms(PROFILE, decodes=2, decode_context=0, chunks=[(600, 0)]))
-    ep = [w("ep1", {E, P}, num_running=1, last_iteration_ms=300), w("ep2", {E, P}, queued_images=2), w("d", {D})]
+    ep = [w("ep1", {E, P}, num_running=1, last_iteration_ms=300, iteration_elapsed_ms=1e-3), w("ep2", {E, P}, queued_images=2),
+          w("d", {D})]
     d = decide(ep, 200, images=1)  # ep1: 300 under way + 10 to encode; ep2: its 3 images, 30 ms: ep2 encodes
     assert (d.plan.encoder.worker_id, d.plan.prefill.worker_id) == ("ep2", "ep2")
     assert d.predicted_ttft_ms == pytest.approx(30 + 20) and d.slack_ms == pytest.approx(500 - 30)
+
+
+def test_what_is_left_of_the_iteration_under_way_counts_from_the_report_and_its_age():
+    """P reported 100 ms into an iteration as long as its last (400 ms), 0.1 s ago: 200 ms are left. A report
+    older than the iteration says another began at an unknown point: half of one. None under way: nothing."""
+    def ttft(age, elapsed):
+        p = w("p", {P}, age=age, num_running=1, last_iteration_ms=400, iteration_elapsed_ms=elapsed)
+        return decide([p, w("d", {D})], 100, ttft=2000).predicted_ttft_ms - 10  # less the prefill's own 10 ms
+
+    assert ttft(0.1, 100) == pytest.approx(200)
+    assert ttft(0.0, 399) == pytest.approx(1)
+    assert ttft(0.5, 100) == pytest.approx(200)  # 400 - 100 - 500 < 0: a later iteration, halfway on average
+    assert ttft(0.1, 0) == pytest.approx(0)  # between iterations when reported: the next one starts with this
