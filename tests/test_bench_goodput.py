@@ -88,3 +88,22 @@ def test_prediction_report_takes_the_requests_routed_between_two_reads_per_path_
     assert late["p10_error_ms"] == 2 and late["late_fraction"] == 1.0
     assert report["by_path"]["multiplexed"] == {"count": 1, "p10_error_ms": -10, "median_error_ms": -10,
                                                 "p90_error_ms": -10, "late_fraction": 0.0}
+
+
+def test_a_goodput_above_the_bound_is_flagged_as_a_burst_not_a_sustained_rate(tmp_path, capsys):
+    import types
+
+    from bench.goodput_report import finish
+
+    def run(goodput):
+        return {"output_tokens": 32, "goodput": goodput, "goodput_bound": 85.9,
+                "points": [{"request_rate": goodput, "slo_attainment": 0.95, "completed": 80}]}
+
+    report = {"workloads": ["textcaps"], "attainment": 0.9, "backend": "test", "slo_ttft_ms": 1000, "slo_tbt_ms": 150,
+              "arrival": "mooncake", "num_prompts": 80, "configs": {"A": {"textcaps": run(60.0)}}}
+    finish(report, tmp_path / "r.json", types.SimpleNamespace(plot=None))
+    assert "above the bound" not in capsys.readouterr().out
+    report["configs"]["B"] = {"textcaps": run(100.0)}
+    finish(report, tmp_path / "r.json", types.SimpleNamespace(plot=None))
+    out = capsys.readouterr().out
+    assert "B on textcaps came out above the bound" in out and "within ~0.8 s" in out and "--num-prompts" in out
