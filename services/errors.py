@@ -9,7 +9,7 @@ import logging
 import grpc
 
 from common.engine.async_engine import EngineDead
-from common.engine.engine import RequestRejected
+from common.engine.engine import NoRoomForPages, RequestRejected
 from common.paged_cache import PageLayoutMismatch
 from common.transfer import PullFailed
 from services.worker.runtime import ShuttingDown
@@ -18,6 +18,7 @@ log = logging.getLogger(__name__)
 
 _CODES: list[tuple[type[BaseException], grpc.StatusCode]] = [
     (PageLayoutMismatch, grpc.StatusCode.FAILED_PRECONDITION),
+    (NoRoomForPages, grpc.StatusCode.RESOURCE_EXHAUSTED),  # a full cache: the gateway answers 503 + Retry-After
     (RequestRejected, grpc.StatusCode.INVALID_ARGUMENT),
     (ValueError, grpc.StatusCode.INVALID_ARGUMENT),
     (KeyError, grpc.StatusCode.NOT_FOUND),

@@ -38,6 +38,10 @@ class RequestRejected(ValueError):
     """The request cannot be served as asked; the message says what to change."""
 
 
+class NoRoomForPages(RuntimeError):
+    """The cache has no free blocks for a request's handed-over pages now; they free as other requests run."""
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class EngineStats:
     kv_blocks_total: int
@@ -179,14 +183,14 @@ class Engine:
 
     def _allocate_image_import(self, request: Request) -> None:
         if not self.scheduler.images.can_allocate(request):
-            raise RequestRejected("no free image-cache blocks for the handed-over image pages")
+            raise NoRoomForPages("no free image-cache blocks for the handed-over image pages")
         self.scheduler.images.allocate(request)
 
     def _allocate_kv_import(self, request: Request) -> None:
         if len(request.output_token_ids) != 1:
             raise RequestRejected("a request that starts at decode carries exactly its first sampled token")
         if not self.scheduler.kv.can_allocate(request):
-            raise RequestRejected("no free KV blocks for the handed-over KV pages")
+            raise NoRoomForPages("no free KV blocks for the handed-over KV pages")
         kv = self.scheduler.kv
         request.block_table = kv.pool.allocate(blocks_for(kv.reserved_tokens(request), kv.block_size))
 

@@ -20,6 +20,7 @@ import time
 from collections.abc import AsyncIterator
 
 from common.engine.async_engine import AsyncEngine
+from common.engine.engine import NoRoomForPages
 from common.engine.outputs import RequestOutput
 from common.paged_cache import PagedBuffer, PagePayload
 from common.request import Request, Stage
@@ -27,6 +28,8 @@ from common.telemetry.metrics import WorkerMetrics
 from common.telemetry.tracing import Tracing
 from common.transfer import LeaseTable, PageHandle, PagePuller
 from common.workers import WorkerLoad
+
+IMPORT_WAIT_S = 10.0  # how long handed-over pages wait for cache room here (other requests free theirs as they run)
 
 log = logging.getLogger(__name__)
 
@@ -86,7 +89,7 @@ class WorkerRuntime:
         if handle is None:
             return False
         try:
-            kind, block_ids, num_tokens = await self.engine.call(lambda e: e.reserve_import(request))
+            kind, block_ids, num_tokens = await self._reserve_import(request, handle)
         except BaseException:
             self._spawn(self.puller.release(handle))  # we will never pull them: let the source free them now
             raise
@@ -113,6 +116,21 @@ class WorkerRuntime:
             if not done:  # free the reserved blocks before the error goes back
                 await asyncio.shield(self.engine.call(lambda e: e.cancel_import(request.request_id)))
         return True
+
+    async def _reserve_import(self, request: Request, handle: PageHandle) -> tuple[str, list[int], int]:
+        """Blocks for the handle's pages. While the cache is full, wait for the requests here to free theirs (a
+        burst queues instead of failing), up to IMPORT_WAIT_S and never past the source's lease; then
+        NoRoomForPages (the gateway answers 503 + Retry-After)."""
+        deadline = min(time.time() + IMPORT_WAIT_S, handle.lease_expiry - 1.0)
+        delay = 0.005
+        while True:
+            try:
+                return await self.engine.call(lambda e: e.reserve_import(request))
+            except NoRoomForPages:
+                if time.time() + delay > deadline:
+                    raise
+            await asyncio.sleep(delay)
+            delay = min(2 * delay, 0.1)
 
     async def _run_to_handoff(self, request: Request, preloaded: bool = False) -> RequestOutput:
         last = None

@@ -7,7 +7,7 @@ import pytest
 
 from common.engine.async_engine import AsyncEngine
 from common.engine.config import EngineConfig, parse_roles
-from common.engine.engine import Engine
+from common.engine.engine import Engine, NoRoomForPages
 from common.request import Request, Stage
 from common.sampling import SamplingParams
 from common.transfer import PullFailed
@@ -16,8 +16,8 @@ from services.worker.runtime import WorkerRuntime
 from tests.support import build_requests
 
 
-def runtime(name, roles, tiny_dir, processor, fabric) -> WorkerRuntime:
-    config = EngineConfig(model=str(tiny_dir), roles=parse_roles(roles), kv_cache_gib=0.02, image_cache_gib=0.02)
+def runtime(name, roles, tiny_dir, processor, fabric, image_cache_gib=0.02) -> WorkerRuntime:
+    config = EngineConfig(model=str(tiny_dir), roles=parse_roles(roles), kv_cache_gib=0.02, image_cache_gib=image_cache_gib)
     rt = WorkerRuntime(name, f"fake://{name}", AsyncEngine(Engine(config, detokenize=processor.detokenize)),
                        FakePuller(fabric), lease_ttl_s=30, offer_backend="fake")
     fabric.attach(f"fake://{name}", rt.read_lease, rt.release_lease)
@@ -89,3 +89,49 @@ def test_pulling_from_a_vanished_source_fails_cleanly(tiny_dir, processors):
             d.engine.shutdown()
 
     asyncio.run(main())
+
+
+def test_handed_over_pages_wait_for_cache_room_and_give_up_cleanly(tiny_dir, processors, chat_reference, monkeypatch):
+    """A prefill worker whose image cache holds one image gets two images at once: the second waits for the
+    first's blocks instead of failing. Room that never comes ends in NoRoomForPages (the gateway's 503 + Retry-After),
+    with the source's lease released and nothing held."""
+    import services.worker.runtime as runtime_module
+
+    processor = processors["tiny"]
+    cases, refs = chat_reference
+    requests = [r for r in build_requests(processor, cases) if r.images][:2]
+    assert len(requests) == 2
+
+    async def main():
+        fabric = FakeFabric()
+        e = runtime("e", "e", tiny_dir, processor, fabric)
+        layout = e.engine.engine.image_cache.layout
+        per_image = -(-requests[0].num_image_tokens // layout.block_size)
+        one_image = 1.5 * per_image * layout.bytes_per_block / 2**30
+        p = runtime("p", "p", tiny_dir, processor, fabric, image_cache_gib=one_image)
+        try:
+            assert p.load().image_blocks_total < 2 * per_image  # room for one image at a time
+            handles = [await e.encode(stage_copy(r, Stage.ENCODE, Stage.ENCODE, "encode")) for r in requests]
+            firsts = await asyncio.gather(*(p.prefill(stage_copy(r, Stage.PREFILL, Stage.PREFILL, "prefill"), h)
+                                            for r, h in zip(requests, handles)))
+            for r, (out, kv) in zip(requests, firsts):
+                assert out.output_token_ids[:1] == refs[r.request_id].tokens[:1]
+                await p.puller.release(kv)
+            monkeypatch.setattr(runtime_module, "IMPORT_WAIT_S", 0.3)
+            filler = stage_copy(requests[0], Stage.PREFILL, Stage.PREFILL, "filler")
+            await p.engine.call(lambda eng: eng.reserve_import(filler))  # the cache is full and stays so
+            handle = await e.encode(stage_copy(requests[1], Stage.ENCODE, Stage.ENCODE, "encode-2"))
+            with pytest.raises(NoRoomForPages, match="no free image-cache blocks"):
+                await p.prefill(stage_copy(requests[1], Stage.PREFILL, Stage.PREFILL, "prefill-2"), handle)
+            await p.engine.call(lambda eng: eng.cancel_import(filler.request_id))
+            for _ in range(50):  # the release of the lease is fire-and-forget
+                if not (len(e.leases) or len(p.leases)):
+                    break
+                await asyncio.sleep(0.02)
+            return [rt.load() for rt in (e, p)]
+        finally:
+            for rt in (e, p):
+                rt.engine.shutdown()
+
+    for load in asyncio.run(main()):
+        assert (load.num_leases, load.kv_blocks_free, load.image_blocks_free) == (0, load.kv_blocks_total, load.image_blocks_total)

@@ -106,3 +106,12 @@ def test_shutdown_drains_in_flight_streams_and_refuses_new_work(tiny_dir, proces
 
 async def _drain(call):
     return [chunk async for chunk in call]
+
+
+def test_a_full_cache_is_a_retryable_status_not_a_bad_request():
+    """No room for handed-over pages says 'come back' (RESOURCE_EXHAUSTED → 503 + Retry-After), not 'fix the request'."""
+    from common.engine.engine import NoRoomForPages, RequestRejected
+    from services.errors import status_for
+
+    assert status_for(NoRoomForPages("no free KV blocks")) == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert status_for(RequestRejected("over the model's limit")) == grpc.StatusCode.INVALID_ARGUMENT
