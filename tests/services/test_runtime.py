@@ -124,11 +124,12 @@ def test_handed_over_pages_wait_for_cache_room_and_give_up_cleanly(tiny_dir, pro
             with pytest.raises(NoRoomForPages, match="no free image-cache blocks"):
                 await p.prefill(stage_copy(requests[1], Stage.PREFILL, Stage.PREFILL, "prefill-2"), handle)
             await p.engine.call(lambda eng: eng.cancel_import(filler.request_id))
-            for _ in range(50):  # the release of the lease is fire-and-forget
-                if not (len(e.leases) or len(p.leases)):
+            for _ in range(250):  # the release of the lease, then of its blocks, is fire-and-forget
+                loads = [rt.load() for rt in (e, p)]
+                if all(not l.num_leases and l.image_blocks_free == l.image_blocks_total for l in loads):
                     break
                 await asyncio.sleep(0.02)
-            return [rt.load() for rt in (e, p)]
+            return loads
         finally:
             for rt in (e, p):
                 rt.engine.shutdown()
