@@ -90,7 +90,7 @@ def route_slo(workers: list[WorkerSnapshot], request: RouteSummary, ttft_ms: flo
                for p in live if p.has(Stage.PREFILL) and not p.has(Stage.DECODE)]
     handoffs = bool(options)  # dedicated prefill workers exist: they hand requests over to the decoders
     options += [_multiplexed(d, request, encode_wait(d), left, ttft_ms, tbt_ms, profile, config.decoder_token_budget,
-                             handoffs, _beside_tokens(d, config) if _encodes_here(d, request) else 0)
+                             handoffs)
                 for d in decoders if d.has(Stage.PREFILL)]
     if not options:
         return Decision(None, 0.0, left - encode_pred, "no live prefill worker", False)
@@ -124,17 +124,9 @@ def _in_flight_ms(w: WorkerSnapshot) -> float:
 def _encode_finish(w: WorkerSnapshot, request: RouteSummary, profile: LatencyProfile, config: MultiplexConfig) -> float:
     """When w would have this request's images encoded: after its iteration under way, in the next one, beside
     its next prefill chunk when it prefills too."""
-    beside = prefill_chunk_ms(profile, _beside_tokens(w, config))
-    return _in_flight_ms(w) + encode_ms(profile, w.load.queued_images + request.num_images) + beside
-
-
-def _beside_tokens(w: WorkerSnapshot, config: MultiplexConfig) -> int:
-    """Queued prompt tokens w prefills in the iteration that encodes new images: what its token budget takes (a
-    prefill that waits for its own encode there has these behind it already, not ahead of it)."""
-    if not w.has(Stage.PREFILL):
-        return 0
     budget = (config.decoder_token_budget if w.has(Stage.DECODE) else config.prefill_token_budget) or 0
-    return min(w.load.queued_prefill_tokens, budget)
+    beside = prefill_chunk_ms(profile, min(w.load.queued_prefill_tokens, budget)) if w.has(Stage.PREFILL) else 0.0
+    return _in_flight_ms(w) + encode_ms(profile, w.load.queued_images + request.num_images) + beside
 
 
 def _encodes_here(w: WorkerSnapshot, request: RouteSummary) -> bool:
@@ -153,32 +145,27 @@ def _encoder(live, finishes: dict[str, float], request, profile, config) -> tupl
 
 
 def _dedicated(p, request, encode_wait, left, ttft_ms, profile, config) -> _Option:
-    """`encode_wait`: when the image pages are ready; `left`: the TTFT still to spend. A worker that encodes the
-    request itself has the iteration under way and the queue its encode iteration prefills in `encode_wait`."""
-    here = _encodes_here(p, request)
-    queued = p.load.queued_prefill_tokens - (_beside_tokens(p, config) if here else 0)
-    queue = (0.0 if here else _in_flight_ms(p)) + prefill_ms(profile, queued)
+    """`encode_wait`: when the image pages are ready; `left`: the TTFT still to spend."""
+    queue = (0.0 if _encodes_here(p, request) else _in_flight_ms(p)) + prefill_ms(profile, p.load.queued_prefill_tokens)
     pull = transfer_ms(profile, config.kv_bytes_per_token * request.num_prompt_tokens) if config.kv_bytes_per_token else 0.0
     predicted = encode_wait + queue + prefill_ms(profile, request.num_prompt_tokens) + pull
     return _Option(PrefillPath.DEDICATED, p, predicted, max(0.0, (predicted - left) / ttft_ms))
 
 
 def _multiplexed(d, request, encode_wait, left, ttft_ms, tbt_ms, profile, budget: int | None,
-                 handoffs: bool = False, beside: int = 0) -> _Option:
+                 handoffs: bool = False) -> _Option:
     """`handoffs`: prefill workers hand requests over to the decoders, so one may join d while this prefill
-    runs there, and its first gap is the chunk iteration in flight plus its own: two of them must fit TBT.
-    `beside`: queued prompt tokens d prefills in the iteration that encodes this request (in `encode_wait`)."""
+    runs there, and its first gap is the chunk iteration in flight plus its own: two of them must fit TBT."""
     batch, context = d.load.running_decode_batch, d.load.decode_context_tokens
-    queued = d.load.queued_prefill_tokens - beside
     iteration = decode_ms(profile, batch, context)
     in_flight = 0.0 if _encodes_here(d, request) else max(iteration, _in_flight_ms(d))
     if budget is None:  # the whole prompt in one iteration beside the running decodes
-        queue = prefill_ms(profile, queued)
+        queue = prefill_ms(profile, d.load.queued_prefill_tokens)
         steps = [iteration_ms(profile, decodes=batch, decode_context=context, chunks=[(request.num_prompt_tokens, 0)])]
     else:  # chunks of what the budget leaves beside the decodes, one per iteration, queued prompts first
         chunk = max(1, budget - batch)
         queue = sum(iteration_ms(profile, decodes=batch, decode_context=context, chunks=[(min(chunk, n - start), start)])
-                    for n in [queued] for start in range(0, n, chunk))
+                    for n in [d.load.queued_prefill_tokens] for start in range(0, n, chunk))
         steps = [iteration_ms(profile, decodes=batch, decode_context=context,
                               chunks=[(min(chunk, request.num_prompt_tokens - start), start)])
                  for start in range(0, request.num_prompt_tokens, chunk)]

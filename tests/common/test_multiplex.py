@@ -172,13 +172,3 @@ def test_what_is_left_of_the_iteration_under_way_counts_from_the_report_and_its_
     assert ttft(0.0, 399) == pytest.approx(1)
     assert ttft(0.5, 100) == pytest.approx(200)  # 400 - 100 - 500 < 0: a later iteration, halfway on average
     assert ttft(0.1, 0) == pytest.approx(0)  # between iterations when reported: the next one starts with this
-
-
-def test_the_queue_a_workers_encode_iteration_prefills_is_counted_once():
-    """An EP worker's next iteration encodes the new image beside 600 of its 1000 queued prompt tokens (10 + 60 ms);
-    the prompt then waits for the other 400 (40) and runs (20). Those 600 are behind it already, not ahead again."""
-    ep = [w("ep", {E, P}, queued_prefill_tokens=1000), w("d", {D})]
-    d = decide(ep, 200, images=1, prefill_token_budget=600)
-    assert d.plan.prefill.worker_id == "ep" and d.predicted_ttft_ms == pytest.approx(10 + 60 + 40 + 20)
-    no_budget = decide(ep, 200, images=1)  # no τ_t known: its encode iteration is taken to prefill nothing beside
-    assert no_budget.predicted_ttft_ms == pytest.approx(10 + 100 + 20)
