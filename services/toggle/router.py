@@ -182,7 +182,12 @@ class Router:
         oldest = min((now - w.age_s for w in snapshot), default=now - PENDING_MAX_S)
         for request_id in [r for r, e in self._pending.items() if e.routed_at <= max(oldest, now - PENDING_MAX_S)]:
             del self._pending[request_id]
-        return [_plus(w, [e for e in self._pending.values() if e.routed_at > now - w.age_s]) for w in snapshot]
+        touching: dict[str, list[_Pending]] = {}  # worker id → the pending routes that load it
+        for e in self._pending.values():
+            plan = e.plan
+            for wid in {plan.decoder.worker_id, plan.prefill.worker_id, plan.encoder.worker_id if plan.encoder else None}:
+                touching.setdefault(wid, []).append(e)
+        return [_plus(w, [e for e in touching.get(w.worker_id, ()) if e.routed_at > now - w.age_s]) for w in snapshot]
 
 
 def _plus(w: WorkerSnapshot, pending: list[_Pending]) -> WorkerSnapshot:
