@@ -55,13 +55,14 @@ class Result:
     input_tokens: int = 0
     output_tokens: int = 0
     error: str = ""
+    request_id: str = ""  # the completion's id: the gateway's /stats names the prefill path it took
 
 
 async def send(client, url: str, body: dict, scale: float) -> Result:
     """One streamed chat completion; times every content chunk as it arrives."""
     start = time.perf_counter()
     times: list[float] = []
-    usage = {}
+    usage, request_id = {}, ""
     try:
         async with client.stream("POST", url, json=body) as response:
             if response.status_code != 200:
@@ -78,6 +79,7 @@ async def send(client, url: str, body: dict, scale: float) -> Result:
                     return Result(False, error=str(chunk["error"])[:200])
                 if chunk.get("usage"):
                     usage = chunk["usage"]
+                request_id = request_id or chunk.get("id", "")
                 # a chunk per token: ours carry its ids (return_token_ids), elsewhere count chunks with text
                 if any(c.get("token_ids") or c.get("delta", {}).get("content") for c in chunk.get("choices", [])):
                     times.append(time.perf_counter())
@@ -87,7 +89,8 @@ async def send(client, url: str, body: dict, scale: float) -> Result:
         return Result(False, error="no tokens streamed")
     end = time.perf_counter()
     return Result(True, (times[0] - start) / scale, [(b - a) / scale for a, b in zip(times, times[1:])],
-                  (end - start) / scale, usage.get("prompt_tokens", 0), usage.get("completion_tokens", len(times)))
+                  (end - start) / scale, usage.get("prompt_tokens", 0), usage.get("completion_tokens", len(times)),
+                  request_id=request_id)
 
 
 def _pct(values: list[float], p: float) -> float:
@@ -167,9 +170,11 @@ def gateway_stats(base: str) -> dict | None:
     return stats if isinstance(stats.get("paths"), dict) else None
 
 
-def prediction_report(before: dict, after: dict, scale: float) -> dict:
+def prediction_report(before: dict, after: dict, scale: float, results: list[Result] | None = None,
+                      ttft_ms: float = 0.0, tbt_ms: float = 0.0) -> dict:
     """Per prefill path, how the SLO-aware policy's predicted TTFT compared with the gateway's measured one for
-    the requests routed between two /stats reads (ms, divided by the time scale): error = actual − predicted."""
+    the requests routed between two /stats reads (ms, divided by the time scale): error = actual − predicted.
+    With the client's `results`, also each path's SLO attainment (which path's requests missed, and on what)."""
     seen = max((row[0] for row in before.get("ttft_predictions", {}).get("recent", [])), default=0)
     rows = [r for r in after.get("ttft_predictions", {}).get("recent", []) if r[0] > seen]
     report = {}
@@ -178,7 +183,28 @@ def prediction_report(before: dict, after: dict, scale: float) -> dict:
         pick = lambda q: errors[min(len(errors) - 1, int(q * len(errors)))]  # noqa: E731
         report[path] = {"count": len(errors), "p10_error_ms": pick(0.1), "median_error_ms": pick(0.5),
                         "p90_error_ms": pick(0.9), "late_fraction": sum(e > 0 for e in errors) / len(errors)}
-    return {"by_path": report, "requests": [[r[1], r[2] / scale, r[3] / scale] for r in rows]}
+    out = {"by_path": report, "requests": [[r[1], r[2] / scale, r[3] / scale] for r in rows]}
+    if results is not None:
+        out["attainment_by_path"] = path_attainment(rows, results, ttft_ms, tbt_ms)
+    return out
+
+
+def path_attainment(rows: list[list], results: list[Result], ttft_ms: float, tbt_ms: float) -> dict:
+    """SLO attainment of the requests of each prefill path (matched by completion id; rows from /stats carry it
+    fifth), and the P90 over those requests of each one's P90 gap — what fails a path, TTFT or TBT."""
+    path_of = {r[4]: r[1] for r in rows if len(r) > 4}
+    out = {}
+    for path in sorted(set(path_of.values())):
+        mine = [r for r in results if r.ok and path_of.get(r.request_id) == path]
+        if not mine:
+            continue
+        gaps = [_pct(r.itl, 90) * 1e3 for r in mine if r.itl]
+        out[path] = {"count": len(mine),
+                     "ttft_attainment": sum(r.ttft * 1e3 <= ttft_ms for r in mine) / len(mine),
+                     "tbt_attainment": sum(not r.itl or _pct(r.itl, 90) * 1e3 <= tbt_ms for r in mine) / len(mine),
+                     "slo_attainment": sum(meets_slo(r, ttft_ms, tbt_ms) for r in mine) / len(mine),
+                     "p90_of_p90_gap_ms": _pct(gaps, 90)}
+    return out
 
 
 def sweep(base: str, model: str, workload: str, rates: list[float], args, label: str, gaps) -> dict:
@@ -198,16 +224,20 @@ def sweep(base: str, model: str, workload: str, rates: list[float], args, label:
         after = gateway_stats(base)
         if before is not None and after is not None:  # where the prefills ran (mesh gateways count them)
             point["prefill_paths"] = {path: n - before["paths"].get(path, 0) for path, n in after["paths"].items()}
-            point["ttft_prediction"] = prediction_report(before, after, args.time_scale)
+            point["ttft_prediction"] = prediction_report(before, after, args.time_scale, results, args.slo_ttft_ms,
+                                                         args.slo_tbt_ms)
         points.append(point)
         paths = " ".join(f"{k} {v}" for k, v in point.get("prefill_paths", {}).items() if v)
         errors = " ".join(f"{k} {v['median_error_ms']:+.0f}/{v['p90_error_ms']:+.0f}"
                           for k, v in point.get("ttft_prediction", {}).get("by_path", {}).items())
+        by_path = " ".join(f"{k} {v['ttft_attainment']:.0%}/{v['tbt_attainment']:.0%}"
+                           for k, v in point.get("ttft_prediction", {}).get("attainment_by_path", {}).items())
         print(f"  {label:>12} {workload:<9} rate {rate:6.2f}  attainment {point['slo_attainment']:5.1%} "
               f"(TTFT {point['ttft_attainment']:5.1%}, TBT {point['tbt_attainment']:5.1%})  p90 TTFT "
               f"{point['p90_ttft_ms']:7.1f} ms  p90 ITL {point['p90_itl_ms']:6.1f} ms  failed {point['failed']}"
               + (f"  paths: {paths}" if paths else "")
-              + (f"  TTFT late by (p50/p90 ms): {errors}" if errors else ""), file=sys.stderr, flush=True)
+              + (f"  TTFT late by (p50/p90 ms): {errors}" if errors else "")
+              + (f"  TTFT/TBT met by path: {by_path}" if by_path else ""), file=sys.stderr, flush=True)
         below = below + 1 if point["slo_attainment"] < args.attainment else 0
         if below >= 2:
             break

@@ -107,3 +107,19 @@ def test_a_goodput_above_the_bound_is_flagged_as_a_burst_not_a_sustained_rate(tm
     finish(report, tmp_path / "r.json", types.SimpleNamespace(plot=None))
     out = capsys.readouterr().out
     assert "B on textcaps came out above the bound" in out and "within ~0.8 s" in out and "--num-prompts" in out
+
+
+def test_attainment_by_path_matches_the_clients_requests_to_the_gateways_routes_by_id():
+    fields = ["seq", "path", "predicted_ms", "actual_ms", "id"]
+    rows = [[1, "dedicated", 100.0, 200.0, "a"], [2, "dedicated", 100.0, 200.0, "b"], [3, "multiplexed", 50.0, 90.0, "c"]]
+    results = [Result(True, 0.1, [0.02, 0.02, 0.02], request_id="a"),  # meets both
+               Result(True, 1.5, [0.02, 0.02, 0.02], request_id="b"),  # TTFT 1500 ms > 1000
+               Result(True, 0.1, [0.02, 0.02, 0.30], request_id="c"),  # its P90 gap is 244 ms > 150
+               Result(True, 0.1, [0.02], request_id="unrouted"),  # no route recorded: in no path
+               Result(False, error="HTTP 503", request_id="")]
+    report = prediction_report({}, {"ttft_predictions": {"fields": fields, "recent": rows}}, 1, results, 1000, 150)
+    by_path = report["attainment_by_path"]
+    assert by_path["dedicated"] == {"count": 2, "ttft_attainment": 0.5, "tbt_attainment": 1.0, "slo_attainment": 0.5,
+                                    "p90_of_p90_gap_ms": pytest.approx(20.0)}
+    assert by_path["multiplexed"]["count"] == 1 and by_path["multiplexed"]["tbt_attainment"] == 0.0
+    assert by_path["multiplexed"]["p90_of_p90_gap_ms"] == pytest.approx(244.0)

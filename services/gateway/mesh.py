@@ -99,8 +99,8 @@ class MeshBackend:
         self.max_model_len = max_model_len
         self.paths = {path: 0 for path in PrefillPath}
         self.retries = 0
-        # (seq, path, predicted, actual TTFT ms from arrival) of the last requests the SLO-aware policy routed
-        self.predictions: collections.deque[tuple[int, str, float, float]] = collections.deque(maxlen=RECENT_PREDICTIONS)
+        # (seq, path, predicted, actual TTFT ms from arrival, request id) of the last requests the SLO policy routed
+        self.predictions: collections.deque[tuple[int, str, float, float, str]] = collections.deque(maxlen=RECENT_PREDICTIONS)
         self.num_predictions = 0
         self._background: set[asyncio.Task] = set()
 
@@ -197,7 +197,7 @@ class MeshBackend:
                         if len(emitted) == len(before) and self.router is not None:
                             self.router.prefilled(current.request_id)  # its prefill no longer loads the worker
                         if not emitted:
-                            self._first_token(path, plan, request.arrival_time)
+                            self._first_token(path, plan, request.arrival_time, request.request_id)
                         emitted.extend(out.new_token_ids)
                         yield _rebased(out, request.request_id, before, self.detokenize)
                 return
@@ -292,7 +292,7 @@ class MeshBackend:
             return {"status": "error", "reason": "no workers registered"}
         return {"status": "ok", "workers": len(reply.workers)}
 
-    def _first_token(self, path: PrefillPath, plan: pb.RoutePlan, arrival: float) -> None:
+    def _first_token(self, path: PrefillPath, plan: pb.RoutePlan, arrival: float, request_id: str) -> None:
         """Count the path that made the request's first token, and how far the policy's prediction of it was off."""
         self.paths[path] += 1
         if self.metrics is not None:
@@ -301,14 +301,15 @@ class MeshBackend:
             return
         actual = (time.monotonic() - arrival) * 1e3
         self.num_predictions += 1
-        self.predictions.append((self.num_predictions, path.value, round(plan.predicted_ttft_ms, 3), round(actual, 3)))
+        self.predictions.append((self.num_predictions, path.value, round(plan.predicted_ttft_ms, 3), round(actual, 3),
+                                 request_id))
         if self.metrics is not None:
             self.metrics.prediction_error.labels(self.metrics.model, path.value).observe(
                 (actual - plan.predicted_ttft_ms) / 1e3)
 
     async def stats(self) -> dict:
         return {"paths": {p.value: n for p, n in self.paths.items()}, "retries": self.retries,
-                "ttft_predictions": {"fields": ["seq", "path", "predicted_ms", "actual_ms"],
+                "ttft_predictions": {"fields": ["seq", "path", "predicted_ms", "actual_ms", "id"],
                                      "recent": list(self.predictions)},
                 "workers": await self.worker_stats()}
 

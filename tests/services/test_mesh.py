@@ -128,8 +128,9 @@ def test_slo_routing_with_admission_control_refuses_with_retry_after(tiny_dir, c
         ok = httpx.post(f"{base}/v1/chat/completions", json=body, timeout=60)
         assert ok.status_code == 200 and ok.json()["choices"][0]["token_ids"] == refs[case.name].tokens
         # the policy's predicted TTFT is kept beside the measured one (/stats) and their difference is exported
-        (seq, path, predicted, actual), = httpx.get(f"{base}/stats").json()["ttft_predictions"]["recent"]
+        (seq, path, predicted, actual, request_id), = httpx.get(f"{base}/stats").json()["ttft_predictions"]["recent"]
         assert seq == 1 and path in ("dedicated", "multiplexed") and predicted > 0 and actual > 0
+        assert request_id == ok.json()["id"]  # a client's request can be matched to its route
         metrics = httpx.get(f"{base}/metrics").text
         assert f'epdmesh:ttft_prediction_error_seconds_count{{model_name="{MODEL}",path="{path}"}} 1.0' in metrics
         refused = httpx.post(f"{base}/v1/chat/completions", json={**body, "slo": {"ttft_ms": 1}}, timeout=60)
