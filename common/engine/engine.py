@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import threading
 import time
 from collections.abc import Callable, Iterable
 
@@ -76,6 +77,9 @@ class Engine:
         `config` buy blocks of these pages, or of `count_as` bytes (KV, image) per block when given."""
         self.config = config
         self.model_config = model_config
+        # held by whoever changes the scheduler and the block managers; `step()` lets go of it while the model
+        # runs, so another thread can reserve blocks for incoming pages then (see `AsyncEngine.now`)
+        self.lock = threading.RLock()
         text = model_config.text
         self.max_model_len = min(config.max_model_len or text.max_position_embeddings, text.max_position_embeddings)
         kv_block = PagedKVCache.bytes_per_block(config.block_size, *kv_shape, dtype)
@@ -221,14 +225,19 @@ class Engine:
         return self.scheduler.has_work
 
     def step(self) -> list[RequestOutput]:
-        plan = self.scheduler.schedule()
-        if plan.is_empty:
-            return []
-        now = time.monotonic()
-        for request in plan.requests:
-            if request.first_scheduled_time is None:
-                request.first_scheduled_time = now
-        sampling, tokens = self._execute(plan)
+        with self.lock:
+            plan = self.scheduler.schedule()
+            if plan.is_empty:
+                return []
+            now = time.monotonic()
+            for request in plan.requests:
+                if request.first_scheduled_time is None:
+                    request.first_scheduled_time = now
+        sampling, tokens = self._execute(plan)  # without the lock: it touches only the plan's requests and pages
+        with self.lock:
+            return self._postprocess(plan, sampling, tokens)
+
+    def _postprocess(self, plan: SchedulerOutput, sampling: list[Request], tokens: list[int]) -> list[RequestOutput]:
         outputs: dict[str, RequestOutput] = {}
         for work in plan.encodes:
             work.request.num_encoded_images += work.num_images

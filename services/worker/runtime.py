@@ -114,7 +114,7 @@ class WorkerRuntime:
                                       time.perf_counter() - start if done else None)  # we have the pages, or gave up on them: either way the source may free them
             self._spawn(self.puller.release(handle))
             if not done:  # free the reserved blocks before the error goes back
-                await asyncio.shield(self.engine.call(lambda e: e.cancel_import(request.request_id)))
+                self.engine.now(lambda e: e.cancel_import(request.request_id))
         return True
 
     async def _reserve_import(self, request: Request, handle: PageHandle) -> tuple[str, list[int], int]:
@@ -125,7 +125,7 @@ class WorkerRuntime:
         delay = 0.005
         while True:
             try:
-                return await self.engine.call(lambda e: e.reserve_import(request))
+                return self.engine.now(lambda e: e.reserve_import(request))  # not after the step under way
             except NoRoomForPages:
                 if time.time() + delay > deadline:
                     raise
@@ -175,7 +175,7 @@ class WorkerRuntime:
         lease = self.leases.take(lease_id)
         if lease is None:
             return False
-        await self.engine.call(lambda e: e.release(lease.engine_request_id))
+        self.engine.now(lambda e: e.release(lease.engine_request_id))
         return True
 
     async def expire_leases(self, interval_s: float = 0.5) -> None:
@@ -186,7 +186,7 @@ class WorkerRuntime:
                     self.metrics.leases_expired.labels(**self.metrics.labels).inc()
                 log.warning("lease %s expired unacked; freeing its %d %s blocks", lease.lease_id,
                             len(lease.handle.block_ids), lease.handle.kind)
-                await self.engine.call(lambda e, rid=lease.engine_request_id: e.release(rid))
+                self.engine.now(lambda e, rid=lease.engine_request_id: e.release(rid))
 
     # ----- bookkeeping -----
 

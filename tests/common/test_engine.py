@@ -149,6 +149,7 @@ def test_the_async_engine_reports_how_long_the_step_under_way_has_run():
     class OneSlowStep:
         requests: dict = {}
         steps = 0
+        lock = threading.RLock()
 
         @property
         def has_unfinished(self) -> bool:
@@ -171,3 +172,48 @@ def test_the_async_engine_reports_how_long_the_step_under_way_has_run():
         assert engine.iteration_elapsed_ms == 0 and engine.last_iteration_ms >= 150
     finally:
         engine.shutdown()
+
+
+def test_blocks_for_incoming_pages_are_reserved_while_a_step_runs_not_after_it(engine):
+    """A decoder reserves the blocks a handed-over request's KV goes into at once (`now`), not after the step
+    under way (`call`): waiting for it, then for the next boundary to add the request, made a joining
+    request's first gap three iterations long. The step's model keeps running meanwhile."""
+    import asyncio
+    import threading
+
+    from common.engine.async_engine import AsyncEngine
+
+    running, release = threading.Event(), threading.Event()
+    execute = engine._execute
+
+    def held_execute(plan):
+        running.set()
+        release.wait(30)
+        return execute(plan)
+
+    engine._execute = held_execute
+    async_engine = AsyncEngine(engine)
+
+    async def scenario():
+        stream = async_engine.generate(Request("busy", PROMPT, SamplingParams(max_tokens=2)))
+        first = asyncio.ensure_future(stream.__anext__())
+        assert await asyncio.to_thread(running.wait, 30)
+        joining = Request("join", PROMPT, SamplingParams(max_tokens=3), first_stage=Stage.DECODE, output_token_ids=[5])
+        kind, blocks, tokens = async_engine.now(lambda e: e.reserve_import(joining))
+        assert not release.is_set() and async_engine.iteration_elapsed_ms > 0  # the step is still under way
+        assert kind == "kv" and tokens == len(PROMPT) and len(blocks) == 1
+        assert blocks[0] not in engine.requests["busy"].block_table
+        release.set()
+        await first
+        rest = [out async for out in stream]
+        assert rest[-1].finished
+        outs = [out async for out in async_engine.generate(joining, preloaded=True)]
+        assert outs[-1].finished and len(outs[-1].output_token_ids) == 3
+        assert async_engine.now(lambda e: e.cancel_import("join")) is False  # it left `importing` when added
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        release.set()
+        async_engine.shutdown()
+    assert_pools_full(engine)
