@@ -6,6 +6,10 @@ Each `schedule()` forms one iteration:
   2. unfinished work: prefill chunks in progress, then images of partly encoded requests;
   3. new work from the queues, oldest first, while the token budget τ_t (prefill + decode
      tokens) and the image budget τ_e (images through the vision tower) last.
+With `join_first` (a decoder that prefills while prefill workers hand requests over to it), the iteration
+that carries a handed-over request's first decode takes no prefill or encode work when the one before did:
+the request waits for the iteration in flight plus a decode-only one, not two prefill iterations. Every
+other iteration carries prefill work again, so a stream of joiners cannot starve the prefills.
 Queues, in the order a request moves through them:
   waiting (new) → encoding → ready (encoded, waiting for KV) → prefilling → running (decode).
 A request whose last stage here is done leaves them as HANDED_OFF, pages kept for export.
@@ -26,6 +30,7 @@ class SchedulerConfig:
     image_budget: int = 4  # τ_e: images encoded per iteration
     max_num_seqs: int = 64  # requests decoding at once
     enable_chunked_prefill: bool = True
+    join_first: bool = False  # a handed-over request's first decode goes in a decode-only iteration (see above)
 
     def __post_init__(self) -> None:
         for name in ("token_budget", "image_budget", "max_num_seqs"):
@@ -85,6 +90,8 @@ class Scheduler:
         self.ready: deque[Request] = deque()
         self.prefilling: list[Request] = []
         self.running: list[Request] = []
+        self.joined: set[str] = set()  # handed-over requests (KV in place) that have not decoded here yet
+        self._last_had_work = False  # the last iteration carried prefill chunks or encodes
 
     @property
     def has_work(self) -> bool:
@@ -99,6 +106,7 @@ class Scheduler:
         if request.first_stage == Stage.DECODE:
             request.status = RequestStatus.DECODING
             self.running.append(request)
+            self.joined.add(request.request_id)
         elif request.first_stage == Stage.PREFILL and request.image_block_table:
             self.ready.append(request)  # image pages imported: straight to the prefill queue
         else:
@@ -112,6 +120,16 @@ class Scheduler:
         if len(self.running) > cap:  # more arrived with their KV than the batch holds: take turns, none starves
             self.running = self.running[cap:] + self.running[:cap]
         tokens -= len(out.decodes)
+        joining = self.joined and any(r.request_id in self.joined for r in out.decodes)
+        self.joined.difference_update(r.request_id for r in out.decodes)
+        if joining and self.config.join_first and self._last_had_work:
+            self._last_had_work = False
+            return out  # decodes only: the joiners' first gap is the iteration before plus this short one
+        self._schedule_new_work(out, tokens, images)
+        self._last_had_work = bool(out.prefills or out.encodes)
+        return out
+
+    def _schedule_new_work(self, out: SchedulerOutput, tokens: int, images: int) -> None:
         for request in self.prefilling:
             tokens -= self._chunk(out, request, tokens)
         for request in self.encoding:
@@ -133,7 +151,6 @@ class Scheduler:
                 tokens -= self._chunk(out, request, tokens)
             elif tokens <= 0 and images <= 0:
                 break
-        return out
 
     def _admit_prefill(self, request: Request) -> bool:
         """Move a request into `prefilling` with its KV blocks; False when it cannot start yet."""
@@ -188,6 +205,7 @@ class Scheduler:
         for queue in (self.waiting, self.encoding, self.ready, self.prefilling, self.running):
             if request in queue:
                 queue.remove(request)
+        self.joined.discard(request.request_id)
         if request.block_table:
             self.kv.free(request)
         if request.image_block_table:

@@ -32,7 +32,8 @@ def _engine_config(args, roles: str = "encode,prefill,decode"):
         kv_cache_gib=_kv_cache_gib(args), max_model_len=args.max_model_len, attention_backend=args.attention_backend,
         enable_prefix_caching=args.enable_prefix_caching,
         scheduler=SchedulerConfig(*_budgets(args, parse_roles(roles)),
-                                  max_num_seqs=args.max_num_seqs),
+                                  max_num_seqs=args.max_num_seqs,
+                                  join_first=getattr(args, "decoder_joins", "auto") == "first"),
     )
 
 
@@ -53,8 +54,9 @@ def _budgets(args, roles) -> tuple[int, int]:
         from common.request import Stage
 
         derived = budgets_for(load_profile(profile_path), Stage.DECODE in roles, args.slo_ttft_ms, args.slo_tbt_ms,
-                              headroom=args.budget_headroom, joins=getattr(args, "decoder_joins", "auto") == "on",
-                              alpha=args.budget_alpha)
+                              headroom=args.budget_headroom, alpha=args.budget_alpha,
+                              joins=getattr(args, "decoder_joins", "auto") in ("on", "first"),
+                              join_first=getattr(args, "decoder_joins", "auto") == "first")
         log = logging.getLogger("epdmesh")
         log.info("budgets from %s for a %.0f ms iteration limit: %d tokens, %d images per iteration",
                  profile_path, derived.limit_ms, derived.token_budget, derived.image_budget)
@@ -196,10 +198,12 @@ def _add_slo_args(p: argparse.ArgumentParser) -> None:
                         "room for what the latency profile does not predict")
     p.add_argument("--budget-alpha", type=float, default=0.5,
                    help="α: instances without the decode role size their iterations to α·TTFT (TriInfer: 0.5)")
-    p.add_argument("--decoder-joins", default="auto", choices=["auto", "on", "off"],
-                   help="decoders take requests handed over by dedicated prefill workers: size their iterations to "
-                        "TBT/2 (a request that joins waits for the iteration in flight, then its own). serve: auto = on "
-                        "where decoders also prefill beside dedicated prefill workers; elsewhere auto = off")
+    p.add_argument("--decoder-joins", default="auto", choices=["auto", "on", "first", "off"],
+                   help="decoders take requests handed over by dedicated prefill workers. on: size their iterations to "
+                        "TBT/2 (a request that joins waits for the iteration in flight, then its own); first: give a "
+                        "joining request's first decode a decode-only iteration, and size the others to TBT less one "
+                        "such iteration. serve: auto = on where decoders also prefill beside dedicated prefill "
+                        "workers; elsewhere auto = off")
 
 
 def _cmd_profile(args) -> int:

@@ -44,13 +44,15 @@ def routing_policy(args):
     # a decoder's prefills come in TBT-sized chunks, a prefill worker's next iteration holds τ_t tokens
     decoder_budget, prefill_budget = (budgets_for(profile, has_decode, args.slo_ttft_ms, args.slo_tbt_ms,
                                                   headroom=args.budget_headroom, alpha=args.budget_alpha,
-                                                  joins=has_decode and args.decoder_joins == "on").token_budget
+                                                  joins=has_decode and args.decoder_joins in ("on", "first"),
+                                                  join_first=has_decode and args.decoder_joins == "first").token_budget
                                       for has_decode in (True, False))
     return routing, SloRouting(profile, args.slo_ttft_ms, args.slo_tbt_ms,
                                MultiplexConfig(short_prompt_tokens=args.multiplex_max_tokens,
                                                admission_control=args.admission_control,
                                                decoder_token_budget=decoder_budget if args.worker_budgets else None,
-                                               prefill_token_budget=prefill_budget if args.worker_budgets else None))
+                                               prefill_token_budget=prefill_budget if args.worker_budgets else None,
+                                               join_first=args.decoder_joins == "first"))
 
 
 def router_argv(args, latency_profile: str | None, worker_budgets: bool) -> list[str]:

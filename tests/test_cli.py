@@ -31,6 +31,11 @@ def test_budgets_come_from_the_profile_and_the_slos(tmp_path):
                         "--decoder-joins", "on")
     assert joined.token_budget == budgets_for(analytic_profile("H100"), True, 2000, 50, joins=True).token_budget
     assert joined.token_budget < budgets_for(analytic_profile("H100"), True, 2000, 50).token_budget
+    assert not joined.join_first
+    first = config_for("--roles", "prefill,decode", "--latency-profile", str(path), "--slo-tbt-ms", "150",
+                       "--decoder-joins", "first")
+    assert first.join_first and first.token_budget == budgets_for(analytic_profile("H100"), True, 2000, 150, joins=True,
+                                                                  join_first=True).token_budget
     shorter = config_for("--roles", "encode,prefill", "--latency-profile", str(path), "--slo-ttft-ms", "400",
                          "--budget-alpha", "0.25")  # limit α·TTFT = 100 ms
     assert shorter.token_budget == budgets_for(analytic_profile("H100"), False, 400, 50, alpha=0.25).token_budget
@@ -54,6 +59,20 @@ def test_serve_passes_its_routing_policy_to_toggle_and_gateway_alike():
     # every option reaches them as serve was given it (an option router_argv forgot would fall back to its default)
     assert [getattr(gateway, f) for f in fields[:-3]] == [getattr(args, f) for f in fields[:-3]]
     assert (gateway.latency_profile, gateway.worker_budgets, gateway.admission_control) == ("H20", True, True)
+
+
+def test_join_first_reaches_the_routing_policy_with_the_decoders_budget():
+    from epdmesh.routing_args import routing_policy
+
+    def policy(joins):
+        args = build_parser().parse_args(["gateway", "--toggle", "127.0.0.1:1", "--latency-profile", "H20",
+                                          "--routing", "slo", "--slo-tbt-ms", "150", "--decoder-joins", joins])
+        return routing_policy(args)[1].config
+
+    first, half = policy("first"), policy("on")
+    assert first.join_first and not half.join_first
+    assert first.decoder_token_budget == budgets_for(analytic_profile("H20"), True, 2000, 150, joins=True,
+                                                     join_first=True).token_budget > half.decoder_token_budget
 
 
 def test_emulated_defaults_and_routing_choice(tmp_path):

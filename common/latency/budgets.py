@@ -9,9 +9,12 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 
-from common.latency.model import LatencyProfile, encode_ms, prefill_chunk_ms
+from common.latency.model import LatencyProfile, decode_ms, encode_ms, prefill_chunk_ms
 
 ALPHA = 0.5
+# what a decode-only iteration costs where decoders put a joining request's first decode in one (`join_first`):
+# this many sequences of this many tokens each
+JOIN_REFERENCE_BATCH, JOIN_REFERENCE_CONTEXT = 64, 1024
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -48,13 +51,18 @@ def stage_limit_ms(has_decode: bool, ttft_ms: float, tbt_ms: float, alpha: float
 
 def budgets_for(profile: LatencyProfile, has_decode: bool, ttft_ms: float, tbt_ms: float,
                 max_images: int = 64, max_tokens: int = 1 << 15, alpha: float = ALPHA, headroom: float = 1.0,
-                joins: bool = False) -> Budgets:
+                joins: bool = False, join_first: bool = False) -> Budgets:
     """`headroom` < 1 sizes iterations to that fraction of the limit, leaving room for what the profile does not
     predict (host overhead, delivery), so an iteration at the budget still lands within the SLO.
-    `joins`: a decoder that prefills while prefill workers hand requests over to it (see `stage_limit_ms`)."""
+    `joins`: a decoder that prefills while prefill workers hand requests over to it (see `stage_limit_ms`);
+    `join_first`: it gives a joining request's first decode a decode-only iteration, so the iteration in flight
+    may take what TBT leaves beside that one (never less than TBT/2)."""
     if not 0 < headroom <= 1:
         raise ValueError("headroom must be in (0, 1]")
     limit = stage_limit_ms(has_decode, ttft_ms, tbt_ms, alpha, joins) * headroom
+    if has_decode and joins and join_first:
+        join = decode_ms(profile, JOIN_REFERENCE_BATCH, JOIN_REFERENCE_BATCH * JOIN_REFERENCE_CONTEXT)
+        limit = max(limit, tbt_ms * headroom - join)
     images = largest_within(lambda n: encode_ms(profile, n), limit, max_images)
     tokens = largest_within(lambda t: prefill_chunk_ms(profile, t), limit, max_tokens)
     return Budgets(max(images, 1), max(tokens, 1), limit, fits=images > 0 and tokens > 0)

@@ -12,7 +12,8 @@ For one request (prompt tokens T, images, its TTFT/TBT targets, time already spe
      batch and their context) + this prefill fit the TBT target — the decodes it delays still meet
      their SLO — and the prefill itself fits the slack. Where prefill workers hand requests over to the
      decoders, a request joining d waits for the prefill's iteration in flight and then its own, so two
-     such iterations must fit TBT (on a short answer that first gap is its P90). When the decoders run
+     such iterations must fit TBT (on a short answer that first gap is its P90) — or, where decoders give a
+     joiner's first decode a decode-only iteration (`join_first`), one such iteration plus that one. When the decoders run
      with their TBT-derived stage budget (`decoder_token_budget`, TriInfer), the prefill is chunked to
      what the budget leaves beside the decodes, one chunk per iteration, and ② needs that each chunk's
      iteration fits (twice, where requests are handed over) and that the chunks (after d's queued
@@ -48,6 +49,9 @@ class MultiplexConfig:
     decoder_token_budget: int | None = None
     # τ_t of prefill workers without the decode role: how much of their queue runs in the next iteration
     prefill_token_budget: int | None = None
+    # the decoders give a handed-over request's first decode a decode-only iteration (the scheduler's
+    # `join_first`): a joiner then waits for the iteration in flight plus that short one, not two chunk iterations
+    join_first: bool = False
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -90,7 +94,7 @@ def route_slo(workers: list[WorkerSnapshot], request: RouteSummary, ttft_ms: flo
                for p in live if p.has(Stage.PREFILL) and not p.has(Stage.DECODE)]
     handoffs = bool(options)  # dedicated prefill workers exist: they hand requests over to the decoders
     options += [_multiplexed(d, request, encode_wait(d), left, ttft_ms, tbt_ms, profile, config.decoder_token_budget,
-                             handoffs)
+                             handoffs, config.join_first)
                 for d in decoders if d.has(Stage.PREFILL)]
     if not options:
         return Decision(None, 0.0, left - encode_pred, "no live prefill worker", False)
@@ -98,7 +102,7 @@ def route_slo(workers: list[WorkerSnapshot], request: RouteSummary, ttft_ms: flo
     if chosen is None:
         return Decision(None, min(o.ttft_ms for o in options), left - encode_pred, reason, False)
     if chosen.path == PrefillPath.DEDICATED:
-        decoder = min(decoders, key=lambda w: (_join_gap_ms(w, profile, config.decoder_token_budget),
+        decoder = min(decoders, key=lambda w: (_join_gap_ms(w, profile, config.decoder_token_budget, config.join_first),
                                                w.load.unfinished_decode_tokens, w.load.queue_length, w.worker_id))
     else:
         decoder = chosen.worker
@@ -153,9 +157,10 @@ def _dedicated(p, request, encode_wait, left, ttft_ms, profile, config) -> _Opti
 
 
 def _multiplexed(d, request, encode_wait, left, ttft_ms, tbt_ms, profile, budget: int | None,
-                 handoffs: bool = False) -> _Option:
+                 handoffs: bool = False, join_first: bool = False) -> _Option:
     """`handoffs`: prefill workers hand requests over to the decoders, so one may join d while this prefill
-    runs there, and its first gap is the chunk iteration in flight plus its own: two of them must fit TBT."""
+    runs there, and its first gap is the chunk iteration in flight plus its own: two of them must fit TBT, or
+    with `join_first` one of them plus a decode-only iteration."""
     batch, context = d.load.running_decode_batch, d.load.decode_context_tokens
     iteration = decode_ms(profile, batch, context)
     in_flight = 0.0 if _encodes_here(d, request) else max(iteration, _in_flight_ms(d))
@@ -170,18 +175,20 @@ def _multiplexed(d, request, encode_wait, left, ttft_ms, tbt_ms, profile, budget
                               chunks=[(min(chunk, request.num_prompt_tokens - start), start)])
                  for start in range(0, request.num_prompt_tokens, chunk)]
     predicted = encode_wait + in_flight + queue + sum(steps)
-    tbt_over = (max(steps) * (2 if handoffs else 1) - tbt_ms) / tbt_ms if batch or handoffs else 0.0
+    joiner = (decode_ms(profile, batch + 1, context) if join_first else max(steps)) if handoffs else 0.0
+    tbt_over = (max(steps) + joiner - tbt_ms) / tbt_ms if batch or handoffs else 0.0
     return _Option(PrefillPath.MULTIPLEXED, d, predicted, max(0.0, tbt_over, (predicted - left) / ttft_ms))
 
 
-def _join_gap_ms(d: WorkerSnapshot, profile: LatencyProfile, budget: int | None) -> float:
+def _join_gap_ms(d: WorkerSnapshot, profile: LatencyProfile, budget: int | None, join_first: bool = False) -> float:
     """The gap a request handed to decoder d waits for its first decode: the iteration in flight, then the
-    next, which carries it — each with the chunk of d's queued prefills that fits beside the decodes."""
+    next, which carries it — each with the chunk of d's queued prefills that fits beside the decodes; with
+    `join_first` the next is decode-only."""
     batch, context, queued = d.load.running_decode_batch, d.load.decode_context_tokens, d.load.queued_prefill_tokens
     chunk = queued if budget is None else min(queued, max(0, budget - batch - 1))
     chunks = [(chunk, 0)] if chunk else []
     return (iteration_ms(profile, decodes=batch, decode_context=context, chunks=chunks)
-            + iteration_ms(profile, decodes=batch + 1, decode_context=context, chunks=chunks))
+            + iteration_ms(profile, decodes=batch + 1, decode_context=context, chunks=[] if join_first else chunks))
 
 
 def _choose(options: list[_Option], request: RouteSummary, config: MultiplexConfig) -> tuple[_Option | None, str]:

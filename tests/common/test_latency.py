@@ -145,6 +145,20 @@ def test_decoders_that_requests_join_get_half_the_tbt():
     assert budgets_for(p, False, 1000, 150, joins=True) == budgets_for(p, False, 1000, 150)  # only decoders
 
 
+def test_decoders_that_give_joiners_a_decode_only_iteration_get_tbt_less_one():
+    """`join_first`: a joiner waits for the iteration in flight, then decodes in a decode-only one, so the
+    others may take what TBT leaves beside one (64 sequences of 1k tokens), but never less than TBT/2."""
+    p = analytic_profile("H20")
+    first = budgets_for(p, True, 1000, 150, headroom=0.8, joins=True, join_first=True)
+    join = decode_ms(p, 64, 64 * 1024)
+    assert 20 < join < 60 and first.limit_ms == pytest.approx(150 * 0.8 - join)
+    assert first.token_budget > 1.9 * budgets_for(p, True, 1000, 150, headroom=0.8, joins=True).token_budget  # 417 vs 211
+    assert prefill_chunk_ms(p, first.token_budget) + join <= 150 * 0.8
+    tight = budgets_for(p, True, 1000, 50, joins=True, join_first=True)  # one decode-only iteration > TBT/2
+    assert tight == budgets_for(p, True, 1000, 50, joins=True)
+    assert budgets_for(p, True, 1000, 150, join_first=True) == budgets_for(p, True, 1000, 150)  # nobody joins
+
+
 @pytest.mark.parametrize("hardware", ["H20", "H100"])
 def test_request_cost_is_a_lower_bound_of_every_schedule_and_a_tight_one(hardware):
     """No batching of the iteration model serves N requests in less than N × request_cost_ms; one huge

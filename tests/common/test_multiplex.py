@@ -172,3 +172,19 @@ def test_what_is_left_of_the_iteration_under_way_counts_from_the_report_and_its_
     assert ttft(0.0, 399) == pytest.approx(1)
     assert ttft(0.5, 100) == pytest.approx(200)  # 400 - 100 - 500 < 0: a later iteration, halfway on average
     assert ttft(0.1, 0) == pytest.approx(0)  # between iterations when reported: the next one starts with this
+
+
+def test_with_join_first_a_joiners_gap_is_one_multiplexed_iteration_plus_a_decode_only_one():
+    """Decoders that give a handed-over request's first decode a decode-only iteration (`join_first`): path ②
+    needs one chunk iteration plus that one within TBT, and path ①'s decoder is picked by that gap."""
+    busy = [w("e", {E}), w("p", {P}, queued_prefill_tokens=5200), w("pd", {P, D}, running_decode_batch=2)]
+    assert decide(busy, 300).plan.path == PrefillPath.DEDICATED  # two 30.2 ms iterations > 50
+    d = decide(busy, 300, join_first=True)  # 30.2 + a decode-only iteration of 3 (8 ms) ≤ 50
+    assert (d.plan.path, d.plan.prefill.worker_id) == (PrefillPath.MULTIPLEXED, "pd") and d.meets_slo
+    # path ①: pd1 is busy with a multiplexed prefill (200 queued tokens), pd2 decodes 10 sequences
+    mesh = [w("e", {E}), w("p", {P}), w("pd1", {P, D}, running_decode_batch=2, queued_prefill_tokens=200),
+            w("pd2", {P, D}, running_decode_batch=10)]
+    # pd1: 20.2 + 20.3 ms (two chunk iterations) against pd2's 15 + 16: pd2
+    assert decide(mesh, 1000).plan.decoder.worker_id == "pd2"
+    # join_first: pd1's second is decode-only, 20.2 + 8 ms: pd1
+    assert decide(mesh, 1000, join_first=True).plan.decoder.worker_id == "pd1"

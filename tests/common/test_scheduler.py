@@ -127,3 +127,33 @@ def test_every_running_decode_runs_whatever_the_token_budget_and_a_full_batch_ta
     turns = [full.schedule().decodes for _ in range(3)]
     assert all(len(t) == 4 for t in turns)
     assert {r.request_id: sum(r in t for t in turns) for r in decoding} == {r.request_id: 2 for r in decoding}
+
+
+def test_join_first_gives_a_joining_requests_first_decode_a_decode_only_iteration_every_other_time():
+    """A decoder that prefills while requests are handed over to it: a joiner waits for the iteration in flight,
+    then decodes in one without prefill chunks; a joiner every iteration still leaves every other one to them."""
+    def run(join_first: bool) -> list[tuple[list[str], int]]:
+        config = SchedulerConfig(token_budget=16, image_budget=2, max_num_seqs=8, join_first=join_first)
+        s = Scheduler(config, KVBlockManager(64, 4), ImageBlockManager(16, 4))
+        s.add(req("long", prompt=200))
+        plans = []
+        for i in range(6):
+            if i in (1, 3, 4):  # handed over during the iteration before
+                joiner = req(f"j{i}", prompt=4, max_tokens=8, first_stage=Stage.DECODE)
+                joiner.output_token_ids.append(3)
+                s.add(joiner)
+            plan = s.schedule()
+            for chunk in plan.prefills:
+                chunk.request.num_computed_tokens += chunk.num_tokens
+            plans.append(([r.request_id for r in plan.decodes], sum(c.num_tokens for c in plan.prefills)))
+        return plans
+
+    assert run(join_first=True) == [
+        ([], 16),  # the prompt's first chunk
+        (["j1"], 0),  # j1 joined during it: decodes only
+        (["j1"], 15),  # the chunk again, beside the decodes
+        (["j1", "j3"], 0),  # j3 joined: decodes only
+        (["j1", "j3", "j4"], 13),  # j4 joined too, but the iteration before carried no chunk: this one does
+        (["j1", "j3", "j4"], 13),  # nobody new
+    ]
+    assert all(tokens for _, tokens in run(join_first=False))  # without it every iteration carries a chunk
