@@ -30,6 +30,7 @@ import dataclasses
 import json
 import math
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -277,6 +278,11 @@ def launched(serve_args: list[str], log_path: Path, timeout: float = 900.0):
         stop_process(proc, 120, "the benchmarked mesh")
 
 
+def log_path(out: Path, config_name: str) -> Path:
+    """Beside the JSON, one server log per configuration; its label may hold any character (`toggle, TBT/2`)."""
+    return out.with_name(f"{out.stem}-{re.sub(r'[^A-Za-z0-9.-]+', '_', config_name)}.log")
+
+
 def _serve_args(config_args: str, args, profile: Path | None) -> list[str]:
     import shlex
 
@@ -368,7 +374,7 @@ def main(argv=None) -> int:
             serve_args = _serve_args(config_args, args, profile)
             report["serve_args"][name] = serve_args
             print(f"{name}: epdmesh serve {' '.join(serve_args)}", file=sys.stderr, flush=True)
-            with launched(serve_args, out.with_name(f"{out.stem}-{name.replace('+', '_')}.log")) as (base, model):
+            with launched(serve_args, log_path(out, name)) as (base, model):
                 report["configs"][name] = {w: sweep(base, model, w, args.rate_list, args, name, gaps)
                                            for w in args.workloads}
             for result in report["configs"][name].values():

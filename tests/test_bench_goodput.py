@@ -4,7 +4,7 @@ import statistics
 
 import pytest
 
-from bench.goodput import Result, meets_slo, prediction_report, summarize
+from bench.goodput import Result, log_path, meets_slo, prediction_report, summarize
 from bench.goodput_report import plot
 from bench.workloads import SHAPES, arrivals, request_bodies, trace_times
 
@@ -123,3 +123,8 @@ def test_attainment_by_path_matches_the_clients_requests_to_the_gateways_routes_
                                     "p90_of_p90_gap_ms": pytest.approx(20.0)}
     assert by_path["multiplexed"]["count"] == 1 and by_path["multiplexed"]["tbt_attainment"] == 0.0
     assert by_path["multiplexed"]["p90_of_p90_gap_ms"] == pytest.approx(244.0)
+
+
+def test_a_configuration_label_with_any_characters_names_a_log_file_beside_the_json(tmp_path):
+    path = log_path(tmp_path / "run.json", "toggle, joins TBT/2+EP4")
+    assert path.parent == tmp_path and path.name == "run-toggle_joins_TBT_2_EP4.log"
