@@ -202,7 +202,7 @@ def _add_slo_args(p: argparse.ArgumentParser) -> None:
                    help="decoders take requests handed over by dedicated prefill workers. on: size their iterations to "
                         "TBT/2 (a request that joins waits for the iteration in flight, then its own); first: give a "
                         "joining request's first decode a decode-only iteration, and size the others to TBT less one "
-                        "such iteration. serve: auto = on where decoders also prefill beside dedicated prefill "
+                        "such iteration. serve: auto = first where decoders also prefill beside dedicated prefill "
                         "workers; elsewhere auto = off")
 
 

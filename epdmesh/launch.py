@@ -154,7 +154,7 @@ def worker_argv(group: WorkerGroup, toggle: str, args, threads: int) -> list[str
 def serve_mesh(args) -> int:
     groups = parse_topology(args.topology)
     if args.decoder_joins == "auto":
-        args.decoder_joins = "on" if decoders_join(groups) else "off"
+        args.decoder_joins = "first" if decoders_join(groups) else "off"
     num_workers = sum(g.count for g in groups)
     threads = args.threads or max(1, (os.cpu_count() or 1) // num_workers)
     mesh = Mesh()
