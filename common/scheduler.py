@@ -120,8 +120,10 @@ class Scheduler:
         if len(self.running) > cap:  # more arrived with their KV than the batch holds: take turns, none starves
             self.running = self.running[cap:] + self.running[:cap]
         tokens -= len(out.decodes)
-        joining = self.joined and any(r.request_id in self.joined for r in out.decodes)
-        self.joined.difference_update(r.request_id for r in out.decodes)
+        joining = False
+        if self.joined:  # none left once every joiner has decoded: nothing to look up
+            joining = any(r.request_id in self.joined for r in out.decodes)
+            self.joined.difference_update(r.request_id for r in out.decodes)
         if joining and self.config.join_first and self._last_had_work:
             self._last_had_work = False
             return out  # decodes only: the joiners' first gap is the iteration before plus this short one

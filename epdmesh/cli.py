@@ -32,8 +32,7 @@ def _engine_config(args, roles: str = "encode,prefill,decode"):
         kv_cache_gib=_kv_cache_gib(args), max_model_len=args.max_model_len, attention_backend=args.attention_backend,
         enable_prefix_caching=args.enable_prefix_caching,
         scheduler=SchedulerConfig(*_budgets(args, parse_roles(roles)),
-                                  max_num_seqs=args.max_num_seqs,
-                                  join_first=getattr(args, "decoder_joins", "auto") == "first"),
+                                  max_num_seqs=args.max_num_seqs, join_first=_decoder_joins(args) == "first"),
     )
 
 
@@ -42,6 +41,10 @@ def _kv_cache_gib(args) -> float:
     if getattr(args, "kv_cache_gib", None) is not None:
         return args.kv_cache_gib
     return 64.0 if getattr(args, "backend", "torch") == "emulated" else 1.0
+
+
+def _decoder_joins(args) -> str:
+    return getattr(args, "decoder_joins", "auto")
 
 
 def _budgets(args, roles) -> tuple[int, int]:
@@ -55,8 +58,7 @@ def _budgets(args, roles) -> tuple[int, int]:
 
         derived = budgets_for(load_profile(profile_path), Stage.DECODE in roles, args.slo_ttft_ms, args.slo_tbt_ms,
                               headroom=args.budget_headroom, alpha=args.budget_alpha,
-                              joins=getattr(args, "decoder_joins", "auto") in ("on", "first"),
-                              join_first=getattr(args, "decoder_joins", "auto") == "first")
+                              joins=_decoder_joins(args) in ("on", "first"), join_first=_decoder_joins(args) == "first")
         log = logging.getLogger("epdmesh")
         log.info("budgets from %s for a %.0f ms iteration limit: %d tokens, %d images per iteration",
                  profile_path, derived.limit_ms, derived.token_budget, derived.image_budget)
