@@ -303,6 +303,9 @@ def parse_args(argv=None):
                    help="launch `epdmesh serve SERVE_ARGS` per configuration (repeatable)")
     p.add_argument("--workload", default="textcaps", help=f"comma-separated: {', '.join(SHAPES)}")
     p.add_argument("--rates", default="1,2,4,8", help="comma-separated request rates (req/s, the hardware's time)")
+    p.add_argument("--rates-of", action="append", default=[], metavar="NAME=RATES",
+                   help="this configuration's own rates instead of --rates (repeatable): a split that saturates at "
+                   "20 req/s need not be run at 80, nor one that holds 70 at 20")
     p.add_argument("--num-prompts", type=int, default=100, help="requests per rate")
     p.add_argument("--warmup", type=int, default=4)
     p.add_argument("--arrival", default="mooncake", choices=["mooncake", "poisson"])
@@ -332,10 +335,22 @@ def parse_args(argv=None):
     unknown = [w for w in args.workloads if w not in SHAPES]
     if unknown:
         p.error(f"unknown workload(s) {unknown}; choose from {', '.join(SHAPES)}")
-    args.rate_list = [float(r) for r in args.rates.split(",") if r.strip()]
-    if not args.rate_list or min(args.rate_list) <= 0 or args.num_prompts < 2:
+    args.rate_list = _rates(args.rates)
+    args.rates_of = {name: _rates(rates) for name, _, rates in (spec.partition("=") for spec in args.rates_of)}
+    names = {spec.partition("=")[0] for spec in args.config}
+    unknown = sorted(set(args.rates_of) - names)
+    if unknown:
+        p.error(f"--rates-of names no --config: {', '.join(unknown)}")
+    if any(not r or min(r) <= 0 for r in [args.rate_list, *args.rates_of.values()]) or args.num_prompts < 2:
         p.error("need positive --rates and --num-prompts >= 2")
     return args
+
+
+def _rates(text: str) -> list[float]:
+    try:
+        return [float(r) for r in text.split(",") if r.strip()]
+    except ValueError:
+        return []
 
 
 def main(argv=None) -> int:
@@ -375,7 +390,8 @@ def main(argv=None) -> int:
             report["serve_args"][name] = serve_args
             print(f"{name}: epdmesh serve {' '.join(serve_args)}", file=sys.stderr, flush=True)
             with launched(serve_args, log_path(out, name)) as (base, model):
-                report["configs"][name] = {w: sweep(base, model, w, args.rate_list, args, name, gaps)
+                rates = args.rates_of.get(name, args.rate_list)
+                report["configs"][name] = {w: sweep(base, model, w, rates, args, name, gaps)
                                            for w in args.workloads}
             for result in report["configs"][name].values():
                 add_bound(result, hardware if args.backend == "emulated" else None, instances_of(serve_args))

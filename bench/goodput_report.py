@@ -96,7 +96,9 @@ def finish(report: dict, out: Path, args) -> None:
     width = max(14, *(len(n) for n in names))
 
     def cell(result: dict) -> str:
-        bound = result.get("goodput_bound")
+        bound, rates = result.get("goodput_bound"), [p["request_rate"] for p in result["points"]]
+        if not result["goodput"] and rates:  # not a measured 0: below every rate swept
+            return f"< {min(rates):g}"
         return f"{result['goodput']:g}" + (f" ({result['goodput'] / bound:.0%})" if bound else "")
 
     print(f"{'config':>{width}} " + " ".join(f"{w:>14}" for w in workloads))

@@ -4,7 +4,7 @@ import statistics
 
 import pytest
 
-from bench.goodput import Result, log_path, meets_slo, prediction_report, summarize
+from bench.goodput import Result, log_path, meets_slo, parse_args, prediction_report, summarize
 from bench.goodput_report import plot
 from bench.workloads import SHAPES, arrivals, request_bodies, trace_times
 
@@ -107,6 +107,10 @@ def test_a_goodput_above_the_bound_is_flagged_as_a_burst_not_a_sustained_rate(tm
     finish(report, tmp_path / "r.json", types.SimpleNamespace(plot=None))
     out = capsys.readouterr().out
     assert "B on textcaps came out above the bound" in out and "within ~0.8 s" in out and "--num-prompts" in out
+    report["configs"]["C"] = {"textcaps": {**run(0.0), "points": [{"request_rate": 15.0, "slo_attainment": 0.5}]}}
+    finish(report, tmp_path / "r.json", types.SimpleNamespace(plot=None))
+    row = next(line for line in capsys.readouterr().out.splitlines() if line.strip().startswith("C "))
+    assert row.split()[1:] == ["<", "15"]  # failed at its lowest rate: below it, not a measured 0
 
 
 def test_attainment_by_path_matches_the_clients_requests_to_the_gateways_routes_by_id():
@@ -128,3 +132,13 @@ def test_attainment_by_path_matches_the_clients_requests_to_the_gateways_routes_
 def test_a_configuration_label_with_any_characters_names_a_log_file_beside_the_json(tmp_path):
     path = log_path(tmp_path / "run.json", "toggle, joins TBT/2+EP4")
     assert path.parent == tmp_path and path.name == "run-toggle_joins_TBT_2_EP4.log"
+
+
+def test_a_configuration_may_sweep_its_own_rates_and_a_misnamed_one_is_refused(capsys):
+    args = parse_args(["--config", "a=--topology EPD1", "--config", "b=--topology EPD2", "--rates", "40,45",
+                       "--rates-of", "b=15,20"])
+    assert args.rate_list == [40.0, 45.0] and args.rates_of == {"b": [15.0, 20.0]}
+    for bad in (["--rates-of", "c=15"], ["--rates-of", "b=15,x"], ["--rates-of", "b=0"]):
+        with pytest.raises(SystemExit):
+            parse_args(["--config", "a=--topology EPD1", "--config", "b=--topology EPD2", *bad])
+    assert "--rates-of names no --config: c" in capsys.readouterr().err
