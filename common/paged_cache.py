@@ -14,7 +14,7 @@ import warnings
 
 import torch
 
-from common.memory import bytes_of
+from common.memory import bytes_of, host_zeros
 
 
 class PageLayoutMismatch(ValueError):
@@ -51,7 +51,9 @@ class PagePayload:
 
 class PagedBuffer:
     def __init__(self, kind: str, num_blocks: int, block_size: int, block_shape: tuple[int, ...], dtype, device):
-        self.data = torch.zeros((num_blocks, *block_shape), dtype=dtype, device=device)
+        shape = (num_blocks, *block_shape)
+        cpu = torch.device(device).type == "cpu"
+        self.data = host_zeros(shape, dtype) if cpu else torch.zeros(shape, dtype=dtype, device=device)
         self.layout = PageLayout(kind, str(dtype).removeprefix("torch."), block_size, tuple(block_shape))
 
     @property
