@@ -45,7 +45,6 @@ _STATUS_OF = {reason: status for status, reason in FINISH_REASONS.items()}
 
 
 MAX_ATTEMPTS = 3  # routes tried per request when workers fail it
-INLINE_COUNT_CHARS = 4096  # prompts up to this many characters are counted on the event loop
 RECENT_PREDICTIONS = 1024  # routed requests whose predicted and actual TTFT /stats shows
 
 
@@ -119,8 +118,7 @@ class MeshBackend:
         plan = None
         if num_images:
             # tokenizing a short text costs less than a thread hop
-            num_tokens = await self._prepare(self.processor.count_prompt_tokens, chat,
-                                             inline=chat.num_text_chars <= INLINE_COUNT_CHARS)
+            num_tokens = await self._prepare(self.processor.count_prompt_tokens, chat, inline=chat.short_text)
             self._check_length(num_tokens, chat.sampling.max_tokens)
             summary = RouteSummary(request_id, num_tokens, num_images, chat.sampling.max_tokens, frozenset(), *slo,
                                    elapsed_ms=(time.monotonic() - arrival) * 1e3)
@@ -132,8 +130,8 @@ class MeshBackend:
                 routing.cancel()  # a route already made keeps its reservation until it expires (seconds)
                 raise
             plan = await routing
-        else:
-            ids, images = await self._prepare(self.processor.apply, chat)
+        else:  # a short text prompt is tokenized on the loop: a thread hop would cost more than the tokenizing
+            ids, images = await self._prepare(self.processor.apply, chat, inline=chat.short_text)
         self._check_length(len(ids), chat.sampling.max_tokens)
         request = Request(request_id, ids, chat.sampling, images, arrival_time=arrival)
         stream = self._with_failover(request, span, slo, plan)

@@ -38,6 +38,9 @@ class ApiError(Exception):
         return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.status}}
 
 
+INLINE_TOKENIZE_CHARS = 4096  # text up to this many characters is tokenized on the event loop: a thread hop costs more
+
+
 @dataclasses.dataclass(slots=True)
 class ChatRequest:
     model: str
@@ -56,6 +59,11 @@ class ChatRequest:
     @property
     def num_images(self) -> int:
         return sum(part["type"] == "image" for message in self.conversation for part in message["content"])
+
+    @property
+    def short_text(self) -> bool:
+        """Its text is short enough to tokenize on the event loop (`INLINE_TOKENIZE_CHARS`)."""
+        return self.num_text_chars <= INLINE_TOKENIZE_CHARS
 
 
 def parse_chat_request(raw: bytes, served_models: list[str], allow_remote_images: bool = False) -> ChatRequest:
