@@ -49,7 +49,7 @@ def host_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """A zeroed CPU tensor whose memory the kernel may back with transparent huge pages.
 
     Pages pulled from another process are copied by the kernel one page at a time (UCX's cma transport,
-    `process_vm_readv`); with 2 MiB pages instead of 4 KiB ones a NIXL READ of 64–256 MiB ran ~20% faster
+    `process_vm_readv`); with 2 MiB pages instead of 4 KiB ones a NIXL READ of 16–256 MiB ran 13–23% faster
     here (bench/README.md). Like `torch.zeros`, the memory is committed as it is first written, here in
     2 MiB steps. Buffers under 2 MiB, hosts without `madvise` and `EPDMESH_HUGE_PAGES=0` get `torch.zeros`.
     """
