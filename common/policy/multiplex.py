@@ -174,8 +174,13 @@ def _multiplexed(d, request, encode_wait, left, ttft_ms, tbt_ms, profile, budget
         steps = [iteration_ms(profile, decodes=batch, decode_context=context,
                               chunks=[(min(chunk, request.num_prompt_tokens - start), start)])
                  for start in range(0, request.num_prompt_tokens, chunk)]
+    joiner_only = decode_ms(profile, batch + 1, context) if handoffs and join_first else 0.0
+    if joiner_only and budget is not None:  # requests handed over meanwhile: each chunk iteration before the
+        # prompt's last may be followed by a decode-only one for a joiner's first decode (at most one between two)
+        chunks_before = -(-d.load.queued_prefill_tokens // chunk) + len(steps) - 1
+        queue += chunks_before * joiner_only
     predicted = encode_wait + in_flight + queue + sum(steps)
-    joiner = (decode_ms(profile, batch + 1, context) if join_first else max(steps)) if handoffs else 0.0
+    joiner = (joiner_only if join_first else max(steps)) if handoffs else 0.0
     tbt_over = (max(steps) + joiner - tbt_ms) / tbt_ms if batch or handoffs else 0.0
     return _Option(PrefillPath.MULTIPLEXED, d, predicted, max(0.0, tbt_over, (predicted - left) / ttft_ms))
 
