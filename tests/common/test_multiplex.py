@@ -188,3 +188,17 @@ def test_with_join_first_a_joiners_gap_is_one_multiplexed_iteration_plus_a_decod
     assert decide(mesh, 1000).plan.decoder.worker_id == "pd2"
     # join_first: pd1's second is decode-only, 20.2 + 8 ms: pd1
     assert decide(mesh, 1000, join_first=True).plan.decoder.worker_id == "pd1"
+
+
+def test_join_first_decoders_may_run_a_decode_only_iteration_after_each_chunk_before_the_prompts_last():
+    """Requests handed over meanwhile each get a decode-only iteration after the chunk iteration in which they
+    arrived (at most one between two chunk iterations), so a multiplexed prefill of n chunks behind q queued
+    chunks may wait n + q − 1 of them before its first token."""
+    mesh = [w("e", {E}), w("p", {P}, queued_prefill_tokens=100_000),
+            w("pd", {P, D}, running_decode_batch=2, queued_prefill_tokens=250)]
+    # chunks of 100 beside the 2 decodes: queued 100 + 100 + 50 (25.6 ms), this prompt 3 × 100 (30.6 ms), after
+    # the decode iteration in flight (7 ms); five decode-only iterations of 3 sequences (8 ms each) between them
+    d = decide(mesh, 300, decoder_token_budget=102, join_first=True)
+    assert d.plan.path == PrefillPath.MULTIPLEXED and d.predicted_ttft_ms == pytest.approx(7 + 25.6 + 30.6 + 5 * 8)
+    without = decide(mesh, 300, decoder_token_budget=102, join_first=False, tbt=100)  # joiners wait a chunk instead
+    assert without.plan.path == PrefillPath.MULTIPLEXED and without.predicted_ttft_ms == pytest.approx(7 + 25.6 + 30.6)
