@@ -17,7 +17,8 @@ For one request (prompt tokens T, images, its TTFT/TBT targets, time already spe
      with their TBT-derived stage budget (`decoder_token_budget`, TriInfer), the prefill is chunked to
      what the budget leaves beside the decodes, one chunk per iteration, and ② needs that each chunk's
      iteration fits (twice, where requests are handed over) and that the chunks (after d's queued
-     prompts) finish within the slack;
+     prompts) finish within the slack — with join-first decoders, each chunk iteration before the prompt's
+     last counted as followed by a decode-only one, for a request handed over meanwhile;
   4. both allowed: short prompts (≤ `short_prompt_tokens`) take ②, long ones ①; one allowed: that one;
      none: the least-violating option, or no plan (HTTP 503) when admission control is on;
   5. the decoder of path ① is the one where the handed-over request's first decode comes soonest (the
