@@ -25,14 +25,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import dataclasses
 import json
 import math
-import os
-import re
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -41,6 +37,7 @@ from pathlib import Path
 if not __package__:
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench.goodput_launch import launched, log_path, serve_args_of  # noqa: E402
 from bench.goodput_report import add_bound, finish, instances_of, replot  # noqa: E402
 from bench.workloads import SHAPES, arrivals, request_bodies, trace_times  # noqa: E402
 
@@ -248,51 +245,6 @@ def sweep(base: str, model: str, workload: str, rates: list[float], args, label:
             "points": points}
 
 
-# ----- launching configurations -----
-
-@contextlib.contextmanager
-def launched(serve_args: list[str], log_path: Path, timeout: float = 900.0):
-    """`epdmesh serve ARGS` on a free loopback port; yields (base URL, served model name); stops it at the end."""
-    import httpx
-
-    from common.ports import free_port
-    from epdmesh.launch import die_with_parent, stop_process
-
-    port = free_port()
-    cmd = [sys.executable, "-m", "epdmesh.cli", "serve", *serve_args, "--host", "127.0.0.1", "--port", str(port)]
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"},
-                                preexec_fn=die_with_parent)  # a killed benchmark takes its mesh with it
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + timeout
-    try:
-        while True:
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"`epdmesh serve {' '.join(serve_args)}` did not come up; see {log_path}")
-            if "EPDMESH_READY" in log_path.read_text(errors="replace"):
-                break
-            time.sleep(0.5)
-        model = httpx.get(f"{base}/v1/models", timeout=10).json()["data"][0]["id"]
-        yield base, model
-    finally:
-        stop_process(proc, 120, "the benchmarked mesh")
-
-
-def log_path(out: Path, config_name: str) -> Path:
-    """Beside the JSON, one server log per configuration; its label may hold any character (`toggle, TBT/2`)."""
-    return out.with_name(f"{out.stem}-{re.sub(r'[^A-Za-z0-9.-]+', '_', config_name)}.log")
-
-
-def _serve_args(config_args: str, args, profile: Path | None) -> list[str]:
-    import shlex
-
-    out = shlex.split(config_args.replace("{profile}", str(profile or "")))
-    if args.backend == "emulated":
-        out += ["--backend", "emulated", "--profile", str(profile)]
-    out += ["--slo-ttft-ms", str(args.slo_ttft_ms * args.time_scale), "--slo-tbt-ms", str(args.slo_tbt_ms * args.time_scale)]
-    return out + (["--model", args.model] if args.model else [])
-
-
 # ----- main -----
 
 def parse_args(argv=None):
@@ -386,7 +338,7 @@ def main(argv=None) -> int:
                                          for w in args.workloads}
         for spec in args.config:
             name, _, config_args = spec.partition("=")
-            serve_args = _serve_args(config_args, args, profile)
+            serve_args = serve_args_of(config_args, args, profile)
             report["serve_args"][name] = serve_args
             print(f"{name}: epdmesh serve {' '.join(serve_args)}", file=sys.stderr, flush=True)
             with launched(serve_args, log_path(out, name)) as (base, model):

@@ -4,7 +4,8 @@ import statistics
 
 import pytest
 
-from bench.goodput import Result, log_path, meets_slo, parse_args, prediction_report, summarize
+from bench.goodput import Result, meets_slo, parse_args, prediction_report, summarize
+from bench.goodput_launch import log_path
 from bench.goodput_report import plot
 from bench.workloads import SHAPES, arrivals, request_bodies, trace_times
 
