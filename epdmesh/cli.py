@@ -12,7 +12,7 @@ from pathlib import Path
 from common.model.tiny import PRESETS
 from epdmesh.checkpoints import (DEFAULT_MODEL_NAME, default_model_dir, ensure_default_model, ensure_emulated_model,
                                  make_model)
-from epdmesh.routing_args import add_router_args, add_routing_args, routing_policy
+from epdmesh.routing_args import add_router_args, add_routing_args, decoder_joins, routing_policy
 
 DEFAULT_EMULATED_PROFILE = "H20"  # the analytic LLaVA-1.5-7B on H20 profile (= profiles/llava-1.5-7b-h20.json)
 
@@ -32,7 +32,7 @@ def _engine_config(args, roles: str = "encode,prefill,decode"):
         kv_cache_gib=_kv_cache_gib(args), max_model_len=args.max_model_len, attention_backend=args.attention_backend,
         enable_prefix_caching=args.enable_prefix_caching,
         scheduler=SchedulerConfig(*_budgets(args, parse_roles(roles)),
-                                  max_num_seqs=args.max_num_seqs, join_first=_decoder_joins(args) == "first"),
+                                  max_num_seqs=args.max_num_seqs, join_first=_decoder_joins(args)[1]),
     )
 
 
@@ -43,8 +43,9 @@ def _kv_cache_gib(args) -> float:
     return 64.0 if getattr(args, "backend", "torch") == "emulated" else 1.0
 
 
-def _decoder_joins(args) -> str:
-    return getattr(args, "decoder_joins", "auto")
+def _decoder_joins(args) -> tuple[bool, bool]:
+    """(joins, join_first) of this command's --decoder-joins (commands without it: neither)."""
+    return decoder_joins(getattr(args, "decoder_joins", "auto"))
 
 
 def _budgets(args, roles) -> tuple[int, int]:
@@ -56,9 +57,9 @@ def _budgets(args, roles) -> tuple[int, int]:
         from common.latency.roofline import load_profile
         from common.request import Stage
 
+        joins, join_first = _decoder_joins(args)
         derived = budgets_for(load_profile(profile_path), Stage.DECODE in roles, args.slo_ttft_ms, args.slo_tbt_ms,
-                              headroom=args.budget_headroom, alpha=args.budget_alpha,
-                              joins=_decoder_joins(args) in ("on", "first"), join_first=_decoder_joins(args) == "first")
+                              headroom=args.budget_headroom, alpha=args.budget_alpha, joins=joins, join_first=join_first)
         log = logging.getLogger("epdmesh")
         log.info("budgets from %s for a %.0f ms iteration limit: %d tokens, %d images per iteration",
                  profile_path, derived.limit_ms, derived.token_budget, derived.image_budget)

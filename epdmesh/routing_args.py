@@ -25,6 +25,11 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
                         "do not count on multiplexed prefills being chunked within TBT")
 
 
+def decoder_joins(mode: str | None) -> tuple[bool, bool]:
+    """(joins, join_first) of a --decoder-joins mode (see `budgets_for`); `auto` is resolved by `serve`."""
+    return mode in ("on", "first"), mode == "first"
+
+
 def routing_policy(args):
     """(RoutingConfig, SloRouting or None) from the parsed routing, router and SLO options."""
     from common.policy.routing import RoutingConfig
@@ -42,17 +47,18 @@ def routing_policy(args):
     profile = load_profile(args.latency_profile)
     # the workers of a mesh given this profile run its stage budgets (epdmesh serve passes it to them):
     # a decoder's prefills come in TBT-sized chunks, a prefill worker's next iteration holds τ_t tokens
+    joins, join_first = decoder_joins(args.decoder_joins)
     decoder_budget, prefill_budget = (budgets_for(profile, has_decode, args.slo_ttft_ms, args.slo_tbt_ms,
                                                   headroom=args.budget_headroom, alpha=args.budget_alpha,
-                                                  joins=has_decode and args.decoder_joins in ("on", "first"),
-                                                  join_first=has_decode and args.decoder_joins == "first").token_budget
+                                                  joins=has_decode and joins, join_first=has_decode and join_first
+                                                  ).token_budget
                                       for has_decode in (True, False))
     return routing, SloRouting(profile, args.slo_ttft_ms, args.slo_tbt_ms,
                                MultiplexConfig(short_prompt_tokens=args.multiplex_max_tokens,
                                                admission_control=args.admission_control,
                                                decoder_token_budget=decoder_budget if args.worker_budgets else None,
                                                prefill_token_budget=prefill_budget if args.worker_budgets else None,
-                                               join_first=args.decoder_joins == "first"))
+                                               join_first=join_first))
 
 
 def router_argv(args, latency_profile: str | None, worker_budgets: bool) -> list[str]:
