@@ -3,8 +3,9 @@
 For one request (prompt tokens T, images, its TTFT/TBT targets, time already spent):
   0. a busy worker first finishes the iteration under way (predicted as long as its last one, less what it
      had run when reported): new work there waits it out — a prefill worker's iteration may be α·TTFT long;
-  1. encoder — the one with the least predicted finish time (its queued images plus these, beside the
-     next prefill chunk when it prefills too); a prefill worker that can encode encodes the request
+  1. encoder — the one with the least predicted finish time (its queued images plus these, beside its
+     running decodes and the next chunk of its prefill queue when it has those roles, a chunk a prefill
+     there then does not wait for again); a prefill worker that can encode encodes the request
      itself (no image pages move), else the encode and the image-page pull come off the TTFT slack;
   2. path ① dedicated prefill worker p: allowed when the encode, p's predicted queue (its queued prompt
      tokens) + this prefill + the KV pull fit the remaining slack;
@@ -95,7 +96,7 @@ def route_slo(workers: list[WorkerSnapshot], request: RouteSummary, ttft_ms: flo
                for p in live if p.has(Stage.PREFILL) and not p.has(Stage.DECODE)]
     handoffs = bool(options)  # dedicated prefill workers exist: they hand requests over to the decoders
     options += [_multiplexed(d, request, encode_wait(d), left, ttft_ms, tbt_ms, profile, config.decoder_token_budget,
-                             handoffs, config.join_first)
+                             handoffs, config.join_first, _beside_tokens(d, config) if _encodes_here(d, request) else 0)
                 for d in decoders if d.has(Stage.PREFILL)]
     if not options:
         return Decision(None, 0.0, left - encode_pred, "no live prefill worker", False)
@@ -128,10 +129,25 @@ def _in_flight_ms(w: WorkerSnapshot) -> float:
 
 def _encode_finish(w: WorkerSnapshot, request: RouteSummary, profile: LatencyProfile, config: MultiplexConfig) -> float:
     """When w would have this request's images encoded: after its iteration under way, in the next one, beside
-    its next prefill chunk when it prefills too."""
-    budget = (config.decoder_token_budget if w.has(Stage.DECODE) else config.prefill_token_budget) or 0
-    beside = prefill_chunk_ms(profile, min(w.load.queued_prefill_tokens, budget)) if w.has(Stage.PREFILL) else 0.0
-    return _in_flight_ms(w) + encode_ms(profile, w.load.queued_images + request.num_images) + beside
+    its running decodes and the next chunk of its prefill queue (`_beside_tokens`) when it has those roles."""
+    beside, decodes = _beside_tokens(w, config), _decodes(w)
+    return _in_flight_ms(w) + iteration_ms(profile, images=w.load.queued_images + request.num_images, decodes=decodes,
+                                           decode_context=w.load.decode_context_tokens if decodes else 0,
+                                           chunks=[(beside, 0)] if beside else [])
+
+
+def _decodes(w: WorkerSnapshot) -> int:
+    return w.load.running_decode_batch if w.has(Stage.DECODE) else 0
+
+
+def _beside_tokens(w: WorkerSnapshot, config: MultiplexConfig) -> int:
+    """Prompt tokens of w's queue that run in the iteration carrying a new encode there: the chunk its stage
+    budget leaves beside its running decodes (none counted where the policy does not know its budget). A
+    prefill that w encodes for does not wait for them again: that iteration is in its encode wait."""
+    budget = config.decoder_token_budget if w.has(Stage.DECODE) else config.prefill_token_budget
+    if budget is None or not w.has(Stage.PREFILL):
+        return 0
+    return min(w.load.queued_prefill_tokens, max(0, budget - _decodes(w)))
 
 
 def _encodes_here(w: WorkerSnapshot, request: RouteSummary) -> bool:
@@ -151,27 +167,35 @@ def _encoder(live, finishes: dict[str, float], request, profile, config) -> tupl
 
 def _dedicated(p, request, encode_wait, left, ttft_ms, profile, config) -> _Option:
     """`encode_wait`: when the image pages are ready; `left`: the TTFT still to spend."""
-    queue = (0.0 if _encodes_here(p, request) else _in_flight_ms(p)) + prefill_ms(profile, p.load.queued_prefill_tokens)
+    if _encodes_here(p, request):  # the iteration under way and the queue's first chunk are in the encode wait
+        queue = prefill_ms(profile, p.load.queued_prefill_tokens - _beside_tokens(p, config))
+    else:
+        queue = _in_flight_ms(p) + prefill_ms(profile, p.load.queued_prefill_tokens)
     pull = transfer_ms(profile, config.kv_bytes_per_token * request.num_prompt_tokens) if config.kv_bytes_per_token else 0.0
     predicted = encode_wait + queue + prefill_ms(profile, request.num_prompt_tokens) + pull
     return _Option(PrefillPath.DEDICATED, p, predicted, max(0.0, (predicted - left) / ttft_ms))
 
 
 def _multiplexed(d, request, encode_wait, left, ttft_ms, tbt_ms, profile, budget: int | None,
-                 handoffs: bool = False, join_first: bool = False) -> _Option:
+                 handoffs: bool = False, join_first: bool = False, encoded_beside: int = 0) -> _Option:
     """`handoffs`: prefill workers hand requests over to the decoders, so one may join d while this prefill
     runs there, and its first gap is the chunk iteration in flight plus its own: two of them must fit TBT, or
-    with `join_first` one of them plus a decode-only iteration."""
+    with `join_first` one of them plus a decode-only iteration. `encoded_beside`: tokens of d's queue that run
+    in the iteration encoding this request (in `encode_wait` already)."""
     batch, context = d.load.running_decode_batch, d.load.decode_context_tokens
     iteration = decode_ms(profile, batch, context)
     in_flight = 0.0 if _encodes_here(d, request) else max(iteration, _in_flight_ms(d))
+    queued = d.load.queued_prefill_tokens
     if budget is None:  # the whole prompt in one iteration beside the running decodes
-        queue = prefill_ms(profile, d.load.queued_prefill_tokens)
+        queue = prefill_ms(profile, queued)
         steps = [iteration_ms(profile, decodes=batch, decode_context=context, chunks=[(request.num_prompt_tokens, 0)])]
     else:  # chunks of what the budget leaves beside the decodes, one per iteration, queued prompts first
-        chunk = max(1, budget - batch)
-        queue = sum(iteration_ms(profile, decodes=batch, decode_context=context, chunks=[(min(chunk, n - start), start)])
-                    for n in [d.load.queued_prefill_tokens] for start in range(0, n, chunk))
+        chunk = budget - batch
+        if chunk <= 0:  # no room beside the decodes: no prefill runs here until (as if) the batch has drained
+            in_flight += iteration * -(-d.load.unfinished_decode_tokens // max(batch, 1))
+            batch, context, chunk = 0, 0, max(budget, 1)
+        queue = sum(iteration_ms(profile, decodes=batch, decode_context=context, chunks=[(min(chunk, queued - start), start)])
+                    for start in range(encoded_beside, queued, chunk))
         steps = [iteration_ms(profile, decodes=batch, decode_context=context,
                               chunks=[(min(chunk, request.num_prompt_tokens - start), start)])
                  for start in range(0, request.num_prompt_tokens, chunk)]

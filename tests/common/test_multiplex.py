@@ -202,3 +202,27 @@ def test_join_first_decoders_may_run_a_decode_only_iteration_after_each_chunk_be
     assert d.plan.path == PrefillPath.MULTIPLEXED and d.predicted_ttft_ms == pytest.approx(7 + 25.6 + 30.6 + 5 * 8)
     without = decide(mesh, 300, decoder_token_budget=102, join_first=False, tbt=100)  # joiners wait a chunk instead
     assert without.plan.path == PrefillPath.MULTIPLEXED and without.predicted_ttft_ms == pytest.approx(7 + 25.6 + 30.6)
+
+
+def test_a_queue_chunk_that_runs_beside_the_encode_is_waited_for_once():
+    """A worker that encodes and prefills runs the request's encode in one iteration with the next chunk of its
+    prefill queue; the prefill then waits for the rest of the queue, not for that chunk a second time."""
+    ep = [w("ep", {E, P}, queued_prefill_tokens=1000), w("d", {D})]
+    # the encode (10 ms) beside the whole 1000-token queue (100 ms), then this prompt (10 ms)
+    assert decide(ep, 100, images=1, ttft=2000, prefill_token_budget=1000).predicted_ttft_ms == pytest.approx(120)
+    ep = [w("ep", {E, P}, queued_prefill_tokens=3000), w("d", {D})]  # then the other 2000 queued tokens (200 ms)
+    assert decide(ep, 100, images=1, ttft=2000, prefill_token_budget=1000).predicted_ttft_ms == pytest.approx(320)
+    # a decoder that encodes: its decodes run in that iteration too; chunks of 400 beside its 10 decodes
+    epd = [w("epd", {E, P, D}, running_decode_batch=10, queued_prefill_tokens=800)]
+    d = decide(epd, 100, images=1, decoder_token_budget=410)
+    # encode 10 + 10 decodes and 400 queued tokens (41), the other 400 (41), this prompt beside the decodes (11)
+    assert d.plan.path == PrefillPath.COLOCATED and d.predicted_ttft_ms == pytest.approx(51 + 41 + 11)
+    assert d.slack_ms == pytest.approx(500 - 51)
+
+
+def test_a_decoder_whose_decodes_fill_its_budget_is_predicted_to_prefill_only_once_they_drain():
+    """The scheduler gives a prefill no tokens while the running decodes take the whole budget."""
+    full = [w("pd", {P, D}, running_decode_batch=20, unfinished_decode_tokens=200)]
+    d = decide(full, 50, ttft=1000, decoder_token_budget=10)
+    # its decode step (25 ms), ten more to drain 200 tokens from 20 sequences, then 50 tokens in chunks of 10
+    assert d.predicted_ttft_ms == pytest.approx(25 + 10 * 25 + 5 * 1)
