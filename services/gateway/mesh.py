@@ -315,6 +315,7 @@ class MeshBackend:
         if self._refresher is not None:
             self._refresher.cancel()
         if self.router is not None:
+            await self.router.settle()
             await self.router.registry.redis.aclose()
         await self.channels.close()
 

@@ -5,7 +5,8 @@ Keys, under the mesh's prefix:
 A route reserves, atomically across its workers (one Lua script), the KV tokens the request will take on
 each: prompt + max_tokens on the decoder, the prompt on a dedicated prefill worker. It succeeds only if
 every worker's free KV tokens (its last report) minus what is already reserved there still hold it.
-A reservation ends when the worker reports the request admitted (its heartbeat), or at its expiry.
+A reservation ends when the worker reports the request admitted (its heartbeat), when the router that made it
+is done with the request (it may end before its decoder sees it), or at its expiry.
 """
 
 from __future__ import annotations
@@ -76,6 +77,13 @@ class Reservations:
     async def release(self, worker_id: str, request_ids: list[str]) -> None:
         if request_ids:
             await self.redis.hdel(self._key(worker_id), *request_ids)
+
+    async def release_request(self, request_id: str, worker_ids) -> None:
+        """End one request's reservations on these workers (those it was not already ended on)."""
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for worker_id in worker_ids:
+                pipe.hdel(self._key(worker_id), request_id)
+            await pipe.execute()
 
     async def held(self, worker_id: str) -> int:
         """KV tokens currently reserved on a worker (expired entries included until the next reserve)."""

@@ -82,6 +82,8 @@ class Router:
         self._snapshot_at = float("-inf")
         self._lock = asyncio.Lock()
         self._pending: dict[str, _Pending] = {}  # by request id: routes made here, until forgotten
+        self._reserved: dict[str, tuple[str, ...]] = {}  # by request id: the workers its KV is reserved on
+        self._releases: set[asyncio.Task] = set()
 
     @classmethod
     def over_redis(cls, client, prefix: str, routing: RoutingConfig = RoutingConfig(), tracing: Tracing | None = None,
@@ -131,9 +133,11 @@ class Router:
                 break
             if plan is None:
                 raise NoRoute(_why_no_route(workers, summary.num_images), busy=False)
-            full = None if self.reservations is None else await self.reservations.reserve(summary.request_id,
-                                                                                           needs(plan, summary))
+            amounts = needs(plan, summary)
+            full = None if self.reservations is None else await self.reservations.reserve(summary.request_id, amounts)
             if full is None:
+                if self.reservations is not None:
+                    self._reserved[summary.request_id] = tuple(amounts)
                 break
             full_workers.add(full)
             summary = dataclasses.replace(summary, exclude=summary.exclude | {full})  # no room there: route around it
@@ -166,8 +170,26 @@ class Router:
             entry.prefilled = True
 
     def forget(self, request_id: str) -> None:
-        """The request ended (finished, failed or routed again under another id)."""
+        """The request ended (finished, failed or routed again under another id). Its KV reservations end now
+        too: a worker ends one when it admits the request, but a request can end before its decoder ever
+        sees it (done at its first token, its client gone, its prefill worker failed), and its reservation
+        would hold KV room for nothing until it expires."""
         self._pending.pop(request_id, None)
+        workers = self._reserved.pop(request_id, ())
+        if workers and self.reservations is not None:
+            task = asyncio.ensure_future(self.reservations.release_request(request_id, workers))
+            self._releases.add(task)
+            task.add_done_callback(self._released)
+
+    def _released(self, task: asyncio.Task) -> None:
+        self._releases.discard(task)
+        if not task.cancelled() and task.exception() is not None:  # it expires by itself: nothing is lost
+            log.debug("releasing a reservation failed: %s", task.exception())
+
+    async def settle(self) -> None:
+        """Wait for the reservations being released (before closing the Redis client)."""
+        if self._releases:
+            await asyncio.gather(*self._releases, return_exceptions=True)
 
     def _bump(self, plan: RoutePlan, summary: RouteSummary) -> None:
         """Book the request's work on the chosen workers in the local snapshot, and remember it as pending."""

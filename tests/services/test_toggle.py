@@ -267,3 +267,39 @@ def test_routes_made_since_a_workers_last_heartbeat_stay_in_its_load_until_prefi
             await client.aclose()
 
     asyncio.run(main())
+
+
+def test_a_request_the_gateway_is_done_with_releases_its_reservations():
+    """A request can end before its decoder admits it (done at its first token, its client gone): its KV
+    reservations end with it, not 10 s later, so they do not turn later requests away."""
+    from common.policy.routing import RouteSummary
+    from services.toggle.reservations import Reservations
+    from services.toggle.router import Router
+
+    async def main():
+        client = aioredis.from_url(REDIS_URL)
+        prefix = f"epdmesh-test:{uuid.uuid4().hex}:"
+        registry = RedisRegistry(client, prefix)
+        try:
+            for wid, roles in [("p-1", {P}), ("d-1", {D})]:
+                await registry.register(info(wid, roles), WorkerLoad(kv_tokens_free=1000))
+            reservations = Reservations(client, prefix)
+            router = Router(registry, reservations=reservations)
+            await router.route(RouteSummary("r1", 600, 0, 40))
+            await router.route(RouteSummary("r2", 300, 0, 20))
+            assert (await reservations.held("p-1"), await reservations.held("d-1")) == (900, 960)
+            router.forget("r1")
+            await router.settle()
+            assert (await reservations.held("p-1"), await reservations.held("d-1")) == (300, 320)
+            await reservations.release("d-1", ["r2"])  # the decoder admitted r2 and reported it first
+            router.forget("r2")
+            router.forget("r2")  # twice, or never routed: nothing to release
+            await router.settle()
+            assert (await reservations.held("p-1"), await reservations.held("d-1")) == (0, 0)
+            await router.route(RouteSummary("r3", 600, 0, 300))  # there is room again
+        finally:
+            await registry.clear()
+            await client.delete(f"{prefix}resv:p-1", f"{prefix}resv:d-1")
+            await client.aclose()
+
+    asyncio.run(main())
