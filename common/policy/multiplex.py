@@ -63,6 +63,7 @@ class Decision:
     slack_ms: float  # the TTFT budget left for the prefill after the (chosen) encode and image pull
     reason: str
     meets_slo: bool
+    refused: bool = False  # a plan existed, and admission control turned it down: no path meets the SLO
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -102,7 +103,7 @@ def route_slo(workers: list[WorkerSnapshot], request: RouteSummary, ttft_ms: flo
         return Decision(None, 0.0, left - encode_pred, "no live prefill worker", False)
     chosen, reason = _choose(options, request, config)
     if chosen is None:
-        return Decision(None, min(o.ttft_ms for o in options), left - encode_pred, reason, False)
+        return Decision(None, min(o.ttft_ms for o in options), left - encode_pred, reason, False, refused=True)
     if chosen.path == PrefillPath.DEDICATED:
         decoder = min(decoders, key=lambda w: (_join_gap_ms(w, profile, config.decoder_token_budget, config.join_first),
                                                w.load.unfinished_decode_tokens, w.load.queue_length, w.worker_id))

@@ -159,7 +159,7 @@ class Router:
         decision = route_slo(workers, summary, ttft, tbt, summary.elapsed_ms, s.profile, s.config)
         self.tracing.annotate({"epdmesh.slack_ms": decision.slack_ms, "epdmesh.predicted_ttft_ms": decision.predicted_ttft_ms,
                                "epdmesh.route_reason": decision.reason, "epdmesh.meets_slo": decision.meets_slo})
-        if decision.plan is None and s.config.admission_control and workers:
+        if decision.refused:  # else no live worker set serves it: route() says which roles are missing
             raise NoRoute(f"no worker can serve this request within its SLO (TTFT {ttft:.0f} ms, TBT {tbt:.0f} ms, "
                           f"predicted TTFT {decision.predicted_ttft_ms:.0f} ms); retry later", busy=True)
         return decision.plan

@@ -73,7 +73,9 @@ def test_when_nothing_fits_the_least_violating_option_or_a_refusal():
     assert d.plan is not None and not d.meets_slo and "least violating" in d.reason
     assert d.plan.prefill.worker_id == "p"  # 100 ms vs 50: 1.0 over; the decoder would be (101-20)/20 over
     refused = decide(MESH, 1000, ttft=50, tbt=20, admission_control=True)
-    assert refused.plan is None and "admission control" in refused.reason
+    assert refused.plan is None and refused.refused and "admission control" in refused.reason
+    nobody = decide([w("p", {P})], 100, admission_control=True)  # nothing to refuse: no worker set serves it
+    assert nobody.plan is None and not nobody.refused and nobody.reason == "no live decoder"
 
 
 def test_the_encoder_with_the_earliest_finish_and_its_time_comes_off_the_slack():

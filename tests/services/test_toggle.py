@@ -303,3 +303,29 @@ def test_a_request_the_gateway_is_done_with_releases_its_reservations():
             await client.aclose()
 
     asyncio.run(main())
+
+
+def test_with_admission_control_a_missing_role_is_reported_as_such_not_as_an_slo_refusal():
+    from common.latency import LatencyProfile, StageCost
+    from common.policy.multiplex import MultiplexConfig
+    from common.policy.routing import RouteSummary
+    from services.toggle.router import NoRoute, Router, SloRouting
+
+    profile = LatencyProfile("t", "analytic", "hw", "m", encode=StageCost(per_unit_ms=10.0),
+                             prefill=StageCost(per_unit_ms=0.1), decode=StageCost(overhead_ms=5.0, per_unit_ms=1.0),
+                             transfer_latency_ms=0.0, transfer_gbps=1.0, image_tokens=576)
+
+    async def main():
+        client = aioredis.from_url(REDIS_URL)
+        registry = RedisRegistry(client, f"epdmesh-test:{uuid.uuid4().hex}:")
+        try:
+            await registry.register(info("p-1", {P}), WorkerLoad(kv_tokens_free=100_000))  # no decoder is up
+            slo = SloRouting(profile, ttft_ms=500, tbt_ms=50, config=MultiplexConfig(admission_control=True))
+            with pytest.raises(NoRoute) as err:
+                await Router(registry, slo=slo).route(RouteSummary("r", 100, 0, 8))
+            assert not err.value.busy and "no live worker set covers" in err.value.message
+        finally:
+            await registry.clear()
+            await client.aclose()
+
+    asyncio.run(main())
