@@ -182,7 +182,7 @@ def _gateway_router(args, tracing):
     from services.toggle.router import Router
 
     routing, slo = routing_policy(args)
-    return Router.over_redis(aioredis.from_url(args.redis_url), args.prefix, routing, tracing, slo)
+    return Router.over_redis(aioredis.from_url(args.redis_url), args.prefix, routing, tracing, slo, reports_delivery=True)
 
 
 def _gateway_telemetry(args):

@@ -221,6 +221,7 @@ class MeshBackend:
             image_pages = None
             if request.images and plan.encoder.worker_id != plan.prefill.worker_id:
                 stub = pb_grpc.EncoderStub(self.channels.get(plan.encoder.address))
+                self._sent(request, plan.encoder.worker_id)
                 with self.tracing.activate(span):
                     reply = await _stage("encode", plan.encoder.worker_id, None, stub.Encode(
                         pb.EncodeRequest(request=wire.spec_to_pb(request, with_pixels=True))))
@@ -231,6 +232,7 @@ class MeshBackend:
             output: list[int] = []
             if path == PrefillPath.DEDICATED:
                 stub = pb_grpc.PrefillerStub(self.channels.get(plan.prefill.address))
+                self._sent(request, plan.prefill.worker_id)
                 with self.tracing.activate(span):
                     reply = await _stage("prefill", plan.prefill.worker_id, source, stub.Prefill(
                         pb.PrefillRequest(request=spec, image_pages=image_pages)))
@@ -246,6 +248,7 @@ class MeshBackend:
                 source = reply.kv_pages.worker_id
             else:
                 decode = pb.DecodeRequest(request=spec, image_pages=image_pages)
+            self._sent(request, plan.decoder.worker_id)
             with self.tracing.activate(span):  # the call's client span is made here, under the request's span
                 call = pb_grpc.DecoderStub(self.channels.get(plan.decoder.address)).Decode(decode)
             try:
@@ -318,6 +321,11 @@ class MeshBackend:
             await self.router.settle()
             await self.router.registry.redis.aclose()
         await self.channels.close()
+
+    def _sent(self, request: Request, worker_id: str) -> None:
+        """Tell the router the request reaches this worker now: until then its route loads the worker."""
+        if self.router is not None:
+            self.router.sent(request.request_id, worker_id)
 
     def _spawn(self, coro) -> None:
         task = asyncio.ensure_future(coro)

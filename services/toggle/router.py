@@ -63,34 +63,40 @@ class _Pending:
     plan: RoutePlan
     summary: RouteSummary
     prefilled: bool = False  # its first token came: nothing of it is queued for encode or prefill any more
+    sent: dict[str, float] = dataclasses.field(default_factory=dict)  # worker id → when its stage call went out
 
 
 class Router:
     def __init__(self, registry: RedisRegistry, routing: RoutingConfig = RoutingConfig(), refresh_s: float = 0.05,
                  tracing: Tracing | None = None, slo: SloRouting | None = None,
-                 reservations: Reservations | None = None):
+                 reservations: Reservations | None = None, reports_delivery: bool = False):
         """`slo`: route by the SLO-aware multiplexing policy over this latency profile; None: least loaded.
-        `reservations`: book each route's KV tokens in Redis so concurrent routers never overbook a worker."""
+        `reservations`: book each route's KV tokens in Redis so concurrent routers never overbook a worker.
+        `reports_delivery`: the caller says (`sent`) when each chosen worker is handed the request, and until
+        then the route loads that worker whatever its heartbeats say — a decoder on path ① gets a request
+        only after its encode and prefill, most of a TTFT later. Else a worker is taken to have it at once."""
         self.registry = registry
         self.routing = routing
         self.refresh_s = refresh_s
         self.tracing = tracing or Tracing()
         self.slo = slo
         self.reservations = reservations
+        self.reports_delivery = reports_delivery
         self.decisions = {path: 0 for path in PrefillPath}
         self._snapshot: list[WorkerSnapshot] = []
         self._snapshot_at = float("-inf")
         self._lock = asyncio.Lock()
         self._pending: dict[str, _Pending] = {}  # by request id: routes made here, until forgotten
-        self._reserved: dict[str, tuple[str, ...]] = {}  # by request id: the workers its KV is reserved on
+        # by request id, oldest first: when, and the workers its KV is reserved on (until forgotten or expired)
+        self._reserved: dict[str, tuple[float, tuple[str, ...]]] = {}
         self._releases: set[asyncio.Task] = set()
 
     @classmethod
     def over_redis(cls, client, prefix: str, routing: RoutingConfig = RoutingConfig(), tracing: Tracing | None = None,
-                   slo: SloRouting | None = None, ttl_s: float = 3.0) -> Router:
+                   slo: SloRouting | None = None, ttl_s: float = 3.0, reports_delivery: bool = False) -> Router:
         """A router over the mesh's registry and reservations under `prefix` in this Redis."""
         return cls(RedisRegistry(client, prefix, ttl_s), routing, tracing=tracing, slo=slo,
-                   reservations=Reservations(client, prefix))
+                   reservations=Reservations(client, prefix), reports_delivery=reports_delivery)
 
     def invalidate(self) -> None:
         """The registry changed (a worker came or went): the next read goes to Redis."""
@@ -137,7 +143,7 @@ class Router:
             full = None if self.reservations is None else await self.reservations.reserve(summary.request_id, amounts)
             if full is None:
                 if self.reservations is not None:
-                    self._reserved[summary.request_id] = tuple(amounts)
+                    self._reserve_noted(summary.request_id, tuple(amounts))
                 break
             full_workers.add(full)
             summary = dataclasses.replace(summary, exclude=summary.exclude | {full})  # no room there: route around it
@@ -169,13 +175,24 @@ class Router:
         if (entry := self._pending.get(request_id)) is not None:
             entry.prefilled = True
 
+    def sent(self, request_id: str, worker_id: str) -> None:
+        """The request's stage on worker_id is being called now: a heartbeat from it after this includes it."""
+        if (entry := self._pending.get(request_id)) is not None:
+            entry.sent.setdefault(worker_id, time.time())
+
+    def _reserve_noted(self, request_id: str, workers: tuple[str, ...]) -> None:
+        now = time.time()
+        self._reserved[request_id] = (now, workers)
+        while (oldest := next(iter(self._reserved.items()), None)) and oldest[1][0] < now - self.reservations.ttl_s:
+            del self._reserved[oldest[0]]  # expired in Redis by now (the toggle's router never forgets a route)
+
     def forget(self, request_id: str) -> None:
         """The request ended (finished, failed or routed again under another id). Its KV reservations end now
         too: a worker ends one when it admits the request, but a request can end before its decoder ever
         sees it (done at its first token, its client gone, its prefill worker failed), and its reservation
         would hold KV room for nothing until it expires."""
         self._pending.pop(request_id, None)
-        workers = self._reserved.pop(request_id, ())
+        _, workers = self._reserved.pop(request_id, (0.0, ()))
         if workers and self.reservations is not None:
             task = asyncio.ensure_future(self.reservations.release_request(request_id, workers))
             self._releases.add(task)
@@ -194,22 +211,34 @@ class Router:
     def _bump(self, plan: RoutePlan, summary: RouteSummary) -> None:
         """Book the request's work on the chosen workers in the local snapshot, and remember it as pending."""
         entry = _Pending(time.time(), plan, summary)
+        if not self.reports_delivery:
+            entry.sent = dict.fromkeys(_workers_of(plan), entry.routed_at)
         self._pending[summary.request_id] = entry
         self._snapshot = [_plus(w, [entry]) for w in self._snapshot]
 
     def _with_pending(self, snapshot: list[WorkerSnapshot]) -> list[WorkerSnapshot]:
-        """Each worker's reported load plus the pending routes made after its heartbeat (which it cannot include)."""
+        """Each worker's reported load plus the pending routes its last heartbeat cannot include: those not
+        handed to it yet, or handed to it after that heartbeat."""
         now = time.time()
-        # a route older than every worker's heartbeat is in every load already: nothing left to add
-        oldest = min((now - w.age_s for w in snapshot), default=now - PENDING_MAX_S)
-        for request_id in [r for r, e in self._pending.items() if e.routed_at <= max(oldest, now - PENDING_MAX_S)]:
-            del self._pending[request_id]
+        reported = {w.worker_id: now - w.age_s for w in snapshot}  # when each one's last heartbeat was made
+
+        def unreported(e: _Pending, wid: str) -> bool:
+            return (sent := e.sent.get(wid)) is None or sent > reported[wid]
+
+        for request_id, e in list(self._pending.items()):  # in every live worker's load already: nothing to add
+            if e.routed_at <= now - PENDING_MAX_S or not any(unreported(e, wid) for wid in _workers_of(e.plan)
+                                                              if wid in reported):
+                del self._pending[request_id]
         touching: dict[str, list[_Pending]] = {}  # worker id → the pending routes that load it
         for e in self._pending.values():
-            plan = e.plan
-            for wid in {plan.decoder.worker_id, plan.prefill.worker_id, plan.encoder.worker_id if plan.encoder else None}:
-                touching.setdefault(wid, []).append(e)
-        return [_plus(w, [e for e in touching.get(w.worker_id, ()) if e.routed_at > now - w.age_s]) for w in snapshot]
+            for wid in _workers_of(e.plan):
+                if wid in reported and unreported(e, wid):
+                    touching.setdefault(wid, []).append(e)
+        return [_plus(w, touching.get(w.worker_id, [])) for w in snapshot]
+
+
+def _workers_of(plan: RoutePlan) -> set[str]:
+    return {plan.decoder.worker_id, plan.prefill.worker_id} | ({plan.encoder.worker_id} if plan.encoder else set())
 
 
 def _plus(w: WorkerSnapshot, pending: list[_Pending]) -> WorkerSnapshot:

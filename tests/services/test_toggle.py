@@ -329,3 +329,38 @@ def test_with_admission_control_a_missing_role_is_reported_as_such_not_as_an_slo
             await client.aclose()
 
     asyncio.run(main())
+
+
+def test_a_route_loads_a_worker_until_the_gateway_has_handed_it_the_request():
+    """A path-① decoder gets its request only after the encode and the prefill, most of a TTFT later: its
+    heartbeats before then cannot include the route, which keeps loading it (else a burst piles onto it)."""
+    from common.policy.routing import RouteSummary
+    from services.toggle.router import Router
+
+    async def main():
+        client = aioredis.from_url(REDIS_URL)
+        registry = RedisRegistry(client, f"epdmesh-test:{uuid.uuid4().hex}:")
+        try:
+            for wid, roles in [("p-1", {P}), ("d-1", {D})]:
+                await registry.register(info(wid, roles), WorkerLoad(kv_tokens_free=100_000))
+            router = Router(registry, reports_delivery=True)
+
+            async def loads():
+                await router.refresh()
+                return {w.worker_id: (w.load.num_waiting, w.load.queued_prefill_tokens, w.load.unfinished_decode_tokens)
+                        for w in router._snapshot}
+
+            await router.route(RouteSummary("r1", 600, 0, 40))
+            assert await loads() == {"p-1": (1, 600, 0), "d-1": (0, 0, 40)}
+            router.sent("r1", "p-1")
+            await registry.heartbeat("p-1", WorkerLoad(num_waiting=1, queued_prefill_tokens=600))  # p-1 has it
+            await registry.heartbeat("d-1", WorkerLoad())  # d-1 has not got it yet
+            assert await loads() == {"p-1": (1, 600, 0), "d-1": (0, 0, 40)}
+            router.sent("r1", "d-1")
+            await registry.heartbeat("d-1", WorkerLoad(unfinished_decode_tokens=39))
+            assert await loads() == {"p-1": (1, 600, 0), "d-1": (0, 0, 39)} and not router._pending
+        finally:
+            await registry.clear()
+            await client.aclose()
+
+    asyncio.run(main())
