@@ -97,7 +97,7 @@ def route_slo(workers: list[WorkerSnapshot], request: RouteSummary, ttft_ms: flo
                for p in live if p.has(Stage.PREFILL) and not p.has(Stage.DECODE)]
     handoffs = bool(options)  # dedicated prefill workers exist: they hand requests over to the decoders
     options += [_multiplexed(d, request, encode_wait(d), left, ttft_ms, tbt_ms, profile, config.decoder_token_budget,
-                             handoffs, config.join_first, _beside_tokens(d, config) if _encodes_here(d, request) else 0)
+                             handoffs, config.join_first, _beside_tokens(d, profile, config) if _encodes_here(d, request) else 0)
                 for d in decoders if d.has(Stage.PREFILL)]
     if not options:
         return Decision(None, 0.0, left - encode_pred, "no live prefill worker", False)
@@ -131,7 +131,7 @@ def _in_flight_ms(w: WorkerSnapshot) -> float:
 def _encode_finish(w: WorkerSnapshot, request: RouteSummary, profile: LatencyProfile, config: MultiplexConfig) -> float:
     """When w would have this request's images encoded: after its iteration under way, in the next one, beside
     its running decodes and the next chunk of its prefill queue (`_beside_tokens`) when it has those roles."""
-    beside, decodes = _beside_tokens(w, config), _decodes(w)
+    beside, decodes = _beside_tokens(w, profile, config), _decodes(w)
     return _in_flight_ms(w) + iteration_ms(profile, images=w.load.queued_images + request.num_images, decodes=decodes,
                                            decode_context=w.load.decode_context_tokens if decodes else 0,
                                            chunks=[(beside, 0)] if beside else [])
@@ -141,14 +141,17 @@ def _decodes(w: WorkerSnapshot) -> int:
     return w.load.running_decode_batch if w.has(Stage.DECODE) else 0
 
 
-def _beside_tokens(w: WorkerSnapshot, config: MultiplexConfig) -> int:
+def _beside_tokens(w: WorkerSnapshot, profile: LatencyProfile, config: MultiplexConfig) -> int:
     """Prompt tokens of w's queue that run in the iteration carrying a new encode there: the chunk its stage
-    budget leaves beside its running decodes (none counted where the policy does not know its budget). A
-    prefill that w encodes for does not wait for them again: that iteration is in its encode wait."""
+    budget leaves beside its running decodes, of the prompts already encoded — those still to encode are
+    encoded in that iteration too and prefilled after it, with this one (each of their images is
+    `image_tokens` of their prompt). None counted where the policy does not know w's budget. A prefill that w
+    encodes for does not wait for these tokens again: that iteration is in its encode wait."""
     budget = config.decoder_token_budget if w.has(Stage.DECODE) else config.prefill_token_budget
     if budget is None or not w.has(Stage.PREFILL):
         return 0
-    return min(w.load.queued_prefill_tokens, max(0, budget - _decodes(w)))
+    encoded = w.load.queued_prefill_tokens - w.load.queued_images * profile.image_tokens
+    return max(0, min(encoded, budget - _decodes(w)))
 
 
 def _encodes_here(w: WorkerSnapshot, request: RouteSummary) -> bool:
@@ -169,7 +172,7 @@ def _encoder(live, finishes: dict[str, float], request, profile, config) -> tupl
 def _dedicated(p, request, encode_wait, left, ttft_ms, profile, config) -> _Option:
     """`encode_wait`: when the image pages are ready; `left`: the TTFT still to spend."""
     if _encodes_here(p, request):  # the iteration under way and the queue's first chunk are in the encode wait
-        queue = prefill_ms(profile, p.load.queued_prefill_tokens - _beside_tokens(p, config))
+        queue = prefill_ms(profile, p.load.queued_prefill_tokens - _beside_tokens(p, profile, config))
     else:
         queue = _in_flight_ms(p) + prefill_ms(profile, p.load.queued_prefill_tokens)
     pull = transfer_ms(profile, config.kv_bytes_per_token * request.num_prompt_tokens) if config.kv_bytes_per_token else 0.0

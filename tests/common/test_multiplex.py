@@ -214,6 +214,10 @@ def test_a_queue_chunk_that_runs_beside_the_encode_is_waited_for_once():
     assert decide(ep, 100, images=1, ttft=2000, prefill_token_budget=1000).predicted_ttft_ms == pytest.approx(120)
     ep = [w("ep", {E, P}, queued_prefill_tokens=3000), w("d", {D})]  # then the other 2000 queued tokens (200 ms)
     assert decide(ep, 100, images=1, ttft=2000, prefill_token_budget=1000).predicted_ttft_ms == pytest.approx(320)
+    # a queued prompt whose image (576 tokens of it) is not encoded yet is encoded beside, not prefilled: two
+    # of 600 tokens, one of them encoded — 20 ms of encodes and 60 of prefill, then the other 600 and this one
+    ep = [w("ep", {E, P}, queued_prefill_tokens=1200, queued_images=1), w("d", {D})]
+    assert decide(ep, 100, images=1, ttft=2000, prefill_token_budget=1000).predicted_ttft_ms == pytest.approx(150)
     # a decoder that encodes: its decodes run in that iteration too; chunks of 400 beside its 10 decodes
     epd = [w("epd", {E, P, D}, running_decode_batch=10, queued_prefill_tokens=800)]
     d = decide(epd, 100, images=1, decoder_token_budget=410)
