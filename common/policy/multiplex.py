@@ -3,9 +3,8 @@
 For one request (prompt tokens T, images, its TTFT/TBT targets, time already spent):
   0. a busy worker first finishes the iteration under way (predicted as long as its last one, less what it
      had run when reported): new work there waits it out — a prefill worker's iteration may be α·TTFT long;
-  1. encoder — the one with the least predicted finish time (its queued images plus these, beside its
-     running decodes and the next chunk of its prefill queue when it has those roles, a chunk a prefill
-     there then does not wait for again); a prefill worker that can encode encodes the request
+  1. encoder — the one with the least predicted finish time (its queued images plus these, beside the
+     next prefill chunk when it prefills too); a prefill worker that can encode encodes the request
      itself (no image pages move), else the encode and the image-page pull come off the TTFT slack;
   2. path ① dedicated prefill worker p: allowed when the encode, p's predicted queue (its queued prompt
      tokens) + this prefill + the KV pull fit the remaining slack;
@@ -97,7 +96,7 @@ def route_slo(workers: list[WorkerSnapshot], request: RouteSummary, ttft_ms: flo
                for p in live if p.has(Stage.PREFILL) and not p.has(Stage.DECODE)]
     handoffs = bool(options)  # dedicated prefill workers exist: they hand requests over to the decoders
     options += [_multiplexed(d, request, encode_wait(d), left, ttft_ms, tbt_ms, profile, config.decoder_token_budget,
-                             handoffs, config.join_first, _beside_tokens(d, profile, config) if _encodes_here(d, request) else 0)
+                             handoffs, config.join_first)
                 for d in decoders if d.has(Stage.PREFILL)]
     if not options:
         return Decision(None, 0.0, left - encode_pred, "no live prefill worker", False)
@@ -130,28 +129,16 @@ def _in_flight_ms(w: WorkerSnapshot) -> float:
 
 def _encode_finish(w: WorkerSnapshot, request: RouteSummary, profile: LatencyProfile, config: MultiplexConfig) -> float:
     """When w would have this request's images encoded: after its iteration under way, in the next one, beside
-    its running decodes and the next chunk of its prefill queue (`_beside_tokens`) when it has those roles."""
-    beside, decodes = _beside_tokens(w, profile, config), _decodes(w)
-    return _in_flight_ms(w) + iteration_ms(profile, images=w.load.queued_images + request.num_images, decodes=decodes,
-                                           decode_context=w.load.decode_context_tokens if decodes else 0,
-                                           chunks=[(beside, 0)] if beside else [])
+    its next prefill chunk when it prefills too.
 
-
-def _decodes(w: WorkerSnapshot) -> int:
-    return w.load.running_decode_batch if w.has(Stage.DECODE) else 0
-
-
-def _beside_tokens(w: WorkerSnapshot, profile: LatencyProfile, config: MultiplexConfig) -> int:
-    """Prompt tokens of w's queue that run in the iteration carrying a new encode there: the chunk its stage
-    budget leaves beside its running decodes, of the prompts already encoded — those still to encode are
-    encoded in that iteration too and prefilled after it, with this one (each of their images is
-    `image_tokens` of their prompt). None counted where the policy does not know w's budget. A prefill that w
-    encodes for does not wait for these tokens again: that iteration is in its encode wait."""
-    budget = config.decoder_token_budget if w.has(Stage.DECODE) else config.prefill_token_budget
-    if budget is None or not w.has(Stage.PREFILL):
-        return 0
-    encoded = w.load.queued_prefill_tokens - w.load.queued_images * profile.image_tokens
-    return max(0, min(encoded, budget - _decodes(w)))
+    A prefill there then waits for w's whole queue (`_dedicated`, `_multiplexed`), that chunk included: it is
+    counted twice. Counting it once was tried (session 9) and made path ①'s predictions late by +103 to +154 ms
+    at the median on busy EP workers, and the toggle's SLO attainment at textcaps 55 req/s fell from above 90% to
+    61–69%: every iteration after this request's encode also encodes the requests that arrive after it, which
+    this model leaves out, and the second count stands in for them. Measured, not derived: see bench/README."""
+    budget = (config.decoder_token_budget if w.has(Stage.DECODE) else config.prefill_token_budget) or 0
+    beside = prefill_chunk_ms(profile, min(w.load.queued_prefill_tokens, budget)) if w.has(Stage.PREFILL) else 0.0
+    return _in_flight_ms(w) + encode_ms(profile, w.load.queued_images + request.num_images) + beside
 
 
 def _encodes_here(w: WorkerSnapshot, request: RouteSummary) -> bool:
@@ -171,21 +158,17 @@ def _encoder(live, finishes: dict[str, float], request, profile, config) -> tupl
 
 def _dedicated(p, request, encode_wait, left, ttft_ms, profile, config) -> _Option:
     """`encode_wait`: when the image pages are ready; `left`: the TTFT still to spend."""
-    if _encodes_here(p, request):  # the iteration under way and the queue's first chunk are in the encode wait
-        queue = prefill_ms(profile, p.load.queued_prefill_tokens - _beside_tokens(p, profile, config))
-    else:
-        queue = _in_flight_ms(p) + prefill_ms(profile, p.load.queued_prefill_tokens)
+    queue = (0.0 if _encodes_here(p, request) else _in_flight_ms(p)) + prefill_ms(profile, p.load.queued_prefill_tokens)
     pull = transfer_ms(profile, config.kv_bytes_per_token * request.num_prompt_tokens) if config.kv_bytes_per_token else 0.0
     predicted = encode_wait + queue + prefill_ms(profile, request.num_prompt_tokens) + pull
     return _Option(PrefillPath.DEDICATED, p, predicted, max(0.0, (predicted - left) / ttft_ms))
 
 
 def _multiplexed(d, request, encode_wait, left, ttft_ms, tbt_ms, profile, budget: int | None,
-                 handoffs: bool = False, join_first: bool = False, encoded_beside: int = 0) -> _Option:
+                 handoffs: bool = False, join_first: bool = False) -> _Option:
     """`handoffs`: prefill workers hand requests over to the decoders, so one may join d while this prefill
     runs there, and its first gap is the chunk iteration in flight plus its own: two of them must fit TBT, or
-    with `join_first` one of them plus a decode-only iteration. `encoded_beside`: tokens of d's queue that run
-    in the iteration encoding this request (in `encode_wait` already)."""
+    with `join_first` one of them plus a decode-only iteration."""
     batch, context = d.load.running_decode_batch, d.load.decode_context_tokens
     iteration = decode_ms(profile, batch, context)
     in_flight = 0.0 if _encodes_here(d, request) else max(iteration, _in_flight_ms(d))
@@ -199,7 +182,7 @@ def _multiplexed(d, request, encode_wait, left, ttft_ms, tbt_ms, profile, budget
             in_flight += iteration * -(-d.load.unfinished_decode_tokens // max(batch, 1))
             batch, context, chunk = 0, 0, max(budget, 1)
         queue = sum(iteration_ms(profile, decodes=batch, decode_context=context, chunks=[(min(chunk, queued - start), start)])
-                    for start in range(encoded_beside, queued, chunk))
+                    for start in range(0, queued, chunk))
         steps = [iteration_ms(profile, decodes=batch, decode_context=context,
                               chunks=[(min(chunk, request.num_prompt_tokens - start), start)])
                  for start in range(0, request.num_prompt_tokens, chunk)]

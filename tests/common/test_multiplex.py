@@ -206,26 +206,6 @@ def test_join_first_decoders_may_run_a_decode_only_iteration_after_each_chunk_be
     assert without.plan.path == PrefillPath.MULTIPLEXED and without.predicted_ttft_ms == pytest.approx(7 + 25.6 + 30.6)
 
 
-def test_a_queue_chunk_that_runs_beside_the_encode_is_waited_for_once():
-    """A worker that encodes and prefills runs the request's encode in one iteration with the next chunk of its
-    prefill queue; the prefill then waits for the rest of the queue, not for that chunk a second time."""
-    ep = [w("ep", {E, P}, queued_prefill_tokens=1000), w("d", {D})]
-    # the encode (10 ms) beside the whole 1000-token queue (100 ms), then this prompt (10 ms)
-    assert decide(ep, 100, images=1, ttft=2000, prefill_token_budget=1000).predicted_ttft_ms == pytest.approx(120)
-    ep = [w("ep", {E, P}, queued_prefill_tokens=3000), w("d", {D})]  # then the other 2000 queued tokens (200 ms)
-    assert decide(ep, 100, images=1, ttft=2000, prefill_token_budget=1000).predicted_ttft_ms == pytest.approx(320)
-    # a queued prompt whose image (576 tokens of it) is not encoded yet is encoded beside, not prefilled: two
-    # of 600 tokens, one of them encoded — 20 ms of encodes and 60 of prefill, then the other 600 and this one
-    ep = [w("ep", {E, P}, queued_prefill_tokens=1200, queued_images=1), w("d", {D})]
-    assert decide(ep, 100, images=1, ttft=2000, prefill_token_budget=1000).predicted_ttft_ms == pytest.approx(150)
-    # a decoder that encodes: its decodes run in that iteration too; chunks of 400 beside its 10 decodes
-    epd = [w("epd", {E, P, D}, running_decode_batch=10, queued_prefill_tokens=800)]
-    d = decide(epd, 100, images=1, decoder_token_budget=410)
-    # encode 10 + 10 decodes and 400 queued tokens (41), the other 400 (41), this prompt beside the decodes (11)
-    assert d.plan.path == PrefillPath.COLOCATED and d.predicted_ttft_ms == pytest.approx(51 + 41 + 11)
-    assert d.slack_ms == pytest.approx(500 - 51)
-
-
 def test_a_decoder_whose_decodes_fill_its_budget_is_predicted_to_prefill_only_once_they_drain():
     """The scheduler gives a prefill no tokens while the running decodes take the whole budget."""
     full = [w("pd", {P, D}, running_decode_batch=20, unfinished_decode_tokens=200)]
