@@ -50,7 +50,7 @@ def plot(report: dict, path: Path) -> None:
                 continue
             rates = [p["request_rate"] for p in run["points"]]
             ax.plot(rates, [100 * p["slo_attainment"] for p in run["points"]], marker="o",
-                    label=f"{name} (goodput {run['goodput']:g})")
+                    label=f"{name} (goodput {_goodput_text(run)})")
         ax.axhline(100 * report["attainment"], color="grey", linestyle="--", linewidth=1)
         bounds = {run[workload]["goodput_bound"] for run in report["configs"].values()
                   if run.get(workload, {}).get("goodput_bound")}
@@ -96,10 +96,8 @@ def finish(report: dict, out: Path, args) -> None:
     width = max(14, *(len(n) for n in names))
 
     def cell(result: dict) -> str:
-        bound, rates = result.get("goodput_bound"), [p["request_rate"] for p in result["points"]]
-        if not result["goodput"] and rates:  # not a measured 0: below every rate swept
-            return f"< {min(rates):g}"
-        return f"{result['goodput']:g}" + (f" ({result['goodput'] / bound:.0%})" if bound else "")
+        bound, text = result.get("goodput_bound"), _goodput_text(result)
+        return text if text.startswith("<") or not bound else f"{text} ({result['goodput'] / bound:.0%})"
 
     print(f"{'config':>{width}} " + " ".join(f"{w:>14}" for w in workloads))
     for name in names:
@@ -122,6 +120,22 @@ def finish(report: dict, out: Path, args) -> None:
         base = names[0]
         for w in workloads:
             ref = report["configs"][base][w]["goodput"]
-            ratios = ", ".join(f"{n} {report['configs'][n][w]['goodput'] / ref:.2f}×" if ref else f"{n} -" for n in names[1:])
+            ratios = ", ".join(f"{n} {_ratio(report['configs'][n][w], ref)}" for n in names[1:])
             print(f"{w}: vs {base}: {ratios}")
     print(f"wrote {out} and {png}")
+
+
+def _goodput_text(result: dict) -> str:
+    """A goodput, or `< R` where the sweep failed at its lowest rate R (not a measured 0)."""
+    rates = [p["request_rate"] for p in result["points"]]
+    return f"< {min(rates):g}" if not result["goodput"] and rates else f"{result['goodput']:g}"
+
+
+def _ratio(result: dict, ref: float) -> str:
+    """result's goodput over ref; one that failed at its lowest rate is below that rate's ratio."""
+    rates = [p["request_rate"] for p in result["points"]]
+    if not ref:
+        return "-"
+    if not result["goodput"] and rates:
+        return f"< {min(rates) / ref:.2f}×"
+    return f"{result['goodput'] / ref:.2f}×"

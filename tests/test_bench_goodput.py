@@ -110,8 +110,10 @@ def test_a_goodput_above_the_bound_is_flagged_as_a_burst_not_a_sustained_rate(tm
     assert "B on textcaps came out above the bound" in out and "within ~0.8 s" in out and "--num-prompts" in out
     report["configs"]["C"] = {"textcaps": {**run(0.0), "points": [{"request_rate": 15.0, "slo_attainment": 0.5}]}}
     finish(report, tmp_path / "r.json", types.SimpleNamespace(plot=None))
-    row = next(line for line in capsys.readouterr().out.splitlines() if line.strip().startswith("C "))
+    out = capsys.readouterr().out
+    row = next(line for line in out.splitlines() if line.strip().startswith("C "))
     assert row.split()[1:] == ["<", "15"]  # failed at its lowest rate: below it, not a measured 0
+    assert "textcaps: vs A: B 1.67×, C < 0.25×" in out  # and its ratio is below that rate's, not 0
 
 
 def test_attainment_by_path_matches_the_clients_requests_to_the_gateways_routes_by_id():
