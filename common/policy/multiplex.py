@@ -133,9 +133,10 @@ def _encode_finish(w: WorkerSnapshot, request: RouteSummary, profile: LatencyPro
 
     A prefill there then waits for w's whole queue (`_dedicated`, `_multiplexed`), that chunk included: it is
     counted twice. Counting it once was tried (session 9) and made path ①'s predictions late by +103 to +154 ms
-    at the median on busy EP workers, and the toggle's SLO attainment at textcaps 55 req/s fell from above 90% to
-    61–69%: every iteration after this request's encode also encodes the requests that arrive after it, which
-    this model leaves out, and the second count stands in for them. Measured, not derived: see bench/README."""
+    at the median on busy EP workers, and the toggle's SLO attainment at textcaps 55–60 req/s (TBT 100) fell to
+    60–69%, against 83–87% with the double count: every iteration after this request's encode also encodes
+    the requests that arrive after it, which this model leaves out, and the second count stands in for them.
+    Measured, not derived: see bench/README."""
     budget = (config.decoder_token_budget if w.has(Stage.DECODE) else config.prefill_token_budget) or 0
     beside = prefill_chunk_ms(profile, min(w.load.queued_prefill_tokens, budget)) if w.has(Stage.PREFILL) else 0.0
     return _in_flight_ms(w) + encode_ms(profile, w.load.queued_images + request.num_images) + beside
