@@ -225,15 +225,14 @@ class Router:
         def unreported(e: _Pending, wid: str) -> bool:
             return (sent := e.sent.get(wid)) is None or sent > reported[wid]
 
-        for request_id, e in list(self._pending.items()):  # in every live worker's load already: nothing to add
-            if e.routed_at <= now - PENDING_MAX_S or not any(unreported(e, wid) for wid in _workers_of(e.plan)
-                                                              if wid in reported):
-                del self._pending[request_id]
         touching: dict[str, list[_Pending]] = {}  # worker id → the pending routes that load it
-        for e in self._pending.values():
-            for wid in _workers_of(e.plan):
-                if wid in reported and unreported(e, wid):
-                    touching.setdefault(wid, []).append(e)
+        for request_id, e in list(self._pending.items()):
+            loaded = [wid for wid in _workers_of(e.plan) if wid in reported and unreported(e, wid)]
+            if not loaded or e.routed_at <= now - PENDING_MAX_S:  # in every live worker's load already
+                del self._pending[request_id]
+                continue
+            for wid in loaded:
+                touching.setdefault(wid, []).append(e)
         return [_plus(w, touching.get(w.worker_id, [])) for w in snapshot]
 
 

@@ -20,6 +20,15 @@ from tests.services.servers import REDIS_URL
 E, P, D = Stage.ENCODE, Stage.PREFILL, Stage.DECODE
 
 
+def _profile():
+    """encode 10 ms per image; prefill 0.1 ms per token; decode 5 ms + 1 ms per running sequence"""
+    from common.latency import LatencyProfile, StageCost
+
+    return LatencyProfile("t", "analytic", "hw", "m", encode=StageCost(per_unit_ms=10.0),
+                          prefill=StageCost(per_unit_ms=0.1), decode=StageCost(overhead_ms=5.0, per_unit_ms=1.0),
+                          transfer_latency_ms=0.0, transfer_gbps=1.0, image_tokens=576)
+
+
 def info(wid, roles):
     return WorkerInfo(wid, f"127.0.0.1:{abs(hash(wid)) % 50000 + 10000}", frozenset(roles), "m", 4096)
 
@@ -86,13 +95,10 @@ def test_route_over_grpc_and_unavailable_without_workers():
 
 
 def test_slo_routing_over_grpc_chooses_paths_and_refuses_what_cannot_fit():
-    from common.latency import LatencyProfile, StageCost
     from common.policy.multiplex import MultiplexConfig
     from services.toggle.server import SloRouting
 
-    profile = LatencyProfile("t", "analytic", "hw", "m", encode=StageCost(per_unit_ms=10.0),
-                             prefill=StageCost(per_unit_ms=0.1), decode=StageCost(overhead_ms=5.0, per_unit_ms=1.0),
-                             transfer_latency_ms=0.0, transfer_gbps=1.0, image_tokens=576)
+    profile = _profile()
 
     async def main():
         stop, bound = asyncio.Event(), []
@@ -306,14 +312,11 @@ def test_a_request_the_gateway_is_done_with_releases_its_reservations():
 
 
 def test_with_admission_control_a_missing_role_is_reported_as_such_not_as_an_slo_refusal():
-    from common.latency import LatencyProfile, StageCost
     from common.policy.multiplex import MultiplexConfig
     from common.policy.routing import RouteSummary
     from services.toggle.router import NoRoute, Router, SloRouting
 
-    profile = LatencyProfile("t", "analytic", "hw", "m", encode=StageCost(per_unit_ms=10.0),
-                             prefill=StageCost(per_unit_ms=0.1), decode=StageCost(overhead_ms=5.0, per_unit_ms=1.0),
-                             transfer_latency_ms=0.0, transfer_gbps=1.0, image_tokens=576)
+    profile = _profile()
 
     async def main():
         client = aioredis.from_url(REDIS_URL)
