@@ -6,6 +6,8 @@ Each `schedule()` forms one iteration:
   2. unfinished work: prefill chunks in progress, then images of partly encoded requests;
   3. new work from the queues, oldest first, while the token budget τ_t (prefill + decode
      tokens) and the image budget τ_e (images through the vision tower) last.
+A request whose last images a step encodes starts its prefill in that same step when τ_t has room (the
+runner encodes before the forward): it does not wait a whole iteration between its encode and its prefill.
 With `join_first` (a decoder that prefills while prefill workers hand requests over to it), the iteration
 that carries a handed-over request's first decode takes no prefill or encode work when the one before did:
 the request waits for the iteration in flight plus a decode-only one, not two prefill iterations. Every
@@ -134,11 +136,17 @@ class Scheduler:
     def _schedule_new_work(self, out: SchedulerOutput, tokens: int, images: int) -> None:
         for request in self.prefilling:
             tokens -= self._chunk(out, request, tokens)
+        encoded = []  # partly encoded requests whose last images this step encodes
         for request in self.encoding:
-            images -= self._encode(out, request, images)
+            n = self._encode(out, request, images)
+            images -= n
+            if n and self._encodes_last(out):
+                encoded.append(request)
         while self.ready and tokens > 0 and self._admit_prefill(self.ready[0]):
             request = self.ready.popleft()
             tokens -= self._chunk(out, request, tokens)
+        for request in encoded:  # after the requests encoded before them
+            tokens -= self._fuse(out, request, tokens)
         for request in list(self.waiting):
             if request.first_stage == Stage.ENCODE and request.needs_encode:
                 if images <= 0 or not self.images.can_allocate(request):
@@ -148,6 +156,8 @@ class Scheduler:
                 request.status = RequestStatus.ENCODING
                 self.encoding.append(request)
                 images -= self._encode(out, request, images)
+                if self._encodes_last(out):
+                    tokens -= self._fuse(out, request, tokens)
             elif tokens > 0 and self._admit_prefill(request):
                 self.waiting.remove(request)
                 tokens -= self._chunk(out, request, tokens)
@@ -181,9 +191,27 @@ class Scheduler:
             out.encodes.append(EncodeWork(request, request.num_encoded_images, n))
         return n
 
+    @staticmethod
+    def _encodes_last(out: SchedulerOutput) -> bool:
+        """The step's last encode takes its request's last images: its prompt can prefill in the same step."""
+        work = out.encodes[-1] if out.encodes else None
+        return work is not None and work.first_image + work.num_images == len(work.request.images)
+
+    def _fuse(self, out: SchedulerOutput, request: Request, budget: int) -> int:
+        """Start the prefill of a request whose last images this step encodes, in this step: the runner encodes
+        before the forward, so the chunk reads embeddings written moments earlier, and the request does not wait
+        a whole iteration between its encode and its prefill (as vLLM schedules encoder inputs with the tokens
+        that use them). Tokens taken from `budget`."""
+        if request.last_stage < Stage.PREFILL or budget <= 0 or not self._admit_prefill(request):
+            return 0
+        self.encoding.remove(request)  # now prefilling: `finish_encode` leaves it there
+        return self._chunk(out, request, budget)
+
     # ----- called by the engine after the step ran -----
 
     def finish_encode(self, request: Request) -> None:
+        if request.status == RequestStatus.PREFILLING:  # its prefill began in the step that encoded it (`_fuse`)
+            return
         self.encoding.remove(request)
         if request.last_stage == Stage.ENCODE:
             request.status = RequestStatus.HANDED_OFF

@@ -5,7 +5,8 @@ For one request (prompt tokens T, images, its TTFT/TBT targets, time already spe
      had run when reported): new work there waits it out — a prefill worker's iteration may be α·TTFT long;
   1. encoder — the one with the least predicted finish time (its queued images plus these, beside the
      next prefill chunk when it prefills too); a prefill worker that can encode encodes the request
-     itself (no image pages move), else the encode and the image-page pull come off the TTFT slack;
+     itself (no image pages move; the step that encodes them starts the prefill), else the encode and the
+     image-page pull come off the TTFT slack;
   2. path ① dedicated prefill worker p: allowed when the encode, p's predicted queue (its queued prompt
      tokens) + this prefill + the KV pull fit the remaining slack;
   3. path ② prefill on a decoder d that can prefill: allowed when d's current iteration (its running
@@ -89,7 +90,7 @@ def route_slo(workers: list[WorkerSnapshot], request: RouteSummary, ttft_ms: flo
     def encode_wait(w: WorkerSnapshot) -> float:
         """When the request's image pages are ready for a prefill on w: w encodes it itself when it can
         (no image pages move; its own queue and the iteration under way count), else the chosen encoder."""
-        return finishes[w.worker_id] if _encodes_here(w, request) else encode_pred
+        return _encode_finish(w, request, profile, config, beside=False) if _encodes_here(w, request) else encode_pred
 
     left = ttft_ms - elapsed_ms  # the TTFT still to spend: encode, prefill queue, the prefill, the KV pull
     options = [_dedicated(p, request, encode_wait(p), left, ttft_ms, profile, config)
@@ -127,19 +128,19 @@ def _in_flight_ms(w: WorkerSnapshot) -> float:
     return left if left > 0 else load.last_iteration_ms / 2
 
 
-def _encode_finish(w: WorkerSnapshot, request: RouteSummary, profile: LatencyProfile, config: MultiplexConfig) -> float:
+def _encode_finish(w: WorkerSnapshot, request: RouteSummary, profile: LatencyProfile, config: MultiplexConfig,
+                   beside: bool = True) -> float:
     """When w would have this request's images encoded: after its iteration under way, in the next one, beside
-    its next prefill chunk when it prefills too.
+    its next prefill chunk when it prefills too (`beside`: when the pages are ready for a prefill elsewhere).
 
-    A prefill there then waits for w's whole queue (`_dedicated`, `_multiplexed`), that chunk included: it is
-    counted twice. Counting it once was tried (session 9) and made path ①'s predictions late by +103 to +154 ms
-    at the median on busy EP workers, and the toggle's SLO attainment at textcaps 55–60 req/s (TBT 100) fell to
-    60–69%, against 83–87% with the double count: every iteration after this request's encode also encodes
-    the requests that arrive after it, which this model leaves out, and the second count stands in for them.
-    Measured, not derived: see bench/README."""
+    A prefill on w itself leaves that chunk out (`beside=False`): the step that encodes the images also starts
+    the prompt's prefill where τ_t has room (the scheduler's fused encode and prefill), so the prefill waits for
+    the encode and then for w's queue (`_dedicated`, `_multiplexed`), the chunk beside the encode among it.
+    Before that fusion the prompt waited a whole iteration after its encode, which counting the chunk twice
+    had stood in for (session 9: without it, path ①'s predictions came out late by +103 to +154 ms)."""
     budget = (config.decoder_token_budget if w.has(Stage.DECODE) else config.prefill_token_budget) or 0
-    beside = prefill_chunk_ms(profile, min(w.load.queued_prefill_tokens, budget)) if w.has(Stage.PREFILL) else 0.0
-    return _in_flight_ms(w) + encode_ms(profile, w.load.queued_images + request.num_images) + beside
+    chunk = min(w.load.queued_prefill_tokens, budget) if beside and w.has(Stage.PREFILL) else 0
+    return _in_flight_ms(w) + encode_ms(profile, w.load.queued_images + request.num_images) + prefill_chunk_ms(profile, chunk)
 
 
 def _encodes_here(w: WorkerSnapshot, request: RouteSummary) -> bool:
@@ -194,7 +195,10 @@ def _multiplexed(d, request, encode_wait, left, ttft_ms, tbt_ms, profile, budget
         queue += chunks_before * joiner_only
     predicted = encode_wait + in_flight + queue + sum(steps)
     joiner = (joiner_only if join_first else max(steps)) if handoffs else 0.0
-    tbt_over = (max(steps) + joiner - tbt_ms) / tbt_ms if batch or handoffs else 0.0
+    # where d encodes the images too, one of these iterations runs the vision tower first: the decodes wait for it
+    longest = max(steps) + (encode_ms(profile, d.load.queued_images + request.num_images)
+                            if _encodes_here(d, request) else 0.0)
+    tbt_over = (longest + joiner - tbt_ms) / tbt_ms if batch or handoffs else 0.0
     return _Option(PrefillPath.MULTIPLEXED, d, predicted, max(0.0, tbt_over, (predicted - left) / ttft_ms))
 
 

@@ -77,13 +77,12 @@ def test_each_iteration_is_predicted_by_the_profile(emulated_dir, cfg):
     img, img2, txt, short = requests(cfg)
     for r in (img, img2, txt):
         engine.add_request(r)
-    engine.step()  # both images encoded, the text prompt prefilled
-    assert engine.predicted_ms == pytest.approx(iteration_ms(PROFILE, images=2, chunks=[(txt.num_prompt_tokens, 0)]))
-    engine.step()  # the two image prompts prefilled beside the text request's first decode
-    context = txt.num_prompt_tokens + 1
-    expected = iteration_ms(PROFILE, decodes=1, decode_context=context,
-                            chunks=[(img.num_prompt_tokens, 0), (img2.num_prompt_tokens, 0)])
-    assert engine.predicted_ms == pytest.approx(expected)
+    engine.step()  # both images encoded, and all three prompts prefilled in the same step
+    prompts = [(r.num_prompt_tokens, 0) for r in (img, img2, txt)]
+    assert engine.predicted_ms == pytest.approx(iteration_ms(PROFILE, images=2, chunks=prompts))
+    engine.step()  # their first decodes
+    context = sum(r.num_prompt_tokens + 1 for r in (img, img2, txt))
+    assert engine.predicted_ms == pytest.approx(iteration_ms(PROFILE, decodes=3, decode_context=context))
     while engine.has_unfinished:
         engine.step()
     assert_pools_full(engine)

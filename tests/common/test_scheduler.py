@@ -52,7 +52,7 @@ def test_decodes_first_then_unfinished_chunks_then_new_work_within_the_token_bud
     assert [r.request_id for r in s.waiting] == ["short"]
 
 
-def test_images_are_encoded_under_the_image_budget_before_their_prefill():
+def test_images_are_encoded_under_the_image_budget_and_the_step_of_the_last_ones_starts_the_prefill():
     s = make(image_budget=2)
     three = req("three", prompt=12, images=3)
     s.add(three)
@@ -61,13 +61,46 @@ def test_images_are_encoded_under_the_image_budget_before_their_prefill():
     assert not plan.prefills and three.status == RequestStatus.ENCODING
     assert three.image_block_table == [0, 1, 2]
     three.num_encoded_images = 2
-    plan = s.schedule()
+    plan = s.schedule()  # the last image, and the prompt beside it: the runner encodes before the forward
     assert [(e.first_image, e.num_images) for e in plan.encodes] == [(2, 1)]
+    assert [(c.request, c.start, c.num_tokens) for c in plan.prefills] == [(three, 0, 12)]
+    assert three.block_table == [0, 1, 2, 3] and three.status == RequestStatus.PREFILLING
     three.num_encoded_images = 3
-    s.finish_encode(three)
+    s.finish_encode(three)  # as the engine does after the step: it stays prefilling
+    assert s.prefilling == [three] and not s.encoding and not s.ready
+    three.num_computed_tokens = 12
+    three.output_token_ids.append(1)
+    s.finish_prefill(three)
+    assert s.running == [three] and s.images.pool.num_free == 16
+
+
+def test_a_step_that_encodes_fills_the_token_budget_oldest_first_and_an_encoder_only_request_never_prefills():
+    s = make(token_budget=16, image_budget=4)
+    text, ready = req("text", prompt=16), req("ready", prompt=10, images=1)
+    s.add(text)
+    s.add(ready)
+    plan = s.schedule()  # the text prompt fills the budget: 'ready' is encoded, its prefill waits
+    assert [c.request for c in plan.prefills] == [text] and [e.request for e in plan.encodes] == [ready]
+    text.num_computed_tokens, ready.num_encoded_images = 16, 1
+    text.output_token_ids.append(1)
+    s.finish_encode(ready)
+    s.finish_prefill(text)
+    assert list(s.ready) == [ready]
+    new, later = req("new", prompt=10, images=1), req("later", prompt=4, images=1)
+    handoff = req("handoff", prompt=6, images=1, last_stage=Stage.ENCODE)
+    for r in (handoff, new, later):
+        s.add(r)
     plan = s.schedule()
-    assert [(c.start, c.num_tokens) for c in plan.prefills] == [(0, 12)]
-    assert three.block_table == [0, 1, 2, 3]
+    assert plan.decodes == [text]
+    assert [e.request.request_id for e in plan.encodes] == ["handoff", "new", "later"]
+    # the one encoded before goes first; 'new' takes what is left of 15; nothing is left for 'later'
+    assert [(c.request.request_id, c.num_tokens) for c in plan.prefills] == [("ready", 10), ("new", 5)]
+    assert handoff.status == later.status == RequestStatus.ENCODING and s.encoding == [handoff, later]
+    for r in (handoff, new, later):
+        r.num_encoded_images = 1
+        s.finish_encode(r)
+    assert handoff.status == RequestStatus.HANDED_OFF and list(s.ready) == [later]
+    assert s.prefilling == [ready, new]
 
 
 def test_without_chunking_a_prompt_waits_for_a_budget_it_fits_in():
