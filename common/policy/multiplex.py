@@ -5,8 +5,7 @@ For one request (prompt tokens T, images, its TTFT/TBT targets, time already spe
      had run when reported): new work there waits it out — a prefill worker's iteration may be α·TTFT long;
   1. encoder — the one with the least predicted finish time (its queued images plus these, beside the
      next prefill chunk when it prefills too); a prefill worker that can encode encodes the request
-     itself (no image pages move; the step that encodes them starts the prefill), else the encode and the
-     image-page pull come off the TTFT slack;
+     itself (no image pages move), else the encode and the image-page pull come off the TTFT slack;
   2. path ① dedicated prefill worker p: allowed when the encode, p's predicted queue (its queued prompt
      tokens) + this prefill + the KV pull fit the remaining slack;
   3. path ② prefill on a decoder d that can prefill: allowed when d's current iteration (its running
@@ -90,7 +89,7 @@ def route_slo(workers: list[WorkerSnapshot], request: RouteSummary, ttft_ms: flo
     def encode_wait(w: WorkerSnapshot) -> float:
         """When the request's image pages are ready for a prefill on w: w encodes it itself when it can
         (no image pages move; its own queue and the iteration under way count), else the chosen encoder."""
-        return _encode_finish(w, request, profile, config, beside=False) if _encodes_here(w, request) else encode_pred
+        return finishes[w.worker_id] if _encodes_here(w, request) else encode_pred
 
     left = ttft_ms - elapsed_ms  # the TTFT still to spend: encode, prefill queue, the prefill, the KV pull
     options = [_dedicated(p, request, encode_wait(p), left, ttft_ms, profile, config)
@@ -128,19 +127,19 @@ def _in_flight_ms(w: WorkerSnapshot) -> float:
     return left if left > 0 else load.last_iteration_ms / 2
 
 
-def _encode_finish(w: WorkerSnapshot, request: RouteSummary, profile: LatencyProfile, config: MultiplexConfig,
-                   beside: bool = True) -> float:
+def _encode_finish(w: WorkerSnapshot, request: RouteSummary, profile: LatencyProfile, config: MultiplexConfig) -> float:
     """When w would have this request's images encoded: after its iteration under way, in the next one, beside
-    its next prefill chunk when it prefills too (`beside`: when the pages are ready for a prefill elsewhere).
+    its next prefill chunk when it prefills too.
 
-    A prefill on w itself leaves that chunk out (`beside=False`): the step that encodes the images also starts
-    the prompt's prefill where τ_t has room (the scheduler's fused encode and prefill), so the prefill waits for
-    the encode and then for w's queue (`_dedicated`, `_multiplexed`), the chunk beside the encode among it.
-    Before that fusion the prompt waited a whole iteration after its encode, which counting the chunk twice
-    had stood in for (session 9: without it, path ①'s predictions came out late by +103 to +154 ms)."""
+    A prefill there then waits for w's whole queue (`_dedicated`, `_multiplexed`), that chunk included: it is
+    counted twice. Counting it once was tried twice and made path ①'s predictions on busy EP workers late at
+    the median, so more requests went there and the toggle's SLO attainment fell: in session 9 by +103 to +154
+    ms (textcaps 55–60 req/s at TBT 100: 60–69% against 83–87%), and in session 10 again, once the step that
+    encodes a request also started its prefill (`Scheduler._fuse`), by +116 to +178 ms (60–65 req/s at TBT 150:
+    68–73% against 93–97%). What the second count stands in for is not modelled yet. Measured: bench/README."""
     budget = (config.decoder_token_budget if w.has(Stage.DECODE) else config.prefill_token_budget) or 0
-    chunk = min(w.load.queued_prefill_tokens, budget) if beside and w.has(Stage.PREFILL) else 0
-    return _in_flight_ms(w) + encode_ms(profile, w.load.queued_images + request.num_images) + prefill_chunk_ms(profile, chunk)
+    beside = prefill_chunk_ms(profile, min(w.load.queued_prefill_tokens, budget)) if w.has(Stage.PREFILL) else 0.0
+    return _in_flight_ms(w) + encode_ms(profile, w.load.queued_images + request.num_images) + beside
 
 
 def _encodes_here(w: WorkerSnapshot, request: RouteSummary) -> bool:

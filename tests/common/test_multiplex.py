@@ -163,20 +163,6 @@ def test_a_busy_prefill_worker_first_finishes_its_iteration_under_way():
     assert d.predicted_ttft_ms == pytest.approx(30 + 20) and d.slack_ms == pytest.approx(500 - 30)
 
 
-def test_a_prefill_where_its_images_are_encoded_starts_in_the_encode_step_and_one_elsewhere_waits_for_it():
-    """The step that encodes a request's images carries the next chunk of the worker's queue (τ_t = 400 here)
-    and starts the request's own prefill where room is left. A prefill on that worker waits for the encode and
-    then the queue, that chunk among it; pages for a prefill elsewhere are ready after the whole step."""
-    ep = w("ep", {E, P}, queued_prefill_tokens=1000, queued_images=1)
-    d = decide([ep, w("d", {D})], 200, images=1, prefill_token_budget=400)
-    assert (d.plan.encoder.worker_id, d.plan.prefill.worker_id, d.plan.path) == ("ep", "ep", PrefillPath.DEDICATED)
-    assert d.predicted_ttft_ms == pytest.approx(20 + 100 + 20)  # encode 2 images, the 1000 queued, then its 200
-    assert d.slack_ms == pytest.approx(500 - 20)
-    elsewhere = decide([ep, w("p", {P}), w("d", {D})], 200, images=1, prefill_token_budget=400)
-    assert (elsewhere.plan.encoder.worker_id, elsewhere.plan.prefill.worker_id) == ("ep", "p")
-    assert elsewhere.predicted_ttft_ms == pytest.approx(20 + 40 + 20)  # the encode step with its 400-token chunk
-
-
 def test_a_decoder_that_encodes_the_images_itself_delays_its_decodes_by_the_encode_too():
     """One iteration of 2 decodes and a 300-token prompt takes 30.2 ms; encoding its image (10 ms) first makes
     the decodes' gap 40.2 ms, which a 35 ms TBT does not allow."""
