@@ -127,21 +127,19 @@ def _in_flight_ms(w: WorkerSnapshot) -> float:
     return left if left > 0 else load.last_iteration_ms / 2
 
 
-def _encode_finish(w: WorkerSnapshot, request: RouteSummary, profile: LatencyProfile, config: MultiplexConfig,
-                   beside: bool = True) -> float:
+def _encode_finish(w: WorkerSnapshot, request: RouteSummary, profile: LatencyProfile, config: MultiplexConfig) -> float:
     """When w would have this request's images encoded: after its iteration under way, in the next one, beside
-    its next prefill chunk when it prefills too (`beside=False`: the encode alone — where the prefill runs on w
-    itself, that chunk is counted in w's iterations, the first of which encodes the images and may start the
-    prompt (`Scheduler._fuse`)).
+    its next prefill chunk when it prefills too.
 
-    A prefill worker without a known τ_t (no budgets) waits for w's whole queue (`_dedicated`, `_multiplexed`)
-    after this, that chunk included: it is counted twice, which stands in for the iteration that carries the
-    prompt's last tokens running full (see `_iterations_ms`). Counting it once without that was tried twice
-    (sessions 9 and 10): path ①'s predictions came out late by +103 to +178 ms at the median on busy EP workers,
-    and the toggle's SLO attainment fell (bench/README)."""
+    A prefill there then waits for w's whole queue (`_dedicated`, `_multiplexed`), that chunk included: it is
+    counted twice. Counting it once was tried twice and made path ①'s predictions on busy EP workers late at
+    the median, so more requests went there and the toggle's SLO attainment fell: in session 9 by +103 to +154
+    ms (textcaps 55–60 req/s at TBT 100: 60–69% against 83–87%), and in session 10 again, once the step that
+    encodes a request also started its prefill (`Scheduler._fuse`), by +116 to +178 ms (60–65 req/s at TBT 150:
+    68–73% against 93–97%). What the second count stands in for is not modelled yet. Measured: bench/README."""
     budget = (config.decoder_token_budget if w.has(Stage.DECODE) else config.prefill_token_budget) or 0
-    chunk = min(w.load.queued_prefill_tokens, budget) if beside and w.has(Stage.PREFILL) else 0
-    return _in_flight_ms(w) + encode_ms(profile, w.load.queued_images + request.num_images) + prefill_chunk_ms(profile, chunk)
+    beside = prefill_chunk_ms(profile, min(w.load.queued_prefill_tokens, budget)) if w.has(Stage.PREFILL) else 0.0
+    return _in_flight_ms(w) + encode_ms(profile, w.load.queued_images + request.num_images) + beside
 
 
 def _encodes_here(w: WorkerSnapshot, request: RouteSummary) -> bool:
@@ -161,28 +159,10 @@ def _encoder(live, finishes: dict[str, float], request, profile, config) -> tupl
 
 def _dedicated(p, request, encode_wait, left, ttft_ms, profile, config) -> _Option:
     """`encode_wait`: when the image pages are ready; `left`: the TTFT still to spend."""
+    queue = (0.0 if _encodes_here(p, request) else _in_flight_ms(p)) + prefill_ms(profile, p.load.queued_prefill_tokens)
     pull = transfer_ms(profile, config.kv_bytes_per_token * request.num_prompt_tokens) if config.kv_bytes_per_token else 0.0
-    queued, budget = p.load.queued_prefill_tokens, config.prefill_token_budget
-    if budget:  # p runs iterations of τ_t tokens: the queue and this prompt in whole iterations
-        here = _encodes_here(p, request)
-        start = _encode_finish(p, request, profile, config, beside=False) if here else encode_wait + _in_flight_ms(p)
-        predicted = start + _iterations_ms(p, queued + request.num_prompt_tokens, budget, profile) + pull
-    else:
-        queue = (0.0 if _encodes_here(p, request) else _in_flight_ms(p)) + prefill_ms(profile, queued)
-        predicted = encode_wait + queue + prefill_ms(profile, request.num_prompt_tokens) + pull
+    predicted = encode_wait + queue + prefill_ms(profile, request.num_prompt_tokens) + pull
     return _Option(PrefillPath.DEDICATED, p, predicted, max(0.0, (predicted - left) / ttft_ms))
-
-
-def _iterations_ms(p: WorkerSnapshot, tokens: int, budget: int, profile: LatencyProfile) -> float:
-    """A prefill worker's iterations until `tokens` (its queue, then this prompt) have run, τ_t (`budget`) per
-    iteration. The prompt's first token comes at the end of the iteration carrying its last tokens, and on a busy
-    worker that iteration also carries the requests that arrive meanwhile: it takes as long as its recent ones
-    (its last iteration's length), and so does every full one before it. An idle worker runs this prompt alone."""
-    full = -(-tokens // budget) - 1
-    busy = p.load.queued_prefill_tokens or p.load.iteration_elapsed_ms
-    recent = p.load.last_iteration_ms if busy else 0.0
-    return (full * max(prefill_chunk_ms(profile, budget), recent)
-            + max(prefill_chunk_ms(profile, tokens - full * budget), recent))
 
 
 def _multiplexed(d, request, encode_wait, left, ttft_ms, tbt_ms, profile, budget: int | None,

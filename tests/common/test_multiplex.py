@@ -163,22 +163,6 @@ def test_a_busy_prefill_worker_first_finishes_its_iteration_under_way():
     assert d.predicted_ttft_ms == pytest.approx(30 + 20) and d.slack_ms == pytest.approx(500 - 30)
 
 
-def test_a_prefill_workers_queue_runs_in_whole_iterations_and_a_busy_ones_last_runs_as_long_as_its_recent_ones():
-    """τ_t = 400 tokens. A busy EP worker (1000 queued tokens, 300 ms iterations, 100 ms into one): the iteration
-    under way (200 ms left), then three iterations carry the queue and the request's 200 tokens, the first of them
-    encoding its image (10 ms); requests arriving meanwhile fill them, so each takes its recent 300 ms, not the
-    40 ms its own tokens cost. An idle one encodes and prefills the request in one step at once."""
-    busy = w("ep", {E, P}, queued_prefill_tokens=1000, num_running=1, last_iteration_ms=300, iteration_elapsed_ms=100)
-    d = decide([busy, w("d", {D})], 200, images=1, ttft=2000, prefill_token_budget=400)
-    assert (d.plan.prefill.worker_id, d.plan.encoder.worker_id) == ("ep", "ep")
-    assert d.predicted_ttft_ms == pytest.approx(200 + 10 + 3 * 300)
-    idle = decide([w("ep", {E, P}, last_iteration_ms=300), w("d", {D})], 200, images=1, prefill_token_budget=400)
-    assert idle.predicted_ttft_ms == pytest.approx(10 + 20)
-    # without budgets (τ_t unknown): the queue as one prefill, the chunk beside the encode counted twice
-    d = decide([busy, w("d", {D})], 200, images=1, ttft=2000)
-    assert d.predicted_ttft_ms == pytest.approx(200 + 10 + 0 + 100 + 20)
-
-
 def test_a_decoder_that_encodes_the_images_itself_delays_its_decodes_by_the_encode_too():
     """One iteration of 2 decodes and a 300-token prompt takes 30.2 ms; encoding its image (10 ms) first makes
     the decodes' gap 40.2 ms, which a 35 ms TBT does not allow."""
