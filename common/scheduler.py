@@ -140,7 +140,7 @@ class Scheduler:
         for request in self.encoding:
             n = self._encode(out, request, images)
             images -= n
-            if n and self._encodes_last(out):
+            if self._encodes_rest(request, n):
                 encoded.append(request)
         while self.ready and tokens > 0 and self._admit_prefill(self.ready[0]):
             request = self.ready.popleft()
@@ -155,8 +155,9 @@ class Scheduler:
                 self.images.allocate(request)
                 request.status = RequestStatus.ENCODING
                 self.encoding.append(request)
-                images -= self._encode(out, request, images)
-                if self._encodes_last(out):
+                n = self._encode(out, request, images)
+                images -= n
+                if self._encodes_rest(request, n):
                     tokens -= self._fuse(out, request, tokens)
             elif tokens > 0 and self._admit_prefill(request):
                 self.waiting.remove(request)
@@ -192,10 +193,9 @@ class Scheduler:
         return n
 
     @staticmethod
-    def _encodes_last(out: SchedulerOutput) -> bool:
-        """The step's last encode takes its request's last images: its prompt can prefill in the same step."""
-        work = out.encodes[-1] if out.encodes else None
-        return work is not None and work.first_image + work.num_images == len(work.request.images)
+    def _encodes_rest(request: Request, n: int) -> bool:
+        """Encoding `n` more images this step finishes the request's images: its prompt can prefill in the step."""
+        return n > 0 and request.num_encoded_images + n == len(request.images)
 
     def _fuse(self, out: SchedulerOutput, request: Request, budget: int) -> int:
         """Start the prefill of a request whose last images this step encodes, in this step: the runner encodes
