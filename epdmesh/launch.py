@@ -7,13 +7,16 @@ Life of a launch:
   3. the workers of each topology group, which bind free ports and register with the toggle;
      the launch waits until all are registered;
   4. the gateway on `--host:--port`; ready when its /health answers;
-  5. on SIGINT/SIGTERM, or when the gateway or toggle dies: stop the gateway, drain the workers
-     (SIGTERM → graceful), stop the toggle and the private Redis. A dead worker is logged; the
-     toggle stops routing to it when its heartbeat TTL passes.
+  5. a worker that dies (crash, OOM kill, SIGKILL) is deregistered at once, so nothing is routed to
+     it, and started again after a backoff (1, 2, 4 … 30 s), at most --max-worker-restarts times in a
+     row; one killed by a signal while the mesh starts is started again once instead of failing it;
+  6. on SIGINT/SIGTERM, or when the gateway or toggle dies: stop the gateway, drain the workers
+     (SIGTERM → graceful), stop the toggle and the private Redis.
 """
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import ctypes
 import logging
@@ -35,6 +38,8 @@ log = logging.getLogger("epdmesh.launch")
 NO_REDIS = ("epdmesh serve needs Redis for the toggle's registry, and none was found: set REDIS_URL "
             "(e.g. REDIS_URL=redis://127.0.0.1:6379/0) or install redis-server "
             "(Debian/Ubuntu: apt-get install redis-server; macOS: brew install redis)")
+RESTART_BACKOFF_S = (1, 2, 4, 8, 16, 30)  # before the n-th restart in a row of one worker
+STABLE_S = 60.0  # a worker up this long before it dies starts its count of restarts in a row again
 
 
 def die_with_parent() -> None:
@@ -59,6 +64,10 @@ class Mesh:
     def __init__(self):
         self.procs: list[tuple[str, subprocess.Popen]] = []
         self.tmp = tempfile.TemporaryDirectory(prefix="epdmesh-")
+        self.toggle: str | None = None  # the toggle's address, once it is up: dead workers are deregistered there
+        self._argv: dict[str, tuple[list[str], dict | None]] = {}
+        self.started_at: dict[str, float] = {}
+        self._revived: set[str] = set()
 
     def spawn(self, name: str, argv: list[str], env: dict | None = None) -> subprocess.Popen:
         """Start a child; its traces carry its own service name (`$OTEL_SERVICE_NAME-<kind>` or `epdmesh-<kind>`)."""
@@ -66,21 +75,84 @@ class Mesh:
         service = f"{os.environ.get('OTEL_SERVICE_NAME', 'epdmesh')}-{kind}"
         proc = subprocess.Popen(argv, env={**os.environ, "OTEL_SERVICE_NAME": service, **(env or {})},
                                 preexec_fn=die_with_parent)
-        self.procs.append((name, proc))
+        self._argv[name] = (argv, env)
+        self.started_at[name] = time.monotonic()
+        self.procs = [(n, p) for n, p in self.procs if n != name] + [(name, proc)]
         return proc
 
+    def respawn(self, name: str) -> subprocess.Popen:
+        """Start child `name` again as it was first started, in its place in the stopping order; its dead
+        predecessor is deregistered first, so the toggle stops routing to it before its heartbeat TTL passes."""
+        index = next(i for i, (n, _) in enumerate(self.procs) if n == name)
+        self.forget(self.procs[index][1].pid)
+        proc = self.spawn(name, *self._argv[name])
+        self.procs.insert(index, self.procs.pop())
+        return proc
+
+    def forget(self, pid: int) -> None:
+        """Deregister the worker process `pid` from the toggle (best effort: else its TTL drops it)."""
+        if self.toggle is None:
+            return
+        try:
+            _deregister_pid(self.toggle, pid)
+        except Exception as e:  # the toggle is down or slow: the registry's TTL still drops the worker
+            log.warning("could not deregister dead worker pid %d: %s", pid, e)
+
     def check_alive(self, only: tuple[str, ...] | None = None) -> None:
-        """Raise if a child (of those named in `only`, default all) has exited."""
-        for name, proc in self.procs:
-            if only is not None and name not in only:
+        """Raise if a child (of those named in `only`, default all) has exited. A worker killed by a signal
+        (a crash, not a bad flag or a missing file, which exit with a code) is started again, once."""
+        for name, proc in list(self.procs):
+            if only is not None and name not in only or proc.poll() is None:
                 continue
-            if proc.poll() is not None:
-                raise RuntimeError(f"{name} exited with code {proc.returncode} during start-up")
+            if name.startswith("worker ") and proc.returncode < 0 and name not in self._revived:
+                self._revived.add(name)
+                log.warning("%s was killed by signal %d during start-up; starting it again", name, -proc.returncode)
+                self.respawn(name)
+                continue
+            raise RuntimeError(f"{name} exited with code {proc.returncode} during start-up")
 
     def stop(self, timeout: float = 15.0) -> None:
         for name, proc in reversed(self.procs):  # gateway first, redis last
             stop_process(proc, timeout, name)
         self.tmp.cleanup()
+
+
+class Restarts:
+    """Workers of a running mesh that die: each failure is deregistered at once and the worker started again
+    after a backoff, at most `limit` times in a row. A clean exit (code 0: someone drained it) is left down."""
+
+    def __init__(self, mesh: Mesh, limit: int):
+        self.mesh = mesh
+        self.limit = limit
+        self.in_a_row: collections.Counter[str] = collections.Counter()
+        self.due: dict[str, float] = {}  # worker name → when to start it again
+        self._seen: set[int] = set()  # pids whose exit was handled
+
+    def check(self) -> None:
+        now = time.monotonic()
+        for name, proc in self.mesh.procs:
+            if not name.startswith("worker ") or proc.poll() is None or proc.pid in self._seen:
+                continue
+            self._seen.add(proc.pid)
+            self.mesh.forget(proc.pid)
+            if proc.returncode == 0:
+                log.warning("%s exited cleanly; not starting it again", name)
+                continue
+            if now - self.mesh.started_at[name] >= STABLE_S:
+                self.in_a_row[name] = 0
+            if self.in_a_row[name] >= self.limit:
+                log.error("%s exited with code %s; not starting it again (%d restarts in a row, --max-worker-restarts "
+                          "%d); the toggle routes around it", name, proc.returncode, self.in_a_row[name], self.limit)
+                continue
+            delay = RESTART_BACKOFF_S[min(self.in_a_row[name], len(RESTART_BACKOFF_S) - 1)]
+            self.in_a_row[name] += 1
+            self.due[name] = now + delay
+            log.error("%s exited with code %s; deregistered it, starting it again in %g s (restart %d of at most %d "
+                      "in a row)", name, proc.returncode, delay, self.in_a_row[name], self.limit)
+        for name, when in list(self.due.items()):
+            if now >= when:
+                del self.due[name]
+                log.info("%s started again (pid %d)", name, self.mesh.respawn(name).pid)
 
 
 def start_redis(mesh: Mesh, redis_url: str | None) -> str:
@@ -123,6 +195,20 @@ def _registered(toggle: str) -> int:
 
     with grpc.insecure_channel(toggle) as channel:
         return len(pb_grpc.ToggleStub(channel).ListWorkers(pb.ListWorkersRequest(), timeout=2).workers)
+
+
+def _deregister_pid(toggle: str, pid: int) -> None:
+    import grpc
+
+    from epdmesh.v1 import mesh_pb2 as pb
+    from epdmesh.v1 import mesh_pb2_grpc as pb_grpc
+
+    with grpc.insecure_channel(toggle) as channel:
+        stub = pb_grpc.ToggleStub(channel)
+        for entry in stub.ListWorkers(pb.ListWorkersRequest(), timeout=2).workers:
+            if entry.info.pid == pid:
+                stub.Deregister(pb.DeregisterRequest(worker_id=entry.info.worker_id), timeout=2)
+                log.info("deregistered %s (pid %d): the toggle no longer routes to it", entry.info.worker_id, pid)
 
 
 def _http_ok(url: str) -> bool:
@@ -174,6 +260,7 @@ def serve_mesh(args) -> int:
         mesh.spawn("toggle", [sys.executable, "-m", "epdmesh.cli", "toggle", "--redis-url", redis_url, "--prefix", prefix,
                               "--port", toggle.rsplit(":", 1)[1], *routing])
         _wait(lambda: _registered(toggle) >= 0, mesh, "the toggle", 60)
+        mesh.toggle = toggle
         for group in groups:
             for i in range(group.count):
                 mesh.spawn(f"worker {group.label}#{i}", worker_argv(group, toggle, args, threads))
@@ -188,23 +275,18 @@ def serve_mesh(args) -> int:
         if args.allow_remote_images:
             gateway_argv.append("--allow-remote-images")
         mesh.spawn("gateway", gateway_argv)
-        # from here on a worker may die (or be killed) without stopping the mesh: the toggle routes around it
+        # from here on a worker may die (or be killed) without stopping the mesh: `Restarts` brings it back
         _wait(lambda: _http_ok(f"http://{args.host}:{args.port}/health"), mesh, "the gateway", 120,
               only=("redis", "toggle", "gateway"))
         print(f"EPDMESH_READY http://{args.host}:{args.port}/v1 topology={args.topology} workers={num_workers}", flush=True)
         log.info("mesh %s up: OpenAI API on http://%s:%d/v1 (Ctrl-C stops it)", args.topology, args.host, args.port)
-        reported: set[str] = set()
+        restarts = Restarts(mesh, args.max_worker_restarts)
         while not stopping:
             for name, proc in mesh.procs:
-                if proc.poll() is None or name in reported:
-                    continue
-                reported.add(name)
-                if name in ("gateway", "toggle", "redis"):
+                if name in ("gateway", "toggle", "redis") and proc.poll() is not None:
                     log.error("%s exited with code %s; stopping the mesh", name, proc.returncode)
                     stopping = True
-                else:
-                    log.error("%s exited with code %s; the toggle routes around it (its heartbeat TTL drops it)",
-                              name, proc.returncode)
+            restarts.check()
             time.sleep(0.2)
         return 0
     except RuntimeError as e:

@@ -66,22 +66,43 @@ def test_topology_gives_the_transformers_tokens(name, tiny_dir, chat_reference, 
         assert_pools_full(base)
 
 
-def test_a_killed_decoder_is_routed_around_without_losing_requests(tiny_dir, chat_reference, tmp_path):
+def _parent_pid(pid: int) -> int:
+    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+
+
+def _check_tokens(base, cases, refs) -> None:
+    for case, resp in zip(cases, asyncio.run(_ask_all(base, cases))):
+        assert resp.choices[0].model_extra["token_ids"] == refs[case.name].tokens, case.name
+
+
+def test_a_killed_decoder_is_routed_around_then_started_again(tiny_dir, chat_reference, tmp_path):
     cases, refs = chat_reference
     with running_server(tiny_dir, "E1+P1+D2", tmp_path / "serve.log") as base:
         workers = httpx.get(f"{base}/stats").json()["workers"]
         victim = next(w for w in workers.values() if w["roles"] == "D")
-        os.kill(victim["pid"], signal.SIGKILL)
-        # at once, while the registry still lists the dead decoder (its TTL is 3 s)
-        responses = asyncio.run(_ask_all(base, cases))
-        for case, resp in zip(cases, responses):
-            assert resp.choices[0].model_extra["token_ids"] == refs[case.name].tokens, case.name
-        stats = httpx.get(f"{base}/stats").json()
-        assert stats["retries"] >= 1  # some requests were routed to it and retried elsewhere
+        supervisor = _parent_pid(victim["pid"])  # `epdmesh serve`, which deregisters and restarts dead workers
+        os.kill(supervisor, signal.SIGSTOP)  # held, so the gateway meets the dead decoder through requests alone
+        try:
+            os.kill(victim["pid"], signal.SIGKILL)
+            # at once, while the registry still lists the dead decoder (its TTL is 3 s)
+            _check_tokens(base, cases, refs)
+            assert httpx.get(f"{base}/stats").json()["retries"] >= 1  # some went to it and were retried elsewhere
+        finally:
+            os.kill(supervisor, signal.SIGCONT)
         deadline = time.monotonic() + 15
-        while len(httpx.get(f"{base}/stats").json()["workers"]) != 3:
+        while victim["pid"] in {w["pid"] for w in httpx.get(f"{base}/stats").json()["workers"].values()}:
             assert time.monotonic() < deadline, "the registry still lists the dead decoder"
-            time.sleep(0.2)
+            time.sleep(0.1)
+        deadline = time.monotonic() + 120  # serve starts it again after a 1 s backoff
+        while len(decoders := [w for w in httpx.get(f"{base}/stats").json()["workers"].values() if w["roles"] == "D"]) < 2:
+            assert time.monotonic() < deadline, "the dead decoder was not started again"
+            time.sleep(0.3)
+        assert victim["pid"] not in {w["pid"] for w in decoders}
+        log = (tmp_path / "serve.log").read_text()
+        assert "worker D#" in log and "starting it again in 1 s (restart 1 of at most 5" in log, log[-3000:]
+        retries = httpx.get(f"{base}/stats").json()["retries"]
+        _check_tokens(base, cases, refs)  # the replacement serves: the same tokens, nothing routed to the dead one
+        assert httpx.get(f"{base}/stats").json()["retries"] == retries
         assert_pools_full(base)
 
 

@@ -1,0 +1,87 @@
+"""`epdmesh serve`'s supervision of its workers, on stand-in child processes: which deaths are started again,
+how often, and which stop the launch."""
+
+import sys
+import time
+
+import pytest
+
+from epdmesh import launch
+from epdmesh.launch import Mesh, Restarts
+
+KILLED = [sys.executable, "-c", "import os, signal; os.kill(os.getpid(), signal.SIGKILL)"]
+FAILS = [sys.executable, "-c", "raise SystemExit(3)"]
+CLEAN = [sys.executable, "-c", "pass"]
+
+
+@pytest.fixture
+def mesh():
+    m = Mesh()
+    yield m
+    m.stop(timeout=5)
+
+
+def _wait_exit(proc) -> None:
+    proc.wait(timeout=30)
+
+
+def test_a_worker_killed_by_a_signal_during_start_up_is_started_once_more(mesh):
+    first = mesh.spawn("worker D#0", KILLED)
+    _wait_exit(first)
+    mesh.check_alive()  # not an error: started again
+    (name, second), = mesh.procs
+    assert name == "worker D#0" and second.pid != first.pid
+    _wait_exit(second)
+    with pytest.raises(RuntimeError, match="worker D#0 exited with code -9 during start-up"):
+        mesh.check_alive()  # only once
+
+
+def test_a_worker_that_exits_with_a_code_during_start_up_stops_the_launch(mesh):
+    _wait_exit(mesh.spawn("worker E#0", FAILS))
+    with pytest.raises(RuntimeError, match="worker E#0 exited with code 3 during start-up"):
+        mesh.check_alive()
+
+
+def test_a_respawned_worker_keeps_its_place_in_the_stopping_order(mesh):
+    mesh.spawn("toggle", [sys.executable, "-c", "import time; time.sleep(60)"])
+    _wait_exit(mesh.spawn("worker D#0", KILLED))
+    mesh.spawn("gateway", [sys.executable, "-c", "import time; time.sleep(60)"])
+    mesh.respawn("worker D#0")
+    assert [name for name, _ in mesh.procs] == ["toggle", "worker D#0", "gateway"]
+
+
+def test_dead_workers_restart_after_a_backoff_up_to_the_limit(mesh, monkeypatch, caplog):
+    monkeypatch.setattr(launch, "RESTART_BACKOFF_S", (0.2, 0.4))
+    forgotten = []
+    monkeypatch.setattr(mesh, "forget", forgotten.append)
+    restarts = Restarts(mesh, limit=2)
+    pids = [mesh.spawn("worker P#0", FAILS).pid]
+    mesh.spawn("worker D#0", CLEAN)
+    deadline = time.monotonic() + 30
+    while len(pids) < 3 or restarts.due or mesh.procs[0][1].poll() is None:
+        assert time.monotonic() < deadline, caplog.text
+        restarts.check()
+        pid = dict(mesh.procs)["worker P#0"].pid
+        if pid != pids[-1]:
+            pids.append(pid)
+        time.sleep(0.05)
+    _wait_exit(dict(mesh.procs)["worker D#0"])
+    restarts.check()
+    assert len(pids) == 3  # started, then again twice: the limit
+    assert forgotten[:1] == [pids[0]] and set(pids) <= set(forgotten)  # every dead one deregistered
+    assert "starting it again in 0.2 s (restart 1 of at most 2" in caplog.text
+    assert "starting it again in 0.4 s (restart 2 of at most 2" in caplog.text
+    assert "not starting it again (2 restarts in a row" in caplog.text
+    assert "worker D#0 exited cleanly; not starting it again" in caplog.text  # a drained worker stays down
+    assert not restarts.due
+
+
+def test_no_restarts_when_the_limit_is_zero(mesh, monkeypatch, caplog):
+    monkeypatch.setattr(mesh, "forget", lambda pid: None)
+    restarts = Restarts(mesh, limit=0)
+    first = mesh.spawn("worker D#0", FAILS)
+    _wait_exit(first)
+    restarts.check()
+    restarts.check()
+    assert not restarts.due and dict(mesh.procs)["worker D#0"] is first
+    assert "max-worker-restarts 0" in caplog.text
