@@ -89,10 +89,12 @@ class InProcess:
         from common.engine.async_engine import AsyncEngine
         from common.engine.config import EngineConfig
         from common.engine.engine import Engine
+        from common.memory import keep_freed_memory
         from common.model.processor import ChatProcessor
         from common.scheduler import SchedulerConfig
 
         torch.set_num_threads(1)
+        keep_freed_memory()  # as the serving processes do: a like-for-like baseline
         self.processor = ChatProcessor(model_dir)
         config = EngineConfig(model=model_dir, kv_cache_gib=0.05, scheduler=SchedulerConfig(token_budget=256))
         self.engine = AsyncEngine(Engine(config, detokenize=self.processor.detokenize))

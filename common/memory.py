@@ -1,5 +1,5 @@
-"""Memory helpers for moving pages: zeroed host buffers on huge pages, GIL-free copies out of tensors, and
-runs of consecutive block ids."""
+"""Memory helpers: a process's malloc settings for serving, and for moving pages: zeroed host buffers on huge
+pages, GIL-free copies out of tensors, and runs of consecutive block ids."""
 
 from __future__ import annotations
 
@@ -41,6 +41,29 @@ def _bytes_copier():
 
 
 _copy_bytes = _bytes_copier()
+
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameters
+KEEP_FREED_BYTES = 1 << 30
+
+
+def keep_freed_memory(nbytes: int = KEEP_FREED_BYTES) -> bool:
+    """Have glibc's malloc keep up to `nbytes` of freed memory for reuse instead of giving it back to the kernel.
+
+    Every forward allocates and frees megabytes of activations. By default glibc unmaps a large freed chunk,
+    or trims the heap's free top, and the next forward faults each page in again: ~2,100 page faults per
+    image request on a prefill worker here (~6,400 with the gRPC pull), against ~5 with both thresholds at
+    1 GiB (bench/README.md). The cost: a process's resident memory stays at its peak. Called by the serving
+    commands at start; skipped where malloc is not glibc's or its settings were chosen already (`MALLOC_*_`
+    variables, an allocator in LD_PRELOAD), and with EPDMESH_KEEP_FREED_MEMORY=0. True when applied.
+    """
+    if (platform.libc_ver()[0] != "glibc" or os.environ.get("EPDMESH_KEEP_FREED_MEMORY", "1") == "0"
+            or os.environ.get("LD_PRELOAD") or any(k.startswith("MALLOC_") for k in os.environ)):
+        return False
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return False
+    return bool(libc.mallopt(M_MMAP_THRESHOLD, nbytes)) and bool(libc.mallopt(M_TRIM_THRESHOLD, nbytes))
 
 HUGE_PAGE = 2 << 20
 

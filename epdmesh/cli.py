@@ -71,6 +71,14 @@ def _budgets(args, roles) -> tuple[int, int]:
     return (2048 if token is None else token), (4 if image is None else image)
 
 
+def _serving_process(args) -> None:
+    """Settings of a process that serves: torch threads, and malloc keeping freed memory (no page faults per forward)."""
+    from common.memory import keep_freed_memory
+
+    _set_threads(args)
+    keep_freed_memory()
+
+
 def _set_threads(args) -> None:
     if args.threads:
         import torch
@@ -102,7 +110,7 @@ def _cmd_serve(args) -> int:
     from services.gateway.app import LocalBackend, build_app
     from services.worker.server import build_engine
 
-    _set_threads(args)
+    _serving_process(args)
     metrics, tracing = _gateway_telemetry(args)
     processor = ChatProcessor(args.model)
     engine = AsyncEngine(build_engine(_engine_config(args), _emulation(args)))
@@ -111,7 +119,8 @@ def _cmd_serve(args) -> int:
     logging.getLogger("epdmesh").info("serving %s (%s) in one process on http://%s:%d/v1", args.served_model_name,
                                       args.model, args.host, args.port)
     try:
-        uvicorn.run(app, host=args.host, port=args.port, loop="uvloop", log_level="info", timeout_graceful_shutdown=5)
+        uvicorn.run(app, host=args.host, port=args.port, loop="uvloop", http="httptools", log_level="info",
+                    timeout_graceful_shutdown=5)
     finally:
         engine.shutdown()
     return 0
@@ -123,7 +132,7 @@ def _cmd_worker(args) -> int:
     from services.worker.server import WorkerOptions, run_worker
 
     _resolve_model(args)
-    _set_threads(args)
+    _serving_process(args)
     options = WorkerOptions(engine=_engine_config(args, args.roles), host=args.host, port=args.port,
                             advertise_host=args.advertise_host, worker_id=args.worker_id, toggle=args.toggle,
                             transfer=args.transfer, lease_ttl_s=args.lease_ttl, grace_s=args.grace,
@@ -154,12 +163,14 @@ def _cmd_toggle(args) -> int:
 def _cmd_gateway(args) -> int:
     import uvicorn
 
+    from common.memory import keep_freed_memory
     from common.model.config import LlavaConfig
     from common.model.processor import ChatProcessor
     from services.gateway.app import build_app
     from services.gateway.mesh import MeshBackend
 
     _resolve_model(args)
+    keep_freed_memory()  # images: megabytes of pixels parsed and freed per request
     metrics, tracing = _gateway_telemetry(args)
     config = LlavaConfig.from_pretrained(args.model)
     limit = config.text.max_position_embeddings
@@ -171,7 +182,8 @@ def _cmd_gateway(args) -> int:
     logging.getLogger("epdmesh").info("gateway for %s on http://%s:%d/v1, toggle %s, routing %s", args.served_model_name,
                                       args.host, args.port, args.toggle,
                                       f"in-process over {args.redis_url}" if router else "by the toggle")
-    uvicorn.run(app, host=args.host, port=args.port, loop="uvloop", log_level="warning", timeout_graceful_shutdown=5)
+    uvicorn.run(app, host=args.host, port=args.port, loop="uvloop", http="httptools", log_level="warning",
+                timeout_graceful_shutdown=5)
     return 0
 
 

@@ -54,3 +54,40 @@ def test_a_written_cache_is_backed_by_huge_pages_where_the_kernel_offers_them():
     cache = PagedKVCache(64, 16, 4, 2, 8 << 10, torch.float32, "cpu")  # 64 blocks of 4 MiB
     cache.data.fill_(1.0)
     assert _anon_huge_kib() - before >= 64 * 4 * 1024 // 4  # the kernel may fall back to small pages for some
+
+
+_FAULTS = """
+import ctypes, resource, sys
+from common.memory import keep_freed_memory
+applied = keep_freed_memory() if sys.argv[1] == "keep" else False
+libc = ctypes.CDLL("libc.so.6")
+libc.malloc.restype = ctypes.c_void_p
+counts = []
+for _ in range(6):  # a forward's worth of activations, 40 MiB (over glibc's 32 MiB dynamic mmap limit), freed
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    p = libc.malloc(40 << 20)
+    ctypes.memset(p, 1, 40 << 20)
+    libc.free(ctypes.c_void_p(p))
+    counts.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+print(applied, counts[0], sum(counts[1:]))
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's malloc")
+def test_kept_freed_memory_is_reused_without_page_faults():
+    import os
+    import subprocess
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_") and k != "LD_PRELOAD"}
+    runs = {}
+    for mode in ("default", "keep"):
+        out = subprocess.run([sys.executable, "-c", _FAULTS, mode], capture_output=True, text=True, env=env, check=True)
+        applied, first, later = out.stdout.split()
+        runs[mode] = (applied == "True", int(first), int(later))
+    pages = (40 << 20) // 4096
+    assert runs["keep"][0] and not runs["default"][0]
+    assert runs["default"][2] >= 5 * pages // 2  # each of the 5 later rounds faulted its 10,240 pages in again
+    assert runs["keep"][1] >= pages // 2 and runs["keep"][2] < pages // 4  # in once, then reused
+    env["EPDMESH_KEEP_FREED_MEMORY"] = "0"
+    out = subprocess.run([sys.executable, "-c", _FAULTS, "keep"], capture_output=True, text=True, env=env, check=True)
+    assert out.stdout.split()[0] == "False"  # switched off
