@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from collections.abc import Callable
 
 from common.paged_cache import PagedBuffer, PagePayload
 from common.transfer.channels import ChannelPool
@@ -46,6 +47,7 @@ class Transfer:
     puller: PagePuller
     offer: str  # the backend this worker's handles name
     backend_info: bytes = b""
+    serving: Callable[[int], None] | None = None  # told how many of this worker's page sets are leased out
 
     async def close(self) -> None:
         await self.puller.close()
@@ -71,5 +73,6 @@ def make_transfer(backend: str, engine, channels: ChannelPool, worker_id: str) -
                 log.warning("NIXL/UCX failed to start (%s: %s); pages move over the gRPC stream fallback",
                             type(e).__name__, e)
             else:
-                return Transfer(DispatchingPuller({"nixl": nixl, "grpc": grpc_puller}, grpc_puller), "nixl", nixl.metadata)
+                return Transfer(DispatchingPuller({"nixl": nixl, "grpc": grpc_puller}, grpc_puller), "nixl", nixl.metadata,
+                                nixl.serving)
     return Transfer(DispatchingPuller({"grpc": grpc_puller}, grpc_puller), "grpc")

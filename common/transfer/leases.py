@@ -23,7 +23,9 @@ class Lease:
 class LeaseTable:
     """Leases by id. The caller frees a lease's pages when `take` (ack) or `expired` returns it."""
 
-    def __init__(self, worker_id: str, address: str, ttl_s: float, clock: Callable[[], float] = time.time):
+    def __init__(self, worker_id: str, address: str, ttl_s: float, clock: Callable[[], float] = time.time,
+                 on_change: Callable[[int], None] | None = None):
+        """`on_change(n)`: called with the number of leases now (0), then whenever a lease is granted or removed."""
         if ttl_s <= 0:
             raise ValueError("lease ttl must be positive")
         self.worker_id = worker_id
@@ -31,6 +33,8 @@ class LeaseTable:
         self.ttl_s = ttl_s
         self.clock = clock
         self._leases: dict[str, Lease] = {}
+        self._on_change = on_change
+        self._changed()
 
     def grant(
         self, engine_request_id: str, block_ids: list[int], num_tokens: int, layout: PageLayout,
@@ -41,6 +45,7 @@ class LeaseTable:
         handle = PageHandle(self.worker_id, self.address, engine_request_id, tuple(block_ids), num_tokens, layout,
                             self.clock() + self.ttl_s, backend, backend_info)
         self._leases[engine_request_id] = Lease(engine_request_id, handle)
+        self._changed()
         return handle
 
     def get(self, lease_id: str) -> Lease | None:
@@ -51,7 +56,10 @@ class LeaseTable:
 
     def take(self, lease_id: str) -> Lease | None:
         """Remove a lease (the puller acked); None if unknown, already taken or expired-and-collected."""
-        return self._leases.pop(lease_id, None)
+        lease = self._leases.pop(lease_id, None)
+        if lease is not None:
+            self._changed()
+        return lease
 
     def expired(self) -> list[Lease]:
         """Remove and return every lease past its expiry."""
@@ -59,7 +67,13 @@ class LeaseTable:
         gone = [lease for lease in self._leases.values() if lease.handle.lease_expiry < now]
         for lease in gone:
             del self._leases[lease.lease_id]
+        if gone:
+            self._changed()
         return gone
+
+    def _changed(self) -> None:
+        if self._on_change is not None:
+            self._on_change(len(self._leases))
 
     def __len__(self) -> int:
         return len(self._leases)

@@ -17,7 +17,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 from common.engine.async_engine import AsyncEngine
 from common.engine.engine import NoRoomForPages
@@ -41,13 +41,15 @@ class ShuttingDown(RuntimeError):
 class WorkerRuntime:
     def __init__(self, worker_id: str, address: str, engine: AsyncEngine, puller: PagePuller,
                  lease_ttl_s: float = 30.0, offer_backend: str = "grpc", backend_info: bytes = b"",
-                 metrics: WorkerMetrics | None = None, tracing: Tracing | None = None):
+                 metrics: WorkerMetrics | None = None, tracing: Tracing | None = None,
+                 on_leases: Callable[[int], None] | None = None):
+        """`on_leases(n)`: told the number of this worker's leases when it changes (the transfer's source side)."""
         self.worker_id = worker_id
         self.metrics = metrics
         self.tracing = tracing or Tracing()
         self.engine = engine
         self.puller = puller
-        self.leases = LeaseTable(worker_id, address, lease_ttl_s)
+        self.leases = LeaseTable(worker_id, address, lease_ttl_s, on_change=on_leases)
         self.offer_backend = offer_backend
         self.backend_info = backend_info
         self.accepting = True

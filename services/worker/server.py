@@ -113,7 +113,7 @@ async def run_worker(options: WorkerOptions, engine: Engine | None = None, ready
     channels = ChannelPool()
     transfer = make_transfer(options.transfer, engine, channels, worker_id)
     runtime = WorkerRuntime(worker_id, address, async_engine, transfer.puller, options.lease_ttl_s,
-                            transfer.offer, transfer.backend_info, metrics, tracing)
+                            transfer.offer, transfer.backend_info, metrics, tracing, on_leases=transfer.serving)
     pool = engine.scheduler.kv.pool
     metrics.gauges(running=lambda: engine.stats().num_running, waiting=lambda: engine.stats().num_waiting,
                    kv_usage=lambda: 1 - pool.num_free / pool.num_blocks)

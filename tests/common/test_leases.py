@@ -33,6 +33,19 @@ def test_grant_take_once_and_expire():
     assert table.expired() == [] and len(table) == 0
 
 
+def test_the_lease_count_is_reported_as_it_changes():
+    clock, counts = Clock(), []
+    table = LeaseTable("p-1", "127.0.0.1:9", ttl_s=5, clock=clock, on_change=counts.append)
+    a = table.grant("r1@prefill", [7], 16, LAYOUT)
+    table.grant("r2@prefill", [4], 16, LAYOUT)
+    table.take(a.lease_id)
+    table.take(a.lease_id)  # unknown now: no change
+    clock.now = 1006
+    table.expired()
+    table.expired()
+    assert counts == [0, 1, 2, 1, 0]
+
+
 def test_handle_checks_its_block_count():
     with pytest.raises(ValueError, match="block ids"):
         PageHandle("w", "a", "l", (1,), 17, LAYOUT, 0.0)

@@ -126,6 +126,39 @@ def test_pull_exact_bytes_concurrently_and_from_itself(source):
     run(main())
 
 
+def test_the_source_ticker_runs_often_only_while_its_pages_are_leased():
+    """Progress every 2 ms takes the GIL from the engine thread; a worker with nothing leased needs little."""
+    async def main():
+        transfer = nixl_backend.NixlTransfer("nixl-tick", None, ChannelPool(), caches={})
+        agent, ticks = transfer.agent, []
+
+        class Counting:
+            def __getattr__(self, name):
+                return getattr(agent, name)
+
+            def get_new_notifs(self):
+                ticks.append(1)
+                return agent.get_new_notifs()
+
+        transfer.agent = Counting()
+        counts = {}
+        try:
+            for phase, leased in (("untold", None), ("idle", 0), ("serving", 2)):
+                if leased is not None:
+                    transfer.serving(leased)
+                await asyncio.sleep(0.05)
+                ticks.clear()
+                await asyncio.sleep(0.5)
+                counts[phase] = len(ticks)
+        finally:
+            transfer.agent = agent
+            await transfer.close()
+        assert counts["untold"] >= 25 and counts["serving"] >= 25, counts  # every 2 ms, as a source must
+        assert counts["idle"] <= 8, counts  # every 100 ms
+
+    run(main())
+
+
 def test_pull_failures_are_pull_failed(source):
     async def main():
         puller = nixl_backend.NixlTransfer("nixl-dst2", None, ChannelPool(), caches={})
