@@ -14,7 +14,8 @@ alone: the mesh's control path with the least compute):
              picks: NIXL where it loads, else the gRPC stream; --transfer to choose);
   mesh-toggle — the same mesh with `--route-in toggle`: every request's route is a gRPC call to the
              toggle (what routing in the gateway saves); --no-toggle-route leaves it out.
-TTFT is taken at the first streamed token, per-token gap as the mean gap after it. Reports p50s, the
+TTFT is taken at the first streamed token, per-token gap as the mean gap after it, by a minimal HTTP client
+(bench/lean_http.py; --client httpx for httpx, whose own handling then counts as the server's). Reports p50s, the
 mesh's TTFT added over engine and over local (the goal: ≤ 2 ms over the in-process engine), and ratios.
 """
 
@@ -40,6 +41,8 @@ import numpy as np  # noqa: E402
 from PIL import Image  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
+from bench.lean_http import LeanClient  # noqa: E402
+
 BACKEND = "real engine (torch CPU, float32, 1 thread per process)"
 SERVED_NAME = "tiny"  # the name tests.services.servers.running_server serves under
 
@@ -52,6 +55,9 @@ def parse_args(argv=None):
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--topology", default="E1+P1+D1")
     p.add_argument("--transfer", default="auto", choices=["auto", "nixl", "grpc"])
+    p.add_argument("--client", default="lean", choices=["lean", "httpx"],
+                   help="HTTP client timing the servers: a minimal one (bench/lean_http.py), or httpx, whose own "
+                        "request and response handling (~1.5 ms here) then counts as the server's")
     p.add_argument("--redis-url", default=None)
     p.add_argument("--no-toggle-route", dest="toggle_route", action="store_false",
                    help="leave out the mesh routed by the toggle's Route rpc")
@@ -121,7 +127,8 @@ class InProcess:
         self.engine.shutdown()
 
 
-async def measure_http(client: httpx.AsyncClient, base: str, workload: str, i: int, max_tokens: int) -> tuple[float, float]:
+async def measure_http(client, base: str, workload: str, i: int, max_tokens: int) -> tuple[float, float]:
+    """`client`: an httpx.AsyncClient, or the lean client of the server at `base`."""
     img, text = conversation(i, workload)
     content = [{"type": "image_url", "image_url": {"url": _data_uri(img)}}] if img is not None else []
     body = {"model": SERVED_NAME, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
@@ -129,15 +136,24 @@ async def measure_http(client: httpx.AsyncClient, base: str, workload: str, i: i
             "messages": [{"role": "user", "content": content + [{"type": "text", "text": text}]}]}
     payload = json.dumps(body).encode()  # serialized before the clock starts: client-side cost, not ours
     start, times = time.perf_counter(), []
+    async for line in _post_lines(client, base, payload):
+        if line.startswith("data: {"):
+            choices = json.loads(line[6:])["choices"]
+            if choices and choices[0].get("token_ids"):
+                times.extend([time.perf_counter()] * len(choices[0]["token_ids"]))
+    return _ttft_gap(start, times)
+
+
+async def _post_lines(client, base: str, payload: bytes):
+    if isinstance(client, LeanClient):
+        async for line in client.post_lines("/v1/chat/completions", payload):
+            yield line
+        return
     async with client.stream("POST", f"{base}/v1/chat/completions", content=payload,
                              headers={"content-type": "application/json"}) as resp:
         resp.raise_for_status()
         async for line in resp.aiter_lines():
-            if line.startswith("data: {"):
-                choices = json.loads(line[6:])["choices"]
-                if choices and choices[0].get("token_ids"):
-                    times.extend([time.perf_counter()] * len(choices[0]["token_ids"]))
-    return _ttft_gap(start, times)
+            yield line
 
 
 async def measure_interleaved(model_dir: str, bases: dict[str, str], args, bar) -> dict[str, dict[str, list]]:
@@ -145,19 +161,23 @@ async def measure_interleaved(model_dir: str, bases: dict[str, str], args, bar) 
     spell of this noisy machine hits all alike, so their differences hold even when absolute times drift."""
     engine = InProcess(model_dir)
     samples = {name: {w: [] for w in WORKLOADS} for name in ("engine", *bases)}
+    lean = {name: LeanClient(base) for name, base in bases.items()}
     try:
-        async with httpx.AsyncClient(timeout=120) as client:
+        async with httpx.AsyncClient(timeout=120) as shared:
             for i, workload in itertools.product(range(args.warmup + args.requests), WORKLOADS):
                 for name in samples:
                     if name == "engine":
                         sample = await engine.measure(workload, i, args.max_tokens)
                     else:
+                        client = lean[name] if args.client == "lean" else shared
                         sample = await measure_http(client, bases[name], workload, i, args.max_tokens)
                     if i >= args.warmup:
                         samples[name][workload].append(sample)
                         bar.update()
     finally:
         engine.close()
+        for client in lean.values():
+            await client.close()
     return samples
 
 
@@ -193,10 +213,11 @@ def main(argv=None) -> int:
         bar.set_postfix_str("interleaved")
         samples = asyncio.run(measure_interleaved(model_dir, bases, args, bar))
     results = {name: {w: summarize(s) for w, s in per.items()} for name, per in samples.items()}
-    report = {"backend": BACKEND, "topology": args.topology, "transfer": args.transfer, "max_tokens": args.max_tokens,
+    report = {"backend": BACKEND, "topology": args.topology, "transfer": args.transfer, "client": args.client,
+              "max_tokens": args.max_tokens,
               "requests": args.requests, "results": results, "mesh_added": {}}
     print(f"\nbackend: {BACKEND}; {args.requests} requests per workload, one at a time, {args.max_tokens} tokens each; "
-          f"transfer {args.transfer}")
+          f"transfer {args.transfer}; HTTP client {args.client}")
     print(f"{'workload':<8}{'config':<28}{'p50 TTFT ms':>12}{'p90 TTFT ms':>12}{'p50 gap ms':>12}")
     for workload in WORKLOADS:
         labels = {"engine": "engine (in-process)", "local": "local (HTTP, one process)", "mesh": f"mesh {args.topology}",
