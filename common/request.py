@@ -78,6 +78,7 @@ class Request:
     image_block_table: list[int] = dataclasses.field(default_factory=list)
     output_text: str = ""
     stop_reason: str | int | None = None
+    detokenizer: Any = None  # the output's text so far, kept by the engine while stop strings are watched
     # engine clock (time.monotonic): first step that scheduled it, and when it finished or was handed off here
     first_scheduled_time: float | None = None
     done_time: float | None = None

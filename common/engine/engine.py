@@ -19,6 +19,7 @@ from collections.abc import Callable, Iterable
 
 import torch
 
+from common.detokenizer import IncrementalDetokenizer
 from common.engine.config import EngineConfig
 from common.engine.model_runner import ModelRunner
 from common.engine.outputs import RequestOutput
@@ -279,15 +280,19 @@ class Engine:
         if token in params.stop_token_ids:
             request.stop_reason = token
             return RequestStatus.FINISHED_STOPPED
-        if params.stop:
-            text = self.detokenize(request.output_token_ids)
-            hits = [(text.find(s), s) for s in params.stop if s in text]
+        if params.stop:  # the text grows a few tokens' decode per step (common/detokenizer.py), not a whole decode
+            detok = request.detokenizer = request.detokenizer or IncrementalDetokenizer(self.detokenize)
+            seen = len(detok.text) - max(map(len, params.stop)) + 1  # a stop string may end in the new text
+            text = detok.text + detok.push(request.output_token_ids[len(detok.token_ids):])
+            hits = [(at, s) for s in params.stop if (at := text.find(s, max(seen, 0))) >= 0]
             if hits:
                 cut, stop = min(hits)
                 request.output_text, request.stop_reason = text[:cut], stop
                 return RequestStatus.FINISHED_STOPPED
             request.output_text = text
         if len(request.output_token_ids) >= params.max_tokens or request.num_tokens >= self.max_model_len:
+            if params.stop:  # an incomplete character at the end comes out as U+FFFD
+                request.output_text += request.detokenizer.finish()
             return RequestStatus.FINISHED_LENGTH
         return None
 

@@ -25,6 +25,7 @@ from starlette.requests import Request as HttpRequest
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from common.detokenizer import IncrementalDetokenizer
 from common.engine.async_engine import AsyncEngine
 from common.engine.engine import RequestRejected
 from common.engine.outputs import RequestOutput
@@ -188,15 +189,14 @@ async def _sse(chat, request_id, model, num_prompt, outputs, detokenize) -> Asyn
 
     yield chunk({"role": "assistant", "content": ""})
     sent, last = "", None
+    text = IncrementalDetokenizer(detokenize)  # a few tokens decoded per output, not the whole output again
     try:
         async for out in outputs:
             last = out
             if out.finished:
                 break
-            text = detokenize(out.output_token_ids)
-            safe = text[: len(text) - holdback] if holdback else text
-            if safe.endswith("\ufffd"):
-                continue
+            text.push(out.output_token_ids[len(text.token_ids):])
+            safe = text.text[: len(text.text) - holdback] if holdback else text.text
             if len(safe) > len(sent) or out.new_token_ids:
                 yield chunk({"content": safe[len(sent):]}, token_ids=out.new_token_ids)
                 sent = safe
@@ -204,7 +204,12 @@ async def _sse(chat, request_id, model, num_prompt, outputs, detokenize) -> Asyn
         yield f"data: {json.dumps(e.body())}\n\n"
         yield "data: [DONE]\n\n"
         return
-    final = _final_text(last, detokenize)
+    if last.text is not None:  # the engine's own text: cut at a stop string
+        final = last.text
+    else:
+        text.push(last.output_token_ids[len(text.token_ids):])
+        text.finish()
+        final = text.text
     yield chunk({"content": final[len(sent):]}, finish=last.finish_reason, token_ids=last.new_token_ids)
     if chat.include_usage:
         usage = {"id": request_id, "object": "chat.completion.chunk", "created": created, "model": model,
