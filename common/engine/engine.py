@@ -317,7 +317,7 @@ class Engine:
             status=request.status,
             finish_reason=request.finish_reason,
             stop_reason=request.stop_reason,
-            text=request.output_text if request.sampling.stop else None,
+            text=request.output_text if request.sampling.stop and request.status.finished else None,  # the final text
             num_prompt_tokens=request.num_prompt_tokens,
         )
 
