@@ -27,14 +27,11 @@ class LeanClient:
 
     async def post_lines(self, path: str, body: bytes) -> AsyncIterator[str]:
         """POST `body` (JSON) to `path`; yield the response body's lines as they arrive (without newlines)."""
-        if self._conn is None:
-            self._conn = await asyncio.open_connection(self.host, self.port)
-        reader, writer = self._conn
-        writer.write(f"POST {path} HTTP/1.1\r\nHost: {self.host}:{self.port}\r\nContent-Type: application/json\r\n"
-                     f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+        request = (f"POST {path} HTTP/1.1\r\nHost: {self.host}:{self.port}\r\nContent-Type: application/json\r\n"
+                   f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
         done = False
         try:
-            status, headers = await _head(reader)
+            reader, status, headers = await self._send(request)
             if status != 200:
                 text = b"".join([chunk async for chunk in _body(reader, headers)])
                 raise HttpError(f"HTTP {status}: {text[:500].decode(errors='replace')}")
@@ -49,6 +46,25 @@ class LeanClient:
         finally:
             if not done:  # a body not read to its end leaves the connection unusable
                 await self.close()
+
+    async def _send(self, request: bytes) -> tuple[asyncio.StreamReader, int, dict[str, str]]:
+        """Send on the kept connection; if the server had closed it (an idle timeout), once more on a new one."""
+        reused = self._conn is not None
+        try:
+            return await self._send_once(request)
+        except (HttpError, ConnectionError) as e:
+            await self.close()
+            if not (reused and (isinstance(e, ConnectionError) or "closed the connection" in str(e))):
+                raise
+        return await self._send_once(request)
+
+    async def _send_once(self, request: bytes) -> tuple[asyncio.StreamReader, int, dict[str, str]]:
+        if self._conn is None:
+            self._conn = await asyncio.open_connection(self.host, self.port)
+        reader, writer = self._conn
+        writer.write(request)
+        await writer.drain()
+        return (reader, *await _head(reader))
 
     async def close(self) -> None:
         if self._conn is not None:

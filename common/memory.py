@@ -4,12 +4,15 @@ pages, GIL-free copies out of tensors, and runs of consecutive block ids."""
 from __future__ import annotations
 
 import ctypes
+import logging
 import math
 import mmap
 import os
 import platform
 
 import torch
+
+log = logging.getLogger(__name__)
 
 
 def _bytes_copier():
@@ -44,6 +47,7 @@ _copy_bytes = _bytes_copier()
 
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameters
 KEEP_FREED_BYTES = 1 << 30
+OLD_GLIBC_MMAP_MAX = 32 << 20  # HEAP_MAX_SIZE / 2: the highest mmap threshold some glibc versions accept
 
 
 def keep_freed_memory(nbytes: int = KEEP_FREED_BYTES) -> bool:
@@ -52,18 +56,25 @@ def keep_freed_memory(nbytes: int = KEEP_FREED_BYTES) -> bool:
     Every forward allocates and frees megabytes of activations. By default glibc unmaps a large freed chunk,
     or trims the heap's free top, and the next forward faults each page in again: ~2,100 page faults per
     image request on a prefill worker here (~6,400 with the gRPC pull), against ~5 with both thresholds at
-    1 GiB (bench/README.md). The cost: a process's resident memory stays at its peak. Called by the serving
-    commands at start; skipped where malloc is not glibc's or its settings were chosen already (`MALLOC_*_`
-    variables, an allocator in LD_PRELOAD), and with EPDMESH_KEEP_FREED_MEMORY=0. True when applied.
+    1 GiB (bench/README.md); resident memory did not grow. Called by the serving commands at start; skipped
+    where malloc is not glibc's or its settings were chosen already (`MALLOC_*` variables, GLIBC_TUNABLES, an
+    allocator in LD_PRELOAD), and with EPDMESH_KEEP_FREED_MEMORY=0. True when applied.
     """
-    if (platform.libc_ver()[0] != "glibc" or os.environ.get("EPDMESH_KEEP_FREED_MEMORY", "1") == "0"
-            or os.environ.get("LD_PRELOAD") or any(k.startswith("MALLOC_") for k in os.environ)):
+    chosen = [k for k in os.environ if k.startswith("MALLOC_") or k in ("GLIBC_TUNABLES", "LD_PRELOAD")]
+    if platform.libc_ver()[0] != "glibc" or os.environ.get("EPDMESH_KEEP_FREED_MEMORY", "1") == "0" or chosen:
+        log.info("malloc keeps its own settings (%s)", ", ".join(chosen) or "EPDMESH_KEEP_FREED_MEMORY=0 or not glibc")
         return False
     try:
         libc = ctypes.CDLL("libc.so.6")
     except OSError:
         return False
-    return bool(libc.mallopt(M_MMAP_THRESHOLD, nbytes)) and bool(libc.mallopt(M_TRIM_THRESHOLD, nbytes))
+    mmap_ok = libc.mallopt(M_MMAP_THRESHOLD, nbytes) or libc.mallopt(M_MMAP_THRESHOLD, min(nbytes, OLD_GLIBC_MMAP_MAX))
+    trim_ok = libc.mallopt(M_TRIM_THRESHOLD, nbytes)
+    if not (mmap_ok and trim_ok):
+        log.warning("glibc refused to keep freed memory (mmap threshold %s, trim threshold %s)",
+                    "set" if mmap_ok else "refused", "set" if trim_ok else "refused")
+    return bool(mmap_ok and trim_ok)
+
 
 HUGE_PAGE = 2 << 20
 

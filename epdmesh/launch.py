@@ -39,7 +39,8 @@ NO_REDIS = ("epdmesh serve needs Redis for the toggle's registry, and none was f
             "(e.g. REDIS_URL=redis://127.0.0.1:6379/0) or install redis-server "
             "(Debian/Ubuntu: apt-get install redis-server; macOS: brew install redis)")
 RESTART_BACKOFF_S = (1, 2, 4, 8, 16, 30)  # before the n-th restart in a row of one worker
-STABLE_S = 60.0  # a worker up this long before it dies starts its count of restarts in a row again
+STABLE_S = 60.0  # a worker registered this long before it dies starts its count of restarts in a row again
+ASKED_TO_STOP = (-signal.SIGINT, -signal.SIGTERM)  # exit codes of a child stopped before its handlers were set
 
 
 def die_with_parent() -> None:
@@ -66,8 +67,8 @@ class Mesh:
         self.tmp = tempfile.TemporaryDirectory(prefix="epdmesh-")
         self.toggle: str | None = None  # the toggle's address, once it is up: dead workers are deregistered there
         self._argv: dict[str, tuple[list[str], dict | None]] = {}
-        self.started_at: dict[str, float] = {}
         self._revived: set[str] = set()
+        self.stopping = False  # set by SIGINT/SIGTERM: start-up ends, nothing is started again
 
     def spawn(self, name: str, argv: list[str], env: dict | None = None) -> subprocess.Popen:
         """Start a child; its traces carry its own service name (`$OTEL_SERVICE_NAME-<kind>` or `epdmesh-<kind>`)."""
@@ -76,15 +77,12 @@ class Mesh:
         proc = subprocess.Popen(argv, env={**os.environ, "OTEL_SERVICE_NAME": service, **(env or {})},
                                 preexec_fn=die_with_parent)
         self._argv[name] = (argv, env)
-        self.started_at[name] = time.monotonic()
         self.procs = [(n, p) for n, p in self.procs if n != name] + [(name, proc)]
         return proc
 
     def respawn(self, name: str) -> subprocess.Popen:
-        """Start child `name` again as it was first started, in its place in the stopping order; its dead
-        predecessor is deregistered first, so the toggle stops routing to it before its heartbeat TTL passes."""
+        """Start child `name` again as it was first started, in its place in the stopping order."""
         index = next(i for i, (n, _) in enumerate(self.procs) if n == name)
-        self.forget(self.procs[index][1].pid)
         proc = self.spawn(name, *self._argv[name])
         self.procs.insert(index, self.procs.pop())
         return proc
@@ -99,14 +97,19 @@ class Mesh:
             log.warning("could not deregister dead worker pid %d: %s", pid, e)
 
     def check_alive(self, only: tuple[str, ...] | None = None) -> None:
-        """Raise if a child (of those named in `only`, default all) has exited. A worker killed by a signal
-        (a crash, not a bad flag or a missing file, which exit with a code) is started again, once."""
+        """Raise if a child (of those named in `only`, default all) has exited, or if the mesh is stopping. A
+        worker killed by a signal (a crash; not a bad flag or a missing file, which exit with a code, nor a
+        Ctrl-C) is deregistered and started again, once."""
+        if self.stopping:
+            raise Stopped("stopped while starting")
         for name, proc in list(self.procs):
             if only is not None and name not in only or proc.poll() is None:
                 continue
-            if name.startswith("worker ") and proc.returncode < 0 and name not in self._revived:
+            crashed = proc.returncode < 0 and proc.returncode not in ASKED_TO_STOP
+            if name.startswith("worker ") and crashed and name not in self._revived:
                 self._revived.add(name)
                 log.warning("%s was killed by signal %d during start-up; starting it again", name, -proc.returncode)
+                self.forget(proc.pid)
                 self.respawn(name)
                 continue
             raise RuntimeError(f"{name} exited with code {proc.returncode} during start-up")
@@ -117,28 +120,36 @@ class Mesh:
         self.tmp.cleanup()
 
 
-class Restarts:
-    """Workers of a running mesh that die: each failure is deregistered at once and the worker started again
-    after a backoff, at most `limit` times in a row. A clean exit (code 0: someone drained it) is left down."""
+class Stopped(RuntimeError):
+    """SIGINT/SIGTERM arrived while the mesh was starting."""
 
-    def __init__(self, mesh: Mesh, limit: int):
+
+class Restarts:
+    """Workers of a running mesh that die: each is deregistered at once and, if it failed, started again after
+    a backoff, at most `limit` times in a row; one that was registered STABLE_S before it died starts its count
+    again. A clean exit (code 0: someone drained it) or a stop by SIGINT/SIGTERM is left down."""
+
+    def __init__(self, mesh: Mesh, limit: int, poll_s: float = 5.0):
         self.mesh = mesh
         self.limit = limit
         self.in_a_row: collections.Counter[str] = collections.Counter()
         self.due: dict[str, float] = {}  # worker name → when to start it again
-        self._seen: set[int] = set()  # pids whose exit was handled
+        self._seen: set[subprocess.Popen] = set()  # processes whose exit was handled
+        self._registered_at: dict[subprocess.Popen, float] = {}  # restarted workers, once seen in the registry
+        self._poll_s, self._next_poll = poll_s, 0.0
 
     def check(self) -> None:
         now = time.monotonic()
+        self._note_registrations(now)
         for name, proc in self.mesh.procs:
-            if not name.startswith("worker ") or proc.poll() is None or proc.pid in self._seen:
+            if not name.startswith("worker ") or proc.poll() is None or proc in self._seen:
                 continue
-            self._seen.add(proc.pid)
+            self._seen.add(proc)
             self.mesh.forget(proc.pid)
-            if proc.returncode == 0:
-                log.warning("%s exited cleanly; not starting it again", name)
+            if proc.returncode == 0 or proc.returncode in ASKED_TO_STOP:
+                log.warning("%s exited (code %s) as asked; not starting it again", name, proc.returncode)
                 continue
-            if now - self.mesh.started_at[name] >= STABLE_S:
+            if now - self._registered_at.get(proc, now) >= STABLE_S:
                 self.in_a_row[name] = 0
             if self.in_a_row[name] >= self.limit:
                 log.error("%s exited with code %s; not starting it again (%d restarts in a row, --max-worker-restarts "
@@ -153,6 +164,21 @@ class Restarts:
             if now >= when:
                 del self.due[name]
                 log.info("%s started again (pid %d)", name, self.mesh.respawn(name).pid)
+
+    def _note_registrations(self, now: float) -> None:
+        """When restarted workers first show up in the registry (every poll_s while one has not yet)."""
+        waiting = [p for n, p in self.mesh.procs
+                   if self.in_a_row[n] and p.poll() is None and p not in self._registered_at]
+        if not waiting or self.mesh.toggle is None or now < self._next_poll:
+            return
+        self._next_poll = now + self._poll_s
+        try:
+            pids = {entry.info.pid for entry in _list_workers(self.mesh.toggle)}
+        except Exception:  # the toggle is slow or down: try again at the next poll
+            return
+        for proc in waiting:
+            if proc.pid in pids:
+                self._registered_at[proc] = now
 
 
 def start_redis(mesh: Mesh, redis_url: str | None) -> str:
@@ -187,14 +213,18 @@ def _wait(probe, mesh: Mesh, what: str, timeout: float, only: tuple[str, ...] | 
         time.sleep(0.2)
 
 
-def _registered(toggle: str) -> int:
+def _list_workers(toggle: str):
     import grpc
 
     from epdmesh.v1 import mesh_pb2 as pb
     from epdmesh.v1 import mesh_pb2_grpc as pb_grpc
 
     with grpc.insecure_channel(toggle) as channel:
-        return len(pb_grpc.ToggleStub(channel).ListWorkers(pb.ListWorkersRequest(), timeout=2).workers)
+        return list(pb_grpc.ToggleStub(channel).ListWorkers(pb.ListWorkersRequest(), timeout=2).workers)
+
+
+def _registered(toggle: str) -> int:
+    return len(_list_workers(toggle))
 
 
 def _deregister_pid(toggle: str, pid: int) -> None:
@@ -203,12 +233,11 @@ def _deregister_pid(toggle: str, pid: int) -> None:
     from epdmesh.v1 import mesh_pb2 as pb
     from epdmesh.v1 import mesh_pb2_grpc as pb_grpc
 
-    with grpc.insecure_channel(toggle) as channel:
-        stub = pb_grpc.ToggleStub(channel)
-        for entry in stub.ListWorkers(pb.ListWorkersRequest(), timeout=2).workers:
-            if entry.info.pid == pid:
-                stub.Deregister(pb.DeregisterRequest(worker_id=entry.info.worker_id), timeout=2)
-                log.info("deregistered %s (pid %d): the toggle no longer routes to it", entry.info.worker_id, pid)
+    for entry in _list_workers(toggle):
+        if entry.info.pid == pid:
+            with grpc.insecure_channel(toggle) as channel:
+                pb_grpc.ToggleStub(channel).Deregister(pb.DeregisterRequest(worker_id=entry.info.worker_id), timeout=2)
+            log.info("deregistered %s (pid %d): the toggle no longer routes to it", entry.info.worker_id, pid)
 
 
 def _http_ok(url: str) -> bool:
@@ -244,11 +273,9 @@ def serve_mesh(args) -> int:
     num_workers = sum(g.count for g in groups)
     threads = args.threads or max(1, (os.cpu_count() or 1) // num_workers)
     mesh = Mesh()
-    stopping = False
 
     def on_signal(signum, _frame):
-        nonlocal stopping
-        stopping = True
+        mesh.stopping = True
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
@@ -281,13 +308,17 @@ def serve_mesh(args) -> int:
         print(f"EPDMESH_READY http://{args.host}:{args.port}/v1 topology={args.topology} workers={num_workers}", flush=True)
         log.info("mesh %s up: OpenAI API on http://%s:%d/v1 (Ctrl-C stops it)", args.topology, args.host, args.port)
         restarts = Restarts(mesh, args.max_worker_restarts)
-        while not stopping:
+        while not mesh.stopping:
             for name, proc in mesh.procs:
                 if name in ("gateway", "toggle", "redis") and proc.poll() is not None:
                     log.error("%s exited with code %s; stopping the mesh", name, proc.returncode)
-                    stopping = True
-            restarts.check()
-            time.sleep(0.2)
+                    mesh.stopping = True
+            if not mesh.stopping:
+                restarts.check()
+                time.sleep(0.2)
+        return 0
+    except Stopped as e:
+        log.info("%s", e)
         return 0
     except RuntimeError as e:
         log.error("%s", e)

@@ -17,12 +17,15 @@ SIZED = b"HTTP/1.1 200 OK\r\ncontent-length: 9\r\n\r\none\ntwo\r\n"
 REFUSED = b"HTTP/1.1 400 Bad Request\r\ncontent-length: 15\r\n\r\n{\"error\": \"no\"}"
 
 
-async def _serve(responses: list[bytes], seen: list[tuple[bytes, bytes]]):
+async def _serve(responses: list[bytes], seen: list[tuple[bytes, bytes]], per_connection: int = 0):
+    """`per_connection`: close each connection after that many responses (0: keep it open)."""
     connections = []
 
     async def handle(reader, writer):
         connections.append(writer)
-        while responses:
+        answered = 0
+        while responses and not (per_connection and answered == per_connection):
+            answered += 1
             head = await reader.readuntil(b"\r\n\r\n")
             length = int(next(line.split(b":")[1] for line in head.split(b"\r\n") if line.lower().startswith(b"content-length")))
             seen.append((head.split(b"\r\n")[0], await reader.readexactly(length)))
@@ -52,5 +55,22 @@ def test_lines_of_chunked_and_sized_bodies_over_one_connection():
         assert second == ["one", "two"]
         assert seen[0] == (b"POST /v1/chat/completions HTTP/1.1", b'{"x": 1}')
         assert len(connections) == 1  # kept alive across the three requests
+
+    asyncio.run(asyncio.wait_for(main(), 20))
+
+
+def test_a_connection_the_server_closed_is_opened_again():
+    async def main():
+        seen = []
+        server, connections = await _serve([SIZED, SIZED], seen, per_connection=1)  # as an idle timeout would
+        client = LeanClient(f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}")
+        try:
+            for _ in range(2):
+                assert [line async for line in client.post_lines("/v1/chat/completions", b"{}")] == ["one", "two"]
+                await asyncio.sleep(0.05)  # the server closes after its answer
+        finally:
+            await client.close()
+            server.close()
+        assert len(connections) == 2 and len(seen) == 2
 
     asyncio.run(asyncio.wait_for(main(), 20))

@@ -3,13 +3,16 @@ how often, and which stop the launch."""
 
 import sys
 import time
+import types
 
 import pytest
 
 from epdmesh import launch
-from epdmesh.launch import Mesh, Restarts
+from epdmesh.launch import Mesh, Restarts, Stopped
 
 KILLED = [sys.executable, "-c", "import os, signal; os.kill(os.getpid(), signal.SIGKILL)"]
+INTERRUPTED = [sys.executable, "-c", "import os, signal; signal.signal(signal.SIGINT, signal.SIG_DFL); "
+               "os.kill(os.getpid(), signal.SIGINT)"]  # a Ctrl-C before the worker set its handlers
 FAILS = [sys.executable, "-c", "raise SystemExit(3)"]
 CLEAN = [sys.executable, "-c", "pass"]
 
@@ -34,6 +37,15 @@ def test_a_worker_killed_by_a_signal_during_start_up_is_started_once_more(mesh):
     _wait_exit(second)
     with pytest.raises(RuntimeError, match="worker D#0 exited with code -9 during start-up"):
         mesh.check_alive()  # only once
+
+
+def test_a_ctrl_c_during_start_up_stops_the_launch_and_starts_nothing_again(mesh):
+    _wait_exit(mesh.spawn("worker D#0", INTERRUPTED))
+    with pytest.raises(RuntimeError, match="exited with code -2 during start-up"):
+        mesh.check_alive()  # not a crash: not started again
+    mesh.stopping = True  # what serve's SIGINT/SIGTERM handler sets
+    with pytest.raises(Stopped):
+        mesh.check_alive()
 
 
 def test_a_worker_that_exits_with_a_code_during_start_up_stops_the_launch(mesh):
@@ -72,7 +84,7 @@ def test_dead_workers_restart_after_a_backoff_up_to_the_limit(mesh, monkeypatch,
     assert "starting it again in 0.2 s (restart 1 of at most 2" in caplog.text
     assert "starting it again in 0.4 s (restart 2 of at most 2" in caplog.text
     assert "not starting it again (2 restarts in a row" in caplog.text
-    assert "worker D#0 exited cleanly; not starting it again" in caplog.text  # a drained worker stays down
+    assert "worker D#0 exited (code 0) as asked; not starting it again" in caplog.text  # a drained worker stays down
     assert not restarts.due
 
 
@@ -85,3 +97,32 @@ def test_no_restarts_when_the_limit_is_zero(mesh, monkeypatch, caplog):
     restarts.check()
     assert not restarts.due and dict(mesh.procs)["worker D#0"] is first
     assert "max-worker-restarts 0" in caplog.text
+
+
+def test_a_worker_stopped_by_a_signal_is_left_down(mesh, monkeypatch, caplog):
+    monkeypatch.setattr(mesh, "forget", lambda pid: None)
+    restarts = Restarts(mesh, limit=3)
+    _wait_exit(mesh.spawn("worker D#0", INTERRUPTED))
+    restarts.check()
+    assert not restarts.due and "exited (code -2) as asked" in caplog.text
+
+
+def test_a_worker_registered_long_enough_before_it_dies_starts_its_count_again(mesh, monkeypatch):
+    monkeypatch.setattr(mesh, "forget", lambda pid: None)
+    monkeypatch.setattr(launch, "RESTART_BACKOFF_S", (0.0,))
+    monkeypatch.setattr(launch, "STABLE_S", 0.2)
+    registered = set()
+    monkeypatch.setattr(launch, "_list_workers", lambda toggle: [
+        types.SimpleNamespace(info=types.SimpleNamespace(pid=pid)) for pid in registered])
+    mesh.toggle = "127.0.0.1:1"
+    restarts = Restarts(mesh, limit=1, poll_s=0.0)
+    _wait_exit(mesh.spawn("worker P#0", [sys.executable, "-c", "import time; time.sleep(1.0); raise SystemExit(3)"]))
+    restarts.check()
+    restarts.check()  # restarted: its first restart in a row
+    replacement = dict(mesh.procs)["worker P#0"]
+    registered.add(replacement.pid)
+    restarts.check()  # seen in the registry while it runs
+    _wait_exit(replacement)  # up ~1 s: registered for longer than STABLE_S before it died
+    restarts.check()
+    assert restarts.in_a_row["worker P#0"] == 1  # its count started again, so the limit of 1 is not reached:
+    assert dict(mesh.procs)["worker P#0"] is not replacement  # started again

@@ -19,11 +19,11 @@ from collections.abc import Callable, Iterable
 
 import torch
 
-from common.detokenizer import IncrementalDetokenizer
 from common.engine.config import EngineConfig
 from common.engine.model_runner import ModelRunner
 from common.engine.outputs import RequestOutput
 from common.engine.sampler import Sampler
+from common.engine.stopping import check_stop
 from common.kv_manager import ImageBlockManager, KVBlockManager, blocks_for
 from common.model.config import LlavaConfig
 from common.model.llava import LlavaModel
@@ -274,27 +274,7 @@ class Engine:
         return sampling, tokens
 
     def _check_stop(self, request: Request, token: int) -> RequestStatus | None:
-        params = request.sampling
-        if not params.ignore_eos and token in self.model_config.eos_token_ids:
-            return RequestStatus.FINISHED_STOPPED
-        if token in params.stop_token_ids:
-            request.stop_reason = token
-            return RequestStatus.FINISHED_STOPPED
-        if params.stop:  # the text grows a few tokens' decode per step (common/detokenizer.py), not a whole decode
-            detok = request.detokenizer = request.detokenizer or IncrementalDetokenizer(self.detokenize)
-            seen = len(detok.text) - max(map(len, params.stop)) + 1  # a stop string may end in the new text
-            text = detok.text + detok.push(request.output_token_ids[len(detok.token_ids):])
-            hits = [(at, s) for s in params.stop if (at := text.find(s, max(seen, 0))) >= 0]
-            if hits:
-                cut, stop = min(hits)
-                request.output_text, request.stop_reason = text[:cut], stop
-                return RequestStatus.FINISHED_STOPPED
-            request.output_text = text
-        if len(request.output_token_ids) >= params.max_tokens or request.num_tokens >= self.max_model_len:
-            if params.stop:  # an incomplete character at the end comes out as U+FFFD
-                request.output_text += request.detokenizer.finish()
-            return RequestStatus.FINISHED_LENGTH
-        return None
+        return check_stop(request, token, self.model_config.eos_token_ids, self.max_model_len, self.detokenize)
 
     def _finish(self, request: Request, status: RequestStatus) -> None:
         request.done_time = time.monotonic()

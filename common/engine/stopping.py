@@ -1,0 +1,54 @@
+"""When a request stops, and the text it ends with: EOS, a stop token, a stop string, or its length."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Collection
+
+from common.detokenizer import IncrementalDetokenizer
+from common.request import Request, RequestStatus
+
+
+def check_stop(request: Request, token: int, eos_token_ids: Collection[int], max_model_len: int,
+               detokenize: Callable[[list[int]], str]) -> RequestStatus | None:
+    """The status `request` finishes with now that `token` (the last of its output) was sampled, else None.
+
+    With stop strings, `request.output_text` follows the output (a few tokens decoded per step, not the whole
+    output again: common/detokenizer.py) and ends as the text the client gets: cut before the stop string,
+    without the text of an EOS or stop token, an incomplete last character as U+FFFD."""
+    params = request.sampling
+    eos = not params.ignore_eos and token in eos_token_ids
+    if eos or token in params.stop_token_ids:
+        if not eos:
+            request.stop_reason = token
+        if params.stop:
+            request.output_text = _finished_text(request, detokenize, request.output_token_ids[:-1])
+        return RequestStatus.FINISHED_STOPPED
+    if params.stop:
+        detok = _detokenizer(request, detokenize)
+        seen = max(len(detok.text) - max(map(len, params.stop)) + 1, 0)  # a stop string may end in the new text
+        detok.push(request.output_token_ids[len(detok.token_ids):])
+        hits = [(at, s) for s in params.stop if (at := detok.text.find(s, seen)) >= 0]
+        if hits:
+            cut, stop = min(hits)
+            request.output_text, request.stop_reason = detok.text[:cut], stop
+            return RequestStatus.FINISHED_STOPPED
+        request.output_text = detok.text
+    if len(request.output_token_ids) >= params.max_tokens or request.num_tokens >= max_model_len:
+        if params.stop:
+            request.output_text = _finished_text(request, detokenize, request.output_token_ids)
+        return RequestStatus.FINISHED_LENGTH
+    return None
+
+
+def _detokenizer(request: Request, detokenize) -> IncrementalDetokenizer:
+    """The request's own; a request that came from another worker starts one here (over its earlier tokens too)."""
+    if request.detokenizer is None:
+        request.detokenizer = IncrementalDetokenizer(detokenize)
+    return request.detokenizer
+
+
+def _finished_text(request: Request, detokenize, ids: list[int]) -> str:
+    detok = _detokenizer(request, detokenize)
+    detok.push(ids[len(detok.token_ids):])
+    detok.finish()
+    return detok.text

@@ -1,0 +1,53 @@
+"""How a request stops and the text it ends with, one sampled token at a time (`common.engine.stopping`)."""
+
+import pytest
+
+from common.engine.stopping import check_stop
+from common.request import Request, RequestStatus
+from common.sampling import SamplingParams
+
+EOS = 2
+
+
+@pytest.fixture(scope="module")
+def tok(processors):
+    return processors["tiny"]
+
+
+def _run(tok, text: str, sampling: SamplingParams, first: list[int] = (), then: list[int] = ()):
+    """Sample `text`'s tokens then `then` one by one on a request that arrived with `first` already out (as a
+    decoder gets it after a prefill handoff); the status and text it stops with."""
+    request = Request("r", [1, 5, 6], sampling)
+    request.output_token_ids.extend(first)
+    for token in tok.tokenizer(text, add_special_tokens=False)["input_ids"] + list(then):
+        request.output_token_ids.append(token)
+        status = check_stop(request, token, {EOS}, 4096, tok.detokenize)
+        if status is not None:
+            return status, request.output_text, request.stop_reason
+    return None, request.output_text, request.stop_reason
+
+
+def test_a_stop_string_cuts_the_text_and_is_found_across_tokens(tok):
+    status, text, reason = _run(tok, "the kitchen is warm and the table", SamplingParams(stop=("warm a",), max_tokens=50))
+    assert (status, text, reason) == (RequestStatus.FINISHED_STOPPED, "the kitchen is ", "warm a")
+
+
+def test_eos_ends_with_the_text_before_it_also_on_a_worker_that_got_the_request_midway(tok):
+    first = tok.tokenizer("the kitchen", add_special_tokens=False)["input_ids"]
+    status, text, _ = _run(tok, "", SamplingParams(stop=("zzz",), max_tokens=50), first=first, then=[EOS])
+    assert (status, text) == (RequestStatus.FINISHED_STOPPED, "the kitchen")  # the first token's text is kept
+
+
+def test_a_stop_token_is_the_reason_and_its_text_is_left_out(tok):
+    stop_token = tok.tokenizer(" table", add_special_tokens=False)["input_ids"][-1]
+    status, text, reason = _run(tok, "the kitchen", SamplingParams(stop=("zzz",), stop_token_ids=(stop_token,)),
+                                then=[stop_token])
+    assert (status, text, reason) == (RequestStatus.FINISHED_STOPPED, "the kitchen", stop_token)
+
+
+def test_the_length_limit_ends_with_the_whole_text(tok):
+    ids = tok.tokenizer("the kitchen is warm and the table is set", add_special_tokens=False)["input_ids"]
+    status, text, reason = _run(tok, "the kitchen is warm and the table is set",
+                                SamplingParams(stop=("zzz",), max_tokens=len(ids)))
+    assert (status, text, reason) == (RequestStatus.FINISHED_LENGTH, tok.detokenize(ids), None)
+    assert _run(tok, "the kitchen", SamplingParams(max_tokens=50), then=[EOS])[:2] == (RequestStatus.FINISHED_STOPPED, "")
