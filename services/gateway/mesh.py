@@ -352,9 +352,22 @@ def _rebased(out: RequestOutput, request_id: str, before: list[int], detokenize)
     """An output of a continuation as the original request's: earlier tokens (and their text) in front."""
     if not before:
         return out
-    text = detokenize(before) + out.text if out.text is not None else None
+    text = _joined_text(before, out, detokenize) if out.text is not None else None
     return dataclasses.replace(out, request_id=request_id, output_token_ids=before + out.output_token_ids, text=text,
                                num_prompt_tokens=out.num_prompt_tokens - len(before))
+
+
+def _joined_text(before: list[int], out: RequestOutput, detokenize) -> str:
+    """A continuation's final text as the whole request's: earlier and new tokens decoded together (two decodes
+    joined are not one: a SentencePiece decode drops its first token's leading space), cut where the engine
+    cut the continuation's: before the stop string (which may also begin in the earlier text), or before the
+    stop or EOS token."""
+    ids = before + out.output_token_ids
+    if isinstance(out.stop_reason, str):
+        full, head = detokenize(ids), len(detokenize(before))
+        at = full.find(out.stop_reason, max(head - len(out.stop_reason) + 1, 0))
+        return full[:at] if at >= 0 else full
+    return detokenize(ids[:-1] if out.finish_reason == "stop" else ids)
 
 
 def _consume(task: asyncio.Future) -> None:

@@ -1,0 +1,32 @@
+"""The final text of a request that moved to another worker mid-stream (request migration): the earlier and
+the new tokens decoded together and cut as the engine cut the continuation — on a Llama-style tokenizer,
+whose decode drops its first token's leading space, so two decodes joined would lose a space."""
+
+from common.engine.outputs import RequestOutput
+from common.request import RequestStatus
+from services.gateway.mesh import _rebased
+from tests.common.test_detokenizer import _llama_style
+
+
+def _finished(tok, new_text: str, finish: str, stop_reason=None, cut: str | None = None) -> RequestOutput:
+    ids = tok.encode(new_text).ids
+    status = RequestStatus.FINISHED_STOPPED if finish == "stop" else RequestStatus.FINISHED_LENGTH
+    return RequestOutput("r-m2", ids[-1:], ids, status, finish, stop_reason, text=cut, num_prompt_tokens=10)
+
+
+def test_the_text_after_a_migration_is_the_whole_decode_cut_like_the_engine_cuts():
+    tok = _llama_style()
+    decode = lambda ids: tok.decode(ids, skip_special_tokens=True)  # noqa: E731
+    before = tok.encode("the kitchen").ids
+    for out, expected in [
+        (_finished(tok, "naïve café", "length", cut="naïve café"), "the kitchen naïve café"),
+        # a stop string that begins in the earlier text: the continuation could not see it
+        (_finished(tok, "naïve kitchen . the", "stop", "chen na", cut="naïve kitchen "), "the kit"),
+        (_finished(tok, "naïve café", "stop", "é", cut="naïve caf"), "the kitchen naïve caf"),
+    ]:
+        rebased = _rebased(out, "r", before, decode)
+        assert rebased.text == expected, (out.stop_reason, rebased.text)
+        assert rebased.output_token_ids == before + out.output_token_ids and rebased.num_prompt_tokens == 10 - len(before)
+    stop_token = tok.encode("café").ids[-1]
+    out = _finished(tok, "naïve café", "stop", stop_token, cut="naïve ")
+    assert _rebased(out, "r", before, decode).text == decode(before + out.output_token_ids[:-1])  # without it
