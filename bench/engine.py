@@ -1,6 +1,6 @@
 """Our engine vs transformers `generate`: prefill and decode tokens/s at batch 1 / 8 / 32.
 
-    python -m bench.engine [--preset small] [--dtype bfloat16] [--batch-sizes 1,8,32]
+    python -m bench.engine [--preset small] [--dtype bfloat16] [--batch-sizes 1,8,32] [--device cuda]
 
 Both sides load the same checkpoint and get the same text-only prompts (B random prompts of
 --prompt-len tokens, no images: the vision tower is idle), greedy, every request generating
@@ -45,7 +45,7 @@ from common.request import Request  # noqa: E402
 from common.sampling import SamplingParams  # noqa: E402
 from common.scheduler import SchedulerConfig  # noqa: E402
 
-BACKEND = "real engine (torch CPU)"
+BACKEND = "real engine (torch)"  # on --device: the report states it
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -53,6 +53,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--model", help="llava-1.5 checkpoint dir (default: generate --preset's checkpoint, cached)")
     p.add_argument("--preset", default="small", help="tiny-checkpoint preset when --model is not given")
     p.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16"))
+    p.add_argument("--device", default="cpu", help="cpu, or cuda (both sides on it; timings wait for the GPU)")
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=64)
     p.add_argument("--batch-sizes", default="1,8,32", help="comma-separated")
@@ -102,7 +103,8 @@ def make_engine(model_dir: Path, model: LlavaModel, args: argparse.Namespace, ba
     per_block = PagedKVCache.bytes_per_block(block, text.num_layers, text.num_kv_heads, text.head_dim, getattr(torch, args.dtype))
     blocks = batch * -(-(max_len or args.prompt_len + args.output_len) // block) + 8
     config = EngineConfig(
-        model=str(model_dir), dtype=args.dtype, block_size=block, kv_cache_gib=blocks * per_block / 2**30,
+        model=str(model_dir), dtype=args.dtype, device=args.device, block_size=block,
+        kv_cache_gib=blocks * per_block / 2**30,
         image_cache_gib=1 / 1024,
         scheduler=SchedulerConfig(token_budget=args.token_budget, max_num_seqs=max_num_seqs or max(64, batch)),
     )
@@ -121,13 +123,20 @@ def run_ours(engine: Engine, ids: itertools.count, prompts: list[list[int]], max
     return elapsed
 
 
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 @torch.inference_mode()
 def run_hf(model, input_ids: torch.Tensor, max_tokens: int, pad_id: int) -> float:
+    _sync(model.device)
     start = time.perf_counter()
     out = model.generate(
         input_ids=input_ids, attention_mask=torch.ones_like(input_ids), do_sample=False,
         max_new_tokens=max_tokens, min_new_tokens=max_tokens, pad_token_id=pad_id,
     )
+    _sync(model.device)
     elapsed = time.perf_counter() - start
     assert out.shape == (input_ids.shape[0], input_ids.shape[1] + max_tokens), tuple(out.shape)
     return elapsed
@@ -159,7 +168,7 @@ def bench_batch(batch, args, model_dir, ours_model, hf_model, pad_id, bar) -> di
     ours = measure(lambda n: run_ours(engine, ids, prompts, n), args.output_len, args.repeats, bar)
     del engine
     bar.set_postfix_str(f"batch {batch}: HF")
-    input_ids = torch.tensor(prompts, dtype=torch.long)
+    input_ids = torch.tensor(prompts, dtype=torch.long, device=hf_model.device)
     hf = measure(lambda n: run_hf(hf_model, input_ids, n, pad_id), args.output_len, args.repeats, bar)
     (op, od), (hp, hd) = rates(batch, args, *ours), rates(batch, args, *hf)
     return dict(
@@ -192,6 +201,7 @@ def run_ours_mixed(engine: Engine, ids: itertools.count, work: list[tuple[list[i
 @torch.inference_mode()
 def run_hf_mixed(model, work: list[tuple[list[int], int]], batch: int, pad_id: int) -> float:
     """Consecutive static batches of `batch`: left-padded to the longest prompt, run to the longest output."""
+    _sync(model.device)
     start = time.perf_counter()
     for i in range(0, len(work), batch):
         chunk = work[i:i + batch]
@@ -201,9 +211,10 @@ def run_hf_mixed(model, work: list[tuple[list[int], int]], batch: int, pad_id: i
         for row, (prompt, _) in enumerate(chunk):
             input_ids[row, width - len(prompt):] = torch.tensor(prompt)
             mask[row, width - len(prompt):] = 1
-        out = model.generate(input_ids=input_ids, attention_mask=mask, do_sample=False, max_new_tokens=new,
-                             min_new_tokens=new, pad_token_id=pad_id)
+        out = model.generate(input_ids=input_ids.to(model.device), attention_mask=mask.to(model.device),
+                             do_sample=False, max_new_tokens=new, min_new_tokens=new, pad_token_id=pad_id)
         assert out.shape == (len(chunk), width + new), tuple(out.shape)
+    _sync(model.device)
     return time.perf_counter() - start
 
 
@@ -247,7 +258,8 @@ def print_mixed(meta: dict, rows: list[dict]) -> None:
 
 def print_meta(meta: dict) -> None:
     print(
-        f"model {meta['model']} ({meta['params_m']:.1f}M params), dtype {meta['dtype']}, "
+        f"model {meta['model']} ({meta['params_m']:.1f}M params), dtype {meta['dtype']}, device {meta['device']} "
+        f"({meta['accelerator']}), "
         f"torch threads {meta['threads']}, backend {meta['backend']} vs transformers {meta['transformers']} generate; "
         f"text-only prompts; median of {meta['repeats']} after 1 warm-up"
     )
@@ -275,13 +287,16 @@ def main(argv: list[str] | None = None) -> int:
 
     model_dir = resolve_model(args)
     dtype = getattr(torch, args.dtype)
-    ours_model = load_model(str(model_dir), dtype, torch.device("cpu"))
-    hf_model = transformers.LlavaForConditionalGeneration.from_pretrained(str(model_dir), dtype=dtype).eval()
+    device = torch.device(args.device)
+    ours_model = load_model(str(model_dir), dtype, device)
+    hf_model = transformers.LlavaForConditionalGeneration.from_pretrained(str(model_dir), dtype=dtype).to(device).eval()
     pad_id = hf_model.generation_config.pad_token_id or 0
     meta = dict(
         model=args.model or f"preset {args.preset!r}", checkpoint=str(model_dir),
         params_m=sum(p.numel() for p in ours_model.parameters()) / 1e6, dtype=args.dtype,
-        threads=torch.get_num_threads(), backend=BACKEND, transformers=transformers.__version__,
+        threads=torch.get_num_threads(), backend=BACKEND, device=str(device),
+        accelerator=torch.cuda.get_device_name(device) if device.type == "cuda" else "none",
+        transformers=transformers.__version__,
         prompt_len=args.prompt_len, output_len=args.output_len, repeats=args.repeats,
         token_budget=args.token_budget, prompts="text-only (random token ids, no images)", workload=args.workload,
         mixed_requests_per_batch=args.mixed_requests_per_batch, mixed_prompt_lens=args.mixed_prompt_lens,
