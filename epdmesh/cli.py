@@ -313,8 +313,9 @@ def build_parser() -> argparse.ArgumentParser:
                             "the toggle; the toggle keeps the registry either way")
     serve.add_argument("--transfer", default="auto", choices=["auto", "nixl", "grpc"], help="page transfer backend")
     serve.add_argument("--allow-remote-images", action="store_true", help="accept http(s) image URLs (off by default)")
-    serve.add_argument("--max-worker-restarts", type=int, default=5,
-                       help="times in a row a dead worker is started again (backoff 1 s … 30 s; 0: never)")
+    serve.add_argument("--max-restarts", type=int, default=5,
+                       help="times in a row a crashed worker, toggle, gateway or private Redis is started again "
+                            "(backoff 1 s … 30 s; 0: never)")
     _add_slo_args(serve)
     serve.set_defaults(func=_cmd_serve)
 

@@ -8,10 +8,12 @@ Life of a launch:
      the launch waits until all are registered;
   4. the gateway on `--host:--port`; ready when its /health answers;
   5. a worker that dies (crash, OOM kill, SIGKILL) is deregistered at once, so nothing is routed to
-     it, and started again after a backoff (1, 2, 4 … 30 s), at most --max-worker-restarts times in a
-     row; one killed by a signal while the mesh starts is started again once instead of failing it;
-  6. on SIGINT/SIGTERM, or when the gateway or toggle dies: stop the gateway, drain the workers
-     (SIGTERM → graceful), stop the toggle and the private Redis.
+     it, and started again after a backoff (1, 2, 4 … 30 s), at most --max-restarts times in a row;
+     one killed by a signal while the mesh starts is started again once instead of failing it. A
+     crashed toggle, gateway or private Redis is started again the same way, on its own port (the
+     registry is soft state: workers register again at their next heartbeat);
+  6. on SIGINT/SIGTERM, or when the gateway, toggle or Redis stops for good: stop the gateway, drain
+     the workers (SIGTERM → graceful), stop the toggle and the private Redis.
 """
 
 from __future__ import annotations
@@ -125,50 +127,63 @@ class Stopped(RuntimeError):
 
 
 class Restarts:
-    """Workers of a running mesh that die: each is deregistered at once and, if it failed, started again after
-    a backoff, at most `limit` times in a row; one that was registered STABLE_S before it died starts its count
-    again. A clean exit (code 0: someone drained it) or a stop by SIGINT/SIGTERM is left down."""
+    """Children of a running mesh that die: a worker is deregistered at once; a child that failed is started
+    again after a backoff, at most `limit` times in a row (a worker registered, or another child up, for
+    STABLE_S before it died starts its count again). A worker that exits cleanly (code 0: drained) or is
+    stopped by SIGINT/SIGTERM stays down; the toggle, gateway or Redis doing so stops the mesh."""
 
     def __init__(self, mesh: Mesh, limit: int, poll_s: float = 5.0):
         self.mesh = mesh
         self.limit = limit
         self.in_a_row: collections.Counter[str] = collections.Counter()
-        self.due: dict[str, float] = {}  # worker name → when to start it again
+        self.due: dict[str, float] = {}  # child name → when to start it again
         self._seen: set[subprocess.Popen] = set()  # processes whose exit was handled
-        self._registered_at: dict[subprocess.Popen, float] = {}  # restarted workers, once seen in the registry
+        self._stable_since: dict[subprocess.Popen, float] = {}  # a worker once registered, another child once up
         self._poll_s, self._next_poll = poll_s, 0.0
 
-    def check(self) -> None:
+    def check(self) -> str | None:
+        """Handle exits since the last call; a reason when the mesh cannot go on (a service down for good)."""
         now = time.monotonic()
         self._note_registrations(now)
         for name, proc in self.mesh.procs:
-            if not name.startswith("worker ") or proc.poll() is None or proc in self._seen:
+            worker = name.startswith("worker ")
+            if proc.poll() is None:
+                if not worker:
+                    self._stable_since.setdefault(proc, now)
+                continue
+            if proc in self._seen:
                 continue
             self._seen.add(proc)
-            self.mesh.forget(proc.pid)
+            if worker:
+                self.mesh.forget(proc.pid)
             if proc.returncode == 0 or proc.returncode in ASKED_TO_STOP:
+                if not worker:
+                    return f"{name} exited (code {proc.returncode})"
                 log.warning("%s exited (code %s) as asked; not starting it again", name, proc.returncode)
                 continue
-            if now - self._registered_at.get(proc, now) >= STABLE_S:
+            if now - self._stable_since.get(proc, now) >= STABLE_S:
                 self.in_a_row[name] = 0
             if self.in_a_row[name] >= self.limit:
-                log.error("%s exited with code %s; not starting it again (%d restarts in a row, --max-worker-restarts "
+                if not worker:
+                    return f"{name} exited with code {proc.returncode} after {self.in_a_row[name]} restarts in a row"
+                log.error("%s exited with code %s; not starting it again (%d restarts in a row, --max-restarts "
                           "%d); the toggle routes around it", name, proc.returncode, self.in_a_row[name], self.limit)
                 continue
             delay = RESTART_BACKOFF_S[min(self.in_a_row[name], len(RESTART_BACKOFF_S) - 1)]
             self.in_a_row[name] += 1
             self.due[name] = now + delay
-            log.error("%s exited with code %s; deregistered it, starting it again in %g s (restart %d of at most %d "
-                      "in a row)", name, proc.returncode, delay, self.in_a_row[name], self.limit)
+            log.error("%s exited with code %s;%s starting it again in %g s (restart %d of at most %d in a row)", name,
+                      proc.returncode, " deregistered it," if worker else "", delay, self.in_a_row[name], self.limit)
         for name, when in list(self.due.items()):
             if now >= when:
                 del self.due[name]
                 log.info("%s started again (pid %d)", name, self.mesh.respawn(name).pid)
+        return None
 
     def _note_registrations(self, now: float) -> None:
         """When restarted workers first show up in the registry (every poll_s while one has not yet)."""
         waiting = [p for n, p in self.mesh.procs
-                   if self.in_a_row[n] and p.poll() is None and p not in self._registered_at]
+                   if n.startswith("worker ") and self.in_a_row[n] and p.poll() is None and p not in self._stable_since]
         if not waiting or self.mesh.toggle is None or now < self._next_poll:
             return
         self._next_poll = now + self._poll_s
@@ -178,7 +193,7 @@ class Restarts:
             return
         for proc in waiting:
             if proc.pid in pids:
-                self._registered_at[proc] = now
+                self._stable_since[proc] = now
 
 
 def start_redis(mesh: Mesh, redis_url: str | None) -> str:
@@ -302,20 +317,18 @@ def serve_mesh(args) -> int:
         if args.allow_remote_images:
             gateway_argv.append("--allow-remote-images")
         mesh.spawn("gateway", gateway_argv)
-        # from here on a worker may die (or be killed) without stopping the mesh: `Restarts` brings it back
+        # from here on a child may die (or be killed) without stopping the mesh: `Restarts` brings it back
         _wait(lambda: _http_ok(f"http://{args.host}:{args.port}/health"), mesh, "the gateway", 120,
               only=("redis", "toggle", "gateway"))
         print(f"EPDMESH_READY http://{args.host}:{args.port}/v1 topology={args.topology} workers={num_workers}", flush=True)
         log.info("mesh %s up: OpenAI API on http://%s:%d/v1 (Ctrl-C stops it)", args.topology, args.host, args.port)
-        restarts = Restarts(mesh, args.max_worker_restarts)
+        restarts = Restarts(mesh, args.max_restarts)
         while not mesh.stopping:
-            for name, proc in mesh.procs:
-                if name in ("gateway", "toggle", "redis") and proc.poll() is not None:
-                    log.error("%s exited with code %s; stopping the mesh", name, proc.returncode)
-                    mesh.stopping = True
-            if not mesh.stopping:
-                restarts.check()
-                time.sleep(0.2)
+            reason = restarts.check()
+            if reason is not None:
+                log.error("%s; stopping the mesh", reason)
+                return 1
+            time.sleep(0.2)
         return 0
     except Stopped as e:
         log.info("%s", e)

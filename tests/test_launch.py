@@ -96,7 +96,7 @@ def test_no_restarts_when_the_limit_is_zero(mesh, monkeypatch, caplog):
     restarts.check()
     restarts.check()
     assert not restarts.due and dict(mesh.procs)["worker D#0"] is first
-    assert "max-worker-restarts 0" in caplog.text
+    assert "max-restarts 0" in caplog.text
 
 
 def test_a_worker_stopped_by_a_signal_is_left_down(mesh, monkeypatch, caplog):
@@ -126,3 +126,19 @@ def test_a_worker_registered_long_enough_before_it_dies_starts_its_count_again(m
     restarts.check()
     assert restarts.in_a_row["worker P#0"] == 1  # its count started again, so the limit of 1 is not reached:
     assert dict(mesh.procs)["worker P#0"] is not replacement  # started again
+
+
+def test_a_crashed_service_is_started_again_and_one_that_stops_or_keeps_failing_ends_the_mesh(mesh, monkeypatch):
+    monkeypatch.setattr(launch, "RESTART_BACKOFF_S", (0.0,))
+    forgotten = []
+    monkeypatch.setattr(mesh, "forget", forgotten.append)
+    restarts = Restarts(mesh, limit=1)
+    first = mesh.spawn("toggle", KILLED)
+    _wait_exit(first)
+    assert restarts.check() is None  # a crash: started again on the spot (no registry to leave)
+    second = dict(mesh.procs)["toggle"]
+    assert second is not first and not forgotten
+    _wait_exit(second)
+    assert restarts.check() == "toggle exited with code -9 after 1 restarts in a row"  # the limit: the mesh stops
+    _wait_exit(mesh.spawn("gateway", CLEAN))
+    assert restarts.check() == "gateway exited (code 0)"  # stopped, not crashed: the mesh stops too

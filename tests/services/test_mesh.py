@@ -106,6 +106,39 @@ def test_a_killed_decoder_is_routed_around_then_started_again(tiny_dir, chat_ref
         assert_pools_full(base)
 
 
+def _children(pid: int) -> dict[str, int]:
+    """`epdmesh serve`'s children by kind (toggle, gateway, redis-server, worker roles) → pid."""
+    kids = {}
+    for child in Path(f"/proc/{pid}/task/{pid}/children").read_text().split():
+        argv = Path(f"/proc/{child}/cmdline").read_bytes().split(b"\0")
+        kind = next((a.decode() for a in argv if a in (b"toggle", b"gateway")), None) or argv[0].decode().split("/")[-1]
+        kids[kind] = int(child)
+    return kids
+
+
+def test_a_killed_toggle_and_gateway_are_started_again(tiny_dir, chat_reference, tmp_path):
+    cases, refs = chat_reference
+    with running_server(tiny_dir, "EPD1", tmp_path / "serve.log") as base:
+        worker = next(iter(httpx.get(f"{base}/stats").json()["workers"].values()))
+        serve = _parent_pid(worker["pid"])
+        for kind in ("toggle", "gateway"):
+            os.kill(_children(serve)[kind], signal.SIGKILL)
+            deadline = time.monotonic() + 120
+            while True:  # the same address answers again, with the worker registered again
+                try:
+                    if len(httpx.get(f"{base}/stats", timeout=5).json()["workers"]) == 1:
+                        break
+                except (httpx.HTTPError, ValueError, KeyError):
+                    pass
+                assert time.monotonic() < deadline, f"the {kind} did not come back"
+                time.sleep(0.3)
+            _check_tokens(base, cases, refs)
+        log = (tmp_path / "serve.log").read_text()
+        for kind in ("toggle", "gateway"):
+            assert f"{kind} exited with code -9; starting it again in 1 s" in log, log[-3000:]
+        assert_pools_full(base)
+
+
 def test_a_decoder_killed_mid_stream_is_replaced_without_duplicates(tiny_dir, tmp_path):
     body = {"model": MODEL, "messages": [{"role": "user", "content": "Tell a long story about the kitchen"}],
             "max_tokens": 150, "temperature": 0, "ignore_eos": True, "return_token_ids": True}
