@@ -228,14 +228,21 @@ def _wait(probe, mesh: Mesh, what: str, timeout: float, only: tuple[str, ...] | 
         time.sleep(0.2)
 
 
-def _list_workers(toggle: str):
+@contextlib.contextmanager
+def _toggle(toggle: str):
+    """(the toggle's stub, the message module) over one short-lived channel."""
     import grpc
 
     from epdmesh.v1 import mesh_pb2 as pb
     from epdmesh.v1 import mesh_pb2_grpc as pb_grpc
 
     with grpc.insecure_channel(toggle) as channel:
-        return list(pb_grpc.ToggleStub(channel).ListWorkers(pb.ListWorkersRequest(), timeout=2).workers)
+        yield pb_grpc.ToggleStub(channel), pb
+
+
+def _list_workers(toggle: str):
+    with _toggle(toggle) as (stub, pb):
+        return list(stub.ListWorkers(pb.ListWorkersRequest(), timeout=2).workers)
 
 
 def _registered(toggle: str) -> int:
@@ -243,16 +250,11 @@ def _registered(toggle: str) -> int:
 
 
 def _deregister_pid(toggle: str, pid: int) -> None:
-    import grpc
-
-    from epdmesh.v1 import mesh_pb2 as pb
-    from epdmesh.v1 import mesh_pb2_grpc as pb_grpc
-
-    for entry in _list_workers(toggle):
-        if entry.info.pid == pid:
-            with grpc.insecure_channel(toggle) as channel:
-                pb_grpc.ToggleStub(channel).Deregister(pb.DeregisterRequest(worker_id=entry.info.worker_id), timeout=2)
-            log.info("deregistered %s (pid %d): the toggle no longer routes to it", entry.info.worker_id, pid)
+    with _toggle(toggle) as (stub, pb):
+        for entry in stub.ListWorkers(pb.ListWorkersRequest(), timeout=2).workers:
+            if entry.info.pid == pid:
+                stub.Deregister(pb.DeregisterRequest(worker_id=entry.info.worker_id), timeout=2)
+                log.info("deregistered %s (pid %d): the toggle no longer routes to it", entry.info.worker_id, pid)
 
 
 def _http_ok(url: str) -> bool:
