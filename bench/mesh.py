@@ -13,7 +13,8 @@ alone: the mesh's control path with the least compute):
              prefill → decoder, image and KV pages pulled between processes (the transfer backend `serve`
              picks: NIXL where it loads, else the gRPC stream; --transfer to choose);
   mesh-toggle — the same mesh with `--route-in toggle`: every request's route is a gRPC call to the
-             toggle (what routing in the gateway saves); --no-toggle-route leaves it out.
+             toggle (what routing in the gateway saves); --no-toggle-route leaves it out;
+  mesh-against — with `--against DIR`: the same mesh served from another checkout, for an A/B of a change.
 TTFT is taken at the first streamed token, per-token gap as the mean gap after it, by a minimal HTTP client
 (bench/lean_http.py; --client httpx for httpx, whose own handling then counts as the server's). Reports p50s, the
 mesh's TTFT added over engine and over local (the goal: ≤ 2 ms over the in-process engine), and ratios.
@@ -61,6 +62,9 @@ def parse_args(argv=None):
     p.add_argument("--redis-url", default=None)
     p.add_argument("--no-toggle-route", dest="toggle_route", action="store_false",
                    help="leave out the mesh routed by the toggle's Route rpc")
+    p.add_argument("--against", metavar="DIR",
+                   help="also serve the topology from another checkout (e.g. `git worktree add --detach DIR REV`), "
+                        "measured interleaved with the rest: an A/B of a change on this noisy machine")
     p.add_argument("--out", default="bench/results/mesh.json")
     args = p.parse_args(argv)
     if args.requests < 1 or args.max_tokens < 2:
@@ -202,18 +206,22 @@ def main(argv=None) -> int:
     extra = ["--transfer", args.transfer] + (["--redis-url", args.redis_url] if args.redis_url else [])
     logs = Path(args.out).parent
     logs.mkdir(parents=True, exist_ok=True)
-    configs = [("local", "local", ()), ("mesh", args.topology, ())]
+    configs = [("local", "local", (), None), ("mesh", args.topology, (), None)]
     if args.toggle_route:
-        configs.append(("mesh-toggle", args.topology, ("--route-in", "toggle")))
+        configs.append(("mesh-toggle", args.topology, ("--route-in", "toggle"), None))
+    if args.against:
+        configs.append(("mesh-against", args.topology, (), args.against))
     with tqdm(total=(1 + len(configs)) * len(WORKLOADS) * args.requests, desc="mesh bench", unit="req",
               file=sys.stderr) as bar, contextlib.ExitStack() as servers:
         bar.set_postfix_str("starting " + ", ".join(name for name, *_ in configs))
-        bases = {name: servers.enter_context(running_server(model_dir, topology, logs / f"mesh-{name}.log", *extra, *more))
-                 for name, topology, more in configs}
+        bases = {name: servers.enter_context(running_server(model_dir, topology, logs / f"mesh-{name}.log", *extra, *more,
+                                                            source=source))
+                 for name, topology, more, source in configs}
         bar.set_postfix_str("interleaved")
         samples = asyncio.run(measure_interleaved(model_dir, bases, args, bar))
     results = {name: {w: summarize(s) for w, s in per.items()} for name, per in samples.items()}
     report = {"backend": BACKEND, "topology": args.topology, "transfer": args.transfer, "client": args.client,
+              "against": args.against,
               "max_tokens": args.max_tokens,
               "requests": args.requests, "results": results, "mesh_added": {}}
     print(f"\nbackend: {BACKEND}; {args.requests} requests per workload, one at a time, {args.max_tokens} tokens each; "
@@ -221,7 +229,7 @@ def main(argv=None) -> int:
     print(f"{'workload':<8}{'config':<28}{'p50 TTFT ms':>12}{'p90 TTFT ms':>12}{'p50 gap ms':>12}")
     for workload in WORKLOADS:
         labels = {"engine": "engine (in-process)", "local": "local (HTTP, one process)", "mesh": f"mesh {args.topology}",
-                  "mesh-toggle": f"mesh {args.topology}, toggle rpc"}
+                  "mesh-toggle": f"mesh {args.topology}, toggle rpc", "mesh-against": f"mesh {args.topology}, --against"}
         for name in results:
             label, r = labels[name], results[name][workload]
             print(f"{workload:<8}{label:<28}{r['p50_ttft_ms']:>12.2f}{r['p90_ttft_ms']:>12.2f}{r['p50_tpot_ms']:>12.2f}")
@@ -239,6 +247,12 @@ def main(argv=None) -> int:
         if "mesh-toggle" in results:
             saved = added["routing_in_gateway_saves_ms"] = results["mesh-toggle"][workload]["p50_ttft_ms"] - m["p50_ttft_ms"]
             print(f"  {workload}: routing in the gateway instead of by the toggle's rpc: TTFT p50 {-saved:+.2f} ms")
+        if "mesh-against" in results:
+            a = results["mesh-against"][workload]
+            change = added["change_over_against"] = {"ttft_ms": m["p50_ttft_ms"] - a["p50_ttft_ms"],
+                                                      "tpot_ms": m["p50_tpot_ms"] - a["p50_tpot_ms"]}
+            print(f"  {workload}: this checkout over --against: TTFT p50 {change['ttft_ms']:+.2f} ms, "
+                  f"per-token gap {change['tpot_ms']:+.2f} ms")
     Path(args.out).write_text(json.dumps(report, indent=2))
     return 0
 
