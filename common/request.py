@@ -53,11 +53,14 @@ FINISH_REASONS = {
 
 @dataclasses.dataclass(slots=True)
 class ImageInput:
-    """One image of a request: its preprocessed pixels (opaque here) and how many placeholder tokens it fills."""
+    """One image of a request: its preprocessed pixels (opaque here) and how many placeholder tokens it fills.
+    `scaling` (a `common.model.pixels.PixelScaling`): the pixels are uint8 and still to be rescaled and
+    normalized by the worker that encodes them (only on their way there; an engine gets finished pixels)."""
 
     pixel_values: Any
     num_tokens: int
     content_hash: str = ""
+    scaling: Any = None
 
 
 @dataclasses.dataclass(slots=True, eq=False)

@@ -176,12 +176,14 @@ def _cmd_gateway(args) -> int:
     limit = config.text.max_position_embeddings
     max_model_len = min(args.max_model_len or limit, limit)
     router = _gateway_router(args, tracing) if args.redis_url else None
-    backend = MeshBackend(ChatProcessor(args.model, config), args.toggle, max_model_len, metrics, tracing, router)
+    processor = ChatProcessor(args.model, config)
+    pixels = "uint8, finished by the encoder" if processor.deferred_scaling is not None else "float32"
+    backend = MeshBackend(processor, args.toggle, max_model_len, metrics, tracing, router)
     app = build_app(backend, args.served_model_name, allow_remote_images=args.allow_remote_images, metrics=metrics,
                     tracing=tracing)
-    logging.getLogger("epdmesh").info("gateway for %s on http://%s:%d/v1, toggle %s, routing %s", args.served_model_name,
-                                      args.host, args.port, args.toggle,
-                                      f"in-process over {args.redis_url}" if router else "by the toggle")
+    logging.getLogger("epdmesh").info("gateway for %s on http://%s:%d/v1, toggle %s, routing %s, image pixels sent as %s",
+                                      args.served_model_name, args.host, args.port, args.toggle,
+                                      f"in-process over {args.redis_url}" if router else "by the toggle", pixels)
     uvicorn.run(app, host=args.host, port=args.port, loop="uvloop", http="httptools", log_level="warning",
                 timeout_graceful_shutdown=5)
     return 0

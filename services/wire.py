@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import torch
 
+from common.model.pixels import PixelScaling, finish
 from common.paged_cache import PageLayout
 from common.policy.routing import PrefillPath, RoutePlan, RouteSummary
 from common.request import ImageInput, Request, Stage
@@ -49,17 +52,25 @@ def image_to_pb(image: ImageInput, with_pixels: bool) -> pb.Image:
         msg.pixel_values = pixels.numpy().tobytes()
         msg.shape.extend(pixels.shape)
         msg.dtype = str(pixels.dtype).removeprefix("torch.")
+        if image.scaling is not None:
+            msg.scaling.CopyFrom(pb.PixelScaling(rescale=image.scaling.rescale, mean=image.scaling.mean,
+                                                 std=image.scaling.std))
     return msg
 
 
 def image_from_pb(msg: pb.Image) -> ImageInput:
+    """An image as the engine takes it: pixels that travelled unfinished (uint8) are finished here."""
     pixels = None
     if msg.pixel_values:
         dtype = getattr(torch, msg.dtype, None)
         if not isinstance(dtype, torch.dtype):
             raise ValueError(f"unknown pixel dtype {msg.dtype!r}")
         array = np.frombuffer(msg.pixel_values, dtype=np.uint8)
+        if array.size != math.prod(msg.shape) * torch.empty((), dtype=dtype).element_size():
+            raise ValueError(f"{array.size} bytes of pixels for shape {list(msg.shape)} of {msg.dtype}")
         pixels = torch.from_numpy(array.copy()).view(dtype).reshape(tuple(msg.shape))
+        if msg.HasField("scaling"):
+            pixels = finish(pixels, PixelScaling(msg.scaling.rescale, tuple(msg.scaling.mean), tuple(msg.scaling.std)))
     return ImageInput(pixels, msg.num_tokens, msg.content_hash)
 
 

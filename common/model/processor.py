@@ -7,14 +7,20 @@ builds: the checkpoint's chat template, tokenizer and image preprocessing, not a
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 from pathlib import Path
 
+import numpy as np
 import torch
+from PIL import Image
 
 from common.model.config import LlavaConfig
+from common.model.pixels import PixelScaling, finish
 from common.request import ImageInput
+
+log = logging.getLogger(__name__)
 
 
 class ChatProcessor:
@@ -32,19 +38,48 @@ class ChatProcessor:
         self.tokenizer = self.processor.tokenizer
         self.config = config or LlavaConfig.from_pretrained(model_dir)
 
-    def apply(self, conversation: list[dict]) -> tuple[list[int], list[ImageInput]]:
-        """HF-format conversation (image parts as {'type': 'image', 'image': PIL.Image}) → token ids, images."""
+    def apply(self, conversation: list[dict], finish_pixels: bool = True) -> tuple[list[int], list[ImageInput]]:
+        """HF-format conversation (image parts as {'type': 'image', 'image': PIL.Image}) → token ids, images.
+        `finish_pixels=False`: where that is exact (`deferred_scaling`), the images' pixels stop before the
+        processor's rescale and normalize steps — uint8, for the worker that encodes to finish."""
+        return self._apply(conversation, None if finish_pixels else self.deferred_scaling)
+
+    def _apply(self, conversation: list[dict], scaling: PixelScaling | None) -> tuple[list[int], list[ImageInput]]:
+        kwargs = {"processor_kwargs": {"do_rescale": False, "do_normalize": False}} if scaling is not None else {}
         batch = self.processor.apply_chat_template(
-            conversation, add_generation_prompt=True, tokenize=True, return_dict=True, return_tensors="pt"
+            conversation, add_generation_prompt=True, tokenize=True, return_dict=True, return_tensors="pt", **kwargs
         )
         ids = batch["input_ids"][0].tolist()
         images = []
         if "pixel_values" in batch:
             for pixels in batch["pixel_values"]:
-                pixels = pixels.to(torch.float32).contiguous()
+                pixels = pixels.to(torch.float32 if scaling is None else torch.uint8).contiguous()
                 digest = hashlib.blake2b(pixels.numpy().tobytes(), digest_size=16).hexdigest()
-                images.append(ImageInput(pixels, self.config.image_tokens_per_image, digest))
+                images.append(ImageInput(pixels, self.config.image_tokens_per_image, digest, scaling))
         return ids, images
+
+    @functools.cached_property
+    def deferred_scaling(self) -> PixelScaling | None:
+        """The image processor's rescale and normalize steps, when `common.model.pixels.finish` redoes them
+        bit for bit (checked once, on probe images of several sizes); else None: pixels travel finished."""
+        ip = getattr(self.processor, "image_processor", None)
+        try:
+            if not (ip.do_rescale and ip.do_normalize):
+                return None
+            mean, std = ([v] * 3 if isinstance(v, (int, float)) else list(v) for v in (ip.image_mean, ip.image_std))
+            scaling = PixelScaling(float(ip.rescale_factor), tuple(map(float, mean)), tuple(map(float, std)))
+            rng = np.random.default_rng(0)
+            for height, width in ((240, 320), (47, 61), (500, 300)):
+                probe = Image.fromarray(rng.integers(0, 256, (height, width, 3), dtype=np.uint8))
+                chat = [{"role": "user", "content": [{"type": "image", "image": probe}, {"type": "text", "text": "?"}]}]
+                (_, (full,)), (_, (raw,)) = self._apply(chat, None), self._apply(chat, scaling)
+                if not torch.equal(full.pixel_values.view(torch.int32), finish(raw.pixel_values, scaling).view(torch.int32)):
+                    log.info("image pixels travel finished: finishing them elsewhere would not be exact")
+                    return None
+        except Exception as e:  # an image processor unlike CLIP's: keep to its own output
+            log.info("image pixels travel finished (%s: %s)", type(e).__name__, e)
+            return None
+        return scaling
 
     def count_prompt_tokens(self, conversation: list[dict]) -> int:
         """The prompt's length without preprocessing any image (a fraction of `apply`'s time, so a route can

@@ -59,18 +59,30 @@ class SamplingParams(_message.Message):
     def __init__(self, max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ...) -> None: ...
 
 class Image(_message.Message):
-    __slots__ = ("pixel_values", "shape", "dtype", "num_tokens", "content_hash")
+    __slots__ = ("pixel_values", "shape", "dtype", "num_tokens", "content_hash", "scaling")
     PIXEL_VALUES_FIELD_NUMBER: _ClassVar[int]
     SHAPE_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
     CONTENT_HASH_FIELD_NUMBER: _ClassVar[int]
+    SCALING_FIELD_NUMBER: _ClassVar[int]
     pixel_values: bytes
     shape: _containers.RepeatedScalarFieldContainer[int]
     dtype: str
     num_tokens: int
     content_hash: str
-    def __init__(self, pixel_values: _Optional[bytes] = ..., shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., num_tokens: _Optional[int] = ..., content_hash: _Optional[str] = ...) -> None: ...
+    scaling: PixelScaling
+    def __init__(self, pixel_values: _Optional[bytes] = ..., shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., num_tokens: _Optional[int] = ..., content_hash: _Optional[str] = ..., scaling: _Optional[_Union[PixelScaling, _Mapping]] = ...) -> None: ...
+
+class PixelScaling(_message.Message):
+    __slots__ = ("rescale", "mean", "std")
+    RESCALE_FIELD_NUMBER: _ClassVar[int]
+    MEAN_FIELD_NUMBER: _ClassVar[int]
+    STD_FIELD_NUMBER: _ClassVar[int]
+    rescale: float
+    mean: _containers.RepeatedScalarFieldContainer[float]
+    std: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, rescale: _Optional[float] = ..., mean: _Optional[_Iterable[float]] = ..., std: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class RequestSpec(_message.Message):
     __slots__ = ("request_id", "prompt_token_ids", "sampling", "images", "output_token_ids")
@@ -137,10 +149,28 @@ class TokenChunk(_message.Message):
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[str] = ..., stop_string: _Optional[str] = ..., stop_token_id: _Optional[int] = ..., text: _Optional[str] = ..., num_prompt_tokens: _Optional[int] = ...) -> None: ...
 
 class EncodeRequest(_message.Message):
-    __slots__ = ("request",)
+    __slots__ = ("request", "awaited")
     REQUEST_FIELD_NUMBER: _ClassVar[int]
+    AWAITED_FIELD_NUMBER: _ClassVar[int]
     request: RequestSpec
-    def __init__(self, request: _Optional[_Union[RequestSpec, _Mapping]] = ...) -> None: ...
+    awaited: bool
+    def __init__(self, request: _Optional[_Union[RequestSpec, _Mapping]] = ..., awaited: _Optional[bool] = ...) -> None: ...
+
+class AwaitEncodeRequest(_message.Message):
+    __slots__ = ("request_id",)
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    def __init__(self, request_id: _Optional[str] = ...) -> None: ...
+
+class PendingImages(_message.Message):
+    __slots__ = ("worker_id", "address", "request_id")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    address: str
+    request_id: str
+    def __init__(self, worker_id: _Optional[str] = ..., address: _Optional[str] = ..., request_id: _Optional[str] = ...) -> None: ...
 
 class EncodeResponse(_message.Message):
     __slots__ = ("image_pages",)
@@ -149,12 +179,14 @@ class EncodeResponse(_message.Message):
     def __init__(self, image_pages: _Optional[_Union[PageHandle, _Mapping]] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("request", "image_pages")
+    __slots__ = ("request", "image_pages", "pending_images")
     REQUEST_FIELD_NUMBER: _ClassVar[int]
     IMAGE_PAGES_FIELD_NUMBER: _ClassVar[int]
+    PENDING_IMAGES_FIELD_NUMBER: _ClassVar[int]
     request: RequestSpec
     image_pages: PageHandle
-    def __init__(self, request: _Optional[_Union[RequestSpec, _Mapping]] = ..., image_pages: _Optional[_Union[PageHandle, _Mapping]] = ...) -> None: ...
+    pending_images: PendingImages
+    def __init__(self, request: _Optional[_Union[RequestSpec, _Mapping]] = ..., image_pages: _Optional[_Union[PageHandle, _Mapping]] = ..., pending_images: _Optional[_Union[PendingImages, _Mapping]] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
     __slots__ = ("first", "kv_pages")
@@ -165,14 +197,16 @@ class PrefillResponse(_message.Message):
     def __init__(self, first: _Optional[_Union[TokenChunk, _Mapping]] = ..., kv_pages: _Optional[_Union[PageHandle, _Mapping]] = ...) -> None: ...
 
 class DecodeRequest(_message.Message):
-    __slots__ = ("request", "kv_pages", "image_pages")
+    __slots__ = ("request", "kv_pages", "image_pages", "pending_images")
     REQUEST_FIELD_NUMBER: _ClassVar[int]
     KV_PAGES_FIELD_NUMBER: _ClassVar[int]
     IMAGE_PAGES_FIELD_NUMBER: _ClassVar[int]
+    PENDING_IMAGES_FIELD_NUMBER: _ClassVar[int]
     request: RequestSpec
     kv_pages: PageHandle
     image_pages: PageHandle
-    def __init__(self, request: _Optional[_Union[RequestSpec, _Mapping]] = ..., kv_pages: _Optional[_Union[PageHandle, _Mapping]] = ..., image_pages: _Optional[_Union[PageHandle, _Mapping]] = ...) -> None: ...
+    pending_images: PendingImages
+    def __init__(self, request: _Optional[_Union[RequestSpec, _Mapping]] = ..., kv_pages: _Optional[_Union[PageHandle, _Mapping]] = ..., image_pages: _Optional[_Union[PageHandle, _Mapping]] = ..., pending_images: _Optional[_Union[PendingImages, _Mapping]] = ...) -> None: ...
 
 class PullPagesRequest(_message.Message):
     __slots__ = ("lease_id", "chunk_bytes")

@@ -40,6 +40,11 @@ class EncoderStub:
                 request_serializer=epdmesh_dot_v1_dot_mesh__pb2.EncodeRequest.SerializeToString,
                 response_deserializer=epdmesh_dot_v1_dot_mesh__pb2.EncodeResponse.FromString,
                 _registered_method=True)
+        self.AwaitEncode = channel.unary_unary(
+                '/epdmesh.v1.Encoder/AwaitEncode',
+                request_serializer=epdmesh_dot_v1_dot_mesh__pb2.AwaitEncodeRequest.SerializeToString,
+                response_deserializer=epdmesh_dot_v1_dot_mesh__pb2.EncodeResponse.FromString,
+                _registered_method=True)
 
 
 class EncoderServicer:
@@ -53,12 +58,25 @@ class EncoderServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def AwaitEncode(self, request, context):
+        """The handle of an awaited Encode of this request, once its encode is done (the Encode may arrive
+        after this call). For the one next stage only: a second call for the same request is NOT_FOUND.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_EncoderServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Encode': grpc.unary_unary_rpc_method_handler(
                     servicer.Encode,
                     request_deserializer=epdmesh_dot_v1_dot_mesh__pb2.EncodeRequest.FromString,
+                    response_serializer=epdmesh_dot_v1_dot_mesh__pb2.EncodeResponse.SerializeToString,
+            ),
+            'AwaitEncode': grpc.unary_unary_rpc_method_handler(
+                    servicer.AwaitEncode,
+                    request_deserializer=epdmesh_dot_v1_dot_mesh__pb2.AwaitEncodeRequest.FromString,
                     response_serializer=epdmesh_dot_v1_dot_mesh__pb2.EncodeResponse.SerializeToString,
             ),
     }
@@ -89,6 +107,33 @@ class Encoder:
             target,
             '/epdmesh.v1.Encoder/Encode',
             epdmesh_dot_v1_dot_mesh__pb2.EncodeRequest.SerializeToString,
+            epdmesh_dot_v1_dot_mesh__pb2.EncodeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def AwaitEncode(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/epdmesh.v1.Encoder/AwaitEncode',
+            epdmesh_dot_v1_dot_mesh__pb2.AwaitEncodeRequest.SerializeToString,
             epdmesh_dot_v1_dot_mesh__pb2.EncodeResponse.FromString,
             options,
             channel_credentials,

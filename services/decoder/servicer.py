@@ -3,8 +3,9 @@
 Life of a request here:
   1. `Decode(spec, KV handle)`: the KV pages are pulled from the prefill worker and acked, and the
      request joins the running batch with its first token (dedicated path); or, with no KV handle,
-     this worker prefills it itself — from pixels or pulled image pages — (colocated and
-     multiplexed paths) and its first token is streamed too;
+     this worker prefills it itself — from pixels, or image pages pulled from an encoder (handed
+     over, or pending: asked for with `AwaitEncode`) — (colocated and multiplexed paths) and its
+     first token is streamed too;
   2. every engine iteration streams the new token;
   3. the last chunk carries the finish reason; cancelling the call aborts the request and frees
      its pages.
@@ -13,24 +14,27 @@ Life of a request here:
 from __future__ import annotations
 
 from common.request import Stage
+from common.transfer.channels import ChannelPool
 from epdmesh.v1 import mesh_pb2 as pb
 from epdmesh.v1 import mesh_pb2_grpc as pb_grpc
 from services import wire
+from services.encoder.awaited import image_pages_of
 from services.errors import grpc_errors
 from services.prefill.servicer import first_stage_for
 from services.worker.runtime import WorkerRuntime
 
 
 class DecoderServicer(pb_grpc.DecoderServicer):
-    def __init__(self, runtime: WorkerRuntime):
+    def __init__(self, runtime: WorkerRuntime, channels: ChannelPool):
         self.runtime = runtime
+        self.channels = channels
 
     @grpc_errors
     async def Decode(self, request: pb.DecodeRequest, context):
         spec = request.request
         kv = wire.optional_handle(request, "kv_pages")
-        images = wire.optional_handle(request, "image_pages")
+        images = await image_pages_of(self.channels, request) if kv is None else None
         first = Stage.DECODE if kv is not None else first_stage_for(spec, images is not None)
         engine_request = wire.request_from_pb(spec, first, Stage.DECODE, f"{spec.request_id}@decode")
-        async for out in self.runtime.decode(engine_request, kv, images if kv is None else None):
+        async for out in self.runtime.decode(engine_request, kv, images):
             yield wire.chunk_to_pb(out.new_token_ids, out.finish_reason, out.stop_reason, out.text, out.num_prompt_tokens)

@@ -118,10 +118,11 @@ def build_app(backend, model_name: str, allow_remote_images: bool = False, metri
             if length > MAX_BODY_BYTES:
                 raise ApiError(413, f"request body is {length} bytes, over {MAX_BODY_BYTES}")
             body = await http.body()
-            if len(body) > INLINE_PARSE_BYTES:  # images: base64 + decoding take ms; keep the event loop serving streams
-                chat = await asyncio.to_thread(parse_chat_request, body, [model_name], allow_remote_images)
-            else:
-                chat = parse_chat_request(body, [model_name], allow_remote_images)
+            with tracing.activate(observer.span), tracing.span("parse", {"http.request.body.size": len(body)}):
+                if len(body) > INLINE_PARSE_BYTES:  # images: base64 + decoding take ms; keep the loop serving streams
+                    chat = await asyncio.to_thread(parse_chat_request, body, [model_name], allow_remote_images)
+                else:
+                    chat = parse_chat_request(body, [model_name], allow_remote_images)
             request_id = f"chatcmpl-{uuid.uuid4().hex}"
             observer.request(chat, request_id)
             num_prompt, outputs = await backend.start(chat, request_id, observer.span)

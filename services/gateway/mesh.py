@@ -5,8 +5,10 @@ Life of a request here:
      checked against the model's length limit — nothing is routed for a request that cannot run;
   2. route → plan (encoder, prefill path + worker, decoder): in-process (`services.toggle.router`, one Redis
      round trip for the reservation) when this gateway was given the registry, else the toggle's `Route` rpc;
-  3. images on a worker other than the prefill one: `Encode` there → image handle;
-  4. dedicated path: `Prefill` (pixels or image handle) → first token + KV handle, then
+  3. images on a worker other than the prefill one: `Encode` there (awaited), and at once the next
+     stage's call with the images pending on that encoder: that stage gets the image handle from the
+     encoder (`AwaitEncode`), not through here;
+  4. dedicated path: `Prefill` (pixels or pending images) → first token + KV handle, then
      `Decode(KV handle)`; colocated / multiplexed: `Decode` on the decoder, which prefills itself;
   5. the decode stream is the request's output. Pages never pass through here; a handle this
      gateway got but could not pass on (client gone) is released at its source.
@@ -19,7 +21,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import dataclasses
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -37,6 +38,7 @@ from epdmesh.v1 import mesh_pb2_grpc as pb_grpc
 from services import wire
 from common.telemetry.metrics import GatewayMetrics
 from common.telemetry.tracing import Tracing, set_attributes
+from services.gateway.migration import continuation, rebased
 from services.gateway.protocol import ApiError, ChatRequest
 from services.toggle.router import NoRoute, Router
 
@@ -118,30 +120,37 @@ class MeshBackend:
         plan = None
         if num_images:
             # tokenizing a short text costs less than a thread hop
-            num_tokens = await self._prepare(self.processor.count_prompt_tokens, chat, inline=chat.short_text)
+            num_tokens = await self._prepare(self.processor.count_prompt_tokens, chat, span, inline=chat.short_text)
             self._check_length(num_tokens, chat.sampling.max_tokens)
             summary = RouteSummary(request_id, num_tokens, num_images, chat.sampling.max_tokens, frozenset(), *slo,
                                    elapsed_ms=(time.monotonic() - arrival) * 1e3)
             routing = asyncio.ensure_future(self._route(summary, span, attempt=1))
             routing.add_done_callback(_consume)
             try:
-                ids, images = await self._prepare(self.processor.apply, chat)
+                ids, images = await self._prepare(self._apply, chat, span)
             except BaseException:
                 routing.cancel()  # a route already made keeps its reservation until it expires (seconds)
                 raise
             plan = await routing
         else:  # a short text prompt is tokenized on the loop: a thread hop would cost more than the tokenizing
-            ids, images = await self._prepare(self.processor.apply, chat, inline=chat.short_text)
+            ids, images = await self._prepare(self._apply, chat, span, inline=chat.short_text)
         self._check_length(len(ids), chat.sampling.max_tokens)
         request = Request(request_id, ids, chat.sampling, images, arrival_time=arrival)
         stream = self._with_failover(request, span, slo, plan)
         first = await anext(stream)  # errors before the first token surface here, as an HTTP status
         return len(ids), _prepend(first, stream)
 
-    async def _prepare(self, fn, chat: ChatRequest, inline: bool = False):
-        """`fn(conversation)`, off the event loop unless `inline`; a conversation the processor refuses is a 400."""
+    def _apply(self, conversation: list[dict]):
+        """Prompt ids and images; the pixels leave the processor's last, cheap steps to the worker that encodes
+        them where that is exact: a quarter of the bytes to send (`common.model.pixels`)."""
+        return self.processor.apply(conversation, finish_pixels=False)
+
+    async def _prepare(self, fn, chat: ChatRequest, span=None, inline: bool = False):
+        """`fn(conversation)`, off the event loop unless `inline`; a conversation the processor refuses is a 400.
+        Traced as a child of `span` named after `fn` (`apply`: chat template, tokenizer, image preprocessing)."""
         try:
-            return fn(chat.conversation) if inline else await asyncio.to_thread(fn, chat.conversation)
+            with self.tracing.activate(span), self.tracing.span(fn.__name__.lstrip("_")):
+                return fn(chat.conversation) if inline else await asyncio.to_thread(fn, chat.conversation)
         except (ValueError, TypeError, KeyError) as e:
             raise ApiError(400, f"could not build the prompt from these messages: {e}") from None
 
@@ -177,7 +186,7 @@ class MeshBackend:
         emitted: list[int] = []
         exclude: set[str] = set()
         for attempt in range(1, MAX_ATTEMPTS + 1):
-            current = request if not emitted else _continuation(request, emitted, attempt)
+            current = request if not emitted else continuation(request, emitted, attempt)
             if plan is None or attempt > 1:
                 summary = RouteSummary(current.request_id, current.num_prompt_tokens, len(current.images),
                                        current.sampling.max_tokens, frozenset(exclude), *slo,
@@ -197,7 +206,7 @@ class MeshBackend:
                         if not emitted:
                             self._first_token(path, plan, request.arrival_time, request.request_id)
                         emitted.extend(out.new_token_ids)
-                        yield _rebased(out, request.request_id, before, self.detokenize)
+                        yield rebased(out, request.request_id, before, self.detokenize)
                 return
             except StageFailed as failed:
                 if failed.blame is None or attempt == MAX_ATTEMPTS:
@@ -217,25 +226,25 @@ class MeshBackend:
                      span=None) -> AsyncIterator[RequestOutput]:
         """The request's outputs through the planned stages; a failed stage raises StageFailed."""
         held: list[pb.PageHandle] = []  # handles we got and have not passed on yet
+        encoding: asyncio.Task | None = None
         try:
-            image_pages = None
+            pending = source = None
             if request.images and plan.encoder.worker_id != plan.prefill.worker_id:
-                stub = pb_grpc.EncoderStub(self.channels.get(plan.encoder.address))
-                self._sent(request, plan.encoder.worker_id)
-                with self.tracing.activate(span):
-                    reply = await _stage("encode", plan.encoder.worker_id, None, stub.Encode(
-                        pb.EncodeRequest(request=wire.spec_to_pb(request, with_pixels=True))))
-                image_pages = reply.image_pages
-                held.append(image_pages)
-            spec = wire.spec_to_pb(request, with_pixels=image_pages is None)
-            source = image_pages.worker_id if image_pages is not None else None
+                # the Encode and the next stage's call go out together: that stage asks the encoder for the
+                # pages' handle (AwaitEncode) rather than waiting for it to come back through here
+                encoding = self._encode(request, plan, span)
+                pending = pb.PendingImages(worker_id=plan.encoder.worker_id, address=plan.encoder.address,
+                                           request_id=request.request_id)
+                source = plan.encoder.worker_id
+            spec = wire.spec_to_pb(request, with_pixels=pending is None)
             output: list[int] = []
             if path == PrefillPath.DEDICATED:
                 stub = pb_grpc.PrefillerStub(self.channels.get(plan.prefill.address))
                 self._sent(request, plan.prefill.worker_id)
                 with self.tracing.activate(span):
-                    reply = await _stage("prefill", plan.prefill.worker_id, source, stub.Prefill(
-                        pb.PrefillRequest(request=spec, image_pages=image_pages)))
+                    call = stub.Prefill(pb.PrefillRequest(request=spec, pending_images=pending))
+                await _encoded(encoding, held, call)
+                reply = await _stage("prefill", plan.prefill.worker_id, source, call)
                 held.clear()
                 output.extend(reply.first.token_ids)
                 yield _output(request.request_id, reply.first, output)
@@ -245,13 +254,14 @@ class MeshBackend:
                 spec = wire.spec_to_pb(request, with_pixels=False)
                 spec.output_token_ids.extend(output)
                 decode = pb.DecodeRequest(request=spec, kv_pages=reply.kv_pages)
-                source = reply.kv_pages.worker_id
+                source, encoding = reply.kv_pages.worker_id, None
             else:
-                decode = pb.DecodeRequest(request=spec, image_pages=image_pages)
+                decode = pb.DecodeRequest(request=spec, pending_images=pending)
             self._sent(request, plan.decoder.worker_id)
             with self.tracing.activate(span):  # the call's client span is made here, under the request's span
                 call = pb_grpc.DecoderStub(self.channels.get(plan.decoder.address)).Decode(decode)
             try:
+                await _encoded(encoding, held, call)
                 async for chunk in call:
                     held.clear()
                     output.extend(chunk.token_ids)
@@ -261,8 +271,19 @@ class MeshBackend:
             finally:
                 call.cancel()
         finally:
+            if encoding is not None:
+                encoding.cancel()  # a no-op once it is done
             for handle in held:  # never passed on: let the source free them now rather than at lease expiry
                 self._spawn(release_over_grpc(self.channels, wire.handle_from_pb(handle)))
+
+    def _encode(self, request: Request, plan: pb.RoutePlan, span) -> asyncio.Task:
+        """The request's awaited Encode, under way (its outcome: the encode's reply, or StageFailed)."""
+        stub = pb_grpc.EncoderStub(self.channels.get(plan.encoder.address))
+        self._sent(request, plan.encoder.worker_id)
+        message = pb.EncodeRequest(request=wire.spec_to_pb(request, with_pixels=True), awaited=True)
+        with self.tracing.activate(span):
+            call = stub.Encode(message)  # made here, so it goes out before the next stage's call
+        return asyncio.ensure_future(_stage("encode", plan.encoder.worker_id, None, call))
 
     def detokenize(self, ids: list[int]) -> str:
         return self.processor.detokenize(ids)
@@ -342,32 +363,17 @@ def _output(request_id: str, chunk: pb.TokenChunk, output: list[int]) -> Request
     )
 
 
-def _continuation(request: Request, emitted: list[int], attempt: int) -> Request:
-    """The rest of `request` after `emitted` tokens: their KV is rebuilt by prefilling them with the prompt."""
-    sampling = dataclasses.replace(request.sampling, max_tokens=request.sampling.max_tokens - len(emitted))
-    return Request(f"{request.request_id}-m{attempt}", request.prompt_token_ids + emitted, sampling, request.images)
-
-
-def _rebased(out: RequestOutput, request_id: str, before: list[int], detokenize) -> RequestOutput:
-    """An output of a continuation as the original request's: earlier tokens (and their text) in front."""
-    if not before:
-        return out
-    text = _joined_text(before, out, detokenize) if out.text is not None else None
-    return dataclasses.replace(out, request_id=request_id, output_token_ids=before + out.output_token_ids, text=text,
-                               num_prompt_tokens=out.num_prompt_tokens - len(before))
-
-
-def _joined_text(before: list[int], out: RequestOutput, detokenize) -> str:
-    """A continuation's final text as the whole request's: earlier and new tokens decoded together (two decodes
-    joined are not one: a SentencePiece decode drops its first token's leading space), cut where the engine
-    cut the continuation's: before the stop string (which may also begin in the earlier text), or before the
-    stop or EOS token."""
-    ids = before + out.output_token_ids
-    if isinstance(out.stop_reason, str):
-        full, head = detokenize(ids), len(detokenize(before))
-        at = full.find(out.stop_reason, max(head - len(out.stop_reason) + 1, 0))
-        return full[:at] if at >= 0 else full
-    return detokenize(ids[:-1] if out.finish_reason == "stop" else ids)
+async def _encoded(encoding: asyncio.Task | None, held: list[pb.PageHandle], call) -> None:
+    """Wait for the awaited Encode the next stage's `call` depends on; its failure is the request's (the call,
+    left waiting for pages that will not come, is cancelled). The image handle is held until the call took it."""
+    if encoding is None:
+        return
+    try:
+        reply = await encoding
+    except BaseException:
+        call.cancel()
+        raise
+    held.append(reply.image_pages)
 
 
 def _consume(task: asyncio.Future) -> None:

@@ -1,8 +1,9 @@
 """The prefill stage's gRPC front.
 
 Life of a request here:
-  1. `Prefill(spec, image handle?)`: with a handle, the image pages are pulled from the encoder
-     and acked; without one, this worker encodes the pixels itself (an EP worker);
+  1. `Prefill(spec, image handle or pending images?)`: the image pages are pulled from the encoder
+     and acked — with pending images, once the encoder gave their handle (`AwaitEncode`); with
+     neither, this worker encodes the pixels itself (an EP worker);
   2. the prompt is prefilled in chunks under τ_t, batched with other prefills, and the first
      token sampled;
   3. the reply carries that token and a handle on the KV pages, leased until the decoder pulls
@@ -12,9 +13,11 @@ Life of a request here:
 from __future__ import annotations
 
 from common.request import Stage
+from common.transfer.channels import ChannelPool
 from epdmesh.v1 import mesh_pb2 as pb
 from epdmesh.v1 import mesh_pb2_grpc as pb_grpc
 from services import wire
+from services.encoder.awaited import image_pages_of
 from services.errors import grpc_errors
 from services.worker.runtime import WorkerRuntime
 
@@ -29,13 +32,14 @@ def first_stage_for(spec: pb.RequestSpec, has_image_pages: bool) -> Stage:
 
 
 class PrefillServicer(pb_grpc.PrefillerServicer):
-    def __init__(self, runtime: WorkerRuntime):
+    def __init__(self, runtime: WorkerRuntime, channels: ChannelPool):
         self.runtime = runtime
+        self.channels = channels
 
     @grpc_errors
     async def Prefill(self, request: pb.PrefillRequest, context) -> pb.PrefillResponse:
         spec = request.request
-        images = wire.optional_handle(request, "image_pages")
+        images = await image_pages_of(self.channels, request)
         first = first_stage_for(spec, images is not None)
         engine_request = wire.request_from_pb(spec, first, Stage.PREFILL, f"{spec.request_id}@prefill")
         out, kv = await self.runtime.prefill(engine_request, images)

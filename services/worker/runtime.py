@@ -28,6 +28,7 @@ from common.telemetry.metrics import WorkerMetrics
 from common.telemetry.tracing import Tracing
 from common.transfer import LeaseTable, PageHandle, PagePuller
 from common.workers import WorkerLoad
+from services.encoder.awaited import AwaitedEncodes
 
 IMPORT_WAIT_S = 10.0  # how long handed-over pages wait for cache room here (other requests free theirs as they run)
 
@@ -50,6 +51,7 @@ class WorkerRuntime:
         self.engine = engine
         self.puller = puller
         self.leases = LeaseTable(worker_id, address, lease_ttl_s, on_change=on_leases)
+        self.awaited = AwaitedEncodes(lease_ttl_s)  # encodes whose next stage asks this worker for the handle
         self.offer_backend = offer_backend
         self.backend_info = backend_info
         self.accepting = True
@@ -183,6 +185,7 @@ class WorkerRuntime:
     async def expire_leases(self, interval_s: float = 0.5) -> None:
         while True:
             await asyncio.sleep(interval_s)
+            self.awaited.expire()
             for lease in self.leases.expired():
                 if self.metrics is not None:
                     self.metrics.leases_expired.labels(**self.metrics.labels).inc()

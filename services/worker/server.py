@@ -75,7 +75,8 @@ def build_engine(config: EngineConfig, emulation: EmulationOptions | None = None
     return Engine(config, None, ChatProcessor(config.model).detokenize)
 
 
-def _mount_roles(server: grpc.aio.Server, runtime: WorkerRuntime, roles: frozenset[Stage]) -> list[str]:
+def _mount_roles(server: grpc.aio.Server, runtime: WorkerRuntime, roles: frozenset[Stage],
+                 channels: ChannelPool) -> list[str]:
     from services.decoder.servicer import DecoderServicer
     from services.encoder.servicer import EncoderServicer
     from services.prefill.servicer import PrefillServicer
@@ -85,11 +86,11 @@ def _mount_roles(server: grpc.aio.Server, runtime: WorkerRuntime, roles: frozens
         pb_grpc.add_EncoderServicer_to_server(EncoderServicer(runtime), server)
         names.append("epdmesh.v1.Encoder")
     if Stage.PREFILL in roles:
-        pb_grpc.add_PrefillerServicer_to_server(PrefillServicer(runtime), server)
+        pb_grpc.add_PrefillerServicer_to_server(PrefillServicer(runtime, channels), server)
         names.append("epdmesh.v1.Prefiller")
     if Stage.DECODE in roles or Stage.PREFILL in roles:
         # a prefill-capable worker also serves Decode without KV pages (its prefill path for the decoder role)
-        pb_grpc.add_DecoderServicer_to_server(DecoderServicer(runtime), server)
+        pb_grpc.add_DecoderServicer_to_server(DecoderServicer(runtime, channels), server)
         names.append("epdmesh.v1.Decoder")
     return names
 
@@ -124,7 +125,7 @@ async def run_worker(options: WorkerOptions, engine: Engine | None = None, ready
     pb_grpc.add_WorkerServicer_to_server(WorkerServicer(runtime), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    services = _mount_roles(server, runtime, config.roles)
+    services = _mount_roles(server, runtime, config.roles, channels)
     await server.start()
     for name in ["", "epdmesh.v1.Worker", *services]:
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)

@@ -16,7 +16,7 @@ def test_stubs_describe_every_stage_rpc():
     from epdmesh.v1 import mesh_pb2
 
     services = {s.name: [m.name for m in s.methods] for s in mesh_pb2.DESCRIPTOR.services_by_name.values()}
-    assert services["Encoder"] == ["Encode"]
+    assert services["Encoder"] == ["Encode", "AwaitEncode"]
     assert services["Prefiller"] == ["Prefill"]
     assert services["Decoder"] == ["Decode"]
     assert mesh_pb2.DESCRIPTOR.services_by_name["Decoder"].methods_by_name["Decode"].server_streaming

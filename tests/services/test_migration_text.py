@@ -4,7 +4,7 @@ whose decode drops its first token's leading space, so two decodes joined would 
 
 from common.engine.outputs import RequestOutput
 from common.request import RequestStatus
-from services.gateway.mesh import _rebased
+from services.gateway.migration import rebased
 from tests.common.test_detokenizer import _llama_style
 
 
@@ -24,8 +24,8 @@ def test_the_text_after_a_migration_is_the_whole_decode_cut_like_the_engine_cuts
         (_finished(tok, "naïve kitchen . the", "stop", "chen na", cut="naïve kitchen "), "the kit"),
         (_finished(tok, "naïve café", "stop", "é", cut="naïve caf"), "the kitchen naïve caf"),
     ]:
-        rebased = _rebased(out, "r", before, decode)
-        assert rebased.text == expected, (out.stop_reason, rebased.text)
-        assert rebased.output_token_ids == before + out.output_token_ids and rebased.num_prompt_tokens == 10 - len(before)
+        joined = rebased(out, "r", before, decode)
+        assert joined.text == expected, (out.stop_reason, joined.text)
+        assert joined.output_token_ids == before + out.output_token_ids and joined.num_prompt_tokens == 10 - len(before)
     out = _finished(tok, "naïve café kitchen", "stop", tok.token_to_id("▁kitchen"), cut="naïve café")
-    assert _rebased(out, "r", before, decode).text == "the kitchen naïve café"  # the stop token's text left out
+    assert rebased(out, "r", before, decode).text == "the kitchen naïve café"  # the stop token's text left out

@@ -1,0 +1,138 @@
+"""Awaited encodes: the next stage gets the image handle from the encoder, whichever call arrives first."""
+
+import asyncio
+
+import grpc
+import pytest
+
+from common.paged_cache import PageLayout
+from common.transfer import PageHandle
+from epdmesh.v1 import mesh_pb2 as pb
+from epdmesh.v1 import mesh_pb2_grpc as pb_grpc
+from services.encoder.awaited import AwaitedEncodes
+from tests.services.test_worker import image_spec, start_worker
+
+
+def _handle(lease_id: str) -> PageHandle:
+    layout = PageLayout("image", "float32", 16, (16, 8))
+    return PageHandle("e-1", "127.0.0.1:1", lease_id, (0, 1), 20, layout, 0, "fake", b"")
+
+
+class Clock:
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_the_handle_reaches_a_waiter_that_came_first_or_second_and_only_one():
+    async def main():
+        awaited = AwaitedEncodes(ttl_s=30)
+        early = asyncio.ensure_future(awaited.wait("a"))
+        await asyncio.sleep(0)
+        awaited.begin("a")
+        awaited.settle("a", _handle("lease-a"))
+        assert (await early).lease_id == "lease-a"
+        awaited.begin("b")
+        awaited.settle("b", _handle("lease-b"))  # the encode was quicker than the next stage's call
+        assert (await awaited.wait("b")).lease_id == "lease-b"
+        assert len(awaited) == 0
+        first = asyncio.ensure_future(awaited.wait("c"))
+        await asyncio.sleep(0)
+        with pytest.raises(KeyError, match="already asked for"):
+            await awaited.wait("c")
+        awaited.settle("c", error=ValueError("bad pixels"))
+        with pytest.raises(ValueError, match="bad pixels"):  # the encode's own error, for its status code
+            await first
+        assert len(awaited) == 0
+
+    asyncio.run(main())
+
+
+def test_slots_expire_unless_their_encode_is_running_and_a_cancelled_waiter_leaves_none():
+    async def main():
+        clock = Clock()
+        awaited = AwaitedEncodes(ttl_s=5, clock=clock)
+        orphan = asyncio.ensure_future(awaited.wait("no-encode"))  # the Encode never comes (its gateway died)
+        awaited.begin("slow")  # an encode queued for longer than the ttl
+        awaited.begin("unasked")
+        awaited.settle("unasked", _handle("lease-u"))  # nobody asks for it
+        await asyncio.sleep(0)
+        clock.now = 6
+        assert awaited.expire() == 2
+        with pytest.raises(KeyError, match="no awaited Encode of no-encode"):
+            await orphan
+        assert len(awaited) == 1  # "slow" still encoding
+        awaited.settle("slow", _handle("lease-s"))
+        clock.now = 10
+        assert awaited.expire() == 0  # its ttl runs from the settle
+        assert (await awaited.wait("slow")).lease_id == "lease-s"
+        gone = asyncio.ensure_future(awaited.wait("x"))
+        await asyncio.sleep(0)
+        gone.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await gone
+        assert len(awaited) == 0
+
+    asyncio.run(main())
+
+
+def test_a_prefill_sent_before_its_encode_gets_the_pages_from_the_encoder(tiny_dir, processors):
+    """Two workers over real gRPC (E and P): the Prefill with pending images arrives first and waits; the pages
+    move E → P; the first token is the one of the same request with the handle passed through the caller; every pool is full afterwards. An
+    awaited Encode that fails fails the waiting Prefill with ABORTED (its source failed), not a hang."""
+    processor = processors["tiny"]
+
+    async def main():
+        e_task, e_stop, e_addr = await start_worker(tiny_dir, processor, "E", port=0)
+        p_task, p_stop, p_addr = await start_worker(tiny_dir, processor, "PD", port=0)
+        try:
+            async with grpc.aio.insecure_channel(e_addr) as e_ch, grpc.aio.insecure_channel(p_addr) as p_ch:
+                encoder, prefiller = pb_grpc.EncoderStub(e_ch), pb_grpc.PrefillerStub(p_ch)
+                e_stats, p_stats = pb_grpc.WorkerStub(e_ch), pb_grpc.WorkerStub(p_ch)
+                full = [await e_stats.Stats(pb.StatsRequest()), await p_stats.Stats(pb.StatsRequest())]
+                # the reference: one step after the other (the handle comes back, then goes to the Prefill)
+                handed = await encoder.Encode(pb.EncodeRequest(request=image_spec(processor, "ref")))
+                reference = await prefiller.Prefill(pb.PrefillRequest(request=image_spec(processor, "ref"),
+                                                                      image_pages=handed.image_pages))
+                await p_stats.ReleasePages(pb.ReleasePagesRequest(lease_id=reference.kv_pages.lease_id))
+
+                spec = image_spec(processor, "r1")
+                bare = pb.RequestSpec()
+                bare.CopyFrom(spec)
+                for img in bare.images:
+                    img.ClearField("pixel_values")
+                pending = pb.PendingImages(worker_id="e", address=e_addr, request_id="r1")
+                prefill = prefiller.Prefill(pb.PrefillRequest(request=bare, pending_images=pending))
+                await asyncio.sleep(0.3)  # the Prefill waits at the encoder before the Encode exists
+                encoded = await encoder.Encode(pb.EncodeRequest(request=spec, awaited=True))
+                reply = await prefill
+                assert list(reply.first.token_ids) == list(reference.first.token_ids)
+                assert reply.kv_pages.num_tokens == reference.kv_pages.num_tokens
+                assert not (await e_stats.ReleasePages(pb.ReleasePagesRequest(
+                    lease_id=encoded.image_pages.lease_id))).released  # P pulled and acked them already
+                await p_stats.ReleasePages(pb.ReleasePagesRequest(lease_id=reply.kv_pages.lease_id))
+
+                broken = image_spec(processor, "r2")
+                for img in broken.images:
+                    img.ClearField("pixel_values")
+                pending.request_id = "r2"
+                prefill = prefiller.Prefill(pb.PrefillRequest(request=bare, pending_images=pending))
+                with pytest.raises(grpc.aio.AioRpcError) as err:
+                    await encoder.Encode(pb.EncodeRequest(request=broken, awaited=True))
+                assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+                with pytest.raises(grpc.aio.AioRpcError) as err:
+                    await prefill
+                assert err.value.code() == grpc.StatusCode.ABORTED and "pixel values" in err.value.details()
+
+                after = [await e_stats.Stats(pb.StatsRequest()), await p_stats.Stats(pb.StatsRequest())]
+                for before, now in zip(full, after):
+                    assert (now.num_leases, now.image_blocks_free, now.kv_blocks_free) == \
+                        (0, before.image_blocks_free, before.kv_blocks_free)
+        finally:
+            e_stop.set()
+            p_stop.set()
+            await asyncio.gather(e_task, p_task)
+
+    asyncio.run(main())
