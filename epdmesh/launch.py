@@ -214,10 +214,15 @@ def start_redis(mesh: Mesh, redis_url: str | None) -> str:
     return f"redis://127.0.0.1:{port}/0"
 
 
-def _wait(probe, mesh: Mesh, what: str, timeout: float, only: tuple[str, ...] | None = None) -> None:
+def _wait(probe, mesh: Mesh, what: str, timeout: float, only: tuple[str, ...] | None = None,
+          restarts: Restarts | None = None) -> None:
+    """Until `probe()` is true. A child in `only` (default: all) that exits fails the start-up; with `restarts`,
+    the others' exits are handled by its policy meanwhile."""
     deadline = time.monotonic() + timeout
     while True:
         mesh.check_alive(only)
+        if restarts is not None and (reason := restarts.check()) is not None:
+            raise RuntimeError(reason)
         try:
             if probe():
                 return
@@ -319,12 +324,14 @@ def serve_mesh(args) -> int:
         if args.allow_remote_images:
             gateway_argv.append("--allow-remote-images")
         mesh.spawn("gateway", gateway_argv)
-        # from here on a child may die (or be killed) without stopping the mesh: `Restarts` brings it back
+        # from here on a child may die (or be killed) without stopping the mesh: `Restarts` brings it back — even
+        # while the gateway starts (its /health may answer a client before the probe here sees it) — except the
+        # gateway itself, which fails the start-up if it exits before answering (a bad flag, a missing file)
+        restarts = Restarts(mesh, args.max_restarts)
         _wait(lambda: _http_ok(f"http://{args.host}:{args.port}/health"), mesh, "the gateway", 120,
-              only=("redis", "toggle", "gateway"))
+              only=("gateway",), restarts=restarts)
         print(f"EPDMESH_READY http://{args.host}:{args.port}/v1 topology={args.topology} workers={num_workers}", flush=True)
         log.info("mesh %s up: OpenAI API on http://%s:%d/v1 (Ctrl-C stops it)", args.topology, args.host, args.port)
-        restarts = Restarts(mesh, args.max_restarts)
         while not mesh.stopping:
             reason = restarts.check()
             if reason is not None:

@@ -142,3 +142,19 @@ def test_a_crashed_service_is_started_again_and_one_that_stops_or_keeps_failing_
     assert restarts.check() == "toggle exited with code -9 after 1 restarts in a row"  # the limit: the mesh stops
     _wait_exit(mesh.spawn("gateway", CLEAN))
     assert restarts.check() == "gateway exited (code 0)"  # stopped, not crashed: the mesh stops too
+
+
+def test_while_the_gateway_starts_a_killed_toggle_is_restarted_and_a_failing_gateway_fails_the_launch(mesh, monkeypatch):
+    """A client may see the gateway's /health before the launcher's probe does, and kill the toggle (a test) or
+    the OOM killer may: that is the running mesh's restart policy's business, not a failed start-up."""
+    monkeypatch.setattr(launch, "RESTART_BACKOFF_S", (0.0,))
+    toggle = mesh.spawn("toggle", KILLED)
+    mesh.spawn("gateway", [sys.executable, "-c", "import time; time.sleep(60)"])
+    _wait_exit(toggle)
+    restarts = Restarts(mesh, limit=5)
+    ready = iter([False, False, True])
+    launch._wait(lambda: next(ready), mesh, "the gateway", 30, only=("gateway",), restarts=restarts)
+    assert dict(mesh.procs)["toggle"].pid != toggle.pid  # started again
+    _wait_exit(mesh.spawn("gateway", FAILS))
+    with pytest.raises(RuntimeError, match="gateway exited with code 3 during start-up"):
+        launch._wait(lambda: False, mesh, "the gateway", 30, only=("gateway",), restarts=restarts)
