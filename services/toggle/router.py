@@ -1,8 +1,9 @@
 """Per-request routing over the Redis registry: what the toggle's `Route` runs, and what a gateway runs in-process.
 
 Life of a route:
-  1. the registry snapshot (refreshed from Redis every `refresh_s` off the request path; the last good
-     one is kept when Redis is unreachable, so routing degrades instead of failing);
+  1. the registry snapshot (refreshed from Redis every `refresh_s` off the request path while routes are
+     being made, every `idle_refresh_s` after `IDLE_AFTER_S` without one; the last good one is kept when
+     Redis is unreachable, so routing degrades instead of failing);
   2. `common.policy.routing.route` (least loaded) or `common.policy.multiplex.route_slo` (the SLO-aware
      multiplexing toggle) picks encoder, prefill path and worker, decoder;
   3. the request's KV tokens are reserved on the chosen workers in Redis, atomically (a Lua script), so
@@ -19,6 +20,7 @@ A gateway that routes in-process saves the gRPC hop to the toggle on every reque
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import time
@@ -34,6 +36,7 @@ from services.toggle.registry import RedisRegistry
 from services.toggle.reservations import Reservations, needs
 
 MAX_RESERVE_ATTEMPTS = 4  # plans tried when workers have no KV room left
+IDLE_AFTER_S = 2.0  # no route for this long: the snapshot is refreshed every idle_refresh_s
 PENDING_MAX_S = 30.0  # kept at most this long (with no worker registered, no heartbeat makes it redundant)
 
 log = logging.getLogger(__name__)
@@ -69,7 +72,8 @@ class _Pending:
 class Router:
     def __init__(self, registry: RedisRegistry, routing: RoutingConfig = RoutingConfig(), refresh_s: float = 0.05,
                  tracing: Tracing | None = None, slo: SloRouting | None = None,
-                 reservations: Reservations | None = None, reports_delivery: bool = False):
+                 reservations: Reservations | None = None, reports_delivery: bool = False,
+                 idle_refresh_s: float = 0.5):
         """`slo`: route by the SLO-aware multiplexing policy over this latency profile; None: least loaded.
         `reservations`: book each route's KV tokens in Redis so concurrent routers never overbook a worker.
         `reports_delivery`: the caller says (`sent`) when each chosen worker is handed the request, and until
@@ -78,6 +82,9 @@ class Router:
         self.registry = registry
         self.routing = routing
         self.refresh_s = refresh_s
+        self.idle_refresh_s = max(idle_refresh_s, refresh_s)
+        self._last_route = float("-inf")  # time.monotonic() of the last route asked for
+        self._routing = asyncio.Event()  # set by a route: an idle refresher goes back to refresh_s at once
         self.tracing = tracing or Tracing()
         self.slo = slo
         self.reservations = reservations
@@ -119,13 +126,23 @@ class Router:
             self._snapshot_at = now
 
     async def refresh_forever(self) -> None:
-        """Keep the snapshot fresh off the request path, so a route never waits on Redis for it."""
+        """Keep the snapshot fresh off the request path, so a route never waits on Redis for it. With no route
+        for `IDLE_AFTER_S`, refresh every `idle_refresh_s` only (an idle toggle or gateway then reads Redis
+        2 times a second instead of 20); the first route after that reads the snapshot inline if it is older
+        than 2 × `refresh_s` (one Redis round trip), and wakes this loop to `refresh_s` again."""
         while True:
             await self.refresh()
-            await asyncio.sleep(self.refresh_s)
+            if time.monotonic() - self._last_route < IDLE_AFTER_S:
+                await asyncio.sleep(self.refresh_s)
+                continue
+            self._routing.clear()
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._routing.wait(), self.idle_refresh_s)
 
     async def route(self, summary: RouteSummary) -> RoutePlan:
         """The request's plan, its KV reserved on the chosen workers; raises NoRoute."""
+        self._last_route = time.monotonic()
+        self._routing.set()
         workers = await self.workers()
         full_workers: set[str] = set()
         plan, full = None, None
