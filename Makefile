@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 ARGS ?=
 
-.PHONY: serve test bench-engine bench-mesh bench-transfer bench-tracing bench-detokenize bench-goodput proto clean
+.PHONY: serve test bench-engine bench-mesh bench-transfer bench-tracing bench-timeline bench-detokenize bench-goodput proto clean
 
 $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
@@ -30,6 +30,9 @@ bench-transfer: $(VENV)/.installed
 
 bench-tracing: $(VENV)/.installed
 	$(PY) -m bench.tracing $(ARGS)
+
+bench-timeline: $(VENV)/.installed
+	$(PY) -m bench.timeline $(ARGS)
 
 bench-detokenize: $(VENV)/.installed
 	$(PY) -m bench.detokenize $(ARGS)
