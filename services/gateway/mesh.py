@@ -283,7 +283,9 @@ class MeshBackend:
         message = pb.EncodeRequest(request=wire.spec_to_pb(request, with_pixels=True), awaited=True)
         with self.tracing.activate(span):
             call = stub.Encode(message)  # made here, so it goes out before the next stage's call
-        return asyncio.ensure_future(_stage("encode", plan.encoder.worker_id, None, call))
+        task = asyncio.ensure_future(_stage("encode", plan.encoder.worker_id, None, call))
+        task.add_done_callback(_consume)  # its outcome is awaited, unless the request failed before that
+        return task
 
     def detokenize(self, ids: list[int]) -> str:
         return self.processor.detokenize(ids)
@@ -377,7 +379,8 @@ async def _encoded(encoding: asyncio.Task | None, held: list[pb.PageHandle], cal
 
 
 def _consume(task: asyncio.Future) -> None:
-    """Retrieve a background route's outcome, so an error nobody awaited is not logged as unhandled."""
+    """Retrieve a background task's outcome (a route, an awaited Encode), so an error nobody awaited is not logged
+    as unhandled."""
     if not task.cancelled():
         task.exception()
 
