@@ -27,7 +27,7 @@ if not __package__:
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.lean_http import LeanClient  # noqa: E402
-from bench.mesh import SERVED_NAME, _data_uri, conversation  # noqa: E402
+from bench.mesh import measure_http  # noqa: E402
 
 BACKEND = "real engine (torch CPU, float32, 1 thread per process), OpenTelemetry tracing on"
 ROOT = "chat.completions"
@@ -85,24 +85,13 @@ def timeline(spans) -> tuple[list[Row], int]:
 
 
 async def send(base: str, args, first: int, count: int) -> list[float]:
-    """`count` chats one at a time; the client's TTFT of each, ms."""
-    client, ttfts = LeanClient(base), []
+    """`count` chats one at a time, as bench/mesh.py sends them; the client's TTFT of each, ms."""
+    client = LeanClient(base)
     try:
-        for i in range(first, first + count):
-            img, text = conversation(i, args.workload)
-            content = [{"type": "image_url", "image_url": {"url": _data_uri(img)}}] if img is not None else []
-            body = json.dumps({"model": SERVED_NAME, "max_tokens": args.max_tokens, "temperature": 0, "stream": True,
-                               "ignore_eos": True, "return_token_ids": True,
-                               "messages": [{"role": "user", "content": content + [{"type": "text", "text": text}]}]})
-            start, first_at = time.perf_counter(), None
-            async for line in client.post_lines("/v1/chat/completions", body.encode()):
-                if first_at is None and line.startswith("data: {") and '"token_ids": [' in line \
-                        and '"token_ids": []' not in line:
-                    first_at = time.perf_counter()
-            ttfts.append((first_at - start) * 1e3)
+        return [(await measure_http(client, base, args.workload, i, args.max_tokens))[0]
+                for i in range(first, first + count)]
     finally:
         await client.close()
-    return ttfts
 
 
 def main(argv=None) -> int:
