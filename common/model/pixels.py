@@ -13,6 +13,7 @@ finished pixels are bit-for-bit the processor's own; otherwise pixels travel fin
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import torch
 
@@ -27,12 +28,30 @@ class PixelScaling:
 
 
 def finish(raw: torch.Tensor, scaling: PixelScaling) -> torch.Tensor:
-    """uint8 pixels [channels, H, W] (or [images, channels, H, W]) → the processor's float32 pixel values."""
+    """uint8 pixels [channels, H, W] (or [images, channels, H, W]) → the processor's float32 pixel values.
+
+    A uint8 value has 256 possible values per channel, so the two steps are done once per (channel, value)
+    into a table and the pixels are looked up in it: the same arithmetic on the same inputs, so the same bits,
+    at a quarter of the time (a 224² image: ~0.2 ms against ~0.9 ms elementwise, on one thread here)."""
     if raw.dtype != torch.uint8:
         raise ValueError(f"unfinished pixels must be uint8, not {raw.dtype}")
     channels = raw.shape[-3]
     if len(scaling.mean) != channels or len(scaling.std) != channels:
         raise ValueError(f"{channels}-channel pixels with {len(scaling.mean)} means and {len(scaling.std)} stds")
+    table = _table(scaling)  # [channels, 256]
+    planes = raw.movedim(-3, 0).reshape(channels, -1).long()
+    return table.gather(1, planes).view(channels, *raw.shape[:-3], *raw.shape[-2:]).movedim(0, -3).contiguous()
+
+
+@functools.lru_cache(maxsize=16)
+def _table(scaling: PixelScaling) -> torch.Tensor:
+    """The finished value of every uint8 value in every channel: [channels, 256] float32."""
+    values = torch.arange(256, dtype=torch.uint8).expand(len(scaling.mean), 1, 256)
+    return finish_elementwise(values, scaling).view(len(scaling.mean), 256)
+
+
+def finish_elementwise(raw: torch.Tensor, scaling: PixelScaling) -> torch.Tensor:
+    """`finish` step by step, value by value: what the table is made of (and what tests compare it with)."""
     x = (raw.to(torch.float64) * scaling.rescale).to(torch.float32)
     mean = torch.tensor(scaling.mean, dtype=torch.float32).view(-1, 1, 1)
     std = torch.tensor(scaling.std, dtype=torch.float32).view(-1, 1, 1)

@@ -6,7 +6,7 @@ import torch
 from PIL import Image
 
 from common.model import processor as processor_module
-from common.model.pixels import PixelScaling, finish
+from common.model.pixels import PixelScaling, finish, finish_elementwise
 from common.model.processor import ChatProcessor
 from common.request import Request, Stage
 from common.sampling import SamplingParams
@@ -62,3 +62,18 @@ def test_finish_refuses_what_it_cannot_finish():
     with pytest.raises(ValueError, match="3 means"):
         finish(torch.zeros(1, 4, 4, dtype=torch.uint8), scaling)
     assert finish(torch.full((3, 2, 2), 255, dtype=torch.uint8), scaling).eq(2.0).all()
+
+
+@pytest.mark.parametrize("shape", [(3, 1, 256), (3, 17, 5), (2, 3, 9, 4)])
+def test_the_lookup_table_gives_the_elementwise_steps_bits_for_every_value(shape):
+    """`finish` looks each uint8 value up in a per-channel table; every value of every channel, in one image
+    and in a batch of images, comes out as the two steps done value by value."""
+    scaling = PixelScaling(1 / 255, (0.48145466, 0.4578275, 0.40821073), (0.26862954, 0.26130258, 0.27577711))
+    raw = torch.from_numpy(np.random.default_rng(sum(shape)).integers(0, 256, shape, dtype=np.uint8))
+    if shape == (3, 1, 256):
+        raw = torch.arange(256, dtype=torch.uint8).expand(3, 1, 256).contiguous()  # all 256 values per channel
+    got, want = finish(raw, scaling), finish_elementwise(raw, scaling)
+    assert got.shape == raw.shape and got.dtype == torch.float32 and got.is_contiguous()
+    assert torch.equal(_bits(got), _bits(want))
+    other = PixelScaling(1 / 255, (0.5, 0.5, 0.5), (0.5, 0.5, 0.5))  # a second processor's table is its own
+    assert torch.equal(_bits(finish(raw, other)), _bits(finish_elementwise(raw, other)))
