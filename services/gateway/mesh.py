@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
+import contextvars
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -39,6 +41,7 @@ from services import wire
 from common.telemetry.metrics import GatewayMetrics
 from common.telemetry.tracing import Tracing, set_attributes
 from services.gateway.migration import continuation, rebased
+from services.gateway.stage_errors import StageFailed, api_error_from_rpc, failure, stage_call
 from services.gateway.protocol import ApiError, ChatRequest
 from services.toggle.router import NoRoute, Router
 
@@ -48,42 +51,6 @@ _STATUS_OF = {reason: status for status, reason in FINISH_REASONS.items()}
 
 MAX_ATTEMPTS = 3  # routes tried per request when workers fail it
 RECENT_PREDICTIONS = 1024  # routed requests whose predicted and actual TTFT /stats shows
-
-
-class StageFailed(Exception):
-    """A stage failed before the request produced output; `blame` is the worker to route around (None: don't retry)."""
-
-    def __init__(self, error: ApiError, blame: str | None):
-        super().__init__(error.message)
-        self.error = error
-        self.blame = blame
-
-
-def _failure(stage: str, callee: str, source: str | None, e: grpc.aio.AioRpcError) -> StageFailed:
-    if e.code() == grpc.StatusCode.UNAVAILABLE:  # the callee is down or draining
-        return StageFailed(api_error_from_rpc(e, stage), callee)
-    if e.code() == grpc.StatusCode.ABORTED:  # the callee could not pull its pages: their source failed
-        return StageFailed(ApiError(503, f"{stage} could not get its pages: {e.details()}"), source or callee)
-    return StageFailed(api_error_from_rpc(e, stage), None)
-
-
-async def _stage(stage: str, callee: str, source: str | None, call):
-    try:
-        return await call
-    except grpc.aio.AioRpcError as e:
-        raise _failure(stage, callee, source, e) from None
-
-
-def api_error_from_rpc(e: grpc.aio.AioRpcError, stage: str) -> ApiError:
-    code = e.code()
-    if code == grpc.StatusCode.INVALID_ARGUMENT:
-        return ApiError(400, e.details())
-    if code == grpc.StatusCode.RESOURCE_EXHAUSTED:  # admission control: come back shortly
-        return ApiError(503, f"{stage}: {e.details()}", headers={"Retry-After": "1"})
-    if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
-        return ApiError(503, f"{stage} is unavailable: {e.details()}")
-    log.error("%s failed: %s %s", stage, code.name, e.details())
-    return ApiError(500, f"{stage} failed: {code.name}: {e.details()}")
 
 
 class MeshBackend:
@@ -112,26 +79,31 @@ class MeshBackend:
     async def start(self, chat: ChatRequest, request_id: str, span=None) -> tuple[int, AsyncIterator[RequestOutput]]:
         """`span`: the request's root span; route and stage calls become its children.
 
-        With images, the route is asked for while the pixels are preprocessed (milliseconds per image), on the
-        prompt's length counted without them; a text prompt is tokenized first (that is as quick)."""
+        With images, the processor starts on a thread at once (milliseconds per image) and, meanwhile, the
+        prompt's length is counted without the pixels and the route asked for on it: both off the critical
+        path. A text prompt is tokenized first (that is as quick)."""
         arrival = time.monotonic()
         slo = (chat.slo_ttft_ms, chat.slo_tbt_ms)
         num_images = chat.num_images
         plan = None
         if num_images:
-            # tokenizing a short text costs less than a thread hop
-            num_tokens = await self._prepare(self.processor.count_prompt_tokens, chat, span, inline=chat.short_text)
-            self._check_length(num_tokens, chat.sampling.max_tokens)
-            summary = RouteSummary(request_id, num_tokens, num_images, chat.sampling.max_tokens, frozenset(), *slo,
-                                   elapsed_ms=(time.monotonic() - arrival) * 1e3)
-            routing = asyncio.ensure_future(self._route(summary, span, attempt=1))
-            routing.add_done_callback(_consume)
+            applying = self._prepare_in_thread(self._apply, chat, span)
             try:
-                ids, images = await self._prepare(self._apply, chat, span)
+                # tokenizing a short text costs less than a thread hop
+                num_tokens = await self._prepare(self.processor.count_prompt_tokens, chat, span, inline=chat.short_text)
+                self._check_length(num_tokens, chat.sampling.max_tokens)
+                summary = RouteSummary(request_id, num_tokens, num_images, chat.sampling.max_tokens, frozenset(), *slo,
+                                       elapsed_ms=(time.monotonic() - arrival) * 1e3)
+                plan = await self._route(summary, span, attempt=1)
             except BaseException:
-                routing.cancel()  # a route already made keeps its reservation until it expires (seconds)
+                applying.add_done_callback(_consume)  # the thread runs to its end; nobody needs what it makes
                 raise
-            plan = await routing
+            try:
+                ids, images = await applying  # a prompt the processor refuses is a 400 here
+            except BaseException:
+                if self.router is not None:
+                    self.router.forget(request_id)  # its reservations end now, not when they expire
+                raise
         else:  # a short text prompt is tokenized on the loop: a thread hop would cost more than the tokenizing
             ids, images = await self._prepare(self._apply, chat, span, inline=chat.short_text)
         self._check_length(len(ids), chat.sampling.max_tokens)
@@ -148,11 +120,22 @@ class MeshBackend:
     async def _prepare(self, fn, chat: ChatRequest, span=None, inline: bool = False):
         """`fn(conversation)`, off the event loop unless `inline`; a conversation the processor refuses is a 400.
         Traced as a child of `span` named after `fn` (`apply`: chat template, tokenizer, image preprocessing)."""
-        try:
+        if not inline:
+            return await self._prepare_in_thread(fn, chat, span)
+        with _refused_prompt():
             with self.tracing.activate(span), self.tracing.span(fn.__name__.lstrip("_")):
-                return fn(chat.conversation) if inline else await asyncio.to_thread(fn, chat.conversation)
-        except (ValueError, TypeError, KeyError) as e:
-            raise ApiError(400, f"could not build the prompt from these messages: {e}") from None
+                return fn(chat.conversation)
+
+    def _prepare_in_thread(self, fn, chat: ChatRequest, span=None) -> asyncio.Future:
+        """`_prepare` on a thread that starts now, not at the caller's next await: the loop can do other work
+        (count tokens, route) while it runs."""
+
+        def run():
+            with _refused_prompt():
+                with self.tracing.activate(span), self.tracing.span(fn.__name__.lstrip("_")):
+                    return fn(chat.conversation)
+
+        return asyncio.get_running_loop().run_in_executor(None, contextvars.copy_context().run, run)
 
     def _check_length(self, num_tokens: int, max_tokens: int) -> None:
         total = num_tokens + max_tokens
@@ -244,7 +227,7 @@ class MeshBackend:
                 with self.tracing.activate(span):
                     call = stub.Prefill(pb.PrefillRequest(request=spec, pending_images=pending))
                 await _encoded(encoding, held, call)
-                reply = await _stage("prefill", plan.prefill.worker_id, source, call)
+                reply = await stage_call("prefill", plan.prefill.worker_id, source, call)
                 held.clear()
                 output.extend(reply.first.token_ids)
                 yield _output(request.request_id, reply.first, output)
@@ -267,7 +250,7 @@ class MeshBackend:
                     output.extend(chunk.token_ids)
                     yield _output(request.request_id, chunk, output)
             except grpc.aio.AioRpcError as e:
-                raise _failure("decode", plan.decoder.worker_id, source if not output else None, e) from None
+                raise failure("decode", plan.decoder.worker_id, source if not output else None, e) from None
             finally:
                 call.cancel()
         finally:
@@ -283,7 +266,7 @@ class MeshBackend:
         message = pb.EncodeRequest(request=wire.spec_to_pb(request, with_pixels=True), awaited=True)
         with self.tracing.activate(span):
             call = stub.Encode(message)  # made here, so it goes out before the next stage's call
-        task = asyncio.ensure_future(_stage("encode", plan.encoder.worker_id, None, call))
+        task = asyncio.ensure_future(stage_call("encode", plan.encoder.worker_id, None, call))
         task.add_done_callback(_consume)  # its outcome is awaited, unless the request failed before that
         return task
 
@@ -376,6 +359,15 @@ async def _encoded(encoding: asyncio.Task | None, held: list[pb.PageHandle], cal
         call.cancel()
         raise
     held.append(reply.image_pages)
+
+
+@contextlib.contextmanager
+def _refused_prompt():
+    """A conversation the processor refuses is the client's error: a 400 that says why."""
+    try:
+        yield
+    except (ValueError, TypeError, KeyError) as e:
+        raise ApiError(400, f"could not build the prompt from these messages: {e}") from None
 
 
 def _consume(task: asyncio.Future) -> None:
