@@ -7,6 +7,7 @@ import math
 import numpy as np
 import torch
 
+from common.engine.outputs import TokenLogprob
 from common.model.pixels import PixelScaling, finish
 from common.paged_cache import PageLayout
 from common.policy.routing import PrefillPath, RoutePlan, RouteSummary
@@ -34,6 +35,8 @@ def sampling_to_pb(s: SamplingParams) -> pb.SamplingParams:
                             stop=list(s.stop), stop_token_ids=list(s.stop_token_ids), ignore_eos=s.ignore_eos)
     if s.seed is not None:
         msg.seed = s.seed
+    if s.logprobs is not None:
+        msg.logprobs = s.logprobs
     return msg
 
 
@@ -42,6 +45,7 @@ def sampling_from_pb(msg: pb.SamplingParams) -> SamplingParams:
         max_tokens=msg.max_tokens, temperature=msg.temperature, top_p=msg.top_p, top_k=msg.top_k,
         seed=msg.seed if msg.HasField("seed") else None, stop=tuple(msg.stop),
         stop_token_ids=tuple(msg.stop_token_ids), ignore_eos=msg.ignore_eos,
+        logprobs=msg.logprobs if msg.HasField("logprobs") else None,
     )
 
 
@@ -127,8 +131,11 @@ def optional_handle(parent, field: str) -> PageHandle | None:
 # ----- outputs -----
 
 def chunk_to_pb(new_token_ids: list[int], finish_reason: str | None, stop_reason, text: str | None,
-                num_prompt_tokens: int) -> pb.TokenChunk:
+                num_prompt_tokens: int, logprobs: list[TokenLogprob] | None = None) -> pb.TokenChunk:
     msg = pb.TokenChunk(token_ids=new_token_ids, finish_reason=finish_reason or "", num_prompt_tokens=num_prompt_tokens)
+    for lp in logprobs or ():
+        msg.logprobs.add(token_id=lp.token_id, logprob=lp.logprob, top_token_ids=[t for t, _ in lp.top],
+                         top_logprobs=[v for _, v in lp.top])
     if isinstance(stop_reason, str):
         msg.stop_string = stop_reason
     elif isinstance(stop_reason, int):
@@ -136,6 +143,12 @@ def chunk_to_pb(new_token_ids: list[int], finish_reason: str | None, stop_reason
     if text is not None:
         msg.text = text
     return msg
+
+
+def chunk_logprobs(msg: pb.TokenChunk) -> list[TokenLogprob] | None:
+    if not msg.logprobs:
+        return None
+    return [TokenLogprob(lp.token_id, lp.logprob, tuple(zip(lp.top_token_ids, lp.top_logprobs))) for lp in msg.logprobs]
 
 
 def chunk_stop_reason(msg: pb.TokenChunk) -> str | int | None:

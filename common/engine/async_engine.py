@@ -129,10 +129,13 @@ class AsyncEngine:
                         self._deliver(out.request_id, out)
             except Exception as exc:  # a bug of ours: fail what is in flight, keep serving
                 log.exception("engine step failed; aborting the requests in flight")
+                failed = list(getattr(exc, "request_ids", ()))  # the step's own, wherever it left them (StepFailed)
                 with self.engine.lock:
                     for request_id in list(self.engine.requests):
                         self.engine.abort(request_id)
-                        self._deliver(request_id, RuntimeError(f"engine failure: {exc}"))
+                        failed.append(request_id)
+                for request_id in dict.fromkeys(failed):
+                    self._deliver(request_id, RuntimeError(f"engine failure: {exc}"))
 
     def _drain(self, block: bool) -> None:
         while True:

@@ -40,6 +40,8 @@ STAMP_MASK = (1 << 20) - 1  # stamps stay exact in float32
 
 
 class EmulatedEngine(Engine):
+    computes_logprobs = False  # it waits out predicted times and emits deterministic tokens: there are no logits
+
     def __init__(self, config: EngineConfig, profile: LatencyProfile, detokenize: Callable[[list[int]], str] | None = None,
                  token_pool: list[int] | None = None, kv_bytes_per_token: int = 256, image_bytes_per_token: int = 64,
                  model_config: LlavaConfig | None = None):

@@ -21,8 +21,8 @@ import torch
 
 from common.engine.config import EngineConfig
 from common.engine.model_runner import ModelRunner
-from common.engine.outputs import RequestOutput
-from common.engine.sampler import Sampler
+from common.engine.outputs import RequestOutput, TokenLogprob
+from common.engine.sampler import Sampler, logprobs_of
 from common.engine.stopping import check_stop
 from common.kv_manager import ImageBlockManager, KVBlockManager, blocks_for
 from common.model.config import LlavaConfig
@@ -38,6 +38,15 @@ log = logging.getLogger(__name__)
 
 class RequestRejected(ValueError):
     """The request cannot be served as asked; the message says what to change."""
+
+
+class StepFailed(RuntimeError):
+    """A step failed after its model ran. Its requests were dropped — even those it had already finished or
+    handed off, whose outputs are lost with it — so their callers must be told (`request_ids`)."""
+
+    def __init__(self, request_ids: list[str], cause: Exception):
+        super().__init__(f"{type(cause).__name__}: {cause}")
+        self.request_ids = request_ids
 
 
 class NoRoomForPages(RuntimeError):
@@ -61,6 +70,8 @@ class EngineStats:
 
 
 class Engine:
+    computes_logprobs = True  # it has the model's logits to report them from
+
     def __init__(self, config: EngineConfig, model: LlavaModel | None = None, detokenize: Callable[[list[int]], str] | None = None):
         dtype = getattr(torch, config.dtype)
         device = torch.device(config.device)
@@ -76,6 +87,7 @@ class Engine:
         """Caches, block managers and the scheduler for a model of `model_config`, pages of the given shapes
         (`kv_shape` = layers, KV heads, head dim; `image_hidden` values per image token). The cache sizes of
         `config` buy blocks of these pages, or of `count_as` bytes (KV, image) per block when given."""
+        self._logprobs: dict[str, TokenLogprob] = {}  # of this step's sampled tokens, for the requests that asked
         self.config = config
         self.model_config = model_config
         # held by whoever changes the scheduler and the block managers; `step()` lets go of it while the model
@@ -163,6 +175,8 @@ class Engine:
             raise RequestRejected(f"this engine lacks the role(s) {missing} that request {request.request_id} needs")
 
     def _validate(self, request: Request) -> None:
+        if request.sampling.logprobs is not None and not self.computes_logprobs:
+            raise RequestRejected("logprobs are not available on this backend: it runs no model")
         if request.request_id in self.requests or request.request_id in self.handed_off or request.request_id in self.importing:
             raise RequestRejected(f"request id {request.request_id!r} is already in use")
         cfg = self.model_config
@@ -236,7 +250,13 @@ class Engine:
                     request.first_scheduled_time = now
         sampling, tokens = self._execute(plan)  # without the lock: it touches only the plan's requests and pages
         with self.lock:
-            return self._postprocess(plan, sampling, tokens)
+            try:
+                return self._postprocess(plan, sampling, tokens)
+            except Exception as e:  # a bug of ours, part-way through the plan: drop all of it, pages freed
+                request_ids = [request.request_id for request in plan.requests]
+                for request_id in request_ids:
+                    self.abort(request_id)  # aborted, or its handed-off pages freed; a no-op if it finished
+                raise StepFailed(request_ids, e) from e
 
     def _postprocess(self, plan: SchedulerOutput, sampling: list[Request], tokens: list[int]) -> list[RequestOutput]:
         outputs: dict[str, RequestOutput] = {}
@@ -268,6 +288,7 @@ class Engine:
         """Run the plan on the model: the requests that sample this step and their sampled tokens."""
         sampling, logits = self.runner.run(plan)
         tokens = self.sampler(logits, sampling) if sampling else []
+        self._logprobs = logprobs_of(logits, sampling, tokens) if sampling else {}
         for row, request in enumerate(sampling):
             if request.request_id in self.captured_logits:
                 self.captured_logits[request.request_id].append(logits[row].clone())
@@ -290,6 +311,7 @@ class Engine:
         return out
 
     def _output(self, request: Request, new: list[int]) -> RequestOutput:
+        logprob = self._logprobs.get(request.request_id) if new else None
         return RequestOutput(
             request_id=request.request_id,
             new_token_ids=new,
@@ -299,6 +321,7 @@ class Engine:
             stop_reason=request.stop_reason,
             text=request.output_text if request.sampling.stop and request.status.finished else None,  # the final text
             num_prompt_tokens=request.num_prompt_tokens,
+            logprobs=[logprob] if logprob is not None and logprob.token_id == new[0] else None,
         )
 
     def abort(self, request_id: str) -> bool:

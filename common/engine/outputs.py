@@ -7,6 +7,16 @@ import dataclasses
 from common.request import RequestStatus
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class TokenLogprob:
+    """A sampled token's log-probability under the model (its raw logits, before temperature, top-k or top-p,
+    as vLLM reports them) and the most likely tokens at that position, most likely first."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
 @dataclasses.dataclass(slots=True)
 class RequestOutput:
     request_id: str
@@ -18,6 +28,7 @@ class RequestOutput:
     text: str | None = None  # final text cut at the stop string, when stop strings were given
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
+    logprobs: list[TokenLogprob] | None = None  # one per new token, when the request asked for them
     pages: tuple[str, list[int], int] | None = None  # handed off: (cache kind, block ids, tokens) kept for the next stage
 
     @property

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from common.engine.outputs import TokenLogprob
 from common.request import Request
 
 
@@ -39,3 +40,22 @@ class Sampler:
         else:
             generator = torch.Generator().manual_seed(params.seed * 1_000_003 + len(request.output_token_ids))
         return int(torch.multinomial(probs, 1, generator=generator))
+
+
+def logprobs_of(logits: torch.Tensor, requests: list[Request], tokens: list[int]) -> dict[str, TokenLogprob]:
+    """For the rows whose request asked for logprobs: the sampled token's log-probability and the top ones,
+    from the raw logits (float32 log-softmax), by request id."""
+    rows = [row for row, request in enumerate(requests) if request.sampling.logprobs is not None]
+    if not rows:
+        return {}
+    logprobs = torch.log_softmax(logits[rows].float(), dim=-1).cpu()
+    k = max(requests[row].sampling.logprobs for row in rows)
+    top_values, top_ids = logprobs.topk(k, dim=-1) if k else (None, None)
+    out = {}
+    for i, row in enumerate(rows):
+        request, token = requests[row], tokens[row]
+        n = request.sampling.logprobs
+        top = tuple(zip(top_ids[i, :n].tolist(), top_values[i, :n].tolist())) if n else ()
+        out[request.request_id] = TokenLogprob(token, float(logprobs[i, token]), top)
+    return out
+

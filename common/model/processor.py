@@ -93,3 +93,12 @@ class ChatProcessor:
 
     def detokenize(self, token_ids: list[int]) -> str:
         return self.tokenizer.decode(token_ids, skip_special_tokens=True)
+
+    def token_text(self, token_id: int) -> str:
+        """One token's own text, special tokens included (what a logprobs entry names it by)."""
+        cache = self.__dict__.setdefault("_token_texts", {})
+        text = cache.get(token_id)
+        if text is None:
+            text = cache[token_id] = self.tokenizer.decode([token_id], skip_special_tokens=False)
+        return text
+

@@ -37,4 +37,5 @@ class DecoderServicer(pb_grpc.DecoderServicer):
         first = Stage.DECODE if kv is not None else first_stage_for(spec, images is not None)
         engine_request = wire.request_from_pb(spec, first, Stage.DECODE, f"{spec.request_id}@decode")
         async for out in self.runtime.decode(engine_request, kv, images):
-            yield wire.chunk_to_pb(out.new_token_ids, out.finish_reason, out.stop_reason, out.text, out.num_prompt_tokens)
+            yield wire.chunk_to_pb(out.new_token_ids, out.finish_reason, out.stop_reason, out.text, out.num_prompt_tokens,
+                                   out.logprobs)

@@ -130,16 +130,22 @@ def build_app(backend, model_name: str, allow_remote_images: bool = False, metri
             observer.failed(e.status, e.message)
             return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
         outputs = observer.observe(outputs, num_prompt)
+        logprobs = Logprobs(backend.processor.token_text) if chat.sampling.logprobs is not None else None
         if chat.stream:
-            events = _sse(chat, request_id, model_name, num_prompt, outputs, backend.detokenize)
+            events = _sse(chat, request_id, model_name, num_prompt, outputs, backend.detokenize, logprobs)
             return StreamingResponse(events, media_type="text/event-stream")
-        final = None
+        final, entries = None, []
         try:
             async for out in outputs:
                 final = out
+                if logprobs is not None:
+                    entries += logprobs.entries(out)
         except ApiError as e:  # a stage failed after the request started
             return JSONResponse(e.body(), status_code=e.status)
-        return JSONResponse(_completion(chat, request_id, model_name, num_prompt, final, backend.detokenize))
+        completion = _completion(chat, request_id, model_name, num_prompt, final, backend.detokenize)
+        if logprobs is not None:
+            completion["choices"][0]["logprobs"] = {"content": entries}
+        return JSONResponse(completion)
 
     return Starlette(routes=[
         Route("/health", health),
@@ -177,12 +183,28 @@ def _completion(chat: ChatRequest, request_id: str, model: str, num_prompt: int,
             "choices": [choice], "usage": _usage(num_prompt, out)}
 
 
-async def _sse(chat, request_id, model, num_prompt, outputs, detokenize) -> AsyncIterator[str]:
+class Logprobs:
+    """A request's logprobs in OpenAI's form: per token its text, logprob, UTF-8 bytes and top alternatives."""
+
+    def __init__(self, token_text):
+        self.token_text = token_text
+
+    def _entry(self, token_id: int, logprob: float) -> dict:
+        text = self.token_text(token_id)
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+
+    def entries(self, out: RequestOutput) -> list[dict]:
+        return [{**self._entry(lp.token_id, lp.logprob), "top_logprobs": [self._entry(t, v) for t, v in lp.top]}
+                for lp in out.logprobs or ()]
+
+
+async def _sse(chat, request_id, model, num_prompt, outputs, detokenize, logprobs: Logprobs | None = None) -> AsyncIterator[str]:
     created = int(time.time())
     holdback = max((len(s) for s in chat.sampling.stop), default=1) - 1
 
-    def chunk(delta: dict, finish: str | None = None, token_ids: list[int] | None = None) -> str:
-        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+    def chunk(delta: dict, finish: str | None = None, token_ids: list[int] | None = None, out: RequestOutput | None = None) -> str:
+        entries = logprobs.entries(out) if logprobs is not None and out is not None else None
+        choice = {"index": 0, "delta": delta, "logprobs": {"content": entries} if entries else None, "finish_reason": finish}
         if chat.return_token_ids and token_ids is not None:
             choice["token_ids"] = token_ids
         body = {"id": request_id, "object": "chat.completion.chunk", "created": created, "model": model, "choices": [choice]}
@@ -199,7 +221,7 @@ async def _sse(chat, request_id, model, num_prompt, outputs, detokenize) -> Asyn
             text.push(out.output_token_ids[len(text.token_ids):])
             safe = text.text[: len(text.text) - holdback] if holdback else text.text
             if len(safe) > len(sent) or out.new_token_ids:
-                yield chunk({"content": safe[len(sent):]}, token_ids=out.new_token_ids)
+                yield chunk({"content": safe[len(sent):]}, token_ids=out.new_token_ids, out=out)
                 sent = safe
     except ApiError as e:  # a stage failed mid-stream: say so in the stream (OpenAI clients raise on it)
         yield f"data: {json.dumps(e.body())}\n\n"
@@ -211,7 +233,7 @@ async def _sse(chat, request_id, model, num_prompt, outputs, detokenize) -> Asyn
         text.push(last.output_token_ids[len(text.token_ids):])
         text.finish()
         final = text.text
-    yield chunk({"content": final[len(sent):]}, finish=last.finish_reason, token_ids=last.new_token_ids)
+    yield chunk({"content": final[len(sent):]}, finish=last.finish_reason, token_ids=last.new_token_ids, out=last)
     if chat.include_usage:
         usage = {"id": request_id, "object": "chat.completion.chunk", "created": created, "model": model,
                  "choices": [], "usage": _usage(num_prompt, last)}

@@ -345,6 +345,7 @@ def _output(request_id: str, chunk: pb.TokenChunk, output: list[int]) -> Request
         request_id=request_id, new_token_ids=list(chunk.token_ids), output_token_ids=list(output), status=status,
         finish_reason=chunk.finish_reason or None, stop_reason=wire.chunk_stop_reason(chunk),
         text=chunk.text if chunk.HasField("text") else None, num_prompt_tokens=chunk.num_prompt_tokens,
+        logprobs=wire.chunk_logprobs(chunk),
     )
 
 

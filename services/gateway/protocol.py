@@ -137,6 +137,11 @@ def _parse_sampling(body: dict) -> SamplingParams:
     stop_ids = body.get("stop_token_ids") or []
     if not isinstance(stop_ids, list) or not all(isinstance(t, int) for t in stop_ids):
         raise ApiError(400, "'stop_token_ids' must be a list of integers", "stop_token_ids")
+    _refuse_unsupported(body)
+    logprobs = _typed(body, "logprobs", bool, False)
+    top_logprobs = _typed(body, "top_logprobs", int, None)
+    if top_logprobs is not None and not logprobs:
+        raise ApiError(400, "'top_logprobs' needs 'logprobs': true", "top_logprobs")
     try:
         return SamplingParams(
             max_tokens=max_tokens,
@@ -147,9 +152,28 @@ def _parse_sampling(body: dict) -> SamplingParams:
             stop=tuple(stop),
             stop_token_ids=tuple(stop_ids),
             ignore_eos=_typed(body, "ignore_eos", bool, False),
+            logprobs=(top_logprobs or 0) if logprobs else None,
         )
     except ValueError as e:
         raise ApiError(400, str(e)) from None
+
+
+def _refuse_unsupported(body: dict) -> None:
+    """OpenAI parameters this server does not implement: a clear 400 rather than an answer that silently
+    ignored what was asked (a client sending them with their neutral values is served)."""
+    if body.get("tools") and body.get("tool_choice", "auto") != "none":
+        raise ApiError(400, "tool calling is not supported by this server; leave 'tools' out or send "
+                            "\"tool_choice\": \"none\"", "tools")
+    response_format = body.get("response_format")
+    if response_format is not None and response_format != {"type": "text"}:
+        raise ApiError(400, "structured output ('response_format' other than {\"type\": \"text\"}) is not supported "
+                            "by this server", "response_format")
+    for key in ("presence_penalty", "frequency_penalty"):
+        value = body.get(key)
+        if value not in (None, 0, 0.0):
+            raise ApiError(400, f"'{key}' is not supported by this server; send 0 or leave it out", key)
+    if body.get("logit_bias"):
+        raise ApiError(400, "'logit_bias' is not supported by this server; leave it out", "logit_bias")
 
 
 def _parse_message(message: Any, index: int, allow_remote: bool) -> dict:

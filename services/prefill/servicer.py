@@ -44,5 +44,5 @@ class PrefillServicer(pb_grpc.PrefillerServicer):
         engine_request = wire.request_from_pb(spec, first, Stage.PREFILL, f"{spec.request_id}@prefill")
         out, kv = await self.runtime.prefill(engine_request, images)
         chunk = wire.chunk_to_pb(out.new_token_ids or out.output_token_ids[-1:], out.finish_reason, out.stop_reason,
-                                 out.text, out.num_prompt_tokens)
+                                 out.text, out.num_prompt_tokens, out.logprobs)
         return pb.PrefillResponse(first=chunk, kv_pages=wire.handle_to_pb(kv) if kv is not None else None)

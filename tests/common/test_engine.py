@@ -217,3 +217,49 @@ def test_blocks_for_incoming_pages_are_reserved_while_a_step_runs_not_after_it(e
         release.set()
         async_engine.shutdown()
     assert_pools_full(engine)
+
+
+def test_a_step_that_fails_after_a_handoff_fails_that_request_too_and_frees_its_pages(tiny_dir, model):
+    """A step that raises part-way (here: while putting out a handed-off prefill) has already moved some of its
+    requests out of the running set. Each of them still gets the error, instead of its caller waiting forever,
+    its pages are freed, and the engine serves the next request."""
+    import asyncio
+
+    from common.engine.async_engine import AsyncEngine
+
+    engine = Engine(EngineConfig(model=str(tiny_dir), roles=frozenset({Stage.PREFILL}), kv_cache_gib=0.02,
+                                 image_cache_gib=0.01), model=model)
+    handoff = engine._handoff
+    calls = []
+
+    def failing_once(request, new=None):
+        calls.append(request.request_id)
+        if len(calls) == 1:
+            handoff(request, new)  # it is handed off by now: out of `requests`, its pages held for the next stage
+            raise KeyError("a bug after the handoff")
+        return handoff(request, new)
+
+    engine._handoff = failing_once
+    async_engine = AsyncEngine(engine)
+
+    def prefill(name):
+        return Request(name, PROMPT, SamplingParams(max_tokens=4), last_stage=Stage.PREFILL)
+
+    async def scenario():
+        with pytest.raises(RuntimeError, match="engine failure: KeyError"):
+            await asyncio.wait_for(_drain(async_engine.generate(prefill("broken"))), 30)
+        assert "broken" not in engine.handed_off and not engine.requests
+        outs = await asyncio.wait_for(_drain(async_engine.generate(prefill("next"))), 30)
+        assert outs[-1].handed_off
+        engine.release("next")
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        async_engine.shutdown()
+    assert calls == ["broken", "next"]
+    assert_pools_full(engine)
+
+
+async def _drain(stream):
+    return [out async for out in stream]

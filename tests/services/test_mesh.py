@@ -15,10 +15,12 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+import torch
 
 from tests.services.servers import MODEL, REDIS_URL, assert_pools_full, running_server
 from tests.services.test_gateway import to_openai
 
+TOP_LOGPROBS = 2
 TOPOLOGIES = {
     "EPD1": ("EPD1", ()),  # colocated: one worker, no pages move; serve starts its own private redis-server
     # encode+prefill together, KV pages move to the decoder — over the gRPC-stream fallback; routed by the
@@ -37,10 +39,37 @@ async def _ask_all(base, cases):
     try:
         return await asyncio.gather(*(
             client.chat.completions.create(model=MODEL, messages=to_openai(c.conversation), max_tokens=c.max_tokens,
-                                           temperature=0, extra_body={"return_token_ids": True})
+                                           temperature=0, logprobs=True, top_logprobs=TOP_LOGPROBS,
+                                           extra_body={"return_token_ids": True})
             for c in cases))
     finally:
         await client.close()
+
+
+async def _stream_logprobs(base, case) -> list:
+    """The logprobs entries of a streamed answer, chunk by chunk."""
+    client = openai.AsyncOpenAI(base_url=f"{base}/v1", api_key="none")
+    try:
+        stream = await client.chat.completions.create(
+            model=MODEL, messages=to_openai(case.conversation), max_tokens=case.max_tokens, temperature=0, stream=True,
+            logprobs=True, top_logprobs=TOP_LOGPROBS)
+        return [entry async for chunk in stream if chunk.choices and chunk.choices[0].logprobs
+                for entry in chunk.choices[0].logprobs.content]
+    finally:
+        await client.close()
+
+
+def _assert_logprobs_of_reference(entries, ref, label) -> None:
+    """OpenAI-form logprobs entries against transformers' logits: one per token, the token's own text and bytes,
+    its log-softmax value, and the top alternatives in order (the first is the greedy token itself)."""
+    assert len(entries) == len(ref.tokens), label
+    for step, (entry, token) in enumerate(zip(entries, ref.tokens)):
+        want = torch.log_softmax(ref.logits[step], dim=-1)
+        assert abs(entry.logprob - want[token].item()) <= 1e-3, (label, step)
+        assert entry.bytes == list(entry.token.encode()) and len(entry.top_logprobs) == TOP_LOGPROBS, (label, step)
+        assert entry.top_logprobs[0].token == entry.token and abs(entry.top_logprobs[0].logprob - entry.logprob) <= 1e-6
+        values = [t.logprob for t in entry.top_logprobs]
+        assert values == sorted(values, reverse=True) and abs(values[-1] - want.topk(TOP_LOGPROBS).values[-1].item()) <= 1e-3
 
 
 @pytest.mark.parametrize("name", list(TOPOLOGIES))
@@ -58,11 +87,14 @@ def test_topology_gives_the_transformers_tokens(name, tiny_dir, chat_reference, 
         for case, resp in zip(cases, responses):
             assert resp.choices[0].model_extra["token_ids"] == refs[case.name].tokens, (name, case.name)
             assert resp.usage.prompt_tokens == len(refs[case.name].prompt_ids)
+            _assert_logprobs_of_reference(resp.choices[0].logprobs.content, refs[case.name], (name, case.name))
+        streamed = cases[1]  # an image request: its first token comes from the prefill stage
+        _assert_logprobs_of_reference(asyncio.run(_stream_logprobs(base, streamed)), refs[streamed.name], (name, "stream"))
         paths = collections.Counter({k: v for k, v in httpx.get(f"{base}/stats").json()["paths"].items() if v})
         expected = {"EPD1": {"colocated"}, "EP1+D1": {"dedicated"}, "ED1+P1": {"dedicated"},
                     "multiplexed": {"multiplexed", "dedicated"}}[name]
         assert set(paths) == expected, paths
-        assert sum(paths.values()) == len(cases)
+        assert sum(paths.values()) == len(cases) + 1  # and the streamed one
         assert_pools_full(base)
 
 

@@ -2,7 +2,9 @@
 
 import json
 
-from services.gateway.protocol import INLINE_TOKENIZE_CHARS, parse_chat_request
+import pytest
+
+from services.gateway.protocol import INLINE_TOKENIZE_CHARS, ApiError, parse_chat_request
 
 
 def _chat(*texts: str):
@@ -15,3 +17,34 @@ def test_short_text_counts_every_text_part_against_the_inline_limit():
     assert _chat("hello").short_text and _chat(half, half).short_text
     assert not _chat(half, half, "y").short_text
     assert _chat(half, half, "y").num_text_chars == INLINE_TOKENIZE_CHARS + 1
+
+
+def _parse(**extra):
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], **extra}
+    return parse_chat_request(json.dumps(body).encode(), ["m"])
+
+
+def test_logprobs_and_top_logprobs_become_the_engines_logprobs_count():
+    assert _parse().sampling.logprobs is None and _parse(logprobs=False).sampling.logprobs is None
+    assert _parse(logprobs=True).sampling.logprobs == 0
+    assert _parse(logprobs=True, top_logprobs=5).sampling.logprobs == 5
+    for extra, words in [({"top_logprobs": 2}, "needs 'logprobs': true"),
+                         ({"logprobs": True, "top_logprobs": 21}, "between 0 and 20"),
+                         ({"logprobs": "yes"}, "'logprobs' must be bool")]:
+        with pytest.raises(ApiError) as err:
+            _parse(**extra)
+        assert err.value.status == 400 and words in err.value.message, extra
+
+
+def test_what_this_server_does_not_implement_is_a_400_not_silently_ignored():
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {}}}]
+    for extra, param in [({"tools": tools}, "tools"), ({"tools": tools, "tool_choice": "auto"}, "tools"),
+                         ({"response_format": {"type": "json_object"}}, "response_format"),
+                         ({"presence_penalty": 0.5}, "presence_penalty"), ({"frequency_penalty": -1}, "frequency_penalty"),
+                         ({"logit_bias": {"50256": -100}}, "logit_bias")]:
+        with pytest.raises(ApiError) as err:
+            _parse(**extra)
+        assert err.value.status == 400 and err.value.param == param and "not supported" in err.value.message, extra
+    # their neutral values, which many clients send by default, are served
+    _parse(tools=tools, tool_choice="none", response_format={"type": "text"}, presence_penalty=0, frequency_penalty=0.0,
+           logit_bias={})
