@@ -11,6 +11,7 @@ Life of a request here:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import queue
 import threading
@@ -18,7 +19,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 from typing import TypeVar
 
-from common.engine.engine import Engine
+from common.engine.engine import Engine, RequestRejected
 from common.engine.outputs import RequestOutput
 from common.paged_cache import PagePayload
 from common.request import Request
@@ -39,7 +40,9 @@ class AsyncEngine:
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._loop, name="engine", daemon=True)
+        self._gate = threading.Lock()  # registering work vs. the thread ending: nothing is posted after it ended
+        self._dead: EngineDead | None = None  # why the thread ended, once it has
+        self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
         self.iterations = 0
         self.last_iteration_ms = 0.0
         self._iteration_started = 0.0  # perf_counter() at the start of the step under way; 0 between steps
@@ -51,11 +54,14 @@ class AsyncEngine:
     ) -> AsyncIterator[RequestOutput]:
         """Outputs of `request` until it finishes or is handed off; pages of an earlier stage go in with it
         (or are already in the blocks `Engine.reserve_import` gave it: `preloaded`)."""
-        if not self._thread.is_alive():
-            raise EngineDead("the engine thread has stopped")
         outputs: asyncio.Queue = asyncio.Queue()
-        self._streams[request.request_id] = (asyncio.get_running_loop(), outputs)
-        self._inbox.put(("add", (request, image_pages, kv_pages, preloaded)))
+        with self._gate:
+            if self._dead is not None:
+                raise self._dead
+            if request.request_id in self._streams:  # its outputs would go to the other caller, who would hang
+                raise RequestRejected(f"request id {request.request_id!r} is already in use")
+            self._streams[request.request_id] = (asyncio.get_running_loop(), outputs)
+            self._inbox.put(("add", (request, image_pages, kv_pages, preloaded)))
         done = False
         try:
             while not done:
@@ -72,11 +78,12 @@ class AsyncEngine:
 
     async def call(self, fn: Callable[[Engine], T]) -> T:
         """Run `fn(engine)` on the engine thread between steps and return its result."""
-        if not self._thread.is_alive():
-            raise EngineDead("the engine thread has stopped")
         loop = asyncio.get_running_loop()
         future = loop.create_future()
-        self._inbox.put(("call", (fn, loop, future)))
+        with self._gate:
+            if self._dead is not None:
+                raise self._dead
+            self._inbox.put(("call", (fn, loop, future)))
         return await future
 
     def now(self, fn: Callable[[Engine], T]) -> T:
@@ -108,7 +115,46 @@ class AsyncEngine:
         stream = self._streams.get(request_id)
         if stream is not None:
             loop, outputs = stream
-            loop.call_soon_threadsafe(outputs.put_nowait, item)
+            try:
+                loop.call_soon_threadsafe(outputs.put_nowait, item)
+            except RuntimeError:  # its loop is closed: nobody is waiting
+                pass
+
+    def _run(self) -> None:
+        """The thread: the loop, then — however it ended — every caller still waiting is told."""
+        try:
+            self._loop()
+        except BaseException as exc:
+            log.exception("the engine thread failed")
+            dead = EngineDead(f"the engine thread has stopped: {type(exc).__name__}: {exc}")
+        else:
+            dead = EngineDead("the engine has shut down")
+        with self._gate:
+            self._dead = dead
+        while True:  # what was posted before the gate closed
+            try:
+                kind, payload = self._inbox.get_nowait()
+            except queue.Empty:
+                break
+            if kind == "call":
+                _, loop, future = payload
+                with contextlib.suppress(RuntimeError):
+                    loop.call_soon_threadsafe(_settle, future, None, dead)
+        for request_id in list(self._streams):
+            self._deliver(request_id, dead)
+
+    def _fail_in_flight(self, exc: Exception) -> None:
+        """After a failed step: fail its requests (wherever it left them) and all the engine still runs."""
+        failed = list(getattr(exc, "request_ids", ()))  # the step's own (StepFailed)
+        with self.engine.lock:
+            for request_id in list(self.engine.requests):
+                failed.append(request_id)
+                try:
+                    self.engine.abort(request_id)
+                except Exception:
+                    log.exception("aborting %s after the failed step failed too", request_id)
+        for request_id in dict.fromkeys(failed):
+            self._deliver(request_id, RuntimeError(f"engine failure: {exc}"))
 
     def _loop(self) -> None:
         while not self._stop.is_set():
@@ -123,19 +169,16 @@ class AsyncEngine:
                     elapsed = time.perf_counter() - start
                     self.last_iteration_ms = elapsed * 1e3
                     self.iterations += 1
-                    if self.on_iteration is not None:
-                        self.on_iteration(elapsed)
-                    for out in outputs:
+                    for out in outputs:  # first: nothing after the step may lose its outputs
                         self._deliver(out.request_id, out)
+                    if self.on_iteration is not None:
+                        try:
+                            self.on_iteration(elapsed)
+                        except Exception:
+                            log.exception("the iteration callback failed")
             except Exception as exc:  # a bug of ours: fail what is in flight, keep serving
                 log.exception("engine step failed; aborting the requests in flight")
-                failed = list(getattr(exc, "request_ids", ()))  # the step's own, wherever it left them (StepFailed)
-                with self.engine.lock:
-                    for request_id in list(self.engine.requests):
-                        self.engine.abort(request_id)
-                        failed.append(request_id)
-                for request_id in dict.fromkeys(failed):
-                    self._deliver(request_id, RuntimeError(f"engine failure: {exc}"))
+                self._fail_in_flight(exc)
 
     def _drain(self, block: bool) -> None:
         while True:

@@ -389,6 +389,12 @@ class Engine:
         return final
 
     def stats(self) -> EngineStats:
+        """Under the lock: the scheduler's queues are changed by the engine's thread while others ask (a deque
+        changed while this iterated it raised, and ended the worker's heartbeat)."""
+        with self.lock:
+            return self._stats()
+
+    def _stats(self) -> EngineStats:
         s = self.scheduler
         return EngineStats(
             kv_blocks_total=s.kv.pool.num_blocks, kv_blocks_free=s.kv.pool.num_free,

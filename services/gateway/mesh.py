@@ -229,11 +229,12 @@ class MeshBackend:
                 await _encoded(encoding, held, call)
                 reply = await stage_call("prefill", plan.prefill.worker_id, source, call)
                 held.clear()
+                if not reply.first.finish_reason:  # held before the first token goes out: a client gone right
+                    held.append(reply.kv_pages)    # after it must not leave the KV pinned until its lease ends
                 output.extend(reply.first.token_ids)
                 yield _output(request.request_id, reply.first, output)
                 if reply.first.finish_reason:
                     return
-                held.append(reply.kv_pages)
                 spec = wire.spec_to_pb(request, with_pixels=False)
                 spec.output_token_ids.extend(output)
                 decode = pb.DecodeRequest(request=spec, kv_pages=reply.kv_pages)

@@ -68,16 +68,18 @@ class WorkerRuntime:
     async def encode(self, request: Request) -> PageHandle:
         with self._admitted(request):
             last = await self._run_to_handoff(request)
+            handle = await self._lease(request.request_id, last.pages)  # leased first: pages never left unowned
             self._observe_stage("encode", request)
-            return await self._lease(request.request_id, last.pages)
+            return handle
 
     async def prefill(self, request: Request, image_pages: PageHandle | None) -> tuple[RequestOutput, PageHandle | None]:
         """The first token, and a lease on the KV pages (None when the first token finished the request)."""
         with self._admitted(request):
             preloaded = await self._import(request, image_pages)
             last = await self._run_to_handoff(request, preloaded)
+            handle = await self._lease(request.request_id, last.pages) if last.handed_off else None
             self._observe_stage("prefill", request)
-            return last, (await self._lease(request.request_id, last.pages) if last.handed_off else None)
+            return last, handle
 
     async def decode(self, request: Request, kv_pages: PageHandle | None,
                      image_pages: PageHandle | None) -> AsyncIterator[RequestOutput]:
@@ -185,13 +187,19 @@ class WorkerRuntime:
     async def expire_leases(self, interval_s: float = 0.5) -> None:
         while True:
             await asyncio.sleep(interval_s)
-            self.awaited.expire()
-            for lease in self.leases.expired():
-                if self.metrics is not None:
-                    self.metrics.leases_expired.labels(**self.metrics.labels).inc()
-                log.warning("lease %s expired unacked; freeing its %d %s blocks", lease.lease_id,
-                            len(lease.handle.block_ids), lease.handle.kind)
-                self.engine.now(lambda e, rid=lease.engine_request_id: e.release(rid))
+            try:
+                self._expire_leases_now()
+            except Exception:  # a bug of ours must not end lease expiry for good: that would leak every lease after it
+                log.exception("expiring leases failed; trying again in %.1f s", interval_s)
+
+    def _expire_leases_now(self) -> None:
+        self.awaited.expire()
+        for lease in self.leases.expired():
+            if self.metrics is not None:
+                self.metrics.leases_expired.labels(**self.metrics.labels).inc()
+            log.warning("lease %s expired unacked; freeing its %d %s blocks", lease.lease_id,
+                        len(lease.handle.block_ids), lease.handle.kind)
+            self.engine.now(lambda e, rid=lease.engine_request_id: e.release(rid))
 
     # ----- bookkeeping -----
 

@@ -192,5 +192,7 @@ async def _heartbeat(toggle, info: WorkerInfo, runtime: WorkerRuntime) -> None:
             if not warned:
                 log.warning("toggle unreachable (%s); retrying", e.code().name)
                 warned = True
+        except Exception:  # a bug of ours must not stop the heartbeat: the registry would drop a healthy worker
+            log.exception("heartbeat failed; trying again in %.1f s", interval)
         await asyncio.sleep(interval)
 

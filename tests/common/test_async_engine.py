@@ -1,0 +1,102 @@
+"""The engine's thread and its asyncio callers: nobody waits forever, whatever ends the thread."""
+
+import asyncio
+import threading
+
+import pytest
+
+from common.engine.async_engine import AsyncEngine, EngineDead
+from common.engine.config import EngineConfig
+from common.engine.engine import Engine, RequestRejected
+from common.request import Request
+from common.sampling import SamplingParams
+
+WAIT_S = 30
+
+
+@pytest.fixture
+def engine(tiny_dir):
+    return Engine(EngineConfig(model=str(tiny_dir), kv_cache_gib=0.02, image_cache_gib=0.01))
+
+
+class DyingEngine:
+    """Steps until told to die; then the thread's step raises what no `except Exception` catches."""
+
+    def __init__(self):
+        self.lock = threading.RLock()
+        self.requests: dict = {}
+        self.die = threading.Event()
+
+    @property
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    def add_request(self, request, **_):
+        self.requests[request.request_id] = request
+
+    def abort(self, request_id):
+        return self.requests.pop(request_id, None) is not None
+
+    def step(self):
+        if self.die.wait(0.01):
+            raise SystemExit("the interpreter is going away")
+        return []
+
+
+async def _next(stream):
+    return await asyncio.wait_for(anext(stream), WAIT_S)
+
+
+def test_callers_waiting_when_the_thread_dies_are_told_and_later_ones_refused_at_once():
+    engine = DyingEngine()
+    async_engine = AsyncEngine(engine)
+
+    async def scenario():
+        waiting = async_engine.generate(Request("a", [1, 2, 3], SamplingParams(max_tokens=2)))
+        first = asyncio.ensure_future(_next(waiting))
+        while "a" not in engine.requests:
+            await asyncio.sleep(0.01)
+        engine.die.set()
+        with pytest.raises(EngineDead, match="SystemExit"):
+            await first
+        with pytest.raises(EngineDead):
+            await _next(async_engine.generate(Request("b", [1, 2, 3], SamplingParams(max_tokens=2))))
+        with pytest.raises(EngineDead):
+            await asyncio.wait_for(async_engine.call(lambda e: 1), WAIT_S)
+
+    asyncio.run(scenario())
+    assert not async_engine.alive
+
+
+def test_a_shut_down_engine_tells_its_waiting_callers():
+    engine = DyingEngine()
+    async_engine = AsyncEngine(engine)
+
+    async def scenario():
+        waiting = async_engine.generate(Request("a", [1, 2, 3], SamplingParams(max_tokens=2)))
+        first = asyncio.ensure_future(_next(waiting))
+        while "a" not in engine.requests:
+            await asyncio.sleep(0.01)
+        await asyncio.to_thread(async_engine.shutdown)
+        with pytest.raises(EngineDead, match="shut down"):
+            await first
+
+    asyncio.run(scenario())
+
+
+def test_a_second_caller_with_a_request_id_in_use_is_refused_and_the_first_keeps_its_outputs(engine):
+    async_engine = AsyncEngine(engine)
+    prompt = [1, 354, 29, 405, 77]
+
+    async def scenario():
+        first = async_engine.generate(Request("same", prompt, SamplingParams(max_tokens=3)))
+        out = await _next(first)
+        with pytest.raises(RequestRejected, match="already in use"):
+            await _next(async_engine.generate(Request("same", prompt, SamplingParams(max_tokens=3))))
+        rest = [o async for o in first]
+        assert (rest or [out])[-1].finished and len((rest or [out])[-1].output_token_ids) == 3
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        async_engine.shutdown()

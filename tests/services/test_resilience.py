@@ -1,0 +1,144 @@
+"""Small failures that used to cost a lot: a client gone at its first token pinned KV until the lease
+ended; one failed heartbeat or lease sweep ended it for good; a stats read raced the engine's thread."""
+
+import asyncio
+import threading
+
+import grpc
+
+from common.engine.config import EngineConfig
+from common.engine.engine import Engine
+from common.policy.routing import PrefillPath
+from common.request import Request, Stage
+from common.sampling import SamplingParams
+from common.transfer.channels import CHANNEL_OPTIONS
+from common.workers import WorkerInfo, WorkerLoad
+from epdmesh.v1 import mesh_pb2 as pb
+from epdmesh.v1 import mesh_pb2_grpc as pb_grpc
+from services.gateway.mesh import MeshBackend
+from services.worker import server as worker_server
+from services.worker.runtime import WorkerRuntime
+
+WAIT_S = 10
+
+
+class Prefiller(pb_grpc.PrefillerServicer):
+    async def Prefill(self, request, context):
+        handle = pb.PageHandle(worker_id="p-1", address=self.address, lease_id="lease-kv-1", block_ids=[3, 4],
+                               num_tokens=20, layout=pb.PageLayout(kind=pb.CACHE_KIND_KV, dtype="float32", block_size=16,
+                                                                   block_shape=[1]))
+        return pb.PrefillResponse(first=pb.TokenChunk(token_ids=[42], num_prompt_tokens=3), kv_pages=handle)
+
+
+class Worker(pb_grpc.WorkerServicer):
+    def __init__(self):
+        self.released: list[str] = []
+
+    async def ReleasePages(self, request, context):
+        self.released.append(request.lease_id)
+        return pb.ReleasePagesResponse(released=True)
+
+
+def test_a_client_gone_at_its_first_token_releases_the_kv_pages_at_once():
+    """The dedicated path: the Prefill's reply carries the first token and a KV handle. A client that leaves
+    as that token goes out (the stream is closed there) must not leave the KV leased until its expiry."""
+
+    async def main():
+        server = grpc.aio.server(options=CHANNEL_OPTIONS)
+        port = server.add_insecure_port("127.0.0.1:0")
+        prefiller, worker = Prefiller(), Worker()
+        prefiller.address = f"127.0.0.1:{port}"
+        pb_grpc.add_PrefillerServicer_to_server(prefiller, server)
+        pb_grpc.add_WorkerServicer_to_server(worker, server)
+        await server.start()
+        backend = MeshBackend(None, "127.0.0.1:1", 4096)
+        ref = pb.WorkerRef(worker_id="p-1", address=prefiller.address)
+        plan = pb.RoutePlan(prefill=ref, decoder=pb.WorkerRef(worker_id="d-1", address="127.0.0.1:1"),
+                            path=pb.PREFILL_PATH_DEDICATED)
+        stream = backend._drive(Request("r", [1, 2, 3], SamplingParams(max_tokens=4, temperature=0.0)), plan,
+                                PrefillPath.DEDICATED)
+        first = await asyncio.wait_for(anext(stream), WAIT_S)
+        assert first.new_token_ids == [42]
+        await stream.aclose()  # the client is gone: no Decode goes out
+        for _ in range(200):
+            if worker.released:
+                break
+            await asyncio.sleep(0.01)
+        assert worker.released == ["lease-kv-1"]
+        await backend.close()
+        await server.stop(None)
+
+    asyncio.run(main())
+
+
+def test_a_heartbeat_that_fails_once_keeps_beating():
+    beats = []
+
+    class Toggle:
+        async def Register(self, request, timeout):
+            return pb.RegisterResponse(heartbeat_interval_s=0.01)
+
+        async def Heartbeat(self, request, timeout):
+            beats.append(request.load.num_waiting)
+            return pb.HeartbeatResponse(known=True)
+
+    class Runtime:
+        calls = 0
+
+        def load(self):
+            Runtime.calls += 1
+            if Runtime.calls == 2:
+                raise RuntimeError("deque mutated during iteration")
+            return WorkerLoad()
+
+        def take_admitted(self):
+            return []
+
+    async def main():
+        task = asyncio.ensure_future(worker_server._heartbeat(Toggle(), _info(), Runtime()))
+        for _ in range(500):
+            if len(beats) >= 3:
+                break
+            await asyncio.sleep(0.01)
+        assert len(beats) >= 3 and not task.done()  # the failed beat was logged, and the next ones went out
+        task.cancel()
+
+    asyncio.run(main())
+
+
+def test_a_lease_sweep_that_fails_once_keeps_sweeping():
+    sweeps = []
+
+    class Runtime:
+        def _expire_leases_now(self):
+            sweeps.append(len(sweeps))
+            if len(sweeps) == 1:
+                raise KeyError("a bug")
+
+    async def main():
+        task = asyncio.ensure_future(WorkerRuntime.expire_leases(Runtime(), interval_s=0.01))
+        for _ in range(500):
+            if len(sweeps) >= 3:
+                break
+            await asyncio.sleep(0.01)
+        assert len(sweeps) >= 3 and not task.done()
+        task.cancel()
+
+    asyncio.run(main())
+
+
+def test_engine_stats_wait_for_the_engines_lock(tiny_dir):
+    """The scheduler's queues change on the engine's thread under its lock; a stats read takes it too."""
+    engine = Engine(EngineConfig(model=str(tiny_dir), kv_cache_gib=0.02, image_cache_gib=0.01))
+    got = []
+    reader = threading.Thread(target=lambda: got.append(engine.stats()))
+    with engine.lock:
+        reader.start()
+        reader.join(0.2)
+        assert reader.is_alive() and not got
+    reader.join(WAIT_S)
+    assert got and got[0].kv_blocks_free == got[0].kv_blocks_total
+
+
+def _info():
+    return WorkerInfo("w-1", "127.0.0.1:1", frozenset({Stage.DECODE}), "m", 4096)
