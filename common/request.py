@@ -72,6 +72,7 @@ class Request:
     first_stage: Stage = Stage.ENCODE
     last_stage: Stage = Stage.DECODE
     arrival_time: float = dataclasses.field(default_factory=time.monotonic)
+    num_continued_tokens: int = 0  # a migrated request's continuation: the prompt's last n tokens are its earlier output
     # mutable state
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = dataclasses.field(default_factory=list)
@@ -89,12 +90,22 @@ class Request:
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:
             raise ValueError("prompt must contain at least one token")
+        if not 0 <= self.num_continued_tokens < len(self.prompt_token_ids):
+            raise ValueError(f"{self.num_continued_tokens} continued tokens in a prompt of {len(self.prompt_token_ids)}")
         if self.first_stage > self.last_stage:
             raise ValueError(f"first stage {self.first_stage.name} comes after last stage {self.last_stage.name}")
         if self.first_stage == Stage.ENCODE and not self.images:
             self.first_stage = Stage.PREFILL if self.last_stage >= Stage.PREFILL else Stage.ENCODE
         if self.first_stage > Stage.ENCODE:
             self.num_encoded_images = len(self.images)
+
+    @property
+    def generated_token_ids(self) -> list[int]:
+        """Everything sampled for it so far: a continuation's earlier output (the end of its prompt) included —
+        what penalties count and what a seeded request's random stream is indexed by."""
+        if not self.num_continued_tokens:
+            return self.output_token_ids
+        return self.prompt_token_ids[-self.num_continued_tokens:] + self.output_token_ids
 
     @property
     def num_prompt_tokens(self) -> int:

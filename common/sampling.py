@@ -18,6 +18,9 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None  # None: none; k: each sampled token's log-probability and the k most likely (k ≤ 20)
+    presence_penalty: float = 0.0  # OpenAI's: subtracted from the logit of every token already generated
+    frequency_penalty: float = 0.0  # OpenAI's: subtracted once per time a token was already generated
+    repetition_penalty: float = 1.0  # transformers' / vLLM's: logits of prompt and generated tokens divided (>0) or multiplied (<0) by it
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -30,8 +33,17 @@ class SamplingParams:
             raise ValueError(f"top_k must be >= 0, got {self.top_k}")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
             raise ValueError(f"top_logprobs must be between 0 and {MAX_LOGPROBS}, got {self.logprobs}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2.0 <= getattr(self, name) <= 2.0:
+                raise ValueError(f"{name} must be between -2 and 2, got {getattr(self, name)}")
+        if not 0 < self.repetition_penalty <= 100:
+            raise ValueError(f"repetition_penalty must be in (0, 100], got {self.repetition_penalty}")
         if any(not s for s in self.stop):
             raise ValueError("stop strings must be non-empty")
+
+    @property
+    def penalized(self) -> bool:
+        return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
 
     @property
     def greedy(self) -> bool:

@@ -37,6 +37,9 @@ def sampling_to_pb(s: SamplingParams) -> pb.SamplingParams:
         msg.seed = s.seed
     if s.logprobs is not None:
         msg.logprobs = s.logprobs
+    msg.presence_penalty, msg.frequency_penalty = s.presence_penalty, s.frequency_penalty
+    if s.repetition_penalty != 1:
+        msg.repetition_penalty = s.repetition_penalty
     return msg
 
 
@@ -46,6 +49,8 @@ def sampling_from_pb(msg: pb.SamplingParams) -> SamplingParams:
         seed=msg.seed if msg.HasField("seed") else None, stop=tuple(msg.stop),
         stop_token_ids=tuple(msg.stop_token_ids), ignore_eos=msg.ignore_eos,
         logprobs=msg.logprobs if msg.HasField("logprobs") else None,
+        presence_penalty=msg.presence_penalty, frequency_penalty=msg.frequency_penalty,
+        repetition_penalty=msg.repetition_penalty if msg.HasField("repetition_penalty") else 1.0,
     )
 
 
@@ -83,7 +88,7 @@ def spec_to_pb(request: Request, with_pixels: bool) -> pb.RequestSpec:
         request_id=request.request_id, prompt_token_ids=request.prompt_token_ids,
         sampling=sampling_to_pb(request.sampling),
         images=[image_to_pb(i, with_pixels) for i in request.images],
-        output_token_ids=request.output_token_ids,
+        output_token_ids=request.output_token_ids, num_continued_tokens=request.num_continued_tokens,
     )
 
 
@@ -92,6 +97,7 @@ def request_from_pb(msg: pb.RequestSpec, first_stage: Stage, last_stage: Stage, 
     request = Request(
         request_id or msg.request_id, list(msg.prompt_token_ids), sampling_from_pb(msg.sampling),
         [image_from_pb(i) for i in msg.images], first_stage=first_stage, last_stage=last_stage,
+        num_continued_tokens=msg.num_continued_tokens,
     )
     request.output_token_ids = list(msg.output_token_ids)
     return request

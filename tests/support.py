@@ -76,9 +76,12 @@ class Reference:
         return float(top[0] - top[1])
 
 
-def hf_reference(model_dir, processor: ChatProcessor, cases: list[Case], dtype: torch.dtype) -> dict[str, Reference]:
-    """transformers' own LlavaForConditionalGeneration.generate, greedy, one request at a time."""
-    from transformers import LlavaForConditionalGeneration
+def hf_reference(model_dir, processor: ChatProcessor, cases: list[Case], dtype: torch.dtype,
+                 presence_penalty: float = 0.0, frequency_penalty: float = 0.0, **generate) -> dict[str, Reference]:
+    """transformers' own LlavaForConditionalGeneration.generate, greedy, one request at a time. `generate`:
+    more of its arguments (e.g. repetition_penalty); the OpenAI penalties, which transformers lacks, are a
+    logits processor written from OpenAI's definition (`OpenAIPenalties`)."""
+    from transformers import LlavaForConditionalGeneration, LogitsProcessorList
 
     model = LlavaForConditionalGeneration.from_pretrained(str(model_dir), dtype=dtype).eval()
     refs = {}
@@ -91,13 +94,31 @@ def hf_reference(model_dir, processor: ChatProcessor, cases: list[Case], dtype: 
             )
             if "pixel_values" in inputs:
                 inputs["pixel_values"] = inputs["pixel_values"].to(dtype)
-        with torch.inference_mode():
-            out = model.generate(**inputs, do_sample=False, max_new_tokens=case.max_tokens,
-                                 output_logits=True, return_dict_in_generate=True)
         n = inputs["input_ids"].shape[1]
+        processors = LogitsProcessorList([OpenAIPenalties(n, presence_penalty, frequency_penalty)]
+                                         if presence_penalty or frequency_penalty else [])
+        with torch.inference_mode():
+            out = model.generate(**inputs, do_sample=False, max_new_tokens=case.max_tokens, logits_processor=processors,
+                                 output_logits=True, return_dict_in_generate=True, **generate)
         refs[case.name] = Reference(inputs["input_ids"][0].tolist(), out.sequences[0, n:].tolist(),
                                     [step[0].float() for step in out.logits])
     return refs
+
+
+class OpenAIPenalties:
+    """OpenAI's presence and frequency penalties as a transformers logits processor, from their definition:
+    logit[t] -= presence · [t was generated] + frequency · (times t was generated) — generated tokens only."""
+
+    def __init__(self, prompt_len: int, presence: float, frequency: float):
+        self.prompt_len, self.presence, self.frequency = prompt_len, presence, frequency
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        scores = scores.clone()
+        for row in range(scores.shape[0]):
+            for token in set(input_ids[row, self.prompt_len:].tolist()):
+                count = int((input_ids[row, self.prompt_len:] == token).sum())
+                scores[row, token] -= self.presence + self.frequency * count
+        return scores
 
 
 def run_disaggregated(encoder: Engine, prefiller: Engine, decoder: Engine, requests: list[Request]) -> dict[str, list[int]]:

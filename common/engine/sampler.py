@@ -18,6 +18,7 @@ class Sampler:
         self._generator = torch.Generator().manual_seed(seed)
 
     def __call__(self, logits: torch.Tensor, requests: list[Request]) -> list[int]:
+        logits = apply_penalties(logits, requests)
         tokens = logits.argmax(dim=-1).tolist()
         for row, request in enumerate(requests):
             if not request.sampling.greedy:
@@ -38,8 +39,30 @@ class Sampler:
         if params.seed is None:
             generator = self._generator
         else:
-            generator = torch.Generator().manual_seed(params.seed * 1_000_003 + len(request.output_token_ids))
+            generator = torch.Generator().manual_seed(params.seed * 1_000_003 + len(request.generated_token_ids))
         return int(torch.multinomial(probs, 1, generator=generator))
+
+
+def apply_penalties(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+    """The logits with each row's penalties applied (a copy; the same tensor when no row has any), before
+    temperature and sampling, as vLLM orders them: repetition (transformers' rule, over prompt and generated
+    tokens), then frequency and presence (OpenAI's, over generated tokens)."""
+    rows = [row for row, request in enumerate(requests) if request.sampling.penalized]
+    if not rows:
+        return logits
+    logits = logits.clone()
+    for row in rows:
+        request, params, values = requests[row], requests[row].sampling, logits[row]
+        generated = request.generated_token_ids
+        if params.repetition_penalty != 1:
+            seen = torch.tensor(sorted(set(request.prompt_token_ids).union(generated)), device=values.device)
+            picked = values[seen]
+            values[seen] = torch.where(picked > 0, picked / params.repetition_penalty, picked * params.repetition_penalty)
+        if generated and (params.frequency_penalty or params.presence_penalty):
+            counts = torch.bincount(torch.tensor(generated, device=values.device), minlength=values.numel())
+            counts = counts[:values.numel()].to(values.dtype)
+            values -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0).to(values.dtype)
+    return logits
 
 
 def logprobs_of(logits: torch.Tensor, requests: list[Request], tokens: list[int]) -> dict[str, TokenLogprob]:

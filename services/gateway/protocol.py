@@ -153,6 +153,9 @@ def _parse_sampling(body: dict) -> SamplingParams:
             stop_token_ids=tuple(stop_ids),
             ignore_eos=_typed(body, "ignore_eos", bool, False),
             logprobs=(top_logprobs or 0) if logprobs else None,
+            presence_penalty=_typed(body, "presence_penalty", float, 0.0),
+            frequency_penalty=_typed(body, "frequency_penalty", float, 0.0),
+            repetition_penalty=_typed(body, "repetition_penalty", float, 1.0),
         )
     except ValueError as e:
         raise ApiError(400, str(e)) from None
@@ -168,10 +171,6 @@ def _refuse_unsupported(body: dict) -> None:
     if response_format is not None and response_format != {"type": "text"}:
         raise ApiError(400, "structured output ('response_format' other than {\"type\": \"text\"}) is not supported "
                             "by this server", "response_format")
-    for key in ("presence_penalty", "frequency_penalty"):
-        value = body.get(key)
-        if value not in (None, 0, 0.0):
-            raise ApiError(400, f"'{key}' is not supported by this server; send 0 or leave it out", key)
     if body.get("logit_bias"):
         raise ApiError(400, "'logit_bias' is not supported by this server; leave it out", "logit_bias")
 

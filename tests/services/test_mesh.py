@@ -21,6 +21,7 @@ from tests.services.servers import MODEL, REDIS_URL, assert_pools_full, running_
 from tests.services.test_gateway import to_openai
 
 TOP_LOGPROBS = 2
+PENALTIES = dict(presence_penalty=1.0, frequency_penalty=1.0, repetition_penalty=1.5)
 TOPOLOGIES = {
     "EPD1": ("EPD1", ()),  # colocated: one worker, no pages move; serve starts its own private redis-server
     # encode+prefill together, KV pages move to the decoder — over the gRPC-stream fallback; routed by the
@@ -41,6 +42,28 @@ async def _ask_all(base, cases):
             client.chat.completions.create(model=MODEL, messages=to_openai(c.conversation), max_tokens=c.max_tokens,
                                            temperature=0, logprobs=True, top_logprobs=TOP_LOGPROBS,
                                            extra_body={"return_token_ids": True})
+            for c in cases))
+    finally:
+        await client.close()
+
+
+@pytest.fixture(scope="module")
+def penalized_reference(tiny_dir, processors, chat_reference):
+    """Two chat cases (one with an image) with all three penalties, and transformers' answers."""
+    from tests.support import hf_reference
+
+    cases = [chat_reference[0][1], chat_reference[0][6]]  # answers the penalties change ("img-short", "system")
+    return cases, hf_reference(tiny_dir, processors["tiny"], cases, torch.float32, **PENALTIES)
+
+
+async def _ask_penalized(base, cases):
+    client = openai.AsyncOpenAI(base_url=f"{base}/v1", api_key="none")
+    extra = {"return_token_ids": True, "repetition_penalty": PENALTIES["repetition_penalty"]}
+    try:
+        return await asyncio.gather(*(
+            client.chat.completions.create(model=MODEL, messages=to_openai(c.conversation), max_tokens=c.max_tokens,
+                                           temperature=0, presence_penalty=PENALTIES["presence_penalty"],
+                                           frequency_penalty=PENALTIES["frequency_penalty"], extra_body=extra)
             for c in cases))
     finally:
         await client.close()
@@ -73,7 +96,7 @@ def _assert_logprobs_of_reference(entries, ref, label) -> None:
 
 
 @pytest.mark.parametrize("name", list(TOPOLOGIES))
-def test_topology_gives_the_transformers_tokens(name, tiny_dir, chat_reference, tmp_path):
+def test_topology_gives_the_transformers_tokens(name, tiny_dir, chat_reference, penalized_reference, tmp_path):
     topology, extra = TOPOLOGIES[name]
     cases, refs = chat_reference
     assert len(cases) >= 8 and any(c.conversation for c in cases)
@@ -90,11 +113,15 @@ def test_topology_gives_the_transformers_tokens(name, tiny_dir, chat_reference, 
             _assert_logprobs_of_reference(resp.choices[0].logprobs.content, refs[case.name], (name, case.name))
         streamed = cases[1]  # an image request: its first token comes from the prefill stage
         _assert_logprobs_of_reference(asyncio.run(_stream_logprobs(base, streamed)), refs[streamed.name], (name, "stream"))
+        penalized, penalized_refs = penalized_reference  # the penalties reach the prefill stage and the decoder
+        for case, resp in zip(penalized, asyncio.run(_ask_penalized(base, penalized))):
+            assert resp.choices[0].model_extra["token_ids"] == penalized_refs[case.name].tokens, (name, case.name)
+        assert all(penalized_refs[c.name].tokens != refs[c.name].tokens for c in penalized)  # they changed the answers
         paths = collections.Counter({k: v for k, v in httpx.get(f"{base}/stats").json()["paths"].items() if v})
         expected = {"EPD1": {"colocated"}, "EP1+D1": {"dedicated"}, "ED1+P1": {"dedicated"},
                     "multiplexed": {"multiplexed", "dedicated"}}[name]
         assert set(paths) == expected, paths
-        assert sum(paths.values()) == len(cases) + 1  # and the streamed one
+        assert sum(paths.values()) == len(cases) + 1 + len(penalized)  # and the streamed and penalized ones
         assert_pools_full(base)
 
 

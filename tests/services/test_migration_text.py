@@ -29,3 +29,19 @@ def test_the_text_after_a_migration_is_the_whole_decode_cut_like_the_engine_cuts
         assert joined.output_token_ids == before + out.output_token_ids and joined.num_prompt_tokens == 10 - len(before)
     out = _finished(tok, "naïve café kitchen", "stop", tok.token_to_id("▁kitchen"), cut="naïve café")
     assert rebased(out, "r", before, decode).text == "the kitchen naïve café"  # the stop token's text left out
+
+
+def test_a_continuation_counts_the_tokens_already_sent_as_generated_across_the_wire():
+    """Its penalties and its seeded random stream go on from where the request was (the engine side of this is
+    tests/common/test_penalties.py): the continuation says how many of its prompt tokens were output."""
+    from common.request import Request, Stage
+    from common.sampling import SamplingParams
+    from services import wire
+    from services.gateway.migration import continuation
+
+    original = Request("r", [1, 2, 3], SamplingParams(max_tokens=9, seed=4, frequency_penalty=0.5, repetition_penalty=1.1))
+    moved = continuation(original, [7, 8, 7], attempt=2)
+    assert moved.prompt_token_ids == [1, 2, 3, 7, 8, 7] and moved.sampling.max_tokens == 6
+    assert moved.generated_token_ids == [7, 8, 7]
+    received = wire.request_from_pb(wire.spec_to_pb(moved, with_pixels=False), Stage.PREFILL, Stage.DECODE)
+    assert received.generated_token_ids == [7, 8, 7] and received.sampling == moved.sampling

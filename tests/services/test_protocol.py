@@ -40,11 +40,19 @@ def test_what_this_server_does_not_implement_is_a_400_not_silently_ignored():
     tools = [{"type": "function", "function": {"name": "f", "parameters": {}}}]
     for extra, param in [({"tools": tools}, "tools"), ({"tools": tools, "tool_choice": "auto"}, "tools"),
                          ({"response_format": {"type": "json_object"}}, "response_format"),
-                         ({"presence_penalty": 0.5}, "presence_penalty"), ({"frequency_penalty": -1}, "frequency_penalty"),
                          ({"logit_bias": {"50256": -100}}, "logit_bias")]:
         with pytest.raises(ApiError) as err:
             _parse(**extra)
         assert err.value.status == 400 and err.value.param == param and "not supported" in err.value.message, extra
     # their neutral values, which many clients send by default, are served
-    _parse(tools=tools, tool_choice="none", response_format={"type": "text"}, presence_penalty=0, frequency_penalty=0.0,
-           logit_bias={})
+    _parse(tools=tools, tool_choice="none", response_format={"type": "text"}, logit_bias={})
+
+
+def test_penalties_are_parsed_and_out_of_range_ones_refused():
+    sampling = _parse(presence_penalty=0.5, frequency_penalty=-1, repetition_penalty=1.2).sampling
+    assert (sampling.presence_penalty, sampling.frequency_penalty, sampling.repetition_penalty) == (0.5, -1.0, 1.2)
+    assert not _parse().sampling.penalized
+    for extra in ({"presence_penalty": 2.5}, {"frequency_penalty": "a lot"}, {"repetition_penalty": 0}):
+        with pytest.raises(ApiError) as err:
+            _parse(**extra)
+        assert err.value.status == 400, extra
