@@ -21,6 +21,7 @@ class SamplingParams:
     presence_penalty: float = 0.0  # OpenAI's: subtracted from the logit of every token already generated
     frequency_penalty: float = 0.0  # OpenAI's: subtracted once per time a token was already generated
     repetition_penalty: float = 1.0  # transformers' / vLLM's: logits of prompt and generated tokens divided (>0) or multiplied (<0) by it
+    logit_bias: tuple[tuple[int, float], ...] = ()  # OpenAI's: (token id, bias in [-100, 100]) added to that token's logit
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -38,12 +39,16 @@ class SamplingParams:
                 raise ValueError(f"{name} must be between -2 and 2, got {getattr(self, name)}")
         if not 0 < self.repetition_penalty <= 100:
             raise ValueError(f"repetition_penalty must be in (0, 100], got {self.repetition_penalty}")
+        if any(token < 0 or not -100 <= bias <= 100 for token, bias in self.logit_bias):
+            raise ValueError("logit_bias maps token ids (>= 0) to biases between -100 and 100")
         if any(not s for s in self.stop):
             raise ValueError("stop strings must be non-empty")
 
     @property
-    def penalized(self) -> bool:
-        return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
+    def adjusts_logits(self) -> bool:
+        """Penalties or biases change its logits before sampling."""
+        return (self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
+                or bool(self.logit_bias))
 
     @property
     def greedy(self) -> bool:

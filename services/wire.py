@@ -40,6 +40,8 @@ def sampling_to_pb(s: SamplingParams) -> pb.SamplingParams:
     msg.presence_penalty, msg.frequency_penalty = s.presence_penalty, s.frequency_penalty
     if s.repetition_penalty != 1:
         msg.repetition_penalty = s.repetition_penalty
+    msg.logit_bias_token_ids.extend(token for token, _ in s.logit_bias)
+    msg.logit_bias_values.extend(bias for _, bias in s.logit_bias)
     return msg
 
 
@@ -51,6 +53,7 @@ def sampling_from_pb(msg: pb.SamplingParams) -> SamplingParams:
         logprobs=msg.logprobs if msg.HasField("logprobs") else None,
         presence_penalty=msg.presence_penalty, frequency_penalty=msg.frequency_penalty,
         repetition_penalty=msg.repetition_penalty if msg.HasField("repetition_penalty") else 1.0,
+        logit_bias=tuple(zip(msg.logit_bias_token_ids, msg.logit_bias_values)),
     )
 
 

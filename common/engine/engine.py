@@ -175,6 +175,9 @@ class Engine:
             raise RequestRejected(f"this engine lacks the role(s) {missing} that request {request.request_id} needs")
 
     def _validate(self, request: Request) -> None:
+        vocab = self.model_config.text.vocab_size
+        if any(token >= vocab for token, _ in request.sampling.logit_bias):
+            raise RequestRejected(f"logit_bias names a token id outside the vocabulary (0..{vocab - 1})")
         if request.sampling.logprobs is not None and not self.computes_logprobs:
             raise RequestRejected("logprobs are not available on this backend: it runs no model")
         if request.request_id in self.requests or request.request_id in self.handed_off or request.request_id in self.importing:

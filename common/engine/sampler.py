@@ -46,8 +46,8 @@ class Sampler:
 def apply_penalties(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
     """The logits with each row's penalties applied (a copy; the same tensor when no row has any), before
     temperature and sampling, as vLLM orders them: repetition (transformers' rule, over prompt and generated
-    tokens), then frequency and presence (OpenAI's, over generated tokens)."""
-    rows = [row for row, request in enumerate(requests) if request.sampling.penalized]
+    tokens), then frequency and presence (OpenAI's, over generated tokens), then the request's logit bias."""
+    rows = [row for row, request in enumerate(requests) if request.sampling.adjusts_logits]
     if not rows:
         return logits
     logits = logits.clone()
@@ -62,6 +62,8 @@ def apply_penalties(logits: torch.Tensor, requests: list[Request]) -> torch.Tens
             counts = torch.bincount(torch.tensor(generated, device=values.device), minlength=values.numel())
             counts = counts[:values.numel()].to(values.dtype)
             values -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0).to(values.dtype)
+        for token, bias in params.logit_bias:
+            values[token] += bias
     return logits
 
 

@@ -156,9 +156,23 @@ def _parse_sampling(body: dict) -> SamplingParams:
             presence_penalty=_typed(body, "presence_penalty", float, 0.0),
             frequency_penalty=_typed(body, "frequency_penalty", float, 0.0),
             repetition_penalty=_typed(body, "repetition_penalty", float, 1.0),
+            logit_bias=_parse_logit_bias(body.get("logit_bias")),
         )
     except ValueError as e:
         raise ApiError(400, str(e)) from None
+
+
+def _parse_logit_bias(value: Any) -> tuple[tuple[int, float], ...]:
+    """OpenAI's `{"<token id>": bias}` → ((token id, bias), …), ids in ascending order."""
+    if value is None:
+        return ()
+    try:
+        if not isinstance(value, dict) or any(isinstance(b, bool) or not isinstance(b, (int, float)) for b in value.values()):
+            raise ValueError
+        return tuple(sorted((int(token), float(bias)) for token, bias in value.items()))
+    except ValueError:
+        raise ApiError(400, "'logit_bias' must map token ids (as strings) to numbers between -100 and 100",
+                       "logit_bias") from None
 
 
 def _refuse_unsupported(body: dict) -> None:
@@ -171,8 +185,6 @@ def _refuse_unsupported(body: dict) -> None:
     if response_format is not None and response_format != {"type": "text"}:
         raise ApiError(400, "structured output ('response_format' other than {\"type\": \"text\"}) is not supported "
                             "by this server", "response_format")
-    if body.get("logit_bias"):
-        raise ApiError(400, "'logit_bias' is not supported by this server; leave it out", "logit_bias")
 
 
 def _parse_message(message: Any, index: int, allow_remote: bool) -> dict:

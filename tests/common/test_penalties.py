@@ -1,5 +1,5 @@
-"""Penalties: transformers' repetition penalty and OpenAI's presence / frequency penalties give transformers'
-tokens (greedy), and a migrated request's continuation goes on as the request would have."""
+"""Penalties and biases: transformers' repetition penalty, OpenAI's presence / frequency penalties and logit
+bias give transformers' tokens (greedy), and a migrated request's continuation goes on as the request would have."""
 
 import dataclasses
 
@@ -7,16 +7,18 @@ import pytest
 import torch
 
 from common.engine.config import EngineConfig
-from common.engine.engine import Engine
+from common.engine.engine import Engine, RequestRejected
 from common.request import Request
 from common.sampling import SamplingParams
 from tests.support import build_requests, hf_reference, mixed_cases
 
 CASES = [dataclasses.replace(c, max_tokens=max(c.max_tokens, 20)) for c in mixed_cases()[:6]]
-PENALTIES = {
-    "repetition": dict(repetition_penalty=1.3),
-    "presence+frequency": dict(presence_penalty=0.8, frequency_penalty=0.6),
-    "all three": dict(presence_penalty=-0.5, frequency_penalty=1.2, repetition_penalty=0.9),
+PENALTIES = {  # name: (our sampling parameters, transformers' generate arguments)
+    "repetition": (dict(repetition_penalty=1.3), dict(repetition_penalty=1.3)),
+    "presence+frequency": (dict(presence_penalty=0.8, frequency_penalty=0.6),) * 2,
+    "all three": (dict(presence_penalty=-0.5, frequency_penalty=1.2, repetition_penalty=0.9),) * 2,
+    "logit bias": (dict(logit_bias=((500, 6.0), (1002, -50.0), (3339, 4.5))),
+                   dict(sequence_bias={(500,): 6.0, (1002,): -50.0, (3339,): 4.5})),
 }
 
 
@@ -31,11 +33,11 @@ def plain(tiny_dir, processors):
 
 @pytest.mark.parametrize("name", list(PENALTIES))
 def test_penalized_greedy_outputs_are_transformers_own(name, tiny_dir, processors, plain):
-    penalties = PENALTIES[name]
-    refs = hf_reference(tiny_dir, processors["tiny"], CASES, torch.float32, **penalties)
+    ours, theirs = PENALTIES[name]
+    refs = hf_reference(tiny_dir, processors["tiny"], CASES, torch.float32, **theirs)
     requests = build_requests(processors["tiny"], CASES)
     for r in requests:
-        r.sampling = dataclasses.replace(r.sampling, **penalties)
+        r.sampling = dataclasses.replace(r.sampling, **ours)
     finals = _engine(tiny_dir).generate(requests)
     for case in CASES:
         assert finals[case.name].output_token_ids == refs[case.name].tokens, (name, case.name)
@@ -58,9 +60,12 @@ def test_a_continuation_goes_on_with_the_same_penalties_and_random_stream(tiny_d
     assert _engine(tiny_dir).generate([naive])["n"].output_token_ids != whole[5:]
 
 
-def test_penalty_ranges_are_checked():
-    for bad in (dict(presence_penalty=2.5), dict(frequency_penalty=-3), dict(repetition_penalty=0)):
+def test_penalty_ranges_are_checked(tiny_dir):
+    for bad in (dict(presence_penalty=2.5), dict(frequency_penalty=-3), dict(repetition_penalty=0),
+                dict(logit_bias=((5, 101.0),)), dict(logit_bias=((-1, 1.0),))):
         with pytest.raises(ValueError):
             SamplingParams(**bad)
     with pytest.raises(ValueError, match="continued tokens"):
         Request("r", [1, 2], SamplingParams(), num_continued_tokens=2)
+    with pytest.raises(RequestRejected, match="outside the vocabulary"):
+        _engine(tiny_dir).add_request(Request("r", [1, 2], SamplingParams(logit_bias=((10**6, 1.0),))))

@@ -22,6 +22,7 @@ from tests.services.test_gateway import to_openai
 
 TOP_LOGPROBS = 2
 PENALTIES = dict(presence_penalty=1.0, frequency_penalty=1.0, repetition_penalty=1.5)
+LOGIT_BIAS = {500: 6.0}
 TOPOLOGIES = {
     "EPD1": ("EPD1", ()),  # colocated: one worker, no pages move; serve starts its own private redis-server
     # encode+prefill together, KV pages move to the decoder — over the gRPC-stream fallback; routed by the
@@ -49,11 +50,12 @@ async def _ask_all(base, cases):
 
 @pytest.fixture(scope="module")
 def penalized_reference(tiny_dir, processors, chat_reference):
-    """Two chat cases (one with an image) with all three penalties, and transformers' answers."""
+    """Two chat cases (one with an image) with all three penalties and a logit bias, and transformers' answers."""
     from tests.support import hf_reference
 
     cases = [chat_reference[0][1], chat_reference[0][6]]  # answers the penalties change ("img-short", "system")
-    return cases, hf_reference(tiny_dir, processors["tiny"], cases, torch.float32, **PENALTIES)
+    bias = {(token,): value for token, value in LOGIT_BIAS.items()}
+    return cases, hf_reference(tiny_dir, processors["tiny"], cases, torch.float32, sequence_bias=bias, **PENALTIES)
 
 
 async def _ask_penalized(base, cases):
@@ -63,7 +65,8 @@ async def _ask_penalized(base, cases):
         return await asyncio.gather(*(
             client.chat.completions.create(model=MODEL, messages=to_openai(c.conversation), max_tokens=c.max_tokens,
                                            temperature=0, presence_penalty=PENALTIES["presence_penalty"],
-                                           frequency_penalty=PENALTIES["frequency_penalty"], extra_body=extra)
+                                           frequency_penalty=PENALTIES["frequency_penalty"],
+                                           logit_bias={str(t): v for t, v in LOGIT_BIAS.items()}, extra_body=extra)
             for c in cases))
     finally:
         await client.close()

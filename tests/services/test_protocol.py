@@ -39,8 +39,7 @@ def test_logprobs_and_top_logprobs_become_the_engines_logprobs_count():
 def test_what_this_server_does_not_implement_is_a_400_not_silently_ignored():
     tools = [{"type": "function", "function": {"name": "f", "parameters": {}}}]
     for extra, param in [({"tools": tools}, "tools"), ({"tools": tools, "tool_choice": "auto"}, "tools"),
-                         ({"response_format": {"type": "json_object"}}, "response_format"),
-                         ({"logit_bias": {"50256": -100}}, "logit_bias")]:
+                         ({"response_format": {"type": "json_object"}}, "response_format")]:
         with pytest.raises(ApiError) as err:
             _parse(**extra)
         assert err.value.status == 400 and err.value.param == param and "not supported" in err.value.message, extra
@@ -51,8 +50,10 @@ def test_what_this_server_does_not_implement_is_a_400_not_silently_ignored():
 def test_penalties_are_parsed_and_out_of_range_ones_refused():
     sampling = _parse(presence_penalty=0.5, frequency_penalty=-1, repetition_penalty=1.2).sampling
     assert (sampling.presence_penalty, sampling.frequency_penalty, sampling.repetition_penalty) == (0.5, -1.0, 1.2)
-    assert not _parse().sampling.penalized
-    for extra in ({"presence_penalty": 2.5}, {"frequency_penalty": "a lot"}, {"repetition_penalty": 0}):
+    assert not _parse().sampling.adjusts_logits
+    assert _parse(logit_bias={"50": -100, "7": 2.5}).sampling.logit_bias == ((7, 2.5), (50, -100.0))
+    for extra in ({"presence_penalty": 2.5}, {"frequency_penalty": "a lot"}, {"repetition_penalty": 0},
+                  {"logit_bias": {"x": 1}}, {"logit_bias": {"5": 101}}, {"logit_bias": [5, 1]}, {"logit_bias": {"5": True}}):
         with pytest.raises(ApiError) as err:
             _parse(**extra)
         assert err.value.status == 400, extra
