@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 ARGS ?=
 
-.PHONY: serve test bench-engine bench-mesh bench-transfer bench-tracing bench-timeline bench-detokenize bench-goodput proto clean
+.PHONY: serve test bench-engine bench-mesh bench-transfer bench-tracing bench-timeline bench-detokenize bench-sampling bench-goodput proto clean
 
 $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
@@ -36,6 +36,9 @@ bench-timeline: $(VENV)/.installed
 
 bench-detokenize: $(VENV)/.installed
 	$(PY) -m bench.detokenize $(ARGS)
+
+bench-sampling: $(VENV)/.installed
+	$(PY) -m bench.sampling $(ARGS)
 
 # e.g. make bench-goodput ARGS="--url http://127.0.0.1:8000 --workload textcaps --rates 1,2,4"
 bench-goodput: $(VENV)/.installed

@@ -69,3 +69,28 @@ def test_penalty_ranges_are_checked(tiny_dir):
         Request("r", [1, 2], SamplingParams(), num_continued_tokens=2)
     with pytest.raises(RequestRejected, match="outside the vocabulary"):
         _engine(tiny_dir).add_request(Request("r", [1, 2], SamplingParams(logit_bias=((10**6, 1.0),))))
+
+
+@pytest.mark.parametrize("params", [dict(temperature=0.7), dict(temperature=1.0, top_k=40), dict(temperature=0.9, top_p=0.9),
+                                    dict(temperature=1.3, top_k=300, top_p=0.8), dict(temperature=2.0, top_p=0.999)],
+                         ids=["temperature", "top-k", "top-p", "top-k+top-p", "wide top-p"])
+def test_sampling_among_candidates_draws_from_the_masked_full_distribution(params):
+    """The sampler draws among the candidates top-k / top-p leave rather than sorting the whole vocabulary; the
+    distribution is the one masking the full vocabulary gives (the step-by-step definition)."""
+    from common.engine.sampler import distribution
+
+    params = SamplingParams(**params)
+    logits = torch.randn(32064, generator=torch.Generator().manual_seed(3)) * 3
+    probs, candidates = distribution(logits, params)
+    got = torch.zeros(logits.numel()).index_put_((candidates,), probs) if candidates is not None else probs.clone()
+    scaled = logits / params.temperature  # the definition, over the whole vocabulary
+    if params.top_k:
+        scaled = scaled.masked_fill(scaled < torch.topk(scaled, params.top_k).values[-1], float("-inf"))
+    want = torch.softmax(scaled, dim=-1)
+    if params.top_p < 1.0:
+        ordered, order = want.sort(descending=True)
+        want = want.scatter(0, order, ordered.masked_fill(ordered.cumsum(0) - ordered > params.top_p, 0.0))
+    assert torch.allclose(got / got.sum(), want / want.sum(), atol=1e-6)
+    # the same tokens, but for one at the very edge of a 30,000-token nucleus, where two float32 cumulative
+    # sums over differently computed probabilities may round to opposite sides of top_p
+    assert abs(int((got > 0).sum()) - int((want > 0).sum())) <= (1 if params.top_p > 0.99 else 0)
