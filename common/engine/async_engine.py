@@ -57,7 +57,7 @@ class AsyncEngine:
         outputs: asyncio.Queue = asyncio.Queue()
         with self._gate:
             if self._dead is not None:
-                raise self._dead
+                raise EngineDead(*self._dead.args)  # a fresh one: a shared one grows a traceback per raise
             if request.request_id in self._streams:  # its outputs would go to the other caller, who would hang
                 raise RequestRejected(f"request id {request.request_id!r} is already in use")
             self._streams[request.request_id] = (asyncio.get_running_loop(), outputs)
@@ -82,7 +82,7 @@ class AsyncEngine:
         future = loop.create_future()
         with self._gate:
             if self._dead is not None:
-                raise self._dead
+                raise EngineDead(*self._dead.args)  # a fresh one: a shared one grows a traceback per raise
             self._inbox.put(("call", (fn, loop, future)))
         return await future
 
@@ -139,9 +139,9 @@ class AsyncEngine:
             if kind == "call":
                 _, loop, future = payload
                 with contextlib.suppress(RuntimeError):
-                    loop.call_soon_threadsafe(_settle, future, None, dead)
+                    loop.call_soon_threadsafe(_settle, future, None, EngineDead(*dead.args))
         for request_id in list(self._streams):
-            self._deliver(request_id, dead)
+            self._deliver(request_id, EngineDead(*dead.args))
 
     def _fail_in_flight(self, exc: Exception) -> None:
         """After a failed step: fail its requests (wherever it left them) and all the engine still runs."""

@@ -74,8 +74,9 @@ def _nucleus_candidates(scaled: torch.Tensor, top_p: float) -> tuple[torch.Tenso
 
 def apply_penalties(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
     """The logits with each row's penalties applied (a copy; the same tensor when no row has any), before
-    temperature and sampling, as vLLM orders them: repetition (transformers' rule, over prompt and generated
-    tokens), then frequency and presence (OpenAI's, over generated tokens), then the request's logit bias.
+    temperature and sampling, in the order vLLM and transformers apply them: the request's logit bias, then
+    repetition (transformers' rule, over prompt and generated tokens), then frequency and presence (OpenAI's,
+    over generated tokens).
     Batched over the rows that have them: one scatter for the tokens seen, one for the counts."""
     rows = [row for row, request in enumerate(requests) if request.sampling.adjusts_logits]
     if not rows:
@@ -90,6 +91,11 @@ def apply_penalties(logits: torch.Tensor, requests: list[Request]) -> torch.Tens
     def _present(ids: torch.Tensor) -> torch.Tensor:  # the padding replaced by each row's first id: a repeat,
         return torch.where(ids == vocab, ids[:, :1], ids)  # harmless where a value is read and written back
 
+    biased = [(row, token, bias) for row in rows for token, bias in requests[row].sampling.logit_bias]
+    if biased:
+        at_rows, tokens, biases = zip(*biased)
+        logits.index_put_((torch.tensor(at_rows, device=device), torch.tensor(tokens, device=device)),
+                          torch.tensor(biases, dtype=logits.dtype, device=device), accumulate=True)
     repeat = [row for row in rows if requests[row].sampling.repetition_penalty != 1]
     if repeat:  # only the tokens seen are read and written: never a whole [rows, vocab] temporary
         at = torch.tensor(repeat, device=device).unsqueeze(1)
@@ -111,11 +117,6 @@ def apply_penalties(logits: torch.Tensor, requests: list[Request]) -> torch.Tens
                                             dtype=logits.dtype, device=device).unsqueeze(1)
                                for name in ("frequency_penalty", "presence_penalty"))
         logits[at, ids] = logits[at, ids] - (frequency * times + presence * (times > 0).to(logits.dtype))
-    biased = [(row, token, bias) for row in rows for token, bias in requests[row].sampling.logit_bias]
-    if biased:
-        at_rows, tokens, biases = zip(*biased)
-        logits.index_put_((torch.tensor(at_rows, device=device), torch.tensor(tokens, device=device)),
-                          torch.tensor(biases, dtype=logits.dtype, device=device), accumulate=True)
     return logits
 
 

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import json
 import logging
+import re
 from pathlib import Path
 
 import numpy as np
@@ -94,11 +96,48 @@ class ChatProcessor:
     def detokenize(self, token_ids: list[int]) -> str:
         return self.tokenizer.decode(token_ids, skip_special_tokens=True)
 
-    def token_text(self, token_id: int) -> str:
-        """One token's own text, special tokens included (what a logprobs entry names it by)."""
+    def token_text(self, token_id: int) -> tuple[str, bytes]:
+        """One token's own text (special tokens included: what a logprobs entry names it by) and its bytes — the
+        raw ones, which a token holding part of a UTF-8 character has though its text is only U+FFFD."""
         cache = self.__dict__.setdefault("_token_texts", {})
-        text = cache.get(token_id)
-        if text is None:
-            text = cache[token_id] = self.tokenizer.decode([token_id], skip_special_tokens=False)
-        return text
+        entry = cache.get(token_id)
+        if entry is None:
+            text = self.tokenizer.decode([token_id], skip_special_tokens=False)
+            entry = cache[token_id] = (text, self._token_bytes(token_id, text))
+        return entry
 
+    def _token_bytes(self, token_id: int, text: str) -> bytes:
+        piece = self.tokenizer.convert_ids_to_tokens(token_id)
+        if not isinstance(piece, str) or token_id in self.tokenizer.all_special_ids:
+            return text.encode()
+        if (m := re.fullmatch(r"<0x([0-9A-Fa-f]{2})>", piece)) is not None:  # SentencePiece byte fallback
+            return bytes([int(m.group(1), 16)])
+        if self._byte_level and all(c in _BYTE_OF_CHAR for c in piece):  # GPT-2-style byte-level BPE
+            return bytes(_BYTE_OF_CHAR[c] for c in piece)
+        return piece.replace("\u2581", " ").encode()  # SentencePiece: "▁" is a space
+
+    @functools.cached_property
+    def _byte_level(self) -> bool:
+        try:
+            decoder = json.loads(self.tokenizer.backend_tokenizer.to_str()).get("decoder") or {}
+        except (AttributeError, ValueError):
+            return False
+        kinds = [decoder.get("type")] + [d.get("type") for d in decoder.get("decoders", [])]
+        return "ByteLevel" in kinds
+
+
+def _byte_level_alphabet() -> dict[str, int]:
+    """GPT-2's byte-level BPE writes each byte as one printable character: the printable Latin-1 bytes as
+    themselves, the other 68 as the characters from U+0100 on, in byte order. Character → byte."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    chars, extra = {}, 0
+    for byte in range(256):
+        if byte in printable:
+            chars[chr(byte)] = byte
+        else:
+            chars[chr(256 + extra)] = byte
+            extra += 1
+    return chars
+
+
+_BYTE_OF_CHAR = _byte_level_alphabet()

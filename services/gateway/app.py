@@ -190,8 +190,8 @@ class Logprobs:
         self.token_text = token_text
 
     def _entry(self, token_id: int, logprob: float) -> dict:
-        text = self.token_text(token_id)
-        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+        text, raw = self.token_text(token_id)
+        return {"token": text, "logprob": logprob, "bytes": list(raw)}
 
     def entries(self, out: RequestOutput) -> list[dict]:
         return [{**self._entry(lp.token_id, lp.logprob), "top_logprobs": [self._entry(t, v) for t, v in lp.top]}

@@ -100,13 +100,14 @@ class MeshBackend:
                 raise
             try:
                 ids, images = await applying  # a prompt the processor refuses is a 400 here
+                self._check_length(len(ids), chat.sampling.max_tokens)
             except BaseException:
                 if self.router is not None:
                     self.router.forget(request_id)  # its reservations end now, not when they expire
                 raise
         else:  # a short text prompt is tokenized on the loop: a thread hop would cost more than the tokenizing
             ids, images = await self._prepare(self._apply, chat, span, inline=chat.short_text)
-        self._check_length(len(ids), chat.sampling.max_tokens)
+            self._check_length(len(ids), chat.sampling.max_tokens)
         request = Request(request_id, ids, chat.sampling, images, arrival_time=arrival)
         stream = self._with_failover(request, span, slo, plan)
         first = await anext(stream)  # errors before the first token surface here, as an HTTP status

@@ -21,6 +21,7 @@ from common.sampling import SamplingParams
 MAX_IMAGE_BYTES = 20 * 2**20
 MAX_IMAGE_PIXELS = 50_000_000
 MAX_STOP_STRINGS = 4
+MAX_TOKEN_ID = 2**31 - 1  # what the mesh's wire carries; the model's vocabulary is checked where it runs
 
 
 class ApiError(Exception):
@@ -135,8 +136,8 @@ def _parse_sampling(body: dict) -> SamplingParams:
     if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop) or len(stop) > MAX_STOP_STRINGS:
         raise ApiError(400, f"'stop' must be a non-empty string or a list of up to {MAX_STOP_STRINGS} of them", "stop")
     stop_ids = body.get("stop_token_ids") or []
-    if not isinstance(stop_ids, list) or not all(isinstance(t, int) for t in stop_ids):
-        raise ApiError(400, "'stop_token_ids' must be a list of integers", "stop_token_ids")
+    if not isinstance(stop_ids, list) or not all(_token_id(t) for t in stop_ids):
+        raise ApiError(400, f"'stop_token_ids' must be a list of token ids (integers 0 to {MAX_TOKEN_ID})", "stop_token_ids")
     _refuse_unsupported(body)
     logprobs = _typed(body, "logprobs", bool, False)
     top_logprobs = _typed(body, "top_logprobs", int, None)
@@ -169,10 +170,18 @@ def _parse_logit_bias(value: Any) -> tuple[tuple[int, float], ...]:
     try:
         if not isinstance(value, dict) or any(isinstance(b, bool) or not isinstance(b, (int, float)) for b in value.values()):
             raise ValueError
-        return tuple(sorted((int(token), float(bias)) for token, bias in value.items()))
+        bias = tuple(sorted((int(token), float(bias)) for token, bias in value.items()))
+        if not all(_token_id(token) for token, _ in bias):
+            raise ValueError
+        return bias
     except ValueError:
-        raise ApiError(400, "'logit_bias' must map token ids (as strings) to numbers between -100 and 100",
-                       "logit_bias") from None
+        raise ApiError(400, f"'logit_bias' must map token ids (as strings, 0 to {MAX_TOKEN_ID}) to numbers between "
+                            "-100 and 100", "logit_bias") from None
+
+
+def _token_id(value: Any) -> bool:
+    """An integer a token id can be (the model checks it against its vocabulary)."""
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= MAX_TOKEN_ID
 
 
 def _refuse_unsupported(body: dict) -> None:

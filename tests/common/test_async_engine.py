@@ -61,8 +61,11 @@ def test_callers_waiting_when_the_thread_dies_are_told_and_later_ones_refused_at
             await first
         with pytest.raises(EngineDead):
             await _next(async_engine.generate(Request("b", [1, 2, 3], SamplingParams(max_tokens=2))))
-        with pytest.raises(EngineDead):
+        with pytest.raises(EngineDead) as later:
             await asyncio.wait_for(async_engine.call(lambda e: 1), WAIT_S)
+        with pytest.raises(EngineDead) as again:
+            await asyncio.wait_for(async_engine.call(lambda e: 1), WAIT_S)
+        assert later.value is not again.value  # one shared exception would grow a traceback with every raise
 
     asyncio.run(scenario())
     assert not async_engine.alive

@@ -85,3 +85,29 @@ def test_logprobs_are_refused_where_they_cannot_be_given(emulated_dir):
                                          image_cache_gib=0.02), profile)
     with pytest.raises(RequestRejected, match="logprobs are not available on this backend"):
         engine.add_request(Request("r", [1, 2, 3], SamplingParams(max_tokens=2, logprobs=1)))
+
+
+def test_a_tokens_bytes_are_its_raw_bytes_even_when_its_text_is_part_of_a_character(tiny_dir):
+    """OpenAI's `bytes` exist so a client can join tokens that split a UTF-8 character; their text alone is
+    U+FFFD. Byte-level BPE (the default checkpoint) and SentencePiece with byte fallback (Llama's)."""
+    from transformers import PreTrainedTokenizerFast
+
+    from common.model.processor import ChatProcessor
+    from tests.common.test_detokenizer import _llama_style
+
+    text = "é日本 naïve 😀"
+    processor = ChatProcessor(tiny_dir)
+    ids = processor.tokenizer(text, add_special_tokens=False)["input_ids"]
+    entries = [processor.token_text(i) for i in ids]
+    assert any(t == "\ufffd" for t, _ in entries)  # some tokens are parts of a character
+    assert b"".join(raw for _, raw in entries) == text.encode()
+    eos = processor.tokenizer.eos_token_id
+    assert processor.token_text(eos) == (processor.tokenizer.eos_token, processor.tokenizer.eos_token.encode())
+
+    llama = ChatProcessor.__new__(ChatProcessor)
+    llama.tokenizer = PreTrainedTokenizerFast(tokenizer_object=_llama_style(), eos_token="</s>", bos_token="<s>")
+    unseen = "naïve 漢字ß"  # characters its training text lacked: byte-fallback pieces
+    ids = llama.tokenizer(unseen, add_special_tokens=False)["input_ids"]
+    pieces = llama.tokenizer.convert_ids_to_tokens(ids)
+    assert any(p.startswith("<0x") for p in pieces) and any("▁" in p for p in pieces)
+    assert b"".join(llama.token_text(i)[1] for i in ids) == (" " + unseen).encode()  # "▁" prepended: a space

@@ -94,3 +94,13 @@ def test_sampling_among_candidates_draws_from_the_masked_full_distribution(param
     # the same tokens, but for one at the very edge of a 30,000-token nucleus, where two float32 cumulative
     # sums over differently computed probabilities may round to opposite sides of top_p
     assert abs(int((got > 0).sum()) - int((want > 0).sum())) <= (1 if params.top_p > 0.99 else 0)
+
+
+def test_the_logit_bias_comes_before_the_penalties_as_in_vllm_and_transformers():
+    from common.engine.sampler import apply_penalties
+
+    logits = torch.tensor([[2.0, 1.0, -1.0, 0.5]])
+    request = Request("r", [0, 2], SamplingParams(repetition_penalty=1.5, logit_bias=((0, -3.0), (3, 1.0))))
+    got = apply_penalties(logits, [request])[0].tolist()
+    assert got == pytest.approx([(2.0 - 3.0) * 1.5, 1.0, -1.0 * 1.5, 1.5])  # biased, then penalized (seen: 0, 2)
+    assert logits.tolist() == [[2.0, 1.0, -1.0, 0.5]]  # a copy was changed

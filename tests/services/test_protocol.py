@@ -53,7 +53,9 @@ def test_penalties_are_parsed_and_out_of_range_ones_refused():
     assert not _parse().sampling.adjusts_logits
     assert _parse(logit_bias={"50": -100, "7": 2.5}).sampling.logit_bias == ((7, 2.5), (50, -100.0))
     for extra in ({"presence_penalty": 2.5}, {"frequency_penalty": "a lot"}, {"repetition_penalty": 0},
-                  {"logit_bias": {"x": 1}}, {"logit_bias": {"5": 101}}, {"logit_bias": [5, 1]}, {"logit_bias": {"5": True}}):
+                  {"logit_bias": {"x": 1}}, {"logit_bias": {"5": 101}}, {"logit_bias": [5, 1]}, {"logit_bias": {"5": True}},
+                  {"logit_bias": {"4294967296": 1}}, {"logit_bias": {"-1": 1}}, {"stop_token_ids": [2**40]},
+                  {"stop_token_ids": [-1]}, {"stop_token_ids": [True]}):
         with pytest.raises(ApiError) as err:
             _parse(**extra)
         assert err.value.status == 400, extra
