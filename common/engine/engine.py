@@ -21,6 +21,7 @@ import torch
 
 from common.engine.config import EngineConfig
 from common.engine.model_runner import ModelRunner
+from common.engine.errors import NoRoomForPages, RequestRejected, StepFailed  # noqa: F401 (imported from here too)
 from common.engine.outputs import RequestOutput, TokenLogprob
 from common.engine.sampler import Sampler, logprobs_of
 from common.engine.stopping import check_stop
@@ -34,23 +35,6 @@ from common.scheduler import Scheduler, SchedulerOutput
 from kernels import make_attention_backend
 
 log = logging.getLogger(__name__)
-
-
-class RequestRejected(ValueError):
-    """The request cannot be served as asked; the message says what to change."""
-
-
-class StepFailed(RuntimeError):
-    """A step failed after its model ran. Its requests were dropped — even those it had already finished or
-    handed off, whose outputs are lost with it — so their callers must be told (`request_ids`)."""
-
-    def __init__(self, request_ids: list[str], cause: Exception):
-        super().__init__(f"{type(cause).__name__}: {cause}")
-        self.request_ids = request_ids
-
-
-class NoRoomForPages(RuntimeError):
-    """The cache has no free blocks for a request's handed-over pages now; they free as other requests run."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -123,20 +123,16 @@ class MeshBackend:
         Traced as a child of `span` named after `fn` (`apply`: chat template, tokenizer, image preprocessing)."""
         if not inline:
             return await self._prepare_in_thread(fn, chat, span)
-        with _refused_prompt():
-            with self.tracing.activate(span), self.tracing.span(fn.__name__.lstrip("_")):
-                return fn(chat.conversation)
+        return self._traced(fn, chat, span)
 
     def _prepare_in_thread(self, fn, chat: ChatRequest, span=None) -> asyncio.Future:
         """`_prepare` on a thread that starts now, not at the caller's next await: the loop can do other work
         (count tokens, route) while it runs."""
+        return asyncio.get_running_loop().run_in_executor(None, contextvars.copy_context().run, self._traced, fn, chat, span)
 
-        def run():
-            with _refused_prompt():
-                with self.tracing.activate(span), self.tracing.span(fn.__name__.lstrip("_")):
-                    return fn(chat.conversation)
-
-        return asyncio.get_running_loop().run_in_executor(None, contextvars.copy_context().run, run)
+    def _traced(self, fn, chat: ChatRequest, span):
+        with _refused_prompt(), self.tracing.activate(span), self.tracing.span(fn.__name__.lstrip("_")):
+            return fn(chat.conversation)
 
     def _check_length(self, num_tokens: int, max_tokens: int) -> None:
         total = num_tokens + max_tokens

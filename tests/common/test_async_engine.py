@@ -47,15 +47,20 @@ async def _next(stream):
     return await asyncio.wait_for(anext(stream), WAIT_S)
 
 
+async def _waiting(async_engine: AsyncEngine, engine: DyingEngine) -> asyncio.Future:
+    """A caller waiting for the first output of a request the engine's thread has taken in."""
+    first = asyncio.ensure_future(_next(async_engine.generate(Request("a", [1, 2, 3], SamplingParams(max_tokens=2)))))
+    while "a" not in engine.requests:
+        await asyncio.sleep(0.01)
+    return first
+
+
 def test_callers_waiting_when_the_thread_dies_are_told_and_later_ones_refused_at_once():
     engine = DyingEngine()
     async_engine = AsyncEngine(engine)
 
     async def scenario():
-        waiting = async_engine.generate(Request("a", [1, 2, 3], SamplingParams(max_tokens=2)))
-        first = asyncio.ensure_future(_next(waiting))
-        while "a" not in engine.requests:
-            await asyncio.sleep(0.01)
+        first = await _waiting(async_engine, engine)
         engine.die.set()
         with pytest.raises(EngineDead, match="SystemExit"):
             await first
@@ -76,10 +81,7 @@ def test_a_shut_down_engine_tells_its_waiting_callers():
     async_engine = AsyncEngine(engine)
 
     async def scenario():
-        waiting = async_engine.generate(Request("a", [1, 2, 3], SamplingParams(max_tokens=2)))
-        first = asyncio.ensure_future(_next(waiting))
-        while "a" not in engine.requests:
-            await asyncio.sleep(0.01)
+        first = await _waiting(async_engine, engine)
         await asyncio.to_thread(async_engine.shutdown)
         with pytest.raises(EngineDead, match="shut down"):
             await first
