@@ -5,6 +5,15 @@ from __future__ import annotations
 import dataclasses
 
 MAX_LOGPROBS = 20  # most likely tokens a request may ask for per position (OpenAI's top_logprobs limit)
+SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1  # what the mesh's wire carries (int64), as vLLM accepts
+
+
+class InvalidSamplingParams(ValueError):
+    """A sampling parameter out of its range; `param` names it (the API's error says which)."""
+
+    def __init__(self, param: str, message: str):
+        super().__init__(message)
+        self.param = param
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -24,25 +33,28 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()  # OpenAI's: (token id, bias in [-100, 100]) added to that token's logit
 
     def __post_init__(self) -> None:
-        if self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
-        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
-            raise ValueError(f"top_logprobs must be between 0 and {MAX_LOGPROBS}, got {self.logprobs}")
-        for name in ("presence_penalty", "frequency_penalty"):
-            if not -2.0 <= getattr(self, name) <= 2.0:
-                raise ValueError(f"{name} must be between -2 and 2, got {getattr(self, name)}")
-        if not 0 < self.repetition_penalty <= 100:
-            raise ValueError(f"repetition_penalty must be in (0, 100], got {self.repetition_penalty}")
-        if any(token < 0 or not -100 <= bias <= 100 for token, bias in self.logit_bias):
-            raise ValueError("logit_bias maps token ids (>= 0) to biases between -100 and 100")
-        if any(not s for s in self.stop):
-            raise ValueError("stop strings must be non-empty")
+        checks = (
+            ("max_tokens", self.max_tokens >= 1, f"max_tokens must be at least 1, got {self.max_tokens}"),
+            ("temperature", self.temperature >= 0, f"temperature must be >= 0, got {self.temperature}"),
+            ("top_p", 0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}"),
+            ("top_k", self.top_k >= 0, f"top_k must be >= 0, got {self.top_k}"),
+            ("seed", self.seed is None or SEED_MIN <= self.seed <= SEED_MAX,
+             f"seed must be a 64-bit signed integer ({SEED_MIN} to {SEED_MAX}), got {self.seed}"),
+            ("top_logprobs", self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS,
+             f"top_logprobs must be between 0 and {MAX_LOGPROBS}, got {self.logprobs}"),
+            ("presence_penalty", -2.0 <= self.presence_penalty <= 2.0,
+             f"presence_penalty must be between -2 and 2, got {self.presence_penalty}"),
+            ("frequency_penalty", -2.0 <= self.frequency_penalty <= 2.0,
+             f"frequency_penalty must be between -2 and 2, got {self.frequency_penalty}"),
+            ("repetition_penalty", 0 < self.repetition_penalty <= 100,
+             f"repetition_penalty must be in (0, 100], got {self.repetition_penalty}"),
+            ("logit_bias", all(token >= 0 and -100 <= bias <= 100 for token, bias in self.logit_bias),
+             "logit_bias maps token ids (>= 0) to biases between -100 and 100"),
+            ("stop", all(self.stop), "stop strings must be non-empty"),
+        )
+        for param, ok, message in checks:
+            if not ok:
+                raise InvalidSamplingParams(param, message)
 
     @property
     def adjusts_logits(self) -> bool:

@@ -1,11 +1,13 @@
 """Turn the last-position logits of a batch into next tokens.
 
 Greedy rows take the argmax. Other rows apply temperature, top-k and top-p, then sample.
-A seeded request draws its n-th token from a generator seeded by (seed, n), so its output
+A seeded request draws its n-th token from a generator seeded by a hash of (seed, n), so its output
 does not depend on batch composition or on which engine ran which step.
 """
 
 from __future__ import annotations
+
+import hashlib
 
 import torch
 
@@ -36,9 +38,16 @@ class Sampler:
         if params.seed is None:
             generator = self._generator
         else:
-            generator = torch.Generator().manual_seed(params.seed * 1_000_003 + len(request.generated_token_ids))
+            generator = torch.Generator().manual_seed(stream_seed(params.seed, len(request.generated_token_ids)))
         index = int(torch.multinomial(probs, 1, generator=generator))
         return index if candidates is None else int(candidates[index])
+
+
+def stream_seed(seed: int, n: int) -> int:
+    """The generator seed of a seeded request's n-th draw: a hash of both, because torch's CPU generator keeps
+    only the low 32 bits of its seed (an arithmetic mix made seeds 2^32 apart draw the same tokens)."""
+    digest = hashlib.blake2b(seed.to_bytes(8, "little", signed=True) + n.to_bytes(8, "little"), digest_size=4)
+    return int.from_bytes(digest.digest(), "little")
 
 
 def distribution(logits: torch.Tensor, params) -> tuple[torch.Tensor, torch.Tensor | None]:

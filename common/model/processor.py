@@ -93,6 +93,13 @@ class ChatProcessor:
         image_token = self.config.image_token_id
         return len(ids) + sum(1 for t in ids if t == image_token) * (self.config.image_tokens_per_image - 1)
 
+    @functools.cached_property
+    def max_token_chars(self) -> int:
+        """The most characters one token can stand for (its vocabulary string's length; a byte-level BPE string
+        has one character per byte, so at least as many as the text it decodes to): with it, a text can be known
+        too long for the model without tokenizing it."""
+        return max(map(len, self.tokenizer.get_vocab()), default=1)
+
     def detokenize(self, token_ids: list[int]) -> str:
         return self.tokenizer.decode(token_ids, skip_special_tokens=True)
 

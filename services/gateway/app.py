@@ -97,7 +97,7 @@ def build_app(backend, model_name: str, allow_remote_images: bool = False, metri
 
     async def health(_: HttpRequest) -> Response:
         body = await backend.health()
-        return JSONResponse(body, status_code=200 if body["status"] == "ok" else 503)
+        return JSONResponse(body, status_code=200 if body["status"] in ("ok", "degraded") else 503)
 
     async def models(_: HttpRequest) -> Response:
         card = {"id": model_name, "object": "model", "created": created, "owned_by": "epdmesh",
@@ -123,12 +123,18 @@ def build_app(backend, model_name: str, allow_remote_images: bool = False, metri
                     chat = await asyncio.to_thread(parse_chat_request, body, [model_name], allow_remote_images)
                 else:
                     chat = parse_chat_request(body, [model_name], allow_remote_images)
+            _check_text_length(chat, backend)
             request_id = f"chatcmpl-{uuid.uuid4().hex}"
             observer.request(chat, request_id)
             num_prompt, outputs = await backend.start(chat, request_id, observer.span)
         except ApiError as e:
             observer.failed(e.status, e.message)
             return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+        except Exception as e:  # a bug of ours: still an OpenAI error, counted, and the connection kept
+            log.exception("request failed before its first token")
+            error = _internal_error(e)
+            observer.failed(error.status, error.message)
+            return JSONResponse(error.body(), status_code=error.status)
         outputs = observer.observe(outputs, num_prompt)
         logprobs = Logprobs(backend.processor.token_text) if chat.sampling.logprobs is not None else None
         if chat.stream:
@@ -142,6 +148,9 @@ def build_app(backend, model_name: str, allow_remote_images: bool = False, metri
                     entries += logprobs.entries(out)
         except ApiError as e:  # a stage failed after the request started
             return JSONResponse(e.body(), status_code=e.status)
+        except Exception as e:
+            log.exception("request failed")
+            return JSONResponse(_internal_error(e).body(), status_code=500)
         completion = _completion(chat, request_id, model_name, num_prompt, final, backend.detokenize)
         if logprobs is not None:
             completion["choices"][0]["logprobs"] = {"content": entries}
@@ -154,6 +163,23 @@ def build_app(backend, model_name: str, allow_remote_images: bool = False, metri
         Route("/metrics", prometheus),
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
     ], lifespan=_lifespan(backend))
+
+
+# Unicode normalization can fold a few characters into one before tokenizing (e.g. Hangul jamo); stay below that
+NORMALIZATION_SLACK = 4
+
+
+def _check_text_length(chat: ChatRequest, backend) -> None:
+    """A 400 at once, without tokenizing, for text that cannot fit the model: tokenizing megabytes of it took seconds
+    and gigabytes before the length check could refuse it."""
+    n = chat.num_text_chars
+    if n > backend.max_model_len * backend.processor.max_token_chars * NORMALIZATION_SLACK:
+        raise ApiError(400, f"the messages hold {n} characters of text, more than the model's limit of "
+                            f"{backend.max_model_len} tokens can hold; shorten them", "messages")
+
+
+def _internal_error(e: Exception) -> ApiError:
+    return ApiError(500, f"internal error ({type(e).__name__}: {e}); the server logged it, please report it")
 
 
 def _lifespan(backend):

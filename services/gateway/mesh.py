@@ -41,6 +41,7 @@ from services import wire
 from common.telemetry.metrics import GatewayMetrics
 from common.telemetry.tracing import Tracing, set_attributes
 from services.gateway.migration import continuation, rebased
+from services.gateway.status import MeshStatus
 from services.gateway.stage_errors import StageFailed, api_error_from_rpc, failure, stage_call
 from services.gateway.protocol import ApiError, ChatRequest
 from services.toggle.router import NoRoute, Router
@@ -50,10 +51,14 @@ _STATUS_OF = {reason: status for status, reason in FINISH_REASONS.items()}
 
 
 MAX_ATTEMPTS = 3  # routes tried per request when workers fail it
+# a request whose worker died waits this long for one to take its place (`epdmesh serve` restarts a dead worker,
+# which registers within seconds) before it fails; new requests are not held: they get a 503 at once
+FAILOVER_WAIT_S = 30.0
+FAILOVER_POLL_S = 0.25
 RECENT_PREDICTIONS = 1024  # routed requests whose predicted and actual TTFT /stats shows
 
 
-class MeshBackend:
+class MeshBackend(MeshStatus):
     def __init__(self, processor: ChatProcessor, toggle_address: str, max_model_len: int,
                  metrics: GatewayMetrics | None = None, tracing: Tracing | None = None, router: Router | None = None):
         """`router`: route in this process over the registry in Redis; None: ask the toggle (a gRPC hop)."""
@@ -149,11 +154,29 @@ class MeshBackend:
                     self._refresher = asyncio.ensure_future(self.router.refresh_forever())
                 return wire.plan_to_pb(await self.router.route(summary))
         except grpc.aio.AioRpcError as e:
+            if e.code() == grpc.StatusCode.UNAVAILABLE:
+                raise NoLiveRoute(503, f"routing is unavailable: {e.details()}", headers={"Retry-After": "1"}) from None
             raise api_error_from_rpc(e, "routing") from None
         except NoRoute as e:
             if e.busy:
                 raise ApiError(503, f"routing: {e.message}", headers={"Retry-After": "1"}) from None
-            raise ApiError(503, f"routing is unavailable: {e.message}") from None
+            raise NoLiveRoute(503, f"routing is unavailable: {e.message}", headers={"Retry-After": "1"}) from None
+
+    async def _reroute(self, summary_of, span, attempt: int) -> pb.RoutePlan:
+        """The route of a request a worker failed: when no live worker can take it (the only one of a role died),
+        wait up to FAILOVER_WAIT_S for another to register (a restarted one) rather than fail a stream that is
+        under way."""
+        deadline = time.monotonic() + FAILOVER_WAIT_S
+        while True:
+            try:
+                return await self._route(summary_of(), span, attempt)
+            except NoLiveRoute as e:
+                if time.monotonic() >= deadline:
+                    raise
+                if self.router is not None:
+                    self.router.invalidate()  # read the registry again: a worker may have registered since
+                log.info("waiting for a worker to take over (%s)", e.message)
+                await asyncio.sleep(FAILOVER_POLL_S)
 
     async def _with_failover(self, request: Request, span=None, slo: tuple[float | None, float | None] = (None, None),
                              plan: pb.RoutePlan | None = None) -> AsyncIterator[RequestOutput]:
@@ -168,10 +191,12 @@ class MeshBackend:
         for attempt in range(1, MAX_ATTEMPTS + 1):
             current = request if not emitted else continuation(request, emitted, attempt)
             if plan is None or attempt > 1:
-                summary = RouteSummary(current.request_id, current.num_prompt_tokens, len(current.images),
-                                       current.sampling.max_tokens, frozenset(exclude), *slo,
-                                       elapsed_ms=(time.monotonic() - request.arrival_time) * 1e3)
-                plan = await self._route(summary, span, attempt)
+                def summary_of(current=current) -> RouteSummary:
+                    return RouteSummary(current.request_id, current.num_prompt_tokens, len(current.images),
+                                        current.sampling.max_tokens, frozenset(exclude), *slo,
+                                        elapsed_ms=(time.monotonic() - request.arrival_time) * 1e3)
+                plan = await (self._route(summary_of(), span, attempt) if attempt == 1 else
+                              self._reroute(summary_of, span, attempt))
             path = wire.path_from_pb(plan.path)
             set_attributes(span, {"epdmesh.path": path.value, "epdmesh.decoder": plan.decoder.worker_id,
                                   "epdmesh.prefill": plan.prefill.worker_id, "epdmesh.attempts": attempt,
@@ -271,32 +296,6 @@ class MeshBackend:
     def detokenize(self, ids: list[int]) -> str:
         return self.processor.detokenize(ids)
 
-    async def worker_stats(self) -> dict:
-        reply = await self.toggle.ListWorkers(pb.ListWorkersRequest(), timeout=5)
-        stats = {}
-        for entry in reply.workers:
-            info = wire.info_from_pb(entry.info)
-            try:
-                load = await pb_grpc.WorkerStub(self.channels.get(info.address)).Stats(pb.StatsRequest(), timeout=5)
-            except grpc.aio.AioRpcError as e:
-                stats[info.worker_id] = {"roles": info.role_label, "address": info.address, "pid": info.pid,
-                                         "heartbeat_age_s": entry.age_s, "error": e.code().name}
-                continue
-            stats[info.worker_id] = {"roles": info.role_label, "address": info.address, "pid": info.pid,
-                                     "metrics_port": info.metrics_port, "heartbeat_age_s": entry.age_s,
-                                     **{f.name: getattr(load, f.name) for f in pb.WorkerLoad.DESCRIPTOR.fields}}
-        return stats
-
-    async def health(self) -> dict:
-        """ok when the toggle answers and knows at least one live worker."""
-        try:
-            reply = await self.toggle.ListWorkers(pb.ListWorkersRequest(), timeout=2)
-        except grpc.aio.AioRpcError as e:
-            return {"status": "error", "reason": f"toggle unreachable: {e.code().name}"}
-        if not reply.workers:
-            return {"status": "error", "reason": "no workers registered"}
-        return {"status": "ok", "workers": len(reply.workers)}
-
     def _first_token(self, path: PrefillPath, plan: pb.RoutePlan, arrival: float, request_id: str) -> None:
         """Count the path that made the request's first token, and how far the policy's prediction of it was off."""
         self.paths[path] += 1
@@ -335,6 +334,10 @@ class MeshBackend:
         task = asyncio.ensure_future(coro)
         self._background.add(task)
         task.add_done_callback(self._background.discard)
+
+
+class NoLiveRoute(ApiError):
+    """No live worker set covers the request (not: every one is busy)."""
 
 
 def _output(request_id: str, chunk: pb.TokenChunk, output: list[int]) -> RequestOutput:

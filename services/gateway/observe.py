@@ -65,6 +65,9 @@ class RequestObserver:
         except ApiError as e:
             self.failed(e.status, e.message)
             raise
+        except Exception as e:  # a bug of ours mid-stream: counted as a 500
+            self.failed(500, f"{type(e).__name__}: {e}")
+            raise
         finally:
             if self._open:
                 self._finish(final)

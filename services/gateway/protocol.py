@@ -16,10 +16,11 @@ from typing import Any
 import pybase64
 from PIL import Image, UnidentifiedImageError
 
-from common.sampling import SamplingParams
+from common.sampling import InvalidSamplingParams, SamplingParams
 
 MAX_IMAGE_BYTES = 20 * 2**20
 MAX_IMAGE_PIXELS = 50_000_000
+MAX_ASPECT_RATIO = 200  # long side over short side, as Qwen2-VL's processor allows
 MAX_STOP_STRINGS = 4
 MAX_TOKEN_ID = 2**31 - 1  # what the mesh's wire carries; the model's vocabulary is checked where it runs
 
@@ -148,7 +149,7 @@ def _parse_sampling(body: dict) -> SamplingParams:
             max_tokens=max_tokens,
             temperature=_typed(body, "temperature", float, 1.0),
             top_p=_typed(body, "top_p", float, 1.0),
-            top_k=max(0, _typed(body, "top_k", int, 0)),  # -1 means off, as in vLLM
+            top_k=_parse_top_k(body),
             seed=_typed(body, "seed", int, None),
             stop=tuple(stop),
             stop_token_ids=tuple(stop_ids),
@@ -159,8 +160,16 @@ def _parse_sampling(body: dict) -> SamplingParams:
             repetition_penalty=_typed(body, "repetition_penalty", float, 1.0),
             logit_bias=_parse_logit_bias(body.get("logit_bias")),
         )
-    except ValueError as e:
-        raise ApiError(400, str(e)) from None
+    except InvalidSamplingParams as e:
+        raise ApiError(400, str(e), e.param) from None
+
+
+def _parse_top_k(body: dict) -> int:
+    """vLLM's extension: 0 or -1 means no top-k cut."""
+    top_k = _typed(body, "top_k", int, 0)
+    if top_k < -1:
+        raise ApiError(400, f"top_k must be -1 or 0 (no cut) or at least 1, got {top_k}", "top_k")
+    return max(0, top_k)
 
 
 def _parse_logit_bias(value: Any) -> tuple[tuple[int, float], ...]:
@@ -245,6 +254,10 @@ def load_image(url: Any, where: str, allow_remote: bool) -> Image.Image:
         with Image.open(io.BytesIO(data)) as probe:
             if probe.width * probe.height > MAX_IMAGE_PIXELS:
                 raise ApiError(413, f"{where}: image is {probe.width}x{probe.height}, over {MAX_IMAGE_PIXELS} pixels", "messages")
+            if max(probe.size) > MAX_ASPECT_RATIO * min(probe.size):  # a 1x16000 PNG of 149 bytes resized to
+                # 224 pixels on its short side is 3.6 billion values: gigabytes and seconds in the processor
+                raise ApiError(400, f"{where}: image is {probe.width}x{probe.height}, longer than {MAX_ASPECT_RATIO}:1; "
+                                    "crop or pad it", "messages")
             probe.verify()
         image = Image.open(io.BytesIO(data))
         image.load()

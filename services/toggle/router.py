@@ -155,7 +155,7 @@ class Router:
             if plan is None and full_workers:
                 break
             if plan is None:
-                raise NoRoute(_why_no_route(workers, summary.num_images), busy=False)
+                raise NoRoute(_why_no_route(workers, summary, self._max_heartbeat_age_s), busy=False)
             amounts = needs(plan, summary)
             full = None if self.reservations is None else await self.reservations.reserve(summary.request_id, amounts)
             if full is None:
@@ -173,6 +173,10 @@ class Router:
                                "epdmesh.encoder": plan.encoder.worker_id if plan.encoder else None,
                                "epdmesh.live_workers": len(workers)})
         return plan
+
+    @property
+    def _max_heartbeat_age_s(self) -> float:
+        return self.routing.max_heartbeat_age_s if self.slo is None else self.slo.config.max_heartbeat_age_s
 
     def _plan(self, workers: list[WorkerSnapshot], summary: RouteSummary) -> RoutePlan | None:
         if self.slo is None:
@@ -280,9 +284,15 @@ def _plus(w: WorkerSnapshot, pending: list[_Pending]) -> WorkerSnapshot:
         queued_prefill_tokens=load.queued_prefill_tokens + prefill_tokens, queued_images=load.queued_images + images))
 
 
-def _why_no_route(workers: list[WorkerSnapshot], num_images: int) -> str:
+def _why_no_route(workers: list[WorkerSnapshot], summary: RouteSummary, max_age_s: float) -> str:
+    """Which roles are missing, naming only the workers the request could have used (a worker that failed it, or
+    whose heartbeats stopped, is registered for a few seconds more: listing its roles as live read as a
+    contradiction)."""
     if not workers:
         return "no live workers are registered"
-    have = sorted({w.info.role_label for w in workers})
-    need = "an encoder, a prefill and a decode role" if num_images else "a prefill and a decode role"
-    return f"no live worker set covers {need}; live workers have roles {have}"
+    usable = [w for w in workers if w.age_s <= max_age_s and w.worker_id not in summary.exclude]
+    need = "an encoder, a prefill and a decode role" if summary.num_images else "a prefill and a decode role"
+    why = f"no live worker set covers {need}; "
+    why += f"live workers have roles {sorted({w.info.role_label for w in usable})}" if usable else "no worker is live"
+    left_out = sorted(w.worker_id for w in workers if w not in usable)
+    return why + (f" (left out: {', '.join(left_out)}, silent or failed this request)" if left_out else "")

@@ -45,6 +45,18 @@ def test_seeded_sampling_is_reproducible_and_independent_of_the_batch(engine):
     assert_pools_full(engine)
 
 
+def test_every_64_bit_seed_draws_its_own_stream(engine):
+    """torch's CPU generator keeps 32 bits of its seed: seeds 2^32 apart drew the same tokens, and the widest
+    seeds overflowed the generator's seed (a 500 through the API)."""
+    def sampled(seed):
+        params = SamplingParams(max_tokens=12, temperature=1.5, seed=seed, ignore_eos=True)
+        return run(engine, Request(f"s{seed}", PROMPT, params))[f"s{seed}"].output_token_ids
+
+    assert sampled(0) != sampled(2**32) and sampled(1) != sampled(2**32 + 1) and sampled(2**31) != sampled(-(2**31))
+    assert sampled(2**63 - 1) == sampled(2**63 - 1) and sampled(-(2**63)) == sampled(-(2**63))
+    assert_pools_full(engine)
+
+
 def test_finish_reasons_length_stop_token_and_stop_string(engine, processors):
     greedy = run(engine, Request("x", PROMPT, SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)))["x"]
     assert greedy.finish_reason == "length" and len(greedy.output_token_ids) == 10

@@ -1,0 +1,51 @@
+"""What the gateway says about the mesh: `/health` from the registry, per-worker statistics for `/stats`."""
+
+from __future__ import annotations
+
+import grpc
+
+from common.request import Stage
+from epdmesh.v1 import mesh_pb2 as pb
+from epdmesh.v1 import mesh_pb2_grpc as pb_grpc
+from services import wire
+
+HEALTHY_HEARTBEAT_AGE_S = 1.5  # three missed heartbeats (every 0.5 s): /health stops counting the worker
+
+
+class MeshStatus:
+    """Mixed into the mesh backend: needs `toggle` (a Toggle stub) and `channels` (a ChannelPool)."""
+
+    async def worker_stats(self) -> dict:
+        reply = await self.toggle.ListWorkers(pb.ListWorkersRequest(), timeout=5)
+        stats = {}
+        for entry in reply.workers:
+            info = wire.info_from_pb(entry.info)
+            try:
+                load = await pb_grpc.WorkerStub(self.channels.get(info.address)).Stats(pb.StatsRequest(), timeout=5)
+            except grpc.aio.AioRpcError as e:
+                stats[info.worker_id] = {"roles": info.role_label, "address": info.address, "pid": info.pid,
+                                         "heartbeat_age_s": entry.age_s, "error": e.code().name}
+                continue
+            stats[info.worker_id] = {"roles": info.role_label, "address": info.address, "pid": info.pid,
+                                     "metrics_port": info.metrics_port, "heartbeat_age_s": entry.age_s,
+                                     **{f.name: getattr(load, f.name) for f in pb.WorkerLoad.DESCRIPTOR.fields}}
+        return stats
+
+    async def health(self) -> dict:
+        """ok when the toggle answers and workers with recent heartbeats cover every role; degraded (still a 200:
+        text is served) when only the encode role is missing; else an error naming what is missing."""
+        try:
+            reply = await self.toggle.ListWorkers(pb.ListWorkersRequest(), timeout=2)
+        except grpc.aio.AioRpcError as e:
+            return {"status": "error", "reason": f"toggle unreachable: {e.code().name}"}
+        live = [w for w in reply.workers if w.age_s <= HEALTHY_HEARTBEAT_AGE_S]
+        roles = {stage for w in live for stage in wire.info_from_pb(w.info).roles}
+        body = {"workers": len(live), "silent_workers": len(reply.workers) - len(live)}
+        missing = [stage.name.lower() for stage in (Stage.PREFILL, Stage.DECODE) if stage not in roles]
+        if missing:
+            return {"status": "error", "reason": f"no live worker has the {' or '.join(missing)} role", **body}
+        if Stage.ENCODE not in roles:
+            return {"status": "degraded", "reason": "no live worker has the encode role: requests with images fail",
+                    **body}
+        return {"status": "ok", **body}
+

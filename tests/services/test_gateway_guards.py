@@ -1,0 +1,236 @@
+"""What the gateway does with what a user's black-box test broke it with: a bug of ours is an OpenAI 500 that is
+counted and ends the request's gauge, text that cannot fit is refused before tokenizing, /health names a missing
+role, and a request whose only worker of a role died waits for its replacement instead of failing."""
+
+import asyncio
+import io
+import json
+import time
+
+import pybase64
+import pytest
+from PIL import Image
+from starlette.testclient import TestClient
+
+from common.policy.routing import PrefillPath, RoutePlan, RouteSummary, RoutingConfig
+from common.sampling import SamplingParams
+from common.telemetry.metrics import GatewayMetrics
+from common.workers import WorkerInfo, WorkerLoad, WorkerSnapshot
+from common.request import Stage
+from epdmesh.v1 import mesh_pb2 as pb
+from services import wire
+from services.gateway import mesh as mesh_module
+from services.gateway.app import NORMALIZATION_SLACK, build_app
+from services.gateway.mesh import MeshBackend, NoLiveRoute
+from services.gateway.protocol import ApiError, parse_chat_request
+from services.gateway.status import MeshStatus
+from services.toggle.router import NoRoute, _why_no_route
+
+MODEL = "m"
+
+
+class Processor:
+    max_token_chars = 4
+
+    def __init__(self):
+        self.applied = 0
+
+    def apply(self, conversation, finish_pixels=True):
+        self.applied += 1
+        return [1, 2, 3], []
+
+    def detokenize(self, ids):
+        return ""
+
+
+class Backend:
+    """A backend whose start fails as a bug would (not an ApiError)."""
+
+    max_model_len = 100
+
+    def __init__(self):
+        self.processor = Processor()
+
+    async def start(self, chat, request_id, span=None):
+        raise RuntimeError("something of ours broke")
+
+
+def _post(client, content: str, **extra):
+    body = {"model": MODEL, "messages": [{"role": "user", "content": content}], **extra}
+    return client.post("/v1/chat/completions", content=json.dumps(body))
+
+
+@pytest.fixture()
+def app():
+    metrics = GatewayMetrics(MODEL, ttft_slo_s=1, tbt_slo_s=1)
+    backend = Backend()
+    with TestClient(build_app(backend, MODEL, metrics=metrics)) as client:
+        yield client, metrics, backend
+
+
+def _sample(metrics, name, **labels):
+    return metrics.registry.get_sample_value(f"epdmesh:{name}", {"model_name": MODEL, **labels}) or 0.0
+
+
+def test_a_bug_before_the_first_token_is_an_openai_500_counted_and_not_left_running(app):
+    client, metrics, _ = app
+    for stream in (False, True):
+        resp = _post(client, "hi", stream=stream)
+        assert resp.status_code == 500
+        error = resp.json()["error"]
+        assert error["code"] == 500 and "internal error (RuntimeError: something of ours broke)" in error["message"]
+    assert _sample(metrics, "request_errors_total", status="500") == 2
+    assert _sample(metrics, "num_requests_running") == 0  # the gauge leaked one per such request before
+    assert _post(client, "hi", seed=2**70).status_code == 400  # and the server still answers
+
+
+def test_text_that_cannot_fit_is_refused_without_tokenizing(app):
+    client, _, backend = app
+    limit = Backend.max_model_len * Processor.max_token_chars * NORMALIZATION_SLACK
+    resp = _post(client, "a" * (limit + 1))
+    assert resp.status_code == 400 and resp.json()["error"]["param"] == "messages"
+    assert f"hold {limit + 1} characters of text" in resp.json()["error"]["message"]
+    assert backend.processor.applied == 0
+    assert _post(client, "a" * limit).status_code == 500  # at the limit it goes on (to the failing backend)
+
+
+def _image_uri(width: int, height: int) -> str:
+    buf = io.BytesIO()
+    Image.new("RGB", (width, height), (10, 20, 30)).save(buf, format="PNG")
+    return "data:image/png;base64," + pybase64.b64encode(buf.getvalue()).decode()
+
+
+def _parse(**extra):
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], **extra}
+    return parse_chat_request(json.dumps(body).encode(), [MODEL])
+
+
+def _parse_image(width: int, height: int):
+    content = [{"type": "image_url", "image_url": {"url": _image_uri(width, height)}}, {"type": "text", "text": "?"}]
+    body = {"model": MODEL, "messages": [{"role": "user", "content": content}]}
+    return parse_chat_request(json.dumps(body).encode(), [MODEL])
+
+
+def test_an_image_of_extreme_aspect_ratio_is_refused_before_the_processor_sees_it():
+    for width, height in ((1, 16000), (16000, 1), (2, 401)):
+        with pytest.raises(ApiError) as err:
+            _parse_image(width, height)
+        assert err.value.status == 400 and "longer than 200:1" in err.value.message, (width, height)
+    assert _parse_image(2, 400).num_images == 1 and _parse_image(400, 2).num_images == 1
+
+
+def test_seeds_beyond_64_bits_and_negative_top_k_are_400s_naming_the_parameter():
+    assert _parse(seed=2**63 - 1).sampling.seed == 2**63 - 1 and _parse(seed=-(2**63)).sampling.seed == -(2**63)
+    for extra, param in (({"seed": 2**63}, "seed"), ({"seed": -(2**63) - 1}, "seed"), ({"seed": 2**70}, "seed"),
+                         ({"top_k": -5}, "top_k"), ({"top_p": 0}, "top_p"), ({"temperature": -1}, "temperature"),
+                         ({"max_tokens": 0}, "max_tokens"), ({"presence_penalty": 3}, "presence_penalty")):
+        with pytest.raises(ApiError) as err:
+            _parse(**extra)
+        assert err.value.status == 400 and err.value.param == param, extra
+    assert _parse(top_k=-1).sampling.top_k == 0 and _parse(top_k=0).sampling.top_k == 0
+
+
+def test_the_widest_seeds_cross_the_wire():
+    for seed in (2**63 - 1, -(2**63)):
+        msg = wire.sampling_to_pb(SamplingParams(seed=seed))
+        assert wire.sampling_from_pb(msg).seed == seed
+
+
+# ----- /health over the registry -----
+
+class Toggle:
+    def __init__(self, entries):
+        self.entries = entries
+
+    async def ListWorkers(self, request, timeout=None):
+        return pb.ListWorkersResponse(workers=self.entries)
+
+
+def _entry(worker_id: str, roles, age_s: float = 0.1) -> pb.WorkerEntry:
+    info = WorkerInfo(worker_id, "127.0.0.1:1", frozenset(roles), MODEL, 100)
+    return pb.WorkerEntry(info=wire.info_to_pb(info), age_s=age_s)
+
+
+class Status(MeshStatus):
+    def __init__(self, entries):
+        self.toggle = Toggle(entries)
+
+
+def _health(*entries) -> dict:
+    return asyncio.run(Status(list(entries)).health())
+
+
+def test_health_needs_live_workers_covering_prefill_and_decode_and_says_which_role_is_missing():
+    e, p, d = _entry("e", {Stage.ENCODE}), _entry("p", {Stage.PREFILL}), _entry("d", {Stage.DECODE})
+    assert _health(e, p, d) == {"status": "ok", "workers": 3, "silent_workers": 0}
+    dead_d = _entry("d", {Stage.DECODE}, age_s=2.0)  # killed 2 s ago: still registered, its heartbeats stopped
+    body = _health(e, p, dead_d)
+    assert body["status"] == "error" and body["reason"] == "no live worker has the decode role" and body["silent_workers"] == 1
+    assert _health(p)["reason"] == "no live worker has the decode role" and "prefill or decode" in _health(e)["reason"]
+    assert _health(p, d)["status"] == "degraded" and "images fail" in _health(p, d)["reason"]
+    assert _health(_entry("epd", {Stage.ENCODE, Stage.PREFILL, Stage.DECODE}))["status"] == "ok"
+
+
+def test_no_route_message_lists_only_workers_the_request_could_use():
+    def snap(worker_id, roles, age_s=0.1):
+        return WorkerSnapshot(WorkerInfo(worker_id, "a", frozenset(roles), MODEL, 100), WorkerLoad(), age_s)
+
+    workers = [snap("e", {Stage.ENCODE}), snap("p", {Stage.PREFILL}), snap("d-1", {Stage.DECODE}),
+               snap("d-2", {Stage.DECODE}, age_s=9)]
+    summary = RouteSummary("r", 5, 1, 4, frozenset({"d-1"}))
+    why = _why_no_route(workers, summary, RoutingConfig().max_heartbeat_age_s)
+    assert "live workers have roles ['E', 'P']" in why and "left out: d-1, d-2" in why, why
+
+
+# ----- failover waits for a replacement -----
+
+class Router:
+    """Routes nowhere until `ready_after` routes were asked for (a worker registering meanwhile)."""
+
+    def __init__(self, ready_after: int):
+        self.ready_after, self.calls, self.invalidated = ready_after, 0, 0
+
+    async def refresh_forever(self):
+        await asyncio.Event().wait()
+
+    def invalidate(self):
+        self.invalidated += 1
+
+    async def route(self, summary):
+        self.calls += 1
+        if self.calls <= self.ready_after:
+            raise NoRoute("no live worker set covers a prefill and a decode role", busy=False)
+        return RoutePlan(None, _worker("x"), _worker("x"), PrefillPath.COLOCATED)
+
+
+def _worker(worker_id):
+    return WorkerSnapshot(WorkerInfo(worker_id, "127.0.0.1:1", frozenset(Stage), MODEL, 100), WorkerLoad(), 0.0)
+
+
+def _reroute(router, wait_s: float, monkeypatch):
+    monkeypatch.setattr(mesh_module, "FAILOVER_WAIT_S", wait_s)
+    monkeypatch.setattr(mesh_module, "FAILOVER_POLL_S", 0.01)
+    backend = MeshBackend(Processor(), "127.0.0.1:1", 100, router=router)
+    summary = RouteSummary("r", 5, 0, 4, frozenset({"dead"}))
+
+    async def go():
+        try:
+            return await backend._reroute(lambda: summary, None, 2)
+        finally:
+            backend._refresher.cancel()
+    return asyncio.run(go())
+
+
+def test_a_request_whose_worker_died_waits_for_one_to_register(monkeypatch):
+    router = Router(ready_after=3)
+    plan = _reroute(router, 5.0, monkeypatch)
+    assert plan.decoder.worker_id == "x" and router.calls == 4 and router.invalidated == 3
+
+
+def test_the_wait_for_a_replacement_is_bounded(monkeypatch):
+    router = Router(ready_after=10**6)
+    start = time.monotonic()
+    with pytest.raises(NoLiveRoute) as err:
+        _reroute(router, 0.1, monkeypatch)
+    assert err.value.status == 503 and "routing is unavailable" in err.value.message
+    assert 0.1 <= time.monotonic() - start < 5 and router.calls >= 2
