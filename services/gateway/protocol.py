@@ -70,13 +70,20 @@ class ChatRequest:
 
 def parse_chat_request(raw: bytes, served_models: list[str], allow_remote_images: bool = False) -> ChatRequest:
     try:
-        body = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ApiError(400, f"request body must be UTF-8 encoded JSON (byte {e.start} is not UTF-8)") from None
+    try:
+        body = json.loads(text)
+    except json.JSONDecodeError as e:
         raise ApiError(400, f"request body is not valid JSON: {e}") from None
     if not isinstance(body, dict):
         raise ApiError(400, "request body must be a JSON object")
     model = body.get("model")
-    if not isinstance(model, str) or not model:
+    if model is not None and not isinstance(model, str):
+        raise ApiError(400, f"'model' must be a string, got {type(model).__name__}; this server serves {served_models}",
+                       "model")
+    if not model:
         raise ApiError(400, f"'model' is required; this server serves {served_models}", "model")
     if model not in served_models:
         raise ApiError(404, f"the model '{model}' does not exist; this server serves {served_models}", "model")

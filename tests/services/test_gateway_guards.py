@@ -234,3 +234,12 @@ def test_the_wait_for_a_replacement_is_bounded(monkeypatch):
         _reroute(router, 0.1, monkeypatch)
     assert err.value.status == 503 and "routing is unavailable" in err.value.message
     assert 0.1 <= time.monotonic() - start < 5 and router.calls >= 2
+
+
+def test_a_body_that_is_not_utf8_and_a_model_that_is_not_a_string_are_named_as_such():
+    with pytest.raises(ApiError) as err:
+        parse_chat_request('{"model": "m", "messages": []}'.encode("utf-16"), [MODEL])
+    assert err.value.status == 400 and "must be UTF-8 encoded JSON" in err.value.message
+    with pytest.raises(ApiError) as err:
+        parse_chat_request(json.dumps({"model": 5, "messages": []}).encode(), [MODEL])
+    assert err.value.param == "model" and "'model' must be a string, got int" in err.value.message
