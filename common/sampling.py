@@ -31,6 +31,8 @@ class SamplingParams:
     frequency_penalty: float = 0.0  # OpenAI's: subtracted once per time a token was already generated
     repetition_penalty: float = 1.0  # transformers' / vLLM's: logits of prompt and generated tokens divided (>0) or multiplied (<0) by it
     logit_bias: tuple[tuple[int, float], ...] = ()  # OpenAI's: (token id, bias in [-100, 100]) added to that token's logit
+    min_tokens: int = 0  # vLLM's: no EOS, stop token or stop string ends it before this many generated tokens
+    min_p: float = 0.0  # vLLM's: after temperature, drop tokens below min_p × the most likely token's probability
 
     def __post_init__(self) -> None:
         checks = (
@@ -51,6 +53,9 @@ class SamplingParams:
             ("logit_bias", all(token >= 0 and -100 <= bias <= 100 for token, bias in self.logit_bias),
              "logit_bias maps token ids (>= 0) to biases between -100 and 100"),
             ("stop", all(self.stop), "stop strings must be non-empty"),
+            ("min_tokens", 0 <= self.min_tokens <= self.max_tokens,
+             f"min_tokens must be between 0 and max_tokens ({self.max_tokens}), got {self.min_tokens}"),
+            ("min_p", 0 <= self.min_p <= 1, f"min_p must be in [0, 1], got {self.min_p}"),
         )
         for param, ok, message in checks:
             if not ok:
@@ -58,9 +63,9 @@ class SamplingParams:
 
     @property
     def adjusts_logits(self) -> bool:
-        """Penalties or biases change its logits before sampling."""
+        """Penalties, biases or a minimum length change its logits before sampling."""
         return (self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
-                or bool(self.logit_bias))
+                or bool(self.logit_bias) or self.min_tokens > 0)
 
     @property
     def greedy(self) -> bool:

@@ -64,7 +64,7 @@ class Engine:
         self._build(config, self.model.cfg, (text.num_layers, text.num_kv_heads, text.head_dim), text.hidden_size, dtype,
                     device, detokenize)
         self.runner = ModelRunner(self.model, self.kv_cache, self.image_cache, make_attention_backend(config.attention_backend, device))
-        self.sampler = Sampler(config.seed)
+        self.sampler = Sampler(config.seed, self.model_config.eos_token_ids)
 
     def _build(self, config: EngineConfig, model_config: LlavaConfig, kv_shape: tuple[int, int, int], image_hidden: int,
                dtype: torch.dtype, device: torch.device, detokenize, count_as: tuple[int, int] | None = None) -> None:
@@ -162,6 +162,8 @@ class Engine:
         vocab = self.model_config.text.vocab_size
         if any(token >= vocab for token, _ in request.sampling.logit_bias):
             raise RequestRejected(f"logit_bias names a token id outside the vocabulary (0..{vocab - 1})")
+        if any(token >= vocab for token in request.sampling.stop_token_ids):
+            raise RequestRejected(f"stop_token_ids names a token id outside the vocabulary (0..{vocab - 1})")
         if request.sampling.logprobs is not None and not self.computes_logprobs:
             raise RequestRejected("logprobs are not available on this backend: it runs no model")
         if request.request_id in self.requests or request.request_id in self.handed_off or request.request_id in self.importing:

@@ -8,6 +8,8 @@ does not depend on batch composition or on which engine ran which step.
 from __future__ import annotations
 
 import hashlib
+import math
+from collections.abc import Collection
 
 import torch
 
@@ -19,11 +21,12 @@ NUCLEUS_FIRST_K = 256  # top-p alone: look for the nucleus among this many most 
 
 
 class Sampler:
-    def __init__(self, seed: int = 0):
+    def __init__(self, seed: int = 0, eos_token_ids: Collection[int] = ()):
         self._generator = torch.Generator().manual_seed(seed)
+        self.eos_token_ids = tuple(eos_token_ids)
 
     def __call__(self, logits: torch.Tensor, requests: list[Request]) -> list[int]:
-        logits = apply_penalties(logits, requests)
+        logits = apply_penalties(logits, requests, self.eos_token_ids)
         tokens = logits.argmax(dim=-1).tolist()
         for row, request in enumerate(requests):
             if not request.sampling.greedy:
@@ -52,9 +55,12 @@ def stream_seed(seed: int, n: int) -> int:
 
 def distribution(logits: torch.Tensor, params) -> tuple[torch.Tensor, torch.Tensor | None]:
     """What one row is drawn from: (unnormalized probabilities, the token id of each; None: ids are positions),
-    after temperature, top-k (renormalized over the k, as masking the rest would) and top-p (over the
+    after temperature, min-p (a token's probability at least min_p × the most likely one's: its logit at least
+    the top logit + log min_p), top-k (renormalized over the k, as masking the rest would) and top-p (over the
     probabilities top-k left)."""
     scaled = logits.float().cpu() / params.temperature
+    if params.min_p > 0:  # vLLM's order: after temperature, before top-k and top-p
+        scaled = scaled.masked_fill(scaled < scaled.max() + math.log(params.min_p), float("-inf"))
     if params.top_k and params.top_k < scaled.numel():
         values, candidates = torch.topk(scaled, params.top_k)  # most likely first
         probs = torch.softmax(values, dim=-1)
@@ -81,7 +87,7 @@ def _nucleus_candidates(scaled: torch.Tensor, top_p: float) -> tuple[torch.Tenso
         k = min(4 * k, scaled.numel())
 
 
-def apply_penalties(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+def apply_penalties(logits: torch.Tensor, requests: list[Request], eos_token_ids: Collection[int] = ()) -> torch.Tensor:
     """The logits with each row's penalties applied (a copy; the same tensor when no row has any), before
     temperature and sampling, in the order vLLM and transformers apply them: the request's logit bias, then
     repetition (transformers' rule, over prompt and generated tokens), then frequency and presence (OpenAI's,
@@ -126,7 +132,16 @@ def apply_penalties(logits: torch.Tensor, requests: list[Request]) -> torch.Tens
                                             dtype=logits.dtype, device=device).unsqueeze(1)
                                for name in ("frequency_penalty", "presence_penalty"))
         logits[at, ids] = logits[at, ids] - (frequency * times + presence * (times > 0).to(logits.dtype))
+    early = [(row, token) for row in rows if len(requests[row].generated_token_ids) < requests[row].sampling.min_tokens
+             for token in _stop_ids(requests[row].sampling, eos_token_ids)]
+    if early:  # min_tokens (vLLM's, transformers' min_new_tokens): nothing that would end it can be drawn yet
+        at_rows, tokens = zip(*early)
+        logits[torch.tensor(at_rows, device=device), torch.tensor(tokens, device=device)] = float("-inf")
     return logits
+
+
+def _stop_ids(params, eos_token_ids: Collection[int]) -> set[int]:
+    return set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_token_ids))
 
 
 def logprobs_of(logits: torch.Tensor, requests: list[Request], tokens: list[int]) -> dict[str, TokenLogprob]:

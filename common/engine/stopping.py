@@ -16,8 +16,9 @@ def check_stop(request: Request, token: int, eos_token_ids: Collection[int], max
     output again: common/detokenizer.py) and ends as the text the client gets: cut before the stop string,
     without the text of an EOS or stop token, an incomplete last character as U+FFFD."""
     params = request.sampling
+    early = len(request.generated_token_ids) < params.min_tokens  # no stop yet (EOS and stop ids are masked too)
     eos = not params.ignore_eos and token in eos_token_ids
-    if eos or token in params.stop_token_ids:
+    if not early and (eos or token in params.stop_token_ids):
         if not eos:
             request.stop_reason = token
         if params.stop:
@@ -27,14 +28,18 @@ def check_stop(request: Request, token: int, eos_token_ids: Collection[int], max
         detok = _detokenizer(request, detokenize)
         seen = max(len(detok.text) - max(map(len, params.stop)) + 1, 0)  # a stop string may end in the new text
         detok.push(request.output_token_ids[len(detok.token_ids):])
-        hits = [(at, s) for s in params.stop if (at := detok.text.find(s, seen)) >= 0]
+        hits = [] if early else [(at, s) for s in params.stop if (at := detok.text.find(s, seen)) >= 0]
         if hits:
             cut, stop = min(hits)
             request.output_text, request.stop_reason = detok.text[:cut], stop
             return RequestStatus.FINISHED_STOPPED
         request.output_text = detok.text
-    if len(request.output_token_ids) >= params.max_tokens or request.num_tokens >= max_model_len:
-        if params.stop:
+    return _length(request, detokenize, max_model_len)
+
+
+def _length(request: Request, detokenize, max_model_len: int) -> RequestStatus | None:
+    if len(request.output_token_ids) >= request.sampling.max_tokens or request.num_tokens >= max_model_len:
+        if request.sampling.stop:
             request.output_text = _finished_text(request, detokenize, request.output_token_ids)
         return RequestStatus.FINISHED_LENGTH
     return None

@@ -166,6 +166,8 @@ def _parse_sampling(body: dict) -> SamplingParams:
             frequency_penalty=_typed(body, "frequency_penalty", float, 0.0),
             repetition_penalty=_typed(body, "repetition_penalty", float, 1.0),
             logit_bias=_parse_logit_bias(body.get("logit_bias")),
+            min_tokens=_typed(body, "min_tokens", int, 0),
+            min_p=_typed(body, "min_p", float, 0.0),
         )
     except InvalidSamplingParams as e:
         raise ApiError(400, str(e), e.param) from None

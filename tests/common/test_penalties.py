@@ -72,8 +72,9 @@ def test_penalty_ranges_are_checked(tiny_dir):
 
 
 @pytest.mark.parametrize("params", [dict(temperature=0.7), dict(temperature=1.0, top_k=40), dict(temperature=0.9, top_p=0.9),
-                                    dict(temperature=1.3, top_k=300, top_p=0.8), dict(temperature=2.0, top_p=0.999)],
-                         ids=["temperature", "top-k", "top-p", "top-k+top-p", "wide top-p"])
+                                    dict(temperature=1.3, top_k=300, top_p=0.8), dict(temperature=2.0, top_p=0.999),
+                                    dict(temperature=1.5, min_p=0.05), dict(temperature=1.2, min_p=0.01, top_k=100, top_p=0.9)],
+                         ids=["temperature", "top-k", "top-p", "top-k+top-p", "wide top-p", "min-p", "min-p+top-k+top-p"])
 def test_sampling_among_candidates_draws_from_the_masked_full_distribution(params):
     """The sampler draws among the candidates top-k / top-p leave rather than sorting the whole vocabulary; the
     distribution is the one masking the full vocabulary gives (the step-by-step definition)."""
@@ -84,6 +85,9 @@ def test_sampling_among_candidates_draws_from_the_masked_full_distribution(param
     probs, candidates = distribution(logits, params)
     got = torch.zeros(logits.numel()).index_put_((candidates,), probs) if candidates is not None else probs.clone()
     scaled = logits / params.temperature  # the definition, over the whole vocabulary
+    if params.min_p:  # vLLM's: a probability below min_p × the largest one's is dropped, before top-k and top-p
+        probs_all = torch.softmax(scaled, dim=-1)
+        scaled = scaled.masked_fill(probs_all < params.min_p * probs_all.max(), float("-inf"))
     if params.top_k:
         scaled = scaled.masked_fill(scaled < torch.topk(scaled, params.top_k).values[-1], float("-inf"))
     want = torch.softmax(scaled, dim=-1)
@@ -104,3 +108,24 @@ def test_the_logit_bias_comes_before_the_penalties_as_in_vllm_and_transformers()
     got = apply_penalties(logits, [request])[0].tolist()
     assert got == pytest.approx([(2.0 - 3.0) * 1.5, 1.0, -1.0 * 1.5, 1.5])  # biased, then penalized (seen: 0, 2)
     assert logits.tolist() == [[2.0, 1.0, -1.0, 0.5]]  # a copy was changed
+
+
+def test_min_tokens_holds_off_eos_and_stop_tokens_as_transformers_min_new_tokens(tiny_dir, processors, plain):
+    """vLLM's min_tokens masks EOS and the stop tokens until that many tokens were generated, as transformers'
+    min_new_tokens does for its EOS ids: a token greedy decoding makes third, made a stop token, ends the plain
+    request there, and with min_tokens 8 the request goes on to transformers' own tokens."""
+    cases = [c for c in CASES if plain[c.name].tokens[2] not in plain[c.name].tokens[:2]][:3]
+    assert len(cases) >= 2
+    eos = list(_engine(tiny_dir).model_config.eos_token_ids)
+    for case in cases:
+        stop = plain[case.name].tokens[2]
+        (request,) = build_requests(processors["tiny"], [case])
+        request.sampling = dataclasses.replace(request.sampling, stop_token_ids=(stop,))
+        early = _engine(tiny_dir).generate([request])[case.name]
+        assert early.output_token_ids == plain[case.name].tokens[:3] and early.finish_reason == "stop"
+        (request,) = build_requests(processors["tiny"], [case])
+        request.sampling = dataclasses.replace(request.sampling, stop_token_ids=(stop,), min_tokens=8)
+        held = _engine(tiny_dir).generate([request])[case.name].output_token_ids
+        ref = hf_reference(tiny_dir, processors["tiny"], [case], torch.float32, min_new_tokens=8,
+                           eos_token_id=eos + [stop])[case.name].tokens
+        assert held == ref and len(held) >= 8 and stop not in held[:8], (case.name, held, ref)

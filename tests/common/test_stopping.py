@@ -51,3 +51,18 @@ def test_the_length_limit_ends_with_the_whole_text(tok):
                                 SamplingParams(stop=("zzz",), max_tokens=len(ids)))
     assert (status, text, reason) == (RequestStatus.FINISHED_LENGTH, tok.detokenize(ids), None)
     assert _run(tok, "the kitchen", SamplingParams(max_tokens=50), then=[EOS])[:2] == (RequestStatus.FINISHED_STOPPED, "")
+
+
+def test_min_tokens_leaves_stops_unchecked_until_that_many_tokens_as_vllm_does(tok):
+    """Before min_tokens, neither EOS nor a stop token nor a stop string ends the request; a stop string that
+    completed before then is not found afterwards either (vLLM looks only at the text new since its last check)."""
+    ids = tok.tokenizer("the kitchen is warm and the kitchen is cold", add_special_tokens=False)["input_ids"]
+    n = len(tok.tokenizer("the kitchen is warm", add_special_tokens=False)["input_ids"])
+    status, text, reason = _run(tok, "the kitchen is warm and the kitchen is cold",
+                                SamplingParams(stop=("kitchen",), max_tokens=50, min_tokens=n))
+    assert (status, reason) == (RequestStatus.FINISHED_STOPPED, "kitchen") and text == "the kitchen is warm and the "
+    status, text, _ = _run(tok, "", SamplingParams(max_tokens=50, min_tokens=3, stop_token_ids=(7,)), then=[EOS, 7, 9])
+    assert status is None  # three tokens out, none of them a stop (in the engine they are masked)
+    status, _, reason = _run(tok, "", SamplingParams(max_tokens=50, min_tokens=3, stop_token_ids=(7,)), then=[9, 9, 9, 7])
+    assert (status, reason) == (RequestStatus.FINISHED_STOPPED, 7)
+    assert len(ids) > n

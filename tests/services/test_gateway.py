@@ -128,6 +128,8 @@ def test_client_disconnect_mid_stream_frees_pages_and_others_finish(server):
     (json.dumps({"model": MODEL, "temperature": -1, "messages": [{"role": "user", "content": "hi"}]}).encode(), 400, "temperature"),
     (json.dumps({"model": MODEL, "max_tokens": "many", "messages": [{"role": "user", "content": "hi"}]}).encode(), 400, "max_tokens"),
     (json.dumps({"model": MODEL, "seed": 2**70, "messages": [{"role": "user", "content": "hi"}]}).encode(), 400, "64-bit"),
+    (json.dumps({"model": MODEL, "stop_token_ids": [999999], "messages": [{"role": "user", "content": "hi"}]}).encode(), 400,
+     "outside the vocabulary"),
     (json.dumps({"model": MODEL, "messages": [{"role": "user", "content": [  # 149 bytes that would resize to gigabytes
         {"type": "image_url", "image_url": {"url": data_uri(Image.new("RGB", (1, 16000)))}}]}]}).encode(), 400, "200:1"),
     (json.dumps({"model": MODEL, "slo": {"ttft_ms": -5}, "messages": [{"role": "user", "content": "hi"}]}).encode(), 400, "slo.ttft_ms"),

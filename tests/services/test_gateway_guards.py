@@ -130,10 +130,21 @@ def test_seeds_beyond_64_bits_and_negative_top_k_are_400s_naming_the_parameter()
     assert _parse(top_k=-1).sampling.top_k == 0 and _parse(top_k=0).sampling.top_k == 0
 
 
-def test_the_widest_seeds_cross_the_wire():
-    for seed in (2**63 - 1, -(2**63)):
-        msg = wire.sampling_to_pb(SamplingParams(seed=seed))
-        assert wire.sampling_from_pb(msg).seed == seed
+def test_the_widest_seeds_min_tokens_and_min_p_cross_the_wire():
+    for params in (SamplingParams(seed=2**63 - 1), SamplingParams(seed=-(2**63)),
+                   SamplingParams(max_tokens=20, min_tokens=7, min_p=0.125, stop_token_ids=(9,))):
+        assert wire.sampling_from_pb(wire.sampling_to_pb(params)) == params
+
+
+def test_min_tokens_and_min_p_are_vllms_and_checked():
+    sampling = _parse(max_tokens=20, min_tokens=5, min_p=0.1).sampling
+    assert (sampling.min_tokens, sampling.min_p) == (5, 0.1) and sampling.adjusts_logits
+    assert _parse().sampling.min_tokens == 0 and _parse().sampling.min_p == 0.0
+    for extra, param in (({"max_tokens": 4, "min_tokens": 5}, "min_tokens"), ({"min_tokens": -1}, "min_tokens"),
+                         ({"min_p": 1.5}, "min_p"), ({"min_p": -0.1}, "min_p"), ({"min_p": "a"}, "min_p")):
+        with pytest.raises(ApiError) as err:
+            _parse(**extra)
+        assert err.value.status == 400 and err.value.param == param, extra
 
 
 # ----- /health over the registry -----
