@@ -11,6 +11,7 @@ import binascii
 import dataclasses
 import io
 import json
+import logging
 from typing import Any
 
 import pybase64
@@ -18,6 +19,7 @@ from PIL import Image, UnidentifiedImageError
 
 from common.sampling import InvalidSamplingParams, SamplingParams
 
+log = logging.getLogger(__name__)
 MAX_IMAGE_BYTES = 20 * 2**20
 MAX_IMAGE_PIXELS = 50_000_000
 MAX_ASPECT_RATIO = 200  # long side over short side, as Qwen2-VL's processor allows
@@ -212,6 +214,37 @@ def _refuse_unsupported(body: dict) -> None:
     if response_format is not None and response_format != {"type": "text"}:
         raise ApiError(400, "structured output ('response_format' other than {\"type\": \"text\"}) is not supported "
                             "by this server", "response_format")
+    for key, neutral in NEUTRAL_ONLY.items():
+        if key in body and body[key] not in neutral:
+            raise ApiError(400, f"'{key}' is not supported by this server (it would change the answer); leave it out",
+                           key)
+    unknown = sorted(set(body) - KNOWN_FIELDS - NEUTRAL_ONLY.keys() - _warned)
+    if unknown:  # as vLLM does: served, and said once in the log (a typo of a known field shows up here)
+        _warned.update(unknown)
+        log.warning("request fields ignored (not OpenAI's or this server's): %s", ", ".join(unknown))
+
+
+# OpenAI's and vLLM's parameters whose effect this server does not implement: served with their neutral values
+# (which many clients send by default), refused with a 400 otherwise, rather than silently ignored
+NEUTRAL_ONLY: dict[str, tuple] = {
+    "best_of": (None, 1), "use_beam_search": (None, False), "length_penalty": (None, 1, 1.0),
+    "prompt_logprobs": (None,), "include_stop_str_in_output": (None, False), "skip_special_tokens": (None, True),
+    "spaces_between_special_tokens": (None, True), "truncate_prompt_tokens": (None,), "echo": (None, False),
+    "add_generation_prompt": (None, True), "continue_final_message": (None, False), "chat_template": (None,),
+    "chat_template_kwargs": (None, {}), "guided_json": (None,), "guided_regex": (None,), "guided_choice": (None,),
+    "guided_grammar": (None,), "structured_outputs": (None,), "allowed_token_ids": (None,), "bad_words": (None, []),
+    "logits_processors": (None,), "functions": (None, []), "function_call": (None, "none"), "audio": (None,),
+    "prediction": (None,), "web_search_options": (None,), "modalities": (None, ["text"]),
+}
+# what the gateway reads, and OpenAI's bookkeeping fields that do not change an answer
+KNOWN_FIELDS = {
+    "model", "messages", "n", "stream", "stream_options", "max_tokens", "max_completion_tokens", "temperature",
+    "top_p", "top_k", "seed", "stop", "stop_token_ids", "ignore_eos", "logprobs", "top_logprobs", "presence_penalty",
+    "frequency_penalty", "repetition_penalty", "logit_bias", "min_tokens", "min_p", "return_token_ids", "slo",
+    "tools", "tool_choice", "response_format", "user", "metadata", "store", "service_tier", "parallel_tool_calls",
+    "reasoning_effort",
+}
+_warned: set[str] = set()
 
 
 def _parse_message(message: Any, index: int, allow_remote: bool) -> dict:

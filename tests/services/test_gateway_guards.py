@@ -254,3 +254,21 @@ def test_a_body_that_is_not_utf8_and_a_model_that_is_not_a_string_are_named_as_s
     with pytest.raises(ApiError) as err:
         parse_chat_request(json.dumps({"model": 5, "messages": []}).encode(), [MODEL])
     assert err.value.param == "model" and "'model' must be a string, got int" in err.value.message
+
+
+def test_parameters_this_server_does_not_implement_are_refused_unless_neutral_and_unknown_ones_logged_once(caplog):
+    from services.gateway import protocol
+
+    for extra in ({"use_beam_search": True}, {"best_of": 3}, {"guided_json": {"type": "object"}},
+                  {"skip_special_tokens": False}, {"include_stop_str_in_output": True}, {"prompt_logprobs": 1},
+                  {"functions": [{"name": "f"}]}, {"modalities": ["text", "audio"]}):
+        with pytest.raises(ApiError) as err:
+            _parse(**extra)
+        (key,) = extra
+        assert err.value.status == 400 and err.value.param == key and "not supported" in err.value.message, extra
+    protocol._warned.discard("frobnicate")
+    with caplog.at_level("WARNING", logger="services.gateway.protocol"):
+        _parse(best_of=1, skip_special_tokens=True, user="u-1", metadata={"a": "b"}, modalities=["text"], frobnicate=2)
+        _parse(frobnicate=3)
+    warned = [r.getMessage() for r in caplog.records if "ignored" in r.getMessage()]
+    assert warned == ["request fields ignored (not OpenAI's or this server's): frobnicate"]
