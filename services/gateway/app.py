@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import time
 import uuid
@@ -25,7 +24,6 @@ from starlette.requests import Request as HttpRequest
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from common.detokenizer import IncrementalDetokenizer
 from common.engine.async_engine import AsyncEngine
 from common.engine.engine import RequestRejected
 from common.engine.outputs import RequestOutput
@@ -35,6 +33,7 @@ from common.telemetry.metrics import GatewayMetrics, render
 from common.telemetry.tracing import Tracing
 from services.gateway.observe import RequestObserver
 from services.gateway.protocol import ApiError, ChatRequest, parse_chat_request
+from services.gateway.responses import Logprobs, collect, completion, sse
 
 log = logging.getLogger(__name__)
 MAX_BODY_BYTES = 64 * 2**20
@@ -126,7 +125,7 @@ def build_app(backend, model_name: str, allow_remote_images: bool = False, metri
             _check_text_length(chat, backend)
             request_id = f"chatcmpl-{uuid.uuid4().hex}"
             observer.request(chat, request_id)
-            num_prompt, outputs = await backend.start(chat, request_id, observer.span)
+            num_prompt, streams = await _start(backend, chat, request_id, observer.span)
         except ApiError as e:
             observer.failed(e.status, e.message)
             return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
@@ -135,26 +134,20 @@ def build_app(backend, model_name: str, allow_remote_images: bool = False, metri
             error = _internal_error(e)
             observer.failed(error.status, error.message)
             return JSONResponse(error.body(), status_code=error.status)
-        outputs = observer.observe(outputs, num_prompt)
+        streams = [observer.observe(stream, num_prompt) for stream in streams]
         logprobs = Logprobs(backend.processor.token_text) if chat.sampling.logprobs is not None else None
         if chat.stream:
-            events = _sse(chat, request_id, model_name, num_prompt, outputs, backend.detokenize, logprobs)
+            events = sse(chat, request_id, model_name, num_prompt, streams, backend.detokenize, logprobs)
             return StreamingResponse(events, media_type="text/event-stream")
-        final, entries = None, []
         try:
-            async for out in outputs:
-                final = out
-                if logprobs is not None:
-                    entries += logprobs.entries(out)
+            results = await collect(streams, logprobs)
         except ApiError as e:  # a stage failed after the request started
             return JSONResponse(e.body(), status_code=e.status)
         except Exception as e:
             log.exception("request failed")
             return JSONResponse(_internal_error(e).body(), status_code=500)
-        completion = _completion(chat, request_id, model_name, num_prompt, final, backend.detokenize)
-        if logprobs is not None:
-            completion["choices"][0]["logprobs"] = {"content": entries}
-        return JSONResponse(completion)
+        return JSONResponse(completion(chat, request_id, model_name, num_prompt, results, backend.detokenize,
+                                       logprobs is not None))
 
     return Starlette(routes=[
         Route("/health", health),
@@ -178,6 +171,23 @@ def _check_text_length(chat: ChatRequest, backend) -> None:
                             f"{backend.max_model_len} tokens can hold; shorten them", "messages")
 
 
+async def _start(backend, chat: ChatRequest, request_id: str, span) -> tuple[int, list[AsyncIterator[RequestOutput]]]:
+    """The prompt's length and one output stream per choice. n > 1: n requests (ids `<id>-<i>`), a seed s giving
+    choice i the seed s + i (as vLLM does), started concurrently; when one cannot start, the others end."""
+    if chat.n == 1:
+        num_prompt, outputs = await backend.start(chat, request_id, span)
+        return num_prompt, [outputs]
+    starts = [asyncio.ensure_future(backend.start(chat.choice(i), f"{request_id}-{i}", span)) for i in range(chat.n)]
+    results = await asyncio.gather(*starts, return_exceptions=True)
+    failed = [r for r in results if isinstance(r, BaseException)]
+    if failed:
+        for result in results:
+            if not isinstance(result, BaseException):
+                await result[1].aclose()  # its request ends (and its pages are freed)
+        raise failed[0]
+    return results[0][0], [outputs for _, outputs in results]
+
+
 def _internal_error(e: Exception) -> ApiError:
     return ApiError(500, f"internal error ({type(e).__name__}: {e}); the server logged it, please report it")
 
@@ -189,79 +199,3 @@ def _lifespan(backend):
         if hasattr(backend, "close"):
             await backend.close()
     return lifespan
-
-
-def _final_text(out: RequestOutput, detokenize) -> str:
-    return out.text if out.text is not None else detokenize(out.output_token_ids)
-
-
-def _usage(num_prompt: int, out: RequestOutput) -> dict:
-    n = len(out.output_token_ids)
-    return {"prompt_tokens": num_prompt, "completion_tokens": n, "total_tokens": num_prompt + n}
-
-
-def _completion(chat: ChatRequest, request_id: str, model: str, num_prompt: int, out: RequestOutput, detokenize) -> dict:
-    choice = {"index": 0, "message": {"role": "assistant", "content": _final_text(out, detokenize)},
-              "logprobs": None, "finish_reason": out.finish_reason, "stop_reason": out.stop_reason}
-    if chat.return_token_ids:
-        choice["token_ids"] = out.output_token_ids
-    return {"id": request_id, "object": "chat.completion", "created": int(time.time()), "model": model,
-            "choices": [choice], "usage": _usage(num_prompt, out)}
-
-
-class Logprobs:
-    """A request's logprobs in OpenAI's form: per token its text, logprob, UTF-8 bytes and top alternatives."""
-
-    def __init__(self, token_text):
-        self.token_text = token_text
-
-    def _entry(self, token_id: int, logprob: float) -> dict:
-        text, raw = self.token_text(token_id)
-        return {"token": text, "logprob": logprob, "bytes": list(raw)}
-
-    def entries(self, out: RequestOutput) -> list[dict]:
-        return [{**self._entry(lp.token_id, lp.logprob), "top_logprobs": [self._entry(t, v) for t, v in lp.top]}
-                for lp in out.logprobs or ()]
-
-
-async def _sse(chat, request_id, model, num_prompt, outputs, detokenize, logprobs: Logprobs | None = None) -> AsyncIterator[str]:
-    created = int(time.time())
-    holdback = max((len(s) for s in chat.sampling.stop), default=1) - 1
-
-    def chunk(delta: dict, finish: str | None = None, token_ids: list[int] | None = None, out: RequestOutput | None = None) -> str:
-        entries = logprobs.entries(out) if logprobs is not None and out is not None else None
-        choice = {"index": 0, "delta": delta, "logprobs": {"content": entries} if entries else None, "finish_reason": finish}
-        if chat.return_token_ids and token_ids is not None:
-            choice["token_ids"] = token_ids
-        body = {"id": request_id, "object": "chat.completion.chunk", "created": created, "model": model, "choices": [choice]}
-        return f"data: {json.dumps(body)}\n\n"
-
-    yield chunk({"role": "assistant", "content": ""})
-    sent, last = "", None
-    text = IncrementalDetokenizer(detokenize)  # a few tokens decoded per output, not the whole output again
-    try:
-        async for out in outputs:
-            last = out
-            if out.finished:
-                break
-            text.push(out.output_token_ids[len(text.token_ids):])
-            safe = text.text[: len(text.text) - holdback] if holdback else text.text
-            if len(safe) > len(sent) or out.new_token_ids:
-                yield chunk({"content": safe[len(sent):]}, token_ids=out.new_token_ids, out=out)
-                sent = safe
-    except ApiError as e:  # a stage failed mid-stream: say so in the stream (OpenAI clients raise on it)
-        yield f"data: {json.dumps(e.body())}\n\n"
-        yield "data: [DONE]\n\n"
-        return
-    if last.text is not None:  # the engine's own text: cut at a stop string
-        final = last.text
-    else:
-        text.push(last.output_token_ids[len(text.token_ids):])
-        text.finish()
-        final = text.text
-    yield chunk({"content": final[len(sent):]}, finish=last.finish_reason, token_ids=last.new_token_ids, out=last)
-    if chat.include_usage:
-        usage = {"id": request_id, "object": "chat.completion.chunk", "created": created, "model": model,
-                 "choices": [], "usage": _usage(num_prompt, last)}
-        yield f"data: {json.dumps(usage)}\n\n"
-    yield "data: [DONE]\n\n"

@@ -21,16 +21,29 @@ from common.telemetry.tracing import Tracing, set_attributes
 from services.gateway.protocol import ApiError, ChatRequest
 
 
+class _Stream:
+    """One output stream's timings."""
+
+    __slots__ = ("first_at", "last_at", "gaps", "final")
+
+    def __init__(self):
+        self.first_at: float | None = None
+        self.last_at: float | None = None
+        self.gaps: list[float] = []
+        self.final: RequestOutput | None = None
+
+
 class RequestObserver:
     def __init__(self, metrics: GatewayMetrics, tracing: Tracing, headers: Mapping[str, str], model: str):
         self.metrics = metrics
         self.tracing = tracing
         self.model = model
         self.arrival = time.monotonic()
-        self.first_at: float | None = None
-        self.last_at: float | None = None
-        self.gaps: list[float] = []
         self.num_prompt = 0
+        self._streams = 0  # output streams under way (one per choice)
+        self._reasons: list[str] = []
+        self._generated = 0
+        self._ttft = float("inf")
         self.slo: tuple[float | None, float | None] = (None, None)  # the request's own targets, seconds
         self._open = True
         self.span = tracing.start_span("chat.completions", {"gen_ai.operation.name": "chat", "gen_ai.system": "epdmesh",
@@ -54,13 +67,19 @@ class RequestObserver:
             self.span.set_attribute("http.response.status_code", status)
         self._close()
 
-    async def observe(self, outputs: AsyncIterator[RequestOutput], num_prompt: int) -> AsyncIterator[RequestOutput]:
+    def observe(self, outputs: AsyncIterator[RequestOutput], num_prompt: int) -> AsyncIterator[RequestOutput]:
+        """One output stream of the request (n > 1: one per choice, each counted as a sequence in the metrics);
+        the request's span and gauge end with the last of them (counted from now, not from its first read)."""
         self.num_prompt = num_prompt
-        final = None
+        self._streams += 1
+        return self._observe(outputs)
+
+    async def _observe(self, outputs: AsyncIterator[RequestOutput]) -> AsyncIterator[RequestOutput]:
+        stream = _Stream()
         try:
             async for out in outputs:
-                self._tokens(out)
-                final = out
+                self._tokens(out, stream)
+                stream.final = out
                 yield out
         except ApiError as e:
             self.failed(e.status, e.message)
@@ -69,29 +88,36 @@ class RequestObserver:
             self.failed(500, f"{type(e).__name__}: {e}")
             raise
         finally:
+            self._streams -= 1
             if self._open:
-                self._finish(final)
+                self._finish(stream)
 
-    def _tokens(self, out: RequestOutput) -> None:
+    def _tokens(self, out: RequestOutput, stream: _Stream) -> None:
         if not out.new_token_ids:
             return
         now = time.monotonic()
-        if self.first_at is None:
-            self.first_at = now
+        if stream.first_at is None:
+            stream.first_at = now
             self.metrics.first_token(now - self.arrival)
         else:
-            self.gaps.append(now - self.last_at)
-            self.metrics.inter_token(now - self.last_at)
-        self.last_at = now
+            stream.gaps.append(now - stream.last_at)
+            self.metrics.inter_token(now - stream.last_at)
+        stream.last_at = now
 
-    def _finish(self, final: RequestOutput | None) -> None:
+    def _finish(self, stream: _Stream) -> None:
+        final = stream.final
         reason = final.finish_reason if final is not None and final.finished else "abort"  # abort: the client left
         generated = len(final.output_token_ids) if final is not None else 0
-        ttft = (self.first_at or time.monotonic()) - self.arrival
-        self.metrics.finished(reason, self.num_prompt, generated, time.monotonic() - self.arrival, ttft, self.gaps,
+        ttft = (stream.first_at or time.monotonic()) - self.arrival
+        self.metrics.finished(reason, self.num_prompt, generated, time.monotonic() - self.arrival, ttft, stream.gaps,
                               *self.slo)
-        set_attributes(self.span, {"gen_ai.usage.input_tokens": self.num_prompt, "gen_ai.usage.output_tokens": generated,
-                                   "gen_ai.response.finish_reasons": [reason], "epdmesh.ttft_ms": ttft * 1e3})
+        self._reasons.append(reason)
+        self._generated += generated
+        self._ttft = min(self._ttft, ttft)
+        if self._streams:
+            return
+        set_attributes(self.span, {"gen_ai.usage.input_tokens": self.num_prompt, "gen_ai.usage.output_tokens": self._generated,
+                                   "gen_ai.response.finish_reasons": self._reasons, "epdmesh.ttft_ms": self._ttft * 1e3})
         self._close()
 
     def _close(self) -> None:

@@ -17,13 +17,14 @@ from typing import Any
 import pybase64
 from PIL import Image, UnidentifiedImageError
 
-from common.sampling import InvalidSamplingParams, SamplingParams
+from common.sampling import SEED_MIN, InvalidSamplingParams, SamplingParams
 
 log = logging.getLogger(__name__)
 MAX_IMAGE_BYTES = 20 * 2**20
 MAX_IMAGE_PIXELS = 50_000_000
 MAX_ASPECT_RATIO = 200  # long side over short side, as Qwen2-VL's processor allows
 MAX_STOP_STRINGS = 4
+MAX_CHOICES = 16  # n: each choice is a request of its own, with its own worst-case KV reservation
 MAX_TOKEN_ID = 2**31 - 1  # what the mesh's wire carries; the model's vocabulary is checked where it runs
 
 
@@ -55,6 +56,15 @@ class ChatRequest:
     return_token_ids: bool = False
     slo_ttft_ms: float | None = None  # this request's own targets (body field "slo"); None: the server's defaults
     slo_tbt_ms: float | None = None
+    n: int = 1  # choices: n requests of the same prompt
+
+    def choice(self, index: int) -> ChatRequest:
+        """Choice `index` of n: seed s becomes s + index (wrapping within 64 bits), as vLLM seeds its n sequences."""
+        seed = self.sampling.seed
+        if seed is None:
+            return dataclasses.replace(self, n=1)
+        seed = (seed + index - SEED_MIN) % 2**64 + SEED_MIN
+        return dataclasses.replace(self, n=1, sampling=dataclasses.replace(self.sampling, seed=seed))
 
     @property
     def num_text_chars(self) -> int:
@@ -93,8 +103,9 @@ def parse_chat_request(raw: bytes, served_models: list[str], allow_remote_images
     if not isinstance(messages, list) or not messages:
         raise ApiError(400, "'messages' must be a non-empty list of {role, content} objects", "messages")
     conversation = [_parse_message(m, i, allow_remote_images) for i, m in enumerate(messages)]
-    if body.get("n", 1) != 1:
-        raise ApiError(400, "only n=1 is supported", "n")
+    n = _typed(body, "n", int, 1)
+    if not 1 <= n <= MAX_CHOICES:
+        raise ApiError(400, f"'n' must be between 1 and {MAX_CHOICES}, got {n}", "n")
     stream_options = body.get("stream_options") or {}
     if not isinstance(stream_options, dict):
         raise ApiError(400, "'stream_options' must be an object", "stream_options")
@@ -105,6 +116,7 @@ def parse_chat_request(raw: bytes, served_models: list[str], allow_remote_images
         stream=_typed(body, "stream", bool, False),
         include_usage=bool(stream_options.get("include_usage", False)),
         return_token_ids=_typed(body, "return_token_ids", bool, False),
+        n=n,
         **_parse_slo(body.get("slo")),
     )
 

@@ -84,6 +84,34 @@ def test_streaming_matches_the_whole_answer_and_reports_usage(server):
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
 
 
+def test_n_choices_are_requests_seeded_s_plus_i_streamed_interleaved_and_counted_once_for_the_prompt(server):
+    """n > 1 as vLLM serves it: choice i of a request with seed s is the answer of that request with seed s + i;
+    streamed, every choice's chunks carry its index and join to the whole answer's text; usage counts the prompt
+    once and every choice's tokens."""
+    client = openai.OpenAI(base_url=f"{server}/v1", api_key="none")
+    messages = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": data_uri(image(4, 100, 80))}},
+                                             {"type": "text", "text": "Describe it"}]}]
+    ask = dict(model=MODEL, messages=messages, max_tokens=12, temperature=1.2, extra_body={"return_token_ids": True})
+    whole = client.chat.completions.create(n=3, seed=41, **ask)
+    singles = [client.chat.completions.create(seed=41 + i, **ask).choices[0] for i in range(3)]
+    assert [c.index for c in whole.choices] == [0, 1, 2]
+    assert [c.model_extra["token_ids"] for c in whole.choices] == [c.model_extra["token_ids"] for c in singles]
+    assert len({tuple(c.model_extra["token_ids"]) for c in whole.choices}) > 1  # sampled: the choices differ
+    assert whole.usage.completion_tokens == sum(len(c.model_extra["token_ids"]) for c in whole.choices)
+    assert whole.usage.prompt_tokens == client.chat.completions.create(seed=41, **ask).usage.prompt_tokens
+    chunks = list(client.chat.completions.create(n=3, seed=41, stream=True, stream_options={"include_usage": True}, **ask))
+    texts, finished = ["", "", ""], [None] * 3
+    for chunk in chunks[:-1]:
+        (choice,) = chunk.choices
+        texts[choice.index] += choice.delta.content or ""
+        finished[choice.index] = choice.finish_reason or finished[choice.index]
+    assert texts == [c.message.content for c in whole.choices] and finished == [c.finish_reason for c in whole.choices]
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+    greedy = client.chat.completions.create(n=2, **{**ask, "temperature": 0})
+    assert greedy.choices[0].message.content == greedy.choices[1].message.content
+    assert_pools_full(server)
+
+
 def test_stop_strings_cut_the_text(server):
     client = openai.OpenAI(base_url=f"{server}/v1", api_key="none")
     messages = [{"role": "user", "content": "Describe the picture please"}]
@@ -124,7 +152,7 @@ def test_client_disconnect_mid_stream_frees_pages_and_others_finish(server):
     (json.dumps({"model": "gpt-4", "messages": [{"role": "user", "content": "hi"}]}).encode(), 404, "does not exist"),
     (json.dumps({"model": MODEL, "messages": []}).encode(), 400, "non-empty list"),
     (json.dumps({"model": MODEL, "messages": [{"role": "robot", "content": "hi"}]}).encode(), 400, "role"),
-    (json.dumps({"model": MODEL, "n": 2, "messages": [{"role": "user", "content": "hi"}]}).encode(), 400, "n=1"),
+    (json.dumps({"model": MODEL, "n": 17, "messages": [{"role": "user", "content": "hi"}]}).encode(), 400, "between 1 and 16"),
     (json.dumps({"model": MODEL, "temperature": -1, "messages": [{"role": "user", "content": "hi"}]}).encode(), 400, "temperature"),
     (json.dumps({"model": MODEL, "max_tokens": "many", "messages": [{"role": "user", "content": "hi"}]}).encode(), 400, "max_tokens"),
     (json.dumps({"model": MODEL, "seed": 2**70, "messages": [{"role": "user", "content": "hi"}]}).encode(), 400, "64-bit"),

@@ -272,3 +272,49 @@ def test_parameters_this_server_does_not_implement_are_refused_unless_neutral_an
         _parse(frobnicate=3)
     warned = [r.getMessage() for r in caplog.records if "ignored" in r.getMessage()]
     assert warned == ["request fields ignored (not OpenAI's or this server's): frobnicate"]
+
+
+class Streaming(Backend):
+    """Each request streams `tokens` one at a time; the id says which choice (…-i) it is."""
+
+    tokens = 4
+
+    def __init__(self):
+        super().__init__()
+        self.closed: list[str] = []
+
+    def detokenize(self, ids):
+        return " ".join(map(str, ids))
+
+    async def start(self, chat, request_id, span=None):
+        from common.engine.outputs import RequestOutput
+        from common.request import RequestStatus
+
+        async def outputs():
+            try:
+                for n in range(1, self.tokens + 1):
+                    await asyncio.sleep(0.001)
+                    done = n == self.tokens
+                    yield RequestOutput(request_id, [n], list(range(1, n + 1)),
+                                        RequestStatus.FINISHED_LENGTH if done else RequestStatus.DECODING,
+                                        "length" if done else None)
+            finally:
+                self.closed.append(request_id)
+        return 7, outputs()
+
+
+def test_n_choices_count_as_sequences_in_the_metrics_and_the_request_ends_once():
+    metrics = GatewayMetrics(MODEL, ttft_slo_s=1, tbt_slo_s=1)
+    backend = Streaming()
+    with TestClient(build_app(backend, MODEL, metrics=metrics)) as client:
+        whole = _post(client, "hi", n=3, max_tokens=4).json()
+        events = [line for line in _post(client, "hi", n=3, max_tokens=4, stream=True,
+                                         stream_options={"include_usage": True}).text.splitlines() if line]
+    assert [c["index"] for c in whole["choices"]] == [0, 1, 2]
+    assert whole["usage"] == {"prompt_tokens": 7, "completion_tokens": 12, "total_tokens": 19}
+    chunks = [json.loads(e[6:]) for e in events if e != "data: [DONE]"]
+    assert sorted(c["choices"][0]["index"] for c in chunks if c["choices"] and c["choices"][0]["finish_reason"]) == [0, 1, 2]
+    assert chunks[-1]["usage"]["completion_tokens"] == 12 and events[-1] == "data: [DONE]"
+    assert _sample(metrics, "request_success_total", finished_reason="length") == 6  # one per choice
+    assert _sample(metrics, "generation_tokens_total") == 24 and _sample(metrics, "num_requests_running") == 0
+    assert sorted(rid.rsplit("-", 1)[1] for rid in backend.closed) == ["0", "0", "1", "1", "2", "2"]  # every choice ran out

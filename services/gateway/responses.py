@@ -1,0 +1,168 @@
+"""A request's outputs as OpenAI's chat-completion objects: one `chat.completion`, or a stream of
+`chat.completion.chunk`s (SSE) — with `n` choices, one output stream each, interleaved as their tokens come."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import AsyncIterator
+
+from common.detokenizer import IncrementalDetokenizer
+from common.engine.outputs import RequestOutput
+from services.gateway.protocol import ApiError, ChatRequest
+
+
+class Logprobs:
+    """A request's logprobs in OpenAI's form: per token its text, logprob, UTF-8 bytes and top alternatives."""
+
+    def __init__(self, token_text):
+        self.token_text = token_text
+
+    def _entry(self, token_id: int, logprob: float) -> dict:
+        text, raw = self.token_text(token_id)
+        return {"token": text, "logprob": logprob, "bytes": list(raw)}
+
+    def entries(self, out: RequestOutput) -> list[dict]:
+        return [{**self._entry(lp.token_id, lp.logprob), "top_logprobs": [self._entry(t, v) for t, v in lp.top]}
+                for lp in out.logprobs or ()]
+
+
+def usage(num_prompt: int, finals: list[RequestOutput | None]) -> dict:
+    """The prompt once, the completions of every choice (as OpenAI and vLLM count n > 1)."""
+    n = sum(len(out.output_token_ids) for out in finals if out is not None)
+    return {"prompt_tokens": num_prompt, "completion_tokens": n, "total_tokens": num_prompt + n}
+
+
+async def collect(streams: list[AsyncIterator[RequestOutput]], logprobs: Logprobs | None
+                  ) -> list[tuple[RequestOutput, list[dict]]]:
+    """Each stream's last output and logprobs entries, the streams read concurrently; the first failure cancels
+    the rest (their requests end) and is raised."""
+    async def one(stream):
+        final, entries = None, []
+        async for out in stream:
+            final = out
+            if logprobs is not None:
+                entries += logprobs.entries(out)
+        return final, entries
+
+    if len(streams) == 1:
+        return [await one(streams[0])]
+    tasks = [asyncio.ensure_future(one(stream)) for stream in streams]
+    try:
+        return list(await asyncio.gather(*tasks))
+    finally:
+        for task in tasks:
+            task.cancel()
+
+
+def completion(chat: ChatRequest, request_id: str, model: str, num_prompt: int,
+               results: list[tuple[RequestOutput, list[dict]]], detokenize, with_logprobs: bool) -> dict:
+    choices = []
+    for index, (out, entries) in enumerate(results):
+        choice = {"index": index, "message": {"role": "assistant", "content": _final_text(out, detokenize)},
+                  "logprobs": {"content": entries} if with_logprobs else None, "finish_reason": out.finish_reason,
+                  "stop_reason": out.stop_reason}
+        if chat.return_token_ids:
+            choice["token_ids"] = out.output_token_ids
+        choices.append(choice)
+    return {"id": request_id, "object": "chat.completion", "created": int(time.time()), "model": model,
+            "choices": choices, "usage": usage(num_prompt, [out for out, _ in results])}
+
+
+def _final_text(out: RequestOutput, detokenize) -> str:
+    return out.text if out.text is not None else detokenize(out.output_token_ids)
+
+
+async def sse(chat: ChatRequest, request_id: str, model: str, num_prompt: int, streams: list[AsyncIterator[RequestOutput]],
+              detokenize, logprobs: Logprobs | None = None) -> AsyncIterator[str]:
+    created = int(time.time())
+
+    def frame(choices: list[dict], **extra) -> str:
+        body = {"id": request_id, "object": "chat.completion.chunk", "created": created, "model": model,
+                "choices": choices, **extra}
+        return f"data: {json.dumps(body)}\n\n"
+
+    finals: list[RequestOutput | None] = [None] * len(streams)
+    deltas = [_choice_deltas(i, chat, stream, detokenize, logprobs, finals) for i, stream in enumerate(streams)]
+    try:
+        async for choice in (deltas[0] if len(deltas) == 1 else _merged(deltas)):
+            yield frame([choice])
+    except ApiError as e:  # a stage failed mid-stream: say so in the stream (OpenAI clients raise on it)
+        yield f"data: {json.dumps(e.body())}\n\n"
+        yield "data: [DONE]\n\n"
+        return
+    if chat.include_usage:
+        yield frame([], usage=usage(num_prompt, finals))
+    yield "data: [DONE]\n\n"
+
+
+async def _choice_deltas(index: int, chat: ChatRequest, outputs: AsyncIterator[RequestOutput], detokenize,
+                         logprobs: Logprobs | None, finals: list) -> AsyncIterator[dict]:
+    """One choice's `choices` entries: its role, then text deltas as tokens come (held back by the longest stop
+    string's length but one, so a stop string is never half sent), then the rest with its finish reason."""
+    holdback = max((len(s) for s in chat.sampling.stop), default=1) - 1
+
+    def choice(delta: dict, finish: str | None = None, token_ids: list[int] | None = None,
+               out: RequestOutput | None = None) -> dict:
+        entries = logprobs.entries(out) if logprobs is not None and out is not None else None
+        entry = {"index": index, "delta": delta, "logprobs": {"content": entries} if entries else None,
+                 "finish_reason": finish}
+        if chat.return_token_ids and token_ids is not None:
+            entry["token_ids"] = token_ids
+        return entry
+
+    yield choice({"role": "assistant", "content": ""})
+    sent, last = "", None
+    text = IncrementalDetokenizer(detokenize)  # a few tokens decoded per output, not the whole output again
+    async for out in outputs:
+        last = out
+        if out.finished:
+            break
+        text.push(out.output_token_ids[len(text.token_ids):])
+        safe = text.text[: len(text.text) - holdback] if holdback else text.text
+        if len(safe) > len(sent) or out.new_token_ids:
+            yield choice({"content": safe[len(sent):]}, token_ids=out.new_token_ids, out=out)
+            sent = safe
+    finals[index] = last
+    if last.text is not None:  # the engine's own text: cut at a stop string
+        final = last.text
+    else:
+        text.push(last.output_token_ids[len(text.token_ids):])
+        text.finish()
+        final = text.text
+    yield choice({"content": final[len(sent):]}, finish=last.finish_reason, token_ids=last.new_token_ids, out=last)
+
+
+async def _merged(generators: list[AsyncIterator[dict]]) -> AsyncIterator[dict]:
+    """The generators' items as they come; the first failure is raised. When the consumer stops (the client went
+    away) or one fails, every generator is closed, which ends its request."""
+    queue: asyncio.Queue = asyncio.Queue()
+    done = object()
+
+    async def pump(generator):
+        try:
+            async for item in generator:
+                await queue.put(item)
+            await queue.put(done)
+        except BaseException as e:  # noqa: BLE001 — handed to the consumer, which raises it
+            await queue.put(e)
+            raise
+        finally:
+            await generator.aclose()
+
+    tasks = [asyncio.ensure_future(pump(g)) for g in generators]
+    try:
+        running = len(tasks)
+        while running:
+            item = await queue.get()
+            if item is done:
+                running -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
