@@ -31,7 +31,8 @@ class SamplingParams:
     frequency_penalty: float = 0.0  # OpenAI's: subtracted once per time a token was already generated
     repetition_penalty: float = 1.0  # transformers' / vLLM's: logits of prompt and generated tokens divided (>0) or multiplied (<0) by it
     logit_bias: tuple[tuple[int, float], ...] = ()  # OpenAI's: (token id, bias in [-100, 100]) added to that token's logit
-    min_tokens: int = 0  # vLLM's: no EOS, stop token or stop string ends it before this many generated tokens
+    min_tokens: int = 0  # vLLM's: no EOS, stop token or stop string ends it before this many output tokens (like
+    # max_tokens, counted from where a migrated request's continuation starts: the gateway lowers both)
     min_p: float = 0.0  # vLLM's: after temperature, drop tokens below min_p × the most likely token's probability
 
     def __post_init__(self) -> None:

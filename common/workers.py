@@ -7,6 +7,10 @@ import dataclasses
 from common.request import Stage
 
 
+def registration(worker_id: str, instance: str) -> str:
+    return f"{worker_id}#{instance}" if instance else worker_id
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class WorkerInfo:
     worker_id: str
@@ -17,12 +21,19 @@ class WorkerInfo:
     transfer_backend: str = "grpc"
     pid: int = 0
     metrics_port: int = 0
+    instance: str = ""  # new at every start of the process: a worker restarted under the same id is another one
 
     def __post_init__(self) -> None:
         if not self.worker_id or not self.address:
             raise ValueError("a worker needs an id and an address")
         if not self.roles:
             raise ValueError(f"worker {self.worker_id} has no roles")
+
+    @property
+    def registration(self) -> str:
+        """What a request that this worker failed routes around: this run of it, not a restart under the same id
+        (a fixed --worker-id, or a fixed port, in docker compose)."""
+        return registration(self.worker_id, self.instance)
 
     @property
     def role_label(self) -> str:
@@ -65,3 +76,7 @@ class WorkerSnapshot:
 
     def has(self, stage: Stage) -> bool:
         return stage in self.info.roles
+
+    def excluded_by(self, exclude: frozenset[str]) -> bool:
+        """`exclude` names it: by this registration (it failed the request) or by id (no KV room there)."""
+        return self.worker_id in exclude or self.info.registration in exclude

@@ -14,7 +14,7 @@ from common.policy.routing import PrefillPath, RoutePlan, RouteSummary
 from common.request import ImageInput, Request, Stage
 from common.sampling import SamplingParams
 from common.transfer.handle import PageHandle
-from common.workers import WorkerInfo, WorkerLoad, WorkerSnapshot
+from common.workers import WorkerInfo, WorkerLoad, WorkerSnapshot, registration
 from epdmesh.v1 import mesh_pb2 as pb
 
 _STAGES = {Stage.ENCODE: pb.STAGE_ENCODE, Stage.PREFILL: pb.STAGE_PREFILL, Stage.DECODE: pb.STAGE_DECODE}
@@ -172,13 +172,13 @@ def chunk_stop_reason(msg: pb.TokenChunk) -> str | int | None:
 def info_to_pb(info: WorkerInfo) -> pb.WorkerInfo:
     return pb.WorkerInfo(worker_id=info.worker_id, address=info.address, roles=[_STAGES[s] for s in sorted(info.roles)],
                          model=info.model, max_model_len=info.max_model_len, transfer_backend=info.transfer_backend,
-                         pid=info.pid, metrics_port=info.metrics_port)
+                         pid=info.pid, metrics_port=info.metrics_port, instance=info.instance)
 
 
 def info_from_pb(msg: pb.WorkerInfo) -> WorkerInfo:
     roles = frozenset(_STAGES_OF[r] for r in msg.roles if r in _STAGES_OF)
     return WorkerInfo(msg.worker_id, msg.address, roles, msg.model, msg.max_model_len, msg.transfer_backend or "grpc",
-                      msg.pid, msg.metrics_port)
+                      msg.pid, msg.metrics_port, msg.instance)
 
 
 _LOAD_FIELDS = [f.name for f in pb.WorkerLoad.DESCRIPTOR.fields]
@@ -204,7 +204,12 @@ def summary_from_pb(msg: pb.RouteRequest) -> RouteSummary:
 
 
 def _ref(w: WorkerSnapshot | None) -> pb.WorkerRef | None:
-    return None if w is None else pb.WorkerRef(worker_id=w.worker_id, address=w.info.address)
+    return None if w is None else pb.WorkerRef(worker_id=w.worker_id, address=w.info.address, instance=w.info.instance)
+
+
+def ref_registration(ref: pb.WorkerRef) -> str:
+    """What the gateway routes around when this worker fails a request (`WorkerInfo.registration`)."""
+    return registration(ref.worker_id, ref.instance)
 
 
 def plan_to_pb(plan: RoutePlan) -> pb.RoutePlan:

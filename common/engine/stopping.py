@@ -16,7 +16,7 @@ def check_stop(request: Request, token: int, eos_token_ids: Collection[int], max
     output again: common/detokenizer.py) and ends as the text the client gets: cut before the stop string,
     without the text of an EOS or stop token, an incomplete last character as U+FFFD."""
     params = request.sampling
-    early = len(request.generated_token_ids) < params.min_tokens  # no stop yet (EOS and stop ids are masked too)
+    early = len(request.output_token_ids) < params.min_tokens  # no stop yet (EOS and stop ids are masked too)
     eos = not params.ignore_eos and token in eos_token_ids
     if not early and (eos or token in params.stop_token_ids):
         if not eos:

@@ -75,7 +75,7 @@ class _Option:
 
 def route_slo(workers: list[WorkerSnapshot], request: RouteSummary, ttft_ms: float, tbt_ms: float, elapsed_ms: float,
               profile: LatencyProfile, config: MultiplexConfig = MultiplexConfig()) -> Decision:
-    live = [w for w in workers if w.age_s <= config.max_heartbeat_age_s and w.worker_id not in request.exclude]
+    live = [w for w in workers if w.age_s <= config.max_heartbeat_age_s and not w.excluded_by(request.exclude)]
     decoders = [w for w in live if w.has(Stage.DECODE)]
     if not decoders:
         return Decision(None, 0.0, 0.0, "no live decoder", False)

@@ -64,7 +64,7 @@ def _least_queued(workers: list[WorkerSnapshot]) -> WorkerSnapshot:
 
 
 def route(workers: list[WorkerSnapshot], request: RouteSummary, config: RoutingConfig) -> RoutePlan | None:
-    live = [w for w in workers if w.age_s <= config.max_heartbeat_age_s and w.worker_id not in request.exclude]
+    live = [w for w in workers if w.age_s <= config.max_heartbeat_age_s and not w.excluded_by(request.exclude)]
     decoders = [w for w in live if w.has(Stage.DECODE)]
     if not decoders:
         return None

@@ -307,7 +307,7 @@ class WorkerLoad(_message.Message):
     def __init__(self, num_waiting: _Optional[int] = ..., num_running: _Optional[int] = ..., running_decode_batch: _Optional[int] = ..., unfinished_decode_tokens: _Optional[int] = ..., last_iteration_ms: _Optional[float] = ..., kv_blocks_free: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., image_blocks_free: _Optional[int] = ..., image_blocks_total: _Optional[int] = ..., num_leases: _Optional[int] = ..., iterations: _Optional[int] = ..., queued_prefill_tokens: _Optional[int] = ..., queued_images: _Optional[int] = ..., decode_context_tokens: _Optional[int] = ..., kv_tokens_free: _Optional[int] = ..., iteration_elapsed_ms: _Optional[float] = ...) -> None: ...
 
 class WorkerInfo(_message.Message):
-    __slots__ = ("worker_id", "address", "roles", "model", "max_model_len", "transfer_backend", "pid", "metrics_port")
+    __slots__ = ("worker_id", "address", "roles", "model", "max_model_len", "transfer_backend", "pid", "metrics_port", "instance")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     ROLES_FIELD_NUMBER: _ClassVar[int]
@@ -316,6 +316,7 @@ class WorkerInfo(_message.Message):
     TRANSFER_BACKEND_FIELD_NUMBER: _ClassVar[int]
     PID_FIELD_NUMBER: _ClassVar[int]
     METRICS_PORT_FIELD_NUMBER: _ClassVar[int]
+    INSTANCE_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     address: str
     roles: _containers.RepeatedScalarFieldContainer[Stage]
@@ -324,7 +325,8 @@ class WorkerInfo(_message.Message):
     transfer_backend: str
     pid: int
     metrics_port: int
-    def __init__(self, worker_id: _Optional[str] = ..., address: _Optional[str] = ..., roles: _Optional[_Iterable[_Union[Stage, str]]] = ..., model: _Optional[str] = ..., max_model_len: _Optional[int] = ..., transfer_backend: _Optional[str] = ..., pid: _Optional[int] = ..., metrics_port: _Optional[int] = ...) -> None: ...
+    instance: str
+    def __init__(self, worker_id: _Optional[str] = ..., address: _Optional[str] = ..., roles: _Optional[_Iterable[_Union[Stage, str]]] = ..., model: _Optional[str] = ..., max_model_len: _Optional[int] = ..., transfer_backend: _Optional[str] = ..., pid: _Optional[int] = ..., metrics_port: _Optional[int] = ..., instance: _Optional[str] = ...) -> None: ...
 
 class RegisterRequest(_message.Message):
     __slots__ = ("info", "load")
@@ -389,12 +391,14 @@ class RouteRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., num_prompt_tokens: _Optional[int] = ..., num_images: _Optional[int] = ..., max_tokens: _Optional[int] = ..., exclude_worker_ids: _Optional[_Iterable[str]] = ..., ttft_slo_ms: _Optional[float] = ..., tbt_slo_ms: _Optional[float] = ..., elapsed_ms: _Optional[float] = ...) -> None: ...
 
 class WorkerRef(_message.Message):
-    __slots__ = ("worker_id", "address")
+    __slots__ = ("worker_id", "address", "instance")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    INSTANCE_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     address: str
-    def __init__(self, worker_id: _Optional[str] = ..., address: _Optional[str] = ...) -> None: ...
+    instance: str
+    def __init__(self, worker_id: _Optional[str] = ..., address: _Optional[str] = ..., instance: _Optional[str] = ...) -> None: ...
 
 class RoutePlan(_message.Message):
     __slots__ = ("encoder", "prefill", "decoder", "path", "predicted_ttft_ms")

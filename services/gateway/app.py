@@ -20,6 +20,7 @@ import uuid
 from collections.abc import AsyncIterator
 
 from starlette.applications import Starlette
+from starlette.requests import ClientDisconnect
 from starlette.requests import Request as HttpRequest
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
@@ -33,7 +34,7 @@ from common.telemetry.metrics import GatewayMetrics, render
 from common.telemetry.tracing import Tracing
 from services.gateway.observe import RequestObserver
 from services.gateway.protocol import ApiError, ChatRequest, parse_chat_request
-from services.gateway.responses import Logprobs, collect, completion, sse
+from services.gateway.responses import Logprobs, collect, completion, internal_error, sse
 
 log = logging.getLogger(__name__)
 MAX_BODY_BYTES = 64 * 2**20
@@ -113,27 +114,30 @@ def build_app(backend, model_name: str, allow_remote_images: bool = False, metri
     async def chat_completions(http: HttpRequest) -> Response:
         observer = RequestObserver(metrics, tracing, http.headers, model_name)
         try:
-            length = int(http.headers.get("content-length") or 0)
-            if length > MAX_BODY_BYTES:
-                raise ApiError(413, f"request body is {length} bytes, over {MAX_BODY_BYTES}")
-            body = await http.body()
+            body = await _read_body(http)
             with tracing.activate(observer.span), tracing.span("parse", {"http.request.body.size": len(body)}):
                 if len(body) > INLINE_PARSE_BYTES:  # images: base64 + decoding take ms; keep the loop serving streams
                     chat = await asyncio.to_thread(parse_chat_request, body, [model_name], allow_remote_images)
                 else:
                     chat = parse_chat_request(body, [model_name], allow_remote_images)
-            _check_text_length(chat, backend)
+            _check_fits(chat, backend)
             request_id = f"chatcmpl-{uuid.uuid4().hex}"
             observer.request(chat, request_id)
             num_prompt, streams = await _start(backend, chat, request_id, observer.span)
         except ApiError as e:
             observer.failed(e.status, e.message)
             return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+        except ClientDisconnect:  # gone while sending its body: nobody to answer, and not an error of ours
+            observer.abandoned()
+            return Response(status_code=499)
         except Exception as e:  # a bug of ours: still an OpenAI error, counted, and the connection kept
             log.exception("request failed before its first token")
-            error = _internal_error(e)
+            error = internal_error(e)
             observer.failed(error.status, error.message)
             return JSONResponse(error.body(), status_code=error.status)
+        except BaseException:  # cancelled (the server stops, or the client left): the request ends here
+            observer.abandoned()
+            raise
         streams = [observer.observe(stream, num_prompt) for stream in streams]
         logprobs = Logprobs(backend.processor.token_text) if chat.sampling.logprobs is not None else None
         if chat.stream:
@@ -145,7 +149,7 @@ def build_app(backend, model_name: str, allow_remote_images: bool = False, metri
             return JSONResponse(e.body(), status_code=e.status)
         except Exception as e:
             log.exception("request failed")
-            return JSONResponse(_internal_error(e).body(), status_code=500)
+            return JSONResponse(internal_error(e).body(), status_code=500)
         return JSONResponse(completion(chat, request_id, model_name, num_prompt, results, backend.detokenize,
                                        logprobs is not None))
 
@@ -162,13 +166,35 @@ def build_app(backend, model_name: str, allow_remote_images: bool = False, metri
 NORMALIZATION_SLACK = 4
 
 
-def _check_text_length(chat: ChatRequest, backend) -> None:
-    """A 400 at once, without tokenizing, for text that cannot fit the model: tokenizing megabytes of it took seconds
-    and gigabytes before the length check could refuse it."""
+def _check_fits(chat: ChatRequest, backend) -> None:
+    """A 400 at once, before tokenizing or preprocessing, for text or images that cannot fit the model: tokenizing
+    megabytes of text took seconds and gigabytes before the length check could refuse it."""
     n = chat.num_text_chars
     if n > backend.max_model_len * backend.processor.max_token_chars * NORMALIZATION_SLACK:
         raise ApiError(400, f"the messages hold {n} characters of text, more than the model's limit of "
                             f"{backend.max_model_len} tokens can hold; shorten them", "messages")
+    config = getattr(backend.processor, "config", None)
+    if config is not None and chat.num_images * config.image_tokens_per_image > backend.max_model_len:
+        raise ApiError(400, f"{chat.num_images} images take {chat.num_images * config.image_tokens_per_image} tokens, "
+                            f"over the model's limit of {backend.max_model_len}; send fewer", "messages")
+
+
+async def _read_body(http: HttpRequest) -> bytes:
+    """The body, refused with a 413 as soon as it is known to be too big (from its Content-Length, or while it
+    streams in without one)."""
+    try:
+        length = int(http.headers.get("content-length") or 0)
+    except ValueError:
+        raise ApiError(400, "the Content-Length header is not a number") from None
+    if length > MAX_BODY_BYTES:
+        raise ApiError(413, f"request body is {length} bytes, over {MAX_BODY_BYTES}")
+    chunks, size = [], 0
+    async for chunk in http.stream():
+        size += len(chunk)
+        if size > MAX_BODY_BYTES:
+            raise ApiError(413, f"request body is over {MAX_BODY_BYTES} bytes")
+        chunks.append(chunk)
+    return b"".join(chunks)
 
 
 async def _start(backend, chat: ChatRequest, request_id: str, span) -> tuple[int, list[AsyncIterator[RequestOutput]]]:
@@ -186,10 +212,6 @@ async def _start(backend, chat: ChatRequest, request_id: str, span) -> tuple[int
                 await result[1].aclose()  # its request ends (and its pages are freed)
         raise failed[0]
     return results[0][0], [outputs for _, outputs in results]
-
-
-def _internal_error(e: Exception) -> ApiError:
-    return ApiError(500, f"internal error ({type(e).__name__}: {e}); the server logged it, please report it")
 
 
 def _lifespan(backend):

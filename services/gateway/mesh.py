@@ -173,8 +173,6 @@ class MeshBackend(MeshStatus):
             except NoLiveRoute as e:
                 if time.monotonic() >= deadline:
                     raise
-                if self.router is not None:
-                    self.router.invalidate()  # read the registry again: a worker may have registered since
                 log.info("waiting for a worker to take over (%s)", e.message)
                 await asyncio.sleep(FAILOVER_POLL_S)
 
@@ -240,7 +238,7 @@ class MeshBackend(MeshStatus):
                 encoding = self._encode(request, plan, span)
                 pending = pb.PendingImages(worker_id=plan.encoder.worker_id, address=plan.encoder.address,
                                            request_id=request.request_id)
-                source = plan.encoder.worker_id
+                source = wire.ref_registration(plan.encoder)
             spec = wire.spec_to_pb(request, with_pixels=pending is None)
             output: list[int] = []
             if path == PrefillPath.DEDICATED:
@@ -249,7 +247,7 @@ class MeshBackend(MeshStatus):
                 with self.tracing.activate(span):
                     call = stub.Prefill(pb.PrefillRequest(request=spec, pending_images=pending))
                 await _encoded(encoding, held, call)
-                reply = await stage_call("prefill", plan.prefill.worker_id, source, call)
+                reply = await stage_call("prefill", wire.ref_registration(plan.prefill), source, call)
                 held.clear()
                 if not reply.first.finish_reason:  # held before the first token goes out: a client gone right
                     held.append(reply.kv_pages)    # after it must not leave the KV pinned until its lease ends
@@ -260,7 +258,7 @@ class MeshBackend(MeshStatus):
                 spec = wire.spec_to_pb(request, with_pixels=False)
                 spec.output_token_ids.extend(output)
                 decode = pb.DecodeRequest(request=spec, kv_pages=reply.kv_pages)
-                source, encoding = reply.kv_pages.worker_id, None
+                source, encoding = wire.ref_registration(plan.prefill), None  # the KV pages' source
             else:
                 decode = pb.DecodeRequest(request=spec, pending_images=pending)
             self._sent(request, plan.decoder.worker_id)
@@ -273,7 +271,7 @@ class MeshBackend(MeshStatus):
                     output.extend(chunk.token_ids)
                     yield _output(request.request_id, chunk, output)
             except grpc.aio.AioRpcError as e:
-                raise failure("decode", plan.decoder.worker_id, source if not output else None, e) from None
+                raise failure("decode", wire.ref_registration(plan.decoder), source if not output else None, e) from None
             finally:
                 call.cancel()
         finally:
@@ -289,7 +287,7 @@ class MeshBackend(MeshStatus):
         message = pb.EncodeRequest(request=wire.spec_to_pb(request, with_pixels=True), awaited=True)
         with self.tracing.activate(span):
             call = stub.Encode(message)  # made here, so it goes out before the next stage's call
-        task = asyncio.ensure_future(stage_call("encode", plan.encoder.worker_id, None, call))
+        task = asyncio.ensure_future(stage_call("encode", wire.ref_registration(plan.encoder), None, call))
         task.add_done_callback(_consume)  # its outcome is awaited, unless the request failed before that
         return task
 

@@ -14,7 +14,8 @@ from common.request import Request
 
 def continuation(request: Request, emitted: list[int], attempt: int) -> Request:
     """The rest of `request` after `emitted` tokens: their KV is rebuilt by prefilling them with the prompt."""
-    sampling = dataclasses.replace(request.sampling, max_tokens=request.sampling.max_tokens - len(emitted))
+    sampling = dataclasses.replace(request.sampling, max_tokens=request.sampling.max_tokens - len(emitted),
+                                   min_tokens=max(0, request.sampling.min_tokens - len(emitted)))
     return Request(f"{request.request_id}-m{attempt}", request.prompt_token_ids + emitted, sampling, request.images,
                    num_continued_tokens=len(emitted))  # its penalties and seeded random stream go on from there
 

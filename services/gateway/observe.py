@@ -58,6 +58,12 @@ class RequestObserver:
                                    "gen_ai.request.top_p": s.top_p, "gen_ai.request.seed": s.seed,
                                    "gen_ai.response.id": request_id, "epdmesh.stream": chat.stream})
 
+    def abandoned(self) -> None:
+        """The request ended before an answer because its client left (or the server stopped): not an error."""
+        if self.span is not None:
+            self.span.set_attribute("epdmesh.abandoned", True)
+        self._close()
+
     def failed(self, status: int, message: str) -> None:
         self.metrics.errors.labels(self.model, str(status)).inc()
         if self.span is not None:

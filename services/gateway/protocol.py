@@ -24,6 +24,7 @@ MAX_IMAGE_BYTES = 20 * 2**20
 MAX_IMAGE_PIXELS = 50_000_000
 MAX_ASPECT_RATIO = 200  # long side over short side, as Qwen2-VL's processor allows
 MAX_STOP_STRINGS = 4
+DEFAULT_MAX_TOKENS = 16
 MAX_CHOICES = 16  # n: each choice is a request of its own, with its own worst-case KV reservation
 MAX_TOKEN_ID = 2**31 - 1  # what the mesh's wire carries; the model's vocabulary is checked where it runs
 
@@ -82,7 +83,7 @@ class ChatRequest:
 
 def parse_chat_request(raw: bytes, served_models: list[str], allow_remote_images: bool = False) -> ChatRequest:
     try:
-        text = raw.decode("utf-8")
+        text = raw.decode("utf-8-sig")  # a leading byte-order mark, which some clients send, is not an error
     except UnicodeDecodeError as e:
         raise ApiError(400, f"request body must be UTF-8 encoded JSON (byte {e.start} is not UTF-8)") from None
     try:
@@ -150,8 +151,8 @@ def _parse_slo(slo: Any) -> dict:
 
 def _parse_sampling(body: dict) -> SamplingParams:
     max_tokens = _typed(body, "max_completion_tokens", int, None)
-    if max_tokens is None:
-        max_tokens = _typed(body, "max_tokens", int, 16)
+    if max_tokens is None:  # left out: 16, or min_tokens when that asks for more (vLLM's default is the context)
+        max_tokens = _typed(body, "max_tokens", int, max(DEFAULT_MAX_TOKENS, _typed(body, "min_tokens", int, 0)))
     stop = body.get("stop") or []
     if isinstance(stop, str):
         stop = [stop]
@@ -230,10 +231,12 @@ def _refuse_unsupported(body: dict) -> None:
         if key in body and body[key] not in neutral:
             raise ApiError(400, f"'{key}' is not supported by this server (it would change the answer); leave it out",
                            key)
-    unknown = sorted(set(body) - KNOWN_FIELDS - NEUTRAL_ONLY.keys() - _warned)
-    if unknown:  # as vLLM does: served, and said once in the log (a typo of a known field shows up here)
+    if len(_warned) < MAX_WARNED_FIELDS and (unknown := sorted(set(body) - KNOWN_FIELDS - NEUTRAL_ONLY.keys() - _warned)):
+        # as vLLM does: served, and said once in the log (a typo of a known field shows up here)
+        unknown = unknown[:MAX_WARNED_FIELDS - len(_warned)]
         _warned.update(unknown)
-        log.warning("request fields ignored (not OpenAI's or this server's): %s", ", ".join(unknown))
+        log.warning("request fields ignored (not OpenAI's or this server's): %s", ", ".join(unknown[:10]) +
+                    (f" and {len(unknown) - 10} more" if len(unknown) > 10 else ""))
 
 
 # OpenAI's and vLLM's parameters whose effect this server does not implement: served with their neutral values
@@ -257,6 +260,7 @@ KNOWN_FIELDS = {
     "reasoning_effort",
 }
 _warned: set[str] = set()
+MAX_WARNED_FIELDS = 1000  # names remembered (a body with a million random keys must not grow this without end)
 
 
 def _parse_message(message: Any, index: int, allow_remote: bool) -> dict:

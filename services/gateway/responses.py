@@ -5,12 +5,21 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 from collections.abc import AsyncIterator
 
 from common.detokenizer import IncrementalDetokenizer
 from common.engine.outputs import RequestOutput
 from services.gateway.protocol import ApiError, ChatRequest
+
+
+log = logging.getLogger(__name__)
+
+
+def internal_error(e: Exception) -> ApiError:
+    """A bug of ours, as the client sees it: an OpenAI-style 500 (the traceback goes to the log)."""
+    return ApiError(500, f"internal error ({type(e).__name__}: {e}); the server logged it, please report it")
 
 
 class Logprobs:
@@ -88,7 +97,10 @@ async def sse(chat: ChatRequest, request_id: str, model: str, num_prompt: int, s
     try:
         async for choice in (deltas[0] if len(deltas) == 1 else _merged(deltas)):
             yield frame([choice])
-    except ApiError as e:  # a stage failed mid-stream: say so in the stream (OpenAI clients raise on it)
+    except Exception as e:  # a stage failed mid-stream (or a bug of ours): say so in the stream, as OpenAI does
+        if not isinstance(e, ApiError):
+            log.exception("request %s failed mid-stream", request_id)
+            e = internal_error(e)
         yield f"data: {json.dumps(e.body())}\n\n"
         yield "data: [DONE]\n\n"
         return

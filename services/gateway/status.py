@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import grpc
 
+from common.policy.routing import RoutingConfig
 from common.request import Stage
 from epdmesh.v1 import mesh_pb2 as pb
 from epdmesh.v1 import mesh_pb2_grpc as pb_grpc
 from services import wire
 
-HEALTHY_HEARTBEAT_AGE_S = 1.5  # three missed heartbeats (every 0.5 s): /health stops counting the worker
+# a worker is counted as long as routing still sends it work: /health says what the router believes
+HEALTHY_HEARTBEAT_AGE_S = RoutingConfig().max_heartbeat_age_s
 
 
 class MeshStatus:

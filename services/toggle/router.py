@@ -290,7 +290,7 @@ def _why_no_route(workers: list[WorkerSnapshot], summary: RouteSummary, max_age_
     contradiction)."""
     if not workers:
         return "no live workers are registered"
-    usable = [w for w in workers if w.age_s <= max_age_s and w.worker_id not in summary.exclude]
+    usable = [w for w in workers if w.age_s <= max_age_s and not w.excluded_by(summary.exclude)]
     need = "an encoder, a prefill and a decode role" if summary.num_images else "a prefill and a decode role"
     why = f"no live worker set covers {need}; "
     why += f"live workers have roles {sorted({w.info.role_label for w in usable})}" if usable else "no worker is live"

@@ -15,6 +15,7 @@ import dataclasses
 import logging
 import os
 import signal
+import uuid
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -130,7 +131,7 @@ async def run_worker(options: WorkerOptions, engine: Engine | None = None, ready
     for name in ["", "epdmesh.v1.Worker", *services]:
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     info = WorkerInfo(worker_id, address, config.roles, config.model, engine.max_model_len, transfer.offer, os.getpid(),
-                      metrics_port)
+                      metrics_port, instance=uuid.uuid4().hex[:12])
     log.info("worker %s (%s) serving on %s, transfer %s, metrics on port %s%s", worker_id, label.upper(), address,
              transfer.offer, metrics_port or "-",
              f", emulated by {options.emulation.profile}" if options.emulation is not None else "")

@@ -56,7 +56,6 @@ def test_the_length_limit_ends_with_the_whole_text(tok):
 def test_min_tokens_leaves_stops_unchecked_until_that_many_tokens_as_vllm_does(tok):
     """Before min_tokens, neither EOS nor a stop token nor a stop string ends the request; a stop string that
     completed before then is not found afterwards either (vLLM looks only at the text new since its last check)."""
-    ids = tok.tokenizer("the kitchen is warm and the kitchen is cold", add_special_tokens=False)["input_ids"]
     n = len(tok.tokenizer("the kitchen is warm", add_special_tokens=False)["input_ids"])
     status, text, reason = _run(tok, "the kitchen is warm and the kitchen is cold",
                                 SamplingParams(stop=("kitchen",), max_tokens=50, min_tokens=n))
@@ -65,4 +64,3 @@ def test_min_tokens_leaves_stops_unchecked_until_that_many_tokens_as_vllm_does(t
     assert status is None  # three tokens out, none of them a stop (in the engine they are masked)
     status, _, reason = _run(tok, "", SamplingParams(max_tokens=50, min_tokens=3, stop_token_ids=(7,)), then=[9, 9, 9, 7])
     assert (status, reason) == (RequestStatus.FINISHED_STOPPED, 7)
-    assert len(ids) > n

@@ -174,7 +174,7 @@ def _health(*entries) -> dict:
 def test_health_needs_live_workers_covering_prefill_and_decode_and_says_which_role_is_missing():
     e, p, d = _entry("e", {Stage.ENCODE}), _entry("p", {Stage.PREFILL}), _entry("d", {Stage.DECODE})
     assert _health(e, p, d) == {"status": "ok", "workers": 3, "silent_workers": 0}
-    dead_d = _entry("d", {Stage.DECODE}, age_s=2.0)  # killed 2 s ago: still registered, its heartbeats stopped
+    dead_d = _entry("d", {Stage.DECODE}, age_s=3.5)  # killed 3.5 s ago: still registered, routing gave up on it
     body = _health(e, p, dead_d)
     assert body["status"] == "error" and body["reason"] == "no live worker has the decode role" and body["silent_workers"] == 1
     assert _health(p)["reason"] == "no live worker has the decode role" and "prefill or decode" in _health(e)["reason"]
@@ -235,7 +235,7 @@ def _reroute(router, wait_s: float, monkeypatch):
 def test_a_request_whose_worker_died_waits_for_one_to_register(monkeypatch):
     router = Router(ready_after=3)
     plan = _reroute(router, 5.0, monkeypatch)
-    assert plan.decoder.worker_id == "x" and router.calls == 4 and router.invalidated == 3
+    assert plan.decoder.worker_id == "x" and router.calls == 4
 
 
 def test_the_wait_for_a_replacement_is_bounded(monkeypatch):
@@ -318,3 +318,75 @@ def test_n_choices_count_as_sequences_in_the_metrics_and_the_request_ends_once()
     assert _sample(metrics, "request_success_total", finished_reason="length") == 6  # one per choice
     assert _sample(metrics, "generation_tokens_total") == 24 and _sample(metrics, "num_requests_running") == 0
     assert sorted(rid.rsplit("-", 1)[1] for rid in backend.closed) == ["0", "0", "1", "1", "2", "2"]  # every choice ran out
+
+
+def test_a_request_routes_around_the_run_of_a_worker_that_failed_it_not_a_restart_under_the_same_id():
+    """docker compose gives workers fixed ids (and a fixed port fixes the default one): a decoder restarted after
+    failing a request registers under the same id, and the request waiting for it must be able to use it."""
+    from common.policy.routing import route
+
+    def snap(worker_id, roles, instance):
+        return WorkerSnapshot(WorkerInfo(worker_id, "127.0.0.1:1", frozenset(roles), MODEL, 100, instance=instance),
+                              WorkerLoad(), 0.1)
+
+    prefill = snap("prefill", {Stage.PREFILL}, "p1")
+    dead, restarted = snap("decoder", {Stage.DECODE}, "run1"), snap("decoder", {Stage.DECODE}, "run2")
+    failed = RouteSummary("r", 5, 0, 4, frozenset({dead.info.registration}))
+    assert dead.info.registration == "decoder#run1"
+    assert route([prefill, dead], failed, RoutingConfig()) is None
+    plan = route([prefill, restarted], failed, RoutingConfig())
+    assert plan is not None and plan.decoder.info.instance == "run2"
+    full = RouteSummary("r", 5, 0, 4, frozenset({"decoder"}))  # no KV room there (a reservation): any run of it
+    assert route([prefill, restarted], full, RoutingConfig()) is None
+    ref = wire.plan_to_pb(plan).decoder
+    assert wire.ref_registration(ref) == "decoder#run2" and wire.info_from_pb(wire.info_to_pb(restarted.info)) == restarted.info
+
+
+def test_body_guards_bom_content_length_and_a_chunked_body_over_the_limit(app, monkeypatch):
+    from services.gateway import app as app_module
+
+    client, metrics, _ = app
+    body = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}).encode()
+    assert client.post("/v1/chat/completions", content=b"\xef\xbb\xbf" + body).status_code == 500  # parsed: on to the backend
+    resp = client.post("/v1/chat/completions", content=body, headers={"content-length": "many"})
+    assert resp.status_code == 400 and "Content-Length" in resp.json()["error"]["message"]
+    monkeypatch.setattr(app_module, "MAX_BODY_BYTES", 1000)
+    resp = client.post("/v1/chat/completions", content=iter([body, b" " * 2000]))  # chunked: no Content-Length
+    assert resp.status_code == 413 and _sample(metrics, "num_requests_running") == 0
+
+
+def test_min_tokens_without_max_tokens_raises_the_default_and_images_that_cannot_fit_are_refused_early():
+    assert _parse(min_tokens=40).sampling.max_tokens == 40 and _parse().sampling.max_tokens == 16
+
+    class Config:
+        image_tokens_per_image = 576
+
+    backend = Backend()
+    backend.max_model_len = 1200
+    backend.processor.config = Config()
+    with TestClient(build_app(backend, MODEL, metrics=GatewayMetrics(MODEL, ttft_slo_s=1, tbt_slo_s=1))) as client:
+        part = {"type": "image_url", "image_url": {"url": _image_uri(8, 8)}}
+        body = {"model": MODEL, "messages": [{"role": "user", "content": [part] * 3}]}
+        resp = client.post("/v1/chat/completions", content=json.dumps(body))
+        assert resp.status_code == 400 and "3 images take 1728 tokens" in resp.json()["error"]["message"]
+        body["messages"][0]["content"] = [part] * 2
+        assert client.post("/v1/chat/completions", content=json.dumps(body)).status_code == 500  # fits: on to the backend
+
+
+class FailsMidStream(Streaming):
+    async def start(self, chat, request_id, span=None):
+        num_prompt, outputs = await super().start(chat, request_id, span)
+
+        async def broken():
+            async for out in outputs:
+                yield out
+                raise KeyError("a bug of ours")
+        return num_prompt, broken()
+
+
+def test_a_bug_of_ours_mid_stream_ends_the_stream_with_an_error_event_and_done():
+    metrics = GatewayMetrics(MODEL, ttft_slo_s=1, tbt_slo_s=1)
+    with TestClient(build_app(FailsMidStream(), MODEL, metrics=metrics)) as client:
+        lines = [line for line in _post(client, "hi", stream=True).text.splitlines() if line]
+    assert lines[-1] == "data: [DONE]" and '"code": 500' in lines[-2] and "KeyError" in lines[-2]
+    assert _sample(metrics, "request_errors_total", status="500") == 1 and _sample(metrics, "num_requests_running") == 0

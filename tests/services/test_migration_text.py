@@ -45,3 +45,18 @@ def test_a_continuation_counts_the_tokens_already_sent_as_generated_across_the_w
     assert moved.generated_token_ids == [7, 8, 7]
     received = wire.request_from_pb(wire.spec_to_pb(moved, with_pixels=False), Stage.PREFILL, Stage.DECODE)
     assert received.generated_token_ids == [7, 8, 7] and received.sampling == moved.sampling
+
+
+def test_a_continuation_keeps_min_tokens_counted_from_the_same_point_as_max_tokens():
+    """min_tokens, like max_tokens, counts the continuation's own output: both go down by what was sent (a
+    min_tokens left whole was over the lowered max_tokens, and the continuation could not even be made)."""
+    from common.request import Request
+    from common.sampling import SamplingParams
+    from services.gateway.migration import continuation
+
+    original = Request("r", [1, 2, 3], SamplingParams(max_tokens=20, min_tokens=15))
+    moved = continuation(original, list(range(10, 20)), attempt=2)
+    assert (moved.sampling.max_tokens, moved.sampling.min_tokens) == (10, 5)
+    assert continuation(original, list(range(10, 27)), attempt=2).sampling.min_tokens == 0
+    whole = Request("w", [1, 2, 3], SamplingParams(max_tokens=20, min_tokens=20))
+    assert continuation(whole, [5] * 19, attempt=3).sampling.min_tokens == 1
