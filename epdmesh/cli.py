@@ -315,6 +315,8 @@ def build_parser() -> argparse.ArgumentParser:
                             "the toggle; the toggle keeps the registry either way")
     serve.add_argument("--transfer", default="auto", choices=["auto", "nixl", "grpc"], help="page transfer backend")
     serve.add_argument("--allow-remote-images", action="store_true", help="accept http(s) image URLs (off by default)")
+    serve.add_argument("--gpus", help="with --device cuda: the GPU ids workers get one each, round-robin "
+                                      "(default: $CUDA_VISIBLE_DEVICES, else all)")
     serve.add_argument("--max-restarts", type=int, default=5,
                        help="times in a row a crashed worker, toggle, gateway or private Redis is started again "
                             "(backoff 1 s … 30 s; 0: never)")

@@ -34,6 +34,7 @@ import uuid
 
 from common.ports import free_port
 from common.topology import WorkerGroup, decoders_join, parse_topology
+from epdmesh.gpus import gpu_devices, worker_envs
 from epdmesh.routing_args import router_argv
 
 log = logging.getLogger("epdmesh.launch")
@@ -294,6 +295,11 @@ def serve_mesh(args) -> int:
         args.decoder_joins = "first" if decoders_join(groups) else "off"
     num_workers = sum(g.count for g in groups)
     threads = args.threads or max(1, (os.cpu_count() or 1) // num_workers)
+    try:  # one GPU per worker (--device cuda), decided before anything starts
+        gpu_envs = iter(worker_envs(num_workers, gpu_devices(args.device, getattr(args, "gpus", None))))
+    except ValueError as e:
+        log.error("%s", e)
+        return 2
     mesh = Mesh()
 
     def on_signal(signum, _frame):
@@ -312,7 +318,7 @@ def serve_mesh(args) -> int:
         mesh.toggle = toggle
         for group in groups:
             for i in range(group.count):
-                mesh.spawn(f"worker {group.label}#{i}", worker_argv(group, toggle, args, threads))
+                mesh.spawn(f"worker {group.label}#{i}", worker_argv(group, toggle, args, threads), next(gpu_envs))
         _wait(lambda: _registered(toggle) == num_workers, mesh, f"{num_workers} workers", 600)
         gateway_argv = [sys.executable, "-m", "epdmesh.cli", "gateway", "--toggle", toggle, "--model", args.model,
                         "--host", args.host, "--port", str(args.port), "--served-model-name", args.served_model_name,
