@@ -63,6 +63,11 @@ class WorkerLoad:
     def queue_length(self) -> int:
         return self.num_waiting + self.num_running
 
+    @property
+    def kv_tokens_total(self) -> int:
+        """Tokens its whole KV cache holds (0: unknown — no free block to tell the block size by)."""
+        return self.kv_blocks_total * (self.kv_tokens_free // self.kv_blocks_free) if self.kv_blocks_free else 0
+
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class WorkerSnapshot:

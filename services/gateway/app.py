@@ -34,7 +34,7 @@ from common.telemetry.metrics import GatewayMetrics, render
 from common.telemetry.tracing import Tracing
 from services.gateway.observe import RequestObserver
 from services.gateway.protocol import ApiError, ChatRequest, parse_chat_request
-from services.gateway.responses import Logprobs, collect, completion, internal_error, sse
+from services.gateway.responses import Logprobs, Prepended, collect, completion, internal_error, sse
 
 log = logging.getLogger(__name__)
 MAX_BODY_BYTES = 64 * 2**20
@@ -67,12 +67,7 @@ class LocalBackend:
         except RequestRejected as e:
             raise ApiError(400, str(e)) from None
 
-        async def chained() -> AsyncIterator[RequestOutput]:
-            yield first
-            async for out in stream:
-                yield out
-
-        return len(ids), chained()
+        return len(ids), Prepended(first, stream)
 
     def detokenize(self, ids: list[int]) -> str:
         return self.processor.detokenize(ids)
@@ -123,7 +118,7 @@ def build_app(backend, model_name: str, allow_remote_images: bool = False, metri
             _check_fits(chat, backend)
             request_id = f"chatcmpl-{uuid.uuid4().hex}"
             observer.request(chat, request_id)
-            num_prompt, streams = await _start(backend, chat, request_id, observer.span)
+            num_prompt, streams = await _unless_client_leaves(http, _start(backend, chat, request_id, observer.span))
         except ApiError as e:
             observer.failed(e.status, e.message)
             return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
@@ -144,7 +139,9 @@ def build_app(backend, model_name: str, allow_remote_images: bool = False, metri
             events = sse(chat, request_id, model_name, num_prompt, streams, backend.detokenize, logprobs)
             return StreamingResponse(events, media_type="text/event-stream")
         try:
-            results = await collect(streams, logprobs)
+            results = await _unless_client_leaves(http, collect(streams, logprobs))
+        except ClientDisconnect:  # its requests were cancelled with it
+            return Response(status_code=499)
         except ApiError as e:  # a stage failed after the request started
             return JSONResponse(e.body(), status_code=e.status)
         except Exception as e:
@@ -177,6 +174,31 @@ def _check_fits(chat: ChatRequest, backend) -> None:
     if config is not None and chat.num_images * config.image_tokens_per_image > backend.max_model_len:
         raise ApiError(400, f"{chat.num_images} images take {chat.num_images * config.image_tokens_per_image} tokens, "
                             f"over the model's limit of {backend.max_model_len}; send fewer", "messages")
+
+
+async def _unless_client_leaves(http: HttpRequest, awaitable):
+    """`awaitable`'s result, unless the client disconnects first: then it is cancelled — its requests end on the
+    workers, whatever stage they are in — and ClientDisconnect is raised. (Starlette notices a client that left
+    only when it writes to it: a prefill queued or running for a client gone ran to its end, and an answer that
+    was not streamed was generated whole.)"""
+    work = asyncio.ensure_future(awaitable)
+    gone = asyncio.ensure_future(_disconnected(http))
+    try:
+        await asyncio.wait((work, gone), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+        if not work.done():
+            work.cancel()
+            await asyncio.gather(work, return_exceptions=True)  # its cleanup (aborts, released pages) runs now
+    if work.cancelled():
+        raise ClientDisconnect()
+    return work.result()
+
+
+async def _disconnected(http: HttpRequest) -> None:
+    """Returns when the client is gone (the request's body has been read: all that can come is the disconnect)."""
+    while (await http.receive())["type"] != "http.disconnect":
+        pass
 
 
 async def _read_body(http: HttpRequest) -> bytes:

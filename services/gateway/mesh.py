@@ -44,6 +44,7 @@ from services.gateway.migration import continuation, rebased
 from services.gateway.status import MeshStatus
 from services.gateway.stage_errors import StageFailed, api_error_from_rpc, failure, stage_call
 from services.gateway.protocol import ApiError, ChatRequest
+from services.gateway.responses import Prepended
 from services.toggle.router import NoRoute, Router
 
 log = logging.getLogger(__name__)
@@ -116,7 +117,7 @@ class MeshBackend(MeshStatus):
         request = Request(request_id, ids, chat.sampling, images, arrival_time=arrival)
         stream = self._with_failover(request, span, slo, plan)
         first = await anext(stream)  # errors before the first token surface here, as an HTTP status
-        return len(ids), _prepend(first, stream)
+        return len(ids), Prepended(first, stream)
 
     def _apply(self, conversation: list[dict]):
         """Prompt ids and images; the pixels leave the processor's last, cheap steps to the worker that encodes
@@ -158,6 +159,8 @@ class MeshBackend(MeshStatus):
                 raise NoLiveRoute(503, f"routing is unavailable: {e.details()}", headers={"Retry-After": "1"}) from None
             raise api_error_from_rpc(e, "routing") from None
         except NoRoute as e:
+            if not e.fits:
+                raise ApiError(400, e.message, "max_tokens") from None
             if e.busy:
                 raise ApiError(503, f"routing: {e.message}", headers={"Retry-After": "1"}) from None
             raise NoLiveRoute(503, f"routing is unavailable: {e.message}", headers={"Retry-After": "1"}) from None
@@ -166,14 +169,17 @@ class MeshBackend(MeshStatus):
         """The route of a request a worker failed: when no live worker can take it (the only one of a role died),
         wait up to FAILOVER_WAIT_S for another to register (a restarted one) rather than fail a stream that is
         under way."""
-        deadline = time.monotonic() + FAILOVER_WAIT_S
+        deadline, said = time.monotonic() + FAILOVER_WAIT_S, False
         while True:
             try:
                 return await self._route(summary_of(), span, attempt)
             except NoLiveRoute as e:
                 if time.monotonic() >= deadline:
                     raise
-                log.info("waiting for a worker to take over (%s)", e.message)
+                if not said:  # once per request, not once per poll
+                    log.info("request %s waits up to %.0f s for a worker to take over (%s)", summary_of().request_id,
+                             FAILOVER_WAIT_S, e.message)
+                    said = True
                 await asyncio.sleep(FAILOVER_POLL_S)
 
     async def _with_failover(self, request: Request, span=None, slo: tuple[float | None, float | None] = (None, None),
@@ -375,9 +381,3 @@ def _consume(task: asyncio.Future) -> None:
     as unhandled."""
     if not task.cancelled():
         task.exception()
-
-
-async def _prepend(first: RequestOutput, rest: AsyncIterator[RequestOutput]) -> AsyncIterator[RequestOutput]:
-    yield first
-    async for out in rest:
-        yield out

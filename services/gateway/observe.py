@@ -97,6 +97,8 @@ class RequestObserver:
             self._streams -= 1
             if self._open:
                 self._finish(stream)
+            if hasattr(outputs, "aclose"):  # its request ends now (the client gone), not when it is collected
+                await outputs.aclose()
 
     def _tokens(self, out: RequestOutput, stream: _Stream) -> None:
         if not out.new_token_ids:

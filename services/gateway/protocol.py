@@ -110,6 +110,8 @@ def parse_chat_request(raw: bytes, served_models: list[str], allow_remote_images
     stream_options = body.get("stream_options") or {}
     if not isinstance(stream_options, dict):
         raise ApiError(400, "'stream_options' must be an object", "stream_options")
+    if stream_options and not body.get("stream"):
+        raise ApiError(400, "'stream_options' is only for streamed requests (\"stream\": true)", "stream_options")
     return ChatRequest(
         model=model,
         conversation=conversation,
@@ -153,9 +155,8 @@ def _parse_sampling(body: dict) -> SamplingParams:
     max_tokens = _typed(body, "max_completion_tokens", int, None)
     if max_tokens is None:  # left out: 16, or min_tokens when that asks for more (vLLM's default is the context)
         max_tokens = _typed(body, "max_tokens", int, max(DEFAULT_MAX_TOKENS, _typed(body, "min_tokens", int, 0)))
-    stop = body.get("stop") or []
-    if isinstance(stop, str):
-        stop = [stop]
+    stop = body.get("stop")
+    stop = [] if stop is None else [stop] if isinstance(stop, str) else stop
     if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop) or len(stop) > MAX_STOP_STRINGS:
         raise ApiError(400, f"'stop' must be a non-empty string or a list of up to {MAX_STOP_STRINGS} of them", "stop")
     stop_ids = body.get("stop_token_ids") or []

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import time
@@ -15,6 +16,29 @@ from services.gateway.protocol import ApiError, ChatRequest
 
 
 log = logging.getLogger(__name__)
+
+
+class Prepended:
+    """`first`, then the rest of `rest` (a backend's output stream once its first output came). Closing it closes
+    `rest` at once, even before its first read — a generator wrapping `rest` would leave that to the garbage
+    collector, and with it the end of the request's route and reservations."""
+
+    def __init__(self, first: RequestOutput, rest: AsyncIterator[RequestOutput]):
+        self._first: RequestOutput | None = first
+        self._rest = rest
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self._first is not None:
+            first, self._first = self._first, None
+            return first
+        return await anext(self._rest)
+
+    async def aclose(self) -> None:
+        self._first = None
+        await self._rest.aclose()
 
 
 def internal_error(e: Exception) -> ApiError:
@@ -49,10 +73,11 @@ async def collect(streams: list[AsyncIterator[RequestOutput]], logprobs: Logprob
     the rest (their requests end) and is raised."""
     async def one(stream):
         final, entries = None, []
-        async for out in stream:
-            final = out
-            if logprobs is not None:
-                entries += logprobs.entries(out)
+        async with contextlib.aclosing(stream):  # cancelled (a failed choice, the client gone): its request ends now
+            async for out in stream:
+                final = out
+                if logprobs is not None:
+                    entries += logprobs.entries(out)
         return final, entries
 
     if len(streams) == 1:
@@ -120,6 +145,8 @@ async def _choice_deltas(index: int, chat: ChatRequest, outputs: AsyncIterator[R
         entries = logprobs.entries(out) if logprobs is not None and out is not None else None
         entry = {"index": index, "delta": delta, "logprobs": {"content": entries} if entries else None,
                  "finish_reason": finish}
+        if finish is not None:  # as in the whole answer (and vLLM's stream): the stop string or token that ended it
+            entry["stop_reason"] = out.stop_reason
         if chat.return_token_ids and token_ids is not None:
             entry["token_ids"] = token_ids
         return entry
@@ -127,15 +154,16 @@ async def _choice_deltas(index: int, chat: ChatRequest, outputs: AsyncIterator[R
     yield choice({"role": "assistant", "content": ""})
     sent, last = "", None
     text = IncrementalDetokenizer(detokenize)  # a few tokens decoded per output, not the whole output again
-    async for out in outputs:
-        last = out
-        if out.finished:
-            break
-        text.push(out.output_token_ids[len(text.token_ids):])
-        safe = text.text[: len(text.text) - holdback] if holdback else text.text
-        if len(safe) > len(sent) or out.new_token_ids:
-            yield choice({"content": safe[len(sent):]}, token_ids=out.new_token_ids, out=out)
-            sent = safe
+    async with contextlib.aclosing(outputs):  # the client gone: its request ends now, not when collected
+        async for out in outputs:
+            last = out
+            if out.finished:
+                break
+            text.push(out.output_token_ids[len(text.token_ids):])
+            safe = text.text[: len(text.text) - holdback] if holdback else text.text
+            if len(safe) > len(sent) or out.new_token_ids:
+                yield choice({"content": safe[len(sent):]}, token_ids=out.new_token_ids, out=out)
+                sent = safe
     finals[index] = last
     if last.text is not None:  # the engine's own text: cut at a stop string
         final = last.text

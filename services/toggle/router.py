@@ -29,6 +29,7 @@ import redis.exceptions
 
 from common.latency import LatencyProfile
 from common.policy.multiplex import MultiplexConfig, route_slo
+from common.request import Stage
 from common.policy.routing import PrefillPath, RoutePlan, RouteSummary, RoutingConfig, route
 from common.telemetry.tracing import Tracing
 from common.workers import WorkerSnapshot
@@ -54,8 +55,9 @@ class NoRoute(Exception):
     """No plan for this request. `busy`: workers exist but have no room (or no SLO fits): retry later;
     else no live worker set covers the request at all."""
 
-    def __init__(self, message: str, busy: bool):
+    def __init__(self, message: str, busy: bool, fits: bool = True):
         super().__init__(message)
+        self.fits = fits  # False: it never will (too big for any worker), a client error
         self.message = message
         self.busy = busy
 
@@ -144,6 +146,7 @@ class Router:
         self._last_route = time.monotonic()
         self._routing.set()
         workers = await self.workers()
+        _check_fits(workers, summary, self._max_heartbeat_age_s)
         full_workers: set[str] = set()
         plan, full = None, None
         for _ in range(MAX_RESERVE_ATTEMPTS):
@@ -282,6 +285,18 @@ def _plus(w: WorkerSnapshot, pending: list[_Pending]) -> WorkerSnapshot:
     return dataclasses.replace(w, load=dataclasses.replace(
         load, unfinished_decode_tokens=load.unfinished_decode_tokens + decode_tokens, num_waiting=load.num_waiting + waiting,
         queued_prefill_tokens=load.queued_prefill_tokens + prefill_tokens, queued_images=load.queued_images + images))
+
+
+def _check_fits(workers: list[WorkerSnapshot], summary: RouteSummary, max_age_s: float) -> None:
+    """NoRoute(fits=False) when no live decoder's whole KV cache holds the request's prompt + max_tokens: it could
+    wait for room forever (admission reserves the worst case). Workers whose size is unknown let it through."""
+    need = summary.num_prompt_tokens + summary.max_tokens
+    sizes = [w.load.kv_tokens_total for w in workers
+             if w.has(Stage.DECODE) and w.age_s <= max_age_s and not w.excluded_by(summary.exclude)]
+    if sizes and all(0 < size < need for size in sizes):
+        raise NoRoute(f"this request needs {need} tokens of KV (prompt {summary.num_prompt_tokens} + max_tokens "
+                      f"{summary.max_tokens}), more than any decoder's whole cache holds ({max(sizes)}); lower "
+                      "max_tokens", busy=False, fits=False)
 
 
 def _why_no_route(workers: list[WorkerSnapshot], summary: RouteSummary, max_age_s: float) -> str:

@@ -68,7 +68,9 @@ class ToggleServicer(pb_grpc.ToggleServicer):
         try:
             plan = await self.router.route(wire.summary_from_pb(request))
         except NoRoute as e:
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED if e.busy else grpc.StatusCode.UNAVAILABLE, e.message)
+            code = (grpc.StatusCode.INVALID_ARGUMENT if not e.fits else
+                    grpc.StatusCode.RESOURCE_EXHAUSTED if e.busy else grpc.StatusCode.UNAVAILABLE)
+            await context.abort(code, e.message)
         return wire.plan_to_pb(plan)
 
     @grpc_errors

@@ -5,6 +5,7 @@ import base64
 import concurrent.futures
 import io
 import json
+import time
 
 import httpx
 import openai
@@ -110,6 +111,39 @@ def test_n_choices_are_requests_seeded_s_plus_i_streamed_interleaved_and_counted
     greedy = client.chat.completions.create(n=2, **{**ask, "temperature": 0})
     assert greedy.choices[0].message.content == greedy.choices[1].message.content
     assert_pools_full(server)
+
+
+def _counter(text: str, name: str) -> float:
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name))
+
+
+def test_a_client_gone_before_its_first_token_ends_its_requests_there(server):
+    """Starlette notices a client that left only when it writes to it: a prefill queued or running for a client
+    gone ran to its end (and a burst of those held up everyone after). Now the requests end when it leaves: no
+    prefill completes for them on any worker, nothing is counted as answered, and the request gauge goes back."""
+    import socket
+
+    def scrape() -> tuple[float, float]:
+        gateway = httpx.get(f"{server}/metrics").text
+        workers = [w for w in httpx.get(f"{server}/stats").json().get("workers", {}).values() if w.get("metrics_port")]
+        prefills = sum(_counter(httpx.get(f"http://127.0.0.1:{w['metrics_port']}/metrics").text,
+                                "epdmesh:prefill_time_seconds_count") for w in workers)
+        return _counter(gateway, "epdmesh:request_success_total"), prefills
+
+    before = scrape()
+    body = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "Long story " * 400}], "n": 3,
+                       "max_tokens": 50, "stream": True, "ignore_eos": True}).encode()
+    port = int(server.rsplit(":", 1)[1])
+    with socket.create_connection(("127.0.0.1", port)) as sock:
+        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+        time.sleep(0.3)  # routed and prefilling (three 1,200-token prompts take seconds here)
+    assert_pools_full(server)
+    deadline = time.monotonic() + 30
+    while _counter(httpx.get(f"{server}/metrics").text, "epdmesh:num_requests_running") != 0:
+        assert time.monotonic() < deadline, "the request gauge did not go back to 0"
+        time.sleep(0.1)
+    assert scrape() == before
 
 
 def test_stop_strings_cut_the_text(server):

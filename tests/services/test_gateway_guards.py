@@ -390,3 +390,78 @@ def test_a_bug_of_ours_mid_stream_ends_the_stream_with_an_error_event_and_done()
         lines = [line for line in _post(client, "hi", stream=True).text.splitlines() if line]
     assert lines[-1] == "data: [DONE]" and '"code": 500' in lines[-2] and "KeyError" in lines[-2]
     assert _sample(metrics, "request_errors_total", status="500") == 1 and _sample(metrics, "num_requests_running") == 0
+
+
+def test_a_request_no_decoder_could_ever_hold_is_a_400_not_a_retry_later():
+    """Admission reserves prompt + max_tokens: a request over every decoder's whole KV cache would get 'retry
+    later' 503s forever."""
+    from services.toggle.router import _check_fits
+
+    def snap(worker_id, roles, blocks_total, blocks_free, age_s=0.1):
+        load = WorkerLoad(kv_blocks_total=blocks_total, kv_blocks_free=blocks_free, kv_tokens_free=blocks_free * 16)
+        return WorkerSnapshot(WorkerInfo(worker_id, "a", frozenset(roles), MODEL, 4096), load, age_s)
+
+    workers = [snap("p", {Stage.PREFILL}, 1000, 1000), snap("d1", {Stage.DECODE}, 65, 10), snap("d2", {Stage.DECODE}, 50, 50)]
+    assert workers[1].load.kv_tokens_total == 1040
+    _check_fits(workers, RouteSummary("r", 21, 0, 1019, frozenset()), 3.0)  # 1040 tokens: fits d1 when it is empty
+    with pytest.raises(NoRoute) as err:
+        _check_fits(workers, RouteSummary("r", 21, 0, 1100, frozenset()), 3.0)
+    assert not err.value.fits and "needs 1121 tokens of KV" in err.value.message and "(1040)" in err.value.message
+    _check_fits(workers + [snap("d3", {Stage.DECODE}, 100, 0)], RouteSummary("r", 21, 0, 1100, frozenset()), 3.0)  # d3's size unknown
+    with pytest.raises(NoRoute):  # a dead or excluded decoder's size does not count
+        _check_fits(workers + [snap("d4", {Stage.DECODE}, 999, 999, age_s=9)], RouteSummary("r", 21, 0, 1100, frozenset()), 3.0)
+
+
+def test_stop_and_stream_options_are_checked_as_vllm_does():
+    for extra, param in (({"stop": ""}, "stop"), ({"stop": [""]}, "stop"),
+                         ({"stream_options": {"include_usage": True}}, "stream_options")):
+        with pytest.raises(ApiError) as err:
+            _parse(**extra)
+        assert err.value.status == 400 and err.value.param == param, extra
+    assert _parse(stream=True, stream_options={"include_usage": True}).include_usage and _parse(stop=None).sampling.stop == ()
+
+
+class StopsAt(Streaming):
+    """Every request ends with a stop string, like the engine's outputs do (text cut before it)."""
+
+    async def start(self, chat, request_id, span=None):
+        from common.engine.outputs import RequestOutput
+        from common.request import RequestStatus
+
+        async def outputs():
+            yield RequestOutput(request_id, [5], [5], RequestStatus.DECODING, None)
+            yield RequestOutput(request_id, [6], [5, 6], RequestStatus.FINISHED_STOPPED, "stop", " where", text="5")
+        return 7, outputs()
+
+
+def test_the_streamed_finish_chunk_names_the_stop_reason_as_the_whole_answer_does():
+    with TestClient(build_app(StopsAt(), MODEL, metrics=GatewayMetrics(MODEL, ttft_slo_s=1, tbt_slo_s=1))) as client:
+        whole = _post(client, "hi").json()["choices"][0]
+        lines = [json.loads(line[6:]) for line in _post(client, "hi", stream=True).text.splitlines()
+                 if line.startswith("data: {")]
+    last = [c["choices"][0] for c in lines if c["choices"]][-1]
+    assert (whole["finish_reason"], whole["stop_reason"]) == ("stop", " where")
+    assert (last["finish_reason"], last["stop_reason"]) == ("stop", " where")
+
+
+class OneChoiceRefused(Streaming):
+    """Choice 1 cannot start (no room); the others had started on their workers."""
+
+    async def start(self, chat, request_id, span=None):
+        from services.gateway.responses import Prepended
+
+        if request_id.endswith("-1"):
+            await asyncio.sleep(0.01)
+            raise ApiError(503, "routing: no worker has KV room", headers={"Retry-After": "1"})
+        _, outputs = await super().start(chat, request_id, span)
+        first = await anext(outputs)  # as the mesh's start does: the request runs on its workers
+        return 7, Prepended(first, outputs)
+
+
+def test_when_one_choice_cannot_start_the_others_end_at_once():
+    backend = OneChoiceRefused()
+    with TestClient(build_app(backend, MODEL, metrics=GatewayMetrics(MODEL, ttft_slo_s=1, tbt_slo_s=1))) as client:
+        resp = _post(client, "hi", n=3)
+        assert resp.status_code == 503 and resp.headers["retry-after"] == "1"
+        assert sorted(backend.closed) == sorted(rid for rid in backend.closed if not rid.endswith("-1"))
+        assert len(backend.closed) == 2  # ended before the 503 went out, not when collected
