@@ -1,7 +1,9 @@
 """The worker registry in Redis: soft state with a TTL, so dead workers drop out by themselves.
 
 Keys (all under one prefix, e.g. `epdmesh:<cluster>:`):
-  workers            set of worker ids ever registered (pruned when their key is gone)
+  workers            set of worker ids ever registered (pruned when their key is gone; it expires SET_TTL_FACTOR
+                     TTLs after the last registration or heartbeat of any worker, so a mesh that stopped
+                     leaves nothing behind)
   worker:<id>        hash {info: json, load: json, ts: unix seconds}, expiring ttl after the last heartbeat
 """
 
@@ -16,13 +18,15 @@ import redis.asyncio as aioredis
 from common.request import Stage
 from common.workers import WorkerInfo, WorkerLoad, WorkerSnapshot
 
-# refresh load + ts and the TTL only if the worker is still known (its info is there)
+# refresh load + ts and the TTL only if the worker is still known (its info is there), and the set's TTL
 _HEARTBEAT = """
 if redis.call('hexists', KEYS[1], 'info') == 0 then return 0 end
 redis.call('hset', KEYS[1], 'load', ARGV[1], 'ts', ARGV[2])
 redis.call('pexpire', KEYS[1], ARGV[3])
+redis.call('pexpire', KEYS[2], ARGV[4])
 return 1
 """
+SET_TTL_FACTOR = 20  # the set outlives every worker key in it (each expires one TTL after its last heartbeat)
 
 
 def _info_json(info: WorkerInfo) -> str:
@@ -56,12 +60,14 @@ class RedisRegistry:
             pipe.hset(key, mapping={"info": _info_json(info), "load": json.dumps(dataclasses.asdict(load)), "ts": time.time()})
             pipe.pexpire(key, self.ttl_ms)
             pipe.sadd(f"{self.prefix}workers", info.worker_id)
+            pipe.pexpire(f"{self.prefix}workers", self.ttl_ms * SET_TTL_FACTOR)
             await pipe.execute()
 
     async def heartbeat(self, worker_id: str, load: WorkerLoad) -> bool:
         """False when the registry no longer knows the worker (its TTL passed): it must register again."""
-        known = await self._heartbeat(keys=[self._key(worker_id)],
-                                      args=[json.dumps(dataclasses.asdict(load)), time.time(), self.ttl_ms])
+        known = await self._heartbeat(keys=[self._key(worker_id), f"{self.prefix}workers"],
+                                      args=[json.dumps(dataclasses.asdict(load)), time.time(), self.ttl_ms,
+                                            self.ttl_ms * SET_TTL_FACTOR])
         return bool(known)
 
     async def deregister(self, worker_id: str) -> None:

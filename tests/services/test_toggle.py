@@ -13,7 +13,7 @@ from common.workers import WorkerInfo, WorkerLoad
 from epdmesh.v1 import mesh_pb2 as pb
 from epdmesh.v1 import mesh_pb2_grpc as pb_grpc
 from services import wire
-from services.toggle.registry import RedisRegistry
+from services.toggle.registry import SET_TTL_FACTOR, RedisRegistry
 from services.toggle.server import ToggleOptions, run_toggle
 from tests.services.servers import REDIS_URL
 
@@ -52,6 +52,13 @@ def test_registry_heartbeats_expire_and_deregister():
             assert not await registry.heartbeat("d-1", WorkerLoad())  # must register again
             await registry.deregister("p-1")
             assert await registry.snapshot() == []
+            # the set of ids outlives its workers a while, then goes: a mesh that stopped leaves no key behind
+            await registry.register(info("e-1", {E}), WorkerLoad())
+            ttl_ms = await client.pttl(f"{registry.prefix}workers")
+            assert registry.ttl_ms < ttl_ms <= registry.ttl_ms * SET_TTL_FACTOR
+            await asyncio.sleep(0.3)
+            assert await registry.heartbeat("e-1", WorkerLoad())
+            assert await client.pttl(f"{registry.prefix}workers") > ttl_ms - 150  # each heartbeat renews it
         finally:
             await registry.clear()
             await client.aclose()
