@@ -143,7 +143,7 @@ def build_app(backend, model_name: str, allow_remote_images: bool = False, metri
         except ClientDisconnect:  # its requests were cancelled with it
             return Response(status_code=499)
         except ApiError as e:  # a stage failed after the request started
-            return JSONResponse(e.body(), status_code=e.status)
+            return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
         except Exception as e:
             log.exception("request failed")
             return JSONResponse(internal_error(e).body(), status_code=500)
@@ -226,14 +226,20 @@ async def _start(backend, chat: ChatRequest, request_id: str, span) -> tuple[int
         num_prompt, outputs = await backend.start(chat, request_id, span)
         return num_prompt, [outputs]
     starts = [asyncio.ensure_future(backend.start(chat.choice(i), f"{request_id}-{i}", span)) for i in range(chat.n)]
-    results = await asyncio.gather(*starts, return_exceptions=True)
-    failed = [r for r in results if isinstance(r, BaseException)]
-    if failed:
-        for result in results:
-            if not isinstance(result, BaseException):
-                await result[1].aclose()  # its request ends (and its pages are freed)
-        raise failed[0]
-    return results[0][0], [outputs for _, outputs in results]
+    try:
+        await asyncio.wait(starts, return_when=asyncio.FIRST_EXCEPTION)
+        failed = next((t for t in starts if t.done() and not t.cancelled() and t.exception() is not None), None)
+        if failed is not None:
+            raise failed.exception()
+        return starts[0].result()[0], [t.result()[1] for t in starts]
+    except BaseException:  # one could not start (or the client left): the others end now, not after their prefill
+        for task in starts:
+            task.cancel()
+        await asyncio.gather(*starts, return_exceptions=True)
+        for task in starts:
+            if not task.cancelled() and task.exception() is None:
+                await task.result()[1].aclose()  # started: its request ends (and its pages are freed)
+        raise
 
 
 def _lifespan(backend):

@@ -65,6 +65,8 @@ class RequestObserver:
         self._close()
 
     def failed(self, status: int, message: str) -> None:
+        if not self._open:  # another of its streams (n > 1) failed first: one request, one error
+            return
         self.metrics.errors.labels(self.model, str(status)).inc()
         if self.span is not None:
             from opentelemetry.trace import Status, StatusCode

@@ -120,8 +120,9 @@ async def sse(chat: ChatRequest, request_id: str, model: str, num_prompt: int, s
     finals: list[RequestOutput | None] = [None] * len(streams)
     deltas = [_choice_deltas(i, chat, stream, detokenize, logprobs, finals) for i, stream in enumerate(streams)]
     try:
-        async for choice in (deltas[0] if len(deltas) == 1 else _merged(deltas)):
-            yield frame([choice])
+        async with contextlib.aclosing(deltas[0] if len(deltas) == 1 else _merged(deltas)) as choices:
+            async for choice in choices:
+                yield frame([choice])
     except Exception as e:  # a stage failed mid-stream (or a bug of ours): say so in the stream, as OpenAI does
         if not isinstance(e, ApiError):
             log.exception("request %s failed mid-stream", request_id)
@@ -151,11 +152,12 @@ async def _choice_deltas(index: int, chat: ChatRequest, outputs: AsyncIterator[R
             entry["token_ids"] = token_ids
         return entry
 
-    yield choice({"role": "assistant", "content": ""})
     sent, last = "", None
     text = IncrementalDetokenizer(detokenize)  # a few tokens decoded per output, not the whole output again
     async with contextlib.aclosing(outputs):  # the client gone: its request ends now, not when collected
-        async for out in outputs:
+        first = await anext(outputs, None)  # already here (the backend waited for it): the stream, and its
+        yield choice({"role": "assistant", "content": ""})  # observer, start before anything is sent
+        async for out in _chain(first, outputs):
             last = out
             if out.finished:
                 break
@@ -172,6 +174,14 @@ async def _choice_deltas(index: int, chat: ChatRequest, outputs: AsyncIterator[R
         text.finish()
         final = text.text
     yield choice({"content": final[len(sent):]}, finish=last.finish_reason, token_ids=last.new_token_ids, out=last)
+
+
+async def _chain(first: RequestOutput | None, rest: AsyncIterator[RequestOutput]) -> AsyncIterator[RequestOutput]:
+    if first is None:
+        return
+    yield first
+    async for out in rest:
+        yield out
 
 
 async def _merged(generators: list[AsyncIterator[dict]]) -> AsyncIterator[dict]:

@@ -146,7 +146,8 @@ class Router:
         self._last_route = time.monotonic()
         self._routing.set()
         workers = await self.workers()
-        _check_fits(workers, summary, self._max_heartbeat_age_s)
+        if not summary.exclude:  # a request routed again waits for room or a worker (it is under way): no 400 then
+            _check_fits(workers, summary, self._max_heartbeat_age_s)
         full_workers: set[str] = set()
         plan, full = None, None
         for _ in range(MAX_RESERVE_ATTEMPTS):
@@ -160,7 +161,12 @@ class Router:
             if plan is None:
                 raise NoRoute(_why_no_route(workers, summary, self._max_heartbeat_age_s), busy=False)
             amounts = needs(plan, summary)
-            full = None if self.reservations is None else await self.reservations.reserve(summary.request_id, amounts)
+            try:
+                full = None if self.reservations is None else await self.reservations.reserve(summary.request_id, amounts)
+            except asyncio.CancelledError:  # its client left: the script may have run in Redis all the same
+                self._reserve_noted(summary.request_id, tuple(amounts))
+                self.forget(summary.request_id)
+                raise
             if full is None:
                 if self.reservations is not None:
                     self._reserve_noted(summary.request_id, tuple(amounts))

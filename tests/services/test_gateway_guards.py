@@ -465,3 +465,27 @@ def test_when_one_choice_cannot_start_the_others_end_at_once():
         assert resp.status_code == 503 and resp.headers["retry-after"] == "1"
         assert sorted(backend.closed) == sorted(rid for rid in backend.closed if not rid.endswith("-1"))
         assert len(backend.closed) == 2  # ended before the 503 went out, not when collected
+
+
+class OthersStuck(Streaming):
+    """Choice 1 is refused at once; the others wait for a prefill that never ends."""
+
+    def __init__(self):
+        super().__init__()
+        self.cancelled: list[str] = []
+
+    async def start(self, chat, request_id, span=None):
+        if request_id.endswith("-1"):
+            raise ApiError(503, "routing: no worker has KV room", headers={"Retry-After": "1"})
+        try:
+            await asyncio.Event().wait()
+        except asyncio.CancelledError:
+            self.cancelled.append(request_id)
+            raise
+
+
+def test_a_refused_choice_cancels_the_choices_still_starting():
+    backend = OthersStuck()
+    with TestClient(build_app(backend, MODEL, metrics=GatewayMetrics(MODEL, ttft_slo_s=1, tbt_slo_s=1))) as client:
+        assert _post(client, "hi", n=3).status_code == 503  # at once: waiting for the others would never end here
+    assert sorted(rid.rsplit("-", 1)[1] for rid in backend.cancelled) == ["0", "2"]
