@@ -186,6 +186,8 @@ async def _unless_client_leaves(http: HttpRequest, awaitable):
     try:
         await asyncio.wait((work, gone), return_when=asyncio.FIRST_COMPLETED)
     finally:
+        if gone.done() and not gone.cancelled():
+            gone.exception()  # retrieved: a receive that failed counts as the client gone
         gone.cancel()
         if not work.done():
             work.cancel()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import subprocess
 import sys
@@ -76,3 +77,22 @@ def assert_pools_full(base, timeout: float = 15.0) -> None:
         if time.monotonic() > deadline:
             pytest.fail(f"pages not returned: {current}")
         time.sleep(0.1)
+
+
+def streamed_token_ids(base: str, body: dict, after: int, act, timeout: float = 180) -> list[int]:
+    """The token ids of `body` streamed (`return_token_ids` on), with no error event in the stream; `act()` runs
+    once, when `after` tokens have come (e.g. to kill the decoder under way)."""
+    streamed, acted = [], False
+    with httpx.stream("POST", f"{base}/v1/chat/completions", json={**body, "stream": True}, timeout=timeout) as resp:
+        for line in resp.iter_lines():
+            if not line.startswith("data: {"):
+                continue
+            event = json.loads(line[6:])
+            assert "error" not in event, event
+            if event["choices"]:
+                streamed += event["choices"][0].get("token_ids") or []
+            if not acted and len(streamed) >= after:
+                act()
+                acted = True
+    assert acted, f"the stream ended after {len(streamed)} tokens, before {after}"
+    return streamed

@@ -3,7 +3,6 @@ ports, restarted by their supervisor under the same id. A stream whose only deco
 restarted one (the gateway routes around the dead run of the decoder, not its id): nothing lost, nothing twice."""
 
 import contextlib
-import json
 import os
 import signal
 import subprocess
@@ -15,7 +14,7 @@ import httpx
 import pytest
 
 from common.ports import free_port
-from tests.services.servers import MODEL, REDIS_URL, stop_process
+from tests.services.servers import MODEL, REDIS_URL, stop_process, streamed_token_ids
 
 
 @contextlib.contextmanager
@@ -65,19 +64,13 @@ def test_a_stream_goes_on_from_its_only_decoder_restarted_under_the_same_id(tiny
                                      "--prefix", prefix, "--prefill-mode", "dedicated"))
         _wait(lambda: _healthy(base), "the mesh coming up", logs)
         whole = httpx.post(f"{base}/v1/chat/completions", json=body, timeout=120).json()["choices"][0]["token_ids"]
-        streamed = []
-        with httpx.stream("POST", f"{base}/v1/chat/completions", json={**body, "stream": True}, timeout=180) as resp:
-            for line in resp.iter_lines():
-                if not line.startswith("data: {"):
-                    continue
-                event = json.loads(line[6:])
-                assert "error" not in event, event
-                if event["choices"]:
-                    streamed += event["choices"][0].get("token_ids") or []
-                if len(streamed) >= 20 and decoder.poll() is None:
-                    decoder.send_signal(signal.SIGKILL)  # as a crash would; compose's restart policy starts it again
-                    decoder.wait(30)
-                    stack.enter_context(_spawned(logs, "decoder-restarted", tmp_path, *decoder_argv))
+
+        def crash_and_restart():  # as a crash would; compose's restart policy starts it again
+            decoder.send_signal(signal.SIGKILL)
+            decoder.wait(30)
+            stack.enter_context(_spawned(logs, "decoder-restarted", tmp_path, *decoder_argv))
+
+        streamed = streamed_token_ids(base, body, 20, crash_and_restart)
         assert decoder.returncode == -signal.SIGKILL
         assert streamed == whole  # the stream went on from the restarted decoder: nothing lost, nothing twice
         gateway_log = next(p for p in logs if p.name == "gateway.log").read_text()

@@ -4,7 +4,6 @@ real gRPC, real Redis and real page bytes; afterwards every worker's pools are f
 
 import asyncio
 import collections
-import json
 import os
 import signal
 import subprocess
@@ -17,7 +16,7 @@ import openai
 import pytest
 import torch
 
-from tests.services.servers import MODEL, REDIS_URL, assert_pools_full, running_server
+from tests.services.servers import MODEL, REDIS_URL, assert_pools_full, running_server, streamed_token_ids
 from tests.services.test_gateway import to_openai
 
 TOP_LOGPROBS = 2
@@ -209,20 +208,14 @@ def test_a_decoder_killed_mid_stream_is_replaced_without_duplicates(topology, ti
             "max_tokens": 150, "temperature": 0, "ignore_eos": True, "return_token_ids": True}
     with running_server(tiny_dir, topology, tmp_path / "serve.log", "--prefill-mode", "dedicated") as base:
         whole = httpx.post(f"{base}/v1/chat/completions", json=body, timeout=120).json()["choices"][0]["token_ids"]
-        streamed, killed = [], None
-        with httpx.stream("POST", f"{base}/v1/chat/completions", json={**body, "stream": True}, timeout=120) as resp:
-            for line in resp.iter_lines():
-                if not line.startswith("data: {"):
-                    continue
-                event = json.loads(line[6:])
-                assert "error" not in event, event
-                if event["choices"]:
-                    streamed += event["choices"][0].get("token_ids") or []
-                if killed is None and len(streamed) >= 20:
-                    workers = httpx.get(f"{base}/stats").json()["workers"].values()
-                    killed = next(w for w in workers if w["roles"] == "D" and w["running_decode_batch"])
-                    os.kill(killed["pid"], signal.SIGKILL)
-        assert killed is not None
+        killed = []
+
+        def kill_the_decoder():
+            workers = httpx.get(f"{base}/stats").json()["workers"].values()
+            killed.append(next(w for w in workers if w["roles"] == "D" and w["running_decode_batch"]))
+            os.kill(killed[0]["pid"], signal.SIGKILL)
+
+        streamed = streamed_token_ids(base, body, 20, kill_the_decoder)
         assert streamed == whole  # the stream went on from another decoder: nothing lost, nothing twice
         assert httpx.get(f"{base}/stats").json()["retries"] == 1
 
