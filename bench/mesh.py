@@ -14,6 +14,8 @@ alone: the mesh's control path with the least compute):
              picks: NIXL where it loads, else the gRPC stream; --transfer to choose);
   mesh-toggle — the same mesh with `--route-in toggle`: every request's route is a gRPC call to the
              toggle (what routing in the gateway saves); --no-toggle-route leaves it out;
+  mesh-unary — with `--unary`: the same mesh with `--stage-calls unary` (Encode, AwaitEncode and Prefill as
+             unary rpcs, not messages on the stream kept open to each worker: what the open streams save);
   mesh-against — with `--against DIR`: the same mesh served from another checkout, for an A/B of a change.
 TTFT is taken at the first streamed token, per-token gap as the mean gap after it, by a minimal HTTP client
 (bench/lean_http.py; --client httpx for httpx, whose own handling then counts as the server's). Reports p50s, the
@@ -63,6 +65,9 @@ def parse_args(argv=None):
     p.add_argument("--redis-url", default=None)
     p.add_argument("--no-toggle-route", dest="toggle_route", action="store_false",
                    help="leave out the mesh routed by the toggle's Route rpc")
+    p.add_argument("--unary", action="store_true",
+                   help="also serve the topology with `--stage-calls unary` (Encode, AwaitEncode and Prefill as unary "
+                        "rpcs instead of messages on a stream kept open to each worker), measured interleaved")
     p.add_argument("--against", metavar="DIR",
                    help="also serve the topology from another checkout (e.g. `git worktree add --detach DIR REV`), "
                         "measured interleaved with the rest: an A/B of a change on this noisy machine")
@@ -216,6 +221,8 @@ def main(argv=None) -> int:
     configs = [("local", "local", (), None), ("mesh", args.topology, (), None)]
     if args.toggle_route:
         configs.append(("mesh-toggle", args.topology, ("--route-in", "toggle"), None))
+    if args.unary:
+        configs.append(("mesh-unary", args.topology, ("--stage-calls", "unary"), None))
     if args.against:
         configs.append(("mesh-against", args.topology, (), args.against))
     with tqdm(total=(1 + len(configs)) * len(WORKLOADS) * args.requests, desc="mesh bench", unit="req",
@@ -237,7 +244,8 @@ def main(argv=None) -> int:
     print(f"{'workload':<8}{'config':<28}{'p50 TTFT ms':>12}{'p90 TTFT ms':>12}{'p50 gap ms':>12}")
     for workload in WORKLOADS:
         labels = {"engine": "engine (in-process)", "local": "local (HTTP, one process)", "mesh": f"mesh {args.topology}",
-                  "mesh-toggle": f"mesh {args.topology}, toggle rpc", "mesh-against": f"mesh {args.topology}, --against"}
+                  "mesh-toggle": f"mesh {args.topology}, toggle rpc", "mesh-against": f"mesh {args.topology}, --against",
+                  "mesh-unary": f"mesh {args.topology}, unary"}
         for name in results:
             label, r = labels[name], results[name][workload]
             print(f"{workload:<8}{label:<28}{r['p50_ttft_ms']:>12.2f}{r['p90_ttft_ms']:>12.2f}{r['p50_tpot_ms']:>12.2f}")
@@ -259,6 +267,13 @@ def main(argv=None) -> int:
         if "mesh-toggle" in results:
             saved = added["routing_in_gateway_saves_ms"] = results["mesh-toggle"][workload]["p50_ttft_ms"] - m["p50_ttft_ms"]
             print(f"  {workload}: routing in the gateway instead of by the toggle's rpc: TTFT p50 {-saved:+.2f} ms")
+        if "mesh-unary" in results:
+            u = results["mesh-unary"][workload]
+            change = added["streamed_over_unary"] = {
+                "ttft_ms": m["p50_ttft_ms"] - u["p50_ttft_ms"], "tpot_ms": m["p50_tpot_ms"] - u["p50_tpot_ms"],
+                "paired_ttft_ms": paired(samples["mesh"][workload], samples["mesh-unary"][workload])}
+            print(f"  {workload}: stage calls on open streams over unary rpcs: TTFT p50 {change['ttft_ms']:+.2f} ms "
+                  f"(paired {change['paired_ttft_ms']:+.2f} ms)")
         if "mesh-against" in results:
             a = results["mesh-against"][workload]
             change = added["change_over_against"] = {

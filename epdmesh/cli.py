@@ -12,7 +12,8 @@ from pathlib import Path
 from common.model.tiny import PRESETS
 from epdmesh.checkpoints import (DEFAULT_MODEL_NAME, default_model_dir, ensure_default_model, ensure_emulated_model,
                                  make_model)
-from epdmesh.routing_args import add_router_args, add_routing_args, decoder_joins, routing_policy
+from epdmesh.routing_args import (add_router_args, add_routing_args, add_slo_args, add_stage_calls_arg,
+                                  decoder_joins, routing_policy)
 
 DEFAULT_EMULATED_PROFILE = "H20"  # the analytic LLaVA-1.5-7B on H20 profile (= profiles/llava-1.5-7b-h20.json)
 
@@ -137,7 +138,7 @@ def _cmd_worker(args) -> int:
                             advertise_host=args.advertise_host, worker_id=args.worker_id, toggle=args.toggle,
                             transfer=args.transfer, lease_ttl_s=args.lease_ttl, grace_s=args.grace,
                             metrics_port=None if args.metrics_port < 0 else args.metrics_port,
-                            emulation=_emulation(args))
+                            emulation=_emulation(args), stage_calls=args.stage_calls)
     uvloop.run(run_worker(options))
     return 0
 
@@ -178,7 +179,7 @@ def _cmd_gateway(args) -> int:
     router = _gateway_router(args, tracing) if args.redis_url else None
     processor = ChatProcessor(args.model, config)
     pixels = "uint8, finished by the encoder" if processor.deferred_scaling is not None else "float32"
-    backend = MeshBackend(processor, args.toggle, max_model_len, metrics, tracing, router)
+    backend = MeshBackend(processor, args.toggle, max_model_len, metrics, tracing, router, args.stage_calls)
     app = build_app(backend, args.served_model_name, allow_remote_images=args.allow_remote_images, metrics=metrics,
                     tracing=tracing)
     logging.getLogger("epdmesh").info("gateway for %s on http://%s:%d/v1, toggle %s, routing %s, image pixels sent as %s",
@@ -205,22 +206,6 @@ def _gateway_telemetry(args):
 
     tracing = Tracing("epdmesh-gateway")  # before any gRPC channel exists
     return GatewayMetrics(args.served_model_name, args.slo_ttft_ms / 1e3, args.slo_tbt_ms / 1e3), tracing
-
-
-def _add_slo_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--slo-ttft-ms", type=float, default=2000.0, help="default TTFT target (SLO attainment metrics)")
-    p.add_argument("--slo-tbt-ms", type=float, default=200.0, help="default P90 time-between-tokens target")
-    p.add_argument("--budget-headroom", type=float, default=1.0,
-                   help="stage budgets fill this fraction of their iteration-time limit (α·TTFT or TBT); < 1 leaves "
-                        "room for what the latency profile does not predict")
-    p.add_argument("--budget-alpha", type=float, default=0.5,
-                   help="α: instances without the decode role size their iterations to α·TTFT (TriInfer: 0.5)")
-    p.add_argument("--decoder-joins", default="auto", choices=["auto", "on", "first", "off"],
-                   help="decoders take requests handed over by dedicated prefill workers. on: size their iterations to "
-                        "TBT/2 (a request that joins waits for the iteration in flight, then its own); first: give a "
-                        "joining request's first decode a decode-only iteration, and size the others to TBT less one "
-                        "such iteration. serve: auto = first where decoders also prefill beside dedicated prefill "
-                        "workers; elsewhere auto = off")
 
 
 def _cmd_profile(args) -> int:
@@ -314,26 +299,28 @@ def build_parser() -> argparse.ArgumentParser:
                        help="where requests are routed: in the gateway (over Redis, no extra hop) or by a gRPC call to "
                             "the toggle; the toggle keeps the registry either way")
     serve.add_argument("--transfer", default="auto", choices=["auto", "nixl", "grpc"], help="page transfer backend")
+    add_stage_calls_arg(serve)
     serve.add_argument("--allow-remote-images", action="store_true", help="accept http(s) image URLs (off by default)")
     serve.add_argument("--gpus", help="with --device cuda: the GPU ids workers get one each, round-robin "
                                       "(default: $CUDA_VISIBLE_DEVICES, else all)")
     serve.add_argument("--max-restarts", type=int, default=5,
                        help="times in a row a crashed worker, toggle, gateway or private Redis is started again "
                             "(backoff 1 s … 30 s; 0: never)")
-    _add_slo_args(serve)
+    add_slo_args(serve)
     serve.set_defaults(func=_cmd_serve)
 
     worker = sub.add_parser("worker", help="one worker: an engine and the gRPC services of its roles")
     _add_model_args(worker)
     _add_engine_args(worker)
     worker.add_argument("--roles", default="encode,prefill,decode", help="e.g. encode,prefill or EP")
-    _add_slo_args(worker)
+    add_slo_args(worker)
     worker.add_argument("--host", default="127.0.0.1")
     worker.add_argument("--port", type=int, default=0, help="0: any free port (registered with the toggle)")
     worker.add_argument("--advertise-host", help="the host other services dial (default: --host)")
     worker.add_argument("--worker-id")
     worker.add_argument("--toggle", help="toggle address host:port to register with")
     worker.add_argument("--transfer", default="auto", choices=["auto", "nixl", "grpc"])
+    add_stage_calls_arg(worker)
     worker.add_argument("--lease-ttl", type=float, default=30.0, help="seconds a page lease waits for its ack")
     worker.add_argument("--grace", type=float, default=10.0, help="seconds to drain on shutdown")
     worker.add_argument("--metrics-port", type=int, default=0,
@@ -346,7 +333,7 @@ def build_parser() -> argparse.ArgumentParser:
     profile.add_argument("--analytic", choices=["H20", "H100", "H200"],
                          help="the roofline profile of LLaVA-1.5-7B on this accelerator instead of measuring")
     profile.add_argument("--repeats", type=int, default=3)
-    _add_slo_args(profile)
+    add_slo_args(profile)
     profile.add_argument("--out", default="latency-profile.json")
     profile.set_defaults(func=_cmd_profile)
 
@@ -357,7 +344,7 @@ def build_parser() -> argparse.ArgumentParser:
     toggle.add_argument("--port", type=int, default=50051)
     toggle.add_argument("--ttl", type=float, default=3.0, help="seconds a worker stays registered without a heartbeat")
     add_routing_args(toggle)
-    _add_slo_args(toggle)
+    add_slo_args(toggle)
     add_router_args(toggle)
     toggle.set_defaults(func=_cmd_toggle)
 
@@ -367,11 +354,12 @@ def build_parser() -> argparse.ArgumentParser:
     gateway.add_argument("--host", default="127.0.0.1")
     gateway.add_argument("--port", type=int, default=8000)
     gateway.add_argument("--allow-remote-images", action="store_true")
+    add_stage_calls_arg(gateway)
     gateway.add_argument("--redis-url", help="route in the gateway over this registry (one Redis round trip per "
                                              "request instead of a gRPC hop to the toggle); default: ask the toggle")
     gateway.add_argument("--prefix", default="epdmesh:default:", help="with --redis-url: the mesh's Redis key prefix")
     add_routing_args(gateway)
-    _add_slo_args(gateway)
+    add_slo_args(gateway)
     add_router_args(gateway)
     gateway.set_defaults(func=_cmd_gateway)
     return parser

@@ -274,7 +274,8 @@ def worker_argv(group: WorkerGroup, toggle: str, args, threads: int) -> list[str
             "--slo-ttft-ms", str(args.slo_ttft_ms), "--slo-tbt-ms", str(args.slo_tbt_ms),
             "--budget-headroom", str(args.budget_headroom), "--budget-alpha", str(args.budget_alpha),
             "--decoder-joins", args.decoder_joins, "--max-num-seqs", str(args.max_num_seqs), "--attention-backend", args.attention_backend,
-            "--transfer", args.transfer, "--threads", str(threads), "--backend", args.backend]
+            "--transfer", args.transfer, "--threads", str(threads), "--backend", args.backend,
+            "--stage-calls", args.stage_calls]
     if args.backend == "emulated":
         argv += ["--profile", args.profile, "--emulated-kv-bytes-per-token", str(args.emulated_kv_bytes_per_token),
                  "--emulated-image-bytes-per-token", str(args.emulated_image_bytes_per_token)]
@@ -322,7 +323,7 @@ def serve_mesh(args) -> int:
         _wait(lambda: _registered(toggle) == num_workers, mesh, f"{num_workers} workers", 600)
         gateway_argv = [sys.executable, "-m", "epdmesh.cli", "gateway", "--toggle", toggle, "--model", args.model,
                         "--host", args.host, "--port", str(args.port), "--served-model-name", args.served_model_name,
-                        *routing]
+                        "--stage-calls", args.stage_calls, *routing]
         if args.route_in == "gateway":
             gateway_argv += ["--redis-url", redis_url, "--prefix", prefix]
         if args.max_model_len:

@@ -1,4 +1,5 @@
-"""Routing options, shared by the toggle and a gateway that routes in-process (both run `services.toggle.router`)."""
+"""Options shared by several commands: routing (the toggle and a gateway that routes in-process both run
+`services.toggle.router`), SLO targets and stage budgets, and how stage calls reach a worker."""
 
 from __future__ import annotations
 
@@ -70,3 +71,25 @@ def router_argv(args, latency_profile: str | None, worker_budgets: bool) -> list
             *(["--latency-profile", latency_profile] if latency_profile else []),
             *([] if worker_budgets else ["--no-worker-budgets"]),
             *(["--admission-control"] if args.admission_control else [])]
+
+
+def add_slo_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--slo-ttft-ms", type=float, default=2000.0, help="default TTFT target (SLO attainment metrics)")
+    p.add_argument("--slo-tbt-ms", type=float, default=200.0, help="default P90 time-between-tokens target")
+    p.add_argument("--budget-headroom", type=float, default=1.0,
+                   help="stage budgets fill this fraction of their iteration-time limit (α·TTFT or TBT); < 1 leaves "
+                        "room for what the latency profile does not predict")
+    p.add_argument("--budget-alpha", type=float, default=0.5,
+                   help="α: instances without the decode role size their iterations to α·TTFT (TriInfer: 0.5)")
+    p.add_argument("--decoder-joins", default="auto", choices=["auto", "on", "first", "off"],
+                   help="decoders take requests handed over by dedicated prefill workers. on: size their iterations to "
+                        "TBT/2 (a request that joins waits for the iteration in flight, then its own); first: give a "
+                        "joining request's first decode a decode-only iteration, and size the others to TBT less one "
+                        "such iteration. serve: auto = first where decoders also prefill beside dedicated prefill "
+                        "workers; elsewhere auto = off")
+
+
+def add_stage_calls_arg(p) -> None:
+    p.add_argument("--stage-calls", default="stream", choices=["stream", "unary"],
+                   help="how Encode, AwaitEncode and Prefill reach a worker: on one gRPC stream kept open to it (a "
+                        "message each way) or as unary rpcs")

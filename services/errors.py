@@ -35,7 +35,7 @@ def status_for(exc: BaseException) -> grpc.StatusCode:
     return grpc.StatusCode.INTERNAL
 
 
-def _details(exc: BaseException) -> str:
+def details_of(exc: BaseException) -> str:
     return str(exc.args[0]) if isinstance(exc, KeyError) and exc.args else str(exc)
 
 
@@ -43,7 +43,7 @@ async def _abort(context, exc: Exception, name: str) -> None:
     code = status_for(exc)
     if code == grpc.StatusCode.INTERNAL:
         log.exception("%s failed", name)
-    await context.abort(code, _details(exc) or type(exc).__name__)
+    await context.abort(code, details_of(exc) or type(exc).__name__)
 
 
 def grpc_errors(method):

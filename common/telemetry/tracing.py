@@ -40,8 +40,12 @@ class Tracing:
         self._provider = TracerProvider(resource=Resource.create({"service.name": name}))
         self._provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
         trace.set_tracer_provider(self._provider)
-        GrpcAioInstrumentorServer().instrument()
-        GrpcAioInstrumentorClient().instrument()
+        from opentelemetry.instrumentation.grpc import filters
+
+        # a StageCalls stream outlives the requests it carries: each call on it has its own spans (services/stage_calls)
+        per_call = filters.negate(filters.service_name("epdmesh.v1.StageCalls"))
+        GrpcAioInstrumentorServer(filter_=per_call).instrument()
+        GrpcAioInstrumentorClient(filter_=per_call).instrument()
         self._tracer = trace.get_tracer("epdmesh")
         self.enabled = True
         log.info("tracing on: service %s → %s", name, os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")
@@ -101,6 +105,17 @@ class Tracing:
         from opentelemetry.propagate import extract
 
         return extract(headers)
+
+    def inject(self) -> dict[str, str]:
+        """The current trace context as W3C headers (traceparent, tracestate), for a hop that is not its own rpc
+        (a call on a stream kept open); empty when tracing is off."""
+        if not self.enabled:
+            return {}
+        from opentelemetry.propagate import inject
+
+        carrier: dict[str, str] = {}
+        inject(carrier)
+        return carrier
 
     def shutdown(self) -> None:
         if self._provider is not None:

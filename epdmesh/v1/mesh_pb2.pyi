@@ -328,6 +328,53 @@ class WorkerInfo(_message.Message):
     instance: str
     def __init__(self, worker_id: _Optional[str] = ..., address: _Optional[str] = ..., roles: _Optional[_Iterable[_Union[Stage, str]]] = ..., model: _Optional[str] = ..., max_model_len: _Optional[int] = ..., transfer_backend: _Optional[str] = ..., pid: _Optional[int] = ..., metrics_port: _Optional[int] = ..., instance: _Optional[str] = ...) -> None: ...
 
+class StageCall(_message.Message):
+    __slots__ = ("call_id", "encode", "await_encode", "prefill", "cancel", "trace_context")
+    class TraceContextEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    CALL_ID_FIELD_NUMBER: _ClassVar[int]
+    ENCODE_FIELD_NUMBER: _ClassVar[int]
+    AWAIT_ENCODE_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_FIELD_NUMBER: _ClassVar[int]
+    CANCEL_FIELD_NUMBER: _ClassVar[int]
+    TRACE_CONTEXT_FIELD_NUMBER: _ClassVar[int]
+    call_id: int
+    encode: EncodeRequest
+    await_encode: AwaitEncodeRequest
+    prefill: PrefillRequest
+    cancel: CancelCall
+    trace_context: _containers.ScalarMap[str, str]
+    def __init__(self, call_id: _Optional[int] = ..., encode: _Optional[_Union[EncodeRequest, _Mapping]] = ..., await_encode: _Optional[_Union[AwaitEncodeRequest, _Mapping]] = ..., prefill: _Optional[_Union[PrefillRequest, _Mapping]] = ..., cancel: _Optional[_Union[CancelCall, _Mapping]] = ..., trace_context: _Optional[_Mapping[str, str]] = ...) -> None: ...
+
+class CancelCall(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class StageReply(_message.Message):
+    __slots__ = ("call_id", "encode", "prefill", "error")
+    CALL_ID_FIELD_NUMBER: _ClassVar[int]
+    ENCODE_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    call_id: int
+    encode: EncodeResponse
+    prefill: PrefillResponse
+    error: CallError
+    def __init__(self, call_id: _Optional[int] = ..., encode: _Optional[_Union[EncodeResponse, _Mapping]] = ..., prefill: _Optional[_Union[PrefillResponse, _Mapping]] = ..., error: _Optional[_Union[CallError, _Mapping]] = ...) -> None: ...
+
+class CallError(_message.Message):
+    __slots__ = ("code", "details")
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    DETAILS_FIELD_NUMBER: _ClassVar[int]
+    code: int
+    details: str
+    def __init__(self, code: _Optional[int] = ..., details: _Optional[str] = ...) -> None: ...
+
 class RegisterRequest(_message.Message):
     __slots__ = ("info", "load")
     INFO_FIELD_NUMBER: _ClassVar[int]

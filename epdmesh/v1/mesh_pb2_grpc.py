@@ -453,6 +453,94 @@ class Worker:
             _registered_method=True)
 
 
+class StageCallsStub:
+    """The unary stage calls (Encode, AwaitEncode, Prefill) carried on one stream that a caller keeps open to a
+    worker. A call is then one message each way, where a unary rpc also opens and ends an HTTP/2 stream
+    (headers, trailers, a handler task on both sides): on loopback about half of its round trip. Same meaning
+    as the unary rpcs: one reply per call, its response or the status code the unary rpc would have ended with.
+    """
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.Open = channel.stream_stream(
+                '/epdmesh.v1.StageCalls/Open',
+                request_serializer=epdmesh_dot_v1_dot_mesh__pb2.StageCall.SerializeToString,
+                response_deserializer=epdmesh_dot_v1_dot_mesh__pb2.StageReply.FromString,
+                _registered_method=True)
+
+
+class StageCallsServicer:
+    """The unary stage calls (Encode, AwaitEncode, Prefill) carried on one stream that a caller keeps open to a
+    worker. A call is then one message each way, where a unary rpc also opens and ends an HTTP/2 stream
+    (headers, trailers, a handler task on both sides): on loopback about half of its round trip. Same meaning
+    as the unary rpcs: one reply per call, its response or the status code the unary rpc would have ended with.
+    """
+
+    def Open(self, request_iterator, context):
+        """Calls go out as they are made; replies come back as each finishes, in any order, by call_id. A caller that
+        gives up on a call sends `cancel` with its id (the work stops as a cancelled unary call's does; no reply).
+        The worker ends the stream (OK) when it drains, after the calls on it finished; ending the stream from
+        either side cancels the calls still open on it. A caller then opens a new stream for new calls.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_StageCallsServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'Open': grpc.stream_stream_rpc_method_handler(
+                    servicer.Open,
+                    request_deserializer=epdmesh_dot_v1_dot_mesh__pb2.StageCall.FromString,
+                    response_serializer=epdmesh_dot_v1_dot_mesh__pb2.StageReply.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'epdmesh.v1.StageCalls', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('epdmesh.v1.StageCalls', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class StageCalls:
+    """The unary stage calls (Encode, AwaitEncode, Prefill) carried on one stream that a caller keeps open to a
+    worker. A call is then one message each way, where a unary rpc also opens and ends an HTTP/2 stream
+    (headers, trailers, a handler task on both sides): on loopback about half of its round trip. Same meaning
+    as the unary rpcs: one reply per call, its response or the status code the unary rpc would have ended with.
+    """
+
+    @staticmethod
+    def Open(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/epdmesh.v1.StageCalls/Open',
+            epdmesh_dot_v1_dot_mesh__pb2.StageCall.SerializeToString,
+            epdmesh_dot_v1_dot_mesh__pb2.StageReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+
 class ToggleStub:
     """Missing associated documentation comment in .proto file."""
 

@@ -14,26 +14,26 @@ Life of a request here:
 from __future__ import annotations
 
 from common.request import Stage
-from common.transfer.channels import ChannelPool
 from epdmesh.v1 import mesh_pb2 as pb
 from epdmesh.v1 import mesh_pb2_grpc as pb_grpc
 from services import wire
 from services.encoder.awaited import image_pages_of
 from services.errors import grpc_errors
+from services.stage_calls.client import StageCalls
 from services.prefill.servicer import first_stage_for
 from services.worker.runtime import WorkerRuntime
 
 
 class DecoderServicer(pb_grpc.DecoderServicer):
-    def __init__(self, runtime: WorkerRuntime, channels: ChannelPool):
+    def __init__(self, runtime: WorkerRuntime, calls: StageCalls):
         self.runtime = runtime
-        self.channels = channels
+        self.calls = calls  # to the encoders of pending images
 
     @grpc_errors
     async def Decode(self, request: pb.DecodeRequest, context):
         spec = request.request
         kv = wire.optional_handle(request, "kv_pages")
-        images = await image_pages_of(self.channels, request) if kv is None else None
+        images = await image_pages_of(self.calls, request) if kv is None else None
         first = Stage.DECODE if kv is not None else first_stage_for(spec, images is not None)
         engine_request = wire.request_from_pb(spec, first, Stage.DECODE, f"{spec.request_id}@decode")
         async for out in self.runtime.decode(engine_request, kv, images):

@@ -17,14 +17,16 @@ import asyncio
 import dataclasses
 import time
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import grpc
 
 from common.transfer import PageHandle, PullFailed
-from common.transfer.channels import ChannelPool
 from epdmesh.v1 import mesh_pb2 as pb
-from epdmesh.v1 import mesh_pb2_grpc as pb_grpc
 from services import wire
+
+if TYPE_CHECKING:
+    from services.stage_calls.client import StageCalls
 
 
 @dataclasses.dataclass
@@ -96,20 +98,19 @@ class AwaitedEncodes:
             slot.outcome.exception()  # read, so an outcome nobody awaited is not logged as lost
 
 
-async def fetch_awaited(channels: ChannelPool, pending: pb.PendingImages) -> PageHandle:
+async def fetch_awaited(calls: StageCalls, pending: pb.PendingImages) -> PageHandle:
     """Ask the encoder of `pending` for its image pages' handle (the next stage's side of an awaited encode).
     Any failure there is the pages' source failing: PullFailed (the gateway routes around that encoder)."""
-    stub = pb_grpc.EncoderStub(channels.get(pending.address))
     try:
-        reply = await stub.AwaitEncode(pb.AwaitEncodeRequest(request_id=pending.request_id))
+        reply = await calls.call(pending.address, "await_encode", pb.AwaitEncodeRequest(request_id=pending.request_id))
     except grpc.aio.AioRpcError as e:
         raise PullFailed(f"encoder {pending.worker_id} gave no image pages for {pending.request_id}: "
                          f"{e.code().name}: {e.details()}") from None
     return wire.handle_from_pb(reply.image_pages)
 
 
-async def image_pages_of(channels: ChannelPool, request) -> PageHandle | None:
+async def image_pages_of(calls: StageCalls, request) -> PageHandle | None:
     """A Prefill/Decode request's image pages: a handle it carries, or one its pending images' encoder gives."""
     if request.HasField("pending_images"):
-        return await fetch_awaited(channels, request.pending_images)
+        return await fetch_awaited(calls, request.pending_images)
     return wire.optional_handle(request, "image_pages")

@@ -24,6 +24,15 @@ class EncoderServicer(pb_grpc.EncoderServicer):
 
     @grpc_errors
     async def Encode(self, request: pb.EncodeRequest, context) -> pb.EncodeResponse:
+        return await self.encode(request)
+
+    @grpc_errors
+    async def AwaitEncode(self, request: pb.AwaitEncodeRequest, context) -> pb.EncodeResponse:
+        return await self.await_encode(request)
+
+    # the stage methods, also called on a StageCalls stream (services/stage_calls)
+
+    async def encode(self, request: pb.EncodeRequest) -> pb.EncodeResponse:
         spec = request.request
         if not request.awaited:
             return await self._encode(spec)
@@ -47,7 +56,6 @@ class EncoderServicer(pb_grpc.EncoderServicer):
         handle = await self.runtime.encode(engine_request)
         return pb.EncodeResponse(image_pages=wire.handle_to_pb(handle))
 
-    @grpc_errors
-    async def AwaitEncode(self, request: pb.AwaitEncodeRequest, context) -> pb.EncodeResponse:
+    async def await_encode(self, request: pb.AwaitEncodeRequest) -> pb.EncodeResponse:
         handle = await self.runtime.awaited.wait(request.request_id)
         return pb.EncodeResponse(image_pages=wire.handle_to_pb(handle))

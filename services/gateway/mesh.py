@@ -45,6 +45,7 @@ from services.gateway.status import MeshStatus
 from services.gateway.stage_errors import StageFailed, api_error_from_rpc, failure, stage_call
 from services.gateway.protocol import ApiError, ChatRequest
 from services.gateway.responses import Prepended
+from services.stage_calls.client import StageCalls
 from services.toggle.router import NoRoute, Router
 
 log = logging.getLogger(__name__)
@@ -61,14 +62,17 @@ RECENT_PREDICTIONS = 1024  # routed requests whose predicted and actual TTFT /st
 
 class MeshBackend(MeshStatus):
     def __init__(self, processor: ChatProcessor, toggle_address: str, max_model_len: int,
-                 metrics: GatewayMetrics | None = None, tracing: Tracing | None = None, router: Router | None = None):
-        """`router`: route in this process over the registry in Redis; None: ask the toggle (a gRPC hop)."""
+                 metrics: GatewayMetrics | None = None, tracing: Tracing | None = None, router: Router | None = None,
+                 stage_calls: str = "stream"):
+        """`router`: route in this process over the registry in Redis; None: ask the toggle (a gRPC hop).
+        `stage_calls`: Encode and Prefill on a stream kept open to each worker, or as unary rpcs (services/stage_calls)."""
         self.processor = processor
         self.router = router
         self._refresher: asyncio.Task | None = None
         self.metrics = metrics
         self.tracing = tracing or Tracing()
         self.channels = ChannelPool()  # channels are made on first use, inside the serving event loop
+        self.calls = StageCalls(self.channels, stage_calls, self.tracing)
         self.toggle_address = toggle_address
         self.max_model_len = max_model_len
         self.paths = {path: 0 for path in PrefillPath}
@@ -236,6 +240,7 @@ class MeshBackend(MeshStatus):
         """The request's outputs through the planned stages; a failed stage raises StageFailed."""
         held: list[pb.PageHandle] = []  # handles we got and have not passed on yet
         encoding: asyncio.Task | None = None
+        prefilling: asyncio.Task | None = None
         try:
             pending = source = None
             if request.images and plan.encoder.worker_id != plan.prefill.worker_id:
@@ -248,12 +253,12 @@ class MeshBackend(MeshStatus):
             spec = wire.spec_to_pb(request, with_pixels=pending is None)
             output: list[int] = []
             if path == PrefillPath.DEDICATED:
-                stub = pb_grpc.PrefillerStub(self.channels.get(plan.prefill.address))
                 self._sent(request, plan.prefill.worker_id)
                 with self.tracing.activate(span):
-                    call = stub.Prefill(pb.PrefillRequest(request=spec, pending_images=pending))
-                await _encoded(encoding, held, call)
-                reply = await stage_call("prefill", wire.ref_registration(plan.prefill), source, call)
+                    prefilling = self.calls.call(plan.prefill.address, "prefill",
+                                                 pb.PrefillRequest(request=spec, pending_images=pending))
+                await _encoded(encoding, held, prefilling)
+                reply = await stage_call("prefill", wire.ref_registration(plan.prefill), source, prefilling)
                 held.clear()
                 if not reply.first.finish_reason:  # held before the first token goes out: a client gone right
                     held.append(reply.kv_pages)    # after it must not leave the KV pinned until its lease ends
@@ -281,20 +286,21 @@ class MeshBackend(MeshStatus):
             finally:
                 call.cancel()
         finally:
-            if encoding is not None:
-                encoding.cancel()  # a no-op once it is done
+            for task in (encoding, prefilling):
+                if task is not None:
+                    task.cancel()  # a no-op once it is done
             for handle in held:  # never passed on: let the source free them now rather than at lease expiry
                 self._spawn(release_over_grpc(self.channels, wire.handle_from_pb(handle)))
 
     def _encode(self, request: Request, plan: pb.RoutePlan, span) -> asyncio.Task:
         """The request's awaited Encode, under way (its outcome: the encode's reply, or StageFailed)."""
-        stub = pb_grpc.EncoderStub(self.channels.get(plan.encoder.address))
         self._sent(request, plan.encoder.worker_id)
         message = pb.EncodeRequest(request=wire.spec_to_pb(request, with_pixels=True), awaited=True)
         with self.tracing.activate(span):
-            call = stub.Encode(message)  # made here, so it goes out before the next stage's call
+            call = self.calls.call(plan.encoder.address, "encode", message)  # made first, so it goes out first
         task = asyncio.ensure_future(stage_call("encode", wire.ref_registration(plan.encoder), None, call))
         task.add_done_callback(_consume)  # its outcome is awaited, unless the request failed before that
+        task.add_done_callback(lambda _: call.cancel())  # cancelled before it ran: the call must not go on alone
         return task
 
     def detokenize(self, ids: list[int]) -> str:
@@ -327,6 +333,7 @@ class MeshBackend(MeshStatus):
         if self.router is not None:
             await self.router.settle()
             await self.router.registry.redis.aclose()
+        await self.calls.close()
         await self.channels.close()
 
     def _sent(self, request: Request, worker_id: str) -> None:

@@ -13,12 +13,12 @@ Life of a request here:
 from __future__ import annotations
 
 from common.request import Stage
-from common.transfer.channels import ChannelPool
 from epdmesh.v1 import mesh_pb2 as pb
 from epdmesh.v1 import mesh_pb2_grpc as pb_grpc
 from services import wire
 from services.encoder.awaited import image_pages_of
 from services.errors import grpc_errors
+from services.stage_calls.client import StageCalls
 from services.worker.runtime import WorkerRuntime
 
 
@@ -32,14 +32,18 @@ def first_stage_for(spec: pb.RequestSpec, has_image_pages: bool) -> Stage:
 
 
 class PrefillServicer(pb_grpc.PrefillerServicer):
-    def __init__(self, runtime: WorkerRuntime, channels: ChannelPool):
+    def __init__(self, runtime: WorkerRuntime, calls: StageCalls):
         self.runtime = runtime
-        self.channels = channels
+        self.calls = calls  # to the encoders of pending images
 
     @grpc_errors
     async def Prefill(self, request: pb.PrefillRequest, context) -> pb.PrefillResponse:
+        return await self.prefill(request)
+
+    async def prefill(self, request: pb.PrefillRequest) -> pb.PrefillResponse:
+        """The stage method, also called on a StageCalls stream (services/stage_calls)."""
         spec = request.request
-        images = await image_pages_of(self.channels, request)
+        images = await image_pages_of(self.calls, request)
         first = first_stage_for(spec, images is not None)
         engine_request = wire.request_from_pb(spec, first, Stage.PREFILL, f"{spec.request_id}@prefill")
         out, kv = await self.runtime.prefill(engine_request, images)

@@ -32,6 +32,8 @@ from common.workers import WorkerInfo
 from epdmesh.v1 import mesh_pb2 as pb
 from epdmesh.v1 import mesh_pb2_grpc as pb_grpc
 from services import wire
+from services.stage_calls.client import StageCalls
+from services.stage_calls.server import StageCallsServicer
 from services.worker.runtime import WorkerRuntime
 from services.worker.servicer import WorkerServicer
 
@@ -50,6 +52,7 @@ class WorkerOptions:
     lease_ttl_s: float = 30.0
     grace_s: float = 10.0
     metrics_port: int | None = 0  # Prometheus /metrics on host:port (0: any free port; None: off)
+    stage_calls: str = "stream"  # how this worker calls others (AwaitEncode): stream | unary (services/stage_calls)
     emulation: EmulationOptions | None = None  # run the emulated backend instead of the model
 
 
@@ -77,23 +80,30 @@ def build_engine(config: EngineConfig, emulation: EmulationOptions | None = None
 
 
 def _mount_roles(server: grpc.aio.Server, runtime: WorkerRuntime, roles: frozenset[Stage],
-                 channels: ChannelPool) -> list[str]:
+                 calls: StageCalls) -> tuple[list[str], StageCallsServicer]:
+    """The servicers of the worker's roles, and the StageCalls stream that carries their unary stage methods."""
     from services.decoder.servicer import DecoderServicer
     from services.encoder.servicer import EncoderServicer
     from services.prefill.servicer import PrefillServicer
 
-    names = []
+    names, handlers = [], {}
     if Stage.ENCODE in roles:
-        pb_grpc.add_EncoderServicer_to_server(EncoderServicer(runtime), server)
+        encoder = EncoderServicer(runtime)
+        pb_grpc.add_EncoderServicer_to_server(encoder, server)
         names.append("epdmesh.v1.Encoder")
+        handlers.update(encode=encoder.encode, await_encode=encoder.await_encode)
     if Stage.PREFILL in roles:
-        pb_grpc.add_PrefillerServicer_to_server(PrefillServicer(runtime, channels), server)
+        prefill = PrefillServicer(runtime, calls)
+        pb_grpc.add_PrefillerServicer_to_server(prefill, server)
         names.append("epdmesh.v1.Prefiller")
+        handlers.update(prefill=prefill.prefill)
     if Stage.DECODE in roles or Stage.PREFILL in roles:
         # a prefill-capable worker also serves Decode without KV pages (its prefill path for the decoder role)
-        pb_grpc.add_DecoderServicer_to_server(DecoderServicer(runtime, channels), server)
+        pb_grpc.add_DecoderServicer_to_server(DecoderServicer(runtime, calls), server)
         names.append("epdmesh.v1.Decoder")
-    return names
+    stage_calls = StageCallsServicer(handlers, runtime.tracing)
+    pb_grpc.add_StageCallsServicer_to_server(stage_calls, server)
+    return [*names, "epdmesh.v1.StageCalls"], stage_calls
 
 
 async def run_worker(options: WorkerOptions, engine: Engine | None = None, ready: asyncio.Event | None = None,
@@ -126,7 +136,8 @@ async def run_worker(options: WorkerOptions, engine: Engine | None = None, ready
     pb_grpc.add_WorkerServicer_to_server(WorkerServicer(runtime), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    services = _mount_roles(server, runtime, config.roles, channels)
+    calls = StageCalls(channels, options.stage_calls, tracing)
+    services, stage_calls = _mount_roles(server, runtime, config.roles, calls)
     await server.start()
     for name in ["", "epdmesh.v1.Worker", *services]:
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
@@ -164,7 +175,9 @@ async def run_worker(options: WorkerOptions, engine: Engine | None = None, ready
             except grpc.aio.AioRpcError:
                 pass
         await runtime.drain(options.grace_s)
+        stage_calls.end()  # its callers' open streams: they would keep server.stop waiting for the whole grace
         await server.stop(options.grace_s)
+        await calls.close()
         for task in tasks:
             task.cancel()
         await transfer.close()
