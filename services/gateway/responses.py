@@ -119,17 +119,24 @@ async def sse(chat: ChatRequest, request_id: str, model: str, num_prompt: int, s
 
     finals: list[RequestOutput | None] = [None] * len(streams)
     deltas = [_choice_deltas(i, chat, stream, detokenize, logprobs, finals) for i, stream in enumerate(streams)]
+    held = ""  # the role chunks, sent with the first token's: it is already here, and one write is one wake-up less
     try:
         async with contextlib.aclosing(deltas[0] if len(deltas) == 1 else _merged(deltas)) as choices:
             async for choice in choices:
-                yield frame([choice])
+                if "role" in choice["delta"]:
+                    held += frame([choice])
+                    continue
+                yield held + frame([choice])
+                held = ""
     except Exception as e:  # a stage failed mid-stream (or a bug of ours): say so in the stream, as OpenAI does
         if not isinstance(e, ApiError):
             log.exception("request %s failed mid-stream", request_id)
             e = internal_error(e)
-        yield f"data: {json.dumps(e.body())}\n\n"
+        yield held + f"data: {json.dumps(e.body())}\n\n"
         yield "data: [DONE]\n\n"
         return
+    if held:  # no chunk came after them (not expected: a choice ends with its finish reason)
+        yield held
     if chat.include_usage:
         yield frame([], usage=usage(num_prompt, finals))
     yield "data: [DONE]\n\n"
