@@ -42,7 +42,7 @@ from common.telemetry.metrics import GatewayMetrics
 from common.telemetry.tracing import Tracing, set_attributes
 from services.gateway.migration import continuation, rebased
 from services.gateway.status import MeshStatus
-from services.gateway.stage_errors import StageFailed, api_error_from_rpc, failure, stage_call
+from services.gateway.stage_errors import StageFailed, api_error_from_rpc, confirmed, encoded, failure, stage_call
 from services.gateway.protocol import ApiError, ChatRequest
 from services.gateway.responses import Prepended
 from services.stage_calls.client import StageCalls
@@ -150,14 +150,21 @@ class MeshBackend(MeshStatus):
             raise ApiError(400, f"prompt ({num_tokens} tokens) plus max_tokens ({max_tokens}) is {total}, "
                                 f"over the model's limit of {self.max_model_len}; shorten the prompt or lower max_tokens")
 
-    async def _route(self, summary: RouteSummary, span, attempt: int) -> pb.RoutePlan:
+    async def _route(self, summary: RouteSummary, span, attempt: int, ahead: bool = False):
+        """The plan; `ahead`: (plan, its reservation under way or None), for a caller that sends its first stage
+        call before the reservation is made (`Router.route_ahead`)."""
         try:
             with self.tracing.activate(span), self.tracing.span("route", {"epdmesh.attempt": attempt}):
                 if self.router is None:
-                    return await self.toggle.Route(wire.summary_to_pb(summary), timeout=10)
+                    plan = await self.toggle.Route(wire.summary_to_pb(summary), timeout=10)
+                    return (plan, None) if ahead else plan
                 if self._refresher is None:  # in the serving loop, where the Redis client's connections live
                     self._refresher = asyncio.ensure_future(self.router.refresh_forever())
-                return wire.plan_to_pb(await self.router.route(summary))
+                if not ahead:
+                    return wire.plan_to_pb(await self.router.route(summary))
+                plan, reserved = await self.router.route_ahead(summary)
+                reserved.add_done_callback(_consume)  # awaited by the stages, unless they failed first
+                return wire.plan_to_pb(plan), reserved
         except grpc.aio.AioRpcError as e:
             if e.code() == grpc.StatusCode.UNAVAILABLE:
                 raise NoLiveRoute(503, f"routing is unavailable: {e.details()}", headers={"Retry-After": "1"}) from None
@@ -198,19 +205,22 @@ class MeshBackend(MeshStatus):
         exclude: set[str] = set()
         for attempt in range(1, MAX_ATTEMPTS + 1):
             current = request if not emitted else continuation(request, emitted, attempt)
+            reserved = None
             if plan is None or attempt > 1:
                 def summary_of(current=current) -> RouteSummary:
                     return RouteSummary(current.request_id, current.num_prompt_tokens, len(current.images),
                                         current.sampling.max_tokens, frozenset(exclude), *slo,
                                         elapsed_ms=(time.monotonic() - request.arrival_time) * 1e3)
-                plan = await (self._route(summary_of(), span, attempt) if attempt == 1 else
-                              self._reroute(summary_of, span, attempt))
+                if attempt == 1:  # a text prompt: its first stage call goes out while Redis reserves
+                    plan, reserved = await self._route(summary_of(), span, attempt, ahead=True)
+                else:
+                    plan, reserved = await self._reroute(summary_of, span, attempt), None
             path = wire.path_from_pb(plan.path)
             set_attributes(span, {"epdmesh.path": path.value, "epdmesh.decoder": plan.decoder.worker_id,
                                   "epdmesh.prefill": plan.prefill.worker_id, "epdmesh.attempts": attempt,
                                   "epdmesh.encoder": plan.encoder.worker_id if plan.HasField("encoder") else None})
             before = list(emitted)
-            stream = self._drive(current, plan, path, span)
+            stream = self._drive(current, plan, path, span, reserved)
             try:
                 async for out in stream:
                     if out.new_token_ids or out.finished:
@@ -228,16 +238,18 @@ class MeshBackend(MeshStatus):
                 self.retries += 1
                 if self.metrics is not None:
                     self.metrics.retries.labels(self.metrics.model).inc()
-                log.warning("request %s: %s; routing around worker %s (attempt %d, %d tokens kept)",
+                (log.debug if failed.busy else log.warning)("request %s: %s; routing around worker %s (attempt %d, %d tokens kept)",
                             request.request_id, failed.error.message, failed.blame, attempt + 1, len(emitted))
             finally:
                 await stream.aclose()
                 if self.router is not None:
                     self.router.forget(current.request_id)
 
-    async def _drive(self, request: Request, plan: pb.RoutePlan, path: PrefillPath,
-                     span=None) -> AsyncIterator[RequestOutput]:
-        """The request's outputs through the planned stages; a failed stage raises StageFailed."""
+    async def _drive(self, request: Request, plan: pb.RoutePlan, path: PrefillPath, span=None,
+                     reserved: asyncio.Future | None = None) -> AsyncIterator[RequestOutput]:
+        """The request's outputs through the planned stages; a failed stage raises StageFailed. `reserved`: the
+        plan's KV reservation under way, confirmed before the decoder gets the request (a dedicated prefill
+        starts before)."""
         held: list[pb.PageHandle] = []  # handles we got and have not passed on yet
         encoding: asyncio.Task | None = None
         prefilling: asyncio.Task | None = None
@@ -252,12 +264,15 @@ class MeshBackend(MeshStatus):
                 source = wire.ref_registration(plan.encoder)
             spec = wire.spec_to_pb(request, with_pixels=pending is None)
             output: list[int] = []
+            if path != PrefillPath.DEDICATED:
+                await confirmed(reserved, plan)
             if path == PrefillPath.DEDICATED:
                 self._sent(request, plan.prefill.worker_id)
                 with self.tracing.activate(span):
                     prefilling = self.calls.call(plan.prefill.address, "prefill",
                                                  pb.PrefillRequest(request=spec, pending_images=pending))
-                await _encoded(encoding, held, prefilling)
+                await confirmed(reserved, plan)
+                await encoded(encoding, held, prefilling)
                 reply = await stage_call("prefill", wire.ref_registration(plan.prefill), source, prefilling)
                 held.clear()
                 if not reply.first.finish_reason:  # held before the first token goes out: a client gone right
@@ -276,7 +291,7 @@ class MeshBackend(MeshStatus):
             with self.tracing.activate(span):  # the call's client span is made here, under the request's span
                 call = pb_grpc.DecoderStub(self.channels.get(plan.decoder.address)).Decode(decode)
             try:
-                await _encoded(encoding, held, call)
+                await encoded(encoding, held, call)
                 async for chunk in call:
                     held.clear()
                     output.extend(chunk.token_ids)
@@ -286,7 +301,7 @@ class MeshBackend(MeshStatus):
             finally:
                 call.cancel()
         finally:
-            for task in (encoding, prefilling):
+            for task in (encoding, prefilling, reserved):
                 if task is not None:
                     task.cancel()  # a no-op once it is done
             for handle in held:  # never passed on: let the source free them now rather than at lease expiry
@@ -359,19 +374,6 @@ def _output(request_id: str, chunk: pb.TokenChunk, output: list[int]) -> Request
         text=chunk.text if chunk.HasField("text") else None, num_prompt_tokens=chunk.num_prompt_tokens,
         logprobs=wire.chunk_logprobs(chunk),
     )
-
-
-async def _encoded(encoding: asyncio.Task | None, held: list[pb.PageHandle], call) -> None:
-    """Wait for the awaited Encode the next stage's `call` depends on; its failure is the request's (the call,
-    left waiting for pages that will not come, is cancelled). The image handle is held until the call took it."""
-    if encoding is None:
-        return
-    try:
-        reply = await encoding
-    except BaseException:
-        call.cancel()
-        raise
-    held.append(reply.image_pages)
 
 
 @contextlib.contextmanager

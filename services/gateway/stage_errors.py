@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 
 import grpc
 
+from epdmesh.v1 import mesh_pb2 as pb
+from services import wire
 from services.gateway.protocol import ApiError
+from services.toggle.router import NoRoute
 
 log = logging.getLogger(__name__)
 
@@ -14,10 +18,11 @@ log = logging.getLogger(__name__)
 class StageFailed(Exception):
     """A stage failed before the request produced output; `blame` is the worker to route around (None: don't retry)."""
 
-    def __init__(self, error: ApiError, blame: str | None):
+    def __init__(self, error: ApiError, blame: str | None, busy: bool = False):
         super().__init__(error.message)
         self.error = error
         self.blame = blame
+        self.busy = busy  # not a failure: the worker had no room for it (its KV was reserved meanwhile)
 
 
 def failure(stage: str, callee: str, source: str | None, e: grpc.aio.AioRpcError) -> StageFailed:
@@ -45,3 +50,29 @@ def api_error_from_rpc(e: grpc.aio.AioRpcError, stage: str) -> ApiError:
         return ApiError(503, f"{stage} is unavailable: {e.details()}")
     log.error("%s failed: %s %s", stage, code.name, e.details())
     return ApiError(500, f"{stage} failed: {code.name}: {e.details()}")
+
+
+async def encoded(encoding: asyncio.Task | None, held: list[pb.PageHandle], call) -> None:
+    """Wait for the awaited Encode the next stage's `call` depends on; its failure is the request's (the call,
+    left waiting for pages that will not come, is cancelled). The image handle is held until the call took it."""
+    if encoding is None:
+        return
+    try:
+        reply = await encoding
+    except BaseException:
+        call.cancel()
+        raise
+    held.append(reply.image_pages)
+
+
+async def confirmed(reserved: asyncio.Future | None, plan: pb.RoutePlan) -> None:
+    """The plan's reservation is made; a worker that had no room after all is routed around (a 503 with
+    Retry-After when no other one has room)."""
+    if reserved is None:
+        return
+    try:
+        await reserved
+    except NoRoute as e:
+        full = next((r for r in (plan.decoder, plan.prefill) if r.worker_id == e.full), None)
+        raise StageFailed(ApiError(503, f"routing: {e.message}", headers={"Retry-After": "1"}),
+                          wire.ref_registration(full) if full is not None else None, busy=True) from None

@@ -55,11 +55,12 @@ class NoRoute(Exception):
     """No plan for this request. `busy`: workers exist but have no room (or no SLO fits): retry later;
     else no live worker set covers the request at all."""
 
-    def __init__(self, message: str, busy: bool, fits: bool = True):
+    def __init__(self, message: str, busy: bool, fits: bool = True, full: str | None = None):
         super().__init__(message)
         self.fits = fits  # False: it never will (too big for any worker), a client error
         self.message = message
         self.busy = busy
+        self.full = full  # `route_ahead`'s reservation: the planned worker that had no KV room after all
 
 
 @dataclasses.dataclass(slots=True)
@@ -177,11 +178,49 @@ class Router:
             raise NoRoute("no worker has KV room for this request now (all reserved); retry later", busy=True)
         self._bump(plan, summary)
         self.decisions[plan.path] += 1
+        self._annotate(plan, workers)
+        return plan
+
+    def _annotate(self, plan: RoutePlan, workers: list[WorkerSnapshot]) -> None:
         self.tracing.annotate({"epdmesh.path": plan.path.value, "epdmesh.decoder": plan.decoder.worker_id,
                                "epdmesh.prefill": plan.prefill.worker_id,
                                "epdmesh.encoder": plan.encoder.worker_id if plan.encoder else None,
                                "epdmesh.live_workers": len(workers)})
-        return plan
+
+    async def route_ahead(self, summary: RouteSummary) -> tuple[RoutePlan, asyncio.Future]:
+        """The plan at once and its KV reservation under way: the caller sends the first stage's call without
+        waiting on Redis, and awaits `reserved` before anything that needs the reservation (the decoder's KV).
+        `reserved` gives None, or raises NoRoute with `full` set when a planned worker had no room after all (the
+        caller then cancels what it sent and routes again without that worker). Raises NoRoute as `route` does."""
+        workers = await self.workers()
+        if not summary.exclude:
+            _check_fits(workers, summary, self._max_heartbeat_age_s)
+        plan = self._plan(workers, summary) if self.reservations is not None else None
+        if plan is None:  # nothing to overlap, or no plan on this snapshot: route's own refresh and reasons
+            reserved = asyncio.get_running_loop().create_future()
+            reserved.set_result(None)
+            return await self.route(summary), reserved
+        self._last_route = time.monotonic()
+        self._routing.set()
+        amounts = needs(plan, summary)
+        self._bump(plan, summary)
+        self.decisions[plan.path] += 1
+        self._annotate(plan, workers)
+        reserved = asyncio.ensure_future(self._reserve_ahead(summary.request_id, amounts))
+        return plan, reserved
+
+    async def _reserve_ahead(self, request_id: str, amounts: dict[str, tuple[int, int]]) -> None:
+        try:
+            full = await self.reservations.reserve(request_id, amounts)
+        except BaseException:  # cancelled (its client left) or Redis failed: the script may have run all the same
+            self._reserve_noted(request_id, tuple(amounts))
+            self.forget(request_id)
+            raise
+        if full is not None:
+            self.forget(request_id)  # all or nothing: none was made, and its work no longer loads the workers
+            raise NoRoute(f"worker {full} has no KV room left for this request (reserved meanwhile)", busy=True,
+                          full=full)
+        self._reserve_noted(request_id, tuple(amounts))
 
     @property
     def _max_heartbeat_age_s(self) -> float:

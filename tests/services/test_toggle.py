@@ -374,3 +374,49 @@ def test_a_route_loads_a_worker_until_the_gateway_has_handed_it_the_request():
             await client.aclose()
 
     asyncio.run(main())
+
+
+def test_routing_ahead_gives_the_plan_before_its_reservation_and_a_worker_full_meanwhile_is_named():
+    """`route_ahead`: the plan comes back with its reservation still under way; it ends reserved, or — when
+    another router took the room meanwhile — with NoRoute naming the full worker, nothing reserved anywhere and
+    the route forgotten. The gateway then routes around that worker (its registration), as for a failed one."""
+    from common.policy.routing import RouteSummary
+    from services.gateway.protocol import ApiError
+    from services.gateway.stage_errors import StageFailed, confirmed
+    from services.toggle.reservations import Reservations
+    from services.toggle.router import NoRoute, Router
+
+    async def main():
+        client = aioredis.from_url(REDIS_URL)
+        prefix = f"epdmesh-test:{uuid.uuid4().hex}:"
+        registry = RedisRegistry(client, prefix)
+        try:
+            for wid, roles in [("p-1", {P}), ("d-1", {D})]:
+                await registry.register(info(wid, roles), WorkerLoad(kv_tokens_free=1000))
+            reservations = Reservations(client, prefix)
+            router = Router(registry, reservations=reservations)
+            plan, reserved = await router.route_ahead(RouteSummary("r1", 600, 0, 40))
+            assert (plan.prefill.worker_id, plan.decoder.worker_id) == ("p-1", "d-1") and not reserved.done()
+            assert await reserved is None
+            assert (await reservations.held("p-1"), await reservations.held("d-1")) == (600, 640)
+            # another router reserves the rest of d-1; this one's snapshot does not know it yet
+            assert await reservations.reserve("elsewhere", {"d-1": (300, 1000)}) is None
+            plan, reserved = await router.route_ahead(RouteSummary("r2", 100, 0, 20))
+            assert plan.decoder.worker_id == "d-1"
+            with pytest.raises(NoRoute) as refused:
+                await reserved
+            assert refused.value.busy and refused.value.full == "d-1"
+            assert (await reservations.held("p-1"), await reservations.held("d-1")) == (600, 940)  # all or nothing
+            assert "r2" not in router._pending
+            _, again = await router.route_ahead(RouteSummary("r3", 100, 0, 20))
+            with pytest.raises(StageFailed) as failed:  # the gateway's side
+                await confirmed(again, wire.plan_to_pb(plan))
+            assert failed.value.busy and failed.value.blame == wire.ref_registration(wire.plan_to_pb(plan).decoder)
+            assert isinstance(failed.value.error, ApiError) and failed.value.error.status == 503
+            assert failed.value.error.headers == {"Retry-After": "1"}
+        finally:
+            await registry.clear()
+            await client.delete(f"{prefix}resv:p-1", f"{prefix}resv:d-1")
+            await client.aclose()
+
+    asyncio.run(main())
