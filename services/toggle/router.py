@@ -211,6 +211,7 @@ class Router:
 
     async def _reserve_ahead(self, request_id: str, amounts: dict[str, tuple[int, int]]) -> None:
         try:
+            await asyncio.sleep(0)  # one loop turn: the stage call this overlaps, made next, goes out first
             full = await self.reservations.reserve(request_id, amounts)
         except BaseException:  # cancelled (its client left) or Redis failed: the script may have run all the same
             self._reserve_noted(request_id, tuple(amounts))
