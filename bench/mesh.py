@@ -267,20 +267,15 @@ def main(argv=None) -> int:
         if "mesh-toggle" in results:
             saved = added["routing_in_gateway_saves_ms"] = results["mesh-toggle"][workload]["p50_ttft_ms"] - m["p50_ttft_ms"]
             print(f"  {workload}: routing in the gateway instead of by the toggle's rpc: TTFT p50 {-saved:+.2f} ms")
-        if "mesh-unary" in results:
-            u = results["mesh-unary"][workload]
-            change = added["streamed_over_unary"] = {
-                "ttft_ms": m["p50_ttft_ms"] - u["p50_ttft_ms"], "tpot_ms": m["p50_tpot_ms"] - u["p50_tpot_ms"],
-                "paired_ttft_ms": paired(samples["mesh"][workload], samples["mesh-unary"][workload])}
-            print(f"  {workload}: stage calls on open streams over unary rpcs: TTFT p50 {change['ttft_ms']:+.2f} ms "
-                  f"(paired {change['paired_ttft_ms']:+.2f} ms)")
-        if "mesh-against" in results:
-            a = results["mesh-against"][workload]
-            change = added["change_over_against"] = {
-                "ttft_ms": m["p50_ttft_ms"] - a["p50_ttft_ms"], "tpot_ms": m["p50_tpot_ms"] - a["p50_tpot_ms"],
-                "paired_ttft_ms": paired(samples["mesh"][workload], samples["mesh-against"][workload])}
-            print(f"  {workload}: this checkout over --against: TTFT p50 {change['ttft_ms']:+.2f} ms (paired "
-                  f"{change['paired_ttft_ms']:+.2f} ms), per-token gap {change['tpot_ms']:+.2f} ms")
+        for other, key, what in (("mesh-unary", "streamed_over_unary", "stage calls on open streams over unary rpcs"),
+                                 ("mesh-against", "change_over_against", "this checkout over --against")):
+            if other in results:
+                o = results[other][workload]
+                change = added[key] = {
+                    "ttft_ms": m["p50_ttft_ms"] - o["p50_ttft_ms"], "tpot_ms": m["p50_tpot_ms"] - o["p50_tpot_ms"],
+                    "paired_ttft_ms": paired(samples["mesh"][workload], samples[other][workload])}
+                print(f"  {workload}: {what}: TTFT p50 {change['ttft_ms']:+.2f} ms (paired "
+                      f"{change['paired_ttft_ms']:+.2f} ms), per-token gap {change['tpot_ms']:+.2f} ms")
     Path(args.out).write_text(json.dumps(report, indent=2))
     return 0
 
