@@ -176,12 +176,13 @@ class Router:
             summary = dataclasses.replace(summary, exclude=summary.exclude | {full})  # no room there: route around it
         if plan is None or full is not None:
             raise NoRoute("no worker has KV room for this request now (all reserved); retry later", busy=True)
-        self._bump(plan, summary)
-        self.decisions[plan.path] += 1
-        self._annotate(plan, workers)
+        self._chosen(plan, summary, workers)
         return plan
 
-    def _annotate(self, plan: RoutePlan, workers: list[WorkerSnapshot]) -> None:
+    def _chosen(self, plan: RoutePlan, summary: RouteSummary, workers: list[WorkerSnapshot]) -> None:
+        """The plan is the request's: its work loads the workers, it is counted, and the route span says so."""
+        self._bump(plan, summary)
+        self.decisions[plan.path] += 1
         self.tracing.annotate({"epdmesh.path": plan.path.value, "epdmesh.decoder": plan.decoder.worker_id,
                                "epdmesh.prefill": plan.prefill.worker_id,
                                "epdmesh.encoder": plan.encoder.worker_id if plan.encoder else None,
@@ -203,9 +204,7 @@ class Router:
         self._last_route = time.monotonic()
         self._routing.set()
         amounts = needs(plan, summary)
-        self._bump(plan, summary)
-        self.decisions[plan.path] += 1
-        self._annotate(plan, workers)
+        self._chosen(plan, summary, workers)
         reserved = asyncio.ensure_future(self._reserve_ahead(summary.request_id, amounts))
         return plan, reserved
 
