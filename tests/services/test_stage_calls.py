@@ -1,6 +1,7 @@
 """Stage calls on a stream kept open to a worker: the same replies, errors, cancellation and failure a unary call has."""
 
 import asyncio
+import contextlib
 
 import grpc
 import pytest
@@ -65,6 +66,23 @@ async def _serve(handlers: Handlers, streamed: bool = True):
     return server, servicer, f"127.0.0.1:{port}"
 
 
+@contextlib.asynccontextmanager
+async def _calling(mode: str = "stream", streamed: bool = True, gated: tuple[str, ...] = ()):
+    """A worker serving `Handlers` (with the StageCalls stream, or only unary), and a caller to it; `gated`: request
+    ids whose handler waits for its gate."""
+    handlers = Handlers()
+    handlers.gates.update((rid, asyncio.Event()) for rid in gated)
+    server, servicer, address = await _serve(handlers, streamed)
+    channels = ChannelPool()
+    calls = StageCalls(channels, mode)
+    try:
+        yield handlers, server, servicer, address, calls
+    finally:
+        await calls.close()
+        await channels.close()
+        await server.stop(0)
+
+
 async def _until(predicate, timeout: float = 5.0) -> None:
     deadline = asyncio.get_running_loop().time() + timeout
     while not predicate():
@@ -75,12 +93,7 @@ async def _until(predicate, timeout: float = 5.0) -> None:
 @pytest.mark.parametrize("mode", ["stream", "unary"])
 def test_replies_reach_their_calls_in_whatever_order_they_finish(mode):
     async def main():
-        handlers = Handlers()
-        handlers.gates["slow"] = asyncio.Event()
-        server, servicer, address = await _serve(handlers)
-        channels = ChannelPool()
-        calls = StageCalls(channels, mode)
-        try:
+        async with _calling(mode, gated=("slow",)) as (handlers, server, servicer, address, calls):
             slow = calls.call(address, "prefill", _prefill("slow"))
             quick = [calls.call(address, "prefill", _prefill(f"quick-{i}")) for i in range(5)]
             replies = await asyncio.gather(*quick)
@@ -89,10 +102,6 @@ def test_replies_reach_their_calls_in_whatever_order_they_finish(mode):
             handlers.gates["slow"].set()
             assert (await slow).first.token_ids == [4]
             assert servicer.num_open == (1 if mode == "stream" else 0)  # one stream carried all six
-        finally:
-            await calls.close()
-            await channels.close()
-            await server.stop(0)
 
     asyncio.run(main())
 
@@ -100,11 +109,7 @@ def test_replies_reach_their_calls_in_whatever_order_they_finish(mode):
 @pytest.mark.parametrize("mode", ["stream", "unary"])
 def test_an_error_is_the_status_code_the_unary_rpc_ends_with_and_the_stream_goes_on(mode):
     async def main():
-        handlers = Handlers()
-        server, _, address = await _serve(handlers)
-        channels = ChannelPool()
-        calls = StageCalls(channels, mode)
-        try:
+        async with _calling(mode) as (handlers, server, servicer, address, calls):
             for rid, code, details in (("bad-1", grpc.StatusCode.INVALID_ARGUMENT, "no good: bad-1"),
                                        ("gone-1", grpc.StatusCode.NOT_FOUND, "no such thing as gone-1"),
                                        ("bug-1", grpc.StatusCode.INTERNAL, "a bug of ours")):
@@ -113,21 +118,13 @@ def test_an_error_is_the_status_code_the_unary_rpc_ends_with_and_the_stream_goes
                 assert failed.value.code() == code
                 assert details in failed.value.details()
             assert (await calls.call(address, "prefill", _prefill("fine"))).first.text == "fine"
-        finally:
-            await calls.close()
-            await channels.close()
-            await server.stop(0)
 
     asyncio.run(main())
 
 
 def test_a_method_the_worker_does_not_serve_is_unimplemented_for_that_call_only():
     async def main():
-        handlers = Handlers()
-        server, _, address = await _serve(handlers)
-        channels = ChannelPool()
-        calls = StageCalls(channels)
-        try:
+        async with _calling() as (handlers, server, servicer, address, calls):
             with pytest.raises(grpc.aio.AioRpcError) as failed:
                 await calls.call(address, "await_encode", pb.AwaitEncodeRequest(request_id="x"))
             assert failed.value.code() == grpc.StatusCode.UNIMPLEMENTED
@@ -135,10 +132,6 @@ def test_a_method_the_worker_does_not_serve_is_unimplemented_for_that_call_only(
             assert (await calls.call(address, "prefill", _prefill("after"))).first.text == "after"
             with pytest.raises(ValueError, match="no stage call named 'decode'"):
                 calls.call(address, "decode", _prefill("x"))
-        finally:
-            await calls.close()
-            await channels.close()
-            await server.stop(0)
 
     asyncio.run(main())
 
@@ -146,13 +139,7 @@ def test_a_method_the_worker_does_not_serve_is_unimplemented_for_that_call_only(
 @pytest.mark.parametrize("mode", ["stream", "unary"])
 def test_cancelling_a_call_cancels_its_work_on_the_worker_and_nothing_else(mode):
     async def main():
-        handlers = Handlers()
-        handlers.gates["doomed"] = asyncio.Event()
-        handlers.gates["kept"] = asyncio.Event()
-        server, _, address = await _serve(handlers)
-        channels = ChannelPool()
-        calls = StageCalls(channels, mode)
-        try:
+        async with _calling(mode, gated=("doomed", "kept")) as (handlers, server, servicer, address, calls):
             doomed = calls.call(address, "prefill", _prefill("doomed"))
             kept = calls.call(address, "prefill", _prefill("kept"))
             await _until(lambda: {"doomed", "kept"} <= set(handlers.started))
@@ -162,22 +149,13 @@ def test_cancelling_a_call_cancels_its_work_on_the_worker_and_nothing_else(mode)
             assert (await kept).first.text == "kept"
             assert (await calls.call(address, "prefill", _prefill("next"))).first.text == "next"
             assert handlers.cancelled == ["doomed"]
-        finally:
-            await calls.close()
-            await channels.close()
-            await server.stop(0)
 
     asyncio.run(main())
 
 
 def test_a_draining_worker_ends_the_stream_its_open_calls_fail_unavailable_and_new_calls_open_another():
     async def main():
-        handlers = Handlers()
-        handlers.gates["stuck"] = asyncio.Event()
-        server, servicer, address = await _serve(handlers)
-        channels = ChannelPool()
-        calls = StageCalls(channels)
-        try:
+        async with _calling(gated=("stuck",)) as (handlers, server, servicer, address, calls):
             assert (await calls.call(address, "prefill", _prefill("first"))).first.text == "first"
             stuck = calls.call(address, "prefill", _prefill("stuck"))
             await _until(lambda: "stuck" in handlers.started)
@@ -190,22 +168,13 @@ def test_a_draining_worker_ends_the_stream_its_open_calls_fail_unavailable_and_n
             await _until(lambda: servicer.num_open == 0)
             assert (await calls.call(address, "prefill", _prefill("again"))).first.text == "again"
             assert servicer.num_open == 1
-        finally:
-            await calls.close()
-            await channels.close()
-            await server.stop(0)
 
     asyncio.run(main())
 
 
 def test_a_worker_that_goes_away_fails_the_open_calls_unavailable():
     async def main():
-        handlers = Handlers()
-        handlers.gates["orphan"] = asyncio.Event()
-        server, _, address = await _serve(handlers)
-        channels = ChannelPool()
-        calls = StageCalls(channels)
-        try:
+        async with _calling(gated=("orphan",)) as (handlers, server, servicer, address, calls):
             orphan = calls.call(address, "prefill", _prefill("orphan"))
             await _until(lambda: "orphan" in handlers.started)
             await server.stop(0)
@@ -215,30 +184,19 @@ def test_a_worker_that_goes_away_fails_the_open_calls_unavailable():
             with pytest.raises(grpc.aio.AioRpcError) as failed:  # a new stream to a dead address: the same
                 await calls.call(address, "prefill", _prefill("late"))
             assert failed.value.code() == grpc.StatusCode.UNAVAILABLE
-        finally:
-            await calls.close()
-            await channels.close()
 
     asyncio.run(main())
 
 
 def test_a_worker_without_the_stream_service_gets_unary_calls():
     async def main():
-        handlers = Handlers()
-        server, _, address = await _serve(handlers, streamed=False)
-        channels = ChannelPool()
-        calls = StageCalls(channels)
-        try:
+        async with _calling(streamed=False) as (handlers, server, servicer, address, calls):
             replies = await asyncio.gather(*(calls.call(address, "prefill", _prefill(f"old-{i}")) for i in range(3)))
             assert [r.first.text for r in replies] == ["old-0", "old-1", "old-2"]
             with pytest.raises(grpc.aio.AioRpcError) as failed:
                 await calls.call(address, "prefill", _prefill("bad-old"))
             assert failed.value.code() == grpc.StatusCode.INVALID_ARGUMENT
             assert sorted(handlers.started) == ["bad-old", "old-0", "old-1", "old-2"]  # each ran once, unary
-        finally:
-            await calls.close()
-            await channels.close()
-            await server.stop(0)
 
     asyncio.run(main())
 
