@@ -1,7 +1,10 @@
 """Per-request block tables over a `BlockPool` (no torch).
 
-Admission reserves a request's worst case — prompt plus `max_tokens` — so a running decode
-never runs out of KV and nothing is ever preempted. With prefix caching on, full prompt
+On demand (the default, as vLLM does): a request is admitted with blocks for what its prefill
+computes (plus the first decode's token when it decodes here), and a running decode's table grows a
+block at a time (`can_grow` / `grow`); the scheduler preempts when the pool runs out. Worst case
+(`worst_case=True`, as TGI does): admission takes prompt + `max_tokens` at once, so a decode never
+grows and nothing is ever preempted, at the price of concurrency. With prefix caching on, full prompt
 blocks whose chained hash is cached are shared instead of recomputed.
 """
 
@@ -10,7 +13,7 @@ from __future__ import annotations
 import hashlib
 
 from common.block_pool import BlockPool, chain_hashes
-from common.request import Request
+from common.request import Request, Stage
 
 
 def blocks_for(num_tokens: int, block_size: int) -> int:
@@ -18,20 +21,28 @@ def blocks_for(num_tokens: int, block_size: int) -> int:
 
 
 class KVBlockManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False):
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False, worst_case: bool = False):
         self.pool = BlockPool(num_blocks)
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
+        self.worst_case = worst_case
 
-    def reserved_tokens(self, request: Request) -> int:
-        return request.num_prompt_tokens + request.sampling.max_tokens
+    def admission_tokens(self, request: Request) -> int:
+        """KV tokens a request's blocks cover when it is admitted: what its prefill computes, plus, when it
+        decodes here, the slot of the token that prefill samples (on demand) or all `max_tokens` (worst case).
+        A request that starts at decode counts its prompt as computed."""
+        if request.last_stage < Stage.DECODE:
+            return request.num_prefill_tokens
+        if self.worst_case:
+            return request.num_prompt_tokens + request.sampling.max_tokens
+        return request.num_prefill_tokens + 1
 
     def can_allocate(self, request: Request) -> bool:
-        return self.pool.can_allocate(blocks_for(self.reserved_tokens(request), self.block_size))
+        return self.pool.can_allocate(blocks_for(self.admission_tokens(request), self.block_size))
 
     def allocate(self, request: Request) -> int:
         """Give `request` its block table; returns how many leading prompt tokens are already cached."""
-        needed = blocks_for(self.reserved_tokens(request), self.block_size)
+        needed = blocks_for(self.admission_tokens(request), self.block_size)
         cached = self._cached_prefix(request) if self.enable_prefix_caching else []
         self.pool.share(cached)
         request.block_table = cached + self.pool.allocate(needed - len(cached))
@@ -44,6 +55,17 @@ class KVBlockManager:
         computed = min(request.num_computed_tokens, request.num_prompt_tokens)
         for block_id, h in zip(request.block_table, self._hashes(request, computed)):
             self.pool.set_hash(block_id, h)
+
+    def blocks_to_grow(self, request: Request) -> int:
+        """Blocks a running request still needs before its next decode, which computes the KV of the last token
+        it sampled: its table must cover every token it has."""
+        return max(0, blocks_for(request.num_tokens, self.block_size) - len(request.block_table))
+
+    def can_grow(self, request: Request) -> bool:
+        return self.pool.can_allocate(self.blocks_to_grow(request))
+
+    def grow(self, request: Request) -> None:
+        request.block_table += self.pool.allocate(self.blocks_to_grow(request))
 
     def free(self, request: Request) -> None:
         self.pool.free(request.block_table)
@@ -75,6 +97,10 @@ class ImageBlockManager:
 
     def can_allocate(self, request: Request) -> bool:
         return self.pool.can_allocate(blocks_for(request.num_image_tokens, self.block_size))
+
+    def could_hold(self, request: Request) -> bool:
+        """The whole cache holds the request's images (an engine without the encode or prefill role has 1 block)."""
+        return self.pool.num_blocks >= blocks_for(request.num_image_tokens, self.block_size)
 
     def allocate(self, request: Request) -> None:
         request.image_block_table = self.pool.allocate(blocks_for(request.num_image_tokens, self.block_size))

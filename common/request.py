@@ -4,7 +4,12 @@ Life of a request in an engine:
   1. WAITING      — queued; holds no pages.
   2. ENCODING     — some of its images are encoded into image-cache pages.
   3. PREFILLING   — KV blocks allocated for the whole prompt; chunks computed in order.
-  4. DECODING     — one token per iteration until a stop condition.
+  4. DECODING     — one token per iteration until a stop condition; its KV blocks grow as it
+                    does. When the cache runs out, the newest running request is preempted: its
+                    blocks are freed and it goes back to WAITING, to recompute prompt + output so far
+                    (`recompute_outputs`) and go on; one this engine cannot recompute (its images came
+                    as pages, their pixels are elsewhere) is HANDED_BACK instead, for its caller to
+                    continue elsewhere.
   5. finished     — FINISHED_* (pages freed), or HANDED_OFF: its last stage here is done
                     and its pages wait to be exported to the next stage's engine.
 """
@@ -31,9 +36,10 @@ class RequestStatus(enum.IntEnum):
     PREFILLING = 2
     DECODING = 3
     HANDED_OFF = 4
-    FINISHED_STOPPED = 5
-    FINISHED_LENGTH = 6
-    FINISHED_ABORTED = 7
+    HANDED_BACK = 5  # preempted, and not recomputable here: its caller continues it elsewhere (pages freed)
+    FINISHED_STOPPED = 6
+    FINISHED_LENGTH = 7
+    FINISHED_ABORTED = 8
 
     @property
     def finished(self) -> bool:
@@ -78,6 +84,7 @@ class Request:
     output_token_ids: list[int] = dataclasses.field(default_factory=list)
     num_computed_tokens: int = 0
     num_encoded_images: int = 0
+    recompute_outputs: int = 0  # output tokens the next prefill computes with the prompt (set when preempted)
     block_table: list[int] = dataclasses.field(default_factory=list)
     image_block_table: list[int] = dataclasses.field(default_factory=list)
     output_text: str = ""
@@ -128,8 +135,25 @@ class Request:
         return self.num_encoded_images < len(self.images)
 
     @property
+    def num_prefill_tokens(self) -> int:
+        """Tokens a prefill computes before it samples: the prompt, and after a preemption the output so far."""
+        return len(self.prompt_token_ids) + self.recompute_outputs
+
+    @property
     def prefill_remaining(self) -> int:
-        return max(0, self.num_prompt_tokens - self.num_computed_tokens)
+        return max(0, self.num_prefill_tokens - self.num_computed_tokens)
+
+    @property
+    def can_recompute(self) -> bool:
+        """Its KV can be rebuilt where it is: it has no images, or their pixels (images that came as encoded
+        pages have none)."""
+        return all(image.pixel_values is not None for image in self.images)
+
+    def token_ids(self, start: int, end: int) -> list[int]:
+        """Prompt and output token ids at positions [start, end)."""
+        if end <= len(self.prompt_token_ids):
+            return self.prompt_token_ids[start:end]
+        return self.all_token_ids[start:end]
 
     @property
     def finish_reason(self) -> str | None:

@@ -2,10 +2,15 @@
 
 Each `schedule()` forms one iteration:
   1. every running decode (one token each), up to `max_num_seqs` (beyond it they take turns) — the
-     token budget never holds back a running decode; decodes over it leave no room for new work;
+     token budget never holds back a running decode; decodes over it leave no room for new work.
+     Each gets the KV block its next token needs, oldest first; when none is free, the newest running
+     request is preempted (vLLM's order) until one is or the request itself was: its blocks are freed,
+     and it waits at the front of the queue to recompute its prompt and output so far, or — when its
+     images are not here to recompute from — is handed back (`SchedulerOutput.handed_back`);
   2. unfinished work: prefill chunks in progress, then images of partly encoded requests;
   3. new work from the queues, oldest first, while the token budget τ_t (prefill + decode
-     tokens) and the image budget τ_e (images through the vision tower) last.
+     tokens) and the image budget τ_e (images through the vision tower) last; nothing new takes KV
+     blocks while a preempted request waits for them.
 A request whose last images a step encodes starts its prefill in that same step when τ_t has room (the
 runner encodes before the forward): it does not wait a whole iteration between its encode and its prefill.
 With `join_first` (a decoder that prefills while prefill workers hand requests over to it), the iteration
@@ -26,6 +31,9 @@ from common.kv_manager import ImageBlockManager, KVBlockManager
 from common.request import Request, RequestStatus, Stage
 
 
+KV_ADMISSION = ("on-demand", "worst-case")
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class SchedulerConfig:
     token_budget: int = 2048  # τ_t: tokens (prefill chunks + decodes) per iteration
@@ -33,11 +41,14 @@ class SchedulerConfig:
     max_num_seqs: int = 64  # requests decoding at once
     enable_chunked_prefill: bool = True
     join_first: bool = False  # a handed-over request's first decode goes in a decode-only iteration (see above)
+    kv_admission: str = "on-demand"  # or "worst-case": blocks for prompt + max_tokens at admission, never preempts
 
     def __post_init__(self) -> None:
         for name in ("token_budget", "image_budget", "max_num_seqs"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1")
+        if self.kv_admission not in KV_ADMISSION:
+            raise ValueError(f"kv_admission must be one of {KV_ADMISSION}, got {self.kv_admission!r}")
 
 
 @dataclasses.dataclass(slots=True)
@@ -47,8 +58,9 @@ class PrefillChunk:
     num_tokens: int
 
     @property
-    def completes_prompt(self) -> bool:
-        return self.start + self.num_tokens == self.request.num_prompt_tokens
+    def completes_prefill(self) -> bool:
+        """The chunk reaches the end of what the prefill computes: its last position samples."""
+        return self.start + self.num_tokens == self.request.num_prefill_tokens
 
 
 @dataclasses.dataclass(slots=True)
@@ -63,6 +75,7 @@ class SchedulerOutput:
     decodes: list[Request] = dataclasses.field(default_factory=list)  # each computes its last token, samples one
     prefills: list[PrefillChunk] = dataclasses.field(default_factory=list)  # prompt chunks, in request order
     encodes: list[EncodeWork] = dataclasses.field(default_factory=list)  # images through the vision tower
+    handed_back: list[Request] = dataclasses.field(default_factory=list)  # preempted, not recomputable here: out
 
     @property
     def num_tokens(self) -> int:
@@ -94,6 +107,7 @@ class Scheduler:
         self.running: list[Request] = []
         self.joined: set[str] = set()  # handed-over requests (KV in place) that have not decoded here yet
         self._last_had_work = False  # the last iteration carried prefill chunks or encodes
+        self.num_preemptions = 0  # since start: recomputed here or handed back
 
     @property
     def has_work(self) -> bool:
@@ -118,9 +132,11 @@ class Scheduler:
         out = SchedulerOutput()
         tokens, images = self.config.token_budget, self.config.image_budget
         cap = self.config.max_num_seqs  # every running decode: τ_t limits new work, never a decode's next token
-        out.decodes = self.running[:cap]
-        if len(self.running) > cap:  # more arrived with their KV than the batch holds: take turns, none starves
-            self.running = self.running[cap:] + self.running[:cap]
+        taking_turns = len(self.running) > cap
+        out.decodes = self._with_room(self.running[:cap], out)
+        if taking_turns:  # more arrived with their KV than the batch holds: take turns, none starves
+            n = len(out.decodes)
+            self.running = self.running[n:] + self.running[:n]
         tokens -= len(out.decodes)
         joining = False
         if self.joined:  # none left once every joiner has decoded: nothing to look up
@@ -132,6 +148,38 @@ class Scheduler:
         self._schedule_new_work(out, tokens, images)
         self._last_had_work = bool(out.prefills or out.encodes)
         return out
+
+    def _with_room(self, decodes: list[Request], out: SchedulerOutput) -> list[Request]:
+        """The decodes that got the blocks their next token needs, oldest first, preempting the newest running
+        requests for them while the pool is out (victims come from the end, so none was served already)."""
+        kept = []
+        for request in decodes:
+            if request.status != RequestStatus.DECODING:
+                break  # preempted for one before it, and so was every one after it
+            while not self.kv.can_grow(request):
+                victim = self.running[-1]
+                self._preempt(victim, out)
+                if victim is request:
+                    return kept
+            self.kv.grow(request)
+            kept.append(request)
+        return kept
+
+    def _preempt(self, request: Request, out: SchedulerOutput) -> None:
+        self.num_preemptions += 1
+        self.running.remove(request)
+        self.joined.discard(request.request_id)
+        self.kv.free(request)
+        request.num_computed_tokens = 0
+        if not (request.can_recompute and self.images.could_hold(request)):
+            request.status = RequestStatus.HANDED_BACK
+            out.handed_back.append(request)
+            return
+        request.recompute_outputs = len(request.output_token_ids)
+        if request.images:  # its embeddings went with its prefill: encode again, from the pixels it keeps
+            request.first_stage, request.num_encoded_images = Stage.ENCODE, 0
+        request.status = RequestStatus.WAITING
+        self.waiting.appendleft(request)
 
     def _schedule_new_work(self, out: SchedulerOutput, tokens: int, images: int) -> None:
         for request in self.prefilling:
@@ -147,9 +195,13 @@ class Scheduler:
             tokens -= self._chunk(out, request, tokens)
         for request in encoded:  # after the requests encoded before them
             tokens -= self._fuse(out, request, tokens)
-        for request in list(self.waiting):
+        held = any(r.recompute_outputs for r in self.ready)  # a preempted request waits: nothing newer starts first
+        for request in list(self.waiting):  # preempted requests at the front
+            if held and not request.recompute_outputs:
+                break
             if request.first_stage == Stage.ENCODE and request.needs_encode:
                 if images <= 0 or not self.images.can_allocate(request):
+                    held = held or bool(request.recompute_outputs)
                     continue
                 self.waiting.remove(request)
                 self.images.allocate(request)
@@ -164,6 +216,8 @@ class Scheduler:
                 tokens -= self._chunk(out, request, tokens)
             elif tokens <= 0 and images <= 0:
                 break
+            else:
+                held = held or bool(request.recompute_outputs)
 
     def _admit_prefill(self, request: Request) -> bool:
         """Move a request into `prefilling` with its KV blocks; False when it cannot start yet."""

@@ -58,6 +58,7 @@ class WorkerLoad:
     decode_context_tokens: int = 0  # KV tokens of the running decodes (what one decode iteration reads)
     kv_tokens_free: int = 0  # tokens the free KV blocks hold
     iteration_elapsed_ms: float = 0.0  # how long the iteration under way had run when this was taken (0: none)
+    num_preemptions: int = 0  # since start: running requests whose KV was freed for others (recomputed or handed back)
 
     @property
     def queue_length(self) -> int:

@@ -33,7 +33,8 @@ def _engine_config(args, roles: str = "encode,prefill,decode"):
         kv_cache_gib=_kv_cache_gib(args), max_model_len=args.max_model_len, attention_backend=args.attention_backend,
         enable_prefix_caching=args.enable_prefix_caching,
         scheduler=SchedulerConfig(*_budgets(args, parse_roles(roles)),
-                                  max_num_seqs=args.max_num_seqs, join_first=_decoder_joins(args)[1]),
+                                  max_num_seqs=args.max_num_seqs, join_first=_decoder_joins(args)[1],
+                                  kv_admission=args.kv_admission),
     )
 
 
@@ -261,6 +262,9 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--latency-profile", help="a latency profile (epdmesh profile; or H20/H100/H200): τ_t and τ_e are the largest batches "
                                             "within α·TTFT (instances without decode) or TBT (with decode)")
     p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--kv-admission", default="on-demand", choices=["on-demand", "worst-case"],
+                   help="on-demand: KV blocks as requests grow, the newest preempted when the cache runs out (vLLM); "
+                        "worst-case: prompt + max_tokens booked at admission, never preempted, fewer requests at once")
     p.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "flash-attn", "xformers"])
     p.add_argument("--enable-prefix-caching", action="store_true")
     p.add_argument("--threads", type=int, help="torch intra-op threads (serve: default cores / workers)")

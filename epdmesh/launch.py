@@ -275,7 +275,7 @@ def worker_argv(group: WorkerGroup, toggle: str, args, threads: int) -> list[str
             "--budget-headroom", str(args.budget_headroom), "--budget-alpha", str(args.budget_alpha),
             "--decoder-joins", args.decoder_joins, "--max-num-seqs", str(args.max_num_seqs), "--attention-backend", args.attention_backend,
             "--transfer", args.transfer, "--threads", str(threads), "--backend", args.backend,
-            "--stage-calls", args.stage_calls]
+            "--stage-calls", args.stage_calls, "--kv-admission", args.kv_admission]
     if args.backend == "emulated":
         argv += ["--profile", args.profile, "--emulated-kv-bytes-per-token", str(args.emulated_kv_bytes_per_token),
                  "--emulated-image-bytes-per-token", str(args.emulated_image_bytes_per_token)]

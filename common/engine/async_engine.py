@@ -52,7 +52,7 @@ class AsyncEngine:
         self, request: Request, image_pages: PagePayload | None = None, kv_pages: PagePayload | None = None,
         preloaded: bool = False,
     ) -> AsyncIterator[RequestOutput]:
-        """Outputs of `request` until it finishes or is handed off; pages of an earlier stage go in with it
+        """Outputs of `request` until it finishes or is handed off (or back: preempted); pages of an earlier stage go in with it
         (or are already in the blocks `Engine.reserve_import` gave it: `preloaded`)."""
         outputs: asyncio.Queue = asyncio.Queue()
         with self._gate:
@@ -69,7 +69,7 @@ class AsyncEngine:
                 if isinstance(item, BaseException):
                     done = True
                     raise item
-                done = item.finished or item.handed_off
+                done = item.done_here
                 yield item
         finally:
             self._streams.pop(request.request_id, None)

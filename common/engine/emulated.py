@@ -82,7 +82,7 @@ class EmulatedEngine(Engine):
             sampling.append(request)
             tokens.append(self._token(self._read_stamp(self.kv_cache.data, request.block_table[0]), request))
         for chunk in plan.prefills:
-            if not chunk.completes_prompt:
+            if not chunk.completes_prefill:
                 continue
             request = chunk.request
             seed = array.array("q", request.prompt_token_ids).tobytes()

@@ -6,7 +6,9 @@ Life of a request in the engine:
   2. Each `step()` the scheduler picks decodes, prefill chunks and encodes under the budgets;
      the model runner executes them; postprocess appends sampled tokens and checks stops.
   3. A request finishes here (pages freed) or is HANDED_OFF when its last stage here is done;
-     then `export_*_pages` returns its pages as bytes and `release` frees them.
+     then `export_*_pages` returns its pages as bytes and `release` frees them. One preempted that
+     cannot be recomputed here is HANDED_BACK (pages freed, no new tokens): its caller goes on with
+     it elsewhere, as a continuation of the tokens it has.
 """
 
 from __future__ import annotations
@@ -51,6 +53,7 @@ class EngineStats:
     queued_prefill_tokens: int = 0  # prompt tokens waiting or still to prefill
     queued_images: int = 0  # images waiting or still to encode
     decode_context_tokens: int = 0  # KV tokens of the running decodes
+    num_preemptions: int = 0  # since start: running requests whose KV was freed for others (recomputed or handed back)
 
 
 class Engine:
@@ -89,7 +92,8 @@ class Engine:
         self.image_cache = PagedImageCache(num_img, config.image_block_size, image_hidden, dtype, device)
         self.scheduler = Scheduler(
             config.scheduler,
-            KVBlockManager(num_kv, config.block_size, config.enable_prefix_caching),
+            KVBlockManager(num_kv, config.block_size, config.enable_prefix_caching,
+                           worst_case=config.scheduler.kv_admission == "worst-case"),
             ImageBlockManager(num_img, config.image_block_size),
         )
         self.detokenize = detokenize
@@ -200,7 +204,7 @@ class Engine:
         if not self.scheduler.kv.can_allocate(request):
             raise NoRoomForPages("no free KV blocks for the handed-over KV pages")
         kv = self.scheduler.kv
-        request.block_table = kv.pool.allocate(blocks_for(kv.reserved_tokens(request), kv.block_size))
+        request.block_table = kv.pool.allocate(blocks_for(kv.admission_tokens(request), kv.block_size))
 
     def _import_image_pages(self, request: Request, pages: PagePayload | None) -> None:
         if pages is None or pages.num_tokens != request.num_image_tokens:
@@ -231,8 +235,9 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         with self.lock:
             plan = self.scheduler.schedule()
+            handed_back = [self._hand_back(request) for request in plan.handed_back]
             if plan.is_empty:
-                return []
+                return handed_back
             now = time.monotonic()
             for request in plan.requests:
                 if request.first_scheduled_time is None:
@@ -240,7 +245,7 @@ class Engine:
         sampling, tokens = self._execute(plan)  # without the lock: it touches only the plan's requests and pages
         with self.lock:
             try:
-                return self._postprocess(plan, sampling, tokens)
+                return handed_back + self._postprocess(plan, sampling, tokens)
             except Exception as e:  # a bug of ours, part-way through the plan: drop all of it, pages freed
                 request_ids = [request.request_id for request in plan.requests]
                 for request_id in request_ids:
@@ -290,6 +295,14 @@ class Engine:
         request.done_time = time.monotonic()
         self.scheduler.finish(request, status)
         del self.requests[request.request_id]
+
+    def _hand_back(self, request: Request) -> RequestOutput:
+        """A preempted request this engine cannot recompute leaves it (its pages are freed already)."""
+        request.done_time = time.monotonic()
+        del self.requests[request.request_id]
+        log.info("request %s preempted after %d tokens: KV cache full, and its images are not here to recompute "
+                 "from; handed back", request.request_id, len(request.output_token_ids))
+        return self._output(request, [])
 
     def _handoff(self, request: Request, new: list[int] | None = None) -> RequestOutput:
         request.done_time = time.monotonic()
@@ -373,7 +386,7 @@ class Engine:
             self.add_request(request, capture_logits=capture_logits)
         while self.has_unfinished:
             for out in self.step():
-                if out.finished or out.handed_off:
+                if out.done_here:
                     final[out.request_id] = out
         return final
 
@@ -395,4 +408,5 @@ class Engine:
                                       if r.last_stage >= Stage.PREFILL),
             queued_images=sum(len(r.images) - r.num_encoded_images for q in (s.waiting, s.encoding) for r in q),
             decode_context_tokens=sum(r.num_tokens for r in s.running),
+            num_preemptions=s.num_preemptions,
         )

@@ -67,12 +67,12 @@ class ModelRunner:
             sampling.append(request)
         for chunk in plan.prefills:
             end = chunk.start + chunk.num_tokens
-            ids.extend(chunk.request.prompt_token_ids[chunk.start : end])
+            ids.extend(chunk.request.token_ids(chunk.start, end))  # a preempted request's output too
             positions.extend(range(chunk.start, end))
             query_lens.append(chunk.num_tokens)
             seq_lens.append(end)
             tables.append(chunk.request.block_table)
-            if chunk.completes_prompt:
+            if chunk.completes_prefill:
                 sample_rows.append(len(ids) - 1)
                 sampling.append(chunk.request)
         width = max(-(-s // block_size) for s in seq_lens)

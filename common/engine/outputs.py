@@ -38,3 +38,12 @@ class RequestOutput:
     @property
     def handed_off(self) -> bool:
         return self.status == RequestStatus.HANDED_OFF
+
+    @property
+    def handed_back(self) -> bool:
+        """Preempted and not recomputable where it ran: no more outputs come; go on with it elsewhere."""
+        return self.status == RequestStatus.HANDED_BACK
+
+    @property
+    def done_here(self) -> bool:
+        return self.status.done_here

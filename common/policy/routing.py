@@ -53,10 +53,15 @@ class RoutingConfig:
     prefill_mode: str = "auto"  # auto | dedicated | multiplexed
     multiplex_max_tokens: int = 256  # auto: prompts up to this many tokens prefill on the decoder
     max_heartbeat_age_s: float = 3.0  # older statistics mean the worker may be dead: skip it
+    # of a request's output, the KV tokens a route books on its decoder with the prompt (beyond them, decoders grow
+    # their caches on demand and preempt when they run out)
+    reserved_output_tokens: int = 256
 
     def __post_init__(self) -> None:
         if self.prefill_mode not in ("auto", "dedicated", "multiplexed"):
             raise ValueError(f"prefill_mode must be auto, dedicated or multiplexed, not {self.prefill_mode!r}")
+        if self.reserved_output_tokens < 0:
+            raise ValueError(f"reserved_output_tokens must be at least 0, got {self.reserved_output_tokens}")
 
 
 def _least_queued(workers: list[WorkerSnapshot]) -> WorkerSnapshot:

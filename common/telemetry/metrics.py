@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 
 P = "epdmesh:"
@@ -120,12 +121,15 @@ class WorkerMetrics:
         self.iteration = Histogram(P + "iteration_time_seconds", "Time of one engine iteration.", w,
                                    buckets=ITL_BUCKETS, registry=r)
 
-    def gauges(self, running: Callable[[], float], waiting: Callable[[], float], kv_usage: Callable[[], float]) -> None:
-        """Gauges read at scrape time."""
+    def gauges(self, running: Callable[[], float], waiting: Callable[[], float], kv_usage: Callable[[], float],
+               preemptions: Callable[[], int] = lambda: 0) -> None:
+        """Gauges (and the engine's own preemption count, a counter) read at scrape time."""
         for name, doc, fn in (("num_requests_running", "Requests running in this worker's engine.", running),
                               ("num_requests_waiting", "Requests waiting in this worker's queues.", waiting),
                               ("kv_cache_usage_perc", "Fraction of KV-cache blocks in use (1 = full).", kv_usage)):
             Gauge(P + name, doc, list(self.labels), registry=self.registry).labels(**self.labels).set_function(fn)
+        self.registry.register(_CounterAtScrape(P + "num_preemptions", "Running requests whose KV blocks were freed "
+                                                "for others (recomputed here, or handed back).", self.labels, preemptions))
 
     def stage(self, stage: str, queue_s: float | None, execute_s: float | None) -> None:
         if queue_s is not None:
@@ -139,3 +143,15 @@ class WorkerMetrics:
             return
         self.transfer_bytes.labels(**self.labels, backend=backend, kind=kind).inc(num_bytes)
         self.transfer_seconds.labels(**self.labels, backend=backend, kind=kind).observe(seconds)
+
+
+class _CounterAtScrape:
+    """A counter kept elsewhere (by the engine), read when scraped."""
+
+    def __init__(self, name: str, doc: str, labels: dict[str, str], read: Callable[[], int]):
+        self.name, self.doc, self.labels, self.read = name, doc, labels, read
+
+    def collect(self):
+        family = CounterMetricFamily(self.name, self.doc, labels=list(self.labels))
+        family.add_metric(list(self.labels.values()), self.read())
+        yield family

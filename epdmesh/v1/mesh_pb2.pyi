@@ -151,7 +151,7 @@ class PageHandle(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., address: _Optional[str] = ..., lease_id: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., layout: _Optional[_Union[PageLayout, _Mapping]] = ..., lease_expiry_unix_ms: _Optional[int] = ..., backend: _Optional[str] = ..., backend_info: _Optional[bytes] = ...) -> None: ...
 
 class TokenChunk(_message.Message):
-    __slots__ = ("token_ids", "finish_reason", "stop_string", "stop_token_id", "text", "num_prompt_tokens", "logprobs")
+    __slots__ = ("token_ids", "finish_reason", "stop_string", "stop_token_id", "text", "num_prompt_tokens", "logprobs", "handed_back")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     STOP_STRING_FIELD_NUMBER: _ClassVar[int]
@@ -159,6 +159,7 @@ class TokenChunk(_message.Message):
     TEXT_FIELD_NUMBER: _ClassVar[int]
     NUM_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    HANDED_BACK_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     finish_reason: str
     stop_string: str
@@ -166,7 +167,8 @@ class TokenChunk(_message.Message):
     text: str
     num_prompt_tokens: int
     logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprob]
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[str] = ..., stop_string: _Optional[str] = ..., stop_token_id: _Optional[int] = ..., text: _Optional[str] = ..., num_prompt_tokens: _Optional[int] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ...) -> None: ...
+    handed_back: bool
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[str] = ..., stop_string: _Optional[str] = ..., stop_token_id: _Optional[int] = ..., text: _Optional[str] = ..., num_prompt_tokens: _Optional[int] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., handed_back: _Optional[bool] = ...) -> None: ...
 
 class TokenLogprob(_message.Message):
     __slots__ = ("token_id", "logprob", "top_token_ids", "top_logprobs")
@@ -271,7 +273,7 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerLoad(_message.Message):
-    __slots__ = ("num_waiting", "num_running", "running_decode_batch", "unfinished_decode_tokens", "last_iteration_ms", "kv_blocks_free", "kv_blocks_total", "image_blocks_free", "image_blocks_total", "num_leases", "iterations", "queued_prefill_tokens", "queued_images", "decode_context_tokens", "kv_tokens_free", "iteration_elapsed_ms")
+    __slots__ = ("num_waiting", "num_running", "running_decode_batch", "unfinished_decode_tokens", "last_iteration_ms", "kv_blocks_free", "kv_blocks_total", "image_blocks_free", "image_blocks_total", "num_leases", "iterations", "queued_prefill_tokens", "queued_images", "decode_context_tokens", "kv_tokens_free", "iteration_elapsed_ms", "num_preemptions")
     NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
     RUNNING_DECODE_BATCH_FIELD_NUMBER: _ClassVar[int]
@@ -288,6 +290,7 @@ class WorkerLoad(_message.Message):
     DECODE_CONTEXT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     KV_TOKENS_FREE_FIELD_NUMBER: _ClassVar[int]
     ITERATION_ELAPSED_MS_FIELD_NUMBER: _ClassVar[int]
+    NUM_PREEMPTIONS_FIELD_NUMBER: _ClassVar[int]
     num_waiting: int
     num_running: int
     running_decode_batch: int
@@ -304,7 +307,8 @@ class WorkerLoad(_message.Message):
     decode_context_tokens: int
     kv_tokens_free: int
     iteration_elapsed_ms: float
-    def __init__(self, num_waiting: _Optional[int] = ..., num_running: _Optional[int] = ..., running_decode_batch: _Optional[int] = ..., unfinished_decode_tokens: _Optional[int] = ..., last_iteration_ms: _Optional[float] = ..., kv_blocks_free: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., image_blocks_free: _Optional[int] = ..., image_blocks_total: _Optional[int] = ..., num_leases: _Optional[int] = ..., iterations: _Optional[int] = ..., queued_prefill_tokens: _Optional[int] = ..., queued_images: _Optional[int] = ..., decode_context_tokens: _Optional[int] = ..., kv_tokens_free: _Optional[int] = ..., iteration_elapsed_ms: _Optional[float] = ...) -> None: ...
+    num_preemptions: int
+    def __init__(self, num_waiting: _Optional[int] = ..., num_running: _Optional[int] = ..., running_decode_batch: _Optional[int] = ..., unfinished_decode_tokens: _Optional[int] = ..., last_iteration_ms: _Optional[float] = ..., kv_blocks_free: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., image_blocks_free: _Optional[int] = ..., image_blocks_total: _Optional[int] = ..., num_leases: _Optional[int] = ..., iterations: _Optional[int] = ..., queued_prefill_tokens: _Optional[int] = ..., queued_images: _Optional[int] = ..., decode_context_tokens: _Optional[int] = ..., kv_tokens_free: _Optional[int] = ..., iteration_elapsed_ms: _Optional[float] = ..., num_preemptions: _Optional[int] = ...) -> None: ...
 
 class WorkerInfo(_message.Message):
     __slots__ = ("worker_id", "address", "roles", "model", "max_model_len", "transfer_backend", "pid", "metrics_port", "instance")

@@ -7,8 +7,9 @@ Life of a request here:
      over, or pending: asked for with `AwaitEncode`) — (colocated and multiplexed paths) and its
      first token is streamed too;
   2. every engine iteration streams the new token;
-  3. the last chunk carries the finish reason; cancelling the call aborts the request and frees
-     its pages.
+  3. the last chunk carries the finish reason — or, when this worker preempted the request and cannot
+     recompute it (its images came as pages), says so (`handed_back`): the caller goes on elsewhere;
+     cancelling the call aborts the request and frees its pages.
 """
 
 from __future__ import annotations
@@ -38,4 +39,4 @@ class DecoderServicer(pb_grpc.DecoderServicer):
         engine_request = wire.request_from_pb(spec, first, Stage.DECODE, f"{spec.request_id}@decode")
         async for out in self.runtime.decode(engine_request, kv, images):
             yield wire.chunk_to_pb(out.new_token_ids, out.finish_reason, out.stop_reason, out.text, out.num_prompt_tokens,
-                                   out.logprobs)
+                                   out.logprobs, handed_back=out.handed_back)

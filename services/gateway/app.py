@@ -52,6 +52,12 @@ class LocalBackend:
     def max_model_len(self) -> int:
         return self.engine.engine.max_model_len
 
+    @property
+    def context_tokens(self) -> int:
+        """The most one request can hold: the model's limit, or the whole KV cache when that holds less."""
+        kv = self.engine.engine.scheduler.kv
+        return min(self.max_model_len, kv.pool.num_blocks * kv.block_size)
+
     async def start(self, chat: ChatRequest, request_id: str, span=None) -> tuple[int, AsyncIterator[RequestOutput]]:
         try:
             if not chat.num_images and chat.short_text:  # on the loop: a thread hop costs more than tokenizing
@@ -60,7 +66,7 @@ class LocalBackend:
                 ids, images = await asyncio.to_thread(self.processor.apply, chat.conversation)
         except (ValueError, TypeError, KeyError) as e:
             raise ApiError(400, f"could not build the prompt from these messages: {e}") from None
-        request = Request(request_id, ids, chat.sampling, images)
+        request = Request(request_id, ids, chat.sampling_for(len(ids), self.context_tokens), images)
         stream = self.engine.generate(request)
         try:
             first = await anext(stream)

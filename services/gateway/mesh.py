@@ -14,7 +14,10 @@ Life of a request here:
      gateway got but could not pass on (client gone) is released at its source.
   6. a worker that fails the request (down, draining, or its pages' source died) is routed around:
      the request starts again on another route — after some tokens went out, as a continuation that
-     prefills prompt + those tokens (request migration), so the client sees no duplicates.
+     prefills prompt + those tokens (request migration), so the client sees no duplicates. A decoder
+     that preempted the request and could not recompute it (its KV cache ran out; its images came as
+     pages) hands it back: it goes on the same way, on any route with room (that decoder too), waiting
+     for one while every decoder is full.
 """
 
 from __future__ import annotations
@@ -53,6 +56,7 @@ _STATUS_OF = {reason: status for status, reason in FINISH_REASONS.items()}
 
 
 MAX_ATTEMPTS = 3  # routes tried per request when workers fail it
+MAX_HAND_BACKS = 8  # continuations of a request its decoders preempted and handed back (not failures)
 # a request whose worker died waits this long for one to take its place (`epdmesh serve` restarts a dead worker,
 # which registers within seconds) before it fails; new requests are not held: they get a 503 at once
 FAILOVER_WAIT_S = 30.0
@@ -101,8 +105,9 @@ class MeshBackend(MeshStatus):
             try:
                 # tokenizing a short text costs less than a thread hop
                 num_tokens = await self._prepare(self.processor.count_prompt_tokens, chat, span, inline=chat.short_text)
-                self._check_length(num_tokens, chat.sampling.max_tokens)
-                summary = RouteSummary(request_id, num_tokens, num_images, chat.sampling.max_tokens, frozenset(), *slo,
+                sampling = self._sampling(chat, num_tokens)
+                self._check_length(num_tokens, sampling.max_tokens)
+                summary = RouteSummary(request_id, num_tokens, num_images, sampling.max_tokens, frozenset(), *slo,
                                        elapsed_ms=(time.monotonic() - arrival) * 1e3)
                 plan = await self._route(summary, span, attempt=1)
             except BaseException:
@@ -110,15 +115,16 @@ class MeshBackend(MeshStatus):
                 raise
             try:
                 ids, images = await applying  # a prompt the processor refuses is a 400 here
-                self._check_length(len(ids), chat.sampling.max_tokens)
+                self._check_length(len(ids), sampling.max_tokens)
             except BaseException:
                 if self.router is not None:
                     self.router.forget(request_id)  # its reservations end now, not when they expire
                 raise
         else:  # a short text prompt is tokenized on the loop: a thread hop would cost more than the tokenizing
             ids, images = await self._prepare(self._apply, chat, span, inline=chat.short_text)
-            self._check_length(len(ids), chat.sampling.max_tokens)
-        request = Request(request_id, ids, chat.sampling, images, arrival_time=arrival)
+            sampling = self._sampling(chat, len(ids))
+            self._check_length(len(ids), sampling.max_tokens)
+        request = Request(request_id, ids, sampling, images, arrival_time=arrival)
         stream = self._with_failover(request, span, slo, plan)
         first = await anext(stream)  # errors before the first token surface here, as an HTTP status
         return len(ids), Prepended(first, stream)
@@ -143,6 +149,16 @@ class MeshBackend(MeshStatus):
     def _traced(self, fn, chat: ChatRequest, span):
         with _refused_prompt(), self.tracing.activate(span), self.tracing.span(fn.__name__.lstrip("_")):
             return fn(chat.conversation)
+
+    def _sampling(self, chat: ChatRequest, num_prompt_tokens: int):
+        return chat.sampling if chat.max_tokens_given else chat.sampling_for(num_prompt_tokens, self.context_tokens)
+
+    @property
+    def context_tokens(self) -> int:
+        """The most one request can hold: the model's limit, or what the largest decoder's whole KV cache holds when
+        that is less (known where this gateway routes over the registry)."""
+        largest = self.router.largest_decoder_cache() if self.router is not None else 0
+        return min(self.max_model_len, largest) if largest else self.max_model_len
 
     def _check_length(self, num_tokens: int, max_tokens: int) -> None:
         total = num_tokens + max_tokens
@@ -173,23 +189,24 @@ class MeshBackend(MeshStatus):
             if not e.fits:
                 raise ApiError(400, e.message, "max_tokens") from None
             if e.busy:
-                raise ApiError(503, f"routing: {e.message}", headers={"Retry-After": "1"}) from None
+                raise NoRoomNow(503, f"routing: {e.message}", headers={"Retry-After": "1"}) from None
             raise NoLiveRoute(503, f"routing is unavailable: {e.message}", headers={"Retry-After": "1"}) from None
 
-    async def _reroute(self, summary_of, span, attempt: int) -> pb.RoutePlan:
-        """The route of a request a worker failed: when no live worker can take it (the only one of a role died),
-        wait up to FAILOVER_WAIT_S for another to register (a restarted one) rather than fail a stream that is
-        under way."""
+    async def _reroute(self, summary_of, span, attempt: int, under_way: bool = False) -> pb.RoutePlan:
+        """The route of a request a worker failed or handed back: when no live worker can take it (the only one of
+        a role died), wait up to FAILOVER_WAIT_S for another to register (a restarted one) rather than fail a
+        stream that is under way; for one `under_way` (tokens sent), wait the same for room on a busy mesh."""
         deadline, said = time.monotonic() + FAILOVER_WAIT_S, False
+        waits_for = (NoLiveRoute, NoRoomNow) if under_way else NoLiveRoute
         while True:
             try:
                 return await self._route(summary_of(), span, attempt)
-            except NoLiveRoute as e:
+            except waits_for as e:
                 if time.monotonic() >= deadline:
                     raise
                 if not said:  # once per request, not once per poll
-                    log.info("request %s waits up to %.0f s for a worker to take over (%s)", summary_of().request_id,
-                             FAILOVER_WAIT_S, e.message)
+                    log.info("request %s waits up to %.0f s for %s (%s)", summary_of().request_id, FAILOVER_WAIT_S,
+                             "room" if isinstance(e, NoRoomNow) else "a worker to take over", e.message)
                     said = True
                 await asyncio.sleep(FAILOVER_POLL_S)
 
@@ -203,7 +220,9 @@ class MeshBackend(MeshStatus):
         """
         emitted: list[int] = []
         exclude: set[str] = set()
-        for attempt in range(1, MAX_ATTEMPTS + 1):
+        attempt = failures = hand_backs = 0
+        while True:
+            attempt += 1
             current = request if not emitted else continuation(request, emitted, attempt)
             reserved = None
             if plan is None or attempt > 1:
@@ -214,7 +233,7 @@ class MeshBackend(MeshStatus):
                 if attempt == 1:  # a text prompt: its first stage call goes out while Redis reserves
                     plan, reserved = await self._route(summary_of(), span, attempt, ahead=True)
                 else:
-                    plan, reserved = await self._reroute(summary_of, span, attempt), None
+                    plan, reserved = await self._reroute(summary_of, span, attempt, under_way=bool(emitted)), None
             path = wire.path_from_pb(plan.path)
             set_attributes(span, {"epdmesh.path": path.value, "epdmesh.decoder": plan.decoder.worker_id,
                                   "epdmesh.prefill": plan.prefill.worker_id, "epdmesh.attempts": attempt,
@@ -231,8 +250,16 @@ class MeshBackend(MeshStatus):
                         emitted.extend(out.new_token_ids)
                         yield rebased(out, request.request_id, before, self.detokenize)
                 return
+            except HandedBack as back:
+                hand_backs += 1
+                if hand_backs > MAX_HAND_BACKS:
+                    raise ApiError(503, f"the decoders preempted this request {hand_backs} times: their KV caches "
+                                        "are full; retry later", headers={"Retry-After": "1"}) from None
+                log.info("request %s: decoder %s preempted it after %d tokens and handed it back; going on elsewhere",
+                         request.request_id, back.worker_id, len(emitted))
             except StageFailed as failed:
-                if failed.blame is None or attempt == MAX_ATTEMPTS:
+                failures += 1
+                if failed.blame is None or failures == MAX_ATTEMPTS:
                     raise failed.error from None
                 exclude.add(failed.blame)
                 self.retries += 1
@@ -293,6 +320,8 @@ class MeshBackend(MeshStatus):
             try:
                 await encoded(encoding, held, call)
                 async for chunk in call:
+                    if chunk.handed_back:  # preempted there: no more tokens come from this call
+                        raise HandedBack(plan.decoder.worker_id)
                     held.clear()
                     output.extend(chunk.token_ids)
                     yield _output(request.request_id, chunk, output)
@@ -364,6 +393,18 @@ class MeshBackend(MeshStatus):
 
 class NoLiveRoute(ApiError):
     """No live worker set covers the request (not: every one is busy)."""
+
+
+class NoRoomNow(ApiError):
+    """Live workers cover the request, but none has room for it now."""
+
+
+class HandedBack(Exception):
+    """The decoder preempted the request and could not recompute it: go on with it elsewhere."""
+
+    def __init__(self, worker_id: str):
+        super().__init__(f"worker {worker_id} handed the request back")
+        self.worker_id = worker_id
 
 
 def _output(request_id: str, chunk: pb.TokenChunk, output: list[int]) -> RequestOutput:

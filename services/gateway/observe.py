@@ -54,7 +54,8 @@ class RequestObserver:
     def request(self, chat: ChatRequest, request_id: str) -> None:
         self.slo = (chat.slo_ttft_ms / 1e3 if chat.slo_ttft_ms else None, chat.slo_tbt_ms / 1e3 if chat.slo_tbt_ms else None)
         s = chat.sampling
-        set_attributes(self.span, {"gen_ai.request.max_tokens": s.max_tokens, "gen_ai.request.temperature": s.temperature,
+        set_attributes(self.span, {"gen_ai.request.max_tokens": s.max_tokens if chat.max_tokens_given else None,
+                                   "gen_ai.request.temperature": s.temperature,
                                    "gen_ai.request.top_p": s.top_p, "gen_ai.request.seed": s.seed,
                                    "gen_ai.response.id": request_id, "epdmesh.stream": chat.stream})
 

@@ -24,8 +24,7 @@ MAX_IMAGE_BYTES = 20 * 2**20
 MAX_IMAGE_PIXELS = 50_000_000
 MAX_ASPECT_RATIO = 200  # long side over short side, as Qwen2-VL's processor allows
 MAX_STOP_STRINGS = 4
-DEFAULT_MAX_TOKENS = 16
-MAX_CHOICES = 16  # n: each choice is a request of its own, with its own worst-case KV reservation
+MAX_CHOICES = 16  # n: each choice is a request of its own, with its own KV reservation
 MAX_TOKEN_ID = 2**31 - 1  # what the mesh's wire carries; the model's vocabulary is checked where it runs
 
 
@@ -58,6 +57,16 @@ class ChatRequest:
     slo_ttft_ms: float | None = None  # this request's own targets (body field "slo"); None: the server's defaults
     slo_tbt_ms: float | None = None
     n: int = 1  # choices: n requests of the same prompt
+    max_tokens_given: bool = True  # False: `sampling.max_tokens` is a placeholder until the prompt's length is known
+
+    def sampling_for(self, num_prompt_tokens: int, context_tokens: int) -> SamplingParams:
+        """The sampling parameters once the prompt's length is known: a left-out max_tokens is the rest of the
+        context (`context_tokens`: the model's limit, or less where the decoders' caches hold less), as vLLM
+        defaults it; never below min_tokens or 1 (a prompt that fills the context is refused by the length check)."""
+        if self.max_tokens_given:
+            return self.sampling
+        rest = max(context_tokens - num_prompt_tokens, self.sampling.min_tokens, 1)
+        return dataclasses.replace(self.sampling, max_tokens=rest)
 
     def choice(self, index: int) -> ChatRequest:
         """Choice `index` of n: seed s becomes s + index (wrapping within 64 bits), as vLLM seeds its n sequences."""
@@ -120,6 +129,7 @@ def parse_chat_request(raw: bytes, served_models: list[str], allow_remote_images
         include_usage=bool(stream_options.get("include_usage", False)),
         return_token_ids=_typed(body, "return_token_ids", bool, False),
         n=n,
+        max_tokens_given=body.get("max_completion_tokens") is not None or body.get("max_tokens") is not None,
         **_parse_slo(body.get("slo")),
     )
 
@@ -153,8 +163,8 @@ def _parse_slo(slo: Any) -> dict:
 
 def _parse_sampling(body: dict) -> SamplingParams:
     max_tokens = _typed(body, "max_completion_tokens", int, None)
-    if max_tokens is None:  # left out: 16, or min_tokens when that asks for more (vLLM's default is the context)
-        max_tokens = _typed(body, "max_tokens", int, max(DEFAULT_MAX_TOKENS, _typed(body, "min_tokens", int, 0)))
+    if max_tokens is None:  # left out: the rest of the context once the prompt is counted (`ChatRequest.sampling_for`)
+        max_tokens = _typed(body, "max_tokens", int, max(1, _typed(body, "min_tokens", int, 0)))
     stop = body.get("stop")
     stop = [] if stop is None else [stop] if isinstance(stop, str) else stop
     if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop) or len(stop) > MAX_STOP_STRINGS:

@@ -112,6 +112,10 @@ class Router:
         """The registry changed (a worker came or went): the next read goes to Redis."""
         self._snapshot_at = float("-inf")
 
+    def largest_decoder_cache(self) -> int:
+        """KV tokens the largest live decoder's whole cache holds, in the last snapshot (0: none known)."""
+        return max((w.load.kv_tokens_total for w in self._snapshot if w.has(Stage.DECODE)), default=0)
+
     async def workers(self) -> list[WorkerSnapshot]:
         """The registry snapshot: kept fresh by `refresh_forever`; read inline only when it is older than that."""
         if time.monotonic() - self._snapshot_at >= 2 * self.refresh_s:
@@ -161,7 +165,7 @@ class Router:
                 break
             if plan is None:
                 raise NoRoute(_why_no_route(workers, summary, self._max_heartbeat_age_s), busy=False)
-            amounts = needs(plan, summary)
+            amounts = needs(plan, summary, self.routing.reserved_output_tokens)
             try:
                 full = None if self.reservations is None else await self.reservations.reserve(summary.request_id, amounts)
             except asyncio.CancelledError:  # its client left: the script may have run in Redis all the same
@@ -203,7 +207,7 @@ class Router:
             return await self.route(summary), reserved
         self._last_route = time.monotonic()
         self._routing.set()
-        amounts = needs(plan, summary)
+        amounts = needs(plan, summary, self.routing.reserved_output_tokens)
         self._chosen(plan, summary, workers)
         reserved = asyncio.ensure_future(self._reserve_ahead(summary.request_id, amounts))
         return plan, reserved

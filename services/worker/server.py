@@ -128,7 +128,8 @@ async def run_worker(options: WorkerOptions, engine: Engine | None = None, ready
                             transfer.offer, transfer.backend_info, metrics, tracing, on_leases=transfer.serving)
     pool = engine.scheduler.kv.pool
     metrics.gauges(running=lambda: engine.stats().num_running, waiting=lambda: engine.stats().num_waiting,
-                   kv_usage=lambda: 1 - pool.num_free / pool.num_blocks)
+                   kv_usage=lambda: 1 - pool.num_free / pool.num_blocks,
+                   preemptions=lambda: engine.scheduler.num_preemptions)
     metrics_server, metrics_port = None, 0
     if options.metrics_port is not None:
         metrics_server, _ = start_http_server(options.metrics_port, options.host, registry=metrics.registry)

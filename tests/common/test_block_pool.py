@@ -2,7 +2,7 @@ import pytest
 
 from common.block_pool import BlockPool, NoFreeBlocksError, chain_hashes
 from common.kv_manager import ImageBlockManager, KVBlockManager
-from common.request import ImageInput, Request
+from common.request import ImageInput, Request, Stage
 from common.sampling import SamplingParams
 
 
@@ -60,15 +60,52 @@ def test_chain_hashes_cover_full_blocks_and_depend_on_the_prefix():
     assert chain_hashes(list(range(40)), 16) == a
 
 
-def test_kv_manager_reserves_prompt_plus_max_tokens():
-    kv = KVBlockManager(num_blocks=5, block_size=8)
+def test_kv_manager_worst_case_reserves_prompt_plus_max_tokens():
+    kv = KVBlockManager(num_blocks=5, block_size=8, worst_case=True)
     req = make_request(prompt=20, max_tokens=5)  # 25 tokens → 4 blocks
     assert kv.can_allocate(req)
     assert kv.allocate(req) == 0
     assert req.block_table == [0, 1, 2, 3]
     assert not kv.can_allocate(make_request("s", prompt=8, max_tokens=1))  # 9 tokens need 2 blocks, 1 free
+    req.output_token_ids = [7] * 5
+    assert kv.blocks_to_grow(req) == 0  # it never grows
     kv.free(req)
     assert req.block_table == [] and kv.pool.num_free == 5
+
+
+def test_kv_manager_on_demand_admits_the_prompt_and_its_first_token_then_grows_a_block_at_a_time():
+    kv = KVBlockManager(num_blocks=5, block_size=8)
+    req = make_request(prompt=15, max_tokens=30)  # 15 + the first sampled token's slot: 2 blocks
+    assert kv.allocate(req) == 0
+    assert req.block_table == [0, 1]
+    req.output_token_ids = [7]  # 16 tokens: the next decode computes the 16th, its slot is there
+    assert kv.blocks_to_grow(req) == 0
+    req.output_token_ids = [7, 8]  # 17 tokens: a third block
+    assert kv.blocks_to_grow(req) == 1 and kv.can_grow(req)
+    kv.grow(req)
+    assert req.block_table == [0, 1, 2]
+    other = make_request("s", prompt=15, max_tokens=1)
+    kv.allocate(other)
+    assert other.block_table == [3, 4]
+    req.output_token_ids = [7] * 10  # 25 tokens: a fourth block, none free
+    assert kv.blocks_to_grow(req) == 1 and not kv.can_grow(req)
+    kv.free(other)
+    kv.grow(req)
+    assert req.block_table == [0, 1, 2, 3]  # freed blocks are reused in the order they were freed
+    kv.free(req)
+    assert kv.pool.num_free == 5
+
+
+def test_kv_manager_a_prefill_only_request_takes_its_prompt_and_a_preempted_one_its_output_too():
+    kv = KVBlockManager(num_blocks=8, block_size=8, worst_case=True)
+    prefill_only = Request("p", list(range(10, 30)), SamplingParams(max_tokens=50), last_stage=Stage.PREFILL)
+    kv.allocate(prefill_only)
+    assert prefill_only.block_table == [0, 1, 2]  # 20 prompt tokens; its max_tokens decode elsewhere
+    kv = KVBlockManager(num_blocks=8, block_size=8)
+    preempted = make_request(prompt=20, max_tokens=50)
+    preempted.output_token_ids, preempted.recompute_outputs = [7] * 12, 12
+    kv.allocate(preempted)
+    assert preempted.num_prefill_tokens == 32 and preempted.block_table == [0, 1, 2, 3, 4]  # 32 + 1 → 5 blocks
 
 
 def test_prefix_caching_shares_full_blocks_but_never_the_last_prompt_token():

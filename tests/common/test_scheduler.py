@@ -117,7 +117,7 @@ def test_without_chunking_a_prompt_waits_for_a_budget_it_fits_in():
 def test_admission_stops_at_kv_capacity_and_max_num_seqs():
     s = make(token_budget=100, kv_blocks=6, max_num_seqs=8)
     for rid in "abc":
-        s.add(req(rid, prompt=8, max_tokens=4))  # 3 blocks each
+        s.add(req(rid, prompt=8, max_tokens=4))  # 8 + the first sampled token's slot: 3 blocks each
     plan = s.schedule()
     assert [c.request.request_id for c in plan.prefills] == ["a", "b"]
     assert [r.request_id for r in s.waiting] == ["c"]
@@ -190,3 +190,89 @@ def test_join_first_gives_a_joining_requests_first_decode_a_decode_only_iteratio
         (["j1", "j3", "j4"], 13),  # nobody new
     ]
     assert all(tokens for _, tokens in run(join_first=False))  # without it every iteration carries a chunk
+
+
+def step(s: Scheduler):
+    """One iteration as the engine runs it: chunks computed, every sampling request gets a token (7), a prefill that
+    completes starts decoding."""
+    plan = s.schedule()
+    for chunk in plan.prefills:
+        chunk.request.num_computed_tokens += chunk.num_tokens
+    for r in plan.decodes:
+        r.num_computed_tokens += 1
+        r.output_token_ids.append(7)
+    for chunk in plan.prefills:
+        if chunk.completes_prefill:
+            chunk.request.output_token_ids.append(7)
+            s.finish_prefill(chunk.request)
+    return plan
+
+
+def two_growing(**b_kw) -> tuple[Scheduler, Request, Request]:
+    """a and b (7-token prompts) in a 6-block pool of 4-token blocks, after six steps: 3 blocks each, all in use,
+    13 tokens each — the next decode of a needs a fourth block."""
+    s = make(token_budget=100, kv_blocks=6)
+    a, b = req("a", prompt=7, max_tokens=40), req("b", prompt=7, max_tokens=40, **b_kw)
+    s.add(a)
+    s.add(b)
+    for _ in range(6):
+        step(s)
+    assert (a.block_table, b.block_table) == ([0, 1, 4], [2, 3, 5]) and s.kv.pool.num_free == 0
+    return s, a, b
+
+
+def test_out_of_blocks_the_newest_running_request_is_preempted_and_recomputes_its_output_before_new_work():
+    s, a, b = two_growing()
+    c = req("c", prompt=3)  # would fit in what is left, but b comes first
+    s.add(c)
+    plan = step(s)
+    assert plan.decodes == [a] and not plan.prefills and not plan.handed_back
+    assert a.block_table == [0, 1, 4, 2] and s.num_preemptions == 1
+    assert b.status == RequestStatus.WAITING and b.block_table == [] and b.num_computed_tokens == 0
+    assert b.recompute_outputs == 6 and b.num_prefill_tokens == 13  # prompt + the six tokens it has
+    assert list(s.waiting) == [b, c]  # b needs 4 blocks, 2 are free: c may not take them first
+    s.finish(a, RequestStatus.FINISHED_LENGTH)
+    plan = step(s)
+    assert [(ch.request.request_id, ch.start, ch.num_tokens) for ch in plan.prefills] == [("b", 0, 13), ("c", 0, 3)]
+    assert b.block_table == [3, 5, 0, 1] and c.block_table == [4]
+    assert b.status == RequestStatus.DECODING and len(b.output_token_ids) == 7  # it sampled where it had stopped
+
+
+def test_a_preempted_request_whose_images_are_not_here_is_handed_back():
+    s, a, b = two_growing(images=1, first_stage=Stage.PREFILL)  # its image came as pages: no pixels to encode again
+    plan = step(s)
+    assert plan.handed_back == [b] and plan.decodes == [a]
+    assert b.status == RequestStatus.HANDED_BACK and b.block_table == [] and not s.waiting
+    s.finish(a, RequestStatus.FINISHED_LENGTH)
+    assert s.kv.pool.num_free == 6 and not s.has_work
+
+
+def test_the_oldest_decode_preempts_the_newest_and_the_ones_between_keep_running():
+    s = make(token_budget=100, kv_blocks=7)
+    rs = [req(r, prompt=3, max_tokens=40) for r in "abc"]  # 1 block each (3 + 1)
+    for r in rs:
+        s.add(r)
+    step(s)  # prefills: 4 tokens each
+    extra = req("x", prompt=16, max_tokens=1)  # 17 tokens: 5 blocks
+    s.add(extra)
+    step(s)  # decodes (4 tokens each, still 1 block); x waits: 4 blocks free
+    assert s.kv.pool.num_free == 4 and list(s.waiting) == [extra]
+    step(s)  # 5 tokens each: a, b, c grow to 2 blocks, 1 free
+    for _ in range(3):
+        step(s)  # 6, 7, 8 tokens each: still 2 blocks
+    assert s.kv.pool.num_free == 1
+    plan = step(s)  # 9 tokens each: a takes the last free block, b preempts c, c is out of this step
+    assert plan.decodes == rs[:2] and all(r.status == RequestStatus.DECODING for r in plan.decodes)
+    assert rs[2].status == RequestStatus.WAITING and list(s.waiting) == [rs[2], extra]
+
+
+def test_worst_case_admission_never_preempts():
+    config = SchedulerConfig(token_budget=100, kv_admission="worst-case")
+    s = Scheduler(config, KVBlockManager(6, 4, worst_case=True), ImageBlockManager(16, 4))
+    a, b, c = (req(r, prompt=7, max_tokens=5) for r in "abc")  # 12 tokens: 3 blocks each, from the start
+    for r in (a, b, c):
+        s.add(r)
+    for _ in range(4):
+        step(s)
+    assert (a.block_table, b.block_table) == ([0, 1, 2], [3, 4, 5]) and list(s.waiting) == [c]
+    assert s.num_preemptions == 0

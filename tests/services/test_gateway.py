@@ -13,7 +13,7 @@ import pytest
 from PIL import Image
 
 from tests.services.servers import MODEL, assert_pools_full, running_server
-from tests.support import image
+from tests.support import image, text_of
 
 
 
@@ -68,6 +68,22 @@ def test_concurrent_chat_requests_give_the_transformers_tokens(server, chat_refe
         assert choice.finish_reason == ("stop" if ref.tokens[-1] == 2 else "length")
         assert resp.usage.prompt_tokens == len(ref.prompt_ids)
         assert resp.usage.completion_tokens == len(ref.tokens)
+    assert_pools_full(server)
+
+
+def test_a_left_out_max_tokens_generates_to_the_end_of_the_context(server):
+    """As vLLM: no max_tokens means the rest of the model's context (4,096 tokens here), not a fixed few tokens."""
+    client = openai.OpenAI(base_url=f"{server}/v1", api_key="none")
+    messages = [{"role": "user", "content": text_of(3200, 11)}]  # ~3,970 tokens: the rest is ~120
+    default = client.chat.completions.create(model=MODEL, messages=messages, temperature=0,
+                                             extra_body={"return_token_ids": True})
+    total = default.usage.prompt_tokens + default.usage.completion_tokens
+    assert default.usage.completion_tokens > 16
+    assert (total == 4096) == (default.choices[0].finish_reason == "length")
+    explicit = client.chat.completions.create(model=MODEL, messages=messages, temperature=0,
+                                              max_tokens=4096 - default.usage.prompt_tokens,
+                                              extra_body={"return_token_ids": True})
+    assert explicit.choices[0].model_extra["token_ids"] == default.choices[0].model_extra["token_ids"]
     assert_pools_full(server)
 
 

@@ -198,8 +198,8 @@ def test_no_route_message_lists_only_workers_the_request_could_use():
 class Router:
     """Routes nowhere until `ready_after` routes were asked for (a worker registering meanwhile)."""
 
-    def __init__(self, ready_after: int):
-        self.ready_after, self.calls, self.invalidated = ready_after, 0, 0
+    def __init__(self, ready_after: int, busy: bool = False):
+        self.ready_after, self.calls, self.invalidated, self.busy = ready_after, 0, 0, busy
 
     async def refresh_forever(self):
         await asyncio.Event().wait()
@@ -209,6 +209,8 @@ class Router:
 
     async def route(self, summary):
         self.calls += 1
+        if self.calls <= self.ready_after and self.busy:
+            raise NoRoute("every decoder is full", busy=True)
         if self.calls <= self.ready_after:
             raise NoRoute("no live worker set covers a prefill and a decode role", busy=False)
         return RoutePlan(None, _worker("x"), _worker("x"), PrefillPath.COLOCATED)
@@ -218,7 +220,7 @@ def _worker(worker_id):
     return WorkerSnapshot(WorkerInfo(worker_id, "127.0.0.1:1", frozenset(Stage), MODEL, 100), WorkerLoad(), 0.0)
 
 
-def _reroute(router, wait_s: float, monkeypatch):
+def _reroute(router, wait_s: float, monkeypatch, under_way: bool = False):
     monkeypatch.setattr(mesh_module, "FAILOVER_WAIT_S", wait_s)
     monkeypatch.setattr(mesh_module, "FAILOVER_POLL_S", 0.01)
     backend = MeshBackend(Processor(), "127.0.0.1:1", 100, router=router)
@@ -226,7 +228,7 @@ def _reroute(router, wait_s: float, monkeypatch):
 
     async def go():
         try:
-            return await backend._reroute(lambda: summary, None, 2)
+            return await backend._reroute(lambda: summary, None, 2, under_way)
         finally:
             backend._refresher.cancel()
     return asyncio.run(go())
@@ -236,6 +238,18 @@ def test_a_request_whose_worker_died_waits_for_one_to_register(monkeypatch):
     router = Router(ready_after=3)
     plan = _reroute(router, 5.0, monkeypatch)
     assert plan.decoder.worker_id == "x" and router.calls == 4
+
+
+def test_a_stream_under_way_waits_for_room_but_a_request_with_no_tokens_yet_is_told_to_retry(monkeypatch):
+    """A decoder that handed a request back (preempted), or died, mid-stream: when every decoder is full the stream
+    waits for room rather than end in an error; one that sent nothing yet gets its 503 + Retry-After at once."""
+    router = Router(ready_after=3, busy=True)
+    plan = _reroute(router, 5.0, monkeypatch, under_way=True)
+    assert plan.decoder.worker_id == "x" and router.calls == 4
+    router = Router(ready_after=3, busy=True)
+    with pytest.raises(ApiError) as err:
+        _reroute(router, 5.0, monkeypatch)
+    assert err.value.status == 503 and err.value.headers == {"Retry-After": "1"} and router.calls == 1
 
 
 def test_the_wait_for_a_replacement_is_bounded(monkeypatch):
@@ -355,8 +369,11 @@ def test_body_guards_bom_content_length_and_a_chunked_body_over_the_limit(app, m
     assert resp.status_code == 413 and _sample(metrics, "num_requests_running") == 0
 
 
-def test_min_tokens_without_max_tokens_raises_the_default_and_images_that_cannot_fit_are_refused_early():
-    assert _parse(min_tokens=40).sampling.max_tokens == 40 and _parse().sampling.max_tokens == 16
+def test_a_left_out_max_tokens_is_the_rest_of_the_context_and_images_that_cannot_fit_are_refused_early():
+    assert not _parse().max_tokens_given and _parse().sampling_for(100, 1000).max_tokens == 900  # as vLLM
+    assert _parse(min_tokens=40).sampling_for(990, 1000).max_tokens == 40  # never below min_tokens
+    assert _parse(max_tokens=5).sampling_for(100, 1000).max_tokens == 5
+    assert _parse(max_completion_tokens=7, max_tokens=5).sampling_for(100, 1000).max_tokens == 7
 
     class Config:
         image_tokens_per_image = 576

@@ -1,0 +1,134 @@
+"""KV blocks on demand: a cache too small for every request at once preempts, and loses no token.
+
+A preempted request recomputes its prompt and output where it can (greedy tokens stay transformers' own, a seeded
+sampled stream stays the same); one whose images are not on the engine is handed back, and its continuation
+elsewhere (the gateway's `continuation`, as after a failed decoder) finishes the same answer.
+"""
+
+import dataclasses
+
+import pytest
+import torch
+
+from common.engine.config import EngineConfig
+from common.engine.engine import Engine, NoRoomForPages
+from common.model.loader import load_model
+from common.paged_cache import PagedKVCache
+from common.request import Request, Stage
+from common.sampling import SamplingParams
+from common.scheduler import SchedulerConfig
+from services.gateway.migration import continuation
+from tests.support import assert_pools_full, build_requests
+
+
+@pytest.fixture(scope="module")
+def model(tiny_dir):
+    return load_model(tiny_dir, torch.float32)
+
+
+def make_engine(tiny_dir, model, kv_blocks: int, roles=frozenset(Stage), **scheduler) -> Engine:
+    text = model.cfg.text
+    per_block = PagedKVCache.bytes_per_block(16, text.num_layers, text.num_kv_heads, text.head_dim, torch.float32)
+    config = EngineConfig(model=str(tiny_dir), roles=roles, kv_cache_gib=kv_blocks * per_block / 2**30,
+                          image_cache_gib=0.02, scheduler=SchedulerConfig(**scheduler))
+    engine = Engine(config, model=model)
+    assert engine.stats().kv_blocks_total == kv_blocks
+    return engine
+
+
+SMALL = ("hi", "img-short", "img-tall", "text-200", "system", "multi-turn")  # 83 blocks of KV, all at once
+
+
+@pytest.mark.parametrize("token_budget", [2048, 64], ids=["whole-prefill", "chunked-64"])
+def test_a_cache_too_small_for_all_at_once_preempts_and_still_gives_the_transformers_tokens(
+        token_budget, tiny_dir, model, processors, chat_reference):
+    cases, refs = chat_reference
+    cases = [c for c in cases if c.name in SMALL]
+    engine = make_engine(tiny_dir, model, kv_blocks=24, token_budget=token_budget)  # the longest needs 21 blocks
+    requests = build_requests(processors["tiny"], cases)
+    finals = engine.generate(requests)
+    assert {c.name: finals[c.name].output_token_ids for c in cases} == {c.name: refs[c.name].tokens for c in cases}
+    assert engine.stats().num_preemptions >= 1 and any(r.recompute_outputs for r in requests)
+    assert_pools_full(engine)
+
+
+def test_a_preempted_image_request_is_encoded_again_and_goes_on_with_the_same_tokens(tiny_dir, model, processors, chat_reference):
+    cases, _ = chat_reference
+    cases = [dataclasses.replace(c, max_tokens=64) for c in cases if c.name in ("img-short", "img-tall")]
+    roomy = make_engine(tiny_dir, model, kv_blocks=512).generate(build_requests(processors["tiny"], cases))
+    engine = make_engine(tiny_dir, model, kv_blocks=40)  # 333 + 380 tokens at the end: 45 blocks
+    requests = build_requests(processors["tiny"], cases)
+    finals = engine.generate(requests)
+    assert requests[1].recompute_outputs > 0 and requests[1].num_encoded_images == 1  # the newer one, img-tall
+    assert {k: v.output_token_ids for k, v in finals.items()} == {k: v.output_token_ids for k, v in roomy.items()}
+    assert_pools_full(engine)
+
+
+def test_worst_case_admission_gives_the_same_tokens_without_preempting(tiny_dir, model, processors, chat_reference):
+    cases, refs = chat_reference
+    engine = make_engine(tiny_dir, model, kv_blocks=64, kv_admission="worst-case")  # 45 blocks: one at a time
+    finals = engine.generate(build_requests(processors["tiny"], cases))
+    assert {c.name: finals[c.name].output_token_ids for c in cases} == {c.name: refs[c.name].tokens for c in cases}
+    assert engine.stats().num_preemptions == 0
+    assert_pools_full(engine)
+
+
+def test_a_seeded_sampled_stream_with_penalties_is_the_same_when_preempted(tiny_dir, model):
+    def requests():
+        sampling = SamplingParams(max_tokens=60, temperature=0.9, top_p=0.95, seed=11, presence_penalty=0.5,
+                                  repetition_penalty=1.2, ignore_eos=True)
+        return [Request(f"r{i}", [1, 405 + i, 77, 1290, 33] * 6, dataclasses.replace(sampling, seed=11 + i))
+                for i in range(6)]
+
+    roomy = make_engine(tiny_dir, model, kv_blocks=512).generate(requests())
+    small = make_engine(tiny_dir, model, kv_blocks=20)  # 6 × 90 tokens need 36 blocks at the end
+    tight = small.generate(requests())
+    assert small.stats().num_preemptions >= 1
+    assert {k: v.output_token_ids for k, v in tight.items()} == {k: v.output_token_ids for k, v in roomy.items()}
+    assert_pools_full(small)
+
+
+def test_a_decoder_hands_back_what_it_cannot_recompute_and_the_continuation_finishes_the_answer(
+        tiny_dir, model, processors, chat_reference):
+    """A decode-only engine gets requests as KV pages, their images' pixels left behind (as a decoder in the mesh
+    does): one it preempts leaves it with the tokens it has, and no pages held; its continuation on another engine
+    (prompt + those tokens prefilled) ends with transformers' answer."""
+    cases, _ = chat_reference
+    cases = [dataclasses.replace(c, max_tokens=64) for c in cases if c.name in ("img-short", "img-tall", "system")]
+    reference = make_engine(tiny_dir, model, kv_blocks=512).generate(build_requests(processors["tiny"], cases))
+    prefiller = make_engine(tiny_dir, model, kv_blocks=512, roles=frozenset({Stage.ENCODE, Stage.PREFILL}))
+    decoder = make_engine(tiny_dir, model, kv_blocks=40, roles=frozenset({Stage.DECODE}))
+    requests = {r.request_id: r for r in build_requests(processors["tiny"], cases)}
+    for r in requests.values():
+        prefiller.add_request(Request(r.request_id, r.prompt_token_ids, r.sampling, r.images, last_stage=Stage.PREFILL))
+    emitted, handed_back, arriving = {}, [], []
+    while prefiller.has_unfinished or decoder.has_unfinished or arriving:
+        for out in prefiller.step():
+            arriving.append((out, prefiller.export_kv_pages(out.request_id)))
+            prefiller.release(out.request_id)
+        for out, pages in list(arriving):  # as a worker does, the pages wait for room
+            r = requests[out.request_id]
+            no_pixels = [dataclasses.replace(image, pixel_values=None) for image in r.images]
+            try:
+                decoder.add_request(Request(r.request_id, r.prompt_token_ids, r.sampling, no_pixels,
+                                            first_stage=Stage.DECODE, output_token_ids=list(out.output_token_ids)),
+                                    kv_pages=pages)
+            except NoRoomForPages:
+                continue
+            arriving.remove((out, pages))
+        for out in decoder.step():
+            if out.handed_back:
+                assert not out.new_token_ids
+                handed_back.append(out.request_id)
+            if out.done_here:
+                emitted[out.request_id] = out.output_token_ids
+    assert handed_back and all(requests[rid].images for rid in handed_back), handed_back  # text is recomputed there
+    assert decoder.stats().num_preemptions >= len(handed_back)
+    assert_pools_full(prefiller, decoder)
+    rest = make_engine(tiny_dir, model, kv_blocks=512)
+    continued = rest.generate([continuation(requests[rid], emitted[rid], attempt=2) for rid in handed_back])
+    for rid in handed_back:
+        emitted[rid] = emitted[rid] + continued[f"{rid}-m2"].output_token_ids
+    assert emitted == {c.name: reference[c.name].output_token_ids for c in cases}
+    assert all(out.finished for out in continued.values())
+    assert_pools_full(rest)
