@@ -60,6 +60,9 @@ MAX_HAND_BACKS = 8  # continuations of a request its decoders preempted and hand
 # a request whose worker died waits this long for one to take its place (`epdmesh serve` restarts a dead worker,
 # which registers within seconds) before it fails; new requests are not held: they get a 503 at once
 FAILOVER_WAIT_S = 30.0
+# a stream under way (tokens sent) that no decoder has room for waits this long — as a queued request would; a
+# decoder that handed it back made room for an older one that may run for minutes
+ROOM_WAIT_S = 300.0
 FAILOVER_POLL_S = 0.25
 RECENT_PREDICTIONS = 1024  # routed requests whose predicted and actual TTFT /stats shows
 
@@ -195,17 +198,19 @@ class MeshBackend(MeshStatus):
     async def _reroute(self, summary_of, span, attempt: int, under_way: bool = False) -> pb.RoutePlan:
         """The route of a request a worker failed or handed back: when no live worker can take it (the only one of
         a role died), wait up to FAILOVER_WAIT_S for another to register (a restarted one) rather than fail a
-        stream that is under way; for one `under_way` (tokens sent), wait the same for room on a busy mesh."""
-        deadline, said = time.monotonic() + FAILOVER_WAIT_S, False
+        stream that is under way; one `under_way` (tokens sent) also waits up to ROOM_WAIT_S for room on a busy
+        mesh (a request with nothing sent yet gets its 503 + Retry-After at once)."""
+        start, said = time.monotonic(), False
         waits_for = (NoLiveRoute, NoRoomNow) if under_way else NoLiveRoute
         while True:
             try:
                 return await self._route(summary_of(), span, attempt)
             except waits_for as e:
-                if time.monotonic() >= deadline:
+                wait_s = ROOM_WAIT_S if isinstance(e, NoRoomNow) else FAILOVER_WAIT_S
+                if time.monotonic() >= start + wait_s:
                     raise
                 if not said:  # once per request, not once per poll
-                    log.info("request %s waits up to %.0f s for %s (%s)", summary_of().request_id, FAILOVER_WAIT_S,
+                    log.info("request %s waits up to %.0f s for %s (%s)", summary_of().request_id, wait_s,
                              "room" if isinstance(e, NoRoomNow) else "a worker to take over", e.message)
                     said = True
                 await asyncio.sleep(FAILOVER_POLL_S)

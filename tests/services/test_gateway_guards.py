@@ -222,6 +222,7 @@ def _worker(worker_id):
 
 def _reroute(router, wait_s: float, monkeypatch, under_way: bool = False):
     monkeypatch.setattr(mesh_module, "FAILOVER_WAIT_S", wait_s)
+    monkeypatch.setattr(mesh_module, "ROOM_WAIT_S", wait_s)
     monkeypatch.setattr(mesh_module, "FAILOVER_POLL_S", 0.01)
     backend = MeshBackend(Processor(), "127.0.0.1:1", 100, router=router)
     summary = RouteSummary("r", 5, 0, 4, frozenset({"dead"}))
@@ -250,6 +251,10 @@ def test_a_stream_under_way_waits_for_room_but_a_request_with_no_tokens_yet_is_t
     with pytest.raises(ApiError) as err:
         _reroute(router, 5.0, monkeypatch)
     assert err.value.status == 503 and err.value.headers == {"Retry-After": "1"} and router.calls == 1
+    router = Router(ready_after=10**6, busy=True)
+    with pytest.raises(ApiError) as err:
+        _reroute(router, 0.1, monkeypatch, under_way=True)  # the wait for room is bounded too
+    assert err.value.status == 503 and router.calls >= 2
 
 
 def test_the_wait_for_a_replacement_is_bounded(monkeypatch):
