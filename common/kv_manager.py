@@ -26,6 +26,9 @@ class KVBlockManager:
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.worst_case = worst_case
+        # blocks an admission leaves free for the running requests to grow into (vLLM's 1%): a request admitted
+        # into the last blocks would be the next one preempted
+        self.watermark = num_blocks // 100
 
     def admission_tokens(self, request: Request) -> int:
         """KV tokens a request's blocks cover when it is admitted: what its prefill computes, plus, when it
@@ -38,7 +41,9 @@ class KVBlockManager:
         return request.num_prefill_tokens + 1
 
     def can_allocate(self, request: Request) -> bool:
-        return self.pool.can_allocate(blocks_for(self.admission_tokens(request), self.block_size))
+        """Room to admit it, leaving the watermark free — unless the pool is empty (a lone request always goes)."""
+        needed, free = blocks_for(self.admission_tokens(request), self.block_size), self.pool.num_free
+        return needed <= free and (free - needed >= self.watermark or free == self.pool.num_blocks)
 
     def allocate(self, request: Request) -> int:
         """Give `request` its block table; returns how many leading prompt tokens are already cached."""

@@ -3,8 +3,8 @@
 Each `schedule()` forms one iteration:
   1. every running decode (one token each), up to `max_num_seqs` (beyond it they take turns) — the
      token budget never holds back a running decode; decodes over it leave no room for new work.
-     Each gets the KV block its next token needs, oldest first; when none is free, the newest running
-     request is preempted (vLLM's order) until one is or the request itself was: its blocks are freed,
+     Each gets the KV block its next token needs; when none is free, the running request that arrived last
+     is preempted (vLLM's order) until one is or the request itself was: its blocks are freed,
      and it waits at the front of the queue to recompute its prompt and output so far, or — when its
      images are not here to recompute from — is handed back (`SchedulerOutput.handed_back`);
   2. unfinished work: prefill chunks in progress, then images of partly encoded requests;
@@ -149,20 +149,27 @@ class Scheduler:
         self._last_had_work = bool(out.prefills or out.encodes)
         return out
 
+    @property
+    def preempted_waiting(self) -> bool:
+        """A preempted request waits to recompute: blocks that free go to it first (no new admission or import)."""
+        return any(r.recompute_outputs for queue in (self.waiting, self.encoding, self.ready) for r in queue)
+
     def _with_room(self, decodes: list[Request], out: SchedulerOutput) -> list[Request]:
-        """The decodes that got the blocks their next token needs, oldest first, preempting the newest running
-        requests for them while the pool is out (victims come from the end, so none was served already)."""
-        kept = []
+        """The decodes that got the blocks their next token needs, in running order, preempting for them while the
+        pool is out the running request that arrived last among those not served this step (vLLM's order)."""
+        kept: list[Request] = []
         for request in decodes:
             if request.status != RequestStatus.DECODING:
-                break  # preempted for one before it, and so was every one after it
+                continue  # preempted for one before it
             while not self.kv.can_grow(request):
-                victim = self.running[-1]
+                served = set(map(id, kept))
+                victim = max((r for r in self.running if id(r) not in served), key=lambda r: r.arrival_time)
                 self._preempt(victim, out)
                 if victim is request:
-                    return kept
-            self.kv.grow(request)
-            kept.append(request)
+                    break
+            else:
+                self.kv.grow(request)
+                kept.append(request)
         return kept
 
     def _preempt(self, request: Request, out: SchedulerOutput) -> None:
@@ -195,29 +202,26 @@ class Scheduler:
             tokens -= self._chunk(out, request, tokens)
         for request in encoded:  # after the requests encoded before them
             tokens -= self._fuse(out, request, tokens)
-        held = any(r.recompute_outputs for r in self.ready)  # a preempted request waits: nothing newer starts first
+        held = any(r.recompute_outputs for r in (*self.ready, *self.encoding))  # nothing newer starts first
         for request in list(self.waiting):  # preempted requests at the front
             if held and not request.recompute_outputs:
                 break
             if request.first_stage == Stage.ENCODE and request.needs_encode:
-                if images <= 0 or not self.images.can_allocate(request):
-                    held = held or bool(request.recompute_outputs)
-                    continue
-                self.waiting.remove(request)
-                self.images.allocate(request)
-                request.status = RequestStatus.ENCODING
-                self.encoding.append(request)
-                n = self._encode(out, request, images)
-                images -= n
-                if self._encodes_rest(request, n):
-                    tokens -= self._fuse(out, request, tokens)
+                if images > 0 and self.images.can_allocate(request):
+                    self.waiting.remove(request)
+                    self.images.allocate(request)
+                    request.status = RequestStatus.ENCODING
+                    self.encoding.append(request)
+                    n = self._encode(out, request, images)
+                    images -= n
+                    if self._encodes_rest(request, n):
+                        tokens -= self._fuse(out, request, tokens)
             elif tokens > 0 and self._admit_prefill(request):
                 self.waiting.remove(request)
                 tokens -= self._chunk(out, request, tokens)
             elif tokens <= 0 and images <= 0:
                 break
-            else:
-                held = held or bool(request.recompute_outputs)
+            held = held or (bool(request.recompute_outputs) and request.status != RequestStatus.PREFILLING)
 
     def _admit_prefill(self, request: Request) -> bool:
         """Move a request into `prefilling` with its KV blocks; False when it cannot start yet."""

@@ -59,6 +59,7 @@ class WorkerLoad:
     kv_tokens_free: int = 0  # tokens the free KV blocks hold
     iteration_elapsed_ms: float = 0.0  # how long the iteration under way had run when this was taken (0: none)
     num_preemptions: int = 0  # since start: running requests whose KV was freed for others (recomputed or handed back)
+    kv_block_size: int = 0  # tokens per KV block (0: not reported)
 
     @property
     def queue_length(self) -> int:
@@ -66,7 +67,10 @@ class WorkerLoad:
 
     @property
     def kv_tokens_total(self) -> int:
-        """Tokens its whole KV cache holds (0: unknown — no free block to tell the block size by)."""
+        """Tokens its whole KV cache holds (0: unknown — a worker that reports no block size and has no free block
+        to tell it by)."""
+        if self.kv_block_size:
+            return self.kv_blocks_total * self.kv_block_size
         return self.kv_blocks_total * (self.kv_tokens_free // self.kv_blocks_free) if self.kv_blocks_free else 0
 
 

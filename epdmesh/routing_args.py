@@ -15,9 +15,22 @@ def add_routing_args(p: argparse.ArgumentParser) -> None:
                    help="the toggle's policy; auto: the SLO-aware multiplexing toggle when --latency-profile is given")
     p.add_argument("--admission-control", action="store_true",
                    help="SLO routing: refuse (503 + Retry-After) a request no path can serve within its SLO")
-    p.add_argument("--reserved-output-tokens", type=int, default=256,
-                   help="output tokens a route books on its decoder's KV with the prompt (decoders grow beyond them, "
-                        "and preempt when full; 0: the prompt only)")
+    p.add_argument("--reserved-output-tokens", type=int,
+                   help="output tokens a route books on its decoder's KV with the prompt (default 256: "
+                        "decoders grow beyond them, and preempt when full; 0: the prompt only; serve --kv-admission "
+                        "worst-case: all of max_tokens)")
+
+
+def reserved_output_tokens(args) -> int:
+    """--reserved-output-tokens, else all of a request's max_tokens where the workers book their worst case (so routes
+    never overbook them), else the routing policy's default."""
+    from common.policy.routing import RoutingConfig
+
+    if args.reserved_output_tokens is not None:
+        return args.reserved_output_tokens
+    if getattr(args, "kv_admission", "on-demand") == "worst-case":
+        return 1 << 30
+    return RoutingConfig().reserved_output_tokens
 
 
 def add_router_args(p: argparse.ArgumentParser) -> None:
@@ -39,7 +52,7 @@ def routing_policy(args):
     from common.policy.routing import RoutingConfig
 
     routing = RoutingConfig(prefill_mode=args.prefill_mode, multiplex_max_tokens=args.multiplex_max_tokens,
-                            reserved_output_tokens=args.reserved_output_tokens)
+                            reserved_output_tokens=reserved_output_tokens(args))
     if args.routing == "slo" and not args.latency_profile:
         raise SystemExit("--routing slo needs --latency-profile")
     if not args.latency_profile or args.routing == "least-loaded":
@@ -69,7 +82,7 @@ def routing_policy(args):
 def router_argv(args, latency_profile: str | None, worker_budgets: bool) -> list[str]:
     """The command-line options that give a toggle or gateway process this launch's routing policy."""
     return ["--prefill-mode", args.prefill_mode, "--multiplex-max-tokens", str(args.multiplex_max_tokens),
-            "--reserved-output-tokens", str(args.reserved_output_tokens),
+            "--reserved-output-tokens", str(reserved_output_tokens(args)),
             "--routing", args.routing, "--slo-ttft-ms", str(args.slo_ttft_ms), "--slo-tbt-ms", str(args.slo_tbt_ms),
             "--budget-headroom", str(args.budget_headroom), "--budget-alpha", str(args.budget_alpha),
             "--decoder-joins", args.decoder_joins,

@@ -144,7 +144,10 @@ class AsyncEngine:
             self._deliver(request_id, EngineDead(*dead.args))
 
     def _fail_in_flight(self, exc: Exception) -> None:
-        """After a failed step: fail its requests (wherever it left them) and all the engine still runs."""
+        """After a failed step: fail its requests (wherever it left them) and all the engine still runs; what it
+        handed back before it failed goes out as it is (those requests left the engine whole)."""
+        for out in getattr(exc, "delivered", ()):
+            self._deliver(out.request_id, out)
         failed = list(getattr(exc, "request_ids", ()))  # the step's own (StepFailed)
         with self.engine.lock:
             for request_id in list(self.engine.requests):

@@ -12,9 +12,10 @@ waits what the profile predicts for the model's real page bytes (`transfer_delay
 capacity is counted in the real model's bytes (16-bit, as served on the profiled GPU), so a worker
 holds as many tokens as that GPU's cache would.
 
-Tokens: the prefill stamps the request's first KV page with a digest of its prompt and of the
-stamp the encoder wrote into its first image page; every token is a function of the stamp read
-back from the KV page and of its position. A page lost or garbled in a transfer changes the
+Tokens: the prefill stamps the request's first KV page with a digest of its prompt (a continuation's:
+of the original prompt) and of the stamp the encoder wrote into its first image page; every token is a
+function of the stamp read back from the KV page and of its position in the output (a continuation's
+counts the tokens sent before it), so a migrated request goes on with the tokens it would have had. A page lost or garbled in a transfer changes the
 tokens, so comparing topologies checks the bytes moved, as the real model's parity does.
 """
 
@@ -85,7 +86,8 @@ class EmulatedEngine(Engine):
             if not chunk.completes_prefill:
                 continue
             request = chunk.request
-            seed = array.array("q", request.prompt_token_ids).tobytes()
+            original = request.prompt_token_ids[:request.num_prompt_tokens - request.num_continued_tokens]
+            seed = array.array("q", original).tobytes()  # a continuation's tokens go on from the original's
             if request.images:
                 seed += self._read_stamp(self.image_cache.data, request.image_block_table[0]).to_bytes(4, "little")
             stamp = zlib.crc32(seed)
@@ -98,7 +100,7 @@ class EmulatedEngine(Engine):
         return sampling, tokens
 
     def _token(self, stamp: int, request: Request) -> int:
-        return self.token_pool[(stamp * 2654435761 + 7919 * len(request.output_token_ids)) % len(self.token_pool)]
+        return self.token_pool[(stamp * 2654435761 + 7919 * len(request.generated_token_ids)) % len(self.token_pool)]
 
     @staticmethod
     def _write_stamp(data: torch.Tensor, block: int, stamp: int) -> None:

@@ -201,7 +201,7 @@ class Engine:
     def _allocate_kv_import(self, request: Request) -> None:
         if len(request.output_token_ids) != 1:
             raise RequestRejected("a request that starts at decode carries exactly its first sampled token")
-        if not self.scheduler.kv.can_allocate(request):
+        if self.scheduler.preempted_waiting or not self.scheduler.kv.can_allocate(request):
             raise NoRoomForPages("no free KV blocks for the handed-over KV pages")
         kv = self.scheduler.kv
         request.block_table = kv.pool.allocate(blocks_for(kv.admission_tokens(request), kv.block_size))
@@ -242,7 +242,10 @@ class Engine:
             for request in plan.requests:
                 if request.first_scheduled_time is None:
                     request.first_scheduled_time = now
-        sampling, tokens = self._execute(plan)  # without the lock: it touches only the plan's requests and pages
+        try:
+            sampling, tokens = self._execute(plan)  # without the lock: it touches only the plan's requests and pages
+        except Exception as e:  # the model failed (out of memory, say): the caller fails the plan and what else runs
+            raise StepFailed([request.request_id for request in plan.requests], e, handed_back) from e
         with self.lock:
             try:
                 return handed_back + self._postprocess(plan, sampling, tokens)
@@ -250,7 +253,7 @@ class Engine:
                 request_ids = [request.request_id for request in plan.requests]
                 for request_id in request_ids:
                     self.abort(request_id)  # aborted, or its handed-off pages freed; a no-op if it finished
-                raise StepFailed(request_ids, e) from e
+                raise StepFailed(request_ids, e, handed_back) from e
 
     def _postprocess(self, plan: SchedulerOutput, sampling: list[Request], tokens: list[int]) -> list[RequestOutput]:
         outputs: dict[str, RequestOutput] = {}

@@ -13,7 +13,8 @@ def check_stop(request: Request, token: int, eos_token_ids: Collection[int], max
     """The status `request` finishes with now that `token` (the last of its output) was sampled, else None.
 
     With stop strings, `request.output_text` follows the output (a few tokens decoded per step, not the whole
-    output again: common/detokenizer.py) and ends as the text the client gets: cut before the stop string,
+    output again: common/detokenizer.py; a continuation's from the output before it) and ends as the text the
+    client gets: cut before the stop string,
     without the text of an EOS or stop token, an incomplete last character as U+FFFD."""
     params = request.sampling
     early = len(request.output_token_ids) < params.min_tokens  # no stop yet (EOS and stop ids are masked too)
@@ -22,12 +23,12 @@ def check_stop(request: Request, token: int, eos_token_ids: Collection[int], max
         if not eos:
             request.stop_reason = token
         if params.stop:
-            request.output_text = _finished_text(request, detokenize, request.output_token_ids[:-1])
+            request.output_text = _finished_text(request, detokenize, request.generated_token_ids[:-1])
         return RequestStatus.FINISHED_STOPPED
     if params.stop:
         detok = _detokenizer(request, detokenize)
         seen = max(len(detok.text) - max(map(len, params.stop)) + 1, 0)  # a stop string may end in the new text
-        detok.push(request.output_token_ids[len(detok.token_ids):])
+        detok.push(request.generated_token_ids[len(detok.token_ids):])
         hits = [] if early else [(at, s) for s in params.stop if (at := detok.text.find(s, seen)) >= 0]
         if hits:
             cut, stop = min(hits)
@@ -40,15 +41,19 @@ def check_stop(request: Request, token: int, eos_token_ids: Collection[int], max
 def _length(request: Request, detokenize, max_model_len: int) -> RequestStatus | None:
     if len(request.output_token_ids) >= request.sampling.max_tokens or request.num_tokens >= max_model_len:
         if request.sampling.stop:
-            request.output_text = _finished_text(request, detokenize, request.output_token_ids)
+            request.output_text = _finished_text(request, detokenize, request.generated_token_ids)
         return RequestStatus.FINISHED_LENGTH
     return None
 
 
 def _detokenizer(request: Request, detokenize) -> IncrementalDetokenizer:
-    """The request's own; a request that came from another worker starts one here (over its earlier tokens too)."""
+    """The request's own; a request that came from another worker starts one here (over its earlier tokens too). A
+    continuation's (a migrated request's) starts over the output before it, so a stop string that began there is
+    found where it ends; its text then holds that earlier output too (the gateway joins the two by their tokens)."""
     if request.detokenizer is None:
         request.detokenizer = IncrementalDetokenizer(detokenize)
+        if request.num_continued_tokens:
+            request.detokenizer.push(request.prompt_token_ids[-request.num_continued_tokens:])
     return request.detokenizer
 
 

@@ -44,19 +44,19 @@ from services import wire
 from common.telemetry.metrics import GatewayMetrics
 from common.telemetry.tracing import Tracing, set_attributes
 from services.gateway.migration import continuation, rebased
-from services.gateway.status import MeshStatus
+from services.gateway.status import HEALTHY_HEARTBEAT_AGE_S, MeshStatus
 from services.gateway.stage_errors import StageFailed, api_error_from_rpc, confirmed, encoded, failure, stage_call
 from services.gateway.protocol import ApiError, ChatRequest
 from services.gateway.responses import Prepended
 from services.stage_calls.client import StageCalls
-from services.toggle.router import NoRoute, Router
+from services.toggle.router import NoRoute, Router, largest_decoder_cache
 
 log = logging.getLogger(__name__)
 _STATUS_OF = {reason: status for status, reason in FINISH_REASONS.items()}
 
 
 MAX_ATTEMPTS = 3  # routes tried per request when workers fail it
-MAX_HAND_BACKS = 8  # continuations of a request its decoders preempted and handed back (not failures)
+MAX_HAND_BACKS = 8  # hand-backs of a request in a row without a token in between (not failures: preemptions)
 # a request whose worker died waits this long for one to take its place (`epdmesh serve` restarts a dead worker,
 # which registers within seconds) before it fails; new requests are not held: they get a 503 at once
 FAILOVER_WAIT_S = 30.0
@@ -65,6 +65,7 @@ FAILOVER_WAIT_S = 30.0
 ROOM_WAIT_S = 300.0
 FAILOVER_POLL_S = 0.25
 RECENT_PREDICTIONS = 1024  # routed requests whose predicted and actual TTFT /stats shows
+CAPACITY_REFRESH_S = 5.0
 
 
 class MeshBackend(MeshStatus):
@@ -88,6 +89,7 @@ class MeshBackend(MeshStatus):
         self.predictions: collections.deque[tuple[int, str, float, float, str]] = collections.deque(maxlen=RECENT_PREDICTIONS)
         self.num_predictions = 0
         self._background: set[asyncio.Task] = set()
+        self._capacity, self._capacity_at = 0, float("-inf")  # toggle-routed: the largest decoder's cache, and when read
 
     @property
     def toggle(self) -> pb_grpc.ToggleStub:
@@ -108,7 +110,7 @@ class MeshBackend(MeshStatus):
             try:
                 # tokenizing a short text costs less than a thread hop
                 num_tokens = await self._prepare(self.processor.count_prompt_tokens, chat, span, inline=chat.short_text)
-                sampling = self._sampling(chat, num_tokens)
+                sampling = await self._sampling(chat, num_tokens)
                 self._check_length(num_tokens, sampling.max_tokens)
                 summary = RouteSummary(request_id, num_tokens, num_images, sampling.max_tokens, frozenset(), *slo,
                                        elapsed_ms=(time.monotonic() - arrival) * 1e3)
@@ -125,7 +127,7 @@ class MeshBackend(MeshStatus):
                 raise
         else:  # a short text prompt is tokenized on the loop: a thread hop would cost more than the tokenizing
             ids, images = await self._prepare(self._apply, chat, span, inline=chat.short_text)
-            sampling = self._sampling(chat, len(ids))
+            sampling = await self._sampling(chat, len(ids))
             self._check_length(len(ids), sampling.max_tokens)
         request = Request(request_id, ids, sampling, images, arrival_time=arrival)
         stream = self._with_failover(request, span, slo, plan)
@@ -153,14 +155,25 @@ class MeshBackend(MeshStatus):
         with _refused_prompt(), self.tracing.activate(span), self.tracing.span(fn.__name__.lstrip("_")):
             return fn(chat.conversation)
 
-    def _sampling(self, chat: ChatRequest, num_prompt_tokens: int):
-        return chat.sampling if chat.max_tokens_given else chat.sampling_for(num_prompt_tokens, self.context_tokens)
+    async def _sampling(self, chat: ChatRequest, num_prompt_tokens: int):
+        if chat.max_tokens_given:
+            return chat.sampling
+        return chat.sampling_for(num_prompt_tokens, await self.context_tokens())
 
-    @property
-    def context_tokens(self) -> int:
-        """The most one request can hold: the model's limit, or what the largest decoder's whole KV cache holds when
-        that is less (known where this gateway routes over the registry)."""
-        largest = self.router.largest_decoder_cache() if self.router is not None else 0
+    async def context_tokens(self) -> int:
+        """The most one request can hold: the model's limit, or what the largest live decoder's whole KV cache holds
+        when that is less — from the registry this gateway routes over, or else the toggle's (read again at most
+        every CAPACITY_REFRESH_S: caches do not change size)."""
+        if self.router is not None:
+            largest = largest_decoder_cache(await self.router.workers(), HEALTHY_HEARTBEAT_AGE_S)
+        else:
+            if time.monotonic() - self._capacity_at >= CAPACITY_REFRESH_S:
+                self._capacity_at = time.monotonic()
+                with contextlib.suppress(grpc.aio.AioRpcError):
+                    reply = await self.toggle.ListWorkers(pb.ListWorkersRequest(), timeout=2)
+                    self._capacity = largest_decoder_cache(
+                        [wire.snapshot_from_pb(w) for w in reply.workers], HEALTHY_HEARTBEAT_AGE_S)
+            largest = self._capacity
         return min(self.max_model_len, largest) if largest else self.max_model_len
 
     def _check_length(self, num_tokens: int, max_tokens: int) -> None:
@@ -187,6 +200,8 @@ class MeshBackend(MeshStatus):
         except grpc.aio.AioRpcError as e:
             if e.code() == grpc.StatusCode.UNAVAILABLE:
                 raise NoLiveRoute(503, f"routing is unavailable: {e.details()}", headers={"Retry-After": "1"}) from None
+            if e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:  # the toggle's "busy": no room, or no SLO fits now
+                raise NoRoomNow(503, f"routing: {e.details()}", headers={"Retry-After": "1"}) from None
             raise api_error_from_rpc(e, "routing") from None
         except NoRoute as e:
             if not e.fits:
@@ -226,6 +241,7 @@ class MeshBackend(MeshStatus):
         emitted: list[int] = []
         exclude: set[str] = set()
         attempt = failures = hand_backs = 0
+        progress = 0  # tokens sent when the last hand-back came
         while True:
             attempt += 1
             current = request if not emitted else continuation(request, emitted, attempt)
@@ -256,10 +272,12 @@ class MeshBackend(MeshStatus):
                         yield rebased(out, request.request_id, before, self.detokenize)
                 return
             except HandedBack as back:
-                hand_backs += 1
+                hand_backs = 1 if len(emitted) > progress else hand_backs + 1  # only those without progress count
+                progress = len(emitted)
                 if hand_backs > MAX_HAND_BACKS:
-                    raise ApiError(503, f"the decoders preempted this request {hand_backs} times: their KV caches "
-                                        "are full; retry later", headers={"Retry-After": "1"}) from None
+                    raise ApiError(503, f"the decoders preempted this request {hand_backs} times without a token in "
+                                        "between: their KV caches are full; retry later",
+                                   headers={"Retry-After": "1"}) from None
                 log.info("request %s: decoder %s preempted it after %d tokens and handed it back; going on elsewhere",
                          request.request_id, back.worker_id, len(emitted))
             except StageFailed as failed:

@@ -112,10 +112,6 @@ class Router:
         """The registry changed (a worker came or went): the next read goes to Redis."""
         self._snapshot_at = float("-inf")
 
-    def largest_decoder_cache(self) -> int:
-        """KV tokens the largest live decoder's whole cache holds, in the last snapshot (0: none known)."""
-        return max((w.load.kv_tokens_total for w in self._snapshot if w.has(Stage.DECODE)), default=0)
-
     async def workers(self) -> list[WorkerSnapshot]:
         """The registry snapshot: kept fresh by `refresh_forever`; read inline only when it is older than that."""
         if time.monotonic() - self._snapshot_at >= 2 * self.refresh_s:
@@ -334,6 +330,11 @@ def _plus(w: WorkerSnapshot, pending: list[_Pending]) -> WorkerSnapshot:
     return dataclasses.replace(w, load=dataclasses.replace(
         load, unfinished_decode_tokens=load.unfinished_decode_tokens + decode_tokens, num_waiting=load.num_waiting + waiting,
         queued_prefill_tokens=load.queued_prefill_tokens + prefill_tokens, queued_images=load.queued_images + images))
+
+
+def largest_decoder_cache(workers: list[WorkerSnapshot], max_age_s: float) -> int:
+    """KV tokens the largest live decoder's whole cache holds (0: none known)."""
+    return max((w.load.kv_tokens_total for w in workers if w.has(Stage.DECODE) and w.age_s <= max_age_s), default=0)
 
 
 def _check_fits(workers: list[WorkerSnapshot], summary: RouteSummary, max_age_s: float) -> None:

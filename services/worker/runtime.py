@@ -228,6 +228,7 @@ class WorkerRuntime:
             queued_prefill_tokens=s.queued_prefill_tokens, queued_images=s.queued_images,
             decode_context_tokens=s.decode_context_tokens,
             kv_tokens_free=s.kv_blocks_free * self.engine.engine.config.block_size,
+            kv_block_size=self.engine.engine.config.block_size,
             iteration_elapsed_ms=self.engine.iteration_elapsed_ms, num_preemptions=s.num_preemptions,
         )
 

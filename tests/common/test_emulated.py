@@ -58,6 +58,17 @@ def test_tokens_are_deterministic_depend_on_the_prompt_and_images_and_survive_di
     assert_pools_full(colocated, again, e, p, d)
 
 
+def test_a_continuation_goes_on_with_the_tokens_the_request_would_have_had(emulated_dir, cfg):
+    """A request migrated or handed back mid-answer (prompt + the tokens sent) gets the rest of the same answer."""
+    from services.gateway.migration import continuation
+
+    whole = {k: v.output_token_ids for k, v in make(emulated_dir, cfg).generate(requests(cfg, max_tokens=9)).items()}
+    for original in requests(cfg, max_tokens=9)[:3]:
+        sent = whole[original.request_id][:4]
+        rest = make(emulated_dir, cfg).generate([continuation(original, sent, attempt=2)])
+        assert sent + rest[f"{original.request_id}-m2"].output_token_ids == whole[original.request_id]
+
+
 def test_a_garbled_kv_page_changes_the_tokens(emulated_dir, cfg):
     engine = make(emulated_dir, cfg)
     prompt = [1, 319, 320, 321] * 10

@@ -5,11 +5,13 @@ sampled stream stays the same); one whose images are not on the engine is handed
 elsewhere (the gateway's `continuation`, as after a failed decoder) finishes the same answer.
 """
 
+import asyncio
 import dataclasses
 
 import pytest
 import torch
 
+from common.engine.async_engine import AsyncEngine
 from common.engine.config import EngineConfig
 from common.engine.engine import Engine, NoRoomForPages
 from common.model.loader import load_model
@@ -132,3 +134,84 @@ def test_a_decoder_hands_back_what_it_cannot_recompute_and_the_continuation_fini
     assert emitted == {c.name: reference[c.name].output_token_ids for c in cases}
     assert all(out.finished for out in continued.values())
     assert_pools_full(rest)
+
+
+def _handed_over(tiny_dir, model, requests: list[Request]) -> dict[str, tuple[Request, object]]:
+    """Each request prefilled on an encode+prefill engine, as a decoder gets it: its first token, its KV pages, and
+    its images without their pixels."""
+    prefiller = make_engine(tiny_dir, model, kv_blocks=512, roles=frozenset({Stage.ENCODE, Stage.PREFILL}))
+    finals = prefiller.generate([Request(r.request_id, r.prompt_token_ids, r.sampling, r.images, last_stage=Stage.PREFILL)
+                                 for r in requests])
+    out = {}
+    for r in requests:
+        pages = prefiller.export_kv_pages(r.request_id)
+        prefiller.release(r.request_id)
+        no_pixels = [dataclasses.replace(image, pixel_values=None) for image in r.images]
+        out[r.request_id] = (Request(r.request_id, r.prompt_token_ids, r.sampling, no_pixels, first_stage=Stage.DECODE,
+                                     output_token_ids=list(finals[r.request_id].output_token_ids)), pages)
+    return out
+
+
+def test_a_request_handed_back_in_a_step_whose_model_fails_is_still_told(tiny_dir, model, processors, chat_reference):
+    """The step that hands a request back frees it before the model runs; if the model then fails, the others of
+    the step get the failure and the handed-back one its hand-back — none waits forever."""
+    cases, _ = chat_reference
+    cases = [dataclasses.replace(c, max_tokens=64) for c in cases if c.name in ("img-short", "img-tall")]
+    arriving = _handed_over(tiny_dir, model, build_requests(processors["tiny"], cases))
+    decoder = make_engine(tiny_dir, model, kv_blocks=40, roles=frozenset({Stage.DECODE}))
+    schedule, execute = decoder.scheduler.schedule, decoder._execute
+    last = {}
+
+    def scheduled():
+        last["plan"] = schedule()
+        return last["plan"]
+
+    def failing(plan):
+        if last["plan"].handed_back:
+            raise MemoryError("out of memory, as a full cache makes likely")
+        return execute(plan)
+
+    decoder.scheduler.schedule, decoder._execute = scheduled, failing
+
+    async def main():
+        engine = AsyncEngine(decoder)
+
+        async def outcome(request, pages):
+            outs = []
+            try:
+                async for out in engine.generate(request, kv_pages=pages):
+                    outs.append(out)
+            except RuntimeError as e:
+                return str(e)
+            return outs[-1]
+
+        try:
+            return await asyncio.wait_for(asyncio.gather(*(outcome(*a) for a in arriving.values())), 60)
+        finally:
+            engine.shutdown()
+
+    short, tall = asyncio.run(main())
+    assert "engine failure" in short and "out of memory" in short
+    assert tall.handed_back and not tall.new_token_ids  # the newer one, told it is handed back
+    assert_pools_full(decoder)
+
+
+def test_no_kv_pages_come_in_while_a_preempted_request_waits_for_blocks(tiny_dir, model, processors, chat_reference):
+    cases, _ = chat_reference
+    [(request, pages)] = _handed_over(tiny_dir, model, build_requests(processors["tiny"], [
+        c for c in cases if c.name == "system"])).values()  # 37 prompt tokens: 3 blocks
+    engine = make_engine(tiny_dir, model, kv_blocks=40)
+    sampling = SamplingParams(max_tokens=400, ignore_eos=True)
+    older, newer = Request("older", list(range(5, 205)), sampling), Request("newer", list(range(5, 155)), sampling)
+    engine.add_request(older)
+    engine.add_request(newer)
+    while not engine.scheduler.preempted_waiting:
+        engine.step()  # both grow until the cache is full: the newer one is preempted, and waits for its blocks
+    assert newer.recompute_outputs and engine.stats().kv_blocks_free >= 3
+    with pytest.raises(NoRoomForPages):
+        engine.add_request(request, kv_pages=pages)  # it would fit, but the preempted one goes first
+    while engine.scheduler.preempted_waiting:
+        engine.step()
+    engine.add_request(request, kv_pages=pages)  # once it has its blocks back
+    engine.generate([])
+    assert_pools_full(engine)

@@ -193,9 +193,13 @@ def test_join_first_gives_a_joining_requests_first_decode_a_decode_only_iteratio
 
 
 def step(s: Scheduler):
-    """One iteration as the engine runs it: chunks computed, every sampling request gets a token (7), a prefill that
-    completes starts decoding."""
+    """One iteration as the engine runs it: images encoded, chunks computed, every sampling request gets a token (7),
+    a prefill that completes starts decoding."""
     plan = s.schedule()
+    for work in plan.encodes:
+        work.request.num_encoded_images += work.num_images
+        if not work.request.needs_encode:
+            s.finish_encode(work.request)
     for chunk in plan.prefills:
         chunk.request.num_computed_tokens += chunk.num_tokens
     for r in plan.decodes:
@@ -276,3 +280,35 @@ def test_worst_case_admission_never_preempts():
         step(s)
     assert (a.block_table, b.block_table) == ([0, 1, 2], [3, 4, 5]) and list(s.waiting) == [c]
     assert s.num_preemptions == 0
+
+
+def test_while_taking_turns_the_victim_is_the_request_that_arrived_last_not_the_one_served_last():
+    s = make(token_budget=100, kv_blocks=8, max_num_seqs=2)
+    rs = [req(r, prompt=4, max_tokens=40, first_stage=Stage.DECODE) for r in "abcd"]  # arrive a, b, c, d
+    for r in rs:
+        r.output_token_ids.append(7)
+        s.add(r)  # 5 tokens: 2 blocks each, allocated at their first decode
+    plans = [step(s) for _ in range(4)]  # a+b, c+d, a+b, c+d: 8 blocks in use, 7 tokens each
+    assert [[r.request_id for r in p.decodes] for p in plans] == [["a", "b"], ["c", "d"]] * 2
+    assert s.kv.pool.num_free == 0
+    while not s.num_preemptions:
+        plan = step(s)  # a and b reach 9 tokens first: a third block each, none free
+    assert [r.request_id for r in plan.decodes] == ["a", "b"]
+    assert [r.request_id for r in s.waiting] == ["d"]  # the newest — c was the one served last (the turn before)
+
+
+def test_a_preempted_request_encoding_again_holds_back_new_work():
+    s = make(token_budget=100, image_budget=1, kv_blocks=64)
+    p = req("p", prompt=12, max_tokens=40, images=2)  # two images of 4 tokens, encoded one per step
+    for image in p.images:
+        image.pixel_values = object()  # its pixels are here: it can be encoded again
+    p.output_token_ids, p.recompute_outputs = [7] * 5, 5  # as `_preempt` leaves a request
+    s.waiting.appendleft(p)
+    n = req("n", prompt=4)
+    s.add(n)
+    assert s.preempted_waiting
+    plan = step(s)
+    assert [e.request for e in plan.encodes] == [p] and not plan.prefills  # n waits behind p's encode
+    plan = step(s)
+    assert [(c.request.request_id, c.num_tokens) for c in plan.prefills] == [("p", 17), ("n", 4)]
+    assert not s.preempted_waiting

@@ -2,9 +2,11 @@
 
 import pytest
 
+from common.engine.outputs import RequestOutput
 from common.engine.stopping import check_stop
 from common.request import Request, RequestStatus
 from common.sampling import SamplingParams
+from services.gateway.migration import continuation, rebased
 
 EOS = 2
 
@@ -64,3 +66,21 @@ def test_min_tokens_leaves_stops_unchecked_until_that_many_tokens_as_vllm_does(t
     assert status is None  # three tokens out, none of them a stop (in the engine they are masked)
     status, _, reason = _run(tok, "", SamplingParams(max_tokens=50, min_tokens=3, stop_token_ids=(7,)), then=[9, 9, 9, 7])
     assert (status, reason) == (RequestStatus.FINISHED_STOPPED, 7)
+
+
+def test_a_continuation_finds_a_stop_string_that_began_in_the_output_before_it_and_the_joined_text_is_cut_there(tok):
+    """A request preempted and handed back (or whose decoder died) goes on as a continuation: prompt + the tokens
+    sent. A stop string that spans the two parts ends it where the whole request would have ended."""
+    sampling = SamplingParams(stop=("warm a",), max_tokens=50)
+    whole = _run(tok, "the kitchen is warm and the table", sampling)
+    sent = tok.tokenizer("the kitchen is warm", add_special_tokens=False)["input_ids"]  # "warm a" is cut in two
+    rest = continuation(Request("r", [1, 5, 6], sampling), sent, attempt=2)
+    for token in tok.tokenizer(" and the table", add_special_tokens=False)["input_ids"]:
+        rest.output_token_ids.append(token)
+        status = check_stop(rest, token, {EOS}, 4096, tok.detokenize)
+        if status is not None:
+            break
+    assert (status, rest.stop_reason) == (RequestStatus.FINISHED_STOPPED, "warm a")
+    out = RequestOutput(rest.request_id, [token], list(rest.output_token_ids), status, "stop", rest.stop_reason,
+                        text=rest.output_text)
+    assert rebased(out, "r", sent, tok.detokenize).text == whole[1] == "the kitchen is "
