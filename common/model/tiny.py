@@ -156,6 +156,9 @@ def _write_tokenizer_and_processor(out: Path, spec: TinySpec, state: dict) -> No
     processor.save_pretrained(str(out))
     state["image_token_id"] = tok.token_to_id("<image>")
     state["pad_token_id"] = tok.token_to_id("<pad>")
+    state["tokenizer_size"] = tok.get_vocab_size()  # the BPE stops short of the vocabulary on this small corpus
+    # byte tokens that are part of a UTF-8 character: alone they decode to U+FFFD
+    state["partial_ids"] = [i for i in range(state["tokenizer_size"]) if "\ufffd" in tok.decode([i])]
 
 
 def _write_config(out: Path, spec: TinySpec, state: dict) -> None:
@@ -242,4 +245,10 @@ def _write_weights(out: Path, spec: TinySpec, state: dict) -> None:
         const(f"{p}.post_attention_layernorm.weight", (th,), 1.0)
     const(f"{lp}.norm.weight", (th,), 1.0)
     linear("language_model.lm_head", th, preset["vocab"], bias=False, gain=spec.logit_scale)
+    # Ids the tokenizer never makes (past its end, and <image>) and lone UTF-8 continuation bytes get a zero logit
+    # row, so they are (almost) never the argmax: random rows made them 30 of a 40-token demo answer, which decoded
+    # to nothing or to U+FFFD.
+    head = tensors["language_model.lm_head.weight"]
+    head[state["tokenizer_size"]:] = 0.0
+    head[[state["image_token_id"], *state["partial_ids"]]] = 0.0
     save_file({k: t.contiguous() for k, t in tensors.items()}, str(out / "model.safetensors"), metadata={"format": "pt"})
