@@ -275,3 +275,14 @@ def test_a_step_that_fails_after_a_handoff_fails_that_request_too_and_frees_its_
 
 async def _drain(stream):
     return [out async for out in stream]
+
+
+def test_the_tiny_checkpoint_answers_in_words_its_tokenizer_makes(engine, processors):
+    """Its vocabulary is bigger than its small tokenizer: ids past the tokenizer, <image> and lone UTF-8 bytes have
+    zero logit rows, so a greedy answer decodes to text (30 of 40 tokens decoded to nothing when they did not)."""
+    tokenizer = processors["tiny"].tokenizer
+    ids, _ = processors["tiny"].apply([{"role": "user", "content": [{"type": "text", "text": "What is in the picture?"}]}])
+    out = run(engine, Request("demo", ids, SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)))["demo"]
+    assert all(t < len(tokenizer) and t != engine.model_config.image_token_id for t in out.output_token_ids)
+    text = processors["tiny"].detokenize(out.output_token_ids)
+    assert "\ufffd" not in text and len(text.split()) >= 8
