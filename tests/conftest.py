@@ -1,3 +1,7 @@
+import os
+
+os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")  # the tests fork to exec servers too (epdmesh/__init__.py)
+
 import pytest
 import torch
 
