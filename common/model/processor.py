@@ -83,6 +83,13 @@ class ChatProcessor:
             return None
         return scaling
 
+    def encode_prompt(self, prompt: str | list[int]) -> tuple[list[int], list[ImageInput]]:
+        """A text completion's prompt → token ids (text tokenized as it is, with the tokenizer's BOS, as vLLM does;
+        token ids kept as given), and no images."""
+        if isinstance(prompt, str):
+            return self.tokenizer(prompt)["input_ids"], []
+        return list(prompt), []
+
     def count_prompt_tokens(self, conversation: list[dict]) -> int:
         """The prompt's length without preprocessing any image (a fraction of `apply`'s time, so a route can
         be asked for while the pixels are made): the chat template's text tokenized as `apply` does, each

@@ -32,6 +32,7 @@ from common.model.processor import ChatProcessor
 from common.request import Request
 from common.telemetry.metrics import GatewayMetrics, render
 from common.telemetry.tracing import Tracing
+from services.gateway.completions import parse_completion_request
 from services.gateway.observe import RequestObserver
 from services.gateway.protocol import ApiError, ChatRequest, parse_chat_request
 from services.gateway.responses import Logprobs, Prepended, collect, completion, internal_error, sse
@@ -61,9 +62,9 @@ class LocalBackend:
     async def start(self, chat: ChatRequest, request_id: str, span=None) -> tuple[int, AsyncIterator[RequestOutput]]:
         try:
             if not chat.num_images and chat.short_text:  # on the loop: a thread hop costs more than tokenizing
-                ids, images = self.processor.apply(chat.conversation)
+                ids, images = self._inputs(chat)
             else:
-                ids, images = await asyncio.to_thread(self.processor.apply, chat.conversation)
+                ids, images = await asyncio.to_thread(self._inputs, chat)
         except (ValueError, TypeError, KeyError) as e:
             raise ApiError(400, f"could not build the prompt from these messages: {e}") from None
         request = Request(request_id, ids, chat.sampling_for(len(ids), self.context_tokens), images)
@@ -74,6 +75,11 @@ class LocalBackend:
             raise ApiError(400, str(e)) from None
 
         return len(ids), Prepended(first, stream)
+
+    def _inputs(self, chat: ChatRequest):
+        if chat.is_text_completion:
+            return self.processor.encode_prompt(chat.prompt)
+        return self.processor.apply(chat.conversation)
 
     def detokenize(self, ids: list[int]) -> str:
         return self.processor.detokenize(ids)
@@ -112,17 +118,30 @@ def build_app(backend, model_name: str, allow_remote_images: bool = False, metri
         body, content_type = render(metrics.registry)
         return Response(body, media_type=content_type)
 
+    def parse_chat(body: bytes) -> ChatRequest:
+        return parse_chat_request(body, [model_name], allow_remote_images)
+
+    def parse_completion(body: bytes) -> ChatRequest:
+        return parse_completion_request(body, [model_name])
+
     async def chat_completions(http: HttpRequest) -> Response:
-        observer = RequestObserver(metrics, tracing, http.headers, model_name)
+        return await completions(http, parse_chat, "chatcmpl", "chat")
+
+    async def text_completions(http: HttpRequest) -> Response:
+        return await completions(http, parse_completion, "cmpl", "text_completion")
+
+    async def completions(http: HttpRequest, parse, id_prefix: str, operation: str) -> Response:
+        """Either kind: a chat (messages, images) or a text completion (a prompt as it is); the same stages."""
+        observer = RequestObserver(metrics, tracing, http.headers, model_name, operation)
         try:
             body = await _read_body(http)
             with tracing.activate(observer.span), tracing.span("parse", {"http.request.body.size": len(body)}):
                 if len(body) > INLINE_PARSE_BYTES:  # images: base64 + decoding take ms; keep the loop serving streams
-                    chat = await asyncio.to_thread(parse_chat_request, body, [model_name], allow_remote_images)
+                    chat = await asyncio.to_thread(parse, body)
                 else:
-                    chat = parse_chat_request(body, [model_name], allow_remote_images)
+                    chat = parse(body)
             _check_fits(chat, backend)
-            request_id = f"chatcmpl-{uuid.uuid4().hex}"
+            request_id = f"{id_prefix}-{uuid.uuid4().hex}"
             observer.request(chat, request_id)
             num_prompt, streams = await _unless_client_leaves(http, _start(backend, chat, request_id, observer.span))
         except ApiError as e:
@@ -162,6 +181,7 @@ def build_app(backend, model_name: str, allow_remote_images: bool = False, metri
         Route("/stats", stats),
         Route("/metrics", prometheus),
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+        Route("/v1/completions", text_completions, methods=["POST"]),
     ], lifespan=_lifespan(backend))
 
 

@@ -109,7 +109,7 @@ class MeshBackend(MeshStatus):
             applying = self._prepare_in_thread(self._apply, chat, span)
             try:
                 # tokenizing a short text costs less than a thread hop
-                num_tokens = await self._prepare(self.processor.count_prompt_tokens, chat, span, inline=chat.short_text)
+                num_tokens = await self._prepare(self._count_prompt_tokens, chat, span, inline=chat.short_text)
                 sampling = await self._sampling(chat, num_tokens)
                 self._check_length(num_tokens, sampling.max_tokens)
                 summary = RouteSummary(request_id, num_tokens, num_images, sampling.max_tokens, frozenset(), *slo,
@@ -134,13 +134,18 @@ class MeshBackend(MeshStatus):
         first = await anext(stream)  # errors before the first token surface here, as an HTTP status
         return len(ids), Prepended(first, stream)
 
-    def _apply(self, conversation: list[dict]):
+    def _apply(self, chat: ChatRequest):
         """Prompt ids and images; the pixels leave the processor's last, cheap steps to the worker that encodes
         them where that is exact: a quarter of the bytes to send (`common.model.pixels`)."""
-        return self.processor.apply(conversation, finish_pixels=False)
+        if chat.is_text_completion:
+            return self.processor.encode_prompt(chat.prompt)
+        return self.processor.apply(chat.conversation, finish_pixels=False)
+
+    def _count_prompt_tokens(self, chat: ChatRequest) -> int:
+        return self.processor.count_prompt_tokens(chat.conversation)
 
     async def _prepare(self, fn, chat: ChatRequest, span=None, inline: bool = False):
-        """`fn(conversation)`, off the event loop unless `inline`; a conversation the processor refuses is a 400.
+        """`fn(chat)`, off the event loop unless `inline`; a conversation the processor refuses is a 400.
         Traced as a child of `span` named after `fn` (`apply`: chat template, tokenizer, image preprocessing)."""
         if not inline:
             return await self._prepare_in_thread(fn, chat, span)
@@ -153,7 +158,7 @@ class MeshBackend(MeshStatus):
 
     def _traced(self, fn, chat: ChatRequest, span):
         with _refused_prompt(), self.tracing.activate(span), self.tracing.span(fn.__name__.lstrip("_")):
-            return fn(chat.conversation)
+            return fn(chat)
 
     async def _sampling(self, chat: ChatRequest, num_prompt_tokens: int):
         if chat.max_tokens_given:

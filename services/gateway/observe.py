@@ -34,7 +34,9 @@ class _Stream:
 
 
 class RequestObserver:
-    def __init__(self, metrics: GatewayMetrics, tracing: Tracing, headers: Mapping[str, str], model: str):
+    def __init__(self, metrics: GatewayMetrics, tracing: Tracing, headers: Mapping[str, str], model: str,
+                 operation: str = "chat"):
+        """`operation`: OpenTelemetry GenAI's name for it, "chat" or "text_completion" (`/v1/completions`)."""
         self.metrics = metrics
         self.tracing = tracing
         self.model = model
@@ -46,7 +48,8 @@ class RequestObserver:
         self._ttft = float("inf")
         self.slo: tuple[float | None, float | None] = (None, None)  # the request's own targets, seconds
         self._open = True
-        self.span = tracing.start_span("chat.completions", {"gen_ai.operation.name": "chat", "gen_ai.system": "epdmesh",
+        name = "chat.completions" if operation == "chat" else "completions"
+        self.span = tracing.start_span(name, {"gen_ai.operation.name": operation, "gen_ai.system": "epdmesh",
                                                             "gen_ai.request.model": model}, kind="server",
                                        context=tracing.extract(headers))
         metrics.running.labels(model).inc()

@@ -58,6 +58,7 @@ class ChatRequest:
     slo_tbt_ms: float | None = None
     n: int = 1  # choices: n requests of the same prompt
     max_tokens_given: bool = True  # False: `sampling.max_tokens` is a placeholder until the prompt's length is known
+    prompt: str | list[int] | None = None  # a text completion's (`/v1/completions`): no chat template, no images
 
     def sampling_for(self, num_prompt_tokens: int, context_tokens: int) -> SamplingParams:
         """The sampling parameters once the prompt's length is known: a left-out max_tokens is the rest of the
@@ -77,7 +78,13 @@ class ChatRequest:
         return dataclasses.replace(self, n=1, sampling=dataclasses.replace(self.sampling, seed=seed))
 
     @property
+    def is_text_completion(self) -> bool:
+        return self.prompt is not None
+
+    @property
     def num_text_chars(self) -> int:
+        if self.prompt is not None:
+            return len(self.prompt) if isinstance(self.prompt, str) else 0
         return sum(len(part["text"]) for message in self.conversation for part in message["content"] if part["type"] == "text")
 
     @property
@@ -91,6 +98,17 @@ class ChatRequest:
 
 
 def parse_chat_request(raw: bytes, served_models: list[str], allow_remote_images: bool = False) -> ChatRequest:
+    body = json_body(raw, served_models)
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise ApiError(400, "'messages' must be a non-empty list of {role, content} objects", "messages")
+    conversation = [_parse_message(m, i, allow_remote_images) for i, m in enumerate(messages)]
+    return ChatRequest(conversation=conversation, sampling=parse_sampling(body), **common_fields(body),
+                       max_tokens_given=body.get("max_completion_tokens") is not None or body.get("max_tokens") is not None)
+
+
+def json_body(raw: bytes, served_models: list[str]) -> dict:
+    """The request body as a JSON object that names a model this server serves."""
     try:
         text = raw.decode("utf-8-sig")  # a leading byte-order mark, which some clients send, is not an error
     except UnicodeDecodeError as e:
@@ -109,10 +127,11 @@ def parse_chat_request(raw: bytes, served_models: list[str], allow_remote_images
         raise ApiError(400, f"'model' is required; this server serves {served_models}", "model")
     if model not in served_models:
         raise ApiError(404, f"the model '{model}' does not exist; this server serves {served_models}", "model")
-    messages = body.get("messages")
-    if not isinstance(messages, list) or not messages:
-        raise ApiError(400, "'messages' must be a non-empty list of {role, content} objects", "messages")
-    conversation = [_parse_message(m, i, allow_remote_images) for i, m in enumerate(messages)]
+    return body
+
+
+def common_fields(body: dict) -> dict:
+    """What chat and text completions read alike: the model, n, streaming and its options, our extensions."""
     n = _typed(body, "n", int, 1)
     if not 1 <= n <= MAX_CHOICES:
         raise ApiError(400, f"'n' must be between 1 and {MAX_CHOICES}, got {n}", "n")
@@ -121,17 +140,9 @@ def parse_chat_request(raw: bytes, served_models: list[str], allow_remote_images
         raise ApiError(400, "'stream_options' must be an object", "stream_options")
     if stream_options and not body.get("stream"):
         raise ApiError(400, "'stream_options' is only for streamed requests (\"stream\": true)", "stream_options")
-    return ChatRequest(
-        model=model,
-        conversation=conversation,
-        sampling=_parse_sampling(body),
-        stream=_typed(body, "stream", bool, False),
-        include_usage=bool(stream_options.get("include_usage", False)),
-        return_token_ids=_typed(body, "return_token_ids", bool, False),
-        n=n,
-        max_tokens_given=body.get("max_completion_tokens") is not None or body.get("max_tokens") is not None,
-        **_parse_slo(body.get("slo")),
-    )
+    return dict(model=body["model"], stream=_typed(body, "stream", bool, False), n=n,
+                include_usage=bool(stream_options.get("include_usage", False)),
+                return_token_ids=_typed(body, "return_token_ids", bool, False), **_parse_slo(body.get("slo")))
 
 
 def _typed(body: dict, key: str, kind, default):
@@ -161,7 +172,7 @@ def _parse_slo(slo: Any) -> dict:
     return out
 
 
-def _parse_sampling(body: dict) -> SamplingParams:
+def parse_sampling(body: dict) -> SamplingParams:
     max_tokens = _typed(body, "max_completion_tokens", int, None)
     if max_tokens is None:  # left out: the rest of the context once the prompt is counted (`ChatRequest.sampling_for`)
         max_tokens = _typed(body, "max_tokens", int, max(1, _typed(body, "min_tokens", int, 0)))
@@ -170,7 +181,7 @@ def _parse_sampling(body: dict) -> SamplingParams:
     if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop) or len(stop) > MAX_STOP_STRINGS:
         raise ApiError(400, f"'stop' must be a non-empty string or a list of up to {MAX_STOP_STRINGS} of them", "stop")
     stop_ids = body.get("stop_token_ids") or []
-    if not isinstance(stop_ids, list) or not all(_token_id(t) for t in stop_ids):
+    if not isinstance(stop_ids, list) or not all(is_token_id(t) for t in stop_ids):
         raise ApiError(400, f"'stop_token_ids' must be a list of token ids (integers 0 to {MAX_TOKEN_ID})", "stop_token_ids")
     _refuse_unsupported(body)
     logprobs = _typed(body, "logprobs", bool, False)
@@ -215,7 +226,7 @@ def _parse_logit_bias(value: Any) -> tuple[tuple[int, float], ...]:
         if not isinstance(value, dict) or any(isinstance(b, bool) or not isinstance(b, (int, float)) for b in value.values()):
             raise ValueError
         bias = tuple(sorted((int(token), float(bias)) for token, bias in value.items()))
-        if not all(_token_id(token) for token, _ in bias):
+        if not all(is_token_id(token) for token, _ in bias):
             raise ValueError
         return bias
     except ValueError:
@@ -223,7 +234,7 @@ def _parse_logit_bias(value: Any) -> tuple[tuple[int, float], ...]:
                             "-100 and 100", "logit_bias") from None
 
 
-def _token_id(value: Any) -> bool:
+def is_token_id(value: Any) -> bool:
     """An integer a token id can be (the model checks it against its vocabulary)."""
     return isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= MAX_TOKEN_ID
 
@@ -260,7 +271,7 @@ NEUTRAL_ONLY: dict[str, tuple] = {
     "chat_template_kwargs": (None, {}), "guided_json": (None,), "guided_regex": (None,), "guided_choice": (None,),
     "guided_grammar": (None,), "structured_outputs": (None,), "allowed_token_ids": (None,), "bad_words": (None, []),
     "logits_processors": (None,), "functions": (None, []), "function_call": (None, "none"), "audio": (None,),
-    "prediction": (None,), "web_search_options": (None,), "modalities": (None, ["text"]),
+    "prediction": (None,), "web_search_options": (None,), "modalities": (None, ["text"]), "suffix": (None, ""),
 }
 # what the gateway reads, and OpenAI's bookkeeping fields that do not change an answer
 KNOWN_FIELDS = {
@@ -268,7 +279,7 @@ KNOWN_FIELDS = {
     "top_p", "top_k", "seed", "stop", "stop_token_ids", "ignore_eos", "logprobs", "top_logprobs", "presence_penalty",
     "frequency_penalty", "repetition_penalty", "logit_bias", "min_tokens", "min_p", "return_token_ids", "slo",
     "tools", "tool_choice", "response_format", "user", "metadata", "store", "service_tier", "parallel_tool_calls",
-    "reasoning_effort",
+    "reasoning_effort", "prompt",
 }
 _warned: set[str] = set()
 MAX_WARNED_FIELDS = 1000  # names remembered (a body with a million random keys must not grow this without end)

@@ -1,5 +1,7 @@
 """A request's outputs as OpenAI's chat-completion objects: one `chat.completion`, or a stream of
-`chat.completion.chunk`s (SSE) — with `n` choices, one output stream each, interleaved as their tokens come."""
+`chat.completion.chunk`s (SSE) — with `n` choices, one output stream each, interleaved as their tokens come. A
+text completion's (`/v1/completions`) are the same, shaped as `text_completion` objects: `text` instead of a
+message or delta, no role chunk, and logprobs in the legacy form."""
 
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ from collections.abc import AsyncIterator
 
 from common.detokenizer import IncrementalDetokenizer
 from common.engine.outputs import RequestOutput
+from services.gateway.completions import legacy_logprobs
 from services.gateway.protocol import ApiError, ChatRequest
 
 
@@ -94,14 +97,19 @@ def completion(chat: ChatRequest, request_id: str, model: str, num_prompt: int,
                results: list[tuple[RequestOutput, list[dict]]], detokenize, with_logprobs: bool) -> dict:
     choices = []
     for index, (out, entries) in enumerate(results):
-        choice = {"index": index, "message": {"role": "assistant", "content": _final_text(out, detokenize)},
-                  "logprobs": {"content": entries} if with_logprobs else None, "finish_reason": out.finish_reason,
-                  "stop_reason": out.stop_reason}
+        text = _final_text(out, detokenize)
+        if chat.is_text_completion:
+            choice = {"index": index, "text": text, "logprobs": legacy_logprobs(entries)[0] if with_logprobs else None}
+        else:
+            choice = {"index": index, "message": {"role": "assistant", "content": text},
+                      "logprobs": {"content": entries} if with_logprobs else None}
+        choice.update(finish_reason=out.finish_reason, stop_reason=out.stop_reason)
         if chat.return_token_ids:
             choice["token_ids"] = out.output_token_ids
         choices.append(choice)
-    return {"id": request_id, "object": "chat.completion", "created": int(time.time()), "model": model,
-            "choices": choices, "usage": usage(num_prompt, [out for out, _ in results])}
+    return {"id": request_id, "object": "text_completion" if chat.is_text_completion else "chat.completion",
+            "created": int(time.time()), "model": model, "choices": choices,
+            "usage": usage(num_prompt, [out for out, _ in results])}
 
 
 def _final_text(out: RequestOutput, detokenize) -> str:
@@ -112,9 +120,10 @@ async def sse(chat: ChatRequest, request_id: str, model: str, num_prompt: int, s
               detokenize, logprobs: Logprobs | None = None) -> AsyncIterator[str]:
     created = int(time.time())
 
+    kind = "text_completion" if chat.is_text_completion else "chat.completion.chunk"
+
     def frame(choices: list[dict], **extra) -> str:
-        body = {"id": request_id, "object": "chat.completion.chunk", "created": created, "model": model,
-                "choices": choices, **extra}
+        body = {"id": request_id, "object": kind, "created": created, "model": model, "choices": choices, **extra}
         return f"data: {json.dumps(body)}\n\n"
 
     finals: list[RequestOutput | None] = [None] * len(streams)
@@ -123,7 +132,7 @@ async def sse(chat: ChatRequest, request_id: str, model: str, num_prompt: int, s
     try:
         async with contextlib.aclosing(deltas[0] if len(deltas) == 1 else _merged(deltas)) as choices:
             async for choice in choices:
-                if "role" in choice["delta"]:
+                if "role" in choice.get("delta", ()):
                     held += frame([choice])
                     continue
                 yield held + frame([choice])
@@ -144,15 +153,23 @@ async def sse(chat: ChatRequest, request_id: str, model: str, num_prompt: int, s
 
 async def _choice_deltas(index: int, chat: ChatRequest, outputs: AsyncIterator[RequestOutput], detokenize,
                          logprobs: Logprobs | None, finals: list) -> AsyncIterator[dict]:
-    """One choice's `choices` entries: its role, then text deltas as tokens come (held back by the longest stop
-    string's length but one, so a stop string is never half sent), then the rest with its finish reason."""
+    """One choice's `choices` entries: its role (a chat's), then text deltas as tokens come (held back by the longest
+    stop string's length but one, so a stop string is never half sent), then the rest with its finish reason."""
     holdback = max((len(s) for s in chat.sampling.stop), default=1) - 1
+    offset = 0  # text completions: where the next logprobs entry's token starts in the text
 
     def choice(delta: dict, finish: str | None = None, token_ids: list[int] | None = None,
                out: RequestOutput | None = None) -> dict:
+        nonlocal offset
         entries = logprobs.entries(out) if logprobs is not None and out is not None else None
-        entry = {"index": index, "delta": delta, "logprobs": {"content": entries} if entries else None,
-                 "finish_reason": finish}
+        if chat.is_text_completion:
+            legacy = None
+            if entries:
+                legacy, offset = legacy_logprobs(entries, offset)
+            entry = {"index": index, "text": delta.get("content", ""), "logprobs": legacy, "finish_reason": finish}
+        else:
+            entry = {"index": index, "delta": delta, "logprobs": {"content": entries} if entries else None,
+                     "finish_reason": finish}
         if finish is not None:  # as in the whole answer (and vLLM's stream): the stop string or token that ended it
             entry["stop_reason"] = out.stop_reason
         if chat.return_token_ids and token_ids is not None:
@@ -163,7 +180,8 @@ async def _choice_deltas(index: int, chat: ChatRequest, outputs: AsyncIterator[R
     text = IncrementalDetokenizer(detokenize)  # a few tokens decoded per output, not the whole output again
     async with contextlib.aclosing(outputs):  # the client gone: its request ends now, not when collected
         first = await anext(outputs, None)  # already here (the backend waited for it): the stream, and its
-        yield choice({"role": "assistant", "content": ""})  # observer, start before anything is sent
+        if not chat.is_text_completion:  # observer, start before anything is sent
+            yield choice({"role": "assistant", "content": ""})
         async for out in _chain(first, outputs):
             last = out
             if out.finished:

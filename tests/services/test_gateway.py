@@ -233,3 +233,51 @@ def test_bad_input_gets_a_clear_4xx_and_the_server_keeps_serving(server, body, s
     ok = httpx.post(f"{server}/v1/chat/completions", json={"model": MODEL, "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]}, timeout=60)
     assert ok.status_code == 200
     assert_pools_full(server)
+
+
+@pytest.fixture(scope="module")
+def raw_reference(tiny_dir, processors):
+    """transformers' greedy answer (and logits) to a prompt given as token ids, no chat template."""
+    import torch
+
+    from tests.support import hf_reference, mixed_cases
+
+    case = next(c for c in mixed_cases() if c.conversation is None)
+    return case, hf_reference(tiny_dir, processors["tiny"], [case], torch.float32)[case.name]
+
+
+def test_text_completions_continue_the_prompt_as_it_is_with_the_transformers_tokens(server, raw_reference, processors):
+    """`/v1/completions` (vLLM serves it for multimodal models too): the prompt as token ids or as text, no chat
+    template; greedy tokens and legacy-form logprobs are transformers'; the stream joins to the same text."""
+    import torch
+
+    case, ref = raw_reference
+    client = openai.OpenAI(base_url=f"{server}/v1", api_key="none")
+    resp = client.completions.create(model=MODEL, prompt=case.raw_ids, max_tokens=case.max_tokens, temperature=0,
+                                     logprobs=2, extra_body={"return_token_ids": True})
+    choice = resp.choices[0]
+    assert resp.object == "text_completion" and resp.id.startswith("cmpl-")
+    assert choice.model_extra["token_ids"] == ref.tokens and resp.usage.prompt_tokens == len(case.raw_ids)
+    assert choice.text == processors["tiny"].detokenize(ref.tokens)
+    for step, (token, value, top) in enumerate(zip(ref.tokens, choice.logprobs.token_logprobs, choice.logprobs.top_logprobs)):
+        assert abs(value - torch.log_softmax(ref.logits[step], -1)[token].item()) <= 1e-3 and len(top) <= 2
+    assert choice.logprobs.text_offset[0] == 0 and choice.logprobs.text_offset == sorted(choice.logprobs.text_offset)
+    text = "the man holding a red cup"
+    ids = processors["tiny"].tokenizer(text)["input_ids"]
+    by_text = client.completions.create(model=MODEL, prompt=text, max_tokens=10, temperature=0,
+                                        extra_body={"return_token_ids": True})
+    by_ids = client.completions.create(model=MODEL, prompt=[ids], max_tokens=10, temperature=0,
+                                       extra_body={"return_token_ids": True})
+    assert by_text.choices[0].model_extra["token_ids"] == by_ids.choices[0].model_extra["token_ids"]
+    assert by_text.usage.prompt_tokens == len(ids) and by_text.usage.completion_tokens == 10
+    chunks = list(client.completions.create(model=MODEL, prompt=text, max_tokens=10, temperature=0, stream=True,
+                                            stream_options={"include_usage": True}))
+    assert all(c.object == "text_completion" for c in chunks) and chunks[-1].usage.completion_tokens == 10
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == by_text.choices[0].text
+    assert client.completions.create(model=MODEL, prompt=text, temperature=0).usage.completion_tokens <= 16
+    for body, fragment in [({"prompt": ["one", "two"]}, "holds 2 prompts"), ({"prompt": "x", "echo": True}, "'echo'"),
+                           ({"prompt": "x", "logprobs": True}, "integer from 0 to 20"), ({"prompt": ""}, "'prompt'"),
+                           ({"prompt": "x", "suffix": "y"}, "'suffix'"), ({}, "'prompt'")]:
+        bad = httpx.post(f"{server}/v1/completions", json={"model": MODEL, **body})
+        assert bad.status_code == 400 and fragment in bad.json()["error"]["message"], (body, bad.text)
+    assert_pools_full(server)
