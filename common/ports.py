@@ -19,11 +19,14 @@ def ephemeral_range() -> tuple[int, int]:
         return 32768, 60999
 
 
-def free_port(host: str = "127.0.0.1", tries: int = 200) -> int:
+def free_port(host: str = "127.0.0.1", tries: int = 200, avoid: frozenset[int] | set[int] = frozenset()) -> int:
+    """`avoid`: ports taken already though nobody listens on them yet (a launch's own, bound by a child later)."""
     low = ephemeral_range()[0]
     start = 10000 if low > 11000 else 1024
     for _ in range(tries):
         port = random.randrange(start, low)
+        if port in avoid:
+            continue
         with socket.socket() as s:
             try:
                 s.bind((host, port))

@@ -29,6 +29,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.parse
 import urllib.request
 import uuid
 
@@ -197,14 +198,19 @@ class Restarts:
                 self._stable_since[proc] = now
 
 
-def start_redis(mesh: Mesh, redis_url: str | None) -> str:
+def _port_of(url: str) -> int | None:
+    return urllib.parse.urlsplit(url).port
+
+
+def start_redis(mesh: Mesh, redis_url: str | None, avoid: frozenset[int] = frozenset()) -> str:
+    """`avoid`: ports this launch will bind later (the gateway's): a private Redis must not take them first."""
     url = redis_url or os.environ.get("REDIS_URL")
     if url:
         return url
     binary = shutil.which("redis-server")
     if binary is None:
         raise SystemExit(NO_REDIS)
-    port = free_port()
+    port = free_port(avoid=avoid)
     mesh.spawn("redis", [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
                          "--dir", mesh.tmp.name, "--logfile", os.path.join(mesh.tmp.name, "redis.log")])
     import redis
@@ -309,8 +315,9 @@ def serve_mesh(args) -> int:
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
     try:
-        redis_url = start_redis(mesh, args.redis_url)
-        toggle = f"127.0.0.1:{free_port()}"
+        # the gateway binds --port last: nothing started before it may take that port (a test saw the toggle do so)
+        redis_url = start_redis(mesh, args.redis_url, avoid=frozenset({args.port}))
+        toggle = f"127.0.0.1:{free_port(avoid={args.port, _port_of(redis_url)})}"
         prefix = f"epdmesh:{uuid.uuid4().hex[:12]}:"
         routing = router_argv(args, args.latency_profile, worker_budgets=args.token_budget is None)
         mesh.spawn("toggle", [sys.executable, "-m", "epdmesh.cli", "toggle", "--redis-url", redis_url, "--prefix", prefix,
