@@ -30,7 +30,8 @@ def _engine_config(args, roles: str = "encode,prefill,decode"):
 
     return EngineConfig(
         model=args.model, dtype=resolve_dtype(args.dtype, args.device), device=args.device, roles=parse_roles(roles),
-        kv_cache_gib=_kv_cache_gib(args), max_model_len=args.max_model_len, attention_backend=args.attention_backend,
+        kv_cache_gib=_kv_cache_gib(args), gpu_memory_utilization=args.gpu_memory_utilization,
+        max_model_len=args.max_model_len, attention_backend=args.attention_backend,
         enable_prefix_caching=args.enable_prefix_caching,
         scheduler=SchedulerConfig(*_budgets(args, parse_roles(roles)),
                                   max_num_seqs=args.max_num_seqs, join_first=_decoder_joins(args)[1],
@@ -38,11 +39,14 @@ def _engine_config(args, roles: str = "encode,prefill,decode"):
     )
 
 
-def _kv_cache_gib(args) -> float:
-    """--kv-cache-gib, else 1 GiB, or 64 GiB of the real model's pages on the emulated backend (an H20-sized cache)."""
+def _kv_cache_gib(args) -> float | None:
+    """--kv-cache-gib, else 64 GiB of the real model's pages on the emulated backend (an H20-sized cache), else on a
+    GPU None (what --gpu-memory-utilization of it leaves, measured), else 1 GiB."""
     if getattr(args, "kv_cache_gib", None) is not None:
         return args.kv_cache_gib
-    return 64.0 if getattr(args, "backend", "torch") == "emulated" else 1.0
+    if getattr(args, "backend", "torch") == "emulated":
+        return 64.0
+    return None if getattr(args, "device", "cpu").startswith("cuda") else 1.0
 
 
 def _decoder_joins(args) -> tuple[bool, bool]:
@@ -255,8 +259,12 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"], help="auto: bfloat16 on CUDA, float32 on CPU")
     p.add_argument("--device", default="cpu")
-    p.add_argument("--kv-cache-gib", type=float, help="KV cache size (default 1; emulated: 64, counted in the model's "
-                                                      "real page bytes)")
+    p.add_argument("--kv-cache-gib", type=float, help="KV cache size per worker (default: on a GPU, what "
+                                                      "--gpu-memory-utilization leaves; on the CPU 1; emulated: 64, "
+                                                      "counted in the model's real page bytes)")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                   help="fraction of the GPU's memory for the weights, activations and caches (serve: split among "
+                        "the workers that share a GPU)")
     p.add_argument("--token-budget", type=int, help="τ_t: tokens per iteration (default: from --latency-profile, else 2048)")
     p.add_argument("--image-budget", type=int, help="τ_e: images per iteration (default: from --latency-profile, else 4)")
     p.add_argument("--latency-profile", help="a latency profile (epdmesh profile; or H20/H100/H200): τ_t and τ_e are the largest batches "

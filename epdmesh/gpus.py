@@ -40,6 +40,13 @@ def worker_envs(num_workers: int, devices: list[str] | None) -> list[dict[str, s
     return [{"CUDA_VISIBLE_DEVICES": devices[i % len(devices)]} for i in range(num_workers)]
 
 
+def memory_shares(envs: list[dict[str, str]], utilization: float) -> list[float | None]:
+    """Each worker's --gpu-memory-utilization: the launch's, split evenly among the workers on one GPU (their
+    weights, activations and KV caches all fit in it); None where workers get no GPU of their own."""
+    gpus = [env.get("CUDA_VISIBLE_DEVICES") for env in envs]
+    return [None if gpu is None else utilization / gpus.count(gpu) for gpu in gpus]
+
+
 def _device_count() -> int:
     import torch
 

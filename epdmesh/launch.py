@@ -35,7 +35,7 @@ import uuid
 
 from common.ports import free_port
 from common.topology import WorkerGroup, decoders_join, parse_topology
-from epdmesh.gpus import gpu_devices, worker_envs
+from epdmesh.gpus import gpu_devices, memory_shares, worker_envs
 from epdmesh.routing_args import router_argv
 
 log = logging.getLogger("epdmesh.launch")
@@ -276,7 +276,7 @@ def _http_ok(url: str) -> bool:
 
 def worker_argv(group: WorkerGroup, toggle: str, args, threads: int) -> list[str]:
     argv = [sys.executable, "-m", "epdmesh.cli", "worker", "--roles", group.label, "--toggle", toggle,
-            "--model", args.model, "--dtype", args.dtype, "--device", args.device, "--kv-cache-gib", str(args.kv_cache_gib),
+            "--model", args.model, "--dtype", args.dtype, "--device", args.device,
             "--slo-ttft-ms", str(args.slo_ttft_ms), "--slo-tbt-ms", str(args.slo_tbt_ms),
             "--budget-headroom", str(args.budget_headroom), "--budget-alpha", str(args.budget_alpha),
             "--decoder-joins", args.decoder_joins, "--max-num-seqs", str(args.max_num_seqs), "--attention-backend", args.attention_backend,
@@ -287,6 +287,8 @@ def worker_argv(group: WorkerGroup, toggle: str, args, threads: int) -> list[str
                  "--emulated-image-bytes-per-token", str(args.emulated_image_bytes_per_token)]
     if args.max_model_len:
         argv += ["--max-model-len", str(args.max_model_len)]
+    if args.kv_cache_gib is not None:  # else each sizes its own from its GPU's memory
+        argv += ["--kv-cache-gib", str(args.kv_cache_gib)]
     for flag, value in (("--token-budget", args.token_budget), ("--image-budget", args.image_budget),
                         ("--latency-profile", args.latency_profile)):
         if value is not None:
@@ -303,7 +305,7 @@ def serve_mesh(args) -> int:
     num_workers = sum(g.count for g in groups)
     threads = args.threads or max(1, (os.cpu_count() or 1) // num_workers)
     try:  # one GPU per worker (--device cuda), decided before anything starts
-        gpu_envs = iter(worker_envs(num_workers, gpu_devices(args.device, getattr(args, "gpus", None))))
+        gpu_envs = worker_envs(num_workers, gpu_devices(args.device, getattr(args, "gpus", None)))
     except ValueError as e:
         log.error("%s", e)
         return 2
@@ -324,9 +326,14 @@ def serve_mesh(args) -> int:
                               "--port", toggle.rsplit(":", 1)[1], *routing])
         _wait(lambda: _registered(toggle) >= 0, mesh, "the toggle", 60)
         mesh.toggle = toggle
+        shares = iter(memory_shares(gpu_envs, args.gpu_memory_utilization))
+        gpu_envs = iter(gpu_envs)
         for group in groups:
             for i in range(group.count):
-                mesh.spawn(f"worker {group.label}#{i}", worker_argv(group, toggle, args, threads), next(gpu_envs))
+                share = next(shares)
+                memory = [] if share is None else ["--gpu-memory-utilization", f"{share:.6g}"]
+                mesh.spawn(f"worker {group.label}#{i}", worker_argv(group, toggle, args, threads) + memory,
+                           next(gpu_envs))
         _wait(lambda: _registered(toggle) == num_workers, mesh, f"{num_workers} workers", 600)
         gateway_argv = [sys.executable, "-m", "epdmesh.cli", "gateway", "--toggle", toggle, "--model", args.model,
                         "--host", args.host, "--port", str(args.port), "--served-model-name", args.served_model_name,

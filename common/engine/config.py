@@ -39,8 +39,9 @@ class EngineConfig:
     roles: frozenset[Stage] = ALL_ROLES
     block_size: int = 16
     image_block_size: int = 16
-    kv_cache_gib: float = 1.0
+    kv_cache_gib: float | None = 1.0  # None: what gpu_memory_utilization of the GPU leaves (common/engine/memory_profile.py)
     image_cache_gib: float = 0.25
+    gpu_memory_utilization: float = 0.9  # of the GPU's memory, for this engine's weights, activations and caches
     max_model_len: int | None = None  # default: the model's max_position_embeddings
     attention_backend: str = "auto"
     enable_prefix_caching: bool = False
@@ -54,5 +55,7 @@ class EngineConfig:
             raise ValueError(f"roles must be a non-empty subset of {sorted(s.name for s in ALL_ROLES)}")
         if self.block_size < 1 or self.image_block_size < 1:
             raise ValueError("block sizes must be positive")
-        if self.kv_cache_gib <= 0 or self.image_cache_gib <= 0:
+        if (self.kv_cache_gib is not None and self.kv_cache_gib <= 0) or self.image_cache_gib <= 0:
             raise ValueError("cache sizes must be positive")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")

@@ -46,6 +46,8 @@ class EmulatedEngine(Engine):
     def __init__(self, config: EngineConfig, profile: LatencyProfile, detokenize: Callable[[list[int]], str] | None = None,
                  token_pool: list[int] | None = None, kv_bytes_per_token: int = 256, image_bytes_per_token: int = 64,
                  model_config: LlavaConfig | None = None):
+        if config.kv_cache_gib is None:
+            raise ValueError("the emulated engine's KV cache needs a size (kv_cache_gib): it has no GPU to measure")
         if kv_bytes_per_token < 8 or image_bytes_per_token < 4:
             raise ValueError("emulated pages need at least 8 KV bytes and 4 image bytes per token")
         model_config = model_config or LlavaConfig.from_pretrained(config.model)

@@ -24,7 +24,7 @@ import torch
 from common.engine.config import EngineConfig
 from common.engine.model_runner import ModelRunner
 from common.engine.errors import NoRoomForPages, RequestRejected, StepFailed  # noqa: F401 (imported from here too)
-from common.engine.outputs import RequestOutput, TokenLogprob
+from common.engine.outputs import EngineStats, RequestOutput, TokenLogprob
 from common.engine.sampler import Sampler, logprobs_of
 from common.engine.stopping import check_stop
 from common.kv_manager import ImageBlockManager, KVBlockManager, blocks_for
@@ -39,35 +39,35 @@ from kernels import make_attention_backend
 log = logging.getLogger(__name__)
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
-class EngineStats:
-    kv_blocks_total: int
-    kv_blocks_free: int
-    image_blocks_total: int
-    image_blocks_free: int
-    num_waiting: int
-    num_running: int
-    num_handed_off: int
-    running_decodes: int
-    unfinished_decode_tokens: int  # tokens the running decodes may still produce (max_tokens left)
-    queued_prefill_tokens: int = 0  # prompt tokens waiting or still to prefill
-    queued_images: int = 0  # images waiting or still to encode
-    decode_context_tokens: int = 0  # KV tokens of the running decodes
-    num_preemptions: int = 0  # since start: running requests whose KV was freed for others (recomputed or handed back)
-
-
 class Engine:
     computes_logprobs = True  # it has the model's logits to report them from
 
-    def __init__(self, config: EngineConfig, model: LlavaModel | None = None, detokenize: Callable[[list[int]], str] | None = None):
+    def __init__(self, config: EngineConfig, model: LlavaModel | None = None, detokenize: Callable[[list[int]], str] | None = None,
+                 memory=None):
+        """`config.kv_cache_gib` None: sized from the GPU's memory after one profile iteration, read by `memory`
+        (default: `memory_profile.CudaMemory` of the engine's device; there is none on the CPU)."""
         dtype = getattr(torch, config.dtype)
         device = torch.device(config.device)
         self.model = model if model is not None else load_model(config.model, dtype, device)
-        text = self.model.cfg.text
-        self._build(config, self.model.cfg, (text.num_layers, text.num_kv_heads, text.head_dim), text.hidden_size, dtype,
-                    device, detokenize)
-        self.runner = ModelRunner(self.model, self.kv_cache, self.image_cache, make_attention_backend(config.attention_backend, device))
-        self.sampler = Sampler(config.seed, self.model_config.eos_token_ids)
+
+        def setup(c: EngineConfig) -> None:
+            text = self.model.cfg.text
+            self._build(c, self.model.cfg, (text.num_layers, text.num_kv_heads, text.head_dim), text.hidden_size, dtype,
+                        device, detokenize)
+            self.runner = ModelRunner(self.model, self.kv_cache, self.image_cache,
+                                      make_attention_backend(c.attention_backend, device))
+            self.sampler = Sampler(c.seed, self.model_config.eos_token_ids)
+
+        self.kv_sizing = None  # how the KV cache was sized from the device's memory (memory_profile.KvSizing)
+        if config.kv_cache_gib is None:
+            from common.engine.memory_profile import CudaMemory, profile_kv_cache
+
+            if memory is None and device.type != "cuda":
+                raise ValueError("the KV cache is sized from the GPU's memory only on CUDA; give kv_cache_gib "
+                                 "(--kv-cache-gib) on the CPU")
+            self.kv_sizing = profile_kv_cache(config, setup, self, memory or CudaMemory(device))
+            config = dataclasses.replace(config, kv_cache_gib=self.kv_sizing.kv_cache_bytes / 2**30)
+        setup(config)
 
     def _build(self, config: EngineConfig, model_config: LlavaConfig, kv_shape: tuple[int, int, int], image_hidden: int,
                dtype: torch.dtype, device: torch.device, detokenize, count_as: tuple[int, int] | None = None) -> None:

@@ -1,4 +1,4 @@
-"""What an engine step reports per request."""
+"""What an engine reports: per request after each step (`RequestOutput`), and about itself (`EngineStats`)."""
 
 from __future__ import annotations
 
@@ -47,3 +47,20 @@ class RequestOutput:
     @property
     def done_here(self) -> bool:
         return self.status.done_here
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class EngineStats:
+    kv_blocks_total: int
+    kv_blocks_free: int
+    image_blocks_total: int
+    image_blocks_free: int
+    num_waiting: int
+    num_running: int
+    num_handed_off: int
+    running_decodes: int
+    unfinished_decode_tokens: int  # tokens the running decodes may still produce (max_tokens left)
+    queued_prefill_tokens: int = 0  # prompt tokens waiting or still to prefill
+    queued_images: int = 0  # images waiting or still to encode
+    decode_context_tokens: int = 0  # KV tokens of the running decodes
+    num_preemptions: int = 0  # since start: running requests whose KV was freed for others (recomputed or handed back)

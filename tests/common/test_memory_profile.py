@@ -1,0 +1,85 @@
+"""The KV cache sized from the GPU's memory (`--gpu-memory-utilization`), checked on the CPU with the device's
+readings stood in for: the profile iteration runs through the real engine, and the cache it leaves is exact."""
+
+import pytest
+import torch
+
+from common.engine.config import EngineConfig
+from common.engine.engine import Engine
+from common.engine.memory_profile import FREE_MARGIN_BYTES, DeviceMemory, KvCacheTooSmall, kv_cache_bytes
+from common.model.loader import load_model
+from common.paged_cache import PagedKVCache
+from common.request import Request
+from common.sampling import SamplingParams
+from common.scheduler import SchedulerConfig
+from epdmesh.gpus import memory_shares
+
+GIB, MIB = 2**30, 2**20
+
+
+def test_the_budget_is_the_utilization_less_weights_activations_and_the_image_cache_and_never_more_than_is_free():
+    memory = DeviceMemory(total=80 * GIB, free=60 * GIB, peak=16 * GIB + 1 * GIB)  # 16 GiB weights + activations, 1 GiB profile caches
+    assert kv_cache_bytes(memory, 0.9, profile_cache_bytes=1 * GIB, image_cache_bytes=GIB // 4) == int(72 * GIB) - 16 * GIB - GIB // 4
+    crowded = DeviceMemory(total=80 * GIB, free=20 * GIB, peak=17 * GIB)  # other processes hold the rest
+    assert kv_cache_bytes(crowded, 0.9, GIB, GIB // 4) == 21 * GIB - GIB // 4 - FREE_MARGIN_BYTES
+    with pytest.raises(KvCacheTooSmall, match="raise --gpu-memory-utilization"):
+        kv_cache_bytes(DeviceMemory(total=16 * GIB, free=15 * GIB, peak=16 * GIB), 0.9, GIB, GIB // 4)
+
+
+class FakeGpu:
+    """A GPU's readings, given: total and free memory, and the allocator's peak during the profile iteration."""
+
+    def __init__(self, total: int, free: int, peak: int):
+        self.readings = DeviceMemory(total, free, peak)
+        self.calls: list[str] = []
+
+    def reset(self) -> None:
+        self.calls.append("reset")
+
+    def read(self) -> DeviceMemory:
+        self.calls.append("read")
+        return self.readings
+
+
+@pytest.fixture(scope="module")
+def model(tiny_dir):
+    return load_model(tiny_dir, torch.float32)
+
+
+def _sized(tiny_dir, model, gpu: FakeGpu) -> Engine:
+    config = EngineConfig(model=str(tiny_dir), kv_cache_gib=None, gpu_memory_utilization=0.5, image_cache_gib=0.01,
+                          scheduler=SchedulerConfig(token_budget=512, image_budget=2))
+    return Engine(config, model=model, memory=gpu)
+
+
+def test_the_engine_runs_one_profile_iteration_and_takes_the_kv_cache_the_budget_leaves(tiny_dir, model):
+    """The profile iteration (512 tokens, two images: the budgets) runs through the real engine on its small caches;
+    the engine is then rebuilt with the KV cache the readings leave, and serves."""
+    gpu = FakeGpu(total=2 * GIB, free=2 * GIB, peak=400 * MIB)
+    engine = _sized(tiny_dir, model, gpu)
+    sizing = engine.kv_sizing
+    assert gpu.calls == ["reset", "read"] and sizing.profile_tokens == 512 and sizing.profile_cache_bytes > 0
+    assert sizing.kv_cache_bytes == kv_cache_bytes(gpu.readings, 0.5, sizing.profile_cache_bytes, int(0.01 * GIB))
+    text = model.cfg.text
+    per_block = PagedKVCache.bytes_per_block(16, text.num_layers, text.num_kv_heads, text.head_dim, torch.float32)
+    assert engine.stats().kv_blocks_total == sizing.kv_cache_bytes // per_block > 10_000
+    reference = Engine(EngineConfig(model=str(tiny_dir)), model=model)
+    request = lambda: Request("r", [1, 405, 77, 1290, 33], SamplingParams(max_tokens=8, temperature=0.0))  # noqa: E731
+    assert engine.generate([request()])["r"].output_token_ids == reference.generate([request()])["r"].output_token_ids
+    assert engine.stats().kv_blocks_free == engine.stats().kv_blocks_total
+
+
+def test_no_room_for_a_kv_cache_says_what_to_change(tiny_dir, model):
+    with pytest.raises(KvCacheTooSmall, match="lower --token-budget"):
+        _sized(tiny_dir, model, FakeGpu(total=GIB, free=GIB, peak=600 * MIB))
+
+
+def test_on_the_cpu_the_kv_cache_needs_a_size():
+    with pytest.raises(ValueError, match="--kv-cache-gib"):
+        Engine(EngineConfig(model="unused", kv_cache_gib=None), model=object())
+
+
+def test_workers_sharing_a_gpu_share_its_memory_evenly():
+    envs = [{"CUDA_VISIBLE_DEVICES": "0"}, {"CUDA_VISIBLE_DEVICES": "1"}, {"CUDA_VISIBLE_DEVICES": "0"}]
+    assert memory_shares(envs, 0.9) == [0.45, 0.9, 0.45]
+    assert memory_shares([{}, {}], 0.9) == [None, None]  # the CPU, or a GPU pinned for all (--device cuda:N)
