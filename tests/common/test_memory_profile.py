@@ -83,3 +83,16 @@ def test_workers_sharing_a_gpu_share_its_memory_evenly():
     envs = [{"CUDA_VISIBLE_DEVICES": "0"}, {"CUDA_VISIBLE_DEVICES": "1"}, {"CUDA_VISIBLE_DEVICES": "0"}]
     assert memory_shares(envs, 0.9) == [0.45, 0.9, 0.45]
     assert memory_shares([{}, {}], 0.9) == [None, None]  # the CPU, or a GPU pinned for all (--device cuda:N)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_on_a_real_gpu_the_engine_fits_within_its_share(tiny_dir):
+    """For a session lent a GPU: the readings are the driver's and the allocator's; after the KV cache is allocated
+    this process holds no more than its share of the device, and the engine serves."""
+    engine = Engine(EngineConfig(model=str(tiny_dir), device="cuda", kv_cache_gib=None, gpu_memory_utilization=0.3))
+    sizing = engine.kv_sizing
+    assert sizing is not None and sizing.kv_cache_bytes > 0
+    assert torch.cuda.memory_reserved() <= 0.3 * sizing.memory.total + 64 * MIB
+    out = engine.generate([Request("r", [1, 405, 77, 1290, 33], SamplingParams(max_tokens=8, temperature=0.0))])
+    assert len(out["r"].output_token_ids) == 8
