@@ -40,10 +40,12 @@ def worker_envs(num_workers: int, devices: list[str] | None) -> list[dict[str, s
     return [{"CUDA_VISIBLE_DEVICES": devices[i % len(devices)]} for i in range(num_workers)]
 
 
-def memory_shares(envs: list[dict[str, str]], utilization: float) -> list[float | None]:
+def memory_shares(envs: list[dict[str, str]], utilization: float, device: str) -> list[float | None]:
     """Each worker's --gpu-memory-utilization: the launch's, split evenly among the workers on one GPU (their
-    weights, activations and KV caches all fit in it); None where workers get no GPU of their own."""
-    gpus = [env.get("CUDA_VISIBLE_DEVICES") for env in envs]
+    weights, activations and KV caches all fit in it) — each its own (`envs`), or all on the one `--device cuda:N`
+    pins them to; None on the CPU."""
+    pinned = device if device.startswith("cuda") else None
+    gpus = [env.get("CUDA_VISIBLE_DEVICES", pinned) for env in envs]
     return [None if gpu is None else utilization / gpus.count(gpu) for gpu in gpus]
 
 

@@ -326,7 +326,7 @@ def serve_mesh(args) -> int:
                               "--port", toggle.rsplit(":", 1)[1], *routing])
         _wait(lambda: _registered(toggle) >= 0, mesh, "the toggle", 60)
         mesh.toggle = toggle
-        shares = iter(memory_shares(gpu_envs, args.gpu_memory_utilization))
+        shares = iter(memory_shares(gpu_envs, args.gpu_memory_utilization, args.device))
         gpu_envs = iter(gpu_envs)
         for group in groups:
             for i in range(group.count):

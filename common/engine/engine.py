@@ -48,6 +48,13 @@ class Engine:
         (default: `memory_profile.CudaMemory` of the engine's device; there is none on the CPU)."""
         dtype = getattr(torch, config.dtype)
         device = torch.device(config.device)
+        if config.kv_cache_gib is None and memory is None:
+            if device.type != "cuda":
+                raise ValueError("the KV cache is sized from the GPU's memory only on CUDA; give kv_cache_gib "
+                                 "(--kv-cache-gib) on the CPU")
+            from common.engine.memory_profile import CudaMemory
+
+            memory = CudaMemory(device)  # before the weights load: what is ours, what other processes hold
         self.model = model if model is not None else load_model(config.model, dtype, device)
 
         def setup(c: EngineConfig) -> None:
@@ -60,14 +67,15 @@ class Engine:
 
         self.kv_sizing = None  # how the KV cache was sized from the device's memory (memory_profile.KvSizing)
         if config.kv_cache_gib is None:
-            from common.engine.memory_profile import CudaMemory, profile_kv_cache
+            from common.engine.memory_profile import profile_kv_cache
 
-            if memory is None and device.type != "cuda":
-                raise ValueError("the KV cache is sized from the GPU's memory only on CUDA; give kv_cache_gib "
-                                 "(--kv-cache-gib) on the CPU")
-            self.kv_sizing = profile_kv_cache(config, setup, self, memory or CudaMemory(device))
+            self.kv_sizing = profile_kv_cache(config, setup, self, memory)
             config = dataclasses.replace(config, kv_cache_gib=self.kv_sizing.kv_cache_bytes / 2**30)
         setup(config)
+
+    def release_caches(self) -> None:
+        """Let go of the caches and what refers to them (before others of a new size are allocated in their place)."""
+        self.kv_cache = self.image_cache = self.runner = self.scheduler = None
 
     def _build(self, config: EngineConfig, model_config: LlavaConfig, kv_shape: tuple[int, int, int], image_hidden: int,
                dtype: torch.dtype, device: torch.device, detokenize, count_as: tuple[int, int] | None = None) -> None:

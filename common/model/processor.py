@@ -86,9 +86,11 @@ class ChatProcessor:
     def encode_prompt(self, prompt: str | list[int]) -> tuple[list[int], list[ImageInput]]:
         """A text completion's prompt → token ids (text tokenized as it is, with the tokenizer's BOS, as vLLM does;
         token ids kept as given), and no images."""
-        if isinstance(prompt, str):
-            return self.tokenizer(prompt)["input_ids"], []
-        return list(prompt), []
+        ids = self.tokenizer(prompt)["input_ids"] if isinstance(prompt, str) else list(prompt)
+        if self.config.image_token_id in ids:
+            raise ValueError("the prompt holds the image placeholder token, and a text completion takes no images; "
+                             "send images to /v1/chat/completions")
+        return ids, []
 
     def count_prompt_tokens(self, conversation: list[dict]) -> int:
         """The prompt's length without preprocessing any image (a fraction of `apply`'s time, so a route can

@@ -66,7 +66,7 @@ class LocalBackend:
             else:
                 ids, images = await asyncio.to_thread(self._inputs, chat)
         except (ValueError, TypeError, KeyError) as e:
-            raise ApiError(400, f"could not build the prompt from these messages: {e}") from None
+            raise ApiError(400, f"could not build the prompt: {e}") from None
         request = Request(request_id, ids, chat.sampling_for(len(ids), self.context_tokens), images)
         stream = self.engine.generate(request)
         try:
@@ -194,8 +194,10 @@ def _check_fits(chat: ChatRequest, backend) -> None:
     megabytes of text took seconds and gigabytes before the length check could refuse it."""
     n = chat.num_text_chars
     if n > backend.max_model_len * backend.processor.max_token_chars * NORMALIZATION_SLACK:
-        raise ApiError(400, f"the messages hold {n} characters of text, more than the model's limit of "
-                            f"{backend.max_model_len} tokens can hold; shorten them", "messages")
+        where = "prompt" if chat.is_text_completion else "messages"
+        raise ApiError(400, f"the {where} hold{'s' if chat.is_text_completion else ''} {n} characters of text, more "
+                            f"than the model's limit of {backend.max_model_len} tokens can hold; shorten "
+                            f"{'it' if chat.is_text_completion else 'them'}", where)
     config = getattr(backend.processor, "config", None)
     if config is not None and chat.num_images * config.image_tokens_per_image > backend.max_model_len:
         raise ApiError(400, f"{chat.num_images} images take {chat.num_images * config.image_tokens_per_image} tokens, "

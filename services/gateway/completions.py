@@ -17,7 +17,9 @@ MAX_LEGACY_LOGPROBS = 20
 def parse_completion_request(raw: bytes, served_models: list[str]) -> ChatRequest:
     body = json_body(raw, served_models)
     prompt = _prompt(body.get("prompt"))
-    sampling_body = dict(body)
+    if body.get("suffix"):
+        raise ApiError(400, "'suffix' (insertion) is not supported by this server; leave it out", "suffix")
+    sampling_body = {k: v for k, v in body.items() if k not in ("prompt", "suffix")}  # the rest is a chat's
     if body.get("max_tokens") is None:  # 16, or min_tokens when that asks for more
         min_tokens = body.get("min_tokens")
         sampling_body["max_tokens"] = max(DEFAULT_MAX_TOKENS, min_tokens if isinstance(min_tokens, int) else 0)
@@ -27,7 +29,7 @@ def parse_completion_request(raw: bytes, served_models: list[str]) -> ChatReques
             raise ApiError(400, f"'logprobs' must be an integer from 0 to {MAX_LEGACY_LOGPROBS} (alternatives per "
                                 "token) for completions", "logprobs")
         sampling_body.update(logprobs=True, top_logprobs=logprobs)
-    if "top_logprobs" in body:
+    if body.get("top_logprobs") is not None:
         raise ApiError(400, "completions take 'logprobs': <number of alternatives>, not 'top_logprobs'", "top_logprobs")
     return ChatRequest(conversation=[], sampling=parse_sampling(sampling_body), prompt=prompt, **common_fields(body))
 
@@ -50,10 +52,10 @@ def legacy_logprobs(entries: list[dict], offset: int = 0) -> tuple[dict, int]:
     """OpenAI-form entries (`responses.Logprobs`) in the completions API's legacy form; `offset`: where in the
     completion's text the first entry's token starts. Also returns where the next one would."""
     tokens, values, tops, offsets = [], [], [], []
-    for entry in entries:
+    for entry in entries:  # each position's alternatives and the sampled token, as vLLM gives up to logprobs + 1
         tokens.append(entry["token"])
         values.append(entry["logprob"])
-        tops.append({alt["token"]: alt["logprob"] for alt in entry["top_logprobs"]})
+        tops.append({**{alt["token"]: alt["logprob"] for alt in entry["top_logprobs"]}, entry["token"]: entry["logprob"]})
         offsets.append(offset)
         offset += len(entry["token"])
     return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops, "text_offset": offsets}, offset

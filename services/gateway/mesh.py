@@ -451,7 +451,7 @@ def _refused_prompt():
     try:
         yield
     except (ValueError, TypeError, KeyError) as e:
-        raise ApiError(400, f"could not build the prompt from these messages: {e}") from None
+        raise ApiError(400, f"could not build the prompt: {e}") from None
 
 
 def _consume(task: asyncio.Future) -> None:

@@ -271,7 +271,7 @@ NEUTRAL_ONLY: dict[str, tuple] = {
     "chat_template_kwargs": (None, {}), "guided_json": (None,), "guided_regex": (None,), "guided_choice": (None,),
     "guided_grammar": (None,), "structured_outputs": (None,), "allowed_token_ids": (None,), "bad_words": (None, []),
     "logits_processors": (None,), "functions": (None, []), "function_call": (None, "none"), "audio": (None,),
-    "prediction": (None,), "web_search_options": (None,), "modalities": (None, ["text"]), "suffix": (None, ""),
+    "prediction": (None,), "web_search_options": (None,), "modalities": (None, ["text"]),
 }
 # what the gateway reads, and OpenAI's bookkeeping fields that do not change an answer
 KNOWN_FIELDS = {
@@ -279,7 +279,7 @@ KNOWN_FIELDS = {
     "top_p", "top_k", "seed", "stop", "stop_token_ids", "ignore_eos", "logprobs", "top_logprobs", "presence_penalty",
     "frequency_penalty", "repetition_penalty", "logit_bias", "min_tokens", "min_p", "return_token_ids", "slo",
     "tools", "tool_choice", "response_format", "user", "metadata", "store", "service_tier", "parallel_tool_calls",
-    "reasoning_effort", "prompt",
+    "reasoning_effort",
 }
 _warned: set[str] = set()
 MAX_WARNED_FIELDS = 1000  # names remembered (a body with a million random keys must not grow this without end)

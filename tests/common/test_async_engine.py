@@ -2,6 +2,7 @@
 
 import asyncio
 import threading
+import time
 
 import pytest
 
@@ -73,6 +74,9 @@ def test_callers_waiting_when_the_thread_dies_are_told_and_later_ones_refused_at
         assert later.value is not again.value  # one shared exception would grow a traceback with every raise
 
     asyncio.run(scenario())
+    deadline = time.monotonic() + WAIT_S  # the callers were told before the thread returns: it ends a moment later
+    while async_engine.alive and time.monotonic() < deadline:
+        time.sleep(0.01)
     assert not async_engine.alive
 
 

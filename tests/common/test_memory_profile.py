@@ -40,6 +40,9 @@ class FakeGpu:
         self.calls.append("read")
         return self.readings
 
+    def release(self) -> None:
+        self.calls.append("release")
+
 
 @pytest.fixture(scope="module")
 def model(tiny_dir):
@@ -58,7 +61,7 @@ def test_the_engine_runs_one_profile_iteration_and_takes_the_kv_cache_the_budget
     gpu = FakeGpu(total=2 * GIB, free=2 * GIB, peak=400 * MIB)
     engine = _sized(tiny_dir, model, gpu)
     sizing = engine.kv_sizing
-    assert gpu.calls == ["reset", "read"] and sizing.profile_tokens == 512 and sizing.profile_cache_bytes > 0
+    assert gpu.calls == ["reset", "read", "release"] and sizing.profile_tokens == 512 and sizing.profile_cache_bytes > 0
     assert sizing.kv_cache_bytes == kv_cache_bytes(gpu.readings, 0.5, sizing.profile_cache_bytes, int(0.01 * GIB))
     text = model.cfg.text
     per_block = PagedKVCache.bytes_per_block(16, text.num_layers, text.num_kv_heads, text.head_dim, torch.float32)
@@ -67,6 +70,29 @@ def test_the_engine_runs_one_profile_iteration_and_takes_the_kv_cache_the_budget
     request = lambda: Request("r", [1, 405, 77, 1290, 33], SamplingParams(max_tokens=8, temperature=0.0))  # noqa: E731
     assert engine.generate([request()])["r"].output_token_ids == reference.generate([request()])["r"].output_token_ids
     assert engine.stats().kv_blocks_free == engine.stats().kv_blocks_total
+
+
+def test_a_budget_longer_than_the_model_takes_several_profile_requests_and_images_fit_the_image_cache(tiny_dir, model):
+    """τ_t 8192 on a model of 4,096 positions (and a max_model_len over it, which the engine clamps): the profile step
+    still prefills 8192 tokens, in three requests; an image cache that holds no image gets none (it waited forever)."""
+    config = EngineConfig(model=str(tiny_dir), kv_cache_gib=None, max_model_len=10_000, image_cache_gib=1e-5,
+                          scheduler=SchedulerConfig(token_budget=8192, image_budget=4))
+    engine = Engine(config, model=model, memory=FakeGpu(total=8 * GIB, free=8 * GIB, peak=600 * MIB))
+    assert engine.kv_sizing.profile_tokens == 8192 and engine.stats().kv_blocks_total > 10_000
+
+
+def test_an_encoder_takes_one_kv_block_and_a_decoder_no_image_cache(tiny_dir, model):
+    from common.request import Stage
+
+    def sized(roles):
+        config = EngineConfig(model=str(tiny_dir), kv_cache_gib=None, roles=frozenset(roles), image_cache_gib=0.01)
+        gpu = FakeGpu(total=2 * GIB, free=2 * GIB, peak=400 * MIB)
+        return Engine(config, model=model, memory=gpu), gpu
+
+    encoder, gpu = sized({Stage.ENCODE})
+    assert encoder.stats().kv_blocks_total == 1 and gpu.calls == ["read"]  # nothing to profile
+    decoder, _ = sized({Stage.DECODE})
+    assert decoder.kv_sizing.image_cache_bytes == 0 and decoder.stats().image_blocks_total == 1
 
 
 def test_no_room_for_a_kv_cache_says_what_to_change(tiny_dir, model):
@@ -81,8 +107,9 @@ def test_on_the_cpu_the_kv_cache_needs_a_size():
 
 def test_workers_sharing_a_gpu_share_its_memory_evenly():
     envs = [{"CUDA_VISIBLE_DEVICES": "0"}, {"CUDA_VISIBLE_DEVICES": "1"}, {"CUDA_VISIBLE_DEVICES": "0"}]
-    assert memory_shares(envs, 0.9) == [0.45, 0.9, 0.45]
-    assert memory_shares([{}, {}], 0.9) == [None, None]  # the CPU, or a GPU pinned for all (--device cuda:N)
+    assert memory_shares(envs, 0.9, "cuda") == [0.45, 0.9, 0.45]
+    assert memory_shares([{}, {}, {}], 0.9, "cuda:1") == [0.3, 0.3, 0.3]  # every worker pinned to GPU 1
+    assert memory_shares([{}, {}], 0.9, "cpu") == [None, None]
 
 
 @pytest.mark.gpu
