@@ -125,8 +125,18 @@ class _Stream:
         async with self._writing:
             if self.failure is not None:
                 raise self.error()
+            # grpc.aio cancels the whole stream when a write is cancelled part-way, failing every call on it: the
+            # write goes on in a task of its own, and a caller cancelled meanwhile lets it finish before it leaves
+            write = asyncio.ensure_future(self.rpc.write(message))
             try:
-                await self.rpc.write(message)
+                await asyncio.shield(write)
+            except asyncio.CancelledError:
+                while not write.done():
+                    with contextlib.suppress(asyncio.CancelledError):
+                        await asyncio.shield(write)
+                if not write.cancelled():
+                    write.exception()  # read: the stream's reader reports its end
+                raise
             except Exception:  # the stream ended (AioRpcError, InvalidStateError): its reader says why
                 await asyncio.shield(self._reader)
                 raise self.error() from None

@@ -2,6 +2,7 @@
 
 import asyncio
 import contextlib
+import types
 
 import grpc
 import pytest
@@ -204,3 +205,60 @@ def test_a_worker_without_the_stream_service_gets_unary_calls():
 def test_a_mode_other_than_stream_or_unary_is_refused():
     with pytest.raises(ValueError, match="stream or unary"):
         StageCalls(ChannelPool(), "carrier-pigeon")
+
+
+def test_a_call_cancelled_while_its_message_is_being_written_leaves_the_stream_and_the_other_calls_alone():
+    """grpc.aio cancels a whole stream when a write on it is cancelled part-way (as it does, the fake below does):
+    one request cancelled then (its client gone, its route refused) failed every call on the worker's stream with
+    CANCELLED — a 500 for requests that had nothing to do with it (seen in a black-box run)."""
+    from services.stage_calls.client import _Stream
+
+    class Rpc:
+        def __init__(self):
+            self.cancelled, self.written, self.replies = False, [], asyncio.Queue()
+            self.writing = asyncio.Event()
+            self.may_finish = asyncio.Event()
+
+        async def initial_metadata(self):
+            return ()
+
+        async def write(self, message):
+            self.writing.set()
+            try:
+                await self.may_finish.wait()  # a big message, waiting for the HTTP/2 window
+            except asyncio.CancelledError:
+                self.cancelled = True  # grpc.aio's _write: `if not self.cancelled(): self.cancel()`
+                raise
+            self.written.append(message)
+
+        def cancel(self):
+            self.cancelled = True
+
+        def __aiter__(self):
+            return self
+
+        async def __anext__(self):
+            return await self.replies.get()
+
+    async def main():
+        rpc = Rpc()
+        stream = _Stream(types.SimpleNamespace(Open=lambda: rpc), "127.0.0.1:1")
+        slow = asyncio.ensure_future(stream.call("prefill", _prefill("slow"), {}))
+        await rpc.writing.wait()
+        slow.cancel()  # while its message is being written
+        other = asyncio.ensure_future(stream.call("prefill", _prefill("other"), {}))
+        await asyncio.sleep(0.01)
+        rpc.may_finish.set()
+        with pytest.raises(asyncio.CancelledError):
+            await slow
+        while len(rpc.written) < 2:
+            await asyncio.sleep(0.01)
+        rpc.replies.put_nowait(pb.StageReply(call_id=rpc.written[1].call_id, prefill=_reply("other")))
+        assert (await asyncio.wait_for(other, 5)).first.text == "other"
+        assert not rpc.cancelled and stream.failure is None
+        while len(rpc.written) < 3:
+            await asyncio.sleep(0.01)
+        assert sorted(m.WhichOneof("body") for m in rpc.written) == ["cancel", "prefill", "prefill"]  # slow's cancel
+        await stream.close()
+
+    asyncio.run(main())
