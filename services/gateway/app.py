@@ -34,7 +34,7 @@ from common.telemetry.metrics import GatewayMetrics, render
 from common.telemetry.tracing import Tracing
 from services.gateway.completions import parse_completion_request
 from services.gateway.observe import RequestObserver
-from services.gateway.protocol import ApiError, ChatRequest, parse_chat_request
+from services.gateway.protocol import ApiError, ChatRequest, check_length, parse_chat_request
 from services.gateway.responses import Logprobs, Prepended, collect, completion, internal_error, sse
 
 log = logging.getLogger(__name__)
@@ -67,7 +67,9 @@ class LocalBackend:
                 ids, images = await asyncio.to_thread(self._inputs, chat)
         except (ValueError, TypeError, KeyError) as e:
             raise ApiError(400, f"could not build the prompt: {e}") from None
-        request = Request(request_id, ids, chat.sampling_for(len(ids), self.context_tokens), images)
+        sampling = chat.sampling_for(len(ids), self.context_tokens)
+        check_length(len(ids), sampling.max_tokens, self.max_model_len, chat.max_tokens_given)
+        request = Request(request_id, ids, sampling, images)
         stream = self.engine.generate(request)
         try:
             first = await anext(stream)

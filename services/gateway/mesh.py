@@ -46,10 +46,10 @@ from common.telemetry.tracing import Tracing, set_attributes
 from services.gateway.migration import continuation, rebased
 from services.gateway.status import HEALTHY_HEARTBEAT_AGE_S, MeshStatus
 from services.gateway.stage_errors import StageFailed, api_error_from_rpc, confirmed, encoded, failure, stage_call
-from services.gateway.protocol import ApiError, ChatRequest
+from services.gateway.protocol import ApiError, ChatRequest, check_length
 from services.gateway.responses import Prepended
 from services.stage_calls.client import StageCalls
-from services.toggle.router import NoRoute, Router, largest_decoder_cache
+from services.toggle.router import REFUSED_KEY, NoRoute, Router, largest_decoder_cache
 
 log = logging.getLogger(__name__)
 _STATUS_OF = {reason: status for status, reason in FINISH_REASONS.items()}
@@ -111,16 +111,17 @@ class MeshBackend(MeshStatus):
                 # tokenizing a short text costs less than a thread hop
                 num_tokens = await self._prepare(self._count_prompt_tokens, chat, span, inline=chat.short_text)
                 sampling = await self._sampling(chat, num_tokens)
-                self._check_length(num_tokens, sampling.max_tokens)
-                summary = RouteSummary(request_id, num_tokens, num_images, sampling.max_tokens, frozenset(), *slo,
-                                       elapsed_ms=(time.monotonic() - arrival) * 1e3)
-                plan = await self._route(summary, span, attempt=1)
+                self._check_length(num_tokens, sampling.max_tokens, chat.max_tokens_given)
+                def summary_of() -> RouteSummary:
+                    return RouteSummary(request_id, num_tokens, num_images, sampling.max_tokens, frozenset(), *slo,
+                                        elapsed_ms=(time.monotonic() - arrival) * 1e3)
+                plan = await self._reroute(summary_of, span, 1, wait_for_worker=False)  # waits while all are full
             except BaseException:
                 applying.add_done_callback(_consume)  # the thread runs to its end; nobody needs what it makes
                 raise
             try:
                 ids, images = await applying  # a prompt the processor refuses is a 400 here
-                self._check_length(len(ids), sampling.max_tokens)
+                self._check_length(len(ids), sampling.max_tokens, chat.max_tokens_given)
             except BaseException:
                 if self.router is not None:
                     self.router.forget(request_id)  # its reservations end now, not when they expire
@@ -128,7 +129,7 @@ class MeshBackend(MeshStatus):
         else:  # a short text prompt is tokenized on the loop: a thread hop would cost more than the tokenizing
             ids, images = await self._prepare(self._apply, chat, span, inline=chat.short_text)
             sampling = await self._sampling(chat, len(ids))
-            self._check_length(len(ids), sampling.max_tokens)
+            self._check_length(len(ids), sampling.max_tokens, chat.max_tokens_given)
         request = Request(request_id, ids, sampling, images, arrival_time=arrival)
         stream = self._with_failover(request, span, slo, plan)
         first = await anext(stream)  # errors before the first token surface here, as an HTTP status
@@ -181,11 +182,8 @@ class MeshBackend(MeshStatus):
             largest = self._capacity
         return min(self.max_model_len, largest) if largest else self.max_model_len
 
-    def _check_length(self, num_tokens: int, max_tokens: int) -> None:
-        total = num_tokens + max_tokens
-        if total > self.max_model_len:
-            raise ApiError(400, f"prompt ({num_tokens} tokens) plus max_tokens ({max_tokens}) is {total}, "
-                                f"over the model's limit of {self.max_model_len}; shorten the prompt or lower max_tokens")
+    def _check_length(self, num_tokens: int, max_tokens: int, given: bool = True) -> None:
+        check_length(num_tokens, max_tokens, self.max_model_len, given)
 
     async def _route(self, summary: RouteSummary, span, attempt: int, ahead: bool = False):
         """The plan; `ahead`: (plan, its reservation under way or None), for a caller that sends its first stage
@@ -205,23 +203,27 @@ class MeshBackend(MeshStatus):
         except grpc.aio.AioRpcError as e:
             if e.code() == grpc.StatusCode.UNAVAILABLE:
                 raise NoLiveRoute(503, f"routing is unavailable: {e.details()}", headers={"Retry-After": "1"}) from None
-            if e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:  # the toggle's "busy": no room, or no SLO fits now
-                raise NoRoomNow(503, f"routing: {e.details()}", headers={"Retry-After": "1"}) from None
+            if e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:  # the toggle's "busy": no room now, or refused
+                refused = any(key == REFUSED_KEY for key, _ in (e.trailing_metadata() or ()))
+                raise (ApiError if refused else NoRoomNow)(503, f"routing: {e.details()}",
+                                                           headers={"Retry-After": "1"}) from None
             raise api_error_from_rpc(e, "routing") from None
         except NoRoute as e:
             if not e.fits:
                 raise ApiError(400, e.message, "max_tokens") from None
-            if e.busy:
-                raise NoRoomNow(503, f"routing: {e.message}", headers={"Retry-After": "1"}) from None
+            if e.busy:  # no room now (it waits for some), or admission control refused it (it is told at once)
+                raise (ApiError if e.refused else NoRoomNow)(503, f"routing: {e.message}",
+                                                             headers={"Retry-After": "1"}) from None
             raise NoLiveRoute(503, f"routing is unavailable: {e.message}", headers={"Retry-After": "1"}) from None
 
-    async def _reroute(self, summary_of, span, attempt: int, under_way: bool = False) -> pb.RoutePlan:
-        """The route of a request a worker failed or handed back: when no live worker can take it (the only one of
-        a role died), wait up to FAILOVER_WAIT_S for another to register (a restarted one) rather than fail a
-        stream that is under way; one `under_way` (tokens sent) also waits up to ROOM_WAIT_S for room on a busy
-        mesh (a request with nothing sent yet gets its 503 + Retry-After at once)."""
+    async def _reroute(self, summary_of, span, attempt: int, wait_for_worker: bool = True) -> pb.RoutePlan:
+        """The route of a request a worker failed or handed back, or of one no worker had room for: while every
+        worker is full, wait up to ROOM_WAIT_S for room, as a queued request would (a refusal by admission control
+        is not waited out); with `wait_for_worker` (a request that was under way), also wait up to FAILOVER_WAIT_S
+        for a worker of a role none is left of (a restarted one) rather than fail it. A new request in that case
+        gets its 503 + Retry-After at once."""
         start, said = time.monotonic(), False
-        waits_for = (NoLiveRoute, NoRoomNow) if under_way else NoLiveRoute
+        waits_for = (NoLiveRoute, NoRoomNow) if wait_for_worker else NoRoomNow
         while True:
             try:
                 return await self._route(summary_of(), span, attempt)
@@ -256,10 +258,13 @@ class MeshBackend(MeshStatus):
                     return RouteSummary(current.request_id, current.num_prompt_tokens, len(current.images),
                                         current.sampling.max_tokens, frozenset(exclude), *slo,
                                         elapsed_ms=(time.monotonic() - request.arrival_time) * 1e3)
-                if attempt == 1:  # a text prompt: its first stage call goes out while Redis reserves
-                    plan, reserved = await self._route(summary_of(), span, attempt, ahead=True)
+                if attempt > 1:
+                    plan = await self._reroute(summary_of, span, attempt)
                 else:
-                    plan, reserved = await self._reroute(summary_of, span, attempt, under_way=bool(emitted)), None
+                    try:  # a text prompt: its first stage call goes out while Redis reserves
+                        plan, reserved = await self._route(summary_of(), span, attempt, ahead=True)
+                    except NoRoomNow:  # every worker is full: it waits for one with room, as a queued request
+                        plan = await self._reroute(summary_of, span, attempt, wait_for_worker=False)
             path = wire.path_from_pb(plan.path)
             set_attributes(span, {"epdmesh.path": path.value, "epdmesh.decoder": plan.decoder.worker_id,
                                   "epdmesh.prefill": plan.prefill.worker_id, "epdmesh.attempts": attempt,
@@ -286,6 +291,10 @@ class MeshBackend(MeshStatus):
                 log.info("request %s: decoder %s preempted it after %d tokens and handed it back; going on elsewhere",
                          request.request_id, back.worker_id, len(emitted))
             except StageFailed as failed:
+                if failed.busy:  # no room on the worker after all: not its failure; the next route waits for room
+                    log.debug("request %s: %s; routing it again when there is room", request.request_id,
+                              failed.error.message)
+                    continue
                 failures += 1
                 if failed.blame is None or failures == MAX_ATTEMPTS:
                     raise failed.error from None

@@ -97,6 +97,17 @@ class ChatRequest:
         return self.num_text_chars <= INLINE_TOKENIZE_CHARS
 
 
+def check_length(num_tokens: int, max_tokens: int, max_model_len: int, max_tokens_given: bool = True) -> None:
+    """A 400 when the prompt and what it may generate do not fit the model."""
+    if not max_tokens_given and num_tokens >= max_model_len:
+        raise ApiError(400, f"the prompt ({num_tokens} tokens) leaves no room to generate within the model's limit of "
+                            f"{max_model_len} tokens; shorten it", "messages")
+    total = num_tokens + max_tokens
+    if total > max_model_len:
+        raise ApiError(400, f"prompt ({num_tokens} tokens) plus max_tokens ({max_tokens}) is {total}, "
+                            f"over the model's limit of {max_model_len}; shorten the prompt or lower max_tokens")
+
+
 def parse_chat_request(raw: bytes, served_models: list[str], allow_remote_images: bool = False) -> ChatRequest:
     body = json_body(raw, served_models)
     messages = body.get("messages")

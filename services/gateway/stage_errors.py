@@ -30,6 +30,8 @@ def failure(stage: str, callee: str, source: str | None, e: grpc.aio.AioRpcError
         return StageFailed(api_error_from_rpc(e, stage), callee)
     if e.code() == grpc.StatusCode.ABORTED:  # the callee could not pull its pages: their source failed
         return StageFailed(ApiError(503, f"{stage} could not get its pages: {e.details()}"), source or callee)
+    if e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:  # no room for the pages there yet: not its failure
+        return StageFailed(api_error_from_rpc(e, stage), callee, busy=True)
     return StageFailed(api_error_from_rpc(e, stage), None)
 
 

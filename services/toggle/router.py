@@ -51,15 +51,19 @@ class SloRouting:
     config: MultiplexConfig = MultiplexConfig()
 
 
+REFUSED_KEY = "epdmesh-refused"  # trailing metadata of the toggle's RESOURCE_EXHAUSTED: refused, not short of room
+
+
 class NoRoute(Exception):
     """No plan for this request. `busy`: workers exist but have no room (or no SLO fits): retry later;
     else no live worker set covers the request at all."""
 
-    def __init__(self, message: str, busy: bool, fits: bool = True, full: str | None = None):
+    def __init__(self, message: str, busy: bool, fits: bool = True, full: str | None = None, refused: bool = False):
         super().__init__(message)
         self.fits = fits  # False: it never will (too big for any worker), a client error
         self.message = message
         self.busy = busy
+        self.refused = refused  # busy because admission control turned it down (no path meets its SLO): not to wait
         self.full = full  # `route_ahead`'s reservation: the planned worker that had no KV room after all
 
 
@@ -236,7 +240,7 @@ class Router:
                                "epdmesh.route_reason": decision.reason, "epdmesh.meets_slo": decision.meets_slo})
         if decision.refused:  # else no live worker set serves it: route() says which roles are missing
             raise NoRoute(f"no worker can serve this request within its SLO (TTFT {ttft:.0f} ms, TBT {tbt:.0f} ms, "
-                          f"predicted TTFT {decision.predicted_ttft_ms:.0f} ms); retry later", busy=True)
+                          f"predicted TTFT {decision.predicted_ttft_ms:.0f} ms); retry later", busy=True, refused=True)
         return decision.plan
 
     def prefilled(self, request_id: str) -> None:

@@ -198,8 +198,8 @@ def test_no_route_message_lists_only_workers_the_request_could_use():
 class Router:
     """Routes nowhere until `ready_after` routes were asked for (a worker registering meanwhile)."""
 
-    def __init__(self, ready_after: int, busy: bool = False):
-        self.ready_after, self.calls, self.invalidated, self.busy = ready_after, 0, 0, busy
+    def __init__(self, ready_after: int, busy: bool = False, refused: bool = False):
+        self.ready_after, self.calls, self.invalidated, self.busy, self.refused = ready_after, 0, 0, busy, refused
 
     async def refresh_forever(self):
         await asyncio.Event().wait()
@@ -209,6 +209,8 @@ class Router:
 
     async def route(self, summary):
         self.calls += 1
+        if self.calls <= self.ready_after and self.refused:
+            raise NoRoute("no worker can serve this request within its SLO", busy=True, refused=True)
         if self.calls <= self.ready_after and self.busy:
             raise NoRoute("every decoder is full", busy=True)
         if self.calls <= self.ready_after:
@@ -220,7 +222,7 @@ def _worker(worker_id):
     return WorkerSnapshot(WorkerInfo(worker_id, "127.0.0.1:1", frozenset(Stage), MODEL, 100), WorkerLoad(), 0.0)
 
 
-def _reroute(router, wait_s: float, monkeypatch, under_way: bool = False):
+def _reroute(router, wait_s: float, monkeypatch, wait_for_worker: bool = True):
     monkeypatch.setattr(mesh_module, "FAILOVER_WAIT_S", wait_s)
     monkeypatch.setattr(mesh_module, "ROOM_WAIT_S", wait_s)
     monkeypatch.setattr(mesh_module, "FAILOVER_POLL_S", 0.01)
@@ -229,7 +231,7 @@ def _reroute(router, wait_s: float, monkeypatch, under_way: bool = False):
 
     async def go():
         try:
-            return await backend._reroute(lambda: summary, None, 2, under_way)
+            return await backend._reroute(lambda: summary, None, 2, wait_for_worker)
         finally:
             backend._refresher.cancel()
     return asyncio.run(go())
@@ -241,20 +243,25 @@ def test_a_request_whose_worker_died_waits_for_one_to_register(monkeypatch):
     assert plan.decoder.worker_id == "x" and router.calls == 4
 
 
-def test_a_stream_under_way_waits_for_room_but_a_request_with_no_tokens_yet_is_told_to_retry(monkeypatch):
-    """A decoder that handed a request back (preempted), or died, mid-stream: when every decoder is full the stream
-    waits for room rather than end in an error; one that sent nothing yet gets its 503 + Retry-After at once."""
+def test_a_request_waits_for_room_as_a_queued_one_but_not_out_a_refusal_or_for_a_missing_worker_when_new(monkeypatch):
+    """Every decoder full: a request waits for room (bounded), new or under way, rather than get 503s to retry;
+    admission control's refusal (no path meets its SLO) is answered at once; a new request does not wait for a worker
+    of a role none is left of (one under way does: test above)."""
     router = Router(ready_after=3, busy=True)
-    plan = _reroute(router, 5.0, monkeypatch, under_way=True)
+    plan = _reroute(router, 5.0, monkeypatch, wait_for_worker=False)
     assert plan.decoder.worker_id == "x" and router.calls == 4
-    router = Router(ready_after=3, busy=True)
+    router = Router(ready_after=10**6, busy=True)
+    with pytest.raises(ApiError) as err:
+        _reroute(router, 0.1, monkeypatch)  # the wait for room is bounded
+    assert err.value.status == 503 and router.calls >= 2
+    router = Router(ready_after=3, refused=True)
     with pytest.raises(ApiError) as err:
         _reroute(router, 5.0, monkeypatch)
     assert err.value.status == 503 and err.value.headers == {"Retry-After": "1"} and router.calls == 1
-    router = Router(ready_after=10**6, busy=True)
+    router = Router(ready_after=3)
     with pytest.raises(ApiError) as err:
-        _reroute(router, 0.1, monkeypatch, under_way=True)  # the wait for room is bounded too
-    assert err.value.status == 503 and router.calls >= 2
+        _reroute(router, 5.0, monkeypatch, wait_for_worker=False)
+    assert "routing is unavailable" in err.value.message and router.calls == 1
 
 
 def test_the_wait_for_a_replacement_is_bounded(monkeypatch):
@@ -511,3 +518,16 @@ def test_a_refused_choice_cancels_the_choices_still_starting():
     with TestClient(build_app(backend, MODEL, metrics=GatewayMetrics(MODEL, ttft_slo_s=1, tbt_slo_s=1))) as client:
         assert _post(client, "hi", n=3).status_code == 503  # at once: waiting for the others would never end here
     assert sorted(rid.rsplit("-", 1)[1] for rid in backend.cancelled) == ["0", "2"]
+
+
+def test_a_prompt_that_fills_the_context_is_told_so_without_naming_a_max_tokens_it_never_sent():
+    from services.gateway.protocol import check_length
+
+    with pytest.raises(ApiError) as err:
+        check_length(640, 1, 640, max_tokens_given=False)
+    assert err.value.status == 400 and "leaves no room to generate" in err.value.message
+    assert "max_tokens" not in err.value.message
+    with pytest.raises(ApiError) as err:
+        check_length(600, 50, 640)
+    assert "plus max_tokens (50) is 650" in err.value.message
+    check_length(639, 1, 640, max_tokens_given=False)

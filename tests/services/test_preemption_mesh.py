@@ -65,3 +65,19 @@ def test_a_decoder_out_of_kv_hands_back_the_image_request_and_both_answers_are_w
         assert_pools_full(base)
     text = log.read_text()
     assert "preempted it after" in text and "handed it back" in text, text[-3000:]
+
+
+def test_requests_the_decoders_have_no_room_for_yet_wait_for_it_and_are_served(tiny_dir, long_cases, tmp_path):
+    """With the default booking (prompt + 256 output tokens) the two chats do not fit the decoder's 640 tokens at
+    once: the one routed second waits for room — it neither gets a 503 to retry nor, as a text request whose
+    reservation failed after its Prefill went out, waits for a 'dead' decoder — and both answers are whole."""
+    cases, answers = long_cases
+    per_block = PagedKVCache.bytes_per_block(16, 6, 2, 32, torch.float32)
+    log = tmp_path / "serve.log"
+    with running_server(tiny_dir, "E1+P1+D1", log, "--kv-cache-gib", repr(KV_BLOCKS * per_block / 2**30)) as base:
+        responses = asyncio.run(_ask(base, cases))
+        for case, resp in zip(cases, responses):
+            assert resp.choices[0].model_extra["token_ids"] == answers[case.name], case.name
+        assert_pools_full(base)
+    text = log.read_text()
+    assert "for room" in text and "take over" not in text, text[-3000:]
