@@ -54,6 +54,10 @@ class GatewayMetrics:
         self.paths = Counter(P + "route_decisions", "Routing decisions by prefill path.", m + ["path"], registry=r)
         self.retries = Counter(P + "request_retries", "Times a request was routed again around a failed worker.", m,
                                registry=r)
+        self.hand_backs = Counter(P + "request_hand_backs", "Times a decoder preempted a request it could not "
+                                  "recompute and the gateway continued it elsewhere.", m, registry=r)
+        self.waiting_for_room = Gauge(P + "num_requests_waiting_for_room", "Requests waiting in the gateway for a "
+                                      "worker with KV room (queued: every worker is full).", m, registry=r)
         self.prediction_error = Histogram(
             P + "ttft_prediction_error_seconds", "First token's actual minus the SLO-aware policy's predicted time from "
             "arrival, per prefill path (positive: later than predicted).", m + ["path"],
@@ -63,6 +67,8 @@ class GatewayMetrics:
         for outcome in ("attained", "ttft_violated", "tbt_violated"):
             self.slo.labels(model_name, outcome)
         self.running.labels(model_name)
+        self.waiting_for_room.labels(model_name)
+        self.hand_backs.labels(model_name)
 
     def first_token(self, seconds: float) -> None:
         self.ttft.labels(self.model).observe(seconds)

@@ -224,18 +224,27 @@ class MeshBackend(MeshStatus):
         gets its 503 + Retry-After at once."""
         start, said = time.monotonic(), False
         waits_for = (NoLiveRoute, NoRoomNow) if wait_for_worker else NoRoomNow
-        while True:
-            try:
-                return await self._route(summary_of(), span, attempt)
-            except waits_for as e:
-                wait_s = ROOM_WAIT_S if isinstance(e, NoRoomNow) else FAILOVER_WAIT_S
-                if time.monotonic() >= start + wait_s:
-                    raise
-                if not said:  # once per request, not once per poll
-                    log.info("request %s waits up to %.0f s for %s (%s)", summary_of().request_id, wait_s,
-                             "room" if isinstance(e, NoRoomNow) else "a worker to take over", e.message)
-                    said = True
-                await asyncio.sleep(FAILOVER_POLL_S)
+        waiting = self.metrics.waiting_for_room.labels(self.metrics.model) if self.metrics is not None else None
+        counted = False
+        try:
+            while True:
+                try:
+                    return await self._route(summary_of(), span, attempt)
+                except waits_for as e:
+                    wait_s = ROOM_WAIT_S if isinstance(e, NoRoomNow) else FAILOVER_WAIT_S
+                    if time.monotonic() >= start + wait_s:
+                        raise
+                    if not said:  # once per request, not once per poll
+                        log.info("request %s waits up to %.0f s for %s (%s)", summary_of().request_id, wait_s,
+                                 "room" if isinstance(e, NoRoomNow) else "a worker to take over", e.message)
+                        said = True
+                    if isinstance(e, NoRoomNow) and waiting is not None and not counted:
+                        waiting.inc()
+                        counted = True
+                    await asyncio.sleep(FAILOVER_POLL_S)
+        finally:
+            if counted:
+                waiting.dec()
 
     async def _with_failover(self, request: Request, span=None, slo: tuple[float | None, float | None] = (None, None),
                              plan: pb.RoutePlan | None = None) -> AsyncIterator[RequestOutput]:
@@ -290,6 +299,8 @@ class MeshBackend(MeshStatus):
                                    headers={"Retry-After": "1"}) from None
                 log.info("request %s: decoder %s preempted it after %d tokens and handed it back; going on elsewhere",
                          request.request_id, back.worker_id, len(emitted))
+                if self.metrics is not None:
+                    self.metrics.hand_backs.labels(self.metrics.model).inc()
             except StageFailed as failed:
                 if failed.busy:  # no room on the worker after all: not its failure; the next route waits for room
                     log.debug("request %s: %s; routing it again when there is room", request.request_id,

@@ -62,6 +62,7 @@ def test_a_decoder_out_of_kv_hands_back_the_image_request_and_both_answers_are_w
             assert resp.choices[0].finish_reason == "length" and resp.usage.completion_tokens == LONG[case.name]
         decoder = next(p for p in pools(base) if p["roles"] == "D")
         assert decoder["num_preemptions"] >= 1
+        assert _metric(base, "epdmesh:request_hand_backs_total") >= 1
         assert_pools_full(base)
     text = log.read_text()
     assert "preempted it after" in text and "handed it back" in text, text[-3000:]
@@ -79,5 +80,15 @@ def test_requests_the_decoders_have_no_room_for_yet_wait_for_it_and_are_served(t
         for case, resp in zip(cases, responses):
             assert resp.choices[0].model_extra["token_ids"] == answers[case.name], case.name
         assert_pools_full(base)
+        assert _metric(base, "epdmesh:num_requests_waiting_for_room") == 0  # the gauge went back down
     text = log.read_text()
     assert "for room" in text and "take over" not in text, text[-3000:]
+
+
+def _metric(base, name: str) -> float:
+    """The gateway's Prometheus sample `name` (its one series)."""
+    import httpx
+
+    lines = [line for line in httpx.get(f"{base}/metrics").text.splitlines() if line.startswith(name + "{")]
+    assert len(lines) == 1, lines
+    return float(lines[0].rsplit(" ", 1)[1])
