@@ -31,6 +31,7 @@ from common.workers import WorkerLoad
 from services.encoder.awaited import AwaitedEncodes
 
 IMPORT_WAIT_S = 10.0  # how long handed-over pages wait for cache room here (other requests free theirs as they run)
+KV_PRESSURE = 0.1  # free KV blocks under this share of the cache: freeing some is worth a heartbeat at once
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +56,10 @@ class WorkerRuntime:
         self.offer_backend = offer_backend
         self.backend_info = backend_info
         self.accepting = True
+        # set when pages are freed while the KV cache was nearly full at the last report: the next heartbeat goes out
+        # at once, so a request waiting in a gateway for room here is routed within a refresh, not an interval
+        self.freed = asyncio.Event()
+        self._pressed = False
         self.in_flight = 0
         self.admitted: set[str] = set()
         self._background: set[asyncio.Task] = set()
@@ -84,11 +89,14 @@ class WorkerRuntime:
     async def decode(self, request: Request, kv_pages: PageHandle | None,
                      image_pages: PageHandle | None) -> AsyncIterator[RequestOutput]:
         with self._admitted(request):
-            preloaded = await self._import(request, kv_pages or image_pages)
-            async for out in self.engine.generate(request, preloaded=preloaded):
-                if out.finished:
-                    self._observe_stage("decode", request)
-                yield out
+            try:
+                preloaded = await self._import(request, kv_pages or image_pages)
+                async for out in self.engine.generate(request, preloaded=preloaded):
+                    if out.finished:
+                        self._observe_stage("decode", request)
+                    yield out
+            finally:  # finished, handed back, or its caller gone: its blocks are free
+                self._note_freed()
 
     async def _import(self, request: Request, handle: PageHandle | None) -> bool:
         """Reserve blocks for the handle's pages, pull them straight in, ack the source. False: no pages to bring."""
@@ -182,7 +190,12 @@ class WorkerRuntime:
         if lease is None:
             return False
         self.engine.now(lambda e: e.release(lease.engine_request_id))
+        self._note_freed()
         return True
+
+    def _note_freed(self) -> None:
+        if self._pressed:
+            self.freed.set()
 
     async def expire_leases(self, interval_s: float = 0.5) -> None:
         while True:
@@ -219,6 +232,7 @@ class WorkerRuntime:
 
     def load(self) -> WorkerLoad:
         s = self.engine.stats()
+        self._pressed = s.kv_blocks_free < KV_PRESSURE * s.kv_blocks_total
         return WorkerLoad(
             num_waiting=s.num_waiting, num_running=s.num_running, running_decode_batch=s.running_decodes,
             unfinished_decode_tokens=s.unfinished_decode_tokens, last_iteration_ms=self.engine.last_iteration_ms,

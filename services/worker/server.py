@@ -11,6 +11,7 @@ Life of a worker:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import os
@@ -209,5 +210,17 @@ async def _heartbeat(toggle, info: WorkerInfo, runtime: WorkerRuntime) -> None:
                 warned = True
         except Exception:  # a bug of ours must not stop the heartbeat: the registry would drop a healthy worker
             log.exception("heartbeat failed; trying again in %.1f s", interval)
-        await asyncio.sleep(interval)
+        await _until_next_beat(runtime.freed, interval)
+
+
+EARLY_BEAT_S = 0.05  # heartbeats are never closer than this
+
+
+async def _until_next_beat(freed: asyncio.Event, interval: float) -> None:
+    """The interval, or less when the runtime freed pages while its cache was nearly full (a request waiting in a
+    gateway for room goes on sooner)."""
+    await asyncio.sleep(EARLY_BEAT_S)
+    with contextlib.suppress(asyncio.TimeoutError):
+        await asyncio.wait_for(freed.wait(), max(0.0, interval - EARLY_BEAT_S))
+    freed.clear()
 
