@@ -22,7 +22,7 @@ from collections.abc import AsyncIterator
 from starlette.applications import Starlette
 from starlette.requests import ClientDisconnect
 from starlette.requests import Request as HttpRequest
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from common.engine.async_engine import AsyncEngine
@@ -33,6 +33,7 @@ from common.request import Request
 from common.telemetry.metrics import GatewayMetrics, render
 from common.telemetry.tracing import Tracing
 from services.gateway.completions import parse_completion_request
+from services.gateway.event_stream import EventStream
 from services.gateway.observe import RequestObserver
 from services.gateway.protocol import ApiError, ChatRequest, check_length, parse_chat_request
 from services.gateway.responses import Logprobs, Prepended, collect, completion, internal_error, sse
@@ -164,7 +165,7 @@ def build_app(backend, model_name: str, allow_remote_images: bool = False, metri
         logprobs = Logprobs(backend.processor.token_text) if chat.sampling.logprobs is not None else None
         if chat.stream:
             events = sse(chat, request_id, model_name, num_prompt, streams, backend.detokenize, logprobs)
-            return StreamingResponse(events, media_type="text/event-stream")
+            return EventStream(events)
         try:
             results = await _unless_client_leaves(http, collect(streams, logprobs))
         except ClientDisconnect:  # its requests were cancelled with it
