@@ -185,9 +185,11 @@ class MeshBackend(MeshStatus):
     def _check_length(self, num_tokens: int, max_tokens: int, given: bool = True) -> None:
         check_length(num_tokens, max_tokens, self.max_model_len, given)
 
-    async def _route(self, summary: RouteSummary, span, attempt: int, ahead: bool = False):
+    async def _route(self, summary: RouteSummary, span, attempt: int, ahead: bool = False,
+                     written: asyncio.Event | None = None):
         """The plan; `ahead`: (plan, its reservation under way or None), for a caller that sends its first stage
-        call before the reservation is made (`Router.route_ahead`)."""
+        call before the reservation is made (`Router.route_ahead`), and sets `written` once that call's message
+        is written (or it sends none): the reservation's Redis call waits for it."""
         try:
             with self.tracing.activate(span), self.tracing.span("route", {"epdmesh.attempt": attempt}):
                 if self.router is None:
@@ -197,7 +199,7 @@ class MeshBackend(MeshStatus):
                     self._refresher = asyncio.ensure_future(self.router.refresh_forever())
                 if not ahead:
                     return wire.plan_to_pb(await self.router.route(summary))
-                plan, reserved = await self.router.route_ahead(summary)
+                plan, reserved = await self.router.route_ahead(summary, written)
                 reserved.add_done_callback(_consume)  # awaited by the stages, unless they failed first
                 return wire.plan_to_pb(plan), reserved
         except grpc.aio.AioRpcError as e:
@@ -262,6 +264,7 @@ class MeshBackend(MeshStatus):
             attempt += 1
             current = request if not emitted else continuation(request, emitted, attempt)
             reserved = None
+            written = asyncio.Event()  # the first stage call's message is out: a reservation ahead may go to Redis
             if plan is None or attempt > 1:
                 def summary_of(current=current) -> RouteSummary:
                     return RouteSummary(current.request_id, current.num_prompt_tokens, len(current.images),
@@ -271,7 +274,7 @@ class MeshBackend(MeshStatus):
                     plan = await self._reroute(summary_of, span, attempt)
                 else:
                     try:  # a text prompt: its first stage call goes out while Redis reserves
-                        plan, reserved = await self._route(summary_of(), span, attempt, ahead=True)
+                        plan, reserved = await self._route(summary_of(), span, attempt, ahead=True, written=written)
                     except NoRoomNow:  # every worker is full: it waits for one with room, as a queued request
                         plan = await self._reroute(summary_of, span, attempt, wait_for_worker=False)
             path = wire.path_from_pb(plan.path)
@@ -279,7 +282,7 @@ class MeshBackend(MeshStatus):
                                   "epdmesh.prefill": plan.prefill.worker_id, "epdmesh.attempts": attempt,
                                   "epdmesh.encoder": plan.encoder.worker_id if plan.HasField("encoder") else None})
             before = list(emitted)
-            stream = self._drive(current, plan, path, span, reserved)
+            stream = self._drive(current, plan, path, span, reserved, written)
             try:
                 async for out in stream:
                     if out.new_token_ids or out.finished:
@@ -317,14 +320,19 @@ class MeshBackend(MeshStatus):
                             request.request_id, failed.error.message, failed.blame, attempt + 1, len(emitted))
             finally:
                 await stream.aclose()
+                written.set()
+                if reserved is not None:
+                    reserved.cancel()  # a stream that never started never did; a no-op once it is done
                 if self.router is not None:
                     self.router.forget(current.request_id)
 
     async def _drive(self, request: Request, plan: pb.RoutePlan, path: PrefillPath, span=None,
-                     reserved: asyncio.Future | None = None) -> AsyncIterator[RequestOutput]:
+                     reserved: asyncio.Future | None = None,
+                     written: asyncio.Event | None = None) -> AsyncIterator[RequestOutput]:
         """The request's outputs through the planned stages; a failed stage raises StageFailed. `reserved`: the
         plan's KV reservation under way, confirmed before the decoder gets the request (a dedicated prefill
-        starts before)."""
+        starts before, and sets `written` when its call's message is out; on other paths it is set at once)."""
+        written = written or asyncio.Event()
         held: list[pb.PageHandle] = []  # handles we got and have not passed on yet
         encoding: asyncio.Task | None = None
         prefilling: asyncio.Task | None = None
@@ -340,12 +348,13 @@ class MeshBackend(MeshStatus):
             spec = wire.spec_to_pb(request, with_pixels=pending is None)
             output: list[int] = []
             if path != PrefillPath.DEDICATED:
+                written.set()  # nothing goes out before the reservation on this path
                 await confirmed(reserved, plan)
             if path == PrefillPath.DEDICATED:
                 self._sent(request, plan.prefill.worker_id)
                 with self.tracing.activate(span):
                     prefilling = self.calls.call(plan.prefill.address, "prefill",
-                                                 pb.PrefillRequest(request=spec, pending_images=pending))
+                                                 pb.PrefillRequest(request=spec, pending_images=pending), written)
                 await confirmed(reserved, plan)
                 await encoded(encoding, held, prefilling)
                 reply = await stage_call("prefill", wire.ref_registration(plan.prefill), source, prefilling)
@@ -378,6 +387,7 @@ class MeshBackend(MeshStatus):
             finally:
                 call.cancel()
         finally:
+            written.set()  # never left waiting, however this ended
             for task in (encoding, prefilling, reserved):
                 if task is not None:
                     task.cancel()  # a no-op once it is done

@@ -49,31 +49,38 @@ class StageCalls:
         self._streams: dict[str, _Stream] = {}
         self._unary_only: set[str] = set()  # workers without the service
 
-    def call(self, address: str, kind: str, message) -> asyncio.Task:
-        """The call, under way (its reply message, or AioRpcError); cancel the task to cancel the call."""
+    def call(self, address: str, kind: str, message, written: asyncio.Event | None = None) -> asyncio.Task:
+        """The call, under way (its reply message, or AioRpcError); cancel the task to cancel the call.
+        `written` is set once its message is handed to grpc (or the call failed before that)."""
         if kind not in METHODS:
             raise ValueError(f"no stage call named {kind!r}")
         if self.mode == "unary" or address in self._unary_only:
-            return asyncio.ensure_future(self._unary(address, kind, message))
+            return asyncio.ensure_future(self._unary(address, kind, message, written))
         stream = self._streams.get(address)
         if stream is None or stream.failure is not None:
             stream = self._streams[address] = _Stream(pb_grpc.StageCallsStub(self.channels.get(address)), address)
-        return asyncio.ensure_future(self._streamed(stream, kind, message))
+        return asyncio.ensure_future(self._streamed(stream, kind, message, written))
 
-    async def _streamed(self, stream: _Stream, kind: str, message):
+    async def _streamed(self, stream: _Stream, kind: str, message, written: asyncio.Event | None):
         try:
             with self.tracing.span(METHODS[kind][0], span_attributes(METHODS[kind][0]), kind="client"):
-                return await stream.call(kind, message, self.tracing.inject())
+                return await stream.call(kind, message, self.tracing.inject(), written)
         except _Unsupported:
             if stream.address not in self._unary_only:
                 log.info("worker %s has no StageCalls service: unary stage calls to it", stream.address)
             self._unary_only.add(stream.address)
-            return await self._unary(stream.address, kind, message)
+            return await self._unary(stream.address, kind, message, written)
+        finally:
+            if written is not None:
+                written.set()  # failed before its write (a span, the stream): nothing to wait for
 
-    async def _unary(self, address: str, kind: str, message):
+    async def _unary(self, address: str, kind: str, message, written: asyncio.Event | None = None):
         stub_name, method = _UNARY[kind]
         stub = getattr(pb_grpc, stub_name)(self.channels.get(address))
-        return await getattr(stub, method)(message)
+        call = getattr(stub, method)(message)  # under way in grpc's own task
+        if written is not None:
+            written.set()
+        return await call
 
     async def close(self) -> None:
         streams, self._streams = list(self._streams.values()), {}
@@ -103,13 +110,17 @@ class _Stream:
         code, details = self.failure
         return _Unsupported() if code == grpc.StatusCode.UNIMPLEMENTED else rpc_error(code, details)
 
-    async def call(self, kind: str, message, trace_context: dict[str, str]):
+    async def call(self, kind: str, message, trace_context: dict[str, str], written: asyncio.Event | None = None):
         if self.failure is not None:
             raise self.error()
         call_id = next(self._ids)
         reply = self.pending[call_id] = asyncio.get_running_loop().create_future()
         try:
-            await self._write(pb.StageCall(call_id=call_id, trace_context=trace_context, **{kind: message}))
+            try:
+                await self._write(pb.StageCall(call_id=call_id, trace_context=trace_context, **{kind: message}))
+            finally:
+                if written is not None:
+                    written.set()
             return await reply
         except asyncio.CancelledError:
             if self.failure is None and (reply.cancelled() or not reply.done()):  # no reply yet: stop its work

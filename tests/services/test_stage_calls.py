@@ -262,3 +262,28 @@ def test_a_call_cancelled_while_its_message_is_being_written_leaves_the_stream_a
         await stream.close()
 
     asyncio.run(main())
+
+
+@pytest.mark.parametrize("mode", ["stream", "unary"])
+def test_written_is_set_once_the_calls_message_is_out_while_its_reply_is_still_to_come(mode):
+    """What a reservation made ahead waits for (`Router.route_ahead(after=)`): set when the message is handed to
+    grpc — the worker gets it, the reply has not come — and set too when the call fails before any write."""
+    async def main():
+        async with _calling(mode, gated=("slow",)) as (handlers, server, servicer, address, calls):
+            written = asyncio.Event()
+            slow = calls.call(address, "prefill", _prefill("slow"), written)
+            assert not written.is_set()  # the call's task has not run yet
+            await asyncio.wait_for(written.wait(), 5)
+            await _until(lambda: handlers.started == ["slow"])
+            assert not slow.done()
+            handlers.gates["slow"].set()
+            assert (await slow).first.text == "slow"
+        failed = asyncio.Event()
+        calls = StageCalls(ChannelPool(), mode)
+        gone = calls.call("127.0.0.1:1", "prefill", _prefill("nowhere"), failed)  # nothing listens there
+        with pytest.raises(grpc.aio.AioRpcError):
+            await asyncio.wait_for(gone, 30)
+        assert failed.is_set()
+        await calls.close()
+
+    asyncio.run(main())
