@@ -32,15 +32,19 @@ def finish(raw: torch.Tensor, scaling: PixelScaling) -> torch.Tensor:
 
     A uint8 value has 256 possible values per channel, so the two steps are done once per (channel, value)
     into a table and the pixels are looked up in it: the same arithmetic on the same inputs, so the same bits,
-    at a quarter of the time (a 224² image: ~0.2 ms against ~0.9 ms elementwise, on one thread here)."""
+    at a fifth of the time or less (a 336² image, one thread here: 0.18 ms; 0.34 ms by `gather`, whose int64
+    indices cost a conversion of their own; ~0.9 ms elementwise for a 224² one)."""
     if raw.dtype != torch.uint8:
         raise ValueError(f"unfinished pixels must be uint8, not {raw.dtype}")
     channels = raw.shape[-3]
     if len(scaling.mean) != channels or len(scaling.std) != channels:
         raise ValueError(f"{channels}-channel pixels with {len(scaling.mean)} means and {len(scaling.std)} stds")
     table = _table(scaling)  # [channels, 256]
-    planes = raw.movedim(-3, 0).reshape(channels, -1).long()
-    return table.gather(1, planes).view(channels, *raw.shape[:-3], *raw.shape[-2:]).movedim(0, -3).contiguous()
+    planes = raw.movedim(-3, 0).reshape(channels, -1)
+    out = torch.empty(planes.shape, dtype=torch.float32)
+    for c in range(channels):
+        torch.index_select(table[c], 0, planes[c].int(), out=out[c])
+    return out.view(channels, *raw.shape[:-3], *raw.shape[-2:]).movedim(0, -3).contiguous()
 
 
 @functools.lru_cache(maxsize=16)
