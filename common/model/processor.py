@@ -40,16 +40,20 @@ class ChatProcessor:
         self.tokenizer = self.processor.tokenizer
         self.config = config or LlavaConfig.from_pretrained(model_dir)
 
-    def apply(self, conversation: list[dict], finish_pixels: bool = True) -> tuple[list[int], list[ImageInput]]:
+    def apply(self, conversation: list[dict], finish_pixels: bool = True,
+              add_generation_prompt: bool = True) -> tuple[list[int], list[ImageInput]]:
         """HF-format conversation (image parts as {'type': 'image', 'image': PIL.Image}) → token ids, images.
         `finish_pixels=False`: where that is exact (`deferred_scaling`), the images' pixels stop before the
-        processor's rescale and normalize steps — uint8, for the worker that encodes to finish."""
-        return self._apply(conversation, None if finish_pixels else self.deferred_scaling)
+        processor's rescale and normalize steps — uint8, for the worker that encodes to finish.
+        `add_generation_prompt=False` (only to tokenize a chat, not to answer it): no assistant turn opened."""
+        return self._apply(conversation, None if finish_pixels else self.deferred_scaling, add_generation_prompt)
 
-    def _apply(self, conversation: list[dict], scaling: PixelScaling | None) -> tuple[list[int], list[ImageInput]]:
+    def _apply(self, conversation: list[dict], scaling: PixelScaling | None,
+               add_generation_prompt: bool = True) -> tuple[list[int], list[ImageInput]]:
         kwargs = {"processor_kwargs": {"do_rescale": False, "do_normalize": False}} if scaling is not None else {}
         batch = self.processor.apply_chat_template(
-            conversation, add_generation_prompt=True, tokenize=True, return_dict=True, return_tensors="pt", **kwargs
+            conversation, add_generation_prompt=add_generation_prompt, tokenize=True, return_dict=True,
+            return_tensors="pt", **kwargs
         )
         ids = batch["input_ids"][0].tolist()
         images = []

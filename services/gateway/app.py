@@ -37,6 +37,7 @@ from services.gateway.event_stream import EventStream
 from services.gateway.observe import RequestObserver
 from services.gateway.protocol import ApiError, ChatRequest, check_length, parse_chat_request
 from services.gateway.responses import Logprobs, Prepended, collect, completion, internal_error, sse
+from services.gateway.tokenize import detokenize, tokenize
 
 log = logging.getLogger(__name__)
 MAX_BODY_BYTES = 64 * 2**20
@@ -109,10 +110,28 @@ def build_app(backend, model_name: str, allow_remote_images: bool = False, metri
         body = await backend.health()
         return JSONResponse(body, status_code=200 if body["status"] in ("ok", "degraded") else 503)
 
-    async def models(_: HttpRequest) -> Response:
-        card = {"id": model_name, "object": "model", "created": created, "owned_by": "epdmesh",
+    def card() -> dict:
+        return {"id": model_name, "object": "model", "created": created, "owned_by": "epdmesh",
                 "max_model_len": backend.max_model_len}
-        return JSONResponse({"object": "list", "data": [card]})
+
+    async def models(_: HttpRequest) -> Response:
+        return JSONResponse({"object": "list", "data": [card()]})
+
+    async def model(http: HttpRequest) -> Response:
+        name = http.path_params["model"]
+        if name != model_name:
+            error = ApiError(404, f"the model '{name}' does not exist; this server serves ['{model_name}']", "model")
+            return JSONResponse(error.body(), status_code=404)
+        return JSONResponse(card())
+
+    async def tokenize_endpoint(http: HttpRequest) -> Response:
+        return await _answer(http, lambda body: tokenize(body, backend.processor, model_name, backend.max_model_len,
+                                                         _max_text_chars(backend), allow_remote_images))
+
+    async def detokenize_endpoint(http: HttpRequest) -> Response:
+        async def work(body):
+            return detokenize(body, backend.processor, model_name)
+        return await _answer(http, work)
 
     async def stats(_: HttpRequest) -> Response:
         return JSONResponse(await backend.stats())
@@ -181,6 +200,9 @@ def build_app(backend, model_name: str, allow_remote_images: bool = False, metri
     return Starlette(routes=[
         Route("/health", health),
         Route("/v1/models", models),
+        Route("/v1/models/{model:path}", model),
+        Route("/tokenize", tokenize_endpoint, methods=["POST"]),
+        Route("/detokenize", detokenize_endpoint, methods=["POST"]),
         Route("/stats", stats),
         Route("/metrics", prometheus),
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
@@ -192,11 +214,16 @@ def build_app(backend, model_name: str, allow_remote_images: bool = False, metri
 NORMALIZATION_SLACK = 4
 
 
+def _max_text_chars(backend) -> int:
+    """More characters of text than this cannot fit the model, whatever their tokens."""
+    return backend.max_model_len * backend.processor.max_token_chars * NORMALIZATION_SLACK
+
+
 def _check_fits(chat: ChatRequest, backend) -> None:
     """A 400 at once, before tokenizing or preprocessing, for text or images that cannot fit the model: tokenizing
     megabytes of text took seconds and gigabytes before the length check could refuse it."""
     n = chat.num_text_chars
-    if n > backend.max_model_len * backend.processor.max_token_chars * NORMALIZATION_SLACK:
+    if n > _max_text_chars(backend):
         where = "prompt" if chat.is_text_completion else "messages"
         raise ApiError(400, f"the {where} hold{'s' if chat.is_text_completion else ''} {n} characters of text, more "
                             f"than the model's limit of {backend.max_model_len} tokens can hold; shorten "
@@ -205,6 +232,16 @@ def _check_fits(chat: ChatRequest, backend) -> None:
     if config is not None and chat.num_images * config.image_tokens_per_image > backend.max_model_len:
         raise ApiError(400, f"{chat.num_images} images take {chat.num_images * config.image_tokens_per_image} tokens, "
                             f"over the model's limit of {backend.max_model_len}; send fewer", "messages")
+
+
+async def _answer(http: HttpRequest, work) -> Response:
+    """`await work(body)` as JSON: an ApiError as OpenAI's error JSON, a client gone as nothing."""
+    try:
+        return JSONResponse(await work(await _read_body(http)))
+    except ApiError as e:
+        return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+    except ClientDisconnect:
+        return Response(status_code=499)
 
 
 async def _unless_client_leaves(http: HttpRequest, awaitable):

@@ -110,16 +110,21 @@ def check_length(num_tokens: int, max_tokens: int, max_model_len: int, max_token
 
 def parse_chat_request(raw: bytes, served_models: list[str], allow_remote_images: bool = False) -> ChatRequest:
     body = json_body(raw, served_models)
-    messages = body.get("messages")
-    if not isinstance(messages, list) or not messages:
-        raise ApiError(400, "'messages' must be a non-empty list of {role, content} objects", "messages")
-    conversation = [_parse_message(m, i, allow_remote_images) for i, m in enumerate(messages)]
+    conversation = parse_conversation(body.get("messages"), allow_remote_images)
     return ChatRequest(conversation=conversation, sampling=parse_sampling(body), **common_fields(body),
                        max_tokens_given=body.get("max_completion_tokens") is not None or body.get("max_tokens") is not None)
 
 
-def json_body(raw: bytes, served_models: list[str]) -> dict:
-    """The request body as a JSON object that names a model this server serves."""
+def parse_conversation(messages, allow_remote_images: bool = False) -> list[dict]:
+    """A chat's `messages` in the HF chat format the processor takes (image parts decoded, checked)."""
+    if not isinstance(messages, list) or not messages:
+        raise ApiError(400, "'messages' must be a non-empty list of {role, content} objects", "messages")
+    return [_parse_message(m, i, allow_remote_images) for i, m in enumerate(messages)]
+
+
+def json_body(raw: bytes, served_models: list[str], default_model: str | None = None) -> dict:
+    """The request body as a JSON object that names a model this server serves (or names none, when there is a
+    `default_model` to take)."""
     try:
         text = raw.decode("utf-8-sig")  # a leading byte-order mark, which some clients send, is not an error
     except UnicodeDecodeError as e:
@@ -130,6 +135,8 @@ def json_body(raw: bytes, served_models: list[str]) -> dict:
         raise ApiError(400, f"request body is not valid JSON: {e}") from None
     if not isinstance(body, dict):
         raise ApiError(400, "request body must be a JSON object")
+    if body.get("model") is None and default_model is not None:
+        body["model"] = default_model
     model = body.get("model")
     if model is not None and not isinstance(model, str):
         raise ApiError(400, f"'model' must be a string, got {type(model).__name__}; this server serves {served_models}",

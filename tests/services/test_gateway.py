@@ -283,3 +283,59 @@ def test_text_completions_continue_the_prompt_as_it_is_with_the_transformers_tok
         bad = httpx.post(f"{server}/v1/completions", json={"model": MODEL, **body})
         assert bad.status_code == 400 and fragment in bad.json()["error"]["message"], (body, bad.text)
     assert_pools_full(server)
+
+
+def test_a_model_is_retrieved_by_name_and_an_unknown_one_is_a_404(server):
+    client = openai.OpenAI(base_url=f"{server}/v1", api_key="none")
+    card = client.models.retrieve(MODEL)
+    assert card.id == MODEL and card.owned_by == "epdmesh"
+    with pytest.raises(openai.NotFoundError, match="does not exist"):
+        client.models.retrieve("gpt-4")
+
+
+def test_tokenize_gives_the_ids_transformers_gives_for_a_prompt_and_for_a_chat_and_detokenize_reverses(server, processors):
+    hf = processors["tiny"].processor  # the checkpoint's own transformers processor
+    prompt = "The quick brown fox jumps over the lazy dog"
+    got = httpx.post(f"{server}/tokenize", json={"prompt": prompt, "return_token_strs": True}, timeout=60).json()
+    want = hf.tokenizer(prompt)["input_ids"]
+    models = httpx.get(f"{server}/v1/models", timeout=60).json()["data"][0]
+    assert got == {"count": len(want), "max_model_len": models["max_model_len"], "tokens": want,
+                   "token_strs": hf.tokenizer.convert_ids_to_tokens(want)}
+    bare = httpx.post(f"{server}/tokenize", json={"model": MODEL, "prompt": prompt, "add_special_tokens": False},
+                      timeout=60).json()
+    assert bare["tokens"] == hf.tokenizer(prompt, add_special_tokens=False)["input_ids"] and bare["token_strs"] is None
+    assert httpx.post(f"{server}/detokenize", json={"tokens": bare["tokens"]}, timeout=60).json() == {"prompt": prompt}
+
+    img = image(5, 80, 60)
+    chat = [{"role": "user", "content": [{"type": "image", "image": img}, {"type": "text", "text": "What is it?"}]}]
+    for generation_prompt in (True, False):
+        body = {"messages": to_openai(chat), "add_generation_prompt": generation_prompt}
+        got = httpx.post(f"{server}/tokenize", json=body, timeout=60).json()
+        want = hf.apply_chat_template(chat, add_generation_prompt=generation_prompt, tokenize=True,
+                                      return_dict=True)["input_ids"]
+        want = want[0] if isinstance(want[0], list) else want
+        assert got["tokens"] == list(want) and got["count"] == len(want)
+        if generation_prompt:  # what the chat endpoint counts as its prompt
+            answer = openai.OpenAI(base_url=f"{server}/v1", api_key="none").chat.completions.create(
+                model=MODEL, messages=to_openai(chat), max_tokens=1, temperature=0)
+            assert answer.usage.prompt_tokens == got["count"]
+        else:
+            assert got["count"] < with_prompt
+        with_prompt = got["count"]
+
+
+@pytest.mark.parametrize("path,body,status,fragment", [
+    ("/tokenize", {"prompt": "hi", "messages": [{"role": "user", "content": "hi"}]}, 400, "either 'prompt'"),
+    ("/tokenize", {}, 400, "either 'prompt'"),
+    ("/tokenize", {"prompt": 5}, 400, "'prompt' must be a string"),
+    ("/tokenize", {"model": "gpt-4", "prompt": "hi"}, 404, "does not exist"),
+    ("/tokenize", {"messages": []}, 400, "non-empty list"),
+    ("/tokenize", {"prompt": "hi", "add_special_tokens": "yes"}, 400, "true or false"),
+    ("/tokenize", {"prompt": "word " * 2_000_000}, 400, "characters of text"),
+    ("/detokenize", {"tokens": [1, "two"]}, 400, "list of token ids"),
+    ("/detokenize", {"tokens": [1, 10**6]}, 400, "token id 1000000 is not in the vocabulary"),
+])
+def test_tokenizer_endpoints_refuse_bad_input_with_a_clear_4xx(server, path, body, status, fragment):
+    resp = httpx.post(f"{server}{path}", json=body, timeout=60)
+    assert resp.status_code == status, resp.text
+    assert fragment in resp.json()["error"]["message"]
