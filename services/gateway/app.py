@@ -197,7 +197,7 @@ def build_app(backend, model_name: str, allow_remote_images: bool = False, metri
         return JSONResponse(completion(chat, request_id, model_name, num_prompt, results, backend.detokenize,
                                        logprobs is not None))
 
-    return Starlette(routes=[
+    routes = [
         Route("/health", health),
         Route("/v1/models", models),
         Route("/v1/models/{model:path}", model),
@@ -207,7 +207,28 @@ def build_app(backend, model_name: str, allow_remote_images: bool = False, metri
         Route("/metrics", prometheus),
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
         Route("/v1/completions", text_completions, methods=["POST"]),
-    ], lifespan=_lifespan(backend))
+    ]
+    return Starlette(routes=routes, lifespan=_lifespan(backend),
+                     exception_handlers={404: _not_found(routes), 405: _wrong_method(routes)})
+
+
+def _not_found(routes: list[Route]):
+    async def handler(http: HttpRequest, exc) -> Response:
+        served = ", ".join(route.path for route in routes)
+        error = ApiError(404, f"no such endpoint {http.method} {http.url.path}; this server serves {served}",
+                         kind="NotFoundError")
+        return JSONResponse(error.body(), status_code=404)
+    return handler
+
+
+def _wrong_method(routes: list[Route]):
+    async def handler(http: HttpRequest, exc) -> Response:
+        allowed = sorted({m for route in routes if route.matches(http.scope)[0].value for m in route.methods or ()}
+                         - {"HEAD"})
+        error = ApiError(405, f"{http.url.path} takes {' or '.join(allowed) or 'another method'}, not {http.method}",
+                         kind="MethodNotAllowedError")
+        return JSONResponse(error.body(), status_code=405, headers={"Allow": ", ".join(allowed)})
+    return handler
 
 
 # Unicode normalization can fold a few characters into one before tokenizing (e.g. Hangul jamo); stay below that

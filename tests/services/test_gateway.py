@@ -339,3 +339,13 @@ def test_tokenizer_endpoints_refuse_bad_input_with_a_clear_4xx(server, path, bod
     resp = httpx.post(f"{server}{path}", json=body, timeout=60)
     assert resp.status_code == status, resp.text
     assert fragment in resp.json()["error"]["message"]
+
+
+def test_an_unknown_endpoint_or_method_is_an_openai_error_that_names_what_is_served(server):
+    missing = httpx.post(f"{server}/v1/embeddings", json={"input": "hi"}, timeout=60)
+    assert missing.status_code == 404
+    error = missing.json()["error"]
+    assert error["code"] == 404 and "POST /v1/embeddings" in error["message"] and "/v1/chat/completions" in error["message"]
+    wrong = httpx.get(f"{server}/v1/chat/completions", timeout=60)
+    assert wrong.status_code == 405 and wrong.headers["allow"] == "POST"
+    assert "takes POST, not GET" in wrong.json()["error"]["message"]
