@@ -53,6 +53,7 @@ class ChatRequest:
     sampling: SamplingParams
     stream: bool = False
     include_usage: bool = False
+    continuous_usage: bool = False  # usage in every streamed chunk, counted to that chunk (vLLM's extension)
     return_token_ids: bool = False
     slo_ttft_ms: float | None = None  # this request's own targets (body field "slo"); None: the server's defaults
     slo_tbt_ms: float | None = None
@@ -158,8 +159,10 @@ def common_fields(body: dict) -> dict:
         raise ApiError(400, "'stream_options' must be an object", "stream_options")
     if stream_options and not body.get("stream"):
         raise ApiError(400, "'stream_options' is only for streamed requests (\"stream\": true)", "stream_options")
+    include_usage = _typed(stream_options, "include_usage", bool, False)
+    continuous = _typed(stream_options, "continuous_usage_stats", bool, False)
     return dict(model=body["model"], stream=_typed(body, "stream", bool, False), n=n,
-                include_usage=bool(stream_options.get("include_usage", False)),
+                include_usage=include_usage, continuous_usage=include_usage and continuous,
                 return_token_ids=_typed(body, "return_token_ids", bool, False), **_parse_slo(body.get("slo")))
 
 

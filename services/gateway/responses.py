@@ -116,14 +116,24 @@ def _final_text(out: RequestOutput, detokenize) -> str:
     return out.text if out.text is not None else detokenize(out.output_token_ids)
 
 
+GENERATED = "_generated"  # a choice's tokens so far, riding with it from its generator to its frame
+
+
 async def sse(chat: ChatRequest, request_id: str, model: str, num_prompt: int, streams: list[AsyncIterator[RequestOutput]],
               detokenize, logprobs: Logprobs | None = None) -> AsyncIterator[str]:
     created = int(time.time())
 
     kind = "text_completion" if chat.is_text_completion else "chat.completion.chunk"
 
+    counted = [0] * len(streams)  # tokens of each choice in the chunks made so far
+
     def frame(choices: list[dict], **extra) -> str:
+        for choice in choices:
+            counted[choice["index"]] = choice.pop(GENERATED, counted[choice["index"]])
         body = {"id": request_id, "object": kind, "created": created, "model": model, "choices": choices, **extra}
+        if chat.continuous_usage and "usage" not in body:  # vLLM's stream_options.continuous_usage_stats
+            n = sum(counted)
+            body["usage"] = {"prompt_tokens": num_prompt, "completion_tokens": n, "total_tokens": num_prompt + n}
         return f"data: {json.dumps(body)}\n\n"
 
     finals: list[RequestOutput | None] = [None] * len(streams)
@@ -174,6 +184,8 @@ async def _choice_deltas(index: int, chat: ChatRequest, outputs: AsyncIterator[R
             entry["stop_reason"] = out.stop_reason
         if chat.return_token_ids and token_ids is not None:
             entry["token_ids"] = token_ids
+        if out is not None:
+            entry[GENERATED] = len(out.output_token_ids)  # for a running usage; taken out before it is sent
         return entry
 
     sent, last = "", None

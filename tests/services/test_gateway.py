@@ -101,6 +101,29 @@ def test_streaming_matches_the_whole_answer_and_reports_usage(server):
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
 
 
+def test_continuous_usage_stats_count_every_chunk_to_that_chunk_as_vllm_does(server):
+    client = openai.OpenAI(base_url=f"{server}/v1", api_key="none")
+    messages = [{"role": "user", "content": "Count to ten"}]
+    chunks = list(client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=12, temperature=0, stream=True, n=2, seed=5,
+        stream_options={"include_usage": True, "continuous_usage_stats": True},
+        extra_body={"ignore_eos": True, "return_token_ids": True}))
+    assert all(c.usage is not None for c in chunks)
+    prompt = chunks[-1].usage.prompt_tokens
+    assert all(c.usage.prompt_tokens == prompt for c in chunks)
+    assert chunks[0].usage.completion_tokens == 0  # the role chunk, before any token was counted
+    seen = {0: 0, 1: 0}
+    for c in chunks[:-1]:
+        for choice in c.choices:
+            seen[choice.index] += len(getattr(choice, "token_ids", None) or [])
+        assert c.usage.completion_tokens == sum(seen.values())  # every token sent so far, both choices
+        assert c.usage.total_tokens == prompt + c.usage.completion_tokens
+    assert seen == {0: 12, 1: 12} and chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 24
+    plain = list(client.chat.completions.create(model=MODEL, messages=messages, max_tokens=3, temperature=0,
+                                                stream=True, stream_options={"include_usage": True}))
+    assert all(c.usage is None for c in plain[:-1]) and plain[-1].usage.completion_tokens == 3
+
+
 def test_n_choices_are_requests_seeded_s_plus_i_streamed_interleaved_and_counted_once_for_the_prompt(server):
     """n > 1 as vLLM serves it: choice i of a request with seed s is the answer of that request with seed s + i;
     streamed, every choice's chunks carry its index and join to the whole answer's text; usage counts the prompt
