@@ -90,6 +90,7 @@ class Request:
     output_text: str = ""
     stop_reason: str | int | None = None
     detokenizer: Any = None  # the output's text so far, kept by the engine while stop strings are watched
+    grammar_matcher: Any = None  # structured output: where its grammar is, kept by the engine (common/engine/grammar.py)
     # engine clock (time.monotonic): first step that scheduled it, and when it finished or was handed off here
     first_scheduled_time: float | None = None
     done_time: float | None = None

@@ -34,6 +34,7 @@ class SamplingParams:
     min_tokens: int = 0  # vLLM's: no EOS, stop token or stop string ends it before this many output tokens (like
     # max_tokens, counted from where a migrated request's continuation starts: the gateway lowers both)
     min_p: float = 0.0  # vLLM's: after temperature, drop tokens below min_p × the most likely token's probability
+    grammar: str | None = None  # structured output: only tokens this grammar allows (common/engine/grammar.py)
 
     def __post_init__(self) -> None:
         checks = (
@@ -57,6 +58,7 @@ class SamplingParams:
             ("min_tokens", 0 <= self.min_tokens <= self.max_tokens,
              f"min_tokens must be between 0 and max_tokens ({self.max_tokens}), got {self.min_tokens}"),
             ("min_p", 0 <= self.min_p <= 1, f"min_p must be in [0, 1], got {self.min_p}"),
+            ("response_format", self.grammar is None or bool(self.grammar), "a grammar must not be empty"),
         )
         for param, ok, message in checks:
             if not ok:

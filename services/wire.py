@@ -43,6 +43,8 @@ def sampling_to_pb(s: SamplingParams) -> pb.SamplingParams:
     msg.logit_bias_token_ids.extend(token for token, _ in s.logit_bias)
     msg.logit_bias_values.extend(bias for _, bias in s.logit_bias)
     msg.min_tokens, msg.min_p = s.min_tokens, s.min_p
+    if s.grammar is not None:
+        msg.grammar = s.grammar
     return msg
 
 
@@ -55,7 +57,7 @@ def sampling_from_pb(msg: pb.SamplingParams) -> SamplingParams:
         presence_penalty=msg.presence_penalty, frequency_penalty=msg.frequency_penalty,
         repetition_penalty=msg.repetition_penalty if msg.HasField("repetition_penalty") else 1.0,
         logit_bias=tuple(zip(msg.logit_bias_token_ids, msg.logit_bias_values)),
-        min_tokens=msg.min_tokens, min_p=msg.min_p,
+        min_tokens=msg.min_tokens, min_p=msg.min_p, grammar=msg.grammar if msg.HasField("grammar") else None,
     )
 
 

@@ -26,6 +26,7 @@ from common.engine.model_runner import ModelRunner
 from common.engine.errors import NoRoomForPages, RequestRejected, StepFailed  # noqa: F401 (imported from here too)
 from common.engine.outputs import EngineStats, RequestOutput, TokenLogprob
 from common.engine.sampler import Sampler, logprobs_of
+from common.engine.grammar import GrammarMasks, GrammarRejected
 from common.engine.stopping import check_stop
 from common.kv_manager import ImageBlockManager, KVBlockManager, blocks_for
 from common.model.config import LlavaConfig
@@ -83,6 +84,7 @@ class Engine:
         (`kv_shape` = layers, KV heads, head dim; `image_hidden` values per image token). The cache sizes of
         `config` buy blocks of these pages, or of `count_as` bytes (KV, image) per block when given."""
         self._logprobs: dict[str, TokenLogprob] = {}  # of this step's sampled tokens, for the requests that asked
+        self.grammar = GrammarMasks(config.model)  # structured requests' masks
         self.config = config
         self.model_config = model_config
         # held by whoever changes the scheduler and the block managers; `step()` lets go of it while the model
@@ -169,6 +171,11 @@ class Engine:
         if not needed <= self.config.roles:
             missing = sorted(s.name.lower() for s in needed - self.config.roles)
             raise RequestRejected(f"this engine lacks the role(s) {missing} that request {request.request_id} needs")
+        if needed & {Stage.PREFILL, Stage.DECODE}:  # it samples here: its grammar goes on from its tokens so far
+            try:
+                self.grammar.attach(request)
+            except GrammarRejected as e:
+                raise RequestRejected(f"response_format: {e}") from None
 
     def _validate(self, request: Request) -> None:
         vocab = self.model_config.text.vocab_size
@@ -178,6 +185,8 @@ class Engine:
             raise RequestRejected(f"stop_token_ids names a token id outside the vocabulary (0..{vocab - 1})")
         if request.sampling.logprobs is not None and not self.computes_logprobs:
             raise RequestRejected("logprobs are not available on this backend: it runs no model")
+        if request.sampling.grammar is not None and not self.computes_logprobs:
+            raise RequestRejected("structured output (response_format) is not available on this backend: it runs no model")
         if request.request_id in self.requests or request.request_id in self.handed_off or request.request_id in self.importing:
             raise RequestRejected(f"request id {request.request_id!r} is already in use")
         cfg = self.model_config
@@ -292,7 +301,8 @@ class Engine:
     def _execute(self, plan: SchedulerOutput) -> tuple[list[Request], list[int]]:
         """Run the plan on the model: the requests that sample this step and their sampled tokens."""
         sampling, logits = self.runner.run(plan)
-        tokens = self.sampler(logits, sampling) if sampling else []
+        tokens = self.sampler(self.grammar.masked(logits, sampling), sampling) if sampling else []
+        self.grammar.advance(sampling, tokens)
         self._logprobs = logprobs_of(logits, sampling, tokens) if sampling else {}
         for row, request in enumerate(sampling):
             if request.request_id in self.captured_logits:

@@ -35,6 +35,11 @@ def check_stop(request: Request, token: int, eos_token_ids: Collection[int], max
             request.output_text, request.stop_reason = detok.text[:cut], stop
             return RequestStatus.FINISHED_STOPPED
         request.output_text = detok.text
+    matcher = request.grammar_matcher
+    if not early and matcher is not None and (matcher.is_stopped() or matcher.is_error()):  # nothing more fits it
+        if params.stop:
+            request.output_text = _finished_text(request, detokenize, request.generated_token_ids)
+        return RequestStatus.FINISHED_STOPPED
     return _length(request, detokenize, max_model_len)
 
 

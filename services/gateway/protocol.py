@@ -205,6 +205,9 @@ def parse_sampling(body: dict) -> SamplingParams:
     if not isinstance(stop_ids, list) or not all(is_token_id(t) for t in stop_ids):
         raise ApiError(400, f"'stop_token_ids' must be a list of token ids (integers 0 to {MAX_TOKEN_ID})", "stop_token_ids")
     _refuse_unsupported(body)
+    from services.gateway.structured import parse_grammar  # here: it raises this module's ApiError
+
+    grammar = parse_grammar(body)
     logprobs = _typed(body, "logprobs", bool, False)
     top_logprobs = _typed(body, "top_logprobs", int, None)
     if top_logprobs is not None and not logprobs:
@@ -224,6 +227,7 @@ def parse_sampling(body: dict) -> SamplingParams:
             frequency_penalty=_typed(body, "frequency_penalty", float, 0.0),
             repetition_penalty=_typed(body, "repetition_penalty", float, 1.0),
             logit_bias=_parse_logit_bias(body.get("logit_bias")),
+            grammar=grammar,
             min_tokens=_typed(body, "min_tokens", int, 0),
             min_p=_typed(body, "min_p", float, 0.0),
         )
@@ -266,10 +270,6 @@ def _refuse_unsupported(body: dict) -> None:
     if body.get("tools") and body.get("tool_choice", "auto") != "none":
         raise ApiError(400, "tool calling is not supported by this server; leave 'tools' out or send "
                             "\"tool_choice\": \"none\"", "tools")
-    response_format = body.get("response_format")
-    if response_format is not None and response_format != {"type": "text"}:
-        raise ApiError(400, "structured output ('response_format' other than {\"type\": \"text\"}) is not supported "
-                            "by this server", "response_format")
     for key, neutral in NEUTRAL_ONLY.items():
         if key in body and body[key] not in neutral:
             raise ApiError(400, f"'{key}' is not supported by this server (it would change the answer); leave it out",
@@ -289,8 +289,8 @@ NEUTRAL_ONLY: dict[str, tuple] = {
     "prompt_logprobs": (None,), "include_stop_str_in_output": (None, False), "skip_special_tokens": (None, True),
     "spaces_between_special_tokens": (None, True), "truncate_prompt_tokens": (None,), "echo": (None, False),
     "add_generation_prompt": (None, True), "continue_final_message": (None, False), "chat_template": (None,),
-    "chat_template_kwargs": (None, {}), "guided_json": (None,), "guided_regex": (None,), "guided_choice": (None,),
-    "guided_grammar": (None,), "structured_outputs": (None,), "allowed_token_ids": (None,), "bad_words": (None, []),
+    "chat_template_kwargs": (None, {}),
+    "guided_grammar": (None,), "allowed_token_ids": (None,), "bad_words": (None, []),
     "logits_processors": (None,), "functions": (None, []), "function_call": (None, "none"), "audio": (None,),
     "prediction": (None,), "web_search_options": (None,), "modalities": (None, ["text"]),
 }
@@ -300,7 +300,7 @@ KNOWN_FIELDS = {
     "top_p", "top_k", "seed", "stop", "stop_token_ids", "ignore_eos", "logprobs", "top_logprobs", "presence_penalty",
     "frequency_penalty", "repetition_penalty", "logit_bias", "min_tokens", "min_p", "return_token_ids", "slo",
     "tools", "tool_choice", "response_format", "user", "metadata", "store", "service_tier", "parallel_tool_calls",
-    "reasoning_effort",
+    "reasoning_effort", "guided_json", "guided_regex", "guided_choice", "structured_outputs",
 }
 _warned: set[str] = set()
 MAX_WARNED_FIELDS = 1000  # names remembered (a body with a million random keys must not grow this without end)

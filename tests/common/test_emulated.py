@@ -106,3 +106,15 @@ def test_cache_capacity_and_transfer_time_are_the_real_models(emulated_dir, cfg)
     assert engine.kv_cache.layout.bytes_per_block == 16 * 256  # the bytes actually held and moved: 256 per token
     assert engine.transfer_delay_s("kv", 600) == pytest.approx(transfer_ms(PROFILE, 600 * real_kv_token) / 1e3)
     assert engine.transfer_delay_s("image", 576) == pytest.approx(transfer_ms(PROFILE, 576 * 4096 * 2) / 1e3)
+
+
+def test_what_needs_logits_is_refused_with_a_reason(emulated_dir, cfg):
+    """It runs no model: logprobs and structured output (a grammar masks the model's logits) are not there."""
+    from common.engine.engine import RequestRejected
+
+    engine = make(emulated_dir, cfg)
+    for sampling, what in ((SamplingParams(max_tokens=4, logprobs=2), "logprobs"),
+                           (SamplingParams(max_tokens=4, grammar='{"grammars": []}'), "structured output")):
+        with pytest.raises(RequestRejected, match=what):
+            engine.add_request(Request(what, [1, 2, 3], sampling))
+    assert not engine.requests
