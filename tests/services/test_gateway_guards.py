@@ -285,7 +285,7 @@ def test_a_body_that_is_not_utf8_and_a_model_that_is_not_a_string_are_named_as_s
 def test_parameters_this_server_does_not_implement_are_refused_unless_neutral_and_unknown_ones_logged_once(caplog):
     from services.gateway import protocol
 
-    for extra in ({"use_beam_search": True}, {"best_of": 3}, {"guided_json": {"type": "object"}},
+    for extra in ({"use_beam_search": True}, {"best_of": 3}, {"guided_grammar": "root ::= \"a\""},
                   {"skip_special_tokens": False}, {"include_stop_str_in_output": True}, {"prompt_logprobs": 1},
                   {"functions": [{"name": "f"}]}, {"modalities": ["text", "audio"]}):
         with pytest.raises(ApiError) as err:
