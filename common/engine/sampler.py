@@ -133,6 +133,7 @@ def apply_penalties(logits: torch.Tensor, requests: list[Request], eos_token_ids
                                for name in ("frequency_penalty", "presence_penalty"))
         logits[at, ids] = logits[at, ids] - (frequency * times + presence * (times > 0).to(logits.dtype))
     early = [(row, token) for row in rows if len(requests[row].output_token_ids) < requests[row].sampling.min_tokens
+             and requests[row].grammar_matcher is None  # a structured answer's grammar decides where it may end
              for token in _stop_ids(requests[row].sampling, eos_token_ids)]
     if early:  # min_tokens (vLLM's, transformers' min_new_tokens): nothing that would end it can be drawn yet
         at_rows, tokens = zip(*early)

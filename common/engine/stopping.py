@@ -17,7 +17,8 @@ def check_stop(request: Request, token: int, eos_token_ids: Collection[int], max
     client gets: cut before the stop string,
     without the text of an EOS or stop token, an incomplete last character as U+FFFD."""
     params = request.sampling
-    early = len(request.output_token_ids) < params.min_tokens  # no stop yet (EOS and stop ids are masked too)
+    # no stop yet (EOS and stop ids are masked too) — but a structured answer's grammar decides where it may end
+    early = len(request.output_token_ids) < params.min_tokens and request.grammar_matcher is None
     eos = not params.ignore_eos and token in eos_token_ids
     if not early and (eos or token in params.stop_token_ids):
         if not eos:
@@ -36,7 +37,7 @@ def check_stop(request: Request, token: int, eos_token_ids: Collection[int], max
             return RequestStatus.FINISHED_STOPPED
         request.output_text = detok.text
     matcher = request.grammar_matcher
-    if not early and matcher is not None and (matcher.is_stopped() or matcher.is_error()):  # nothing more fits it
+    if matcher is not None and (matcher.is_stopped() or matcher.is_error()):  # nothing more fits it
         if params.stop:
             request.output_text = _finished_text(request, detokenize, request.generated_token_ids)
         return RequestStatus.FINISHED_STOPPED

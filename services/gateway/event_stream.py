@@ -37,22 +37,26 @@ class EventStream(Response):
         live = True  # until the stream ends: a disconnect after that must not cancel what the task does next
 
         def client_gone(task: asyncio.Task) -> None:
-            if live and not task.cancelled():
+            if task.cancelled():
+                return
+            task.exception()  # retrieved: a receive that failed counts as the client gone
+            if live:
                 streaming.cancel()
 
         gone = asyncio.ensure_future(_disconnect(receive))
         gone.add_done_callback(client_gone)
         try:
             async with contextlib.aclosing(self.events) as events:
-                first = await anext(events, None)
-                await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
-                if first is not None:
-                    await send({"type": "http.response.body", "body": first.encode(), "more_body": True})
-                    async for event in events:
-                        await send({"type": "http.response.body", "body": event.encode(), "more_body": True})
-                await send({"type": "http.response.body", "body": b"", "more_body": False})
-        except OSError:  # an ASGI 2.4 server's send to a closed connection: the client left
-            pass
+                try:
+                    first = await anext(events, None)
+                    await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+                    if first is not None:
+                        await send({"type": "http.response.body", "body": first.encode(), "more_body": True})
+                        async for event in events:
+                            await send({"type": "http.response.body", "body": event.encode(), "more_body": True})
+                    await send({"type": "http.response.body", "body": b"", "more_body": False})
+                except OSError:  # an ASGI 2.4 server's send to a closed connection: the client left
+                    live = False  # closing the events (which ends the request) must not be cut short by its notice
         except asyncio.CancelledError:
             if not gone.done() or gone.cancelled():
                 raise  # cancelled from elsewhere (the server stopping): not ours to swallow

@@ -291,7 +291,7 @@ class MeshBackend(MeshStatus):
                         if not emitted:
                             self._first_token(path, plan, request.arrival_time, request.request_id)
                         emitted.extend(out.new_token_ids)
-                        yield rebased(out, request.request_id, before, self.detokenize)
+                        yield rebased(out, request.request_id, before, self.detokenize, self.eos_token_ids)
                 return
             except HandedBack as back:
                 hand_backs = 1 if len(emitted) > progress else hand_backs + 1  # only those without progress count
@@ -407,6 +407,10 @@ class MeshBackend(MeshStatus):
 
     def detokenize(self, ids: list[int]) -> str:
         return self.processor.detokenize(ids)
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        return tuple(self.processor.config.eos_token_ids)
 
     def _first_token(self, path: PrefillPath, plan: pb.RoutePlan, arrival: float, request_id: str) -> None:
         """Count the path that made the request's first token, and how far the policy's prediction of it was off."""

@@ -20,23 +20,25 @@ def continuation(request: Request, emitted: list[int], attempt: int) -> Request:
                    num_continued_tokens=len(emitted))  # its penalties and seeded random stream go on from there
 
 
-def rebased(out: RequestOutput, request_id: str, before: list[int], detokenize) -> RequestOutput:
+def rebased(out: RequestOutput, request_id: str, before: list[int], detokenize,
+            eos_token_ids: tuple[int, ...] = ()) -> RequestOutput:
     """An output of a continuation as the original request's: earlier tokens (and their text) in front."""
     if not before:
         return out
-    text = joined_text(before, out, detokenize) if out.text is not None else None
+    text = joined_text(before, out, detokenize, eos_token_ids) if out.text is not None else None
     return dataclasses.replace(out, request_id=request_id, output_token_ids=before + out.output_token_ids, text=text,
                                num_prompt_tokens=out.num_prompt_tokens - len(before))
 
 
-def joined_text(before: list[int], out: RequestOutput, detokenize) -> str:
+def joined_text(before: list[int], out: RequestOutput, detokenize, eos_token_ids: tuple[int, ...] = ()) -> str:
     """A continuation's final text as the whole request's: earlier and new tokens decoded together (two decodes
     joined are not one: a SentencePiece decode drops its first token's leading space), cut where the engine
     cut the continuation's: before the stop string (which may also begin in the earlier text), or before the
-    stop or EOS token."""
+    stop or EOS token (a structured answer that stopped where its grammar ended keeps its last token)."""
     ids = before + out.output_token_ids
     if isinstance(out.stop_reason, str):
         full, head = detokenize(ids), len(detokenize(before))
         at = full.find(out.stop_reason, max(head - len(out.stop_reason) + 1, 0))
         return full[:at] if at >= 0 else full
-    return detokenize(ids[:-1] if out.finish_reason == "stop" else ids)
+    ended_by_token = isinstance(out.stop_reason, int) or (out.stop_reason is None and ids[-1:] and ids[-1] in eos_token_ids)
+    return detokenize(ids[:-1] if out.finish_reason == "stop" and ended_by_token else ids)

@@ -77,7 +77,10 @@ def build_engine(config: EngineConfig, emulation: EmulationOptions | None = None
                               word_token_pool(config.model), e.kv_bytes_per_token, e.image_bytes_per_token)
     from common.model.processor import ChatProcessor
 
-    return Engine(config, None, ChatProcessor(config.model).detokenize)
+    engine = Engine(config, None, ChatProcessor(config.model).detokenize)
+    if config.roles & {Stage.PREFILL, Stage.DECODE}:  # it samples: ready for structured output before it serves
+        engine.grammar.load()
+    return engine
 
 
 def _mount_roles(server: grpc.aio.Server, runtime: WorkerRuntime, roles: frozenset[Stage],

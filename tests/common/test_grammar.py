@@ -102,3 +102,16 @@ def test_what_a_grammar_cannot_follow_is_refused(tiny_dir, model, processors):
         e.add_request(Request("bad", ids + off, SamplingParams(max_tokens=8, grammar=json_schema_grammar(SCHEMA)),
                               num_continued_tokens=len(off)))
     assert_pools_full(e)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_min_tokens_does_not_hold_a_structured_answer_open_past_its_grammar(tiny_dir, model, processors, temperature):
+    """A grammar that lets only EOS follow, with min_tokens not reached: masking EOS too left no token at all (greedy
+    drew token 0, a sampled draw failed the whole step). The grammar decides where it ends."""
+    e = engine(tiny_dir, model)
+    plain = run(e, Request("plain", prompt(processors), SamplingParams(max_tokens=12, temperature=temperature, seed=1)))
+    r = run(e, Request("short", prompt(processors), SamplingParams(
+        max_tokens=12, min_tokens=6, temperature=temperature, seed=1, grammar=regex_grammar("yes|no"))))
+    assert processors["tiny"].detokenize(r.output_token_ids) in ("yes", "no")
+    assert r.status == RequestStatus.FINISHED_STOPPED and plain.status == RequestStatus.FINISHED_LENGTH
+    assert_pools_full(e)

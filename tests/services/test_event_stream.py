@@ -129,3 +129,30 @@ def test_a_stream_cancelled_from_elsewhere_is_cancelled_and_still_closes_its_eve
 
     asyncio.run(main())
     assert closed == [True]
+
+
+def test_a_send_that_fails_as_the_connection_closes_ends_the_stream_quietly_and_closes_the_events():
+    """What an ASGI 2.4 server does for a client that left: its send raises OSError."""
+    closed = []
+
+    async def endless():
+        try:
+            while True:
+                yield "data: x\n\n"
+                await asyncio.sleep(0)
+        finally:
+            closed.append(True)
+
+    async def main():
+        conn = Connection()
+
+        async def send(message):
+            await conn.send(message)
+            if len(conn.bodies) == 2:
+                raise OSError("connection closed")
+
+        await asyncio.wait_for(EventStream(endless())({"type": "http"}, conn.receive, send), 5)
+        return conn
+
+    conn = asyncio.run(main())
+    assert closed == [True] and len(conn.bodies) == 2

@@ -29,6 +29,13 @@ def test_the_text_after_a_migration_is_the_whole_decode_cut_like_the_engine_cuts
         assert joined.output_token_ids == before + out.output_token_ids and joined.num_prompt_tokens == 10 - len(before)
     out = _finished(tok, "naïve café kitchen", "stop", tok.token_to_id("▁kitchen"), cut="naïve café")
     assert rebased(out, "r", before, decode).text == "the kitchen naïve café"  # the stop token's text left out
+    # a structured answer stops where its grammar ends, on a token of its own: kept (an EOS is left out)
+    out = _finished(tok, 'naïve {"a":1}', "stop", None, cut='naïve {"a":1}')
+    assert rebased(out, "r", before, decode).text == 'the kitchen naïve {"a":1}'
+    eos = tok.token_to_id("</s>")
+    out = RequestOutput("r-m2", [eos], tok.encode("naïve café").ids + [eos], RequestStatus.FINISHED_STOPPED, "stop",
+                        None, text="naïve café", num_prompt_tokens=10)
+    assert rebased(out, "r", before, decode, eos_token_ids=(eos,)).text == "the kitchen naïve café"
 
 
 def test_a_continuation_counts_the_tokens_already_sent_as_generated_across_the_wire():

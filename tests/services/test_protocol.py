@@ -39,12 +39,32 @@ def test_logprobs_and_top_logprobs_become_the_engines_logprobs_count():
 def test_what_this_server_does_not_implement_is_a_400_not_silently_ignored():
     tools = [{"type": "function", "function": {"name": "f", "parameters": {}}}]
     for extra, param in [({"tools": tools}, "tools"), ({"tools": tools, "tool_choice": "auto"}, "tools"),
-                         ({"response_format": {"type": "json_object"}}, "response_format")]:
+                         ({"response_format": {"type": "xml"}}, "response_format"),
+                         ({"structured_outputs": {"grammar": "root ::= x"}}, "structured_outputs")]:
         with pytest.raises(ApiError) as err:
             _parse(**extra)
         assert err.value.status == 400 and err.value.param == param and "not supported" in err.value.message, extra
     # their neutral values, which many clients send by default, are served
-    _parse(tools=tools, tool_choice="none", response_format={"type": "text"}, logit_bias={})
+    assert _parse(tools=tools, tool_choice="none", response_format={"type": "text"}, logit_bias={}).sampling.grammar is None
+
+
+def test_each_structured_output_form_becomes_a_grammar_and_one_that_cannot_be_followed_is_a_400():
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    forms = [{"response_format": {"type": "json_object"}},
+             {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}},
+             {"guided_json": schema}, {"guided_json": json.dumps(schema)}, {"structured_outputs": {"json": schema}},
+             {"guided_regex": "[0-9]+"}, {"structured_outputs": {"regex": "[0-9]+"}},
+             {"guided_choice": ["a", "b"]}, {"structured_outputs": {"choice": ["a", "b"]}}]
+    grammars = [_parse(**form).sampling.grammar for form in forms]
+    assert all(grammars) and grammars[2] == grammars[3] == grammars[4] and grammars[5] == grammars[6]
+    assert grammars[7] == grammars[8]
+    for extra, fragment in [({"guided_json": {"type": "integer", "maximum": float("inf")}}, "cannot be followed"),
+                            ({"guided_json": "{not json"}, "not valid JSON"), ({"guided_regex": "(open"}, "cannot be followed"),
+                            ({"guided_choice": ["a", 1]}, "non-empty strings"), ({"structured_outputs": "x"}, "an object"),
+                            ({"guided_regex": "a", "guided_choice": ["a"]}, "one structured-output constraint")]:
+        with pytest.raises(ApiError) as err:
+            _parse(**extra)
+        assert err.value.status == 400 and fragment in err.value.message, (extra, err.value.message)
 
 
 def test_penalties_are_parsed_and_out_of_range_ones_refused():
