@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 ARGS ?=
 
-.PHONY: serve test bench-engine bench-mesh bench-transfer bench-tracing bench-timeline bench-detokenize bench-sampling bench-goodput proto clean
+.PHONY: serve test bench-engine bench-mesh bench-transfer bench-tracing bench-timeline bench-detokenize bench-sampling bench-structured bench-goodput proto clean
 
 $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
@@ -39,6 +39,9 @@ bench-detokenize: $(VENV)/.installed
 
 bench-sampling: $(VENV)/.installed
 	$(PY) -m bench.sampling $(ARGS)
+
+bench-structured: $(VENV)/.installed
+	$(PY) -m bench.structured $(ARGS)
 
 # e.g. make bench-goodput ARGS="--url http://127.0.0.1:8000 --workload textcaps --rates 1,2,4"
 bench-goodput: $(VENV)/.installed
