@@ -115,3 +115,25 @@ def test_min_tokens_does_not_hold_a_structured_answer_open_past_its_grammar(tiny
     assert processors["tiny"].detokenize(r.output_token_ids) in ("yes", "no")
     assert r.status == RequestStatus.FINISHED_STOPPED and plain.status == RequestStatus.FINISHED_LENGTH
     assert_pools_full(e)
+
+
+def test_structured_requests_preempted_and_recomputed_keep_their_grammar_and_their_tokens(tiny_dir, model, processors):
+    """Preemption recomputes prompt + output and samples on from there: the matcher, which saw that output, is
+    neither fed it again nor lost."""
+    from tests.common.test_preemption import make_engine
+
+    grammar = regex_grammar(r"[a-z ]{60,}")
+    ids = prompt(processors)
+
+    def requests():
+        return [Request(f"r{i}", ids + [5 + i], SamplingParams(max_tokens=60, temperature=0, ignore_eos=True,
+                                                               grammar=grammar)) for i in range(6)]
+
+    roomy = make_engine(tiny_dir, model, kv_blocks=256).generate(requests())
+    tight = make_engine(tiny_dir, model, kv_blocks=14)  # six requests of 2 blocks growing to 5: they take turns
+    squeezed = requests()
+    finals = tight.generate(squeezed)
+    assert tight.stats().num_preemptions >= 1 and any(r.recompute_outputs for r in squeezed)
+    assert {k: v.output_token_ids for k, v in finals.items()} == {k: v.output_token_ids for k, v in roomy.items()}
+    assert all(re.fullmatch(r"[a-z ]{60,}", processors["tiny"].detokenize(v.output_token_ids)) for v in finals.values())
+    assert_pools_full(tight)
