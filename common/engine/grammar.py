@@ -93,7 +93,15 @@ class GrammarMasks:
         earlier = request.generated_token_ids
         if matcher.is_error() or (earlier and not matcher.consume_tokens(earlier)):
             raise GrammarRejected(f"request {request.request_id}: {matcher.get_error() or 'its tokens break its grammar'}")
+        if not matcher.is_stopped() and not self._allows_any(matcher):  # e.g. [^\s\S], or a schema of only cycles
+            raise GrammarRejected("no output satisfies it")
         request.grammar_matcher = matcher
+
+    def _allows_any(self, matcher) -> bool:
+        lt = _bitmask_ops()
+        bitmask = lt.allocate_token_bitmask(1, self.tokenizer.vocab_size)
+        lt.fill_next_token_bitmask(matcher, bitmask, 0)
+        return not matcher.is_error() and bool(bitmask.any())
 
     def masked(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
         """`logits` (a copy) with what each structured row's grammar forbids next at -inf; the same tensor when no
@@ -101,9 +109,7 @@ class GrammarMasks:
         rows = [row for row, request in enumerate(requests) if request.grammar_matcher is not None]
         if not rows:
             return logits
-        with warnings.catch_warnings():  # its kernels use torch.jit.script, which torch now calls deprecated
-            warnings.simplefilter("ignore", DeprecationWarning)
-            import llguidance.torch as lt
+        lt = _bitmask_ops()
 
         logits = logits.clone()
         vocab = self.tokenizer.vocab_size
@@ -125,6 +131,14 @@ class GrammarMasks:
             if matcher is not None and not matcher.consume_token(token):
                 log.error("request %s: its grammar refused the token %d it allowed: %s", request.request_id, token,
                           matcher.get_error())
+
+
+def _bitmask_ops():
+    with warnings.catch_warnings():  # its kernels use torch.jit.script, which torch now calls deprecated
+        warnings.simplefilter("ignore", DeprecationWarning)
+        import llguidance.torch
+
+    return llguidance.torch
 
 
 def _unpack(bitmask: torch.Tensor, vocab: int) -> torch.Tensor:

@@ -37,7 +37,9 @@ def check_stop(request: Request, token: int, eos_token_ids: Collection[int], max
             return RequestStatus.FINISHED_STOPPED
         request.output_text = detok.text
     matcher = request.grammar_matcher
-    if matcher is not None and (matcher.is_stopped() or matcher.is_error()):  # nothing more fits it
+    if matcher is not None and matcher.is_error():  # it gave up (a lexer limit): the output does not hold to it
+        return RequestStatus.FINISHED_ABORTED
+    if matcher is not None and matcher.is_stopped():  # nothing more fits it
         if params.stop:
             request.output_text = _finished_text(request, detokenize, request.generated_token_ids)
         return RequestStatus.FINISHED_STOPPED

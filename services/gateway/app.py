@@ -263,6 +263,10 @@ async def _answer(http: HttpRequest, work) -> Response:
         return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
     except ClientDisconnect:
         return Response(status_code=499)
+    except Exception as e:  # a bug of ours: still an OpenAI error, and the connection kept
+        log.exception("%s failed", http.url.path)
+        error = internal_error(e)
+        return JSONResponse(error.body(), status_code=error.status)
 
 
 async def _unless_client_leaves(http: HttpRequest, awaitable):

@@ -134,6 +134,8 @@ def json_body(raw: bytes, served_models: list[str], default_model: str | None = 
         body = json.loads(text)
     except json.JSONDecodeError as e:
         raise ApiError(400, f"request body is not valid JSON: {e}") from None
+    except RecursionError:
+        raise ApiError(400, "request body nests too deeply (over ~1,000 levels of arrays or objects)") from None
     if not isinstance(body, dict):
         raise ApiError(400, "request body must be a JSON object")
     if body.get("model") is None and default_model is not None:

@@ -137,3 +137,17 @@ def test_structured_requests_preempted_and_recomputed_keep_their_grammar_and_the
     assert {k: v.output_token_ids for k, v in finals.items()} == {k: v.output_token_ids for k, v in roomy.items()}
     assert all(re.fullmatch(r"[a-z ]{60,}", processors["tiny"].detokenize(v.output_token_ids)) for v in finals.values())
     assert_pools_full(tight)
+
+
+def test_a_constraint_nothing_satisfies_is_refused_and_one_the_matcher_gives_up_on_ends_as_abort(tiny_dir, model,
+                                                                                                 processors):
+    """Not an empty answer reported as a clean stop: refused at admission when no token can start it; ended as
+    "abort" when llguidance gives up part-way (a lexer limit), since what came out does not hold to it."""
+    e = engine(tiny_dir, model)
+    for grammar in (regex_grammar(r"[^\s\S]"), json_schema_grammar({"$ref": "#"})):
+        with pytest.raises(RequestRejected, match="no output satisfies"):
+            e.add_request(Request("none", prompt(processors), SamplingParams(max_tokens=8, grammar=grammar)))
+    r = run(e, Request("huge", prompt(processors), SamplingParams(max_tokens=20, temperature=0,
+                                                                  grammar=regex_grammar("a{1000000}"))))
+    assert r.status == RequestStatus.FINISHED_ABORTED and len(r.output_token_ids) < 20
+    assert_pools_full(e)

@@ -242,6 +242,8 @@ def test_client_disconnect_mid_stream_frees_pages_and_others_finish(server):
                  "messages": [{"role": "user", "content": "hi"}]}).encode(), 400, "one structured-output constraint"),
     (json.dumps({"model": MODEL, "guided_choice": [], "messages": [{"role": "user", "content": "hi"}]}).encode(), 400,
      "non-empty list"),
+    (json.dumps({"model": MODEL, "guided_regex": "[^\\s\\S]", "messages": [{"role": "user", "content": "hi"}]}).encode(),
+     400, "no output satisfies"),
     (json.dumps({"model": MODEL, "messages": [{"role": "user", "content": [
         {"type": "image_url", "image_url": {"url": "data:image/png;base64,aGVsbG8gd29ybGQ="}}]}]}).encode(), 400, "could not decode"),
     (json.dumps({"model": MODEL, "messages": [{"role": "user", "content": [
@@ -353,6 +355,14 @@ def test_tokenize_gives_the_ids_transformers_gives_for_a_prompt_and_for_a_chat_a
         else:
             assert got["count"] < with_prompt
         with_prompt = got["count"]
+
+
+def test_a_body_nested_too_deep_is_a_400_on_every_endpoint(server):
+    deep = b'{"model": "%s", "prompt": "hi", "messages": [{"role": "user", "content": "hi"}], "x": ' % MODEL.encode()
+    deep += b"[" * 5000 + b"]" * 5000 + b"}"
+    for path in ("/v1/chat/completions", "/v1/completions", "/tokenize", "/detokenize"):
+        resp = httpx.post(f"{server}{path}", content=deep, headers={"content-type": "application/json"}, timeout=60)
+        assert resp.status_code == 400 and "nests too deeply" in resp.json()["error"]["message"], (path, resp.text)
 
 
 @pytest.mark.parametrize("path,body,status,fragment", [
