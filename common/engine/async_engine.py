@@ -20,6 +20,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import TypeVar
 
 from common.engine.engine import Engine, RequestRejected
+from common.engine.grammar import GrammarRejected
 from common.engine.outputs import RequestOutput
 from common.paged_cache import PagePayload
 from common.request import Request
@@ -54,6 +55,7 @@ class AsyncEngine:
     ) -> AsyncIterator[RequestOutput]:
         """Outputs of `request` until it finishes or is handed off (or back: preempted); pages of an earlier stage go in with it
         (or are already in the blocks `Engine.reserve_import` gave it: `preloaded`)."""
+        await self.prepare(request)
         outputs: asyncio.Queue = asyncio.Queue()
         with self._gate:
             if self._dead is not None:
@@ -75,6 +77,16 @@ class AsyncEngine:
             self._streams.pop(request.request_id, None)
             if not done:
                 self._inbox.put(("abort", request.request_id))
+
+    async def prepare(self, request: Request) -> None:
+        """A structured request's grammar matcher built on a thread of its own (a few ms for a JSON schema), not
+        under the engine's lock at admission, where it would hold up the step under way."""
+        if request.sampling.grammar is None or request.grammar_matcher is not None or not self.engine.computes_logprobs:
+            return
+        try:
+            await asyncio.to_thread(self.engine.grammar.attach, request)
+        except GrammarRejected as e:
+            raise RequestRejected(f"response_format: {e}") from None
 
     async def call(self, fn: Callable[[Engine], T]) -> T:
         """Run `fn(engine)` on the engine thread between steps and return its result."""

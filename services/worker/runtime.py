@@ -91,6 +91,12 @@ class WorkerRuntime:
                      image_pages: PageHandle | None) -> AsyncIterator[RequestOutput]:
         with self._admitted(request):
             try:
+                try:
+                    await self.engine.prepare(request)  # before its pages are reserved under the engine's lock
+                except BaseException:
+                    if kv_pages or image_pages:  # never pulled: let the source free them now
+                        self._spawn(self.puller.release(kv_pages or image_pages))
+                    raise
                 preloaded = await self._import(request, kv_pages or image_pages)
                 async for out in self.engine.generate(request, preloaded=preloaded):
                     if out.finished:

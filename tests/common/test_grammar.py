@@ -151,3 +151,39 @@ def test_a_constraint_nothing_satisfies_is_refused_and_one_the_matcher_gives_up_
                                                                   grammar=regex_grammar("a{1000000}"))))
     assert r.status == RequestStatus.FINISHED_ABORTED and len(r.output_token_ids) < 20
     assert_pools_full(e)
+
+
+def test_the_async_engine_builds_a_matcher_off_the_engine_thread_and_refuses_a_bad_one(tiny_dir, model, processors,
+                                                                                        monkeypatch):
+    import asyncio
+    import threading
+
+    from common.engine.async_engine import AsyncEngine
+    from common.engine.grammar import GrammarMasks
+
+    where = []
+    attach = GrammarMasks.attach
+
+    def recording(self, request):
+        if request.sampling.grammar is not None and request.grammar_matcher is None:
+            where.append(threading.current_thread().name)
+        return attach(self, request)
+
+    monkeypatch.setattr(GrammarMasks, "attach", recording)
+
+    async def main():
+        e = AsyncEngine(engine(tiny_dir, model))
+        try:
+            r = Request("ok", prompt(processors), SamplingParams(max_tokens=40, temperature=0,
+                                                                 grammar=json_schema_grammar(SCHEMA)))
+            outs = [out async for out in e.generate(r)]
+            assert outs[-1].finish_reason == "stop"
+            with pytest.raises(RequestRejected, match="no output satisfies"):
+                async for _ in e.generate(Request("bad", prompt(processors), SamplingParams(
+                        max_tokens=4, grammar=regex_grammar(r"[^\s\S]")))):
+                    pass
+        finally:
+            e.shutdown()
+
+    asyncio.run(main())
+    assert len(where) == 2 and "engine" not in where and "MainThread" not in where
