@@ -32,7 +32,7 @@ def _engine_config(args, roles: str = "encode,prefill,decode"):
         model=args.model, dtype=resolve_dtype(args.dtype, args.device), device=args.device, roles=parse_roles(roles),
         kv_cache_gib=_kv_cache_gib(args), gpu_memory_utilization=args.gpu_memory_utilization,
         max_model_len=args.max_model_len, attention_backend=args.attention_backend,
-        enable_prefix_caching=args.enable_prefix_caching,
+        enable_prefix_caching=args.enable_prefix_caching, share_weights=getattr(args, "share_weights", False),
         scheduler=SchedulerConfig(*_budgets(args, parse_roles(roles)),
                                   max_num_seqs=args.max_num_seqs, join_first=_decoder_joins(args)[1],
                                   kv_admission=args.kv_admission),
@@ -275,6 +275,9 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                         "worst-case: prompt + max_tokens booked at admission, never preempted, fewer requests at once")
     p.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "flash-attn", "xformers"])
     p.add_argument("--enable-prefix-caching", action="store_true")
+    p.add_argument("--share-weights", action="store_true",
+                   help="CPU: the workers on this host map one read-only copy of the weights from /dev/shm instead "
+                        "of a copy each (common/model/shared_weights.py)")
     p.add_argument("--threads", type=int, help="torch intra-op threads (serve: default cores / workers)")
     p.add_argument("--backend", default="torch", choices=["torch", "emulated"],
                    help="emulated: iterations wait the --profile's predicted time and emit deterministic tokens; "

@@ -295,6 +295,8 @@ def worker_argv(group: WorkerGroup, toggle: str, args, threads: int) -> list[str
             argv += [flag, str(value)]
     if args.enable_prefix_caching:
         argv.append("--enable-prefix-caching")
+    if getattr(args, "share_weights", False):
+        argv.append("--share-weights")
     return argv
 
 

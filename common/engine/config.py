@@ -45,6 +45,7 @@ class EngineConfig:
     max_model_len: int | None = None  # default: the model's max_position_embeddings
     attention_backend: str = "auto"
     enable_prefix_caching: bool = False
+    share_weights: bool = False  # CPU: one read-only copy of the weights per host, mapped by every worker
     scheduler: SchedulerConfig = SchedulerConfig()
     seed: int = 0
 

@@ -57,6 +57,11 @@ class Engine:
 
             memory = CudaMemory(device)  # before the weights load: what is ours, what other processes hold
         self.model = model if model is not None else load_model(config.model, dtype, device)
+        self.shared_weights = None  # the host's one copy of the weights this model's parameters are views of
+        if config.share_weights and model is None and torch.device(device).type == "cpu":
+            from common.model.shared_weights import share
+
+            self.shared_weights = share(self.model, config.model, dtype)
 
         def setup(c: EngineConfig) -> None:
             text = self.model.cfg.text

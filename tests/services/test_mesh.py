@@ -28,8 +28,8 @@ TOPOLOGIES = {
     # toggle's Route rpc (every other shape routes in the gateway)
     "EP1+D1": ("EP1+D1", ("--transfer", "grpc", "--route-in", "toggle")),
     # image pages move to the prefill worker, KV pages back to the encoder's process — by the default backend
-    # (NIXL/UCX when installed, as `make test` does)
-    "ED1+P1": ("ED1+P1", ()),
+    # (NIXL/UCX when installed, as `make test` does); the two workers map one shared copy of the weights
+    "ED1+P1": ("ED1+P1", ("--share-weights",)),
     # decoders that prefill too: short prompts prefill on the decoder (no KV moves), long ones on P
     "multiplexed": ("E1+P1+PD1", ("--prefill-mode", "auto", "--multiplex-max-tokens", "300")),
 }
