@@ -1,6 +1,8 @@
 """The gateway's SSE response, at the ASGI level: what goes out, in what order, and what a disconnect ends."""
 
 import asyncio
+import functools
+import itertools
 
 import pytest
 
@@ -25,6 +27,17 @@ class Connection:
     @property
     def bodies(self) -> list[bytes]:
         return [m["body"] for m in self.sent if m["type"] == "http.response.body"]
+
+
+async def _endless(produced: list[int], closed: list[bool], pause: float):
+    """Events until it is closed (which it notes in `closed`)."""
+    try:
+        for i in itertools.count():
+            produced.append(i)
+            yield f"data: {i}\n\n"
+            await asyncio.sleep(pause)
+    finally:
+        closed.append(True)
 
 
 def test_the_headers_and_the_first_event_go_out_together_once_it_is_there_then_the_rest_and_the_end():
@@ -75,14 +88,7 @@ def test_no_events_is_an_empty_stream_that_ends():
 def test_a_client_that_leaves_closes_the_events_generator_at_once_and_the_response_ends_quietly():
     produced, closed = [], []
 
-    async def endless():
-        try:
-            for i in range(10**9):
-                produced.append(i)
-                yield f"data: {i}\n\n"
-                await asyncio.sleep(0.001)
-        finally:
-            closed.append(True)
+    endless = functools.partial(_endless, produced, closed, 0.001)
 
     async def main():
         conn = Connection()
@@ -135,13 +141,7 @@ def test_a_send_that_fails_as_the_connection_closes_ends_the_stream_quietly_and_
     """What an ASGI 2.4 server does for a client that left: its send raises OSError."""
     closed = []
 
-    async def endless():
-        try:
-            while True:
-                yield "data: x\n\n"
-                await asyncio.sleep(0)
-        finally:
-            closed.append(True)
+    endless = functools.partial(_endless, [], closed, 0)
 
     async def main():
         conn = Connection()
