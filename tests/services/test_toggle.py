@@ -1,6 +1,7 @@
 """The toggle over a real Redis: registry with TTL, and Route over gRPC."""
 
 import asyncio
+import contextlib
 import uuid
 
 import grpc
@@ -427,7 +428,6 @@ def test_a_reservation_ahead_goes_to_redis_only_once_its_stage_call_is_written()
     stage call it overlaps has been written (the `after` event), so the call's message does not wait behind it."""
     from common.policy.routing import RouteSummary
     from services.toggle.reservations import Reservations
-    from services.toggle.router import Router
 
     class Recording(Reservations):
         calls: list[str] = []
@@ -437,14 +437,7 @@ def test_a_reservation_ahead_goes_to_redis_only_once_its_stage_call_is_written()
             return await super().reserve(request_id, amounts)
 
     async def main():
-        client = aioredis.from_url(REDIS_URL)
-        prefix = f"epdmesh-test:{uuid.uuid4().hex}:"
-        registry = RedisRegistry(client, prefix)
-        try:
-            for wid, roles in [("p-1", {P}), ("d-1", {D})]:
-                await registry.register(info(wid, roles), WorkerLoad(kv_tokens_free=1000))
-            reservations = Recording(client, prefix)
-            router = Router(registry, reservations=reservations)
+        async with _p_and_d(Recording) as (router, reservations):
             written = asyncio.Event()
             _, reserved = await router.route_ahead(RouteSummary("r1", 100, 0, 20), written)
             for _ in range(20):  # loop turns: nothing goes to Redis while the call is not written
@@ -455,9 +448,25 @@ def test_a_reservation_ahead_goes_to_redis_only_once_its_stage_call_is_written()
             assert await reservations.held("d-1") == 120
             _, alone = await router.route_ahead(RouteSummary("r2", 100, 0, 20))  # nothing to wait for: one turn
             assert await alone is None and reservations.calls == ["r1", "r2"]
-        finally:
-            await registry.clear()
-            await client.delete(f"{prefix}resv:p-1", f"{prefix}resv:d-1")
-            await client.aclose()
 
     asyncio.run(main())
+
+
+@contextlib.asynccontextmanager
+async def _p_and_d(reservations_type):
+    """A router over a real Redis registry of a prefill worker p-1 and a decoder d-1 with 1,000 KV tokens free each,
+    reserving through `reservations_type`; everything removed after."""
+    from services.toggle.router import Router
+
+    client = aioredis.from_url(REDIS_URL)
+    prefix = f"epdmesh-test:{uuid.uuid4().hex}:"
+    registry = RedisRegistry(client, prefix)
+    try:
+        for wid, roles in [("p-1", {P}), ("d-1", {D})]:
+            await registry.register(info(wid, roles), WorkerLoad(kv_tokens_free=1000))
+        reservations = reservations_type(client, prefix)
+        yield Router(registry, reservations=reservations), reservations
+    finally:
+        await registry.clear()
+        await client.delete(f"{prefix}resv:p-1", f"{prefix}resv:d-1")
+        await client.aclose()
