@@ -16,6 +16,7 @@ alone: the mesh's control path with the least compute):
              toggle (what routing in the gateway saves); --no-toggle-route leaves it out;
   mesh-unary — with `--unary`: the same mesh with `--stage-calls unary` (Encode, AwaitEncode and Prefill as
              unary rpcs, not messages on the stream kept open to each worker: what the open streams save);
+  mesh-shared — with `--shared`: the same mesh with `--share-weights` (its workers map one copy of the weights);
   mesh-against — with `--against DIR`: the same mesh served from another checkout, for an A/B of a change.
 TTFT is taken at the first streamed token, per-token gap as the mean gap after it, by a minimal HTTP client
 (bench/lean_http.py; --client httpx for httpx, whose own handling then counts as the server's). Reports p50s, the
@@ -68,6 +69,9 @@ def parse_args(argv=None):
     p.add_argument("--unary", action="store_true",
                    help="also serve the topology with `--stage-calls unary` (Encode, AwaitEncode and Prefill as unary "
                         "rpcs instead of messages on a stream kept open to each worker), measured interleaved")
+    p.add_argument("--shared", action="store_true",
+                   help="also serve the topology with `--share-weights` (the workers map one read-only copy of the "
+                        "weights instead of a private copy each), measured interleaved")
     p.add_argument("--against", metavar="DIR",
                    help="also serve the topology from another checkout (e.g. `git worktree add --detach DIR REV`), "
                         "measured interleaved with the rest: an A/B of a change on this noisy machine")
@@ -232,6 +236,8 @@ def main(argv=None) -> int:
         configs.append(("mesh-toggle", args.topology, ("--route-in", "toggle"), None))
     if args.unary:
         configs.append(("mesh-unary", args.topology, ("--stage-calls", "unary"), None))
+    if args.shared:
+        configs.append(("mesh-shared", args.topology, ("--share-weights",), None))
     if args.against:
         configs.append(("mesh-against", args.topology, (), args.against))
     with tqdm(total=(1 + len(configs)) * len(WORKLOADS) * args.requests, desc="mesh bench", unit="req",
@@ -254,7 +260,7 @@ def main(argv=None) -> int:
     for workload in WORKLOADS:
         labels = {"engine": "engine (in-process)", "local": "local (HTTP, one process)", "mesh": f"mesh {args.topology}",
                   "mesh-toggle": f"mesh {args.topology}, toggle rpc", "mesh-against": f"mesh {args.topology}, --against",
-                  "mesh-unary": f"mesh {args.topology}, unary"}
+                  "mesh-unary": f"mesh {args.topology}, unary", "mesh-shared": f"mesh {args.topology}, shared weights"}
         for name in results:
             label, r = labels[name], results[name][workload]
             print(f"{workload:<8}{label:<28}{r['p50_ttft_ms']:>12.2f}{r['p90_ttft_ms']:>12.2f}{r['p50_tpot_ms']:>12.2f}")
@@ -277,6 +283,7 @@ def main(argv=None) -> int:
             saved = added["routing_in_gateway_saves_ms"] = results["mesh-toggle"][workload]["p50_ttft_ms"] - m["p50_ttft_ms"]
             print(f"  {workload}: routing in the gateway instead of by the toggle's rpc: TTFT p50 {-saved:+.2f} ms")
         for other, key, what in (("mesh-unary", "streamed_over_unary", "stage calls on open streams over unary rpcs"),
+                                 ("mesh-shared", "private_over_shared", "private weight copies over --share-weights"),
                                  ("mesh-against", "change_over_against", "this checkout over --against")):
             if other in results:
                 o = results[other][workload]
