@@ -40,20 +40,23 @@ class ChatProcessor:
         self.tokenizer = self.processor.tokenizer
         self.config = config or LlavaConfig.from_pretrained(model_dir)
 
-    def apply(self, conversation: list[dict], finish_pixels: bool = True,
-              add_generation_prompt: bool = True) -> tuple[list[int], list[ImageInput]]:
+    def apply(self, conversation: list[dict], finish_pixels: bool = True, add_generation_prompt: bool = True,
+              tools: list[dict] | None = None) -> tuple[list[int], list[ImageInput]]:
         """HF-format conversation (image parts as {'type': 'image', 'image': PIL.Image}) → token ids, images.
         `finish_pixels=False`: where that is exact (`deferred_scaling`), the images' pixels stop before the
         processor's rescale and normalize steps — uint8, for the worker that encodes to finish.
-        `add_generation_prompt=False` (only to tokenize a chat, not to answer it): no assistant turn opened."""
-        return self._apply(conversation, None if finish_pixels else self.deferred_scaling, add_generation_prompt)
+        `add_generation_prompt=False` (only to tokenize a chat, not to answer it): no assistant turn opened.
+        `tools`: the request's tools, for a template that renders them (HF's `apply_chat_template(tools=...)`)."""
+        return self._apply(conversation, None if finish_pixels else self.deferred_scaling, add_generation_prompt, tools)
 
-    def _apply(self, conversation: list[dict], scaling: PixelScaling | None,
-               add_generation_prompt: bool = True) -> tuple[list[int], list[ImageInput]]:
+    def _apply(self, conversation: list[dict], scaling: PixelScaling | None, add_generation_prompt: bool = True,
+               tools: list[dict] | None = None) -> tuple[list[int], list[ImageInput]]:
         kwargs = {"processor_kwargs": {"do_rescale": False, "do_normalize": False}} if scaling is not None else {}
+        if tools:
+            kwargs["tools"] = tools
         batch = self.processor.apply_chat_template(
-            conversation, add_generation_prompt=add_generation_prompt, tokenize=True, return_dict=True,
-            return_tensors="pt", **kwargs
+            self._calls_as_text(conversation), add_generation_prompt=add_generation_prompt, tokenize=True,
+            return_dict=True, return_tensors="pt", **kwargs
         )
         ids = batch["input_ids"][0].tolist()
         images = []
@@ -96,11 +99,28 @@ class ChatProcessor:
                              "send images to /v1/chat/completions")
         return ids, []
 
-    def count_prompt_tokens(self, conversation: list[dict]) -> int:
+    def _calls_as_text(self, conversation: list[dict]) -> list[dict]:
+        """The chat, with the tool calls of earlier assistant turns written into their text when the template does not
+        render `tool_calls` itself (LLaVA-1.5's): as the JSON a "required" answer is (`[{"name","parameters"}]`), so
+        the model sees what it called before the tool's answer (a "tool" turn) instead of an empty turn."""
+        if not any("tool_calls" in m for m in conversation) or "tool_calls" in (self.processor.chat_template or ""):
+            return conversation
+        out = []
+        for m in conversation:
+            if m.get("tool_calls"):
+                calls = [{"name": c["function"]["name"], "parameters": c["function"]["arguments"]} for c in m["tool_calls"]]
+                text = json.dumps(calls, ensure_ascii=False, separators=(",", ":"))
+                m = {k: v for k, v in m.items() if k != "tool_calls"}
+                m["content"] = [*m["content"], {"type": "text", "text": text}]
+            out.append(m)
+        return out
+
+    def count_prompt_tokens(self, conversation: list[dict], tools: list[dict] | None = None) -> int:
         """The prompt's length without preprocessing any image (a fraction of `apply`'s time, so a route can
         be asked for while the pixels are made): the chat template's text tokenized as `apply` does, each
         image placeholder counted as the tokens it expands to. `apply` gives the ids themselves."""
-        text = self.processor.apply_chat_template(conversation, add_generation_prompt=True, tokenize=False)
+        text = self.processor.apply_chat_template(self._calls_as_text(conversation), add_generation_prompt=True,
+                                                  tokenize=False, **({"tools": tools} if tools else {}))
         bos = self.tokenizer.bos_token
         ids = self.tokenizer(text, add_special_tokens=not (bos is not None and text.startswith(bos)))["input_ids"]
         image_token = self.config.image_token_id

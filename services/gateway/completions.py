@@ -17,6 +17,9 @@ MAX_LEGACY_LOGPROBS = 20
 def parse_completion_request(raw: bytes, served_models: list[str]) -> ChatRequest:
     body = json_body(raw, served_models)
     prompt = _prompt(body.get("prompt"))
+    if body.get("tools"):
+        raise ApiError(400, "'tools' are for /v1/chat/completions; a text completion continues its prompt as it is",
+                       "tools")
     if body.get("suffix"):
         raise ApiError(400, "'suffix' (insertion) is not supported by this server; leave it out", "suffix")
     sampling_body = {k: v for k, v in body.items() if k not in ("prompt", "suffix")}  # the rest is a chat's

@@ -12,12 +12,15 @@ import dataclasses
 import io
 import json
 import logging
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pybase64
 from PIL import Image, UnidentifiedImageError
 
 from common.sampling import SEED_MIN, InvalidSamplingParams, SamplingParams
+
+if TYPE_CHECKING:
+    from services.gateway.tools import ToolChoice
 
 log = logging.getLogger(__name__)
 MAX_IMAGE_BYTES = 20 * 2**20
@@ -60,6 +63,12 @@ class ChatRequest:
     n: int = 1  # choices: n requests of the same prompt
     max_tokens_given: bool = True  # False: `sampling.max_tokens` is a placeholder until the prompt's length is known
     prompt: str | list[int] | None = None  # a text completion's (`/v1/completions`): no chat template, no images
+    tools: ToolChoice | None = None  # the tools sent, and whether the answer calls them (`tools.py`)
+
+    @property
+    def tool_definitions(self) -> list[dict] | None:
+        """The tools as the chat template takes them (None: none sent)."""
+        return self.tools.definitions if self.tools is not None else None
 
     def sampling_for(self, num_prompt_tokens: int, context_tokens: int) -> SamplingParams:
         """The sampling parameters once the prompt's length is known: a left-out max_tokens is the rest of the
@@ -110,10 +119,13 @@ def check_length(num_tokens: int, max_tokens: int, max_model_len: int, max_token
 
 
 def parse_chat_request(raw: bytes, served_models: list[str], allow_remote_images: bool = False) -> ChatRequest:
+    from services.gateway.tools import parse_tools, tool_grammar  # here: it raises this module's ApiError
+
     body = json_body(raw, served_models)
     conversation = parse_conversation(body.get("messages"), allow_remote_images)
-    return ChatRequest(conversation=conversation, sampling=parse_sampling(body), **common_fields(body),
-                       max_tokens_given=body.get("max_completion_tokens") is not None or body.get("max_tokens") is not None)
+    tools = parse_tools(body)
+    return ChatRequest(conversation=conversation, sampling=parse_sampling(body, tool_grammar(tools)), tools=tools,
+                       **common_fields(body), max_tokens_given=body.get("max_completion_tokens") is not None or body.get("max_tokens") is not None)
 
 
 def parse_conversation(messages, allow_remote_images: bool = False) -> list[dict]:
@@ -195,7 +207,8 @@ def _parse_slo(slo: Any) -> dict:
     return out
 
 
-def parse_sampling(body: dict) -> SamplingParams:
+def parse_sampling(body: dict, tools_grammar: str | None = None) -> SamplingParams:
+    """`tools_grammar`: the grammar of the tool calls the answer must be (`tools.tool_grammar`), if any."""
     max_tokens = _typed(body, "max_completion_tokens", int, None)
     if max_tokens is None:  # left out: the rest of the context once the prompt is counted (`ChatRequest.sampling_for`)
         max_tokens = _typed(body, "max_tokens", int, max(1, _typed(body, "min_tokens", int, 0)))
@@ -209,7 +222,7 @@ def parse_sampling(body: dict) -> SamplingParams:
     _refuse_unsupported(body)
     from services.gateway.structured import parse_grammar  # here: it raises this module's ApiError
 
-    grammar = parse_grammar(body)
+    grammar = parse_grammar(body, tools_grammar)
     logprobs = _typed(body, "logprobs", bool, False)
     top_logprobs = _typed(body, "top_logprobs", int, None)
     if top_logprobs is not None and not logprobs:
@@ -269,9 +282,6 @@ def is_token_id(value: Any) -> bool:
 def _refuse_unsupported(body: dict) -> None:
     """OpenAI parameters this server does not implement: a clear 400 rather than an answer that silently
     ignored what was asked (a client sending them with their neutral values is served)."""
-    if body.get("tools") and body.get("tool_choice", "auto") != "none":
-        raise ApiError(400, "tool calling is not supported by this server; leave 'tools' out or send "
-                            "\"tool_choice\": \"none\"", "tools")
     for key, neutral in NEUTRAL_ONLY.items():
         if key in body and body[key] not in neutral:
             raise ApiError(400, f"'{key}' is not supported by this server (it would change the answer); leave it out",
@@ -313,11 +323,19 @@ def _parse_message(message: Any, index: int, allow_remote: bool) -> dict:
     if not isinstance(message, dict):
         raise ApiError(400, f"{where} must be an object with 'role' and 'content'", "messages")
     role = message.get("role")
-    if role not in ("system", "user", "assistant"):
-        raise ApiError(400, f"{where}.role must be 'system', 'user' or 'assistant', got {role!r}", "messages")
+    if role not in ("system", "user", "assistant", "tool"):
+        raise ApiError(400, f"{where}.role must be 'system', 'user', 'assistant' or 'tool', got {role!r}", "messages")
     content = message.get("content")
+    extra = {}
+    if role == "assistant" and message.get("tool_calls") is not None:  # a call it made earlier in the chat
+        extra["tool_calls"] = _earlier_calls(message["tool_calls"], where)
+        content = [] if content is None else content
+    if role == "tool" and message.get("tool_call_id") is not None:
+        if not isinstance(message["tool_call_id"], str):
+            raise ApiError(400, f"{where}.tool_call_id must be a string", "messages")
+        extra["tool_call_id"] = message["tool_call_id"]
     if isinstance(content, str):
-        return {"role": role, "content": [{"type": "text", "text": content}]}
+        return {"role": role, "content": [{"type": "text", "text": content}], **extra}
     if not isinstance(content, list):
         raise ApiError(400, f"{where}.content must be a string or a list of content parts", "messages")
     parts = []
@@ -333,7 +351,32 @@ def _parse_message(message: Any, index: int, allow_remote: bool) -> dict:
             parts.append({"type": "image", "image": load_image(url, f"{where}.content[{j}]", allow_remote)})
         else:
             raise ApiError(400, f"{where}.content[{j}] must be {{type: text, text}} or {{type: image_url, image_url: {{url}}}}", "messages")
-    return {"role": role, "content": parts}
+    return {"role": role, "content": parts, **extra}
+
+
+def _earlier_calls(calls: Any, where: str) -> list[dict]:
+    """An assistant message's `tool_calls` in the form chat templates take (arguments as an object, as vLLM hands
+    them to Hugging Face templates)."""
+    if not isinstance(calls, list):
+        raise ApiError(400, f"{where}.tool_calls must be a list of {{id, type: function, function: {{name, "
+                            "arguments}}}}", "messages")
+    out = []
+    for j, call in enumerate(calls):
+        function = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+            raise ApiError(400, f"{where}.tool_calls[{j}] must be {{id, type: function, function: {{name, arguments}}}}",
+                           "messages")
+        arguments = function.get("arguments", "{}")
+        try:
+            arguments = json.loads(arguments) if isinstance(arguments, str) else arguments
+        except json.JSONDecodeError:
+            arguments = None
+        if not isinstance(arguments, dict):
+            raise ApiError(400, f"{where}.tool_calls[{j}].function.arguments must be the arguments as a JSON object "
+                                "(its text)", "messages")
+        out.append({"id": call.get("id"), "type": "function",
+                    "function": {"name": function["name"], "arguments": arguments}})
+    return out
 
 
 def load_image(url: Any, where: str, allow_remote: bool) -> Image.Image:

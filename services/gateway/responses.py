@@ -16,6 +16,8 @@ from common.detokenizer import IncrementalDetokenizer
 from common.engine.outputs import RequestOutput
 from services.gateway.completions import legacy_logprobs
 from services.gateway.protocol import ApiError, ChatRequest
+from services.gateway.tools import ToolCallStream, finish_reason
+from services.gateway.tools import message as tool_message
 
 
 log = logging.getLogger(__name__)
@@ -101,15 +103,19 @@ def completion(chat: ChatRequest, request_id: str, model: str, num_prompt: int,
         if chat.is_text_completion:
             choice = {"index": index, "text": text, "logprobs": legacy_logprobs(entries)[0] if with_logprobs else None}
         else:
-            choice = {"index": index, "message": {"role": "assistant", "content": text},
-                      "logprobs": {"content": entries} if with_logprobs else None}
-        choice.update(finish_reason=out.finish_reason, stop_reason=out.stop_reason)
+            message = tool_message(chat.tools, text) if _calls_tools(chat) else {"role": "assistant", "content": text}
+            choice = {"index": index, "message": message, "logprobs": {"content": entries} if with_logprobs else None}
+        choice.update(finish_reason=finish_reason(chat.tools, out.finish_reason), stop_reason=out.stop_reason)
         if chat.return_token_ids:
             choice["token_ids"] = out.output_token_ids
         choices.append(choice)
     return {"id": request_id, "object": "text_completion" if chat.is_text_completion else "chat.completion",
             "created": int(time.time()), "model": model, "choices": choices,
             "usage": usage(num_prompt, [out for out, _ in results])}
+
+
+def _calls_tools(chat: ChatRequest) -> bool:
+    return chat.tools is not None and chat.tools.calls
 
 
 def _final_text(out: RequestOutput, detokenize) -> str:
@@ -164,7 +170,18 @@ async def sse(chat: ChatRequest, request_id: str, model: str, num_prompt: int, s
 async def _choice_deltas(index: int, chat: ChatRequest, outputs: AsyncIterator[RequestOutput], detokenize,
                          logprobs: Logprobs | None, finals: list) -> AsyncIterator[dict]:
     """One choice's `choices` entries: its role (a chat's), then text deltas as tokens come (held back by the longest
-    stop string's length but one, so a stop string is never half sent), then the rest with its finish reason."""
+    stop string's length but one, so a stop string is never half sent), then the rest with its finish reason. An
+    answer that calls tools sends `tool_calls` deltas instead of text (a token that adds nothing to them, such as
+    the JSON around a call's name, sends no chunk unless it carries logprobs or token ids)."""
+    calls = ToolCallStream(chat.tools) if _calls_tools(chat) else None
+
+    def content(piece: str) -> dict:
+        if calls is None:
+            return {"content": piece}
+        made = calls.feed(piece)
+        return {"tool_calls": made} if made else {}
+
+    every_token = calls is None or logprobs is not None or chat.return_token_ids
     holdback = max((len(s) for s in chat.sampling.stop), default=1) - 1
     offset = 0  # text completions: where the next logprobs entry's token starts in the text
 
@@ -201,7 +218,9 @@ async def _choice_deltas(index: int, chat: ChatRequest, outputs: AsyncIterator[R
             text.push(out.output_token_ids[len(text.token_ids):])
             safe = text.text[: len(text.text) - holdback] if holdback else text.text
             if len(safe) > len(sent) or out.new_token_ids:
-                yield choice({"content": safe[len(sent):]}, token_ids=out.new_token_ids, out=out)
+                delta = content(safe[len(sent):])
+                if delta or every_token:
+                    yield choice(delta, token_ids=out.new_token_ids, out=out)
                 sent = safe
     finals[index] = last
     if last.text is not None:  # the engine's own text: cut at a stop string
@@ -210,7 +229,8 @@ async def _choice_deltas(index: int, chat: ChatRequest, outputs: AsyncIterator[R
         text.push(last.output_token_ids[len(text.token_ids):])
         text.finish()
         final = text.text
-    yield choice({"content": final[len(sent):]}, finish=last.finish_reason, token_ids=last.new_token_ids, out=last)
+    yield choice(content(final[len(sent):]), finish=finish_reason(chat.tools, last.finish_reason),
+                 token_ids=last.new_token_ids, out=last)
 
 
 async def _chain(first: RequestOutput | None, rest: AsyncIterator[RequestOutput]) -> AsyncIterator[RequestOutput]:

@@ -20,15 +20,20 @@ from common.engine.grammar import GrammarRejected, json_schema_grammar, regex_gr
 from services.gateway.protocol import ApiError
 
 
-def parse_grammar(body: dict) -> str | None:
-    """The grammar of the request's constraint, or None (no constraint)."""
+def parse_grammar(body: dict, tools_grammar: str | None = None) -> str | None:
+    """The grammar of the request's constraint, or None (no constraint). `tools_grammar`: a tool-calling answer's
+    (`tools.tool_grammar`), which counts as one."""
     found = [(name, value) for name, value in _constraints(body) if value is not None]
+    if tools_grammar is not None:
+        found.insert(0, ("tool_choice", tools_grammar))
     if len(found) > 1:
         raise ApiError(400, f"a request takes one structured-output constraint; it has {', '.join(n for n, _ in found)}",
                        found[1][0])
     if not found:
         return None
     name, value = found[0]
+    if name == "tool_choice":
+        return value
     try:
         if name == "response_format":
             return _response_format(value)

@@ -12,17 +12,8 @@ import openai
 import pytest
 from PIL import Image
 
-from tests.services.servers import MODEL, assert_pools_full, running_server
+from tests.services.servers import MODEL, assert_pools_full
 from tests.support import image, text_of
-
-
-
-@pytest.fixture(scope="module", params=["local", "E1+P1+D1"])
-def server(request, tiny_dir, tmp_path_factory):
-    """The same HTTP contract from one process and from a disaggregated mesh."""
-    log = tmp_path_factory.mktemp("serve") / "serve.log"
-    with running_server(tiny_dir, request.param, log) as base:
-        yield base
 
 
 def data_uri(img) -> str:
@@ -388,47 +379,3 @@ def test_an_unknown_endpoint_or_method_is_an_openai_error_that_names_what_is_ser
     wrong = httpx.get(f"{server}/v1/chat/completions", timeout=60)
     assert wrong.status_code == 405 and wrong.headers["allow"] == "POST"
     assert "takes POST, not GET" in wrong.json()["error"]["message"]
-
-
-SCHEMA = {"type": "object", "properties": {"answer": {"type": "string", "maxLength": 12}, "ok": {"type": "boolean"}},
-          "required": ["answer", "ok"], "additionalProperties": False}
-
-
-@pytest.fixture(scope="module")
-def structured_reference(tiny_dir, processors):
-    """One in-process engine's greedy answer under SCHEMA's grammar: what every topology must give."""
-    from common.engine.config import EngineConfig
-    from common.engine.engine import Engine
-    from common.engine.grammar import json_schema_grammar
-    from common.request import Request
-    from common.sampling import SamplingParams
-
-    engine = Engine(EngineConfig(model=str(tiny_dir), kv_cache_gib=0.01))
-    ids, _ = processors["tiny"].apply([{"role": "user", "content": [{"type": "text", "text": "Describe it as JSON."}]}])
-    request = Request("ref", ids, SamplingParams(max_tokens=60, temperature=0, grammar=json_schema_grammar(SCHEMA)))
-    engine.add_request(request)
-    while engine.has_unfinished:
-        engine.step()
-    return processors["tiny"].detokenize(request.output_token_ids)
-
-
-def test_structured_output_is_json_of_the_schema_and_the_same_tokens_as_one_engine(server, structured_reference):
-    client = openai.OpenAI(base_url=f"{server}/v1", api_key="none")
-    messages = [{"role": "user", "content": "Describe it as JSON."}]
-    response_format = {"type": "json_schema", "json_schema": {"name": "thing", "schema": SCHEMA}}
-    answer = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=60, temperature=0,
-                                            response_format=response_format)
-    content = answer.choices[0].message.content
-    value = json.loads(content)
-    assert set(value) == {"answer", "ok"} and isinstance(value["ok"], bool) and len(value["answer"]) <= 12
-    assert answer.choices[0].finish_reason == "stop" and content == structured_reference
-    streamed = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=60, temperature=0,
-                                              response_format=response_format, stream=True)
-    assert "".join(c.choices[0].delta.content or "" for c in streamed if c.choices) == content
-    any_object = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=60, temperature=0.8, seed=1,
-                                                response_format={"type": "json_object"})
-    assert isinstance(json.loads(any_object.choices[0].message.content), dict)
-    picked = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=10, temperature=0,
-                                            extra_body={"guided_choice": ["red", "green", "blue"]})
-    assert picked.choices[0].message.content in ("red", "green", "blue")
-    assert_pools_full(server)

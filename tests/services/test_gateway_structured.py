@@ -1,0 +1,159 @@
+"""Structured output and tool calling through `epdmesh serve` (one engine; an E1+P1+D1 mesh) with the openai client:
+the answer holds to its constraint, and is the tokens one in-process engine samples under the same grammar."""
+
+import json
+
+import httpx
+import openai
+import pytest
+
+from tests.services.servers import MODEL, assert_pools_full
+
+SCHEMA = {"type": "object", "properties": {"answer": {"type": "string", "maxLength": 12}, "ok": {"type": "boolean"}},
+          "required": ["answer", "ok"], "additionalProperties": False}
+
+
+@pytest.fixture(scope="module")
+def structured_reference(tiny_dir, processors):
+    """One in-process engine's greedy answer under SCHEMA's grammar: what every topology must give."""
+    from common.engine.config import EngineConfig
+    from common.engine.engine import Engine
+    from common.engine.grammar import json_schema_grammar
+    from common.request import Request
+    from common.sampling import SamplingParams
+
+    engine = Engine(EngineConfig(model=str(tiny_dir), kv_cache_gib=0.01))
+    ids, _ = processors["tiny"].apply([{"role": "user", "content": [{"type": "text", "text": "Describe it as JSON."}]}])
+    request = Request("ref", ids, SamplingParams(max_tokens=60, temperature=0, grammar=json_schema_grammar(SCHEMA)))
+    engine.add_request(request)
+    while engine.has_unfinished:
+        engine.step()
+    return processors["tiny"].detokenize(request.output_token_ids)
+
+
+def test_structured_output_is_json_of_the_schema_and_the_same_tokens_as_one_engine(server, structured_reference):
+    client = openai.OpenAI(base_url=f"{server}/v1", api_key="none")
+    messages = [{"role": "user", "content": "Describe it as JSON."}]
+    response_format = {"type": "json_schema", "json_schema": {"name": "thing", "schema": SCHEMA}}
+    answer = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=60, temperature=0,
+                                            response_format=response_format)
+    content = answer.choices[0].message.content
+    value = json.loads(content)
+    assert set(value) == {"answer", "ok"} and isinstance(value["ok"], bool) and len(value["answer"]) <= 12
+    assert answer.choices[0].finish_reason == "stop" and content == structured_reference
+    streamed = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=60, temperature=0,
+                                              response_format=response_format, stream=True)
+    assert "".join(c.choices[0].delta.content or "" for c in streamed if c.choices) == content
+    any_object = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=60, temperature=0.8, seed=1,
+                                                response_format={"type": "json_object"})
+    assert isinstance(json.loads(any_object.choices[0].message.content), dict)
+    picked = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=10, temperature=0,
+                                            extra_body={"guided_choice": ["red", "green", "blue"]})
+    assert picked.choices[0].message.content in ("red", "green", "blue")
+    assert_pools_full(server)
+
+
+WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "The weather in a city", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string", "maxLength": 8}, "days": {"type": "integer", "minimum": 1,
+                                                                                          "maximum": 9}},
+    "required": ["city", "days"], "additionalProperties": False}}}
+CLOCK = {"type": "function", "function": {"name": "time_now", "parameters": {
+    "type": "object", "properties": {"zone": {"enum": ["utc", "local"]}}, "required": ["zone"], "additionalProperties": False}}}
+ASK = [{"role": "user", "content": "What is the weather in Oslo for two days?"}]
+
+
+def _engine_answer(tiny_dir, processors, grammar: str, max_tokens: int) -> str:
+    from common.engine.config import EngineConfig
+    from common.engine.engine import Engine
+    from common.request import Request
+    from common.sampling import SamplingParams
+
+    engine = Engine(EngineConfig(model=str(tiny_dir), kv_cache_gib=0.01))
+    ids, _ = processors["tiny"].apply([{"role": "user", "content": [{"type": "text", "text": ASK[0]["content"]}]}],
+                                      tools=[WEATHER, CLOCK])
+    request = Request("ref", ids, SamplingParams(max_tokens=max_tokens, temperature=0, grammar=grammar))
+    engine.add_request(request)
+    while engine.has_unfinished:
+        engine.step()
+    return processors["tiny"].detokenize(request.output_token_ids)
+
+
+@pytest.fixture(scope="module")
+def tool_references(tiny_dir, processors):
+    """One in-process engine's greedy answers for a named call and for one required call."""
+    from services.gateway.tools import ToolChoice, tool_grammar
+
+    named = tool_grammar(ToolChoice((WEATHER, CLOCK), "named", name="get_weather"))
+    required = tool_grammar(ToolChoice((WEATHER, CLOCK), "required", parallel=False))
+    return {"named": _engine_answer(tiny_dir, processors, named, 60),
+            "required": _engine_answer(tiny_dir, processors, required, 80)}
+
+
+def _streamed_calls(chunks) -> tuple[list[dict], str | None]:
+    """OpenAI's streamed tool-call deltas put back together, as a client does; and the finish reason."""
+    calls: dict[int, dict] = {}
+    finish = None
+    for chunk in chunks:
+        for choice in chunk.choices:
+            finish = choice.finish_reason or finish
+            assert not choice.delta.content
+            for delta in choice.delta.tool_calls or ():
+                if delta.index not in calls:
+                    assert delta.id and delta.type == "function" and delta.function.name
+                    calls[delta.index] = {"id": delta.id, "name": delta.function.name, "arguments": ""}
+                else:
+                    assert delta.id is None and delta.function.name is None
+                calls[delta.index]["arguments"] += delta.function.arguments or ""
+    return [calls[i] for i in sorted(calls)], finish
+
+
+def test_a_named_tool_call_is_that_call_with_arguments_of_its_parameters_and_one_engines_tokens(server, tool_references):
+    client = openai.OpenAI(base_url=f"{server}/v1", api_key="none")
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    kwargs = dict(model=MODEL, messages=ASK, tools=[WEATHER, CLOCK], tool_choice=named, max_tokens=60, temperature=0)
+    answer = client.chat.completions.create(**kwargs)
+    choice = answer.choices[0]
+    assert choice.finish_reason == "stop" and choice.message.content is None  # as OpenAI answers a named call
+    (call,) = choice.message.tool_calls
+    assert call.type == "function" and call.function.name == "get_weather" and call.id.startswith("call_")
+    assert call.function.arguments == tool_references["named"]
+    arguments = json.loads(call.function.arguments)
+    assert set(arguments) == {"city", "days"} and 1 <= arguments["days"] <= 9 and len(arguments["city"]) <= 8
+    calls, finish = _streamed_calls(client.chat.completions.create(**kwargs, stream=True))
+    assert finish == "stop" and [(c["name"], c["arguments"]) for c in calls] == [("get_weather", call.function.arguments)]
+
+
+def test_a_required_call_is_one_of_the_tools_finishing_as_tool_calls_whole_and_streamed(server, tool_references):
+    client = openai.OpenAI(base_url=f"{server}/v1", api_key="none")
+    kwargs = dict(model=MODEL, messages=ASK, tools=[WEATHER, CLOCK], tool_choice="required", parallel_tool_calls=False,
+                  max_tokens=80, temperature=0)
+    answer = client.chat.completions.create(**kwargs)
+    choice = answer.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    (call,) = choice.message.tool_calls
+    reference = json.loads(tool_references["required"])
+    assert [{"name": call.function.name, "parameters": json.loads(call.function.arguments)}] == reference
+    calls, finish = _streamed_calls(client.chat.completions.create(**kwargs, stream=True))
+    assert finish == "tool_calls" and [(c["name"], c["arguments"]) for c in calls] == [
+        (call.function.name, call.function.arguments)]
+    sampled = client.chat.completions.create(**{**kwargs, "temperature": 1.0, "seed": 7, "parallel_tool_calls": True,
+                                                "max_tokens": 200})
+    made = sampled.choices[0].message.tool_calls or []
+    complete = made if sampled.choices[0].finish_reason == "tool_calls" else made[:-1]  # max_tokens may cut the last
+    for call in complete:  # whatever it sampled, each call is one of the tools' with its arguments
+        assert call.function.name in ("get_weather", "time_now") and isinstance(json.loads(call.function.arguments), dict)
+    assert_pools_full(server)
+
+
+def test_a_chat_that_carries_earlier_calls_and_tool_answers_is_served_and_counted_as_tokenize_counts_it(server):
+    messages = [*ASK, {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city":"Oslo","days":2}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "sunny, then rain"}]
+    client = openai.OpenAI(base_url=f"{server}/v1", api_key="none")
+    answer = client.chat.completions.create(model=MODEL, messages=messages, tools=[WEATHER], tool_choice="none",
+                                            max_tokens=5, temperature=0)
+    assert answer.choices[0].message.tool_calls is None and answer.choices[0].finish_reason in ("stop", "length")
+    counted = httpx.post(f"{server}/tokenize", json={"model": MODEL, "messages": messages, "tools": [WEATHER]}).json()
+    assert counted["count"] == answer.usage.prompt_tokens
+    with pytest.raises(openai.BadRequestError, match="tool_choice"):
+        client.chat.completions.create(model=MODEL, messages=ASK, tools=[WEATHER], max_tokens=5)  # "auto": refused

@@ -1,0 +1,187 @@
+"""Tool calling's parts that need no server: what a request's tools parse to, the grammar its answer is sampled under,
+and how the answer's text becomes OpenAI's tool calls, whole and as it streams."""
+
+import json
+
+import llguidance
+import pytest
+
+from common.engine.grammar import json_schema_grammar
+from services.gateway.protocol import ApiError, parse_chat_request
+from services.gateway.tools import ToolCallStream, ToolChoice, finish_reason, message, parse_tools, tool_grammar
+
+WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "The weather in a city",
+                                            "parameters": {"type": "object", "properties": {
+                                                "city": {"type": "string"}, "days": {"type": "integer"}},
+                                                "required": ["city"]}}}
+CLOCK = {"type": "function", "function": {"name": "time-now"}}
+
+
+def _chat(**extra):
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], **extra}
+    return parse_chat_request(json.dumps(body).encode(), ["m"])
+
+
+def _refused(**extra) -> ApiError:
+    with pytest.raises(ApiError) as err:
+        _chat(**extra)
+    assert err.value.status == 400
+    return err.value
+
+
+def test_each_tool_choice_parses_to_its_mode_and_auto_is_refused_with_what_to_send_instead():
+    assert _chat().tools is None and _chat(tools=[]).tools is None
+    none = _chat(tools=[WEATHER], tool_choice="none")
+    assert none.tools.mode == "none" and not none.tools.calls and none.sampling.grammar is None
+    assert none.tool_definitions == [WEATHER]
+    required = _chat(tools=[WEATHER, CLOCK], tool_choice="required")
+    assert required.tools.mode == "required" and required.tools.parallel and required.sampling.grammar
+    named = _chat(tools=[WEATHER, CLOCK], tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    assert (named.tools.mode, named.tools.name) == ("named", "get_weather")
+    assert named.sampling.grammar == json_schema_grammar(WEATHER["function"]["parameters"])
+    assert not _chat(tools=[WEATHER], tool_choice="required", parallel_tool_calls=False).tools.parallel
+    for extra in ({"tools": [WEATHER]}, {"tools": [WEATHER], "tool_choice": "auto"}):
+        error = _refused(**extra)
+        assert error.param == "tool_choice" and "\"required\"" in error.message and "\"none\"" in error.message
+
+
+@pytest.mark.parametrize("extra, fragment", [
+    ({"tool_choice": "required"}, "only allowed when 'tools' are given"),
+    ({"tools": {"name": "f"}}, "must be a list"),
+    ({"tools": [{"type": "function"}]}, "must be {type: function"),
+    ({"tools": [{"type": "retrieval", "function": {"name": "f"}}]}, "must be {type: function"),
+    ({"tools": [{"type": "function", "function": {"name": "has space"}}]}, "letters, digits"),
+    ({"tools": [WEATHER, WEATHER], "tool_choice": "none"}, "two tools are named 'get_weather'"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": "x"}}]}, "must be a JSON schema"),
+    ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "other"}}}, "not among 'tools'"),
+    ({"tools": [WEATHER], "tool_choice": "sometimes"}, "'tool_choice' must be"),
+    ({"tools": [WEATHER], "tool_choice": "required", "parallel_tool_calls": "no"}, "true or false"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "objectx"}}}],
+      "tool_choice": "required"}, "cannot be followed"),
+    ({"tools": [WEATHER], "tool_choice": "required", "response_format": {"type": "json_object"}},
+     "one structured-output constraint"),
+])
+def test_tools_that_cannot_be_called_as_asked_are_a_400_that_says_why(extra, fragment):
+    assert fragment in _refused(**extra).message
+
+
+def test_a_text_completion_refuses_tools():
+    from services.gateway.completions import parse_completion_request
+
+    with pytest.raises(ApiError, match="for /v1/chat/completions"):
+        parse_completion_request(json.dumps({"model": "m", "prompt": "x", "tools": [WEATHER]}).encode(), ["m"])
+
+
+def _matches(grammar: str, text: str) -> bool:
+    """`text` is what the grammar makes (fed byte by byte, as a byte-level tokenizer would)."""
+    tokenizer = llguidance.TokenizerWrapper(_ByteTokenizer())
+    matcher = llguidance.LLMatcher(llguidance.LLTokenizer(tokenizer), grammar)
+    for byte in text.encode():
+        if not matcher.consume_token(byte):
+            return False
+    return matcher.is_accepting()
+
+
+class _ByteTokenizer:
+    eos_token_id = 256
+    bos_token_id = None
+    tokens = [bytes([i]) for i in range(256)] + [b"<eos>"]
+    special_token_ids = [256]
+
+    def __call__(self, text):
+        return list(text.encode()) if isinstance(text, str) else list(text)
+
+
+def test_a_required_answer_is_a_list_of_calls_each_one_tools_with_its_arguments_and_one_call_without_parallel():
+    tools = (WEATHER, CLOCK)
+    grammar = tool_grammar(ToolChoice(tools, "required"))
+    one = '[{"name":"get_weather","parameters":{"city":"Oslo","days":2}}]'
+    two = '[{"name":"get_weather","parameters":{"city":"Oslo"}},{"name":"time-now","parameters":{}}]'
+    assert _matches(grammar, one) and _matches(grammar, two)
+    for wrong in ('[]', '[{"name":"get_weather","parameters":{"days":2}}]',  # city is required
+                  '[{"name":"nope","parameters":{}}]', '[{"parameters":{},"name":"time-now"}]',
+                  '[{"name":"time-now","parameters":{},"extra":1}]', '{"name":"time-now","parameters":{}}'):
+        assert not _matches(grammar, wrong), wrong
+    single = tool_grammar(ToolChoice(tools, "required", parallel=False))
+    assert _matches(single, one) and not _matches(single, two)
+
+
+def test_definitions_of_each_tool_move_to_the_top_where_their_references_point_and_a_clash_is_a_400():
+    def tool(name, item):
+        return {"type": "function", "function": {"name": name, "parameters": {
+            "type": "object", "properties": {"x": {"$ref": "#/$defs/Item"}}, "required": ["x"],
+            "$defs": {"Item": item}}}}
+    grammar = tool_grammar(ToolChoice((tool("a", {"type": "integer"}), tool("b", {"type": "integer"})), "required"))
+    assert _matches(grammar, '[{"name":"b","parameters":{"x":3}}]')
+    assert not _matches(grammar, '[{"name":"b","parameters":{"x":"3"}}]')
+    with pytest.raises(ApiError, match="define \\$defs/Item differently"):
+        tool_grammar(ToolChoice((tool("a", {"type": "integer"}), tool("b", {"type": "string"})), "required"))
+
+
+REQUIRED = ('[{"name":"get_weather","parameters":{"city":"O\\"s{l}o, [N]","days":2,"nested":{"a":[1,{"b":null}]}}},'
+            '{"name":"time-now","parameters":{}}]')
+
+
+@pytest.mark.parametrize("piece", [1, 2, 3, 7, len(REQUIRED)])
+def test_a_required_answer_streams_as_each_calls_id_and_name_then_its_arguments_whatever_the_pieces(piece):
+    calls = ToolCallStream(ToolChoice((WEATHER, CLOCK), "required"))
+    deltas = [d for i in range(0, len(REQUIRED), piece) for d in calls.feed(REQUIRED[i:i + piece])]
+    made = calls.calls()
+    assert [c["function"]["name"] for c in made] == ["get_weather", "time-now"]
+    assert [json.loads(c["function"]["arguments"]) for c in made] == [p["parameters"] for p in json.loads(REQUIRED)]
+    for index, call in enumerate(made):  # the deltas put together are the calls: the first names it, the rest add
+        mine = [d for d in deltas if d["index"] == index]
+        assert mine[0]["id"] == call["id"] and mine[0]["type"] == "function"
+        assert mine[0]["function"]["name"] == call["function"]["name"]
+        assert all("id" not in d and "name" not in d["function"] for d in mine[1:])
+        assert "".join(d["function"]["arguments"] for d in mine) == call["function"]["arguments"]
+    assert len({c["id"] for c in made}) == 2 and all(c["id"].startswith("call_") for c in made)
+
+
+def test_a_named_answer_is_the_arguments_and_a_cut_answer_keeps_its_text():
+    choice = ToolChoice((WEATHER,), "named", name="get_weather")
+    calls = ToolCallStream(choice)
+    first, rest = calls.feed('{"city":'), calls.feed('"Rome"}')
+    assert first == [{"index": 0, "id": calls.calls()[0]["id"], "type": "function",
+                      "function": {"name": "get_weather", "arguments": '{"city":'}}]
+    assert rest == [{"index": 0, "function": {"arguments": '"Rome"}'}}] and calls.feed("") == []
+    whole = message(choice, '{"city":"Rome"}')
+    assert whole["content"] is None and whole["tool_calls"][0]["function"] == {"name": "get_weather",
+                                                                                 "arguments": '{"city":"Rome"}'}
+    cut = message(ToolChoice((WEATHER,), "required"), '[{"name":"get_wea')  # max_tokens ran out inside the name
+    assert cut == {"role": "assistant", "content": '[{"name":"get_wea', "tool_calls": []}
+    required = ToolChoice((WEATHER,), "required")
+    assert finish_reason(required, "stop") == "tool_calls" and finish_reason(required, "length") == "length"
+    assert finish_reason(choice, "stop") == "stop" and finish_reason(None, "stop") == "stop"
+
+
+def test_earlier_calls_and_tool_answers_in_the_chat_are_taken_in_the_templates_form():
+    messages = [{"role": "user", "content": "Weather in Oslo?"},
+                {"role": "assistant", "content": None, "tool_calls": [
+                    {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city":"Oslo"}'}}]},
+                {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}]
+    chat = _chat(messages=messages, tools=[WEATHER], tool_choice="none")
+    assert chat.conversation[1] == {"role": "assistant", "content": [], "tool_calls": [
+        {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Oslo"}}}]}
+    assert chat.conversation[2] == {"role": "tool", "content": [{"type": "text", "text": "sunny"}], "tool_call_id": "call_1"}
+    for bad in ({"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": "{oops"}}]},
+                {"role": "assistant", "tool_calls": {"function": {}}}, {"role": "tool", "content": "x", "tool_call_id": 3}):
+        with pytest.raises(ApiError) as err:
+            _chat(messages=[bad])
+        assert err.value.status == 400 and err.value.param == "messages"
+
+
+def test_a_template_that_does_not_render_tool_calls_sees_them_as_the_json_a_required_answer_is(processors):
+    processor = processors["tiny"]
+    called = [{"role": "user", "content": [{"type": "text", "text": "Weather?"}]},
+              {"role": "assistant", "content": [], "tool_calls": [
+                  {"id": "c", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Oslo"}}}]},
+              {"role": "tool", "content": [{"type": "text", "text": "sunny"}]}]
+    written = [called[0], {"role": "assistant", "content": [
+        {"type": "text", "text": '[{"name":"get_weather","parameters":{"city":"Oslo"}}]'}]}, called[2]]
+    assert "tool_calls" not in processor.processor.chat_template
+    ids, _ = processor.apply(called, tools=[WEATHER])
+    assert ids == processor.apply(written)[0] == processor.processor.apply_chat_template(
+        written, add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"][0]
+    assert processor.count_prompt_tokens(called, [WEATHER]) == len(ids)
+    assert "TOOL: sunny" in processor.detokenize(ids)
