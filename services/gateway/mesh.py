@@ -5,7 +5,7 @@ Life of a request here:
      checked against the model's length limit — nothing is routed for a request that cannot run;
   2. route → plan (encoder, prefill path + worker, decoder): in-process (`services.toggle.router`, one Redis
      round trip for the reservation) when this gateway was given the registry, else the toggle's `Route` rpc;
-  3. images on a worker other than the prefill one: `Encode` there (awaited), and at once the next
+  3. (the stages, `stages.py`) images on a worker other than the prefill one: `Encode` there (awaited), and at once the next
      stage's call with the images pending on that encoder: that stage gets the image handle from the
      encoder (`AwaitEncode`), not through here;
   4. dedicated path: `Prefill` (pixels or pending images) → first token + KV handle, then
@@ -35,9 +35,8 @@ import grpc
 from common.engine.outputs import RequestOutput
 from common.model.processor import ChatProcessor
 from common.policy.routing import PrefillPath, RouteSummary
-from common.request import FINISH_REASONS, Request, RequestStatus
+from common.request import Request
 from common.transfer.channels import ChannelPool
-from common.transfer.grpc_stream import release_over_grpc
 from epdmesh.v1 import mesh_pb2 as pb
 from epdmesh.v1 import mesh_pb2_grpc as pb_grpc
 from services import wire
@@ -45,14 +44,14 @@ from common.telemetry.metrics import GatewayMetrics
 from common.telemetry.tracing import Tracing, set_attributes
 from services.gateway.migration import continuation, rebased
 from services.gateway.status import HEALTHY_HEARTBEAT_AGE_S, MeshStatus
-from services.gateway.stage_errors import StageFailed, api_error_from_rpc, confirmed, encoded, failure, stage_call
+from services.gateway.stage_errors import StageFailed, api_error_from_rpc
 from services.gateway.protocol import ApiError, ChatRequest, check_length
 from services.gateway.responses import Prepended
+from services.gateway.stages import HandedBack, Stages, consume
 from services.stage_calls.client import StageCalls
 from services.toggle.router import REFUSED_KEY, NoRoute, Router, largest_decoder_cache
 
 log = logging.getLogger(__name__)
-_STATUS_OF = {reason: status for status, reason in FINISH_REASONS.items()}
 
 
 MAX_ATTEMPTS = 3  # routes tried per request when workers fail it
@@ -81,6 +80,7 @@ class MeshBackend(MeshStatus):
         self.tracing = tracing or Tracing()
         self.channels = ChannelPool()  # channels are made on first use, inside the serving event loop
         self.calls = StageCalls(self.channels, stage_calls, self.tracing)
+        self.stages = Stages(self.channels, self.calls, self.tracing, sent=self._sent, spawn=self._spawn)
         self.toggle_address = toggle_address
         self.max_model_len = max_model_len
         self.paths = {path: 0 for path in PrefillPath}
@@ -117,7 +117,7 @@ class MeshBackend(MeshStatus):
                                         elapsed_ms=(time.monotonic() - arrival) * 1e3)
                 plan = await self._reroute(summary_of, span, 1, wait_for_worker=False)  # waits while all are full
             except BaseException:
-                applying.add_done_callback(_consume)  # the thread runs to its end; nobody needs what it makes
+                applying.add_done_callback(consume)  # the thread runs to its end; nobody needs what it makes
                 raise
             try:
                 ids, images = await applying  # a prompt the processor refuses is a 400 here
@@ -200,7 +200,7 @@ class MeshBackend(MeshStatus):
                 if not ahead:
                     return wire.plan_to_pb(await self.router.route(summary))
                 plan, reserved = await self.router.route_ahead(summary, written)
-                reserved.add_done_callback(_consume)  # awaited by the stages, unless they failed first
+                reserved.add_done_callback(consume)  # awaited by the stages, unless they failed first
                 return wire.plan_to_pb(plan), reserved
         except grpc.aio.AioRpcError as e:
             if e.code() == grpc.StatusCode.UNAVAILABLE:
@@ -282,7 +282,7 @@ class MeshBackend(MeshStatus):
                                   "epdmesh.prefill": plan.prefill.worker_id, "epdmesh.attempts": attempt,
                                   "epdmesh.encoder": plan.encoder.worker_id if plan.HasField("encoder") else None})
             before = list(emitted)
-            stream = self._drive(current, plan, path, span, reserved, written)
+            stream = self.stages.drive(current, plan, path, span, reserved, written)
             try:
                 async for out in stream:
                     if out.new_token_ids or out.finished:
@@ -325,85 +325,6 @@ class MeshBackend(MeshStatus):
                     reserved.cancel()  # a stream that never started never did; a no-op once it is done
                 if self.router is not None:
                     self.router.forget(current.request_id)
-
-    async def _drive(self, request: Request, plan: pb.RoutePlan, path: PrefillPath, span=None,
-                     reserved: asyncio.Future | None = None,
-                     written: asyncio.Event | None = None) -> AsyncIterator[RequestOutput]:
-        """The request's outputs through the planned stages; a failed stage raises StageFailed. `reserved`: the
-        plan's KV reservation under way, confirmed before the decoder gets the request (a dedicated prefill
-        starts before, and sets `written` when its call's message is out; on other paths it is set at once)."""
-        written = written or asyncio.Event()
-        held: list[pb.PageHandle] = []  # handles we got and have not passed on yet
-        encoding: asyncio.Task | None = None
-        prefilling: asyncio.Task | None = None
-        try:
-            pending = source = None
-            if request.images and plan.encoder.worker_id != plan.prefill.worker_id:
-                # the Encode and the next stage's call go out together: that stage asks the encoder for the
-                # pages' handle (AwaitEncode) rather than waiting for it to come back through here
-                encoding = self._encode(request, plan, span)
-                pending = pb.PendingImages(worker_id=plan.encoder.worker_id, address=plan.encoder.address,
-                                           request_id=request.request_id)
-                source = wire.ref_registration(plan.encoder)
-            spec = wire.spec_to_pb(request, with_pixels=pending is None)
-            output: list[int] = []
-            if path != PrefillPath.DEDICATED:
-                written.set()  # nothing goes out before the reservation on this path
-                await confirmed(reserved, plan)
-            if path == PrefillPath.DEDICATED:
-                self._sent(request, plan.prefill.worker_id)
-                with self.tracing.activate(span):
-                    prefilling = self.calls.call(plan.prefill.address, "prefill",
-                                                 pb.PrefillRequest(request=spec, pending_images=pending), written)
-                await confirmed(reserved, plan)
-                await encoded(encoding, held, prefilling)
-                reply = await stage_call("prefill", wire.ref_registration(plan.prefill), source, prefilling)
-                held.clear()
-                if not reply.first.finish_reason:  # held before the first token goes out: a client gone right
-                    held.append(reply.kv_pages)    # after it must not leave the KV pinned until its lease ends
-                output.extend(reply.first.token_ids)
-                yield _output(request.request_id, reply.first, output)
-                if reply.first.finish_reason:
-                    return
-                spec = wire.spec_to_pb(request, with_pixels=False)
-                spec.output_token_ids.extend(output)
-                decode = pb.DecodeRequest(request=spec, kv_pages=reply.kv_pages)
-                source, encoding = wire.ref_registration(plan.prefill), None  # the KV pages' source
-            else:
-                decode = pb.DecodeRequest(request=spec, pending_images=pending)
-            self._sent(request, plan.decoder.worker_id)
-            with self.tracing.activate(span):  # the call's client span is made here, under the request's span
-                call = pb_grpc.DecoderStub(self.channels.get(plan.decoder.address)).Decode(decode)
-            try:
-                await encoded(encoding, held, call)
-                async for chunk in call:
-                    if chunk.handed_back:  # preempted there: no more tokens come from this call
-                        raise HandedBack(plan.decoder.worker_id)
-                    held.clear()
-                    output.extend(chunk.token_ids)
-                    yield _output(request.request_id, chunk, output)
-            except grpc.aio.AioRpcError as e:
-                raise failure("decode", wire.ref_registration(plan.decoder), source if not output else None, e) from None
-            finally:
-                call.cancel()
-        finally:
-            written.set()  # never left waiting, however this ended
-            for task in (encoding, prefilling, reserved):
-                if task is not None:
-                    task.cancel()  # a no-op once it is done
-            for handle in held:  # never passed on: let the source free them now rather than at lease expiry
-                self._spawn(release_over_grpc(self.channels, wire.handle_from_pb(handle)))
-
-    def _encode(self, request: Request, plan: pb.RoutePlan, span) -> asyncio.Task:
-        """The request's awaited Encode, under way (its outcome: the encode's reply, or StageFailed)."""
-        self._sent(request, plan.encoder.worker_id)
-        message = pb.EncodeRequest(request=wire.spec_to_pb(request, with_pixels=True), awaited=True)
-        with self.tracing.activate(span):
-            call = self.calls.call(plan.encoder.address, "encode", message)  # made first, so it goes out first
-        task = asyncio.ensure_future(stage_call("encode", wire.ref_registration(plan.encoder), None, call))
-        task.add_done_callback(_consume)  # its outcome is awaited, unless the request failed before that
-        task.add_done_callback(lambda _: call.cancel())  # cancelled before it ran: the call must not go on alone
-        return task
 
     def detokenize(self, ids: list[int]) -> str:
         return self.processor.detokenize(ids)
@@ -461,24 +382,6 @@ class NoRoomNow(ApiError):
     """Live workers cover the request, but none has room for it now."""
 
 
-class HandedBack(Exception):
-    """The decoder preempted the request and could not recompute it: go on with it elsewhere."""
-
-    def __init__(self, worker_id: str):
-        super().__init__(f"worker {worker_id} handed the request back")
-        self.worker_id = worker_id
-
-
-def _output(request_id: str, chunk: pb.TokenChunk, output: list[int]) -> RequestOutput:
-    status = _STATUS_OF.get(chunk.finish_reason, RequestStatus.DECODING) if chunk.finish_reason else RequestStatus.DECODING
-    return RequestOutput(
-        request_id=request_id, new_token_ids=list(chunk.token_ids), output_token_ids=list(output), status=status,
-        finish_reason=chunk.finish_reason or None, stop_reason=wire.chunk_stop_reason(chunk),
-        text=chunk.text if chunk.HasField("text") else None, num_prompt_tokens=chunk.num_prompt_tokens,
-        logprobs=wire.chunk_logprobs(chunk),
-    )
-
-
 @contextlib.contextmanager
 def _refused_prompt():
     """A conversation the processor refuses is the client's error: a 400 that says why."""
@@ -486,10 +389,3 @@ def _refused_prompt():
         yield
     except (ValueError, TypeError, KeyError) as e:
         raise ApiError(400, f"could not build the prompt: {e}") from None
-
-
-def _consume(task: asyncio.Future) -> None:
-    """Retrieve a background task's outcome (a route, an awaited Encode), so an error nobody awaited is not logged
-    as unhandled."""
-    if not task.cancelled():
-        task.exception()

@@ -56,7 +56,7 @@ def test_a_client_gone_at_its_first_token_releases_the_kv_pages_at_once():
         ref = pb.WorkerRef(worker_id="p-1", address=prefiller.address)
         plan = pb.RoutePlan(prefill=ref, decoder=pb.WorkerRef(worker_id="d-1", address="127.0.0.1:1"),
                             path=pb.PREFILL_PATH_DEDICATED)
-        stream = backend._drive(Request("r", [1, 2, 3], SamplingParams(max_tokens=4, temperature=0.0)), plan,
+        stream = backend.stages.drive(Request("r", [1, 2, 3], SamplingParams(max_tokens=4, temperature=0.0)), plan,
                                 PrefillPath.DEDICATED)
         first = await asyncio.wait_for(anext(stream), WAIT_S)
         assert first.new_token_ids == [42]

@@ -8,7 +8,7 @@ import pytest
 
 from common.engine.grammar import json_schema_grammar
 from services.gateway.protocol import ApiError, parse_chat_request
-from services.gateway.tools import ToolCallStream, ToolChoice, finish_reason, message, parse_tools, tool_grammar
+from services.gateway.tools import ToolCallStream, ToolChoice, finish_reason, message, tool_grammar
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "The weather in a city",
                                             "parameters": {"type": "object", "properties": {
