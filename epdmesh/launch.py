@@ -345,7 +345,7 @@ def serve_mesh(args) -> int:
         if args.max_model_len:
             gateway_argv += ["--max-model-len", str(args.max_model_len)]
         if args.allow_remote_images:
-            gateway_argv.append("--allow-remote-images")
+            gateway_argv += ["--allow-remote-images", "--allowed-image-domains", args.allowed_image_domains]
         mesh.spawn("gateway", gateway_argv)
         # from here on a child may die (or be killed) without stopping the mesh: `Restarts` brings it back — even
         # while the gateway starts (its /health may answer a client before the probe here sees it) — except the

@@ -1,5 +1,5 @@
 """Options shared by several commands: routing (the toggle and a gateway that routes in-process both run
-`services.toggle.router`), SLO targets and stage budgets, and how stage calls reach a worker."""
+`services.toggle.router`), SLO targets and stage budgets, how stage calls reach a worker, and remote images."""
 
 from __future__ import annotations
 
@@ -111,3 +111,16 @@ def add_stage_calls_arg(p) -> None:
     p.add_argument("--stage-calls", default="stream", choices=["stream", "unary"],
                    help="how Encode, AwaitEncode and Prefill reach a worker: on one gRPC stream kept open to it (a "
                         "message each way) or as unary rpcs")
+
+
+def add_remote_image_args(p) -> None:
+    """The gateway's (`epdmesh serve`, `epdmesh gateway`): whether it fetches http(s) image URLs, and from where."""
+    p.add_argument("--allow-remote-images", action="store_true",
+                   help="fetch http(s) image URLs (off by default: images come inline as base64 data URIs)")
+    p.add_argument("--allowed-image-domains", default="",
+                   help="with --allow-remote-images: comma-separated hosts images may come from (a domain allows its "
+                        "subdomains); default: any")
+
+
+def allowed_image_domains(args) -> tuple[str, ...]:
+    return tuple(d.strip() for d in args.allowed_image_domains.split(",") if d.strip())

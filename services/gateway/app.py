@@ -34,6 +34,7 @@ from common.telemetry.metrics import GatewayMetrics, render
 from common.telemetry.tracing import Tracing
 from services.gateway.completions import parse_completion_request
 from services.gateway.event_stream import EventStream
+from services.gateway.images import ImageFetcher
 from services.gateway.observe import RequestObserver
 from services.gateway.protocol import ApiError, ChatRequest, check_length, parse_chat_request
 from services.gateway.responses import Logprobs, Prepended, collect, completion, internal_error, sse
@@ -100,9 +101,11 @@ def _asdict(obj) -> dict:
 
 
 def build_app(backend, model_name: str, allow_remote_images: bool = False, metrics: GatewayMetrics | None = None,
-              tracing: Tracing | None = None) -> Starlette:
-    """`metrics` default: a fresh registry with SLO targets of 2 s TTFT / 200 ms TBT; `tracing` default: from the env."""
+              tracing: Tracing | None = None, allowed_image_domains: tuple[str, ...] = ()) -> Starlette:
+    """`metrics` default: a fresh registry with SLO targets of 2 s TTFT / 200 ms TBT; `tracing` default: from the env.
+    `allow_remote_images`: fetch http(s) image URLs (from `allowed_image_domains` only, when given)."""
     created = int(time.time())
+    fetcher = ImageFetcher(allowed_image_domains) if allow_remote_images else None
     metrics = metrics or GatewayMetrics(model_name, ttft_slo_s=2.0, tbt_slo_s=0.2)
     tracing = tracing or Tracing("epdmesh-gateway")
 
@@ -126,7 +129,7 @@ def build_app(backend, model_name: str, allow_remote_images: bool = False, metri
 
     async def tokenize_endpoint(http: HttpRequest) -> Response:
         return await _answer(http, lambda body: tokenize(body, backend.processor, model_name, backend.max_model_len,
-                                                         _max_text_chars(backend), allow_remote_images))
+                                                         _max_text_chars(backend), fetcher))
 
     async def detokenize_endpoint(http: HttpRequest) -> Response:
         async def work(body):
@@ -162,6 +165,9 @@ def build_app(backend, model_name: str, allow_remote_images: bool = False, metri
                     chat = await asyncio.to_thread(parse, body)
                 else:
                     chat = parse(body)
+            if fetcher is not None and fetcher.pending(chat.conversation):
+                with tracing.activate(observer.span), tracing.span("fetch_images"):
+                    await _unless_client_leaves(http, fetcher.fetch(chat.conversation))
             _check_fits(chat, backend)
             request_id = f"{id_prefix}-{uuid.uuid4().hex}"
             observer.request(chat, request_id)
@@ -208,7 +214,7 @@ def build_app(backend, model_name: str, allow_remote_images: bool = False, metri
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
         Route("/v1/completions", text_completions, methods=["POST"]),
     ]
-    return Starlette(routes=routes, lifespan=_lifespan(backend),
+    return Starlette(routes=routes, lifespan=_lifespan(backend, fetcher),
                      exception_handlers={404: _not_found(routes), 405: _wrong_method(routes)})
 
 
@@ -337,10 +343,12 @@ async def _start(backend, chat: ChatRequest, request_id: str, span) -> tuple[int
         raise
 
 
-def _lifespan(backend):
+def _lifespan(backend, fetcher: ImageFetcher | None):
     @contextlib.asynccontextmanager
     async def lifespan(_app):
         yield
+        if fetcher is not None:
+            await fetcher.close()
         if hasattr(backend, "close"):
             await backend.close()
     return lifespan

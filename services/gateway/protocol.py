@@ -7,52 +7,30 @@ URLs (refused unless enabled), out-of-range sampling parameters.
 
 from __future__ import annotations
 
-import binascii
 import dataclasses
-import io
 import json
 import logging
 from typing import TYPE_CHECKING, Any
 
-import pybase64
-from PIL import Image, UnidentifiedImageError
-
 from common.sampling import SEED_MIN, InvalidSamplingParams, SamplingParams
+from services.gateway.errors import ApiError
+from services.gateway.images import image_part
 
 if TYPE_CHECKING:
     from services.gateway.tools import ToolChoice
 
 log = logging.getLogger(__name__)
-MAX_IMAGE_BYTES = 20 * 2**20
-MAX_IMAGE_PIXELS = 50_000_000
-MAX_ASPECT_RATIO = 200  # long side over short side, as Qwen2-VL's processor allows
+__all__ = ["ApiError", "ChatRequest", "check_length", "parse_chat_request", "parse_conversation", "parse_sampling"]
 MAX_STOP_STRINGS = 4
 MAX_CHOICES = 16  # n: each choice is a request of its own, with its own KV reservation
 MAX_TOKEN_ID = 2**31 - 1  # what the mesh's wire carries; the model's vocabulary is checked where it runs
-
-
-class ApiError(Exception):
-    def __init__(self, status: int, message: str, param: str | None = None, kind: str | None = None,
-                 headers: dict[str, str] | None = None):
-        super().__init__(message)
-        self.headers = headers or {}
-        self.status = status
-        self.message = message
-        self.param = param
-        self.kind = kind or {400: "BadRequestError", 404: "NotFoundError", 413: "RequestTooLargeError",
-                             503: "ServiceUnavailableError"}.get(status, "InternalServerError")
-
-    def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.status}}
-
-
 INLINE_TOKENIZE_CHARS = 4096  # text up to this many characters is tokenized on the event loop: a thread hop costs more
 
 
 @dataclasses.dataclass(slots=True)
 class ChatRequest:
     model: str
-    conversation: list[dict]  # HF chat format; image parts carry PIL images
+    conversation: list[dict]  # HF chat format; image parts carry PIL images (a remote one its URL until fetched)
     sampling: SamplingParams
     stream: bool = False
     include_usage: bool = False
@@ -348,7 +326,7 @@ def _parse_message(message: Any, index: int, allow_remote: bool) -> dict:
             url = url.get("url") if isinstance(url, dict) else url
             if role != "user":
                 raise ApiError(400, f"{where}: images are accepted in user messages only", "messages")
-            parts.append({"type": "image", "image": load_image(url, f"{where}.content[{j}]", allow_remote)})
+            parts.append(image_part(url, f"{where}.content[{j}]", allow_remote))
         else:
             raise ApiError(400, f"{where}.content[{j}] must be {{type: text, text}} or {{type: image_url, image_url: {{url}}}}", "messages")
     return {"role": role, "content": parts, **extra}
@@ -377,38 +355,3 @@ def _earlier_calls(calls: Any, where: str) -> list[dict]:
         out.append({"id": call.get("id"), "type": "function",
                     "function": {"name": function["name"], "arguments": arguments}})
     return out
-
-
-def load_image(url: Any, where: str, allow_remote: bool) -> Image.Image:
-    if not isinstance(url, str) or not url:
-        raise ApiError(400, f"{where}.image_url.url must be a string", "messages")
-    if url.startswith(("http://", "https://")):
-        if not allow_remote:
-            raise ApiError(400, f"{where}: remote image URLs are disabled on this server; send the image inline as a "
-                                f"base64 data URI (data:image/png;base64,...)", "messages")
-        raise ApiError(400, f"{where}: fetching remote images is not implemented; send a base64 data URI", "messages")
-    if not url.startswith("data:") or ";base64," not in url:
-        raise ApiError(400, f"{where}: image URL must be a base64 data URI like data:image/png;base64,...", "messages")
-    encoded = url.split(";base64,", 1)[1]
-    if len(encoded) * 3 // 4 > MAX_IMAGE_BYTES:
-        raise ApiError(413, f"{where}: image is larger than {MAX_IMAGE_BYTES // 2**20} MiB", "messages")
-    try:
-        data = pybase64.b64decode(encoded, validate=True)  # the stdlib's takes ~50x as long (bench/README)
-    except (binascii.Error, ValueError):
-        raise ApiError(400, f"{where}: image data is not valid base64", "messages") from None
-    try:
-        with Image.open(io.BytesIO(data)) as probe:
-            if probe.width * probe.height > MAX_IMAGE_PIXELS:
-                raise ApiError(413, f"{where}: image is {probe.width}x{probe.height}, over {MAX_IMAGE_PIXELS} pixels", "messages")
-            if max(probe.size) > MAX_ASPECT_RATIO * min(probe.size):  # a 1x16000 PNG of 149 bytes resized to
-                # 224 pixels on its short side is 3.6 billion values: gigabytes and seconds in the processor
-                raise ApiError(400, f"{where}: image is {probe.width}x{probe.height}, longer than {MAX_ASPECT_RATIO}:1; "
-                                    "crop or pad it", "messages")
-            probe.verify()
-        image = Image.open(io.BytesIO(data))
-        image.load()
-        return image.convert("RGB")
-    except ApiError:
-        raise
-    except (UnidentifiedImageError, OSError, SyntaxError, ValueError, Image.DecompressionBombError) as e:
-        raise ApiError(400, f"{where}: could not decode the image ({e.__class__.__name__}: {e})", "messages") from None

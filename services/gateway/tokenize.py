@@ -21,8 +21,9 @@ from services.gateway.tools import parse_tools
 
 
 async def tokenize(raw: bytes, processor, model_name: str, max_model_len: int, max_text_chars: int,
-                   allow_remote_images: bool = False) -> dict:
-    """`max_text_chars`: more text than this cannot fit the model whatever its tokens: a 400 before tokenizing."""
+                   fetcher=None) -> dict:
+    """`max_text_chars`: more text than this cannot fit the model whatever its tokens: a 400 before tokenizing.
+    `fetcher`: where the server fetches remote images (`images.ImageFetcher`), or None: they are refused."""
     body = json_body(raw, [model_name], default_model=model_name)
     token_strs = _flag(body, "return_token_strs", False)
     if ("prompt" in body) == ("messages" in body):
@@ -39,7 +40,9 @@ async def tokenize(raw: bytes, processor, model_name: str, max_model_len: int, m
             if _flag(body, "add_special_tokens", False):
                 raise ApiError(400, "a chat's special tokens come from its template; 'add_special_tokens': true is "
                                     "not supported with 'messages'", "add_special_tokens")
-        conversation = parse_conversation(body["messages"], allow_remote_images)
+        conversation = parse_conversation(body["messages"], fetcher is not None)
+        if fetcher is not None:
+            await fetcher.fetch(conversation)
         tools = parse_tools({"tools": body.get("tools"), "tool_choice": "none"})
         generation_prompt = _flag(body, "add_generation_prompt", True)
         chars = sum(len(p["text"]) for m in conversation for p in m["content"] if p["type"] == "text")
