@@ -6,7 +6,7 @@ Life of a request in the engine:
   2. Each `step()` the scheduler picks decodes, prefill chunks and encodes under the budgets;
      the model runner executes them; postprocess appends sampled tokens and checks stops.
   3. A request finishes here (pages freed) or is HANDED_OFF when its last stage here is done;
-     then `export_*_pages` returns its pages as bytes and `release` frees them. One preempted that
+     then `export_*_pages` returns its pages as bytes and `release` frees them (`handover.py`). One preempted that
      cannot be recomputed here is HANDED_BACK (pages freed, no new tokens): its caller goes on with
      it elsewhere, as a continuation of the tokens it has.
 """
@@ -27,6 +27,7 @@ from common.engine.errors import NoRoomForPages, RequestRejected, StepFailed  # 
 from common.engine.outputs import EngineStats, RequestOutput, TokenLogprob
 from common.engine.sampler import Sampler, logprobs_of
 from common.engine.grammar import GrammarMasks, GrammarRejected
+from common.engine.handover import PageHandover
 from common.engine.stopping import check_stop
 from common.kv_manager import ImageBlockManager, KVBlockManager, blocks_for
 from common.model.config import LlavaConfig
@@ -40,7 +41,7 @@ from kernels import make_attention_backend
 log = logging.getLogger(__name__)
 
 
-class Engine:
+class Engine(PageHandover):
     computes_logprobs = True  # it has the model's logits to report them from
 
     def __init__(self, config: EngineConfig, model: LlavaModel | None = None, detokenize: Callable[[list[int]], str] | None = None,
@@ -141,35 +142,6 @@ class Engine:
             self.captured_logits[request.request_id] = []
         self.scheduler.add(request)
 
-    def reserve_import(self, request: Request) -> tuple[str, list[int], int]:
-        """Allocate the blocks that `request`'s handed-over pages go into, for a transfer to fill directly.
-
-        Returns (cache kind, block ids in token order, tokens they must hold). Then either
-        `add_request(request, preloaded=True)` once they are written, or `cancel_import`.
-        """
-        self._admit(request)
-        if request.request_id in self.importing:
-            raise RequestRejected(f"request id {request.request_id!r} is already in use")
-        if request.first_stage == Stage.DECODE:
-            self._allocate_kv_import(request)
-            kind, n = "kv", request.num_prompt_tokens
-            blocks = request.block_table[: blocks_for(n, self.config.block_size)]
-        elif request.first_stage == Stage.PREFILL and request.images:
-            self._allocate_image_import(request)
-            kind, n, blocks = "image", request.num_image_tokens, request.image_block_table
-        else:
-            raise RequestRejected(f"request {request.request_id} starts at {request.first_stage.name}: no pages to import")
-        self.importing[request.request_id] = request
-        return kind, list(blocks), n
-
-    def cancel_import(self, request_id: str) -> bool:
-        request = self.importing.pop(request_id, None)
-        if request is None:
-            return False
-        self.scheduler.kv.free(request)
-        self.scheduler.images.free(request)
-        return True
-
     def _admit(self, request: Request) -> None:
         self._validate(request)
         needed = {s for s in Stage if request.first_stage <= s <= request.last_stage}
@@ -214,39 +186,6 @@ class Engine:
             )
         if request.sampling.stop and self.detokenize is None:
             raise RequestRejected("stop strings need a tokenizer; this engine was built without one")
-
-    def _allocate_image_import(self, request: Request) -> None:
-        if not self.scheduler.images.can_allocate(request):
-            raise NoRoomForPages("no free image-cache blocks for the handed-over image pages")
-        self.scheduler.images.allocate(request)
-
-    def _allocate_kv_import(self, request: Request) -> None:
-        if len(request.output_token_ids) != 1:
-            raise RequestRejected("a request that starts at decode carries exactly its first sampled token")
-        if self.scheduler.preempted_waiting or not self.scheduler.kv.can_allocate(request):
-            raise NoRoomForPages("no free KV blocks for the handed-over KV pages")
-        kv = self.scheduler.kv
-        request.block_table = kv.pool.allocate(blocks_for(kv.admission_tokens(request), kv.block_size))
-
-    def _import_image_pages(self, request: Request, pages: PagePayload | None) -> None:
-        if pages is None or pages.num_tokens != request.num_image_tokens:
-            raise RequestRejected(f"request {request.request_id} starts at prefill with images but no matching image pages")
-        self._allocate_image_import(request)
-        try:
-            self.image_cache.write_blocks(request.image_block_table, pages)
-        except ValueError:
-            self.scheduler.images.free(request)
-            raise
-
-    def _import_kv_pages(self, request: Request, pages: PagePayload | None) -> None:
-        if pages is None or pages.num_tokens != request.num_prompt_tokens:
-            raise RequestRejected(f"request {request.request_id} starts at decode but has no KV pages for its prompt")
-        self._allocate_kv_import(request)
-        try:
-            self.kv_cache.write_blocks(request.block_table[: pages.num_blocks], pages)
-        except ValueError:
-            self.scheduler.kv.free(request)
-            raise
 
     # ----- the loop -----
 
@@ -359,49 +298,6 @@ class Engine:
             self._finish(request, RequestStatus.FINISHED_ABORTED)
             return True
         return self.release(request_id)
-
-    # ----- handing pages to the next stage -----
-
-    def export_image_pages(self, request_id: str) -> PagePayload:
-        request = self._handed_off(request_id, Stage.ENCODE)
-        return self.image_cache.read_blocks(request.image_block_table, request.num_image_tokens)
-
-    def export_kv_pages(self, request_id: str) -> PagePayload:
-        request = self._handed_off(request_id, Stage.PREFILL)
-        n = request.num_prompt_tokens
-        return self.kv_cache.read_blocks(request.block_table[: blocks_for(n, self.config.block_size)], n)
-
-    def handoff_pages(self, request_id: str) -> tuple[str, list[int], int]:
-        """(cache kind, block ids in token order, valid tokens) a handed-off request keeps for the next stage."""
-        request = self.handed_off.get(request_id)
-        if request is None:
-            raise KeyError(f"request {request_id!r} holds no handed-off pages")
-        if request.last_stage == Stage.ENCODE:
-            return "image", list(request.image_block_table), request.num_image_tokens
-        n = request.num_prompt_tokens
-        return "kv", list(request.block_table[: blocks_for(n, self.config.block_size)]), n
-
-    def transfer_delay_s(self, kind: str, num_tokens: int) -> float:
-        """Extra time an import of `num_tokens` tokens of `kind` pages should take (the emulated engine's
-        stand-in for the real model's page bytes); 0 for a real engine."""
-        return 0.0
-
-    def cache(self, kind: str) -> PagedKVCache | PagedImageCache:
-        return self.kv_cache if kind == "kv" else self.image_cache
-
-    def release(self, request_id: str) -> bool:
-        """Free a handed-off request's pages (the next stage has them, or gave up)."""
-        request = self.handed_off.pop(request_id, None)
-        if request is None:
-            return False
-        self.scheduler.finish(request, RequestStatus.HANDED_OFF)
-        return True
-
-    def _handed_off(self, request_id: str, stage: Stage) -> Request:
-        request = self.handed_off.get(request_id)
-        if request is None or request.last_stage != stage:
-            raise KeyError(f"no {stage.name.lower()} pages held for request {request_id!r}")
-        return request
 
     # ----- conveniences -----
 
