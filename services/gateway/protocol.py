@@ -301,8 +301,11 @@ def _parse_message(message: Any, index: int, allow_remote: bool) -> dict:
     if not isinstance(message, dict):
         raise ApiError(400, f"{where} must be an object with 'role' and 'content'", "messages")
     role = message.get("role")
+    if role == "developer":  # OpenAI's newer name for the system role; chat templates know "system"
+        role = "system"
     if role not in ("system", "user", "assistant", "tool"):
-        raise ApiError(400, f"{where}.role must be 'system', 'user', 'assistant' or 'tool', got {role!r}", "messages")
+        raise ApiError(400, f"{where}.role must be 'system', 'developer', 'user', 'assistant' or 'tool', got {role!r}",
+                       "messages")
     content = message.get("content")
     extra = {}
     if role == "assistant" and message.get("tool_calls") is not None:  # a call it made earlier in the chat

@@ -105,7 +105,8 @@ def completion(chat: ChatRequest, request_id: str, model: str, num_prompt: int,
         else:
             message = tool_message(chat.tools, text) if _calls_tools(chat) else {"role": "assistant", "content": text}
             choice = {"index": index, "message": message, "logprobs": {"content": entries} if with_logprobs else None}
-        choice.update(finish_reason=finish_reason(chat.tools, out.finish_reason), stop_reason=out.stop_reason)
+        choice.update(finish_reason=finish_reason(chat.tools, out.finish_reason, out.stop_reason),
+                      stop_reason=out.stop_reason)
         if chat.return_token_ids:
             choice["token_ids"] = out.output_token_ids
         choices.append(choice)
@@ -229,7 +230,10 @@ async def _choice_deltas(index: int, chat: ChatRequest, outputs: AsyncIterator[R
         text.push(last.output_token_ids[len(text.token_ids):])
         text.finish()
         final = text.text
-    yield choice(content(final[len(sent):]), finish=finish_reason(chat.tools, last.finish_reason),
+    delta = content(final[len(sent):])
+    if calls is not None and not calls.calls():  # cut before any call had its name: the text, so none is lost
+        delta = {"content": final}
+    yield choice(delta, finish=finish_reason(chat.tools, last.finish_reason, last.stop_reason),
                  token_ids=last.new_token_ids, out=last)
 
 

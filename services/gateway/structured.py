@@ -2,7 +2,8 @@
 `structured_outputs` fields, as the grammar its engine samples under (`common/engine/grammar.py`).
 
   response_format {"type": "json_object"}                           any JSON object
-                  {"type": "json_schema", "json_schema": {"schema"}}  JSON matching the schema
+                  {"type": "json_schema", "json_schema": {"schema"}}  JSON matching the schema (with "strict": true,
+                                                                      an object takes no keys its schema leaves out)
   guided_json / structured_outputs.json   (a schema, or its JSON text)  as json_schema
   guided_regex / structured_outputs.regex                               text matching the regular expression
   guided_choice / structured_outputs.choice (a list of strings)         exactly one of them
@@ -78,7 +79,8 @@ def _response_format(value) -> str:
         if not isinstance(spec, dict):
             raise ApiError(400, "response_format.json_schema must be an object with the schema in 'schema'",
                            "response_format")
-        return json_schema_grammar(_schema(spec.get("schema", {}), "response_format.json_schema.schema"))
+        schema = _schema(spec.get("schema", {}), "response_format.json_schema.schema")
+        return json_schema_grammar(strict_schema(schema) if spec.get("strict") is True else schema)
     raise ApiError(400, f"response_format type {kind!r} is not supported: send text, json_object or json_schema",
                    "response_format")
 
@@ -92,3 +94,16 @@ def _schema(value, name: str) -> dict:
     if not isinstance(value, dict):
         raise ApiError(400, f"'{name}' must be a JSON schema (an object)", name)
     return value
+
+
+def strict_schema(node):
+    """A copy of a schema in which every object that does not say whether it takes other keys takes none
+    (`"additionalProperties": false`), as OpenAI's strict mode asks."""
+    if isinstance(node, dict):
+        out = {key: strict_schema(value) for key, value in node.items()}
+        if (out.get("type") == "object" or isinstance(out.get("properties"), dict)) and "additionalProperties" not in out:
+            out["additionalProperties"] = False
+        return out
+    if isinstance(node, list):
+        return [strict_schema(value) for value in node]
+    return node

@@ -12,14 +12,16 @@ The tools go to the chat template as Hugging Face's `apply_chat_template(tools=.
 does not render them (LLaVA-1.5's) leaves the model unaware of them, and the grammar alone makes the call valid: a
 valid call, not necessarily a good one (vLLM's documentation says the same of its named calls).
 
-A "required" answer is sampled as compact JSON, `[{"name":"get_weather","parameters":{...}},...]`, and
-`ToolCallStream` turns that text into OpenAI's `tool_calls` as it comes: a call's id and name once its name is
-complete, then its arguments' text piece by piece.
+A "required" answer is sampled as compact JSON, `[{"name":"get_weather","parameters":{...}},...]` (each tool's
+schema under the grammar's `$defs`, its references into itself rebased there), and `ToolCallStream` turns that text
+into OpenAI's `tool_calls` as it comes: a call's id and name once its name is complete, then its arguments' text
+piece by piece. A tool with `"strict": true` takes no keys its schema leaves out. A stop string or token of the
+request's ends the answer where it matches, even inside a call: then the finish reason is "stop" with its
+`stop_reason`, never "tool_calls".
 """
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import json
 import re
@@ -27,6 +29,7 @@ import uuid
 
 from common.engine.grammar import GrammarRejected, json_schema_grammar
 from services.gateway.protocol import ApiError
+from services.gateway.structured import strict_schema
 
 MAX_TOOLS = 128  # as OpenAI allows
 NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
@@ -50,7 +53,11 @@ class ToolChoice:
         return list(self.tools) or None
 
     def parameters(self, name: str) -> dict:
-        return next(t["function"].get("parameters") or NO_PARAMETERS for t in self.tools if t["function"]["name"] == name)
+        """The tool's parameters schema; with `"strict": true`, no object in it takes keys it does not list (OpenAI's
+        promise for a strict tool, kept here by the grammar rather than by refusing a schema that leaves it open)."""
+        function = next(t["function"] for t in self.tools if t["function"]["name"] == name)
+        schema = function.get("parameters") or NO_PARAMETERS
+        return strict_schema(schema) if function.get("strict") is True else schema
 
 
 def parse_tools(body: dict) -> ToolChoice | None:
@@ -104,7 +111,7 @@ def _checked_tools(tools) -> tuple[dict, ...]:
         parameters = function.get("parameters")
         if parameters is not None and not isinstance(parameters, dict):
             raise ApiError(400, f"{where}.function.parameters must be a JSON schema (an object)", "tools")
-        if not isinstance(function.get("description", ""), str):
+        if not isinstance(function.get("description") or "", str):
             raise ApiError(400, f"{where}.function.description must be a string", "tools")
         out.append({"type": "function", "function": {k: v for k, v in function.items()
                                                      if k in ("name", "description", "parameters", "strict")}})
@@ -115,10 +122,22 @@ def tool_grammar(choice: ToolChoice | None) -> str | None:
     """The grammar an answer that calls tools is sampled under; None for plain text."""
     if choice is None or not choice.calls:
         return None
-    if choice.mode == "named":
-        schema, where = choice.parameters(choice.name), f"the parameters of {choice.name!r}"
-    else:
-        schema, where = _calls_schema(choice), "the tools' parameters"
+    try:
+        if choice.mode == "named":
+            return _compiled(choice.parameters(choice.name), f"the parameters of {choice.name!r}")
+        try:
+            return json_schema_grammar(_calls_schema(choice))
+        except GrammarRejected as e:
+            for tool in choice.tools:  # say which tool's schema it is
+                name = tool["function"]["name"]
+                _compiled(choice.parameters(name), f"the parameters of {name!r}")
+            raise ApiError(400, f"the tools' parameters cannot be followed together as a JSON schema: {e}",
+                           "tools") from None
+    except RecursionError:
+        raise ApiError(400, "a tool's parameters nest too deeply to follow", "tools") from None
+
+
+def _compiled(schema: dict, where: str) -> str:
     try:
         return json_schema_grammar(schema)
     except GrammarRejected as e:
@@ -127,39 +146,48 @@ def tool_grammar(choice: ToolChoice | None) -> str | None:
 
 def _calls_schema(choice: ToolChoice) -> dict:
     """A JSON array of calls, each {"name": <a tool's name>, "parameters": <its arguments>}, the name first. Each
-    tool's `$defs` (or `definitions`) move to the top, where its `#/$defs/...` references point once it is nested."""
+    tool's schema sits under the top's `$defs` as `tool_<i>`, its own references into itself (`#`, `#/$defs/...`,
+    `#/properties/...`) rebased there, so they point where they pointed in the schema the client sent."""
     defs: dict[str, dict] = {}
     calls = []
-    for tool in choice.tools:
+    for i, tool in enumerate(choice.tools):
         name = tool["function"]["name"]
-        parameters = copy.deepcopy(choice.parameters(name))
-        for key in ("$defs", "definitions"):
-            for def_name, definition in (parameters.pop(key, None) or {}).items():
-                if defs.setdefault(f"{key}/{def_name}", definition) != definition:
-                    raise ApiError(400, f"two tools define {key}/{def_name} differently; give them different names",
-                                   "tools")
-        calls.append({"type": "object", "properties": {"name": {"const": name}, "parameters": parameters},
+        base = f"#/$defs/tool_{i}"
+        parameters = _rebased(choice.parameters(name), base)
+        parameters.pop("$id", None)  # its references now resolve against the top
+        parameters.pop("$schema", None)
+        defs[f"tool_{i}"] = parameters
+        calls.append({"type": "object", "properties": {"name": {"const": name}, "parameters": {"$ref": base}},
                       "required": ["name", "parameters"], "additionalProperties": False})
-    schema: dict = {"type": "array", "items": {"anyOf": calls}, "minItems": 1}
+    schema: dict = {"type": "array", "items": {"anyOf": calls}, "minItems": 1, "$defs": defs}
     if not choice.parallel:
         schema["maxItems"] = 1
-    for path, definition in defs.items():
-        key, def_name = path.split("/", 1)
-        schema.setdefault(key, {})[def_name] = definition
     return schema
 
 
-def finish_reason(choice: ToolChoice | None, reason: str | None) -> str | None:
-    """As OpenAI and vLLM answer: "tool_calls" for a "required" answer that ended by its grammar, "stop" for a named
-    one (the caller asked for that call), else the engine's reason."""
-    if choice is not None and choice.mode == "required" and reason == "stop":
+def _rebased(node, base: str):
+    """A copy of a schema whose local references (`"$ref": "#..."`) point under `base` instead of at its root."""
+    if isinstance(node, dict):
+        return {key: base + value[1:] if key == "$ref" and isinstance(value, str) and value.startswith("#")
+                else _rebased(value, base) for key, value in node.items()}
+    if isinstance(node, list):
+        return [_rebased(value, base) for value in node]
+    return node
+
+
+def finish_reason(choice: ToolChoice | None, reason: str | None, stop_reason=None) -> str | None:
+    """As OpenAI and vLLM answer: "tool_calls" for a "required" answer its grammar ended (not a stop string or
+    token of the request's, `stop_reason`, which can cut a call short), "stop" for a named one (the caller asked
+    for that call), else the engine's reason."""
+    if choice is not None and choice.mode == "required" and reason == "stop" and stop_reason is None:
         return "tool_calls"
     return reason
 
 
 def message(choice: ToolChoice, text: str) -> dict:
     """A whole answer's assistant message: its calls, and no content. An answer cut before any call's name was
-    complete (max_tokens) keeps its text as content, so nothing generated is lost."""
+    complete (max_tokens) keeps its text as content (streamed too); a later call cut inside its name is left out
+    (the finish reason, "length", says the answer was cut)."""
     calls = ToolCallStream(choice)
     calls.feed(text)
     made = calls.calls()

@@ -106,16 +106,15 @@ def test_a_required_answer_is_a_list_of_calls_each_one_tools_with_its_arguments_
     assert _matches(single, one) and not _matches(single, two)
 
 
-def test_definitions_of_each_tool_move_to_the_top_where_their_references_point_and_a_clash_is_a_400():
+def test_each_tools_definitions_stay_its_own_even_under_the_same_name():
     def tool(name, item):
         return {"type": "function", "function": {"name": name, "parameters": {
             "type": "object", "properties": {"x": {"$ref": "#/$defs/Item"}}, "required": ["x"],
             "$defs": {"Item": item}}}}
-    grammar = tool_grammar(ToolChoice((tool("a", {"type": "integer"}), tool("b", {"type": "integer"})), "required"))
-    assert _matches(grammar, '[{"name":"b","parameters":{"x":3}}]')
-    assert not _matches(grammar, '[{"name":"b","parameters":{"x":"3"}}]')
-    with pytest.raises(ApiError, match="define \\$defs/Item differently"):
-        tool_grammar(ToolChoice((tool("a", {"type": "integer"}), tool("b", {"type": "string"})), "required"))
+    grammar = tool_grammar(ToolChoice((tool("a", {"type": "integer"}), tool("b", {"type": "string"})), "required"))
+    assert _matches(grammar, '[{"name":"a","parameters":{"x":3}}]') and _matches(grammar, '[{"name":"b","parameters":{"x":"3"}}]')
+    assert not _matches(grammar, '[{"name":"a","parameters":{"x":"3"}}]')
+    assert not _matches(grammar, '[{"name":"b","parameters":{"x":3}}]')
 
 
 REQUIRED = ('[{"name":"get_weather","parameters":{"city":"O\\"s{l}o, [N]","days":2,"nested":{"a":[1,{"b":null}]}}},'
@@ -185,3 +184,93 @@ def test_a_template_that_does_not_render_tool_calls_sees_them_as_the_json_a_requ
         written, add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"][0]
     assert processor.count_prompt_tokens(called, [WEATHER]) == len(ids)
     assert "TOOL: sunny" in processor.detokenize(ids)
+
+
+def test_a_stop_string_or_token_that_cuts_a_required_answer_does_not_finish_it_as_tool_calls():
+    required = ToolChoice((WEATHER,), "required")
+    assert finish_reason(required, "stop", ",") == "stop" and finish_reason(required, "stop", 5) == "stop"
+    assert finish_reason(required, "stop", None) == "tool_calls"
+
+
+def _grammar_of(parameters: dict, mode: str = "required", strict: bool = False) -> str:
+    function = {"name": "f", "parameters": parameters, **({"strict": True} if strict else {})}
+    return tool_grammar(ToolChoice(({"type": "function", "function": function},), mode, name="f"))
+
+
+def test_a_tools_references_into_itself_point_where_they_did_once_it_sits_in_the_list_of_calls():
+    recursive = {"type": "object", "properties": {"c": {"anyOf": [{"type": "null"}, {"$ref": "#"}]}},
+                 "required": ["c"], "additionalProperties": False}
+    grammar = _grammar_of(recursive)
+    assert _matches(grammar, '[{"name":"f","parameters":{"c":{"c":null}}}]')
+    assert not _matches(grammar, '[{"name":"f","parameters":{"c":[{"name":"f","parameters":{"c":null}}]}}]')
+    pointer = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"$ref": "#/properties/a"}},
+               "required": ["a", "b"], "additionalProperties": False}
+    assert _matches(_grammar_of(pointer), '[{"name":"f","parameters":{"a":1,"b":2}}]')
+    assert not _matches(_grammar_of(pointer), '[{"name":"f","parameters":{"a":1,"b":"x"}}]')
+    with_id = {"$id": "https://example.com/f.json", "type": "object", "properties": {"x": {"$ref": "#/$defs/B"}},
+               "required": ["x"], "additionalProperties": False, "$defs": {"B": {"type": "boolean"}}}
+    assert _matches(_grammar_of(with_id), '[{"name":"f","parameters":{"x":true}}]')
+
+
+def test_a_strict_tool_takes_no_keys_its_schema_leaves_out_and_a_plain_one_does():
+    open_object = {"type": "object", "properties": {"x": {"type": "boolean"}}, "required": ["x"]}
+    for mode in ("required", "named"):
+        extra = '{"x":true,"y":1}' if mode == "named" else '[{"name":"f","parameters":{"x":true,"y":1}}]'
+        assert _matches(_grammar_of(open_object, mode), extra)
+        assert not _matches(_grammar_of(open_object, mode, strict=True), extra)
+    assert "additionalProperties" not in open_object  # the client's schema is not changed in place
+    strict_format = _chat(response_format={"type": "json_schema", "json_schema": {
+        "name": "x", "strict": True, "schema": open_object}}).sampling.grammar
+    assert not _matches(strict_format, '{"x":true,"y":1}') and _matches(strict_format, '{"x":true}')
+
+
+def test_a_schema_that_cannot_be_followed_is_a_400_naming_the_tool_and_odd_definitions_are_no_500():
+    def tools(parameters):
+        return [CLOCK, {"type": "function", "function": {"name": "g", "parameters": parameters}}]
+    for choice in ("required", {"type": "function", "function": {"name": "g"}}):
+        error = _refused(tools=tools({"type": "objectx"}), tool_choice=choice)
+        assert "the parameters of 'g'" in error.message and error.param == "tools", error.message
+        for odd in ({"type": "object", "$defs": [1]}, {"type": "object", "definitions": 3}):  # not schemas: unused
+            assert _chat(tools=tools(odd), tool_choice=choice).sampling.grammar
+
+
+def test_parameters_nested_too_deeply_are_a_400():
+    deep: dict = {"type": "integer"}
+    for _ in range(300):
+        deep = {"type": "object", "properties": {"a": deep}, "required": ["a"]}
+    tools = [{"type": "function", "function": {"name": "f", "parameters": deep}}]
+    for choice in ("required", {"type": "function", "function": {"name": "f"}}):
+        assert _refused(tools=tools, tool_choice=choice).param == "tools"
+
+
+def test_a_null_description_and_the_developer_role_are_taken():
+    tool = {"type": "function", "function": {"name": "f", "description": None}}
+    assert _chat(tools=[tool], tool_choice="required").tools.mode == "required"
+    chat = _chat(messages=[{"role": "developer", "content": "Be brief."}, {"role": "user", "content": "hi"}])
+    assert chat.conversation[0]["role"] == "system"
+
+
+def test_a_streamed_answer_cut_before_any_call_has_a_name_sends_its_text_as_the_whole_answer_does():
+    import asyncio
+
+    from common.engine.outputs import RequestOutput
+    from common.request import RequestStatus
+    from services.gateway.responses import sse
+
+    text = '[{"n'
+    chat = _chat(tools=[WEATHER], tool_choice="required", stream=True, max_tokens=len(text))
+
+    async def outputs():
+        for i in range(len(text)):
+            last = i == len(text) - 1
+            yield RequestOutput("r", [i], list(range(i + 1)), RequestStatus.FINISHED_LENGTH if last else RequestStatus.DECODING,
+                                "length" if last else None, num_prompt_tokens=3)
+
+    async def main():
+        return [w async for w in sse(chat, "chatcmpl-1", "m", 3, [outputs()], lambda ids: "".join(text[i] for i in ids))]
+
+    chunks = [json.loads(line[6:]) for w in asyncio.run(main()) for line in w.split("\n\n")
+              if line.startswith("data: {")]
+    deltas = [c["choices"][0]["delta"] for c in chunks]
+    assert deltas[-1] == {"content": text} and chunks[-1]["choices"][0]["finish_reason"] == "length"
+    assert all(not d.get("tool_calls") and not d.get("content") for d in deltas[:-1])
