@@ -12,6 +12,7 @@ from pathlib import Path
 from common.model.tiny import PRESETS
 from epdmesh.checkpoints import (DEFAULT_MODEL_NAME, default_model_dir, ensure_default_model, ensure_emulated_model,
                                  make_model)
+from services.gateway.edge import add_api_key_arg, api_keys, edge
 from epdmesh.routing_args import (add_remote_image_args, add_router_args, add_routing_args, add_slo_args,
                                   add_stage_calls_arg, allowed_image_domains, decoder_joins, routing_policy)
 
@@ -122,6 +123,7 @@ def _cmd_serve(args) -> int:
     engine = AsyncEngine(build_engine(_engine_config(args), _emulation(args)))
     app = build_app(LocalBackend(processor, engine), args.served_model_name, allow_remote_images=args.allow_remote_images,
                     metrics=metrics, tracing=tracing, allowed_image_domains=allowed_image_domains(args))
+    app = edge(app, api_keys(args, os.environ))
     logging.getLogger("epdmesh").info("serving %s (%s) in one process on http://%s:%d/v1", args.served_model_name,
                                       args.model, args.host, args.port)
     try:
@@ -187,6 +189,7 @@ def _cmd_gateway(args) -> int:
     backend = MeshBackend(processor, args.toggle, max_model_len, metrics, tracing, router, args.stage_calls)
     app = build_app(backend, args.served_model_name, allow_remote_images=args.allow_remote_images, metrics=metrics,
                     tracing=tracing, allowed_image_domains=allowed_image_domains(args))
+    app = edge(app, api_keys(args, os.environ))
     logging.getLogger("epdmesh").info("gateway for %s on http://%s:%d/v1, toggle %s, routing %s, image pixels sent as %s",
                                       args.served_model_name, args.host, args.port, args.toggle,
                                       f"in-process over {args.redis_url}" if router else "by the toggle", pixels)
@@ -316,6 +319,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--transfer", default="auto", choices=["auto", "nixl", "grpc"], help="page transfer backend")
     add_stage_calls_arg(serve)
     add_remote_image_args(serve)
+    add_api_key_arg(serve)
     serve.add_argument("--gpus", help="with --device cuda: the GPU ids workers get one each, round-robin "
                                       "(default: $CUDA_VISIBLE_DEVICES, else all)")
     serve.add_argument("--max-restarts", type=int, default=5,
@@ -369,6 +373,7 @@ def build_parser() -> argparse.ArgumentParser:
     gateway.add_argument("--host", default="127.0.0.1")
     gateway.add_argument("--port", type=int, default=8000)
     add_remote_image_args(gateway)
+    add_api_key_arg(gateway)
     add_stage_calls_arg(gateway)
     gateway.add_argument("--redis-url", help="route in the gateway over this registry (one Redis round trip per "
                                              "request instead of a gRPC hop to the toggle); default: ask the toggle")

@@ -37,6 +37,8 @@ from common.ports import free_port
 from common.topology import WorkerGroup, decoders_join, parse_topology
 from epdmesh.gpus import gpu_devices, memory_shares, worker_envs
 from epdmesh.routing_args import router_argv
+from services.gateway.edge import ENV as API_KEY_ENV
+from services.gateway.edge import api_keys
 
 log = logging.getLogger("epdmesh.launch")
 NO_REDIS = ("epdmesh serve needs Redis for the toggle's registry, and none was found: set REDIS_URL "
@@ -346,7 +348,8 @@ def serve_mesh(args) -> int:
             gateway_argv += ["--max-model-len", str(args.max_model_len)]
         if args.allow_remote_images:
             gateway_argv += ["--allow-remote-images", "--allowed-image-domains", args.allowed_image_domains]
-        mesh.spawn("gateway", gateway_argv)
+        keys = api_keys(args, os.environ)  # to the gateway by its environment: argv is visible to every local user
+        mesh.spawn("gateway", gateway_argv, env={API_KEY_ENV: ",".join(keys)} if keys else None)
         # from here on a child may die (or be killed) without stopping the mesh: `Restarts` brings it back — even
         # while the gateway starts (its /health may answer a client before the probe here sees it) — except the
         # gateway itself, which fails the start-up if it exits before answering (a bad flag, a missing file)

@@ -52,6 +52,8 @@ class RequestObserver:
         self.span = tracing.start_span(name, {"gen_ai.operation.name": operation, "gen_ai.system": "epdmesh",
                                                             "gen_ai.request.model": model}, kind="server",
                                        context=tracing.extract(headers))
+        if headers.get("x-request-id"):  # the client's own id for it (echoed in the answer's headers: `edge.py`)
+            set_attributes(self.span, {"http.request.header.x-request-id": [headers["x-request-id"][:256]]})
         metrics.running.labels(model).inc()
 
     def request(self, chat: ChatRequest, request_id: str) -> None:

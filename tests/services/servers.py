@@ -30,7 +30,7 @@ def running_server(model_dir, topology: str, log_path, *extra: str, redis_url: s
     cmd = [sys.executable, "-m", "epdmesh.cli", "serve", "--model", str(model_dir), "--served-model-name", MODEL,
            "--topology", topology, "--dtype", "float32", "--port", str(port), "--kv-cache-gib", "0.05",
            "--token-budget", "256", "--threads", "1", *extra]
-    env = {**{k: v for k, v in os.environ.items() if k != "REDIS_URL"}, **(env or {})}
+    env = {**{k: v for k, v in os.environ.items() if k not in ("REDIS_URL", "EPDMESH_API_KEY")}, **(env or {})}
     if source is not None:
         env["PYTHONPATH"] = os.pathsep.join([str(source), env.get("PYTHONPATH", "")])
     if redis_url is not None:
@@ -55,9 +55,9 @@ def running_server(model_dir, topology: str, log_path, *extra: str, redis_url: s
         stop_process(proc, 60, f"epdmesh serve --topology {topology}")
 
 
-def pools(base) -> list[dict]:
-    """Per worker (or the one engine): free and total KV/image blocks and leases held."""
-    stats = httpx.get(f"{base}/stats", timeout=10).json()
+def pools(base, headers: dict | None = None) -> list[dict]:
+    """Per worker (or the one engine): free and total KV/image blocks and leases held. `headers`: e.g. an API key's."""
+    stats = httpx.get(f"{base}/stats", timeout=10, headers=headers).json()
     if "workers" in stats:
         return list(stats["workers"].values())
     return [stats]
@@ -68,10 +68,10 @@ def _full(p: dict) -> bool:
             and not p.get("num_leases", 0))
 
 
-def assert_pools_full(base, timeout: float = 15.0) -> None:
+def assert_pools_full(base, timeout: float = 15.0, headers: dict | None = None) -> None:
     deadline = time.monotonic() + timeout
     while True:
-        current = pools(base)
+        current = pools(base, headers)
         if current and all(_full(p) for p in current):
             return
         if time.monotonic() > deadline:

@@ -9,6 +9,10 @@ import pytest
 
 from tests.services.servers import MODEL, assert_pools_full
 
+KEY = "sk-epdmesh-test"
+SERVER_ARGS = ("--api-key", KEY)  # these servers also check the API-key wiring of `serve`, local and mesh
+AUTH = {"Authorization": f"Bearer {KEY}"}
+
 SCHEMA = {"type": "object", "properties": {"answer": {"type": "string", "maxLength": 12}, "ok": {"type": "boolean"}},
           "required": ["answer", "ok"], "additionalProperties": False}
 
@@ -32,7 +36,7 @@ def structured_reference(tiny_dir, processors):
 
 
 def test_structured_output_is_json_of_the_schema_and_the_same_tokens_as_one_engine(server, structured_reference):
-    client = openai.OpenAI(base_url=f"{server}/v1", api_key="none")
+    client = openai.OpenAI(base_url=f"{server}/v1", api_key=KEY)
     messages = [{"role": "user", "content": "Describe it as JSON."}]
     response_format = {"type": "json_schema", "json_schema": {"name": "thing", "schema": SCHEMA}}
     answer = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=60, temperature=0,
@@ -50,7 +54,7 @@ def test_structured_output_is_json_of_the_schema_and_the_same_tokens_as_one_engi
     picked = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=10, temperature=0,
                                             extra_body={"guided_choice": ["red", "green", "blue"]})
     assert picked.choices[0].message.content in ("red", "green", "blue")
-    assert_pools_full(server)
+    assert_pools_full(server, headers=AUTH)
 
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "The weather in a city", "parameters": {
@@ -108,7 +112,7 @@ def _streamed_calls(chunks) -> tuple[list[dict], str | None]:
 
 
 def test_a_named_tool_call_is_that_call_with_arguments_of_its_parameters_and_one_engines_tokens(server, tool_references):
-    client = openai.OpenAI(base_url=f"{server}/v1", api_key="none")
+    client = openai.OpenAI(base_url=f"{server}/v1", api_key=KEY)
     named = {"type": "function", "function": {"name": "get_weather"}}
     kwargs = dict(model=MODEL, messages=ASK, tools=[WEATHER, CLOCK], tool_choice=named, max_tokens=60, temperature=0)
     answer = client.chat.completions.create(**kwargs)
@@ -124,7 +128,7 @@ def test_a_named_tool_call_is_that_call_with_arguments_of_its_parameters_and_one
 
 
 def test_a_required_call_is_one_of_the_tools_finishing_as_tool_calls_whole_and_streamed(server, tool_references):
-    client = openai.OpenAI(base_url=f"{server}/v1", api_key="none")
+    client = openai.OpenAI(base_url=f"{server}/v1", api_key=KEY)
     kwargs = dict(model=MODEL, messages=ASK, tools=[WEATHER, CLOCK], tool_choice="required", parallel_tool_calls=False,
                   max_tokens=80, temperature=0)
     answer = client.chat.completions.create(**kwargs)
@@ -142,18 +146,41 @@ def test_a_required_call_is_one_of_the_tools_finishing_as_tool_calls_whole_and_s
     complete = made if sampled.choices[0].finish_reason == "tool_calls" else made[:-1]  # max_tokens may cut the last
     for call in complete:  # whatever it sampled, each call is one of the tools' with its arguments
         assert call.function.name in ("get_weather", "time_now") and isinstance(json.loads(call.function.arguments), dict)
-    assert_pools_full(server)
+    assert_pools_full(server, headers=AUTH)
 
 
 def test_a_chat_that_carries_earlier_calls_and_tool_answers_is_served_and_counted_as_tokenize_counts_it(server):
     messages = [*ASK, {"role": "assistant", "content": None, "tool_calls": [
         {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city":"Oslo","days":2}'}}]},
         {"role": "tool", "tool_call_id": "call_1", "content": "sunny, then rain"}]
-    client = openai.OpenAI(base_url=f"{server}/v1", api_key="none")
+    client = openai.OpenAI(base_url=f"{server}/v1", api_key=KEY)
     answer = client.chat.completions.create(model=MODEL, messages=messages, tools=[WEATHER], tool_choice="none",
                                             max_tokens=5, temperature=0)
     assert answer.choices[0].message.tool_calls is None and answer.choices[0].finish_reason in ("stop", "length")
-    counted = httpx.post(f"{server}/tokenize", json={"model": MODEL, "messages": messages, "tools": [WEATHER]}).json()
+    counted = httpx.post(f"{server}/tokenize", json={"model": MODEL, "messages": messages, "tools": [WEATHER]},
+                         headers=AUTH).json()
     assert counted["count"] == answer.usage.prompt_tokens
     with pytest.raises(openai.BadRequestError, match="tool_choice"):
         client.chat.completions.create(model=MODEL, messages=ASK, tools=[WEATHER], max_tokens=5)  # "auto": refused
+
+
+def test_an_api_key_is_needed_everywhere_but_health_and_metrics_and_a_request_id_comes_back(server):
+    body = {"model": MODEL, "messages": ASK, "max_tokens": 2}
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY}):
+        refused = httpx.post(f"{server}/v1/chat/completions", json=body, headers=headers)
+        assert refused.status_code == 401 and refused.json()["error"]["type"] == "AuthenticationError", headers
+        assert refused.headers["www-authenticate"] == "Bearer"
+    assert httpx.get(f"{server}/v1/models").status_code == 401 and httpx.get(f"{server}/stats").status_code == 401
+    assert httpx.get(f"{server}/health").status_code == 200 and httpx.get(f"{server}/metrics").status_code == 200
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=f"{server}/v1", api_key="not-the-key").models.list()
+    mine = {**AUTH, "X-Request-Id": "client-42"}
+    answered = httpx.post(f"{server}/v1/chat/completions", json=body, headers=mine)
+    assert answered.status_code == 200 and answered.headers["x-request-id"] == "client-42"
+    assert answered.json()["id"].startswith("chatcmpl-")  # the answer's own id stays the gateway's
+    with httpx.stream("POST", f"{server}/v1/chat/completions", json={**body, "stream": True}, headers=mine) as streamed:
+        assert streamed.headers["x-request-id"] == "client-42" and "[DONE]" in streamed.read().decode()
+    bad = httpx.post(f"{server}/v1/chat/completions", json={**body, "model": "nope"}, headers=mine)
+    assert bad.status_code == 404 and bad.headers["x-request-id"] == "client-42"
+    assert httpx.post(f"{server}/v1/chat/completions", json={"x": 1}, headers={"X-Request-Id": "id-9"}).headers[
+        "x-request-id"] == "id-9"  # refused for its key, still answered with its id

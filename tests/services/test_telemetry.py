@@ -25,7 +25,7 @@ def traced_mesh(tiny_dir, tmp_path_factory):
 
 
 def ask_with_image(base, max_tokens=6, **extra):
-    client = openai.OpenAI(base_url=f"{base}/v1", api_key="none")
+    client = openai.OpenAI(base_url=f"{base}/v1", api_key="none", default_headers={"X-Request-Id": "traced-1"})
     messages = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": data_uri(image(4, 96, 80))}},
                                              {"type": "text", "text": "What is here?"}]}]
     return client.chat.completions.create(model=MODEL, messages=messages, max_tokens=max_tokens, temperature=0,
@@ -51,6 +51,7 @@ def test_one_trace_spans_gateway_router_encoder_prefill_pull_and_decoder(traced_
 
     spans = receiver.wait_for(complete)
     [root] = roots(spans)
+    assert list(root.attributes["http.request.header.x-request-id"]) == ["traced-1"]  # the client's own id for it
     trace = receiver.trace(root.trace_id)
     by_id = {s.span_id: s for s in trace}
     assert {s.service for s in trace} == services
