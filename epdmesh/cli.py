@@ -10,13 +10,11 @@ import sys
 from pathlib import Path
 
 from common.model.tiny import PRESETS
-from epdmesh.checkpoints import (DEFAULT_MODEL_NAME, default_model_dir, ensure_default_model, ensure_emulated_model,
-                                 make_model)
+from epdmesh.checkpoints import DEFAULT_MODEL_NAME, ensure_default_model, ensure_emulated_model, make_model
+from epdmesh.routing_args import (DEFAULT_EMULATED_PROFILE, add_engine_args, add_model_args, add_remote_image_args,
+                                  add_router_args, add_routing_args, add_slo_args, add_stage_calls_arg,
+                                  allowed_image_domains, decoder_joins, routing_policy)
 from services.gateway.edge import add_api_key_arg, api_keys, edge
-from epdmesh.routing_args import (add_remote_image_args, add_router_args, add_routing_args, add_slo_args,
-                                  add_stage_calls_arg, allowed_image_domains, decoder_joins, routing_policy)
-
-DEFAULT_EMULATED_PROFILE = "H20"  # the analytic LLaVA-1.5-7B on H20 profile (= profiles/llava-1.5-7b-h20.json)
 
 
 def _cmd_make_tiny_model(args) -> int:
@@ -110,25 +108,19 @@ def _cmd_serve(args) -> int:
         from epdmesh.launch import serve_mesh
 
         return serve_mesh(args)
-    import uvicorn
-
     from common.engine.async_engine import AsyncEngine
     from common.model.processor import ChatProcessor
-    from services.gateway.app import LocalBackend, build_app
+    from services.gateway.app import LocalBackend
     from services.worker.server import build_engine
 
     _serving_process(args)
     metrics, tracing = _gateway_telemetry(args)
     processor = ChatProcessor(args.model)
     engine = AsyncEngine(build_engine(_engine_config(args), _emulation(args)))
-    app = build_app(LocalBackend(processor, engine), args.served_model_name, allow_remote_images=args.allow_remote_images,
-                    metrics=metrics, tracing=tracing, allowed_image_domains=allowed_image_domains(args))
-    app = edge(app, api_keys(args, os.environ))
     logging.getLogger("epdmesh").info("serving %s (%s) in one process on http://%s:%d/v1", args.served_model_name,
                                       args.model, args.host, args.port)
     try:
-        uvicorn.run(app, host=args.host, port=args.port, loop="uvloop", http="httptools", log_level="info",
-                    timeout_graceful_shutdown=5)
+        _serve_http(LocalBackend(processor, engine), args, metrics, tracing, "info")
     finally:
         engine.shutdown()
     return 0
@@ -168,13 +160,22 @@ def _cmd_toggle(args) -> int:
     return 0
 
 
-def _cmd_gateway(args) -> int:
+def _serve_http(backend, args, metrics, tracing, log_level: str) -> None:
+    """The gateway's HTTP API over `backend`, behind its edge (API keys, request ids), until the server stops."""
     import uvicorn
 
+    from services.gateway.app import build_app
+
+    app = build_app(backend, args.served_model_name, allow_remote_images=args.allow_remote_images, metrics=metrics,
+                    tracing=tracing, allowed_image_domains=allowed_image_domains(args))
+    uvicorn.run(edge(app, api_keys(args, os.environ)), host=args.host, port=args.port, loop="uvloop", http="httptools",
+                log_level=log_level, timeout_graceful_shutdown=5)
+
+
+def _cmd_gateway(args) -> int:
     from common.memory import keep_freed_memory
     from common.model.config import LlavaConfig
     from common.model.processor import ChatProcessor
-    from services.gateway.app import build_app
     from services.gateway.mesh import MeshBackend
 
     _resolve_model(args)
@@ -187,14 +188,10 @@ def _cmd_gateway(args) -> int:
     processor = ChatProcessor(args.model, config)
     pixels = "uint8, finished by the encoder" if processor.deferred_scaling is not None else "float32"
     backend = MeshBackend(processor, args.toggle, max_model_len, metrics, tracing, router, args.stage_calls)
-    app = build_app(backend, args.served_model_name, allow_remote_images=args.allow_remote_images, metrics=metrics,
-                    tracing=tracing, allowed_image_domains=allowed_image_domains(args))
-    app = edge(app, api_keys(args, os.environ))
     logging.getLogger("epdmesh").info("gateway for %s on http://%s:%d/v1, toggle %s, routing %s, image pixels sent as %s",
                                       args.served_model_name, args.host, args.port, args.toggle,
                                       f"in-process over {args.redis_url}" if router else "by the toggle", pixels)
-    uvicorn.run(app, host=args.host, port=args.port, loop="uvloop", http="httptools", log_level="warning",
-                timeout_graceful_shutdown=5)
+    _serve_http(backend, args, metrics, tracing, "warning")
     return 0
 
 
@@ -253,45 +250,6 @@ def _cmd_profile(args) -> int:
     return 0
 
 
-def _add_model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", help=f"Hugging Face llava-1.5 directory (default: the tiny model in {default_model_dir()})")
-    p.add_argument("--served-model-name")
-    p.add_argument("--max-model-len", type=int)
-
-
-def _add_engine_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"], help="auto: bfloat16 on CUDA, float32 on CPU")
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--kv-cache-gib", type=float, help="KV cache size per worker (default: on a GPU, what "
-                                                      "--gpu-memory-utilization leaves; on the CPU 1; emulated: 64, "
-                                                      "counted in the model's real page bytes)")
-    p.add_argument("--gpu-memory-utilization", type=float, default=0.9,
-                   help="fraction of the GPU's memory for the weights, activations and caches (serve: split among "
-                        "the workers that share a GPU)")
-    p.add_argument("--token-budget", type=int, help="τ_t: tokens per iteration (default: from --latency-profile, else 2048)")
-    p.add_argument("--image-budget", type=int, help="τ_e: images per iteration (default: from --latency-profile, else 4)")
-    p.add_argument("--latency-profile", help="a latency profile (epdmesh profile; or H20/H100/H200): τ_t and τ_e are the largest batches "
-                                            "within α·TTFT (instances without decode) or TBT (with decode)")
-    p.add_argument("--max-num-seqs", type=int, default=64)
-    p.add_argument("--kv-admission", default="on-demand", choices=["on-demand", "worst-case"],
-                   help="on-demand: KV blocks as requests grow, the newest preempted when the cache runs out (vLLM); "
-                        "worst-case: prompt + max_tokens booked at admission, never preempted, fewer requests at once")
-    p.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "flash-attn", "xformers"])
-    p.add_argument("--enable-prefix-caching", action="store_true")
-    p.add_argument("--share-weights", action="store_true",
-                   help="CPU: the workers on this host map one read-only copy of the weights from /dev/shm instead "
-                        "of a copy each (common/model/shared_weights.py)")
-    p.add_argument("--threads", type=int, help="torch intra-op threads (serve: default cores / workers)")
-    p.add_argument("--backend", default="torch", choices=["torch", "emulated"],
-                   help="emulated: iterations wait the --profile's predicted time and emit deterministic tokens; "
-                        "everything else (batching, caches, transfers, routing) is the real code")
-    p.add_argument("--profile", help="emulated backend: the latency profile to run, a file or H20 / H100 / H200 for the "
-                                     f"analytic LLaVA-1.5-7B one (default {DEFAULT_EMULATED_PROFILE})")
-    p.add_argument("--emulated-kv-bytes-per-token", type=int, default=256,
-                   help="emulated backend: real KV bytes per token in the pages (the transfer waits for the model's)")
-    p.add_argument("--emulated-image-bytes-per-token", type=int, default=64)
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="epdmesh", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -304,8 +262,8 @@ def build_parser() -> argparse.ArgumentParser:
     make.set_defaults(func=_cmd_make_tiny_model)
 
     serve = sub.add_parser("serve", help="bring up the mesh (toggle, workers, gateway) behind an OpenAI-compatible API")
-    _add_model_args(serve)
-    _add_engine_args(serve)
+    add_model_args(serve)
+    add_engine_args(serve)
     add_routing_args(serve)
     serve.add_argument("--topology", default="E1+P1+D1",
                        help="worker role sets and counts, e.g. EPD1, E1+P1+D1, EP1+D2, ED1+P1, E2+P2+D4; "
@@ -329,8 +287,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.set_defaults(func=_cmd_serve)
 
     worker = sub.add_parser("worker", help="one worker: an engine and the gRPC services of its roles")
-    _add_model_args(worker)
-    _add_engine_args(worker)
+    add_model_args(worker)
+    add_engine_args(worker)
     worker.add_argument("--roles", default="encode,prefill,decode", help="e.g. encode,prefill or EP")
     add_slo_args(worker)
     worker.add_argument("--host", default="127.0.0.1")
@@ -347,8 +305,8 @@ def build_parser() -> argparse.ArgumentParser:
     worker.set_defaults(func=_cmd_worker)
 
     profile = sub.add_parser("profile", help="write a latency profile: measured on this machine, or analytic")
-    _add_model_args(profile)
-    _add_engine_args(profile)
+    add_model_args(profile)
+    add_engine_args(profile)
     profile.add_argument("--analytic", choices=["H20", "H100", "H200"],
                          help="the roofline profile of LLaVA-1.5-7B on this accelerator instead of measuring")
     profile.add_argument("--repeats", type=int, default=3)
@@ -368,7 +326,7 @@ def build_parser() -> argparse.ArgumentParser:
     toggle.set_defaults(func=_cmd_toggle)
 
     gateway = sub.add_parser("gateway", help="the OpenAI-compatible HTTP gateway of a mesh")
-    _add_model_args(gateway)
+    add_model_args(gateway)
     gateway.add_argument("--toggle", required=True, help="toggle address host:port")
     gateway.add_argument("--host", default="127.0.0.1")
     gateway.add_argument("--port", type=int, default=8000)

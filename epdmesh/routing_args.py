@@ -1,9 +1,14 @@
 """Options shared by several commands: routing (the toggle and a gateway that routes in-process both run
-`services.toggle.router`), SLO targets and stage budgets, how stage calls reach a worker, and remote images."""
+`services.toggle.router`), SLO targets and stage budgets, how stage calls reach a worker, remote images, and the
+model and engine options of the commands that run one."""
 
 from __future__ import annotations
 
 import argparse
+
+from epdmesh.checkpoints import default_model_dir
+
+DEFAULT_EMULATED_PROFILE = "H20"  # the analytic LLaVA-1.5-7B on H20 profile (= profiles/llava-1.5-7b-h20.json)
 
 
 def add_routing_args(p: argparse.ArgumentParser) -> None:
@@ -124,3 +129,42 @@ def add_remote_image_args(p) -> None:
 
 def allowed_image_domains(args) -> tuple[str, ...]:
     return tuple(d.strip() for d in args.allowed_image_domains.split(",") if d.strip())
+
+
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", help=f"Hugging Face llava-1.5 directory (default: the tiny model in {default_model_dir()})")
+    p.add_argument("--served-model-name")
+    p.add_argument("--max-model-len", type=int)
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"], help="auto: bfloat16 on CUDA, float32 on CPU")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--kv-cache-gib", type=float, help="KV cache size per worker (default: on a GPU, what "
+                                                      "--gpu-memory-utilization leaves; on the CPU 1; emulated: 64, "
+                                                      "counted in the model's real page bytes)")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                   help="fraction of the GPU's memory for the weights, activations and caches (serve: split among "
+                        "the workers that share a GPU)")
+    p.add_argument("--token-budget", type=int, help="τ_t: tokens per iteration (default: from --latency-profile, else 2048)")
+    p.add_argument("--image-budget", type=int, help="τ_e: images per iteration (default: from --latency-profile, else 4)")
+    p.add_argument("--latency-profile", help="a latency profile (epdmesh profile; or H20/H100/H200): τ_t and τ_e are the largest batches "
+                                            "within α·TTFT (instances without decode) or TBT (with decode)")
+    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--kv-admission", default="on-demand", choices=["on-demand", "worst-case"],
+                   help="on-demand: KV blocks as requests grow, the newest preempted when the cache runs out (vLLM); "
+                        "worst-case: prompt + max_tokens booked at admission, never preempted, fewer requests at once")
+    p.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "flash-attn", "xformers"])
+    p.add_argument("--enable-prefix-caching", action="store_true")
+    p.add_argument("--share-weights", action="store_true",
+                   help="CPU: the workers on this host map one read-only copy of the weights from /dev/shm instead "
+                        "of a copy each (common/model/shared_weights.py)")
+    p.add_argument("--threads", type=int, help="torch intra-op threads (serve: default cores / workers)")
+    p.add_argument("--backend", default="torch", choices=["torch", "emulated"],
+                   help="emulated: iterations wait the --profile's predicted time and emit deterministic tokens; "
+                        "everything else (batching, caches, transfers, routing) is the real code")
+    p.add_argument("--profile", help="emulated backend: the latency profile to run, a file or H20 / H100 / H200 for the "
+                                     f"analytic LLaVA-1.5-7B one (default {DEFAULT_EMULATED_PROFILE})")
+    p.add_argument("--emulated-kv-bytes-per-token", type=int, default=256,
+                   help="emulated backend: real KV bytes per token in the pages (the transfer waits for the model's)")
+    p.add_argument("--emulated-image-bytes-per-token", type=int, default=64)
