@@ -11,9 +11,10 @@ from pathlib import Path
 
 from common.model.tiny import PRESETS
 from epdmesh.checkpoints import DEFAULT_MODEL_NAME, ensure_default_model, ensure_emulated_model, make_model
-from epdmesh.routing_args import (DEFAULT_EMULATED_PROFILE, add_engine_args, add_model_args, add_remote_image_args,
-                                  add_router_args, add_routing_args, add_slo_args, add_stage_calls_arg,
-                                  allowed_image_domains, decoder_joins, routing_policy)
+from epdmesh.routing_args import (DEFAULT_EMULATED_PROFILE, add_chat_template_arg, add_engine_args, add_model_args,
+                                  add_remote_image_args, add_router_args, add_routing_args, add_slo_args,
+                                  add_stage_calls_arg, allowed_image_domains, chat_template, decoder_joins,
+                                  routing_policy)
 from services.gateway.edge import add_api_key_arg, api_keys, edge
 
 
@@ -115,7 +116,7 @@ def _cmd_serve(args) -> int:
 
     _serving_process(args)
     metrics, tracing = _gateway_telemetry(args)
-    processor = ChatProcessor(args.model)
+    processor = ChatProcessor(args.model, chat_template=chat_template(args))
     engine = AsyncEngine(build_engine(_engine_config(args), _emulation(args)))
     logging.getLogger("epdmesh").info("serving %s (%s) in one process on http://%s:%d/v1", args.served_model_name,
                                       args.model, args.host, args.port)
@@ -185,7 +186,7 @@ def _cmd_gateway(args) -> int:
     limit = config.text.max_position_embeddings
     max_model_len = min(args.max_model_len or limit, limit)
     router = _gateway_router(args, tracing) if args.redis_url else None
-    processor = ChatProcessor(args.model, config)
+    processor = ChatProcessor(args.model, config, chat_template(args))
     pixels = "uint8, finished by the encoder" if processor.deferred_scaling is not None else "float32"
     backend = MeshBackend(processor, args.toggle, max_model_len, metrics, tracing, router, args.stage_calls)
     logging.getLogger("epdmesh").info("gateway for %s on http://%s:%d/v1, toggle %s, routing %s, image pixels sent as %s",
@@ -277,6 +278,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--transfer", default="auto", choices=["auto", "nixl", "grpc"], help="page transfer backend")
     add_stage_calls_arg(serve)
     add_remote_image_args(serve)
+    add_chat_template_arg(serve)
     add_api_key_arg(serve)
     serve.add_argument("--gpus", help="with --device cuda: the GPU ids workers get one each, round-robin "
                                       "(default: $CUDA_VISIBLE_DEVICES, else all)")
@@ -331,6 +333,7 @@ def build_parser() -> argparse.ArgumentParser:
     gateway.add_argument("--host", default="127.0.0.1")
     gateway.add_argument("--port", type=int, default=8000)
     add_remote_image_args(gateway)
+    add_chat_template_arg(gateway)
     add_api_key_arg(gateway)
     add_stage_calls_arg(gateway)
     gateway.add_argument("--redis-url", help="route in the gateway over this registry (one Redis round trip per "

@@ -348,6 +348,9 @@ def serve_mesh(args) -> int:
             gateway_argv += ["--max-model-len", str(args.max_model_len)]
         if args.allow_remote_images:
             gateway_argv += ["--allow-remote-images", "--allowed-image-domains", args.allowed_image_domains]
+        if args.chat_template:  # a file's path as this process sees it, or the template itself
+            path = os.path.abspath(os.path.expanduser(args.chat_template))
+            gateway_argv += ["--chat-template", path if os.path.isfile(path) else args.chat_template]
         keys = api_keys(args, os.environ)  # to the gateway by its environment: argv is visible to every local user
         mesh.spawn("gateway", gateway_argv, env={API_KEY_ENV: ",".join(keys)} if keys else None)
         # from here on a child may die (or be killed) without stopping the mesh: `Restarts` brings it back — even

@@ -5,6 +5,7 @@ model and engine options of the commands that run one."""
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 from epdmesh.checkpoints import default_model_dir
 
@@ -168,3 +169,21 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--emulated-kv-bytes-per-token", type=int, default=256,
                    help="emulated backend: real KV bytes per token in the pages (the transfer waits for the model's)")
     p.add_argument("--emulated-image-bytes-per-token", type=int, default=64)
+
+
+def add_chat_template_arg(p) -> None:
+    p.add_argument("--chat-template", help="a Jinja chat template to use instead of the checkpoint's: a file, or the "
+                                           "template itself (e.g. one that renders tools)")
+
+
+def chat_template(args) -> str | None:
+    """The template `--chat-template` names: a file's text, or the value itself when it is a template."""
+    value = args.chat_template
+    if value is None:
+        return None
+    path = Path(value).expanduser()
+    if path.is_file():
+        return path.read_text()
+    if "{{" in value or "{%" in value:
+        return value
+    raise SystemExit(f"--chat-template: {value} is neither a file nor a Jinja template")

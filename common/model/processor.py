@@ -2,7 +2,8 @@
 
 The prompt a request runs on is exactly what
 `processor.apply_chat_template(conversation, add_generation_prompt=True, tokenize=True, return_dict=True)`
-builds: the checkpoint's chat template, tokenizer and image preprocessing, not a re-implementation.
+builds: the checkpoint's chat template (or the server's `--chat-template`), tokenizer and image preprocessing, not a
+re-implementation. A request's `chat_template_kwargs` reach the template as its variables (those it uses).
 """
 
 from __future__ import annotations
@@ -25,8 +26,18 @@ from common.request import ImageInput
 log = logging.getLogger(__name__)
 
 
+# what the processor itself passes to the template: a request's chat_template_kwargs may not set them
+RESERVED_TEMPLATE_VARIABLES = frozenset({"messages", "tools", "documents", "add_generation_prompt",
+                                         "continue_final_message", "chat_template", "tokenize", "return_dict"})
+
+
+class TemplateArgumentError(ValueError):
+    pass
+
+
 class ChatProcessor:
-    def __init__(self, model_dir: str | Path, config: LlavaConfig | None = None):
+    def __init__(self, model_dir: str | Path, config: LlavaConfig | None = None, chat_template: str | None = None):
+        """`chat_template`: a Jinja chat template to use instead of the checkpoint's (vLLM's `--chat-template`)."""
         from transformers import AutoProcessor
         from transformers.utils import logging as hf_logging
 
@@ -37,23 +48,32 @@ class ChatProcessor:
             self.processor = AutoProcessor.from_pretrained(str(model_dir))
         finally:
             hf_logging.set_verbosity(verbosity)
+        if chat_template is not None:
+            self.processor.chat_template = chat_template
         self.tokenizer = self.processor.tokenizer
         self.config = config or LlavaConfig.from_pretrained(model_dir)
+        if chat_template is not None:  # a template that cannot render a plain chat fails here, not at each request
+            try:
+                self.count_prompt_tokens([{"role": "user", "content": [{"type": "text", "text": "Hello"}]}])
+            except Exception as e:
+                raise ValueError(f"the chat template cannot render a one-message chat: {type(e).__name__}: {e}") from None
 
     def apply(self, conversation: list[dict], finish_pixels: bool = True, add_generation_prompt: bool = True,
-              tools: list[dict] | None = None) -> tuple[list[int], list[ImageInput]]:
+              tools: list[dict] | None = None, template_kwargs: dict | None = None) -> tuple[list[int], list[ImageInput]]:
         """HF-format conversation (image parts as {'type': 'image', 'image': PIL.Image}) → token ids, images.
         `finish_pixels=False`: where that is exact (`deferred_scaling`), the images' pixels stop before the
         processor's rescale and normalize steps — uint8, for the worker that encodes to finish.
         `add_generation_prompt=False` (only to tokenize a chat, not to answer it): no assistant turn opened.
-        `tools`: the request's tools, for a template that renders them (HF's `apply_chat_template(tools=...)`)."""
-        return self._apply(conversation, None if finish_pixels else self.deferred_scaling, add_generation_prompt, tools)
+        `tools`: the request's tools, for a template that renders them (HF's `apply_chat_template(tools=...)`);
+        `template_kwargs`: the request's `chat_template_kwargs` (`template_variables` says which the template reads)."""
+        return self._apply(conversation, None if finish_pixels else self.deferred_scaling, add_generation_prompt, tools,
+                           template_kwargs)
 
     def _apply(self, conversation: list[dict], scaling: PixelScaling | None, add_generation_prompt: bool = True,
-               tools: list[dict] | None = None) -> tuple[list[int], list[ImageInput]]:
-        kwargs = {"processor_kwargs": {"do_rescale": False, "do_normalize": False}} if scaling is not None else {}
-        if tools:
-            kwargs["tools"] = tools
+               tools: list[dict] | None = None, template_kwargs: dict | None = None) -> tuple[list[int], list[ImageInput]]:
+        kwargs = self._template_kwargs(tools, template_kwargs)
+        if scaling is not None:
+            kwargs["processor_kwargs"] = {"do_rescale": False, "do_normalize": False}
         batch = self.processor.apply_chat_template(
             self._calls_as_text(conversation), add_generation_prompt=add_generation_prompt, tokenize=True,
             return_dict=True, return_tensors="pt", **kwargs
@@ -115,12 +135,40 @@ class ChatProcessor:
             out.append(m)
         return out
 
-    def count_prompt_tokens(self, conversation: list[dict], tools: list[dict] | None = None) -> int:
+    @functools.cached_property
+    def template_variables(self) -> frozenset[str]:
+        """The variables the chat template reads, but for those the processor sets itself."""
+        from jinja2 import meta
+        from transformers.utils.chat_template_utils import _compile_jinja_template
+
+        template = self.processor.chat_template
+        if not isinstance(template, str):
+            return frozenset()
+        try:
+            environment = _compile_jinja_template(template).environment
+            return frozenset(meta.find_undeclared_variables(environment.parse(template))) - RESERVED_TEMPLATE_VARIABLES
+        except Exception as e:  # a template this cannot read: it takes no request variables
+            log.warning("the chat template's variables could not be read (%s: %s): chat_template_kwargs are ignored",
+                        type(e).__name__, e)
+            return frozenset()
+
+    def _template_kwargs(self, tools: list[dict] | None, given: dict | None) -> dict:
+        """apply_chat_template's keyword arguments for the request's tools and chat_template_kwargs: a kwarg the
+        processor sets itself is refused; one the template does not read is left out (it could change nothing)."""
+        kwargs = {"tools": tools} if tools else {}
+        reserved = sorted(set(given or ()) & RESERVED_TEMPLATE_VARIABLES)
+        if reserved:
+            raise TemplateArgumentError(f"chat_template_kwargs may not set {', '.join(reserved)}: the server sets it")
+        kwargs.update({k: v for k, v in (given or {}).items() if k in self.template_variables})
+        return kwargs
+
+    def count_prompt_tokens(self, conversation: list[dict], tools: list[dict] | None = None,
+                            template_kwargs: dict | None = None) -> int:
         """The prompt's length without preprocessing any image (a fraction of `apply`'s time, so a route can
         be asked for while the pixels are made): the chat template's text tokenized as `apply` does, each
         image placeholder counted as the tokens it expands to. `apply` gives the ids themselves."""
         text = self.processor.apply_chat_template(self._calls_as_text(conversation), add_generation_prompt=True,
-                                                  tokenize=False, **({"tools": tools} if tools else {}))
+                                                  tokenize=False, **self._template_kwargs(tools, template_kwargs))
         bos = self.tokenizer.bos_token
         ids = self.tokenizer(text, add_special_tokens=not (bos is not None and text.startswith(bos)))["input_ids"]
         image_token = self.config.image_token_id

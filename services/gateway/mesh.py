@@ -140,10 +140,11 @@ class MeshBackend(MeshStatus):
         them where that is exact: a quarter of the bytes to send (`common.model.pixels`)."""
         if chat.is_text_completion:
             return self.processor.encode_prompt(chat.prompt)
-        return self.processor.apply(chat.conversation, finish_pixels=False, tools=chat.tool_definitions)
+        return self.processor.apply(chat.conversation, finish_pixels=False, tools=chat.tool_definitions,
+                                    template_kwargs=chat.template_kwargs)
 
     def _count_prompt_tokens(self, chat: ChatRequest) -> int:
-        return self.processor.count_prompt_tokens(chat.conversation, chat.tool_definitions)
+        return self.processor.count_prompt_tokens(chat.conversation, chat.tool_definitions, chat.template_kwargs)
 
     async def _prepare(self, fn, chat: ChatRequest, span=None, inline: bool = False):
         """`fn(chat)`, off the event loop unless `inline`; a conversation the processor refuses is a 400.

@@ -42,6 +42,7 @@ class ChatRequest:
     max_tokens_given: bool = True  # False: `sampling.max_tokens` is a placeholder until the prompt's length is known
     prompt: str | list[int] | None = None  # a text completion's (`/v1/completions`): no chat template, no images
     tools: ToolChoice | None = None  # the tools sent, and whether the answer calls them (`tools.py`)
+    template_kwargs: dict | None = None  # `chat_template_kwargs`: variables for the chat template
 
     @property
     def tool_definitions(self) -> list[dict] | None:
@@ -103,7 +104,26 @@ def parse_chat_request(raw: bytes, served_models: list[str], allow_remote_images
     conversation = parse_conversation(body.get("messages"), allow_remote_images)
     tools = parse_tools(body)
     return ChatRequest(conversation=conversation, sampling=parse_sampling(body, tool_grammar(tools)), tools=tools,
-                       **common_fields(body), max_tokens_given=body.get("max_completion_tokens") is not None or body.get("max_tokens") is not None)
+                       template_kwargs=parse_template_kwargs(body), **common_fields(body), max_tokens_given=body.get("max_completion_tokens") is not None or body.get("max_tokens") is not None)
+
+
+def parse_template_kwargs(body: dict) -> dict | None:
+    """vLLM's `chat_template_kwargs`: an object of variables for the chat template (e.g. {"enable_thinking": false});
+    one the template does not read changes nothing and is left out; one the server sets itself is a 400."""
+    from common.model.processor import RESERVED_TEMPLATE_VARIABLES
+
+    value = body.get("chat_template_kwargs")
+    if value is None or value == {}:
+        return None
+    if not isinstance(value, dict):
+        raise ApiError(400, "'chat_template_kwargs' must be an object of the chat template's variables",
+                       "chat_template_kwargs")
+    reserved = sorted(set(value) & RESERVED_TEMPLATE_VARIABLES)
+    if reserved:
+        raise ApiError(400, f"chat_template_kwargs may not set {', '.join(reserved)}: the server sets "
+                            f"{'them' if len(reserved) > 1 else 'it'} (send it as its own field where there is one)",
+                       "chat_template_kwargs")
+    return value
 
 
 def parse_conversation(messages, allow_remote_images: bool = False) -> list[dict]:
@@ -279,7 +299,6 @@ NEUTRAL_ONLY: dict[str, tuple] = {
     "prompt_logprobs": (None,), "include_stop_str_in_output": (None, False), "skip_special_tokens": (None, True),
     "spaces_between_special_tokens": (None, True), "truncate_prompt_tokens": (None,), "echo": (None, False),
     "add_generation_prompt": (None, True), "continue_final_message": (None, False), "chat_template": (None,),
-    "chat_template_kwargs": (None, {}),
     "guided_grammar": (None,), "allowed_token_ids": (None,), "bad_words": (None, []),
     "logits_processors": (None,), "functions": (None, []), "function_call": (None, "none"), "audio": (None,),
     "prediction": (None,), "web_search_options": (None,), "modalities": (None, ["text"]),
@@ -290,7 +309,7 @@ KNOWN_FIELDS = {
     "top_p", "top_k", "seed", "stop", "stop_token_ids", "ignore_eos", "logprobs", "top_logprobs", "presence_penalty",
     "frequency_penalty", "repetition_penalty", "logit_bias", "min_tokens", "min_p", "return_token_ids", "slo",
     "tools", "tool_choice", "response_format", "user", "metadata", "store", "service_tier", "parallel_tool_calls",
-    "reasoning_effort", "guided_json", "guided_regex", "guided_choice", "structured_outputs",
+    "reasoning_effort", "guided_json", "guided_regex", "guided_choice", "structured_outputs", "chat_template_kwargs",
 }
 _warned: set[str] = set()
 MAX_WARNED_FIELDS = 1000  # names remembered (a body with a million random keys must not grow this without end)

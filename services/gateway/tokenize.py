@@ -3,7 +3,8 @@
   POST /tokenize   {"prompt": "...", "add_special_tokens": true}        a text as /v1/completions tokenizes it
                    {"messages": [...], "add_generation_prompt": true}   a chat as /v1/chat/completions builds its
                                                                         prompt (each image as the tokens it expands to;
-                                                                        "tools" as a chat takes them)
+                                                                        "tools" and "chat_template_kwargs" as a chat
+                                                                        takes them)
                    → {"count", "max_model_len", "tokens", "token_strs"} (the tokens' own strings with
                      "return_token_strs": true, else null)
   POST /detokenize {"tokens": [...]} → {"prompt": "..."}
@@ -16,7 +17,8 @@ from __future__ import annotations
 
 import asyncio
 
-from services.gateway.protocol import INLINE_TOKENIZE_CHARS, ApiError, is_token_id, json_body, parse_conversation
+from services.gateway.protocol import (INLINE_TOKENIZE_CHARS, ApiError, is_token_id, json_body, parse_conversation,
+                                      parse_template_kwargs)
 from services.gateway.tools import parse_tools
 
 
@@ -44,12 +46,14 @@ async def tokenize(raw: bytes, processor, model_name: str, max_model_len: int, m
         if fetcher is not None:
             await fetcher.fetch(conversation)
         tools = parse_tools({"tools": body.get("tools"), "tool_choice": "none"})
+        template_kwargs = parse_template_kwargs(body)
         generation_prompt = _flag(body, "add_generation_prompt", True)
         chars = sum(len(p["text"]) for m in conversation for p in m["content"] if p["type"] == "text")
         images = sum(p["type"] == "image" for m in conversation for p in m["content"])
         work = lambda: processor.apply(conversation, finish_pixels=False,  # noqa: E731
                                        add_generation_prompt=generation_prompt,
-                                       tools=tools.definitions if tools else None)[0]
+                                       tools=tools.definitions if tools else None,
+                                       template_kwargs=template_kwargs)[0]
     if chars > max_text_chars:
         raise ApiError(400, f"{chars} characters of text are more than the model's limit of {max_model_len} tokens "
                             "can hold; send less", "messages" if images or "messages" in body else "prompt")

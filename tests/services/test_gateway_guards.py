@@ -35,7 +35,7 @@ class Processor:
     def __init__(self):
         self.applied = 0
 
-    def apply(self, conversation, finish_pixels=True, tools=None):
+    def apply(self, conversation, finish_pixels=True, **template):
         self.applied += 1
         return [1, 2, 3], []
 

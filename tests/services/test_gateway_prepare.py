@@ -21,12 +21,12 @@ class Processor:
         self.routed, self.refuse, self.num_tokens = routed, refuse, num_tokens
         self.started, self.applied = threading.Event(), threading.Event()
 
-    def count_prompt_tokens(self, conversation, tools=None):
+    def count_prompt_tokens(self, conversation, *template):
         if not self.started.wait(WAIT_S):  # the pixels (`apply`, on its thread) are under way before this
             raise TimeoutError("the prompt was counted before the processor's thread started")
         return self.num_tokens
 
-    def apply(self, conversation, finish_pixels=True, tools=None):
+    def apply(self, conversation, finish_pixels=True, **template):
         self.started.set()
         try:
             if not self.routed.wait(WAIT_S):
