@@ -35,6 +35,7 @@ from common.telemetry.tracing import Tracing
 from services.gateway.completions import parse_completion_request
 from services.gateway.event_stream import EventStream
 from services.gateway.images import ImageFetcher
+from services.gateway import openai_responses
 from services.gateway.observe import RequestObserver
 from services.gateway.protocol import ApiError, ChatRequest, check_length, parse_chat_request
 from services.gateway.responses import Logprobs, Prepended, collect, completion, internal_error, sse
@@ -155,8 +156,16 @@ def build_app(backend, model_name: str, allow_remote_images: bool = False, metri
     async def text_completions(http: HttpRequest) -> Response:
         return await completions(http, parse_completion, "cmpl", "text_completion")
 
-    async def completions(http: HttpRequest, parse, id_prefix: str, operation: str) -> Response:
-        """Either kind: a chat (messages, images) or a text completion (a prompt as it is); the same stages."""
+    def parse_response(body: bytes) -> ChatRequest:
+        return openai_responses.parse_responses_request(body, [model_name], fetcher is not None)
+
+    async def responses_endpoint(http: HttpRequest) -> Response:
+        return await completions(http, parse_response, "resp", "chat", openai_responses.stream, openai_responses.whole)
+
+    async def completions(http: HttpRequest, parse, id_prefix: str, operation: str, stream=sse,
+                          whole=completion) -> Response:
+        """Any kind: a chat (messages, images), a text completion (a prompt as it is), or a chat asked for by the
+        Responses API; the same stages. `stream` and `whole` shape the answer (`responses.py`, `openai_responses.py`)."""
         observer = RequestObserver(metrics, tracing, http.headers, model_name, operation)
         try:
             body = await _read_body(http)
@@ -189,7 +198,7 @@ def build_app(backend, model_name: str, allow_remote_images: bool = False, metri
         streams = [observer.observe(stream, num_prompt) for stream in streams]
         logprobs = Logprobs(backend.processor.token_text) if chat.sampling.logprobs is not None else None
         if chat.stream:
-            events = sse(chat, request_id, model_name, num_prompt, streams, backend.detokenize, logprobs)
+            events = stream(chat, request_id, model_name, num_prompt, streams, backend.detokenize, logprobs)
             return EventStream(events)
         try:
             results = await _unless_client_leaves(http, collect(streams, logprobs))
@@ -200,8 +209,8 @@ def build_app(backend, model_name: str, allow_remote_images: bool = False, metri
         except Exception as e:
             log.exception("request failed")
             return JSONResponse(internal_error(e).body(), status_code=500)
-        return JSONResponse(completion(chat, request_id, model_name, num_prompt, results, backend.detokenize,
-                                       logprobs is not None))
+        return JSONResponse(whole(chat, request_id, model_name, num_prompt, results, backend.detokenize,
+                                  logprobs is not None))
 
     routes = [
         Route("/health", health),
@@ -213,6 +222,7 @@ def build_app(backend, model_name: str, allow_remote_images: bool = False, metri
         Route("/metrics", prometheus),
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
         Route("/v1/completions", text_completions, methods=["POST"]),
+        Route("/v1/responses", responses_endpoint, methods=["POST"]),
     ]
     return Starlette(routes=routes, lifespan=_lifespan(backend, fetcher),
                      exception_handlers={404: _not_found(routes), 405: _wrong_method(routes)})

@@ -43,6 +43,7 @@ class ChatRequest:
     prompt: str | list[int] | None = None  # a text completion's (`/v1/completions`): no chat template, no images
     tools: ToolChoice | None = None  # the tools sent, and whether the answer calls them (`tools.py`)
     template_kwargs: dict | None = None  # `chat_template_kwargs`: variables for the chat template
+    echo: dict | None = None  # a /v1/responses request's own fields, which its response object repeats
 
     @property
     def tool_definitions(self) -> list[dict] | None:
@@ -98,9 +99,13 @@ def check_length(num_tokens: int, max_tokens: int, max_model_len: int, max_token
 
 
 def parse_chat_request(raw: bytes, served_models: list[str], allow_remote_images: bool = False) -> ChatRequest:
+    return parse_chat_body(json_body(raw, served_models), allow_remote_images)
+
+
+def parse_chat_body(body: dict, allow_remote_images: bool = False) -> ChatRequest:
+    """A chat-completions body (a JSON object naming a served model) as the request it asks for."""
     from services.gateway.tools import parse_tools, tool_grammar  # here: it raises this module's ApiError
 
-    body = json_body(raw, served_models)
     conversation = parse_conversation(body.get("messages"), allow_remote_images)
     tools = parse_tools(body)
     return ChatRequest(conversation=conversation, sampling=parse_sampling(body, tool_grammar(tools)), tools=tools,
@@ -284,8 +289,13 @@ def _refuse_unsupported(body: dict) -> None:
         if key in body and body[key] not in neutral:
             raise ApiError(400, f"'{key}' is not supported by this server (it would change the answer); leave it out",
                            key)
-    if len(_warned) < MAX_WARNED_FIELDS and (unknown := sorted(set(body) - KNOWN_FIELDS - NEUTRAL_ONLY.keys() - _warned)):
-        # as vLLM does: served, and said once in the log (a typo of a known field shows up here)
+    warn_unknown(body, KNOWN_FIELDS | NEUTRAL_ONLY.keys())
+
+
+def warn_unknown(body: dict, known) -> None:
+    """As vLLM does: fields neither OpenAI nor this server knows are served, and named once in the log (a typo of a
+    known field shows up here)."""
+    if len(_warned) < MAX_WARNED_FIELDS and (unknown := sorted(set(body) - set(known) - _warned)):
         unknown = unknown[:MAX_WARNED_FIELDS - len(_warned)]
         _warned.update(unknown)
         log.warning("request fields ignored (not OpenAI's or this server's): %s", ", ".join(unknown[:10]) +

@@ -144,7 +144,7 @@ async def sse(chat: ChatRequest, request_id: str, model: str, num_prompt: int, s
         return f"data: {json.dumps(body)}\n\n"
 
     finals: list[RequestOutput | None] = [None] * len(streams)
-    deltas = [_choice_deltas(i, chat, stream, detokenize, logprobs, finals) for i, stream in enumerate(streams)]
+    deltas = [choice_deltas(i, chat, stream, detokenize, logprobs, finals) for i, stream in enumerate(streams)]
     held = ""  # the role chunks, sent with the first token's: it is already here, and one write is one wake-up less
     try:
         async with contextlib.aclosing(deltas[0] if len(deltas) == 1 else _merged(deltas)) as choices:
@@ -168,7 +168,7 @@ async def sse(chat: ChatRequest, request_id: str, model: str, num_prompt: int, s
     yield "data: [DONE]\n\n"
 
 
-async def _choice_deltas(index: int, chat: ChatRequest, outputs: AsyncIterator[RequestOutput], detokenize,
+async def choice_deltas(index: int, chat: ChatRequest, outputs: AsyncIterator[RequestOutput], detokenize,
                          logprobs: Logprobs | None, finals: list) -> AsyncIterator[dict]:
     """One choice's `choices` entries: its role (a chat's), then text deltas as tokens come (held back by the longest
     stop string's length but one, so a stop string is never half sent), then the rest with its finish reason. An

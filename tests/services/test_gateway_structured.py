@@ -184,3 +184,36 @@ def test_an_api_key_is_needed_everywhere_but_health_and_metrics_and_a_request_id
     assert bad.status_code == 404 and bad.headers["x-request-id"] == "client-42"
     assert httpx.post(f"{server}/v1/chat/completions", json={"x": 1}, headers={"X-Request-Id": "id-9"}).headers[
         "x-request-id"] == "id-9"  # refused for its key, still answered with its id
+
+
+def test_the_responses_api_gives_the_chats_tokens_whole_and_streamed_text_and_calls(server):
+    client = openai.OpenAI(base_url=f"{server}/v1", api_key=KEY)
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "system", "content": "Be brief."}, *ASK],
+                                          max_tokens=8, temperature=0)
+    answer = client.responses.create(model=MODEL, instructions="Be brief.", input=ASK[0]["content"], max_output_tokens=8,
+                                     temperature=0)
+    assert answer.output_text == chat.choices[0].message.content and answer.id.startswith("resp_")
+    assert answer.status == "incomplete" and answer.incomplete_details.reason == "max_output_tokens"
+    assert (answer.usage.input_tokens, answer.usage.output_tokens) == (chat.usage.prompt_tokens, 8)
+    events = list(client.responses.create(model=MODEL, instructions="Be brief.", input=ASK[0]["content"],
+                                          max_output_tokens=8, temperature=0, stream=True))
+    kinds = [e.type for e in events]
+    assert kinds[:4] == ["response.created", "response.in_progress", "response.output_item.added",
+                         "response.content_part.added"] and kinds[-1] == "response.incomplete"
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == answer.output_text
+    assert events[-1].response.output_text == answer.output_text
+    tools = [{"type": "function", **WEATHER["function"]}, {"type": "function", **CLOCK["function"]}]
+    required = client.chat.completions.create(model=MODEL, messages=ASK, tools=[WEATHER, CLOCK], tool_choice="required",
+                                              parallel_tool_calls=False, max_tokens=80, temperature=0)
+    called = client.responses.create(model=MODEL, input=ASK, tools=tools, tool_choice="required",
+                                     parallel_tool_calls=False, max_output_tokens=80, temperature=0)
+    (call,), (expected,) = called.output, required.choices[0].message.tool_calls
+    assert call.type == "function_call" and called.status == "completed"
+    assert (call.name, call.arguments, call.call_id.startswith("call_")) == (expected.function.name,
+                                                                              expected.function.arguments, True)
+    streamed = list(client.responses.create(model=MODEL, input=ASK, tools=tools, tool_choice="required",
+                                            parallel_tool_calls=False, max_output_tokens=80, temperature=0, stream=True))
+    pieces = "".join(e.delta for e in streamed if e.type == "response.function_call_arguments.delta")
+    assert pieces == call.arguments and streamed[-1].type == "response.completed"
+    assert_pools_full(server, headers=AUTH)

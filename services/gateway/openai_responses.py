@@ -1,0 +1,305 @@
+"""OpenAI's Responses API (`POST /v1/responses`), as vLLM serves it: the request is read as the chat it is and goes
+through the same stages; the answer comes back as a `response` object, or streamed as its typed events.
+
+What a request is read as (everything else a chat takes, the same way):
+  input            a string (one user message), or items: messages (`input_text`, `input_image` with a data URI or,
+                   where allowed, an http(s) URL; an assistant's `output_text`), `function_call` (a call made
+                   earlier) and `function_call_output` (its result)
+  instructions     a system message before them
+  max_output_tokens, temperature, top_p   as max_tokens, temperature, top_p
+  text.format      {"type": "text" | "json_object" | "json_schema", name, schema, strict}  as response_format
+  tools, tool_choice, parallel_tool_calls  function tools (flat: {type, name, description, parameters, strict}) and
+                   "none" / "required" / {"type": "function", "name"}; as a chat's (`tools.py`; "auto" refused)
+Not kept: nothing is stored (`store` changes nothing here), so `previous_response_id` and `conversation` are refused:
+send the conversation so far in `input`. `background`, `include`, `top_logprobs`, `prompt`, `max_tool_calls` and
+`truncation: "auto"` are refused; `reasoning`, `metadata`, `user` and the like are taken as they change no answer.
+
+Streamed: response.created, response.in_progress, then per output item its `output_item.added`, its deltas
+(`output_text.delta` or `function_call_arguments.delta`) and its `done` events, and last `response.completed` (or
+`response.incomplete` when max_output_tokens cut it) with the whole response; each event numbered by
+`sequence_number`, as `event: <type>` + `data: <json>` frames.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import time
+from collections.abc import AsyncIterator
+
+from common.engine.outputs import RequestOutput
+from services.gateway.errors import ApiError
+from services.gateway.protocol import ChatRequest, json_body, parse_chat_body, warn_unknown
+from services.gateway.responses import choice_deltas, internal_error
+from services.gateway.tools import ToolCallStream
+
+log = logging.getLogger(__name__)
+
+# taken from the request and passed on as a chat's fields of the same meaning
+PASSED = ("stream", "temperature", "top_p", "parallel_tool_calls", "seed", "top_k", "min_p", "repetition_penalty",
+          "stop", "min_tokens", "ignore_eos", "slo", "chat_template_kwargs", "logit_bias")
+REFUSED = ("previous_response_id", "conversation", "background", "prompt", "max_tool_calls")
+ECHOED = ("instructions", "metadata", "user", "temperature", "top_p", "max_output_tokens", "parallel_tool_calls",
+          "tool_choice", "tools", "text", "reasoning", "service_tier", "truncation")
+KNOWN = {"model", "input", "instructions", "max_output_tokens", "text", "tools", "tool_choice", "include",
+         "top_logprobs", "truncation", "store", "metadata", "user", "reasoning", "service_tier", "safety_identifier",
+         "prompt_cache_key", "stream_options", *PASSED, *REFUSED}
+
+
+def parse_responses_request(raw: bytes, served_models: list[str], allow_remote_images: bool = False) -> ChatRequest:
+    body = json_body(raw, served_models)
+    for key in REFUSED:
+        if body.get(key) is not None:
+            raise ApiError(400, f"'{key}' is not supported: this server keeps no responses; send the whole conversation "
+                                "in 'input'" if key in ("previous_response_id", "conversation")
+                           else f"'{key}' is not supported by this server; leave it out", key)
+    if body.get("include") or body.get("top_logprobs"):
+        key = "include" if body.get("include") else "top_logprobs"
+        raise ApiError(400, f"'{key}' is not supported by this server (logprobs come with /v1/chat/completions)", key)
+    if body.get("truncation") not in (None, "disabled"):
+        raise ApiError(400, "truncation \"auto\" is not supported: a conversation that does not fit is a 400, not cut",
+                       "truncation")
+    warn_unknown(body, KNOWN)
+    instructions = body.get("instructions")
+    if instructions is not None and not isinstance(instructions, str):
+        raise ApiError(400, "'instructions' must be a string", "instructions")
+    messages = ([{"role": "system", "content": instructions}] if instructions else []) + _messages(body.get("input"))
+    chat = {"model": body["model"], "messages": messages, **{k: body[k] for k in PASSED if k in body}}
+    if body.get("max_output_tokens") is not None:
+        chat["max_tokens"] = body["max_output_tokens"]
+    response_format = _response_format(body.get("text"))
+    if response_format is not None:
+        chat["response_format"] = response_format
+    if body.get("tools"):
+        chat["tools"] = [_tool(t, i) for i, t in enumerate(_listed(body["tools"], "tools"))]
+    if body.get("tool_choice") is not None:
+        choice = body["tool_choice"]
+        chat["tool_choice"] = {"type": "function", "function": {"name": choice.get("name")}} \
+            if isinstance(choice, dict) and choice.get("type") == "function" else choice
+    request = parse_chat_body(chat, allow_remote_images)
+    request.echo = {k: body.get(k) for k in ECHOED}
+    return request
+
+
+def _listed(value, name: str) -> list:
+    if not isinstance(value, list):
+        raise ApiError(400, f"'{name}' must be a list", name)
+    return value
+
+
+def _messages(items) -> list[dict]:
+    """`input` as a chat's messages: consecutive function calls become one assistant message with tool_calls."""
+    if isinstance(items, str):
+        return [{"role": "user", "content": items}]
+    if not isinstance(items, list) or not items:
+        raise ApiError(400, "'input' must be a string or a non-empty list of input items", "input")
+    out: list[dict] = []
+    for i, item in enumerate(items):
+        where = f"input[{i}]"
+        kind = item.get("type", "message") if isinstance(item, dict) else None
+        if kind == "message":
+            out.append({"role": item.get("role"), "content": _content(item.get("content"), where)})
+        elif kind == "function_call":
+            call = {"id": item.get("call_id"), "type": "function",
+                    "function": {"name": item.get("name"), "arguments": item.get("arguments", "{}")}}
+            if out and out[-1]["role"] == "assistant" and out[-1].get("tool_calls") is not None and not out[-1]["content"]:
+                out[-1]["tool_calls"].append(call)
+            else:
+                out.append({"role": "assistant", "content": None, "tool_calls": [call]})
+        elif kind == "function_call_output":
+            output = item.get("output")
+            if not isinstance(output, str):
+                output = json.dumps(output) if output is not None else ""
+            out.append({"role": "tool", "tool_call_id": item.get("call_id"), "content": output})
+        else:
+            raise ApiError(400, f"{where} must be a message, a function_call or a function_call_output item, got "
+                                f"{kind!r}", "input")
+    return out
+
+
+def _content(content, where: str):
+    """A message's content in the chat form: input_text / output_text → text parts, input_image → image_url parts."""
+    if isinstance(content, str) or content is None:
+        return content
+    if not isinstance(content, list):
+        raise ApiError(400, f"{where}.content must be a string or a list of content parts", "input")
+    parts = []
+    for j, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind in ("input_text", "output_text", "text"):
+            parts.append({"type": "text", "text": part.get("text")})
+        elif kind == "input_image":
+            url = part.get("image_url")
+            if not isinstance(url, str):
+                raise ApiError(400, f"{where}.content[{j}]: an input_image needs an image_url (a data URI; file ids are "
+                                    "not supported)", "input")
+            parts.append({"type": "image_url", "image_url": {"url": url}})
+        else:
+            raise ApiError(400, f"{where}.content[{j}] must be input_text, input_image or output_text, got {kind!r}",
+                           "input")
+    return parts
+
+
+def _response_format(text) -> dict | None:
+    if text is None:
+        return None
+    form = text.get("format") if isinstance(text, dict) else None
+    if not isinstance(text, dict) or (form is not None and not isinstance(form, dict)):
+        raise ApiError(400, "'text' must be {\"format\": {\"type\": \"text\" | \"json_object\" | \"json_schema\", ...}}",
+                       "text")
+    if form is None or form.get("type") == "text":
+        return None
+    if form.get("type") == "json_schema":
+        return {"type": "json_schema", "json_schema": {k: form[k] for k in ("name", "schema", "strict") if k in form}}
+    return form
+
+
+def _tool(tool, i: int) -> dict:
+    if not isinstance(tool, dict) or tool.get("type") != "function":
+        raise ApiError(400, f"tools[{i}]: only function tools are supported (type \"function\", name, parameters)",
+                       "tools")
+    return {"type": "function", "function": {k: tool[k] for k in ("name", "description", "parameters", "strict")
+                                             if k in tool}}
+
+
+class _Ids:
+    """The response's id and its items' ids, from the request's."""
+
+    def __init__(self, request_id: str):
+        self.hex = request_id.split("-", 1)[-1]
+        self.response = f"resp_{self.hex}"
+        self.message = f"msg_{self.hex}"
+
+    def call(self, index: int) -> str:
+        return f"fc_{self.hex}_{index}"
+
+
+def _status(out: RequestOutput | None) -> tuple[str, dict | None]:
+    reason = out.finish_reason if out is not None else None
+    if reason == "length":
+        return "incomplete", {"reason": "max_output_tokens"}
+    if reason == "abort":
+        return "incomplete", {"reason": "aborted"}
+    return "completed", None
+
+
+def _response(chat: ChatRequest, ids: _Ids, model: str, created: float, status: str, output: list[dict],
+              usage: dict | None, incomplete: dict | None = None) -> dict:
+    echo = chat.echo or {}
+    return {"id": ids.response, "object": "response", "created_at": created, "status": status, "model": model,
+            "output": output, "error": None, "incomplete_details": incomplete,
+            "instructions": echo.get("instructions"), "metadata": echo.get("metadata") or {},
+            "max_output_tokens": echo.get("max_output_tokens"), "temperature": echo.get("temperature"),
+            "top_p": echo.get("top_p"), "parallel_tool_calls": echo.get("parallel_tool_calls") is not False,
+            "tool_choice": echo.get("tool_choice") or ("auto" if echo.get("tools") else "none"),
+            "tools": echo.get("tools") or [], "text": echo.get("text") or {"format": {"type": "text"}},
+            "reasoning": echo.get("reasoning"), "truncation": echo.get("truncation") or "disabled",
+            "user": echo.get("user"), "previous_response_id": None, "store": False, "usage": usage}
+
+
+def _usage(num_prompt: int, out: RequestOutput | None) -> dict:
+    n = len(out.output_token_ids) if out is not None else 0
+    return {"input_tokens": num_prompt, "input_tokens_details": {"cached_tokens": 0}, "output_tokens": n,
+            "output_tokens_details": {"reasoning_tokens": 0}, "total_tokens": num_prompt + n}
+
+
+def _items(chat: ChatRequest, ids: _Ids, text: str, calls: list[dict], status: str) -> list[dict]:
+    """The answer's output items: its function calls, or its text as one message."""
+    if calls:
+        return [{"type": "function_call", "id": ids.call(i), "call_id": c["id"], "name": c["function"]["name"],
+                 "arguments": c["function"]["arguments"], "status": "completed"} for i, c in enumerate(calls)]
+    return [{"type": "message", "id": ids.message, "status": status, "role": "assistant",
+             "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}]}]
+
+
+def whole(chat: ChatRequest, request_id: str, model: str, num_prompt: int,
+          results: list[tuple[RequestOutput, list[dict]]], detokenize, with_logprobs: bool) -> dict:
+    """The answer as one `response` object."""
+    (out, _), = results
+    text = out.text if out.text is not None else detokenize(out.output_token_ids)
+    calls = []
+    if chat.tools is not None and chat.tools.calls:
+        stream = ToolCallStream(chat.tools)
+        stream.feed(text)
+        calls = stream.calls()
+    status, incomplete = _status(out)
+    ids = _Ids(request_id)
+    return _response(chat, ids, model, time.time(), status, _items(chat, ids, text, calls, status),
+                     _usage(num_prompt, out), incomplete)
+
+
+async def stream(chat: ChatRequest, request_id: str, model: str, num_prompt: int,
+                 streams: list[AsyncIterator[RequestOutput]], detokenize, logprobs=None) -> AsyncIterator[str]:
+    """The answer as the Responses API's typed events."""
+    ids, created, seq = _Ids(request_id), time.time(), 0
+    finals: list = [None]
+    text, calls = "", {}  # the message's text so far; per call index, its output item
+
+    def event(kind: str, **fields) -> str:
+        nonlocal seq
+        seq += 1
+        return f"event: {kind}\ndata: {json.dumps({'type': kind, 'sequence_number': seq - 1, **fields})}\n\n"
+
+    skeleton = _response(chat, ids, model, created, "in_progress", [], None)
+    pending = event("response.created", response=skeleton) + event("response.in_progress", response=skeleton)
+    message_open = False
+    try:
+        async with contextlib.aclosing(choice_deltas(0, chat, streams[0], detokenize, None, finals)) as deltas:
+            async for choice in deltas:
+                delta, frames = choice.get("delta", {}), []
+                if delta.get("content"):
+                    if not message_open:
+                        message_open = True
+                        item = {"type": "message", "id": ids.message, "status": "in_progress", "role": "assistant",
+                                "content": []}
+                        frames += [event("response.output_item.added", output_index=0, item=item),
+                                   event("response.content_part.added", item_id=ids.message, output_index=0,
+                                         content_index=0, part={"type": "output_text", "text": "", "annotations": []})]
+                    text += delta["content"]
+                    frames.append(event("response.output_text.delta", item_id=ids.message, output_index=0,
+                                        content_index=0, delta=delta["content"], logprobs=[]))
+                for entry in delta.get("tool_calls") or ():
+                    index = entry["index"]
+                    if index not in calls:
+                        calls[index] = {"type": "function_call", "id": ids.call(index), "call_id": entry["id"],
+                                        "name": entry["function"]["name"], "arguments": "", "status": "in_progress"}
+                        frames.append(event("response.output_item.added", output_index=index, item=dict(calls[index])))
+                    piece = entry["function"].get("arguments") or ""
+                    if piece:
+                        calls[index]["arguments"] += piece
+                        frames.append(event("response.function_call_arguments.delta", item_id=ids.call(index),
+                                            output_index=index, delta=piece))
+                if frames:
+                    yield pending + "".join(frames)
+                    pending = ""
+    except Exception as e:  # a stage failed mid-stream (or a bug of ours): say so, as OpenAI's stream does
+        if not isinstance(e, ApiError):
+            log.exception("response %s failed mid-stream", ids.response)
+            e = internal_error(e)
+        yield pending + event("error", code=str(e.status), message=e.message, param=e.param)
+        return
+    status, incomplete = _status(finals[0])
+    frames = [pending]
+    if calls:
+        output = []
+        for index in sorted(calls):
+            item = {**calls[index], "status": "completed"}
+            frames += [event("response.function_call_arguments.done", item_id=item["id"], output_index=index,
+                             arguments=item["arguments"]),
+                       event("response.output_item.done", output_index=index, item=item)]
+            output.append(item)
+    else:
+        output = _items(chat, ids, text, [], status)
+        part = output[0]["content"][0]
+        if not message_open:  # nothing came: the item still opens and closes, as OpenAI's stream does
+            frames += [event("response.output_item.added", output_index=0, item={**output[0], "content": []}),
+                       event("response.content_part.added", item_id=ids.message, output_index=0, content_index=0,
+                             part={**part, "text": ""})]
+        frames += [event("response.output_text.done", item_id=ids.message, output_index=0, content_index=0, text=text,
+                         logprobs=[]),
+                   event("response.content_part.done", item_id=ids.message, output_index=0, content_index=0, part=part),
+                   event("response.output_item.done", output_index=0, item=output[0])]
+    final = _response(chat, ids, model, created, status, output, _usage(num_prompt, finals[0]), incomplete)
+    frames.append(event("response.completed" if status == "completed" else "response.incomplete", response=final))
+    yield "".join(frames)
