@@ -110,13 +110,12 @@ def _cmd_serve(args) -> int:
 
         return serve_mesh(args)
     from common.engine.async_engine import AsyncEngine
-    from common.model.processor import ChatProcessor
     from services.gateway.app import LocalBackend
     from services.worker.server import build_engine
 
     _serving_process(args)
     metrics, tracing = _gateway_telemetry(args)
-    processor = ChatProcessor(args.model, chat_template=chat_template(args))
+    processor = _chat_processor(args)
     engine = AsyncEngine(build_engine(_engine_config(args), _emulation(args)))
     logging.getLogger("epdmesh").info("serving %s (%s) in one process on http://%s:%d/v1", args.served_model_name,
                                       args.model, args.host, args.port)
@@ -161,6 +160,18 @@ def _cmd_toggle(args) -> int:
     return 0
 
 
+def _chat_processor(args, config=None):
+    """The gateway's processor, with the `--chat-template` if one is given (one that cannot render a chat: exit)."""
+    from common.model.processor import ChatProcessor
+
+    try:
+        return ChatProcessor(args.model, config, chat_template(args))
+    except ValueError as e:
+        if args.chat_template is None:
+            raise
+        raise SystemExit(f"--chat-template: {e}") from None
+
+
 def _serve_http(backend, args, metrics, tracing, log_level: str) -> None:
     """The gateway's HTTP API over `backend`, behind its edge (API keys, request ids), until the server stops."""
     import uvicorn
@@ -176,7 +187,6 @@ def _serve_http(backend, args, metrics, tracing, log_level: str) -> None:
 def _cmd_gateway(args) -> int:
     from common.memory import keep_freed_memory
     from common.model.config import LlavaConfig
-    from common.model.processor import ChatProcessor
     from services.gateway.mesh import MeshBackend
 
     _resolve_model(args)
@@ -186,7 +196,7 @@ def _cmd_gateway(args) -> int:
     limit = config.text.max_position_embeddings
     max_model_len = min(args.max_model_len or limit, limit)
     router = _gateway_router(args, tracing) if args.redis_url else None
-    processor = ChatProcessor(args.model, config, chat_template(args))
+    processor = _chat_processor(args, config)
     pixels = "uint8, finished by the encoder" if processor.deferred_scaling is not None else "float32"
     backend = MeshBackend(processor, args.toggle, max_model_len, metrics, tracing, router, args.stage_calls)
     logging.getLogger("epdmesh").info("gateway for %s on http://%s:%d/v1, toggle %s, routing %s, image pixels sent as %s",

@@ -8,6 +8,7 @@ re-implementation. A request's `chat_template_kwargs` reach the template as its 
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import json
@@ -26,9 +27,24 @@ from common.request import ImageInput
 log = logging.getLogger(__name__)
 
 
-# what the processor itself passes to the template: a request's chat_template_kwargs may not set them
+# what the processor itself passes to the template (the tokenizer's special tokens too): a request's
+# chat_template_kwargs may not set them
 RESERVED_TEMPLATE_VARIABLES = frozenset({"messages", "tools", "documents", "add_generation_prompt",
-                                         "continue_final_message", "chat_template", "tokenize", "return_dict"})
+                                         "continue_final_message", "chat_template", "tokenize", "return_dict",
+                                         "bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token",
+                                         "mask_token", "additional_special_tokens"})
+
+
+@contextlib.contextmanager
+def _template_refusals():
+    """The chat template refusing the chat (its `raise_exception(...)`, e.g. "roles must alternate") or failing on
+    it: a ValueError with the template's words, which the gateway answers as the client's 400."""
+    from jinja2 import TemplateError
+
+    try:
+        yield
+    except TemplateError as e:
+        raise ValueError(f"the chat template refused the chat: {e}") from None
 
 
 class TemplateArgumentError(ValueError):
@@ -74,10 +90,11 @@ class ChatProcessor:
         kwargs = self._template_kwargs(tools, template_kwargs)
         if scaling is not None:
             kwargs["processor_kwargs"] = {"do_rescale": False, "do_normalize": False}
-        batch = self.processor.apply_chat_template(
-            self._calls_as_text(conversation), add_generation_prompt=add_generation_prompt, tokenize=True,
-            return_dict=True, return_tensors="pt", **kwargs
-        )
+        with _template_refusals():
+            batch = self.processor.apply_chat_template(
+                self._calls_as_text(conversation), add_generation_prompt=add_generation_prompt, tokenize=True,
+                return_dict=True, return_tensors="pt", **kwargs
+            )
         ids = batch["input_ids"][0].tolist()
         images = []
         if "pixel_values" in batch:
@@ -167,8 +184,9 @@ class ChatProcessor:
         """The prompt's length without preprocessing any image (a fraction of `apply`'s time, so a route can
         be asked for while the pixels are made): the chat template's text tokenized as `apply` does, each
         image placeholder counted as the tokens it expands to. `apply` gives the ids themselves."""
-        text = self.processor.apply_chat_template(self._calls_as_text(conversation), add_generation_prompt=True,
-                                                  tokenize=False, **self._template_kwargs(tools, template_kwargs))
+        with _template_refusals():
+            text = self.processor.apply_chat_template(self._calls_as_text(conversation), add_generation_prompt=True,
+                                                      tokenize=False, **self._template_kwargs(tools, template_kwargs))
         bos = self.tokenizer.bos_token
         ids = self.tokenizer(text, add_special_tokens=not (bos is not None and text.startswith(bos)))["input_ids"]
         image_token = self.config.image_token_id

@@ -160,12 +160,14 @@ def build_app(backend, model_name: str, allow_remote_images: bool = False, metri
         return openai_responses.parse_responses_request(body, [model_name], fetcher is not None)
 
     async def responses_endpoint(http: HttpRequest) -> Response:
-        return await completions(http, parse_response, "resp", "chat", openai_responses.stream, openai_responses.whole)
+        return await completions(http, parse_response, "resp", "chat", openai_responses.stream, openai_responses.whole,
+                                 openai_responses.in_responses_terms)
 
     async def completions(http: HttpRequest, parse, id_prefix: str, operation: str, stream=sse,
-                          whole=completion) -> Response:
+                          whole=completion, terms=lambda error: error) -> Response:
         """Any kind: a chat (messages, images), a text completion (a prompt as it is), or a chat asked for by the
-        Responses API; the same stages. `stream` and `whole` shape the answer (`responses.py`, `openai_responses.py`)."""
+        Responses API; the same stages. `stream` and `whole` shape the answer (`responses.py`, `openai_responses.py`);
+        `terms` words an error the way the request's API names its fields."""
         observer = RequestObserver(metrics, tracing, http.headers, model_name, operation)
         try:
             body = await _read_body(http)
@@ -174,14 +176,15 @@ def build_app(backend, model_name: str, allow_remote_images: bool = False, metri
                     chat = await asyncio.to_thread(parse, body)
                 else:
                     chat = parse(body)
+            _check_fits(chat, backend)  # before fetching: what cannot fit is refused without downloading it
             if fetcher is not None and fetcher.pending(chat.conversation):
                 with tracing.activate(observer.span), tracing.span("fetch_images"):
                     await _unless_client_leaves(http, fetcher.fetch(chat.conversation))
-            _check_fits(chat, backend)
             request_id = f"{id_prefix}-{uuid.uuid4().hex}"
             observer.request(chat, request_id)
             num_prompt, streams = await _unless_client_leaves(http, _start(backend, chat, request_id, observer.span))
         except ApiError as e:
+            e = terms(e)
             observer.failed(e.status, e.message)
             return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
         except ClientDisconnect:  # gone while sending its body: nobody to answer, and not an error of ours
@@ -274,7 +277,7 @@ def _check_fits(chat: ChatRequest, backend) -> None:
 async def _answer(http: HttpRequest, work) -> Response:
     """`await work(body)` as JSON: an ApiError as OpenAI's error JSON, a client gone as nothing."""
     try:
-        return JSONResponse(await work(await _read_body(http)))
+        return JSONResponse(await _unless_client_leaves(http, work(await _read_body(http))))
     except ApiError as e:
         return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
     except ClientDisconnect:

@@ -36,12 +36,16 @@ def image_part(url, where: str, allow_remote: bool) -> dict:
     "image", "url", "where"} until `ImageFetcher.fetch` puts the image in."""
     if not isinstance(url, str) or not url:
         raise ApiError(400, f"{where}.image_url.url must be a string", "messages")
-    if url.startswith(("http://", "https://")):
+    if url[:8].lower().startswith(("http://", "https://")):
         if not allow_remote:
             raise ApiError(400, f"{where}: remote image URLs are disabled on this server; send the image inline as a "
                                 f"base64 data URI (data:image/png;base64,...)", "messages")
-        if not urlsplit(url).hostname:
-            raise ApiError(400, f"{where}: the image URL {url!r} names no host", "messages")
+        try:
+            host = urlsplit(url).hostname
+        except ValueError as e:  # e.g. an unclosed IPv6 bracket
+            raise ApiError(400, f"{where}: the image URL {url[:200]!r} is not a URL ({e})", "messages") from None
+        if not host:
+            raise ApiError(400, f"{where}: the image URL {url[:200]!r} names no host", "messages")
         return {"type": "image", "url": url, "where": where}
     if not url.startswith("data:") or ";base64," not in url:
         raise ApiError(400, f"{where}: image URL must be a base64 data URI like data:image/png;base64,..."
@@ -57,7 +61,8 @@ def image_part(url, where: str, allow_remote: bool) -> dict:
 
 
 def decode_image(data: bytes, where: str) -> Image.Image:
-    """An image file's bytes as an RGB image, after the checks that keep a small file from costing gigabytes."""
+    """An image file's bytes as an RGB image, after the checks that keep a small file from costing gigabytes.
+    `where`: the image as the client knows it (its place in the request, and its URL when fetched)."""
     try:
         with Image.open(io.BytesIO(data)) as probe:
             if probe.width * probe.height > MAX_IMAGE_PIXELS:
@@ -72,7 +77,10 @@ def decode_image(data: bytes, where: str) -> Image.Image:
         return image.convert("RGB")
     except ApiError:
         raise
-    except (UnidentifiedImageError, OSError, SyntaxError, ValueError, Image.DecompressionBombError) as e:
+    except UnidentifiedImageError:
+        raise ApiError(400, f"{where}: not an image this server can read (PNG, JPEG, WebP, GIF, BMP, ...)",
+                       "messages") from None
+    except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as e:
         raise ApiError(400, f"{where}: could not decode the image ({e.__class__.__name__}: {e})", "messages") from None
 
 
@@ -105,10 +113,19 @@ class ImageFetcher:
         pending = self.pending(conversation)
         if not pending:
             return
-        images = await asyncio.gather(*(self._one(part["url"], part["where"]) for part in pending))
-        for part, image in zip(pending, images, strict=True):
+        tasks = [asyncio.ensure_future(self._one(part["url"], part["where"])) for part in pending]
+        try:
+            await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+            failed = next((t for t in tasks if t.done() and t.exception() is not None), None)
+            if failed is not None:
+                raise failed.exception()
+        finally:  # one failed (or the client left): the rest stop now, not after downloading for nothing
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+        for part, task in zip(pending, tasks, strict=True):
             del part["url"], part["where"]
-            part["image"] = image
+            part["image"] = task.result()
 
     async def _one(self, url: str, where: str) -> Image.Image:
         if not self.allowed(urlsplit(url).hostname):
@@ -126,10 +143,10 @@ class ImageFetcher:
                                 f"{', '.join(self.allowed_domains)})", "messages") from None
         except httpx.TooManyRedirects:
             raise ApiError(400, f"{where}: {url} redirects more than {MAX_REDIRECTS} times", "messages") from None
-        except (httpx.HTTPError, OSError) as e:
-            raise ApiError(400, f"{where}: could not fetch {url} ({type(e).__name__}: {e or 'no detail'})",
+        except (httpx.HTTPError, httpx.InvalidURL, OSError, ValueError) as e:  # ValueError: e.g. a host idna refuses
+            raise ApiError(400, f"{where}: could not fetch {url} ({type(e).__name__}: {str(e) or 'no detail'})",
                            "messages") from None
-        return await asyncio.to_thread(decode_image, data, where)
+        return await asyncio.to_thread(decode_image, data, f"{where} ({url})")
 
     async def _read(self, url: str, where: str) -> bytes:
         too_big = ApiError(413, f"{where}: the image at {url} is larger than {self.max_bytes // 2**20} MiB", "messages")

@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import re
 import time
 from collections.abc import AsyncIterator
 
@@ -58,13 +59,26 @@ def parse_responses_request(raw: bytes, served_models: list[str], allow_remote_i
         key = "include" if body.get("include") else "top_logprobs"
         raise ApiError(400, f"'{key}' is not supported by this server (logprobs come with /v1/chat/completions)", key)
     if body.get("truncation") not in (None, "disabled"):
-        raise ApiError(400, "truncation \"auto\" is not supported: a conversation that does not fit is a 400, not cut",
-                       "truncation")
+        raise ApiError(400, "'truncation' must be \"disabled\": a conversation that does not fit is a 400, not cut "
+                            "(\"auto\" is not supported)", "truncation")
+    if body.get("metadata") is not None and not isinstance(body["metadata"], dict):
+        raise ApiError(400, "'metadata' must be an object of strings", "metadata")
     warn_unknown(body, KNOWN)
     instructions = body.get("instructions")
     if instructions is not None and not isinstance(instructions, str):
         raise ApiError(400, "'instructions' must be a string", "instructions")
-    messages = ([{"role": "system", "content": instructions}] if instructions else []) + _messages(body.get("input"))
+    messages, origins = _messages(body.get("input"))
+    if instructions:
+        messages, origins = [{"role": "system", "content": instructions}, *messages], [("instructions", []), *origins]
+    try:
+        request = parse_chat_body(_chat_body(body, messages), allow_remote_images)
+    except ApiError as e:
+        raise in_responses_terms(e, origins) from None
+    request.echo = {k: body.get(k) for k in ECHOED}
+    return request
+
+
+def _chat_body(body: dict, messages: list[dict]) -> dict:
     chat = {"model": body["model"], "messages": messages, **{k: body[k] for k in PASSED if k in body}}
     if body.get("max_output_tokens") is not None:
         chat["max_tokens"] = body["max_output_tokens"]
@@ -77,9 +91,32 @@ def parse_responses_request(raw: bytes, served_models: list[str], allow_remote_i
         choice = body["tool_choice"]
         chat["tool_choice"] = {"type": "function", "function": {"name": choice.get("name")}} \
             if isinstance(choice, dict) and choice.get("type") == "function" else choice
-    request = parse_chat_body(chat, allow_remote_images)
-    request.echo = {k: body.get(k) for k in ECHOED}
-    return request
+    return chat
+
+
+# a chat's words for what the Responses API calls otherwise: errors say what the client sent
+TERMS = [('{"type": "function", "function": {"name": ...}}', '{"type": "function", "name": ...}'),
+         ("max_tokens", "max_output_tokens"), ("response_format", "text.format"), (".function.", ".")]
+PARAMS = {"max_tokens": "max_output_tokens", "messages": "input", "response_format": "text"}
+
+
+def in_responses_terms(error: ApiError, origins: list | None = None) -> ApiError:
+    """`error`, raised by the chat path a Responses request runs on, in the Responses API's terms: its fields' names,
+    and `messages[i]` as the input item (or the instructions) message i came from."""
+    message = error.message
+    for chat, ours in TERMS:
+        message = message.replace(chat, ours)
+    if origins is not None:
+        def where(match: re.Match) -> str:
+            index = int(match.group(1))
+            if index >= len(origins):
+                return match.group(0)
+            origin, calls = origins[index]
+            if match.group(2) is not None and int(match.group(2)) < len(calls):
+                return calls[int(match.group(2))]
+            return origin
+        message = re.sub(r"messages\[(\d+)\](?:\.tool_calls\[(\d+)\])?", where, message)
+    return ApiError(error.status, message, PARAMS.get(error.param, error.param), error.kind, error.headers)
 
 
 def _listed(value, name: str) -> list:
@@ -88,34 +125,48 @@ def _listed(value, name: str) -> list:
     return value
 
 
-def _messages(items) -> list[dict]:
-    """`input` as a chat's messages: consecutive function calls become one assistant message with tool_calls."""
+def _messages(items) -> tuple[list[dict], list[tuple[str, list[str]]]]:
+    """`input` as a chat's messages: consecutive function calls become one assistant message with tool_calls. Also
+    where each message came from (its input item, and its calls' items), for errors."""
     if isinstance(items, str):
-        return [{"role": "user", "content": items}]
+        return [{"role": "user", "content": items}], [("input", [])]
     if not isinstance(items, list) or not items:
         raise ApiError(400, "'input' must be a string or a non-empty list of input items", "input")
     out: list[dict] = []
+    origins: list[tuple[str, list[str]]] = []
     for i, item in enumerate(items):
         where = f"input[{i}]"
         kind = item.get("type", "message") if isinstance(item, dict) else None
         if kind == "message":
-            out.append({"role": item.get("role"), "content": _content(item.get("content"), where)})
+            if item.get("role") not in ("user", "assistant", "system", "developer"):
+                raise ApiError(400, f"{where}.role must be user, assistant, system or developer, got "
+                                    f"{item.get('role')!r} (a tool's result is a function_call_output item)", "input")
+            out.append({"role": item["role"], "content": _content(item.get("content"), where)})
+            origins.append((where, []))
         elif kind == "function_call":
-            call = {"id": item.get("call_id"), "type": "function",
-                    "function": {"name": item.get("name"), "arguments": item.get("arguments", "{}")}}
+            if not isinstance(item.get("call_id"), str) or not isinstance(item.get("name"), str):
+                raise ApiError(400, f"{where}: a function_call needs its call_id and name (strings)", "input")
+            call = {"id": item["call_id"], "type": "function",
+                    "function": {"name": item["name"], "arguments": item.get("arguments", "{}")}}
             if out and out[-1]["role"] == "assistant" and out[-1].get("tool_calls") is not None and not out[-1]["content"]:
                 out[-1]["tool_calls"].append(call)
+                origins[-1][1].append(where)
             else:
                 out.append({"role": "assistant", "content": None, "tool_calls": [call]})
+                origins.append((where, [where]))
         elif kind == "function_call_output":
-            output = item.get("output")
+            if not isinstance(item.get("call_id"), str) or "output" not in item:
+                raise ApiError(400, f"{where}: a function_call_output needs the call_id it answers and its output",
+                               "input")
+            output = item["output"]
             if not isinstance(output, str):
                 output = json.dumps(output) if output is not None else ""
-            out.append({"role": "tool", "tool_call_id": item.get("call_id"), "content": output})
+            out.append({"role": "tool", "tool_call_id": item["call_id"], "content": output})
+            origins.append((where, []))
         else:
             raise ApiError(400, f"{where} must be a message, a function_call or a function_call_output item, got "
                                 f"{kind!r}", "input")
-    return out
+    return out, origins
 
 
 def _content(content, where: str):
@@ -150,7 +201,11 @@ def _response_format(text) -> dict | None:
                        "text")
     if form is None or form.get("type") == "text":
         return None
+    if form.get("strict") is not None and not isinstance(form["strict"], bool):
+        raise ApiError(400, "text.format.strict must be true or false", "text")
     if form.get("type") == "json_schema":
+        if not isinstance(form.get("schema"), dict):
+            raise ApiError(400, "text.format of type json_schema needs its 'schema' (an object)", "text")
         return {"type": "json_schema", "json_schema": {k: form[k] for k in ("name", "schema", "strict") if k in form}}
     return form
 
@@ -175,6 +230,13 @@ class _Ids:
         return f"fc_{self.hex}_{index}"
 
 
+def _cut_last(items: list[dict], status: str) -> list[dict]:
+    """A response cut short (max_output_tokens) leaves its last function call unfinished: that item says so."""
+    if status == "incomplete" and items and items[-1]["type"] == "function_call":
+        items[-1] = {**items[-1], "status": "incomplete"}
+    return items
+
+
 def _status(out: RequestOutput | None) -> tuple[str, dict | None]:
     reason = out.finish_reason if out is not None else None
     if reason == "length":
@@ -187,11 +249,12 @@ def _status(out: RequestOutput | None) -> tuple[str, dict | None]:
 def _response(chat: ChatRequest, ids: _Ids, model: str, created: float, status: str, output: list[dict],
               usage: dict | None, incomplete: dict | None = None) -> dict:
     echo = chat.echo or {}
-    return {"id": ids.response, "object": "response", "created_at": created, "status": status, "model": model,
+    return {"id": ids.response, "object": "response", "created_at": int(created), "status": status, "model": model,
             "output": output, "error": None, "incomplete_details": incomplete,
             "instructions": echo.get("instructions"), "metadata": echo.get("metadata") or {},
-            "max_output_tokens": echo.get("max_output_tokens"), "temperature": echo.get("temperature"),
-            "top_p": echo.get("top_p"), "parallel_tool_calls": echo.get("parallel_tool_calls") is not False,
+            "max_output_tokens": echo.get("max_output_tokens"),
+            "temperature": 1.0 if echo.get("temperature") is None else echo["temperature"],
+            "top_p": 1.0 if echo.get("top_p") is None else echo["top_p"], "parallel_tool_calls": echo.get("parallel_tool_calls") is not False,
             "tool_choice": echo.get("tool_choice") or ("auto" if echo.get("tools") else "none"),
             "tools": echo.get("tools") or [], "text": echo.get("text") or {"format": {"type": "text"}},
             "reasoning": echo.get("reasoning"), "truncation": echo.get("truncation") or "disabled",
@@ -200,7 +263,8 @@ def _response(chat: ChatRequest, ids: _Ids, model: str, created: float, status: 
 
 def _usage(num_prompt: int, out: RequestOutput | None) -> dict:
     n = len(out.output_token_ids) if out is not None else 0
-    return {"input_tokens": num_prompt, "input_tokens_details": {"cached_tokens": 0}, "output_tokens": n,
+    return {"input_tokens": num_prompt, "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
+            "output_tokens": n,
             "output_tokens_details": {"reasoning_tokens": 0}, "total_tokens": num_prompt + n}
 
 
@@ -225,7 +289,7 @@ def whole(chat: ChatRequest, request_id: str, model: str, num_prompt: int,
         calls = stream.calls()
     status, incomplete = _status(out)
     ids = _Ids(request_id)
-    return _response(chat, ids, model, time.time(), status, _items(chat, ids, text, calls, status),
+    return _response(chat, ids, model, time.time(), status, _cut_last(_items(chat, ids, text, calls, status), status),
                      _usage(num_prompt, out), incomplete)
 
 
@@ -240,6 +304,12 @@ async def stream(chat: ChatRequest, request_id: str, model: str, num_prompt: int
         nonlocal seq
         seq += 1
         return f"event: {kind}\ndata: {json.dumps({'type': kind, 'sequence_number': seq - 1, **fields})}\n\n"
+
+    def call_done(index: int, status: str = "completed") -> list[str]:
+        item = calls[index] = {**calls[index], "status": status}
+        return [event("response.function_call_arguments.done", item_id=item["id"], output_index=index,
+                      arguments=item["arguments"]),
+                event("response.output_item.done", output_index=index, item=item)]
 
     skeleton = _response(chat, ids, model, created, "in_progress", [], None)
     pending = event("response.created", response=skeleton) + event("response.in_progress", response=skeleton)
@@ -262,6 +332,8 @@ async def stream(chat: ChatRequest, request_id: str, model: str, num_prompt: int
                 for entry in delta.get("tool_calls") or ():
                     index = entry["index"]
                     if index not in calls:
+                        if calls:  # the one before is whole: it closes before this one opens, as OpenAI's do
+                            frames += call_done(max(calls))
                         calls[index] = {"type": "function_call", "id": ids.call(index), "call_id": entry["id"],
                                         "name": entry["function"]["name"], "arguments": "", "status": "in_progress"}
                         frames.append(event("response.output_item.added", output_index=index, item=dict(calls[index])))
@@ -282,13 +354,8 @@ async def stream(chat: ChatRequest, request_id: str, model: str, num_prompt: int
     status, incomplete = _status(finals[0])
     frames = [pending]
     if calls:
-        output = []
-        for index in sorted(calls):
-            item = {**calls[index], "status": "completed"}
-            frames += [event("response.function_call_arguments.done", item_id=item["id"], output_index=index,
-                             arguments=item["arguments"]),
-                       event("response.output_item.done", output_index=index, item=item)]
-            output.append(item)
+        frames += call_done(max(calls), "incomplete" if status == "incomplete" else "completed")
+        output = [calls[index] for index in sorted(calls)]
     else:
         output = _items(chat, ids, text, [], status)
         part = output[0]["content"][0]

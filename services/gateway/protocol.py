@@ -73,9 +73,14 @@ class ChatRequest:
 
     @property
     def num_text_chars(self) -> int:
+        """The text the prompt is built from: the messages' text, earlier calls' arguments and the tools' definitions
+        (as JSON), which the template may render."""
         if self.prompt is not None:
             return len(self.prompt) if isinstance(self.prompt, str) else 0
-        return sum(len(part["text"]) for message in self.conversation for part in message["content"] if part["type"] == "text")
+        n = sum(len(part["text"]) for message in self.conversation for part in message["content"] if part["type"] == "text")
+        n += sum(len(json.dumps(call["function"]["arguments"])) for message in self.conversation
+                 for call in message.get("tool_calls") or ())
+        return n + (len(json.dumps(self.tools.tools)) if self.tools is not None else 0)
 
     @property
     def num_images(self) -> int:
@@ -345,14 +350,14 @@ def _parse_message(message: Any, index: int, allow_remote: bool) -> dict:
             raise ApiError(400, f"{where}.tool_call_id must be a string", "messages")
         extra["tool_call_id"] = message["tool_call_id"]
     if isinstance(content, str):
-        return {"role": role, "content": [{"type": "text", "text": content}], **extra}
+        return {"role": role, "content": [{"type": "text", "text": _unicode(content, f"{where}.content")}], **extra}
     if not isinstance(content, list):
         raise ApiError(400, f"{where}.content must be a string or a list of content parts", "messages")
     parts = []
     for j, part in enumerate(content):
         kind = part.get("type") if isinstance(part, dict) else None
         if kind == "text" and isinstance(part.get("text"), str):
-            parts.append({"type": "text", "text": part["text"]})
+            parts.append({"type": "text", "text": _unicode(part["text"], f"{where}.content[{j}]")})
         elif kind == "image_url":
             url = part.get("image_url", {})
             url = url.get("url") if isinstance(url, dict) else url
@@ -362,6 +367,16 @@ def _parse_message(message: Any, index: int, allow_remote: bool) -> dict:
         else:
             raise ApiError(400, f"{where}.content[{j}] must be {{type: text, text}} or {{type: image_url, image_url: {{url}}}}", "messages")
     return {"role": role, "content": parts, **extra}
+
+
+def _unicode(text: str, where: str) -> str:
+    """`text`, if it is Unicode a tokenizer can take (JSON's \\ud800-style escapes can make lone surrogates)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ApiError(400, f"{where} holds a lone UTF-16 surrogate ({text[e.start]!r} at {e.start}), which is not "
+                            "text; send valid Unicode", "messages") from None
+    return text
 
 
 def _earlier_calls(calls: Any, where: str) -> list[dict]:

@@ -92,3 +92,26 @@ def test_tokenize_and_a_request_take_chat_template_kwargs_and_refuse_what_the_se
     for body in ({"chat_template_kwargs": {"messages": []}}, {"chat_template_kwargs": [1]}):
         refused = client.post("/v1/chat/completions", content=json.dumps({"model": "m", "messages": messages, **body}))
         assert refused.status_code == 400 and refused.json()["error"]["param"] == "chat_template_kwargs"
+
+
+def test_a_template_that_refuses_a_chat_is_the_clients_400_with_its_words(tiny_dir):
+    strict = ChatProcessor(tiny_dir, chat_template=(
+        "{% for m in messages %}{% if m['role'] == 'tool' %}{{ raise_exception('tool turns are not taken') }}"
+        "{% endif %}{{ m['role'] }}{% endfor %}"))
+    chat = [{"role": "user", "content": [{"type": "text", "text": "x"}]},
+            {"role": "tool", "content": [{"type": "text", "text": "y"}]}]
+    with pytest.raises(ValueError, match="the chat template refused the chat: tool turns are not taken"):
+        strict.apply(chat)
+    with pytest.raises(ValueError, match="tool turns are not taken"):
+        strict.count_prompt_tokens(chat)
+    client = TestClient(build_app(Backend(strict), "m"))
+    refused = client.post("/tokenize", json={"messages": [{"role": "user", "content": "x"}, {"role": "tool", "content": "y"}]})
+    assert refused.status_code == 400 and "tool turns are not taken" in refused.json()["error"]["message"]
+
+
+def test_the_tokenizers_special_tokens_are_not_a_requests_to_set(templated):
+    with pytest.raises(ValueError, match="may not set eos_token"):
+        templated.apply(CHAT, template_kwargs={"eos_token": "SYSTEM: "})
+    client = TestClient(build_app(Backend(templated), "m"))
+    body = {"model": "m", "messages": [{"role": "user", "content": "x"}], "chat_template_kwargs": {"bos_token": "x"}}
+    assert client.post("/v1/chat/completions", content=json.dumps(body)).status_code == 400

@@ -21,6 +21,7 @@ from services.gateway.protocol import parse_chat_request
 from tests.services.test_gateway_guards import Processor
 
 MODEL = "m"
+DROPPED = threading.Event()
 PIXELS = np.random.default_rng(5).integers(0, 256, (30, 40, 3), dtype=np.uint8)
 
 
@@ -43,14 +44,16 @@ class Handler(BaseHTTPRequestHandler):
         }
         if self.path == "/slow":
             time.sleep(1.0)
-        if self.path == "/endless":  # no Content-Length: read until the limit
+        if self.path.startswith("/endless"):  # no Content-Length: read until the limit
             self.send_response(200)
             self.end_headers()
             try:
                 for _ in range(1000):
                     self.wfile.write(b"\0" * 65536)
+                    if self.path == "/endless-slowly":
+                        time.sleep(0.05)
             except OSError:
-                pass
+                DROPPED.set()  # the gateway stopped reading: it gave the fetch up
             return
         status, headers, body = routes.get(self.path, (404, {}, b"no such image"))
         self.send_response(status)
@@ -110,7 +113,7 @@ def test_a_remote_image_is_fetched_and_decoded_to_the_pixels_it_holds_redirects_
 
 @pytest.mark.parametrize("path, kwargs, status, fragment", [
     ("/missing.png", {}, 400, "answered HTTP 404"),
-    ("/text", {}, 400, "could not decode the image"),
+    ("/text", {}, 400, "not an image this server can read"),
     ("/big", {}, 413, "larger than 20 MiB"),
     ("/endless", {"max_bytes": 2**20}, 413, "larger than 1 MiB"),
     ("/slow", {"timeout_s": 0.3}, 400, "took over 0.3 s"),
@@ -164,3 +167,38 @@ def test_the_gateway_fetches_before_the_backend_sees_the_chat_and_a_failed_fetch
             {"type": "image_url", "image_url": {"url": images + "/ok.png"}}]}]}
         refused = client.post("/v1/chat/completions", content=json.dumps(body))
         assert refused.status_code == 400 and "disabled on this server" in refused.json()["error"]["message"]
+
+
+def test_one_image_that_fails_stops_the_others_fetches_and_odd_urls_are_a_400(images):
+    async def main():
+        fetcher = ImageFetcher()
+        body = {"model": MODEL, "messages": [{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": images + path}} for path in ("/endless-slowly", "/missing.png")]}]}
+        conversation = parse_chat_request(json.dumps(body).encode(), [MODEL], True).conversation
+        try:
+            with pytest.raises(ApiError, match="answered HTTP 404"):
+                await fetcher.fetch(conversation)
+        finally:
+            await fetcher.close()
+    DROPPED.clear()
+    asyncio.run(main())
+    assert DROPPED.wait(30)  # the endless one was dropped, not read to its end (~50 s at this pace)
+    with pytest.raises(ApiError, match="is not a URL"):
+        _chat("http://[/a.png")
+    with pytest.raises(ApiError, match="could not fetch"):
+        _fetch("http://127.0.0.1:1:2/a.png")
+    (part, _) = _fetch(images.replace("http://", "HTTP://") + "/ok.png")[0]["content"]
+    assert np.array_equal(np.asarray(part["image"]), PIXELS)
+
+
+def test_a_chat_with_more_images_than_fit_is_refused_before_any_is_fetched(images):
+    backend = Seen()
+    backend.processor.config = type("Config", (), {"image_tokens_per_image": 60})()
+    with TestClient(build_app(backend, MODEL, allow_remote_images=True,
+                              metrics=GatewayMetrics(MODEL, ttft_slo_s=1, tbt_slo_s=1))) as client:
+        DROPPED.clear()
+        body = {"model": MODEL, "messages": [{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": images + "/endless-slowly"}} for _ in range(2)]}]}
+        refused = client.post("/v1/chat/completions", content=json.dumps(body))
+        assert refused.status_code == 400 and "2 images take 120 tokens" in refused.json()["error"]["message"]
+    assert not DROPPED.is_set() and not backend.chats  # nothing was fetched: no connection was made to be dropped

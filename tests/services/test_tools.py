@@ -274,3 +274,19 @@ def test_a_streamed_answer_cut_before_any_call_has_a_name_sends_its_text_as_the_
     deltas = [c["choices"][0]["delta"] for c in chunks]
     assert deltas[-1] == {"content": text} and chunks[-1]["choices"][0]["finish_reason"] == "length"
     assert all(not d.get("tool_calls") and not d.get("content") for d in deltas[:-1])
+
+
+def test_earlier_calls_arguments_and_the_tools_count_as_the_prompts_text():
+    plain = _chat(messages=[{"role": "user", "content": "hi"}])
+    big = "x" * 5000
+    called = _chat(messages=[{"role": "user", "content": "hi"}, {"role": "assistant", "tool_calls": [
+        {"id": "c", "type": "function", "function": {"name": "f", "arguments": json.dumps({"a": big})}}]}])
+    assert called.num_text_chars >= plain.num_text_chars + 5000 and not called.short_text
+    tooled = _chat(tools=[{"type": "function", "function": {"name": "f", "description": big}}], tool_choice="none")
+    assert tooled.num_text_chars >= plain.num_text_chars + 5000
+
+
+def test_a_lone_surrogate_in_a_message_is_a_400_that_says_so():
+    body = '{"model": "m", "messages": [{"role": "user", "content": "a\\ud800b"}]}'
+    with pytest.raises(ApiError, match="lone UTF-16 surrogate"):
+        parse_chat_request(body.encode(), ["m"])
