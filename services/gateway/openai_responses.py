@@ -293,55 +293,87 @@ def whole(chat: ChatRequest, request_id: str, model: str, num_prompt: int,
                      _usage(num_prompt, out), incomplete)
 
 
+class _Events:
+    """One streamed answer's events, numbered; what is open (the message, each call's item) and what it holds."""
+
+    def __init__(self, ids: _Ids):
+        self.ids = ids
+        self.seq = 0
+        self.text = ""  # the message's text so far
+        self.message_open = False
+        self.calls: dict[int, dict] = {}  # per call index, its output item
+
+    def event(self, kind: str, **fields) -> str:
+        self.seq += 1
+        return f"event: {kind}\ndata: {json.dumps({'type': kind, 'sequence_number': self.seq - 1, **fields})}\n\n"
+
+    def delta(self, delta: dict) -> list[str]:
+        """The events of one chat delta: text into the message (opened at its first), or call pieces."""
+        ids, frames = self.ids, []
+        if delta.get("content"):
+            if not self.message_open:
+                self.message_open = True
+                item = {"type": "message", "id": ids.message, "status": "in_progress", "role": "assistant", "content": []}
+                frames += [self.event("response.output_item.added", output_index=0, item=item),
+                           self.event("response.content_part.added", item_id=ids.message, output_index=0,
+                                      content_index=0, part={"type": "output_text", "text": "", "annotations": []})]
+            self.text += delta["content"]
+            frames.append(self.event("response.output_text.delta", item_id=ids.message, output_index=0, content_index=0,
+                                     delta=delta["content"], logprobs=[]))
+        for entry in delta.get("tool_calls") or ():
+            index = entry["index"]
+            if index not in self.calls:
+                if self.calls:  # the one before is whole: it closes before this one opens, as OpenAI's do
+                    frames += self.call_done(max(self.calls))
+                self.calls[index] = {"type": "function_call", "id": ids.call(index), "call_id": entry["id"],
+                                     "name": entry["function"]["name"], "arguments": "", "status": "in_progress"}
+                frames.append(self.event("response.output_item.added", output_index=index, item=dict(self.calls[index])))
+            piece = entry["function"].get("arguments") or ""
+            if piece:
+                self.calls[index]["arguments"] += piece
+                frames.append(self.event("response.function_call_arguments.delta", item_id=ids.call(index),
+                                         output_index=index, delta=piece))
+        return frames
+
+    def call_done(self, index: int, status: str = "completed") -> list[str]:
+        item = self.calls[index] = {**self.calls[index], "status": status}
+        return [self.event("response.function_call_arguments.done", item_id=item["id"], output_index=index,
+                           arguments=item["arguments"]),
+                self.event("response.output_item.done", output_index=index, item=item)]
+
+    def closing(self, chat: ChatRequest, status: str) -> tuple[list[str], list[dict]]:
+        """The events that close what is open, and the output items they leave."""
+        if self.calls:
+            frames = self.call_done(max(self.calls), "incomplete" if status == "incomplete" else "completed")
+            return frames, [self.calls[index] for index in sorted(self.calls)]
+        ids, frames = self.ids, []
+        output = _items(chat, ids, self.text, [], status)
+        part = output[0]["content"][0]
+        if not self.message_open:  # nothing came: the item still opens and closes, as OpenAI's stream does
+            frames += [self.event("response.output_item.added", output_index=0, item={**output[0], "content": []}),
+                       self.event("response.content_part.added", item_id=ids.message, output_index=0, content_index=0,
+                                  part={**part, "text": ""})]
+        frames += [self.event("response.output_text.done", item_id=ids.message, output_index=0, content_index=0,
+                              text=self.text, logprobs=[]),
+                   self.event("response.content_part.done", item_id=ids.message, output_index=0, content_index=0,
+                              part=part),
+                   self.event("response.output_item.done", output_index=0, item=output[0])]
+        return frames, output
+
+
 async def stream(chat: ChatRequest, request_id: str, model: str, num_prompt: int,
                  streams: list[AsyncIterator[RequestOutput]], detokenize, logprobs=None) -> AsyncIterator[str]:
-    """The answer as the Responses API's typed events."""
-    ids, created, seq = _Ids(request_id), time.time(), 0
-    finals: list = [None]
-    text, calls = "", {}  # the message's text so far; per call index, its output item
-
-    def event(kind: str, **fields) -> str:
-        nonlocal seq
-        seq += 1
-        return f"event: {kind}\ndata: {json.dumps({'type': kind, 'sequence_number': seq - 1, **fields})}\n\n"
-
-    def call_done(index: int, status: str = "completed") -> list[str]:
-        item = calls[index] = {**calls[index], "status": status}
-        return [event("response.function_call_arguments.done", item_id=item["id"], output_index=index,
-                      arguments=item["arguments"]),
-                event("response.output_item.done", output_index=index, item=item)]
-
+    """The answer as the Responses API's typed events (each chat delta's, sent as it comes; the first write carries
+    response.created and response.in_progress with it)."""
+    ids, created, finals = _Ids(request_id), time.time(), [None]
+    events = _Events(ids)
     skeleton = _response(chat, ids, model, created, "in_progress", [], None)
-    pending = event("response.created", response=skeleton) + event("response.in_progress", response=skeleton)
-    message_open = False
+    pending = events.event("response.created", response=skeleton) + events.event("response.in_progress",
+                                                                                  response=skeleton)
     try:
         async with contextlib.aclosing(choice_deltas(0, chat, streams[0], detokenize, None, finals)) as deltas:
             async for choice in deltas:
-                delta, frames = choice.get("delta", {}), []
-                if delta.get("content"):
-                    if not message_open:
-                        message_open = True
-                        item = {"type": "message", "id": ids.message, "status": "in_progress", "role": "assistant",
-                                "content": []}
-                        frames += [event("response.output_item.added", output_index=0, item=item),
-                                   event("response.content_part.added", item_id=ids.message, output_index=0,
-                                         content_index=0, part={"type": "output_text", "text": "", "annotations": []})]
-                    text += delta["content"]
-                    frames.append(event("response.output_text.delta", item_id=ids.message, output_index=0,
-                                        content_index=0, delta=delta["content"], logprobs=[]))
-                for entry in delta.get("tool_calls") or ():
-                    index = entry["index"]
-                    if index not in calls:
-                        if calls:  # the one before is whole: it closes before this one opens, as OpenAI's do
-                            frames += call_done(max(calls))
-                        calls[index] = {"type": "function_call", "id": ids.call(index), "call_id": entry["id"],
-                                        "name": entry["function"]["name"], "arguments": "", "status": "in_progress"}
-                        frames.append(event("response.output_item.added", output_index=index, item=dict(calls[index])))
-                    piece = entry["function"].get("arguments") or ""
-                    if piece:
-                        calls[index]["arguments"] += piece
-                        frames.append(event("response.function_call_arguments.delta", item_id=ids.call(index),
-                                            output_index=index, delta=piece))
+                frames = events.delta(choice.get("delta", {}))
                 if frames:
                     yield pending + "".join(frames)
                     pending = ""
@@ -349,24 +381,10 @@ async def stream(chat: ChatRequest, request_id: str, model: str, num_prompt: int
         if not isinstance(e, ApiError):
             log.exception("response %s failed mid-stream", ids.response)
             e = internal_error(e)
-        yield pending + event("error", code=str(e.status), message=e.message, param=e.param)
+        yield pending + events.event("error", code=str(e.status), message=e.message, param=e.param)
         return
     status, incomplete = _status(finals[0])
-    frames = [pending]
-    if calls:
-        frames += call_done(max(calls), "incomplete" if status == "incomplete" else "completed")
-        output = [calls[index] for index in sorted(calls)]
-    else:
-        output = _items(chat, ids, text, [], status)
-        part = output[0]["content"][0]
-        if not message_open:  # nothing came: the item still opens and closes, as OpenAI's stream does
-            frames += [event("response.output_item.added", output_index=0, item={**output[0], "content": []}),
-                       event("response.content_part.added", item_id=ids.message, output_index=0, content_index=0,
-                             part={**part, "text": ""})]
-        frames += [event("response.output_text.done", item_id=ids.message, output_index=0, content_index=0, text=text,
-                         logprobs=[]),
-                   event("response.content_part.done", item_id=ids.message, output_index=0, content_index=0, part=part),
-                   event("response.output_item.done", output_index=0, item=output[0])]
+    frames, output = events.closing(chat, status)
     final = _response(chat, ids, model, created, status, output, _usage(num_prompt, finals[0]), incomplete)
-    frames.append(event("response.completed" if status == "completed" else "response.incomplete", response=final))
-    yield "".join(frames)
+    kind = "response.completed" if status == "completed" else "response.incomplete"
+    yield pending + "".join(frames) + events.event(kind, response=final)

@@ -236,12 +236,12 @@ def test_client_disconnect_mid_stream_frees_pages_and_others_finish(server):
     (json.dumps({"model": MODEL, "guided_regex": "[^\\s\\S]", "messages": [{"role": "user", "content": "hi"}]}).encode(),
      400, "no output satisfies"),
     (json.dumps({"model": MODEL, "messages": [{"role": "user", "content": [
-        {"type": "image_url", "image_url": {"url": "data:image/png;base64,aGVsbG8gd29ybGQ="}}]}]}).encode(), 400, "could not decode"),
+        {"type": "image_url", "image_url": {"url": "data:image/png;base64,aGVsbG8gd29ybGQ="}}]}]}).encode(), 400, "not an image this server can read"),
     (json.dumps({"model": MODEL, "messages": [{"role": "user", "content": [
         {"type": "image_url", "image_url": {"url": "data:image/png;base64,@@@"}}]}]}).encode(), 400, "base64"),
     (json.dumps({"model": MODEL, "messages": [{"role": "user", "content": [  # over 64 KiB: parsed off the event loop
         {"type": "image_url", "image_url": {"url": "data:image/png;base64," + base64.b64encode(b"\x89PNG" + bytes(100_000)).decode()}}]}]}).encode(),
-     400, "could not decode"),
+     400, "not an image this server can read"),
     (json.dumps({"model": MODEL, "messages": [{"role": "user", "content": [
         {"type": "image_url", "image_url": {"url": "https://example.com/cat.png"}}]}]}).encode(), 400, "remote image URLs are disabled"),
     (json.dumps({"model": MODEL, "max_tokens": 10, "messages": [{"role": "user", "content": "word " * 5000}]}).encode(), 400, "over the model's limit"),
