@@ -1,13 +1,19 @@
-"""What structured output costs per decode step: the same engine and requests, with and without a grammar.
+"""What structured output costs per decode step: the same engine and requests, with and without a grammar; and what a
+tool-calling request's grammar costs to build, by the number of tools.
 
-    python -m bench.structured [--model DIR] [--batches 1,8] [--tokens 48] [--repeats 3]
+    python -m bench.structured [--model DIR] [--batches 1,8] [--tokens 48] [--repeats 3] [--tools 1,16,128]
 
 Backend: the real engine in this process (torch CPU, float32, 1 thread), the default tiny checkpoint unless --model.
 Each batch of B identical-length requests runs greedy for --tokens tokens (a grammar that cannot end sooner: JSON
 whose one string field takes at least that many characters, or the same under a regular expression), and the
 median step time over the decode steps is compared with the unconstrained run's — measured interleaved, medians
 of --repeats runs. The grammar's share is the mask (llguidance's per-request bitmask, unpacked and applied to the
-logits) and the matcher's advance.
+logits) and the matcher's advance. `tools` is a `tool_choice: "required"` answer over 16 tools (whichever is called
+takes a string of that length).
+
+Admission, per number of tools (each with three typed parameters): the gateway's grammar build (`tool_grammar`, on
+the request's parse) and the engine's matcher for it (`GrammarMasks.attach`, off the engine thread in a worker),
+medians of --repeats.
 """
 
 from __future__ import annotations
@@ -33,6 +39,7 @@ def parse_args(argv=None):
     p.add_argument("--batches", default="1,8")
     p.add_argument("--tokens", type=int, default=48)
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--tools", default="1,16,128", help="tool counts whose grammar build and matcher are timed")
     p.add_argument("--out", default="bench/results/structured.json")
     return p.parse_args(argv)
 
@@ -43,7 +50,42 @@ def grammars(tokens: int) -> dict[str, str | None]:
     return {"none": None,
             "json_schema": json_schema_grammar({"type": "object", "properties": {"text": {"type": "string",
                                                 "minLength": 4 * tokens}}, "required": ["text"]}),
-            "regex": regex_grammar(f"[a-z ]{{{4 * tokens},}}")}
+            "regex": regex_grammar(f"[a-z ]{{{4 * tokens},}}"),
+            "tools": _tools_grammar(16, 4 * tokens)}
+
+
+def _tools(n: int, min_length: int = 0) -> tuple:
+    """n function tools of three typed parameters each, whose text takes at least `min_length` characters."""
+    return tuple({"type": "function", "function": {"name": f"tool_{i}", "description": f"Tool number {i}", "parameters": {
+        "type": "object", "properties": {"text": {"type": "string", "minLength": min_length},
+                                         "count": {"type": "integer", "minimum": 0}, "unit": {"enum": ["a", "b", "c"]}},
+        "required": ["text", "count", "unit"], "additionalProperties": False}}} for i in range(n))
+
+
+def _tools_grammar(n: int, min_length: int = 0) -> str:
+    from services.gateway.tools import ToolChoice, tool_grammar
+
+    return tool_grammar(ToolChoice(_tools(n, min_length), "required", parallel=False))
+
+
+def admission_ms(masks, counts: list[int], repeats: int) -> dict[int, dict[str, float]]:
+    """Per tool count: the grammar's build and the matcher's creation, ms (medians)."""
+    from common.request import Request
+    from common.sampling import SamplingParams
+
+    out = {}
+    for n in counts:
+        build, attach = [], []
+        for r in range(repeats):
+            start = time.perf_counter()
+            grammar = _tools_grammar(n)
+            build.append(time.perf_counter() - start)
+            request = Request(f"t{n}-{r}", [1, 2, 3], SamplingParams(max_tokens=8, grammar=grammar))
+            start = time.perf_counter()
+            masks.attach(request)
+            attach.append(time.perf_counter() - start)
+        out[n] = {"grammar_build_ms": statistics.median(build) * 1e3, "matcher_ms": statistics.median(attach) * 1e3}
+    return out
 
 
 def decode_step_ms(engine, prompt: list[int], batch: int, tokens: int, grammar: str | None, tag: str) -> float:
@@ -97,6 +139,12 @@ def main(argv=None) -> int:
             report["results"].setdefault(str(b), {})[kind] = {"decode_step_ms": ms, "ratio_to_none": ms / base,
                                                               "samples_ms": samples[b][kind]}
             print(f"{b:>6}{kind:>14}{ms:>16.3f}{ms / base:>9.2f}×")
+    counts = [int(n) for n in args.tools.split(",") if n]
+    engine.grammar.load()
+    admission = report["tool_admission"] = admission_ms(engine.grammar, counts, args.repeats)
+    print(f"\n{'tools':>6}{'grammar build ms':>18}{'matcher ms':>12}   (a tool-calling request's admission)")
+    for n, cost in admission.items():
+        print(f"{n:>6}{cost['grammar_build_ms']:>18.2f}{cost['matcher_ms']:>12.2f}")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(report, indent=2))
     return 0

@@ -44,6 +44,9 @@ from services.gateway.tokenize import detokenize, tokenize
 log = logging.getLogger(__name__)
 MAX_BODY_BYTES = 64 * 2**20
 INLINE_PARSE_BYTES = 64 * 2**10  # bodies up to this are parsed on the event loop (a thread hop costs more)
+# ... unless they build a grammar of some size: 128 tools' took ~25 ms (bench/structured.py), every stream stalled
+INLINE_GRAMMAR_BYTES = 2 * 2**10
+GRAMMAR_KEYS = (b'"tools"', b'"json_schema"', b'"guided_json"', b'"guided_regex"', b'"structured_outputs"')
 
 
 class LocalBackend:
@@ -172,7 +175,7 @@ def build_app(backend, model_name: str, allow_remote_images: bool = False, metri
         try:
             body = await _read_body(http)
             with tracing.activate(observer.span), tracing.span("parse", {"http.request.body.size": len(body)}):
-                if len(body) > INLINE_PARSE_BYTES:  # images: base64 + decoding take ms; keep the loop serving streams
+                if _parse_in_thread(body):  # images (base64 + decoding) or a big grammar take ms: keep the loop serving
                     chat = await asyncio.to_thread(parse, body)
                 else:
                     chat = parse(body)
@@ -229,6 +232,10 @@ def build_app(backend, model_name: str, allow_remote_images: bool = False, metri
     ]
     return Starlette(routes=routes, lifespan=_lifespan(backend, fetcher),
                      exception_handlers={404: _not_found(routes), 405: _wrong_method(routes)})
+
+
+def _parse_in_thread(body: bytes) -> bool:
+    return len(body) > INLINE_PARSE_BYTES or (len(body) > INLINE_GRAMMAR_BYTES and any(k in body for k in GRAMMAR_KEYS))
 
 
 def _not_found(routes: list[Route]):

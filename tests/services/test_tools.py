@@ -290,3 +290,13 @@ def test_a_lone_surrogate_in_a_message_is_a_400_that_says_so():
     body = '{"model": "m", "messages": [{"role": "user", "content": "a\\ud800b"}]}'
     with pytest.raises(ApiError, match="lone UTF-16 surrogate"):
         parse_chat_request(body.encode(), ["m"])
+
+
+def test_a_body_that_builds_a_big_grammar_is_parsed_off_the_event_loop():
+    from services.gateway.app import _parse_in_thread
+
+    many = json.dumps({"model": "m", "messages": [], "tools": [WEATHER] * 20, "tool_choice": "required"}).encode()
+    assert len(many) > 2048 and _parse_in_thread(many)
+    assert not _parse_in_thread(json.dumps({"model": "m", "tools": [WEATHER], "tool_choice": "required"}).encode())
+    assert not _parse_in_thread(json.dumps({"model": "m", "messages": [{"role": "user", "content": "x" * 5000}]}).encode())
+    assert _parse_in_thread(b"x" * (65 * 1024))
