@@ -9,7 +9,7 @@ What a request is read as (everything else a chat takes, the same way):
   max_output_tokens, temperature, top_p   as max_tokens, temperature, top_p
   text.format      {"type": "text" | "json_object" | "json_schema", name, schema, strict}  as response_format
   tools, tool_choice, parallel_tool_calls  function tools (flat: {type, name, description, parameters, strict}) and
-                   "none" / "required" / {"type": "function", "name"}; as a chat's (`tools.py`; "auto" refused)
+                   "auto" (the default) / "none" / "required" / {"type": "function", "name"}; as a chat's (`tools.py`)
 Not kept: nothing is stored (`store` changes nothing here), so `previous_response_id` and `conversation` are refused:
 send the conversation so far in `input`. `background`, `include`, `top_logprobs`, `prompt`, `max_tool_calls` and
 `truncation: "auto"` are refused; `reasoning`, `metadata`, `user` and the like are taken as they change no answer.
@@ -33,7 +33,7 @@ from common.engine.outputs import RequestOutput
 from services.gateway.errors import ApiError
 from services.gateway.protocol import ChatRequest, json_body, parse_chat_body, warn_unknown
 from services.gateway.responses import choice_deltas, internal_error
-from services.gateway.tools import ToolCallStream
+from services.gateway.tools import ToolCallStream, answered_calls
 
 log = logging.getLogger(__name__)
 
@@ -283,7 +283,7 @@ def whole(chat: ChatRequest, request_id: str, model: str, num_prompt: int,
     (out, _), = results
     text = out.text if out.text is not None else detokenize(out.output_token_ids)
     calls = []
-    if chat.tools is not None and chat.tools.calls:
+    if answered_calls(chat.tools, text):
         stream = ToolCallStream(chat.tools)
         stream.feed(text)
         calls = stream.calls()

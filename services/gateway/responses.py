@@ -16,7 +16,7 @@ from common.detokenizer import IncrementalDetokenizer
 from common.engine.outputs import RequestOutput
 from services.gateway.completions import legacy_logprobs
 from services.gateway.protocol import ApiError, ChatRequest
-from services.gateway.tools import ToolCallStream, finish_reason
+from services.gateway.tools import AnswerDeltas, finish_reason
 from services.gateway.tools import message as tool_message
 
 
@@ -105,7 +105,7 @@ def completion(chat: ChatRequest, request_id: str, model: str, num_prompt: int,
         else:
             message = tool_message(chat.tools, text) if _calls_tools(chat) else {"role": "assistant", "content": text}
             choice = {"index": index, "message": message, "logprobs": {"content": entries} if with_logprobs else None}
-        choice.update(finish_reason=finish_reason(chat.tools, out.finish_reason, out.stop_reason),
+        choice.update(finish_reason=finish_reason(chat.tools, out.finish_reason, out.stop_reason, text),
                       stop_reason=out.stop_reason)
         if chat.return_token_ids:
             choice["token_ids"] = out.output_token_ids
@@ -174,13 +174,10 @@ async def choice_deltas(index: int, chat: ChatRequest, outputs: AsyncIterator[Re
     stop string's length but one, so a stop string is never half sent), then the rest with its finish reason. An
     answer that calls tools sends `tool_calls` deltas instead of text (a token that adds nothing to them, such as
     the JSON around a call's name, sends no chunk unless it carries logprobs or token ids)."""
-    calls = ToolCallStream(chat.tools) if _calls_tools(chat) else None
+    calls = AnswerDeltas(chat.tools) if _calls_tools(chat) else None
 
     def content(piece: str) -> dict:
-        if calls is None:
-            return {"content": piece}
-        made = calls.feed(piece)
-        return {"tool_calls": made} if made else {}
+        return {"content": piece} if calls is None else calls.feed(piece)
 
     every_token = calls is None or logprobs is not None or chat.return_token_ids
     holdback = max((len(s) for s in chat.sampling.stop), default=1) - 1
@@ -230,10 +227,8 @@ async def choice_deltas(index: int, chat: ChatRequest, outputs: AsyncIterator[Re
         text.push(last.output_token_ids[len(text.token_ids):])
         text.finish()
         final = text.text
-    delta = content(final[len(sent):])
-    if calls is not None and not calls.calls():  # cut before any call had its name: the text, so none is lost
-        delta = {"content": final}
-    yield choice(delta, finish=finish_reason(chat.tools, last.finish_reason, last.stop_reason),
+    delta = content(final[len(sent):]) if calls is None else calls.last(final[len(sent):], final)
+    yield choice(delta, finish=finish_reason(chat.tools, last.finish_reason, last.stop_reason, final),
                  token_ids=last.new_token_ids, out=last)
 
 

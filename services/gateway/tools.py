@@ -5,8 +5,12 @@
   tool_choice "required"   one or more calls, each of one of the tools, with arguments that match its parameters
                            (finish reason "tool_calls"; `parallel_tool_calls: false`: exactly one)
   tool_choice "none"       plain text
-  tool_choice "auto"       (OpenAI's default when tools are sent) refused: it needs the model to decide between text
-                           and a call in a format of its own, which takes a parser for that model's format
+  tool_choice "auto"       (OpenAI's default when tools are sent) text, or calls as "required" makes them: the model
+                           decides by its first characters — an answer that opens with `[{` is the calls' JSON,
+                           held to it from there (finish reason "tool_calls"); any other is text (one that opens
+                           with `[{` and is not a call cannot be sampled). No model-specific format or parser: a
+                           template that shows the model its tools and this format (`--chat-template`) is what
+                           makes it call them
 
 The tools go to the chat template as Hugging Face's `apply_chat_template(tools=...)` takes them; a template that
 does not render them (LLaVA-1.5's) leaves the model unaware of them, and the grammar alone makes the call valid: a
@@ -74,13 +78,8 @@ def parse_tools(body: dict) -> ToolChoice | None:
         return None
     tools = _checked_tools(tools)
     names = [t["function"]["name"] for t in tools]
-    if choice is None or choice == "auto":
-        raise ApiError(400, "tool_choice \"auto\" (the default when 'tools' are sent) is not supported: it needs a "
-                            "parser of this model's own tool-call format. Send \"required\" or {\"type\": \"function\", "
-                            "\"function\": {\"name\": ...}} (the answer is then a call, its arguments constrained to "
-                            "the tool's parameters), or \"none\"", "tool_choice")
-    if choice in ("none", "required"):
-        return ToolChoice(tools, choice, parallel=parallel is not False)
+    if choice is None or choice in ("none", "required", "auto"):  # left out: "auto", as OpenAI defaults it
+        return ToolChoice(tools, choice or "auto", parallel=parallel is not False)
     name = choice.get("function", {}).get("name") if isinstance(choice, dict) and choice.get("type") == "function" \
         and isinstance(choice.get("function"), dict) else None
     if not isinstance(name, str):
@@ -126,6 +125,8 @@ def tool_grammar(choice: ToolChoice | None) -> str | None:
         if choice.mode == "named":
             return _compiled(choice.parameters(choice.name), f"the parameters of {choice.name!r}")
         try:
+            if choice.mode == "auto":
+                return _text_or_calls(_calls_schema(choice))
             return json_schema_grammar(_calls_schema(choice))
         except GrammarRejected as e:
             for tool in choice.tools:  # say which tool's schema it is
@@ -135,6 +136,35 @@ def tool_grammar(choice: ToolChoice | None) -> str | None:
                            "tools") from None
     except RecursionError:
         raise ApiError(400, "a tool's parameters nest too deeply to follow", "tools") from None
+
+
+CALLS_OPEN = "[{"
+# text: anything that does not open as the calls do ("[" alone, "[1] ...", "a [{...": all text)
+TEXT = r"/[^\[](?s:.*)|\[|\[[^{](?s:.*)/"
+
+
+def _text_or_calls(schema: dict) -> str:
+    """An "auto" answer's grammar: nothing, text, or the calls' compact JSON (`schema`), which is what an answer that
+    opens with `[{` must be."""
+    import llguidance
+
+    schema = {**schema, "x-guidance": {"whitespace_flexible": False}}
+    try:
+        grammar = llguidance.LLMatcher.grammar_from_lark(
+            f'start: calls | TEXT | ""\ncalls: %json {json.dumps(schema)}\nTEXT: {TEXT}\n')
+    except (ValueError, TypeError, RuntimeError) as e:
+        raise GrammarRejected(str(e)) from None
+    error = llguidance.LLMatcher.validate_grammar(grammar)
+    if error:
+        raise GrammarRejected(error)
+    return grammar
+
+
+def answered_calls(choice: ToolChoice | None, text: str) -> bool:
+    """The answer is tool calls (not text): always under "required" or a named call; under "auto", if it opens so."""
+    if choice is None or not choice.calls:
+        return False
+    return choice.mode != "auto" or text.startswith(CALLS_OPEN)
 
 
 def _compiled(schema: dict, where: str) -> str:
@@ -175,11 +205,12 @@ def _rebased(node, base: str):
     return node
 
 
-def finish_reason(choice: ToolChoice | None, reason: str | None, stop_reason=None) -> str | None:
-    """As OpenAI and vLLM answer: "tool_calls" for a "required" answer its grammar ended (not a stop string or
-    token of the request's, `stop_reason`, which can cut a call short), "stop" for a named one (the caller asked
-    for that call), else the engine's reason."""
-    if choice is not None and choice.mode == "required" and reason == "stop" and stop_reason is None:
+def finish_reason(choice: ToolChoice | None, reason: str | None, stop_reason=None, text: str = "") -> str | None:
+    """As OpenAI and vLLM answer: "tool_calls" for calls of a "required" or "auto" answer (`text`) that its grammar
+    ended (not a stop string or token of the request's, `stop_reason`, which can cut a call short), "stop" for a
+    named one (the caller asked for that call), else the engine's reason."""
+    if choice is not None and choice.mode in ("required", "auto") and answered_calls(choice, text) \
+            and reason == "stop" and stop_reason is None:
         return "tool_calls"
     return reason
 
@@ -187,7 +218,9 @@ def finish_reason(choice: ToolChoice | None, reason: str | None, stop_reason=Non
 def message(choice: ToolChoice, text: str) -> dict:
     """A whole answer's assistant message: its calls, and no content. An answer cut before any call's name was
     complete (max_tokens) keeps its text as content (streamed too); a later call cut inside its name is left out
-    (the finish reason, "length", says the answer was cut)."""
+    (the finish reason, "length", says the answer was cut). An "auto" answer in text is that text."""
+    if not answered_calls(choice, text):
+        return {"role": "assistant", "content": text}
     calls = ToolCallStream(choice)
     calls.feed(text)
     made = calls.calls()
@@ -320,3 +353,34 @@ def _unquote(raw: str) -> str:
 
 def _call_id() -> str:
     return f"call_{uuid.uuid4().hex[:24]}"
+
+
+class AnswerDeltas:
+    """A tool-calling answer's text, piece by piece, as a chat delta each: `tool_calls`, or — an "auto" answer that
+    did not open as calls — `content`. An "auto" answer's first character is held until the second tells which."""
+
+    def __init__(self, choice: ToolChoice):
+        self.calls = ToolCallStream(choice)
+        self.text_mode: bool | None = None if choice.mode == "auto" else False
+        self._held = ""
+
+    def feed(self, piece: str) -> dict:
+        if self.text_mode is None:
+            self._held += piece
+            if self._held in ("", "["):
+                return {}
+            self.text_mode, piece, self._held = not self._held.startswith(CALLS_OPEN), self._held, ""
+        if self.text_mode:
+            return {"content": piece} if piece else {}
+        made = self.calls.feed(piece)
+        return {"tool_calls": made} if made else {}
+
+    def last(self, piece: str, whole: str) -> dict:
+        """The last piece's delta, given the whole answer: text held back goes out, and calls that never got a name
+        (cut by max_tokens) go out as the text they were, so nothing generated is lost."""
+        delta = self.feed(piece)
+        if self.text_mode is None:  # it ended holding "[" (or nothing)
+            return {"content": self._held} if self._held else {}
+        if not self.text_mode and not self.calls.calls():
+            return {"content": whole}
+        return delta

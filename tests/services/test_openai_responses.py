@@ -81,7 +81,7 @@ def test_text_format_tools_and_tool_choice_are_a_chats_constraint_and_tools():
     ({"input": [{"role": "user", "content": [{"type": "input_image", "file_id": "f"}]}]}, "input", "file ids"),
     ({"input": []}, "input", "non-empty list"),
     ({"instructions": ["x"]}, "instructions", "must be a string"),
-    ({"tools": [WEATHER]}, "tool_choice", "\"auto\""),
+    ({"tools": [WEATHER], "tool_choice": "sometimes"}, "tool_choice", "{\"type\": \"function\", \"name\": ...}"),
 ])
 def test_what_cannot_be_served_as_asked_is_a_400_that_says_why(body, param, fragment):
     with pytest.raises(ApiError) as err:
@@ -115,7 +115,7 @@ def test_an_error_from_the_chat_path_names_the_responses_fields_and_input_items(
             {"type": "function_call", "call_id": "c2", "name": "f", "arguments": "{bad"}])
     assert err.value.param == "input" and err.value.message.startswith("input[2]"), err.value.message
     with pytest.raises(ApiError) as err:
-        _read(input="x", tools=[WEATHER])
+        _read(input="x", tools=[WEATHER], tool_choice={"type": "function"})
     assert '{"type": "function", "name": ...}' in err.value.message and '"function": {' not in err.value.message
 
 

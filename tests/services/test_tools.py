@@ -29,7 +29,7 @@ def _refused(**extra) -> ApiError:
     return err.value
 
 
-def test_each_tool_choice_parses_to_its_mode_and_auto_is_refused_with_what_to_send_instead():
+def test_each_tool_choice_parses_to_its_mode_and_a_left_out_one_is_auto():
     assert _chat().tools is None and _chat(tools=[]).tools is None
     none = _chat(tools=[WEATHER], tool_choice="none")
     assert none.tools.mode == "none" and not none.tools.calls and none.sampling.grammar is None
@@ -41,8 +41,8 @@ def test_each_tool_choice_parses_to_its_mode_and_auto_is_refused_with_what_to_se
     assert named.sampling.grammar == json_schema_grammar(WEATHER["function"]["parameters"])
     assert not _chat(tools=[WEATHER], tool_choice="required", parallel_tool_calls=False).tools.parallel
     for extra in ({"tools": [WEATHER]}, {"tools": [WEATHER], "tool_choice": "auto"}):
-        error = _refused(**extra)
-        assert error.param == "tool_choice" and "\"required\"" in error.message and "\"none\"" in error.message
+        auto = _chat(**extra)
+        assert auto.tools.mode == "auto" and auto.tools.calls and auto.sampling.grammar
 
 
 @pytest.mark.parametrize("extra, fragment", [
@@ -300,3 +300,26 @@ def test_a_body_that_builds_a_big_grammar_is_parsed_off_the_event_loop():
     assert not _parse_in_thread(json.dumps({"model": "m", "tools": [WEATHER], "tool_choice": "required"}).encode())
     assert not _parse_in_thread(json.dumps({"model": "m", "messages": [{"role": "user", "content": "x" * 5000}]}).encode())
     assert _parse_in_thread(b"x" * (65 * 1024))
+
+
+def test_an_auto_answer_is_text_unless_it_opens_as_the_calls_do_and_then_it_is_held_to_them():
+    from services.gateway.tools import AnswerDeltas
+
+    grammar = tool_grammar(ToolChoice((WEATHER, CLOCK), "auto"))
+    for text in ("", "Sunny.", "[1] a citation", "[", "a [{ in the middle", '[{"name":"time-now","parameters":{}}]'):
+        assert _matches(grammar, text), text
+    for text in ('[{"name":"nope","parameters":{}}]', '[{"name":"time-now","parameters":{}}] and text', '[{x'):
+        assert not _matches(grammar, text), text
+    choice = ToolChoice((WEATHER, CLOCK), "auto")
+    text = AnswerDeltas(choice)
+    assert [text.feed(p) for p in ("[", "1] a")] == [{}, {"content": "[1] a"}] and text.last(" b", "[1] a b") == {
+        "content": " b"}
+    calls = AnswerDeltas(choice)
+    assert calls.feed("[") == {} and calls.feed('{"name":"time-now",') == {"tool_calls": [
+        {"index": 0, "id": calls.calls.calls()[0]["id"], "type": "function",
+         "function": {"name": "time-now", "arguments": ""}}]}
+    assert AnswerDeltas(choice).last("[", "[") == {"content": "["}  # ended holding its first character
+    assert message(choice, "Sunny.") == {"role": "assistant", "content": "Sunny."}
+    assert message(choice, '[{"name":"time-now","parameters":{}}]')["tool_calls"][0]["function"]["name"] == "time-now"
+    assert finish_reason(choice, "stop", None, "Sunny.") == "stop"
+    assert finish_reason(choice, "stop", None, '[{"name":"time-now","parameters":{}}]') == "tool_calls"
