@@ -163,7 +163,8 @@ class Engine(PageHandover):
         if request.sampling.logprobs is not None and not self.computes_logprobs:
             raise RequestRejected("logprobs are not available on this backend: it runs no model")
         if request.sampling.grammar is not None and not self.computes_logprobs:
-            raise RequestRejected("structured output (response_format) is not available on this backend: it runs no model")
+            raise RequestRejected("structured output (response_format, guided_*, tool calls) is not available on this "
+                                  "backend: it runs no model (with tools, send tool_choice \"none\")")
         if request.request_id in self.requests or request.request_id in self.handed_off or request.request_id in self.importing:
             raise RequestRejected(f"request id {request.request_id!r} is already in use")
         cfg = self.model_config
