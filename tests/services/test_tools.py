@@ -323,3 +323,32 @@ def test_an_auto_answer_is_text_unless_it_opens_as_the_calls_do_and_then_it_is_h
     assert message(choice, '[{"name":"time-now","parameters":{}}]')["tool_calls"][0]["function"]["name"] == "time-now"
     assert finish_reason(choice, "stop", None, "Sunny.") == "stop"
     assert finish_reason(choice, "stop", None, '[{"name":"time-now","parameters":{}}]') == "tool_calls"
+
+
+def test_an_auto_answer_that_opened_with_the_calls_json_is_held_to_a_tools_call_by_the_engine(tiny_dir, processors):
+    """The engine's side of auto: a continuation whose answer so far is `[{` (as a migrated request's is) samples
+    on to a whole call of one of the tools."""
+    from common.engine.config import EngineConfig
+    from common.engine.engine import Engine
+    from common.request import Request
+    from common.sampling import SamplingParams
+
+    processor = processors["tiny"]
+    tight = {"type": "object", "properties": {"c": {"enum": ["a", "b"]}}, "required": ["c"], "additionalProperties": False}
+    tools = tuple({"type": "function", "function": {"name": name, "parameters": tight}} for name in ("pick", "other"))
+    choice = ToolChoice(tools, "auto", parallel=False)
+    prompt, _ = processor.apply([{"role": "user", "content": [{"type": "text", "text": "Weather in Oslo?"}]}],
+                                tools=list(choice.tools))
+    opened = processor.tokenizer.convert_tokens_to_ids(["[", "{"])
+    engine = Engine(EngineConfig(model=str(tiny_dir), kv_cache_gib=0.01), detokenize=processor.detokenize)
+    request = Request("auto", prompt + opened, SamplingParams(max_tokens=150, temperature=0,
+                                                               grammar=tool_grammar(choice)), num_continued_tokens=2)
+    engine.add_request(request)
+    while engine.has_unfinished:
+        engine.step()
+    answer = processor.detokenize(opened + request.output_token_ids)
+    assert request.finish_reason == "stop" and answer.startswith("[{")
+    (call,) = json.loads(answer)
+    assert call["name"] in ("pick", "other") and call["parameters"]["c"] in ("a", "b")
+    assert finish_reason(choice, "stop", None, answer) == "tool_calls"
+    assert message(choice, answer)["tool_calls"][0]["function"]["name"] == call["name"]
