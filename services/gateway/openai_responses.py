@@ -31,7 +31,8 @@ from collections.abc import AsyncIterator
 
 from common.engine.outputs import RequestOutput
 from services.gateway.errors import ApiError
-from services.gateway.protocol import ChatRequest, json_body, parse_chat_body, warn_unknown
+from services.gateway.fields import warn_unknown
+from services.gateway.protocol import ChatRequest, json_body, parse_chat_body
 from services.gateway.responses import choice_deltas, internal_error
 from services.gateway.tools import ToolCallStream, answered_calls
 

@@ -283,7 +283,7 @@ def test_a_body_that_is_not_utf8_and_a_model_that_is_not_a_string_are_named_as_s
 
 
 def test_parameters_this_server_does_not_implement_are_refused_unless_neutral_and_unknown_ones_logged_once(caplog):
-    from services.gateway import protocol
+    from services.gateway import fields
 
     for extra in ({"use_beam_search": True}, {"best_of": 3}, {"guided_grammar": "root ::= \"a\""},
                   {"skip_special_tokens": False}, {"include_stop_str_in_output": True}, {"prompt_logprobs": 1},
@@ -292,8 +292,8 @@ def test_parameters_this_server_does_not_implement_are_refused_unless_neutral_an
             _parse(**extra)
         (key,) = extra
         assert err.value.status == 400 and err.value.param == key and "not supported" in err.value.message, extra
-    protocol._warned.discard("frobnicate")
-    with caplog.at_level("WARNING", logger="services.gateway.protocol"):
+    fields._warned.discard("frobnicate")
+    with caplog.at_level("WARNING", logger="services.gateway.fields"):
         _parse(best_of=1, skip_special_tokens=True, user="u-1", metadata={"a": "b"}, modalities=["text"], frobnicate=2)
         _parse(frobnicate=3)
     warned = [r.getMessage() for r in caplog.records if "ignored" in r.getMessage()]
