@@ -288,17 +288,9 @@ def test_a_request_the_gateway_is_done_with_releases_its_reservations():
     reservations end with it, not 10 s later, so they do not turn later requests away."""
     from common.policy.routing import RouteSummary
     from services.toggle.reservations import Reservations
-    from services.toggle.router import Router
 
     async def main():
-        client = aioredis.from_url(REDIS_URL)
-        prefix = f"epdmesh-test:{uuid.uuid4().hex}:"
-        registry = RedisRegistry(client, prefix)
-        try:
-            for wid, roles in [("p-1", {P}), ("d-1", {D})]:
-                await registry.register(info(wid, roles), WorkerLoad(kv_tokens_free=1000))
-            reservations = Reservations(client, prefix)
-            router = Router(registry, reservations=reservations)
+        async with _p_and_d(Reservations) as (router, reservations):
             await router.route(RouteSummary("r1", 600, 0, 40))
             await router.route(RouteSummary("r2", 300, 0, 20))
             assert (await reservations.held("p-1"), await reservations.held("d-1")) == (900, 960)
@@ -311,10 +303,6 @@ def test_a_request_the_gateway_is_done_with_releases_its_reservations():
             await router.settle()
             assert (await reservations.held("p-1"), await reservations.held("d-1")) == (0, 0)
             await router.route(RouteSummary("r3", 600, 0, 300))  # there is room again
-        finally:
-            await registry.clear()
-            await client.delete(f"{prefix}resv:p-1", f"{prefix}resv:d-1")
-            await client.aclose()
 
     asyncio.run(main())
 
