@@ -34,7 +34,7 @@ from services.gateway.errors import ApiError
 from services.gateway.fields import warn_unknown
 from services.gateway.protocol import ChatRequest, json_body, parse_chat_body
 from services.gateway.responses import choice_deltas, internal_error
-from services.gateway.tools import ToolCallStream, answered_calls
+from services.gateway.tools import calls_in
 
 log = logging.getLogger(__name__)
 
@@ -283,11 +283,7 @@ def whole(chat: ChatRequest, request_id: str, model: str, num_prompt: int,
     """The answer as one `response` object."""
     (out, _), = results
     text = out.text if out.text is not None else detokenize(out.output_token_ids)
-    calls = []
-    if answered_calls(chat.tools, text):
-        stream = ToolCallStream(chat.tools)
-        stream.feed(text)
-        calls = stream.calls()
+    calls = calls_in(chat.tools, text)
     status, incomplete = _status(out)
     ids = _Ids(request_id)
     return _response(chat, ids, model, time.time(), status, _cut_last(_items(chat, ids, text, calls, status), status),

@@ -79,7 +79,7 @@ class ChatRequest:
         n = sum(len(part["text"]) for message in self.conversation for part in message["content"] if part["type"] == "text")
         n += sum(len(json.dumps(call["function"]["arguments"])) for message in self.conversation
                  for call in message.get("tool_calls") or ())
-        return n + (len(json.dumps(self.tools.tools)) if self.tools is not None else 0)
+        return n + (self.tools.text_chars if self.tools is not None else 0)
 
     @property
     def num_images(self) -> int:

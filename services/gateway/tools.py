@@ -43,9 +43,10 @@ NO_PARAMETERS = {"type": "object", "properties": {}}
 @dataclasses.dataclass(frozen=True, slots=True)
 class ToolChoice:
     tools: tuple[dict, ...]  # the request's tools as the chat template takes them
-    mode: str  # "none", "named" or "required"
+    mode: str  # "none", "auto", "named" or "required"
     name: str | None = None  # named: the function called
-    parallel: bool = True  # required: more than one call allowed
+    parallel: bool = True  # required / auto: more than one call allowed
+    text_chars: int = 0  # the tools' definitions as JSON text, which a template may render (counted once, at parse)
 
     @property
     def calls(self) -> bool:
@@ -79,7 +80,7 @@ def parse_tools(body: dict) -> ToolChoice | None:
     tools = _checked_tools(tools)
     names = [t["function"]["name"] for t in tools]
     if choice is None or choice in ("none", "required", "auto"):  # left out: "auto", as OpenAI defaults it
-        return ToolChoice(tools, choice or "auto", parallel=parallel is not False)
+        return ToolChoice(tools, choice or "auto", parallel=parallel is not False, text_chars=len(json.dumps(tools)))
     name = choice.get("function", {}).get("name") if isinstance(choice, dict) and choice.get("type") == "function" \
         and isinstance(choice.get("function"), dict) else None
     if not isinstance(name, str):
@@ -88,7 +89,7 @@ def parse_tools(body: dict) -> ToolChoice | None:
     if name not in names:
         raise ApiError(400, f"tool_choice names the function {name!r}, which is not among 'tools' ({', '.join(names)})",
                        "tool_choice")
-    return ToolChoice(tools, "named", name=name)
+    return ToolChoice(tools, "named", name=name, text_chars=len(json.dumps(tools)))
 
 
 def _checked_tools(tools) -> tuple[dict, ...]:
@@ -221,12 +222,19 @@ def message(choice: ToolChoice, text: str) -> dict:
     (the finish reason, "length", says the answer was cut). An "auto" answer in text is that text."""
     if not answered_calls(choice, text):
         return {"role": "assistant", "content": text}
-    calls = ToolCallStream(choice)
-    calls.feed(text)
-    made = calls.calls()
+    made = calls_in(choice, text)
     if not made:
         return {"role": "assistant", "content": text, "tool_calls": []}
     return {"role": "assistant", "content": None, "tool_calls": made}
+
+
+def calls_in(choice: ToolChoice | None, text: str) -> list[dict]:
+    """A whole answer's tool calls (those with a name), in OpenAI's `tool_calls` form; none for a text answer."""
+    if not answered_calls(choice, text):
+        return []
+    calls = ToolCallStream(choice)
+    calls.feed(text)
+    return calls.calls()
 
 
 @dataclasses.dataclass(slots=True)
