@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 ARGS ?=
 
-.PHONY: serve test bench-engine bench-mesh bench-transfer bench-tracing bench-timeline bench-detokenize bench-sampling bench-structured bench-goodput proto clean
+.PHONY: serve test bench-engine bench-mesh bench-transfer bench-tracing bench-timeline bench-detokenize bench-sampling bench-structured bench-soak bench-goodput proto clean
 
 $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
@@ -42,6 +42,9 @@ bench-sampling: $(VENV)/.installed
 
 bench-structured: $(VENV)/.installed
 	$(PY) -m bench.structured $(ARGS)
+
+bench-soak: $(VENV)/.installed
+	$(PY) -m bench.soak $(ARGS)
 
 # e.g. make bench-goodput ARGS="--url http://127.0.0.1:8000 --workload textcaps --rates 1,2,4"
 bench-goodput: $(VENV)/.installed

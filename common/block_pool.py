@@ -1,8 +1,13 @@
 """Fixed pools of cache blocks, and the KV block manager on top of one (no torch).
 
-`BlockPool` hands out block ids with reference counts. Freed blocks that carry a content
-hash stay findable until they are reused (least recently freed first), so a prefix that
-was computed once can be shared by later requests. Every operation is O(1) per block.
+`BlockPool` hands out block ids with reference counts. A freed block that holds nothing
+reusable is handed out again first, the most recently freed first (a request's blocks come
+back in the order it held them): the pool's working set stays as small as the most blocks
+ever in use at once, and its memory is warm in the CPU's caches and already faulted in, where
+cycling through every block would commit the whole cache page by page and read it cold
+(bench/README.md, `bench/soak.py`). Freed blocks that carry a content hash stay findable until
+they are reused, only once no other block is free, least recently freed first, so a prefix
+that was computed once can be shared by later requests. Every operation is O(1) per block.
 Callers ask before they act: `can_allocate(n)` then `allocate(n)`; `allocate` raises when
 asked for more than is free.
 """
@@ -21,28 +26,33 @@ class BlockPool:
         if num_blocks < 1:
             raise ValueError(f"a block pool needs at least one block, got {num_blocks}")
         self.num_blocks = num_blocks
-        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        # free blocks without a hash: a stack (dict.popitem takes the last in), block 0 on top at the start
+        self._plain: dict[int, None] = dict.fromkeys(reversed(range(num_blocks)))
+        self._cached: OrderedDict[int, None] = OrderedDict()  # free blocks with a hash, least recently freed first
         self._refs = [0] * num_blocks
         self._hash_of: dict[int, int] = {}
         self._block_of: dict[int, int] = {}
 
     @property
     def num_free(self) -> int:
-        return len(self._free)
+        return len(self._plain) + len(self._cached)
 
     def ref_count(self, block_id: int) -> int:
         return self._refs[block_id]
 
     def can_allocate(self, n: int) -> bool:
-        return n <= len(self._free)
+        return n <= self.num_free
 
     def allocate(self, n: int) -> list[int]:
-        if n > len(self._free):
-            raise NoFreeBlocksError(f"asked for {n} blocks, {len(self._free)} free")
+        if n > self.num_free:
+            raise NoFreeBlocksError(f"asked for {n} blocks, {self.num_free} free")
         ids = []
         for _ in range(n):
-            block_id, _ = self._free.popitem(last=False)
-            self._forget_hash(block_id)
+            if self._plain:
+                block_id, _ = self._plain.popitem()
+            else:  # evict the least recently freed cached block
+                block_id, _ = self._cached.popitem(last=False)
+                self._forget_hash(block_id)
             self._refs[block_id] = 1
             ids.append(block_id)
         return ids
@@ -51,16 +61,25 @@ class BlockPool:
         """Take one more reference on blocks in use, or revive cached free ones."""
         for block_id in block_ids:
             if self._refs[block_id] == 0:
-                del self._free[block_id]
+                if self._cached.pop(block_id, False) is False:
+                    del self._plain[block_id]
             self._refs[block_id] += 1
 
     def free(self, block_ids: list[int]) -> None:
-        for block_id in block_ids:
-            if self._refs[block_id] <= 0:
-                raise ValueError(f"block {block_id} freed more often than allocated")
-            self._refs[block_id] -= 1
-            if self._refs[block_id] == 0:
-                self._free[block_id] = None
+        plain = []
+        try:
+            for block_id in block_ids:
+                if self._refs[block_id] <= 0:
+                    raise ValueError(f"block {block_id} freed more often than allocated")
+                self._refs[block_id] -= 1
+                if self._refs[block_id] == 0:
+                    if block_id in self._hash_of:
+                        self._cached[block_id] = None
+                    else:
+                        plain.append(block_id)
+        finally:
+            for block_id in reversed(plain):  # the first of them on top: handed out again in the same order
+                self._plain[block_id] = None
 
     def set_hash(self, block_id: int, content_hash: int) -> None:
         """Mark a full, in-use block as holding `content_hash` (first writer wins)."""

@@ -12,18 +12,62 @@ def make_request(rid="r", prompt=20, max_tokens=5, images=0, tokens_per_image=4)
     return Request(rid, ids, SamplingParams(max_tokens=max_tokens), imgs)
 
 
-def test_allocate_hands_out_lowest_free_ids_first_and_free_returns_them_last():
+def test_a_fresh_pool_hands_out_lowest_ids_first_and_a_freed_block_comes_back_before_unused_ones():
     pool = BlockPool(6)
     assert pool.allocate(2) == [0, 1]
     assert pool.allocate(3) == [2, 3, 4]
     pool.free([1])
     assert pool.num_free == 2
-    assert pool.allocate(2) == [5, 1]
+    assert pool.allocate(2) == [1, 5]
     assert not pool.can_allocate(1)
     with pytest.raises(NoFreeBlocksError):
         pool.allocate(1)
     pool.free([0, 2, 3, 4, 5, 1])
     assert pool.num_free == 6
+
+
+def test_freed_blocks_come_back_most_recent_first_in_the_order_they_were_held():
+    pool = BlockPool(8)
+    first, second = pool.allocate(3), pool.allocate(2)
+    assert (first, second) == ([0, 1, 2], [3, 4])
+    pool.free(first)
+    pool.free(second)  # freed last: handed out first, in its own order, then the earlier request's
+    assert pool.allocate(4) == [3, 4, 0, 1]
+    assert pool.allocate(2) == [2, 5]
+
+
+def test_a_request_after_request_load_keeps_reusing_the_same_few_blocks():
+    """The working set stays as small as the most blocks in use at once: memory the process already faulted in,
+    warm in the caches (cycling through the whole pool would commit every block of it, page by page)."""
+    pool = BlockPool(100)
+    seen = set()
+    for n in [3, 5, 2, 4, 5, 1] * 20:
+        blocks = pool.allocate(n)
+        seen.update(blocks)
+        pool.free(blocks)
+    assert seen == set(range(5))
+    assert pool.num_free == 100
+
+
+def test_blocks_without_a_hash_are_used_before_a_cached_one_is_evicted():
+    pool = BlockPool(4)
+    cached, plain = pool.allocate(2), pool.allocate(1)
+    pool.set_hash(cached[0], 11)
+    pool.set_hash(cached[1], 22)
+    pool.free(cached)
+    pool.free(plain)
+    assert pool.allocate(2) == [plain[0], 3]  # no cached block touched
+    assert pool.lookup(11) == cached[0] and pool.lookup(22) == cached[1]
+    assert pool.allocate(1) == [cached[0]]  # then the least recently freed cached one
+    assert pool.lookup(11) is None and pool.lookup(22) == cached[1]
+
+
+def test_a_block_freed_too_often_raises_and_the_ones_before_it_are_free():
+    pool = BlockPool(3)
+    a, b = pool.allocate(2)
+    with pytest.raises(ValueError, match="freed more often"):
+        pool.free([a, b, b])
+    assert pool.num_free == 3 and pool.allocate(3) == [a, b, 2]
 
 
 def test_shared_blocks_return_only_when_the_last_reference_is_dropped():
@@ -48,7 +92,7 @@ def test_cached_free_block_is_found_revived_and_forgotten_when_reused():
     pool.share([a])  # revive from the free list
     assert pool.num_free == 2 and pool.ref_count(a) == 1
     pool.free([a])
-    assert pool.allocate(3) == [1, 2, 0]  # a was freed last, so it is reused last
+    assert pool.allocate(3) == [1, 2, 0]  # a holds a hash: every block without one goes first
     assert pool.lookup(1234) is None
 
 

@@ -238,7 +238,7 @@ def test_out_of_blocks_the_newest_running_request_is_preempted_and_recomputes_it
     s.finish(a, RequestStatus.FINISHED_LENGTH)
     plan = step(s)
     assert [(ch.request.request_id, ch.start, ch.num_tokens) for ch in plan.prefills] == [("b", 0, 13), ("c", 0, 3)]
-    assert b.block_table == [3, 5, 0, 1] and c.block_table == [4]
+    assert b.block_table == [0, 1, 4, 2] and c.block_table == [3]  # a's blocks first, as a held them
     assert b.status == RequestStatus.DECODING and len(b.output_token_ids) == 7  # it sampled where it had stopped
 
 
