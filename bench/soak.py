@@ -10,6 +10,11 @@ every process of the mesh after a warm-up and then `--samples` times as the load
 every worker's KV and image pools are full again with no lease held. Reports per process: memory after the warm-up
 and at the end, and its growth per 1,000 requests (a least-squares slope over the samples): a leak is a slope that
 stays positive however long the run. Stops after `--requests` or `--max-seconds`, whichever comes first.
+
+`--kill ROLE@N` (repeatable; e.g. `--kill D@500 --kill P@1200` on `E1+P2+D2`) SIGKILLs a worker of that role set
+once N requests are done, under load: what a dead worker costs the clients (the mesh should route around it and
+move its streams, so that with another worker of the role nothing fails), and whether the launcher's restart of it
+comes back into service (the pools of every worker, the new one's too, are checked at the end).
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ import base64
 import io
 import json
 import random
+import re
 import statistics
 import sys
 import time
@@ -40,6 +46,7 @@ MIX = {"image-stream": 25, "text-stream": 25, "image-whole": 10, "text-whole": 1
        "bad-image": 5, "too-long": 5}
 REFUSED = {"bad-image", "too-long"}
 REQUEST_TIMEOUT_S = 120.0
+SETTLE_WAIT_S = 60.0  # at the end: for acks, lease expiries and a killed worker's restart
 
 
 def parse_args(argv=None):
@@ -54,11 +61,28 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--transfer", default="auto", choices=["auto", "nixl", "grpc"])
     p.add_argument("--redis-url", default=None)
+    p.add_argument("--kill", action="append", default=[], metavar="ROLE@N",
+                   help="SIGKILL a worker with these roles (as in the topology, e.g. D or EP) after N requests")
     p.add_argument("--out", default="bench/results/soak.json")
     args = p.parse_args(argv)
     if args.requests <= args.warmup or args.concurrency < 1 or args.samples < 2:
         p.error("need --requests > --warmup, --concurrency >= 1 and --samples >= 2")
+    try:
+        args.kills = parse_kills(args.kill, args.requests)
+    except ValueError as e:
+        p.error(str(e))
     return args
+
+
+def parse_kills(given: list[str], num_requests: int) -> dict[int, list[str]]:
+    """`ROLE@N` options → {N: [ROLE, ...]}."""
+    kills: dict[int, list[str]] = {}
+    for item in given:
+        role, _, at = item.partition("@")
+        if not role or not at.isdigit() or not 0 < int(at) < num_requests:
+            raise ValueError(f"--kill {item!r}: want ROLE@N with 0 < N < --requests, e.g. D@500")
+        kills.setdefault(int(at), []).append(role.upper())
+    return kills
 
 
 # ----- the requests -----
@@ -196,22 +220,59 @@ def slope_per_1000(points: list[tuple[int, float]]) -> float:
 
 # ----- the run -----
 
-async def soak(base: str, procs: dict[int, str], args, bar) -> dict:
+def num_workers(topology: str) -> int:
+    """How many workers a topology names (`local`: its one engine)."""
+    counts = [int(n) for n in re.findall(r"[A-Za-z]+(\d+)", topology)]
+    return sum(counts) if counts else 1
+
+
+async def settled_pools(client: httpx.AsyncClient, base: str, expected: int, wait_s: float = SETTLE_WAIT_S):
+    """Every worker's pool stats once `expected` workers report and all their pools are full with no lease held
+    (acks, lease expiries and a restarted worker's registration take a moment), or as they are after `wait_s`."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        stats = (await client.get(f"{base}/stats")).json()
+        workers = list(stats["workers"].values()) if "workers" in stats else [stats]
+        full = len(workers) >= expected and all(
+            w["kv_blocks_free"] == w["kv_blocks_total"] and w["image_blocks_free"] == w["image_blocks_total"]
+            and not w.get("num_leases", 0) for w in workers)
+        if full or time.monotonic() > deadline:
+            return workers, full
+        await asyncio.sleep(0.5)
+
+
+def kill_worker(port: int, role: str) -> dict:
+    """SIGKILL one live worker of the mesh on `port` whose role set is `role`; what was killed."""
+    import os
+    import signal
+
+    label = f"worker {role}"
+    pids = sorted(pid for pid, name in mesh_processes(port).items() if name == label)
+    if not pids:
+        return {"role": role, "pid": None, "error": f"no live {label}"}
+    os.kill(pids[0], signal.SIGKILL)
+    return {"role": role, "pid": pids[0]}
+
+
+async def soak(base: str, port: int, args, bar) -> dict:
     async with httpx.AsyncClient(timeout=REQUEST_TIMEOUT_S) as client:
         max_model_len = (await client.get(f"{base}/v1/models")).json()["data"][0]["max_model_len"]
         todo = plan(args.requests, args.seed)
         counts = {"ok": 0, "refused": 0, "failed": 0}
         failures: list[str] = []
-        memory: dict[int, list[tuple[int, float]]] = {pid: [] for pid in procs}
+        procs: dict[int, str] = {}
+        memory: dict[int, list[tuple[int, float]]] = {}
+        killed: list[dict] = []
         step = max(1, (args.requests - args.warmup) // args.samples)
         marks = {args.warmup + k * step for k in range(args.samples)} | {args.requests}
         done, next_i, started = 0, 0, time.monotonic()
 
         def sample() -> None:
+            procs.update(mesh_processes(port))  # a restarted worker is a new process
             for pid in procs:
                 mib = rss_mib(pid)
                 if mib is not None:
-                    memory[pid].append((done, mib))
+                    memory.setdefault(pid, []).append((done, mib))
 
         async def worker() -> None:
             nonlocal done, next_i
@@ -228,14 +289,12 @@ async def soak(base: str, procs: dict[int, str], args, bar) -> dict:
                 bar.set_postfix(counts)
                 if done in marks:
                     sample()
+                for role in args.kills.get(done, ()):
+                    killed.append({**kill_worker(port, role), "after_requests": done})
 
         await asyncio.gather(*(worker() for _ in range(args.concurrency)))
         elapsed = time.monotonic() - started
-        await asyncio.sleep(2.0)  # acks and lease expiries settle
-        pools = (await client.get(f"{base}/stats")).json()
-    workers = list(pools["workers"].values()) if "workers" in pools else [pools]
-    full = all(w["kv_blocks_free"] == w["kv_blocks_total"] and w["image_blocks_free"] == w["image_blocks_total"]
-               and not w.get("num_leases", 0) for w in workers)
+        workers, full = await settled_pools(client, base, num_workers(args.topology))
     per_process = {}
     for pid, label in procs.items():
         points = memory[pid]
@@ -246,7 +305,8 @@ async def soak(base: str, procs: dict[int, str], args, bar) -> dict:
             "growth_mib": points[-1][1] - points[0][1], "growth_mib_per_1000_requests": slope_per_1000(points),
             "samples": points}
     return {"requests_done": done, "seconds": elapsed, "requests_per_s": done / elapsed, "outcomes": counts,
-            "failures": failures, "pools_full_at_end": full, "pools": workers, "processes": per_process}
+            "failures": failures, "killed": killed, "pools_full_at_end": full, "pools": workers,
+            "processes": per_process}
 
 
 def main(argv=None) -> int:
@@ -259,14 +319,17 @@ def main(argv=None) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     extra = ["--transfer", args.transfer] + (["--redis-url", args.redis_url] if args.redis_url else [])
     with running_server(model_dir, args.topology, out.parent / "soak-serve.log", *extra) as base:
-        procs = mesh_processes(int(base.rsplit(":", 1)[1]))
         with tqdm(total=args.requests, desc=f"soak {args.topology}", unit="req", file=sys.stderr) as bar:
-            report = asyncio.run(soak(base, procs, args, bar))
+            report = asyncio.run(soak(base, int(base.rsplit(":", 1)[1]), args, bar))
     report = {"backend": BACKEND, "topology": args.topology, "transfer": args.transfer, "concurrency": args.concurrency,
               "mix": MIX, **report}
     print(f"\nbackend: {BACKEND}; {args.topology}, transfer {args.transfer}; {report['requests_done']} requests, "
           f"{args.concurrency} at a time, in {report['seconds']:.0f} s ({report['requests_per_s']:.1f} req/s)")
-    print(f"outcomes: {report['outcomes']}; pools full and no lease held at the end: {report['pools_full_at_end']}")
+    for k in report["killed"]:
+        print(f"killed worker {k['role']} (pid {k['pid']}) after {k['after_requests']} requests"
+              + (f": {k['error']}" if "error" in k else ""))
+    print(f"outcomes: {report['outcomes']}; {len(report['pools'])} workers at the end, their pools full and no lease "
+          f"held: {report['pools_full_at_end']}")
     for why in report["failures"]:
         print("  failed:", why)
     print(f"{'process':<28}{'RSS after warm-up':>18}{'RSS at end':>12}{'growth':>10}{'MiB / 1000 req':>16}")
@@ -274,7 +337,8 @@ def main(argv=None) -> int:
         print(f"{name:<28}{p['rss_after_warmup_mib']:>15.1f} MiB{p['rss_end_mib']:>8.1f} MiB{p['growth_mib']:>+8.1f}"
               f"{p['growth_mib_per_1000_requests']:>+16.2f}")
     out.write_text(json.dumps(report, indent=2))
-    return 0 if report["outcomes"]["failed"] == 0 and report["pools_full_at_end"] else 1
+    missed = any("error" in k for k in report["killed"])
+    return 0 if report["outcomes"]["failed"] == 0 and report["pools_full_at_end"] and not missed else 1
 
 
 if __name__ == "__main__":

@@ -2,6 +2,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from bench.soak import MIX, REFUSED, _judge, body_of, mesh_processes, plan, rss_mib, slope_per_1000
 
 
@@ -51,3 +53,13 @@ def test_the_processes_under_a_serve_are_found_and_measured():
         parent.wait()
         if child is not None:
             os.kill(child, 9)
+
+
+def test_kills_are_read_as_role_at_a_request_count():
+    from bench.soak import num_workers, parse_kills
+
+    assert parse_kills(["d@500", "P@1200", "EP@500"], 2000) == {500: ["D", "EP"], 1200: ["P"]}
+    for bad in (["D"], ["D@0"], ["D@2000"], ["@5"], ["D@x"]):
+        with pytest.raises(ValueError, match="ROLE@N"):
+            parse_kills(bad, 2000)
+    assert num_workers("E1+P2+D2") == 5 and num_workers("EP4+D4") == 8 and num_workers("local") == 1
