@@ -263,6 +263,7 @@ async def soak(base: str, port: int, args, bar) -> dict:
         procs: dict[int, str] = {}
         memory: dict[int, list[tuple[int, float]]] = {}
         killed: list[dict] = []
+        latencies: list[float] = []  # seconds, per answered request (a stream left early: until it was left)
         step = max(1, (args.requests - args.warmup) // args.samples)
         marks = {args.warmup + k * step for k in range(args.samples)} | {args.requests}
         done, next_i, started = 0, 0, time.monotonic()
@@ -280,7 +281,10 @@ async def soak(base: str, port: int, args, bar) -> dict:
                 i = next_i
                 next_i += 1
                 kind, max_tokens = todo[i]
+                sent = time.monotonic()
                 outcome, why = await send(client, base, kind, body_of(kind, max_tokens, i, max_model_len))
+                if outcome == "ok":
+                    latencies.append(time.monotonic() - sent)
                 counts[outcome] += 1
                 if why is not None and len(failures) < 20:
                     failures.append(why)
@@ -300,11 +304,15 @@ async def soak(base: str, port: int, args, bar) -> dict:
         points = memory[pid]
         if len(points) < 2:
             continue
+        lifetime = ("started during the run" if points[0][0] > args.warmup
+                    else "gone before the end" if points[-1][0] < done else "")
         per_process[f"{label} ({pid})"] = {
             "rss_after_warmup_mib": points[0][1], "rss_end_mib": points[-1][1],
             "growth_mib": points[-1][1] - points[0][1], "growth_mib_per_1000_requests": slope_per_1000(points),
-            "samples": points}
+            "lifetime": lifetime, "samples": points}
+    quantiles = statistics.quantiles(latencies, n=100) if len(latencies) >= 2 else [float("nan")] * 99
     return {"requests_done": done, "seconds": elapsed, "requests_per_s": done / elapsed, "outcomes": counts,
+            "latency_s": {"p50": quantiles[49], "p99": quantiles[98], "max": max(latencies, default=float("nan"))},
             "failures": failures, "killed": killed, "pools_full_at_end": full, "pools": workers,
             "processes": per_process}
 
@@ -332,10 +340,12 @@ def main(argv=None) -> int:
           f"held: {report['pools_full_at_end']}")
     for why in report["failures"]:
         print("  failed:", why)
+    lat = report["latency_s"]
+    print(f"answered requests' latency: p50 {lat['p50']:.3f} s, p99 {lat['p99']:.3f} s, max {lat['max']:.3f} s")
     print(f"{'process':<28}{'RSS after warm-up':>18}{'RSS at end':>12}{'growth':>10}{'MiB / 1000 req':>16}")
-    for name, p in sorted(report["processes"].items()):
+    for name, p in sorted(report["processes"].items()):  # a process started or gone mid-run: its growth is not a slope
         print(f"{name:<28}{p['rss_after_warmup_mib']:>15.1f} MiB{p['rss_end_mib']:>8.1f} MiB{p['growth_mib']:>+8.1f}"
-              f"{p['growth_mib_per_1000_requests']:>+16.2f}")
+              f"{p['growth_mib_per_1000_requests']:>+16.2f}  {p['lifetime']}")
     out.write_text(json.dumps(report, indent=2))
     missed = any("error" in k for k in report["killed"])
     return 0 if report["outcomes"]["failed"] == 0 and report["pools_full_at_end"] and not missed else 1
