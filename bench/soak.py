@@ -26,6 +26,7 @@ import io
 import json
 import random
 import re
+import shlex
 import statistics
 import sys
 import time
@@ -63,6 +64,7 @@ def parse_args(argv=None):
     p.add_argument("--redis-url", default=None)
     p.add_argument("--kill", action="append", default=[], metavar="ROLE@N",
                    help="SIGKILL a worker with these roles (as in the topology, e.g. D or EP) after N requests")
+    p.add_argument("--serve-args", default="", help="more `epdmesh serve` options, as one string after an =: --serve-args='--enable-prefix-caching'")
     p.add_argument("--out", default="bench/results/soak.json")
     args = p.parse_args(argv)
     if args.requests <= args.warmup or args.concurrency < 1 or args.samples < 2:
@@ -325,13 +327,15 @@ def main(argv=None) -> int:
     model_dir = args.model or str(ensure_default_model())
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    extra = ["--transfer", args.transfer] + (["--redis-url", args.redis_url] if args.redis_url else [])
+    extra = (["--transfer", args.transfer] + (["--redis-url", args.redis_url] if args.redis_url else [])
+             + shlex.split(args.serve_args))
     with running_server(model_dir, args.topology, out.parent / "soak-serve.log", *extra) as base:
         with tqdm(total=args.requests, desc=f"soak {args.topology}", unit="req", file=sys.stderr) as bar:
             report = asyncio.run(soak(base, int(base.rsplit(":", 1)[1]), args, bar))
-    report = {"backend": BACKEND, "topology": args.topology, "transfer": args.transfer, "concurrency": args.concurrency,
+    report = {"backend": BACKEND, "topology": args.topology, "transfer": args.transfer, "serve_args": args.serve_args,
+              "concurrency": args.concurrency,
               "mix": MIX, **report}
-    print(f"\nbackend: {BACKEND}; {args.topology}, transfer {args.transfer}; {report['requests_done']} requests, "
+    print(f"\nbackend: {BACKEND}; {args.topology} {args.serve_args}, transfer {args.transfer}; {report['requests_done']} requests, "
           f"{args.concurrency} at a time, in {report['seconds']:.0f} s ({report['requests_per_s']:.1f} req/s)")
     for k in report["killed"]:
         print(f"killed worker {k['role']} (pid {k['pid']}) after {k['after_requests']} requests"
