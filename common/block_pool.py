@@ -52,7 +52,7 @@ class BlockPool:
                 block_id, _ = self._plain.popitem()
             else:  # evict the least recently freed cached block
                 block_id, _ = self._cached.popitem(last=False)
-                self._forget_hash(block_id)
+            self._forget_hash(block_id)  # (a plain block holds none, unless one was set on it while free)
             self._refs[block_id] = 1
             ids.append(block_id)
         return ids
