@@ -286,3 +286,26 @@ def test_the_tiny_checkpoint_answers_in_words_its_tokenizer_makes(engine, proces
     assert all(t < len(tokenizer) and t != engine.model_config.image_token_id for t in out.output_token_ids)
     text = processors["tiny"].detokenize(out.output_token_ids)
     assert "\ufffd" not in text and len(text.split()) >= 8
+
+
+def test_request_after_request_the_engine_reuses_the_same_few_kv_blocks(engine):
+    """A freed block is handed out again before one never used: the cache's working set stays as small as one request
+    needs (warm, already faulted in) instead of walking the whole cache (bench/README.md, `bench/soak.py`)."""
+    pool = engine.scheduler.kv.pool
+    block_size = engine.scheduler.kv.block_size
+    seen, allocate = set(), pool.allocate
+
+    def spy(n):
+        ids = allocate(n)
+        seen.update(ids)
+        return ids
+
+    pool.allocate = spy
+    needed = 0
+    for i in range(12):
+        prompt, max_tokens = PROMPT * (1 + i % 3), 8 + i
+        run(engine, Request(f"r{i}", prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True)))
+        needed = max(needed, -(-(len(prompt) + max_tokens) // block_size))
+    assert pool.num_blocks > 10 * needed  # room to walk, had the pool not reused
+    assert len(seen) == needed
+    assert_pools_full(engine)
