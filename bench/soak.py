@@ -166,6 +166,15 @@ def _ppids() -> dict[int, int]:
     return out
 
 
+def backend_of(serve_args: list[str]) -> str:
+    """What the launched workers run, as the report states it."""
+    serve_args = [part for arg in serve_args for part in (arg.split("=", 1) if arg.startswith("--") else [arg])]
+    if "--backend" in serve_args and serve_args[serve_args.index("--backend") + 1:][:1] == ["emulated"]:
+        profile = serve_args[serve_args.index("--profile") + 1] if "--profile" in serve_args[:-1] else "its default"
+        return f"emulated (profile {profile}; page bytes moved for real, no model)"
+    return BACKEND
+
+
 def mesh_processes(port: int) -> dict[int, str]:
     """pid → a label, for the `serve` on `port` and every process under it."""
     root = None
@@ -332,10 +341,11 @@ def main(argv=None) -> int:
     with running_server(model_dir, args.topology, out.parent / "soak-serve.log", *extra) as base:
         with tqdm(total=args.requests, desc=f"soak {args.topology}", unit="req", file=sys.stderr) as bar:
             report = asyncio.run(soak(base, int(base.rsplit(":", 1)[1]), args, bar))
-    report = {"backend": BACKEND, "topology": args.topology, "transfer": args.transfer, "serve_args": args.serve_args,
+    backend = backend_of(shlex.split(args.serve_args))
+    report = {"backend": backend, "topology": args.topology, "transfer": args.transfer, "serve_args": args.serve_args,
               "concurrency": args.concurrency,
               "mix": MIX, **report}
-    print(f"\nbackend: {BACKEND}; {args.topology} {args.serve_args}, transfer {args.transfer}; {report['requests_done']} requests, "
+    print(f"\nbackend: {backend}; {args.topology} {args.serve_args}, transfer {args.transfer}; {report['requests_done']} requests, "
           f"{args.concurrency} at a time, in {report['seconds']:.0f} s ({report['requests_per_s']:.1f} req/s)")
     for k in report["killed"]:
         print(f"killed worker {k['role']} (pid {k['pid']}) after {k['after_requests']} requests"

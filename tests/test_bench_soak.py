@@ -63,3 +63,12 @@ def test_kills_are_read_as_role_at_a_request_count():
         with pytest.raises(ValueError, match="ROLE@N"):
             parse_kills(bad, 2000)
     assert num_workers("E1+P2+D2") == 5 and num_workers("EP4+D4") == 8 and num_workers("local") == 1
+
+
+def test_the_report_names_the_backend_the_workers_ran():
+    from bench.soak import BACKEND, backend_of
+
+    assert backend_of([]) == BACKEND and backend_of(["--enable-prefix-caching"]) == BACKEND
+    assert backend_of(["--backend", "emulated", "--profile", "H20"]).startswith("emulated (profile H20")
+    assert backend_of(["--backend", "torch"]) == BACKEND
+    assert backend_of(["--backend=emulated", "--profile=H100"]).startswith("emulated (profile H100")
