@@ -240,13 +240,13 @@ def num_workers(topology: str) -> int:
 async def settled_pools(client: httpx.AsyncClient, base: str, expected: int, wait_s: float = SETTLE_WAIT_S):
     """Every worker's pool stats once `expected` workers report and all their pools are full with no lease held
     (acks, lease expiries and a restarted worker's registration take a moment), or as they are after `wait_s`."""
+    from tests.services.servers import pool_full
+
     deadline = time.monotonic() + wait_s
     while True:
         stats = (await client.get(f"{base}/stats")).json()
         workers = list(stats["workers"].values()) if "workers" in stats else [stats]
-        full = len(workers) >= expected and all(
-            w["kv_blocks_free"] == w["kv_blocks_total"] and w["image_blocks_free"] == w["image_blocks_total"]
-            and not w.get("num_leases", 0) for w in workers)
+        full = len(workers) >= expected and all(pool_full(w) for w in workers)
         if full or time.monotonic() > deadline:
             return workers, full
         await asyncio.sleep(0.5)

@@ -63,7 +63,8 @@ def pools(base, headers: dict | None = None) -> list[dict]:
     return [stats]
 
 
-def _full(p: dict) -> bool:
+def pool_full(p: dict) -> bool:
+    """One worker's (or the one engine's) stats: every KV and image block free, no lease held."""
     return (p["kv_blocks_free"] == p["kv_blocks_total"] and p["image_blocks_free"] == p["image_blocks_total"]
             and not p.get("num_leases", 0))
 
@@ -72,7 +73,7 @@ def assert_pools_full(base, timeout: float = 15.0, headers: dict | None = None) 
     deadline = time.monotonic() + timeout
     while True:
         current = pools(base, headers)
-        if current and all(_full(p) for p in current):
+        if current and all(pool_full(p) for p in current):
             return
         if time.monotonic() > deadline:
             pytest.fail(f"pages not returned: {current}")
