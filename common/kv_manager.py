@@ -51,7 +51,12 @@ class KVBlockManager:
         cached = self._cached_prefix(request) if self.enable_prefix_caching else []
         self.pool.share(cached)
         request.block_table = cached + self.pool.allocate(needed - len(cached))
-        return len(cached) * self.block_size
+        request.num_cached_tokens = len(cached) * self.block_size
+        return request.num_cached_tokens
+
+    def cached_prefix_tokens(self, request: Request) -> int:
+        """Leading prompt tokens `allocate` would find cached now (0 with prefix caching off); takes nothing."""
+        return len(self._cached_prefix(request)) * self.block_size if self.enable_prefix_caching else 0
 
     def commit_prompt(self, request: Request) -> None:
         """Publish the hashes of the prompt's computed full blocks so later requests can share them."""

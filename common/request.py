@@ -84,6 +84,7 @@ class Request:
     output_token_ids: list[int] = dataclasses.field(default_factory=list)
     num_computed_tokens: int = 0
     num_encoded_images: int = 0
+    num_cached_tokens: int = 0  # leading prompt tokens whose KV the prefix cache held at admission (not computed)
     recompute_outputs: int = 0  # output tokens the next prefill computes with the prompt (set when preempted)
     block_table: list[int] = dataclasses.field(default_factory=list)
     image_block_table: list[int] = dataclasses.field(default_factory=list)
@@ -134,6 +135,14 @@ class Request:
     @property
     def needs_encode(self) -> bool:
         return self.num_encoded_images < len(self.images)
+
+    def image_end(self, image_token_id: int) -> int:
+        """The prompt position after its last image placeholder (0 without images): a prefill that starts there
+        reads no image embeddings."""
+        for pos in range(len(self.prompt_token_ids) - 1, -1, -1):
+            if self.prompt_token_ids[pos] == image_token_id:
+                return pos + 1
+        return 0
 
     @property
     def num_prefill_tokens(self) -> int:

@@ -20,6 +20,8 @@ other iteration carries prefill work again, so a stream of joiners cannot starve
 Queues, in the order a request moves through them:
   waiting (new) → encoding → ready (encoded, waiting for KV) → prefilling → running (decode).
 A request whose last stage here is done leaves them as HANDED_OFF, pages kept for export.
+With prefix caching, a request whose cached prefix already holds the KV of all its image placeholders skips
+the vision tower (as vLLM does): it goes from waiting straight to prefilling, from the end of that prefix.
 """
 
 from __future__ import annotations
@@ -96,10 +98,15 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv: KVBlockManager, images: ImageBlockManager):
+    def __init__(self, config: SchedulerConfig, kv: KVBlockManager, images: ImageBlockManager,
+                 image_token_id: int | None = None):
+        """`image_token_id`: the model's image placeholder, to find where a prompt's images end (None: every image
+        is encoded, whatever the prefix cache holds)."""
         self.config = config
         self.kv = kv
         self.images = images
+        self.image_token_id = image_token_id
+        self.num_encodes_skipped = 0  # requests whose images' KV the prefix cache held: no vision tower run
         self.waiting: deque[Request] = deque()
         self.encoding: list[Request] = []
         self.ready: deque[Request] = deque()
@@ -125,6 +132,9 @@ class Scheduler:
             self.joined.add(request.request_id)
         elif request.first_stage == Stage.PREFILL and request.image_block_table:
             self.ready.append(request)  # image pages imported: straight to the prefill queue
+        elif request.first_stage == Stage.PREFILL and request.block_table:
+            request.status = RequestStatus.PREFILLING  # KV blocks taken already, its images' KV cached (`pin_cached`)
+            self.prefilling.append(request)
         else:
             self.waiting.append(request)
 
@@ -207,7 +217,11 @@ class Scheduler:
             if held and not request.recompute_outputs:
                 break
             if request.first_stage == Stage.ENCODE and request.needs_encode:
-                if images > 0 and self.images.can_allocate(request):
+                if self.covers_images(request):  # no vision tower: it waits for room to prefill, not to encode
+                    if tokens > 0 and self._admit_without_encode(request):
+                        self.waiting.remove(request)
+                        tokens -= self._chunk(out, request, tokens)
+                elif images > 0 and self.images.can_allocate(request):
                     self.waiting.remove(request)
                     self.images.allocate(request)
                     request.status = RequestStatus.ENCODING
@@ -222,6 +236,22 @@ class Scheduler:
             elif tokens <= 0 and images <= 0:
                 break
             held = held or (bool(request.recompute_outputs) and request.status != RequestStatus.PREFILLING)
+
+    def covers_images(self, request: Request) -> bool:
+        """The prefix cache holds the KV of every image placeholder of a request this engine prefills."""
+        if self.image_token_id is None or not request.images or request.last_stage < Stage.PREFILL:
+            return False
+        return self.kv.cached_prefix_tokens(request) >= request.image_end(self.image_token_id)
+
+    def _admit_without_encode(self, request: Request) -> bool:
+        """Admit to prefill, its images counted as encoded, a request whose images' KV is cached (`covers_images`);
+        False when it cannot start yet."""
+        encoded, request.num_encoded_images = request.num_encoded_images, len(request.images)
+        if not self._admit_prefill(request):
+            request.num_encoded_images = encoded
+            return False
+        self.num_encodes_skipped += 1
+        return True
 
     def _admit_prefill(self, request: Request) -> bool:
         """Move a request into `prefilling` with its KV blocks; False when it cannot start yet."""

@@ -111,6 +111,7 @@ class Engine(PageHandover):
             KVBlockManager(num_kv, config.block_size, config.enable_prefix_caching,
                            worst_case=config.scheduler.kv_admission == "worst-case"),
             ImageBlockManager(num_img, config.image_block_size),
+            model_config.image_token_id,
         )
         self.detokenize = detokenize
         self.requests: dict[str, Request] = {}
@@ -289,6 +290,7 @@ class Engine(PageHandover):
             stop_reason=request.stop_reason,
             text=request.output_text if request.sampling.stop and request.status.finished else None,  # the final text
             num_prompt_tokens=request.num_prompt_tokens,
+            num_cached_tokens=request.num_cached_tokens,
             logprobs=[logprob] if logprob is not None and logprob.token_id == new[0] else None,
         )
 

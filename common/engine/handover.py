@@ -34,6 +34,24 @@ class PageHandover:
         self.importing[request.request_id] = request
         return kind, list(blocks), n
 
+    def pin_cached(self, request: Request) -> bool:
+        """A request that starts at prefill with images it has no pages for (they are still being encoded
+        elsewhere): when the prefix cache holds its images' KV, take its KV blocks now — the cached ones shared,
+        so nothing evicts them — and say True; then `add_request(request, preloaded=True)` (it needs no image
+        pages) or `cancel_import`. False: the cache does not hold them (or there is no room now); wait for the
+        pages."""
+        self._admit(request)
+        if request.request_id in self.importing:
+            raise RequestRejected(f"request id {request.request_id!r} is already in use")
+        scheduler = self.scheduler
+        if (request.first_stage != Stage.PREFILL or not scheduler.covers_images(request)
+                or scheduler.preempted_waiting or not scheduler.kv.can_allocate(request)):
+            return False
+        request.num_computed_tokens = scheduler.kv.allocate(request)
+        scheduler.num_encodes_skipped += 1
+        self.importing[request.request_id] = request
+        return True
+
     def cancel_import(self, request_id: str) -> bool:
         request = self.importing.pop(request_id, None)
         if request is None:

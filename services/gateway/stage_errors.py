@@ -67,6 +67,19 @@ async def encoded(encoding: asyncio.Task | None, held: list[pb.PageHandle], call
     held.append(reply.image_pages)
 
 
+async def encoded_unless_answered(encoding: asyncio.Task | None, held: list[pb.PageHandle], answer: asyncio.Future) -> None:
+    """`encoded`, unless the next stage's `answer` comes first: a worker whose prefix cache holds the images' KV does
+    not wait for their pages (`WorkerRuntime.pin_cached_images`), so its first token is not held up behind an encode it
+    does not need — and the Encode is cancelled (the encoder stops the work, if it has not finished it)."""
+    if encoding is None:
+        return
+    await asyncio.wait((encoding, answer), return_when=asyncio.FIRST_COMPLETED)
+    if encoding.done():
+        await encoded(encoding, held, answer)
+    else:
+        encoding.cancel()
+
+
 async def confirmed(reserved: asyncio.Future | None, plan: pb.RoutePlan) -> None:
     """The plan's reservation is made; a worker that had no room after all is routed around (a 503 with
     Retry-After when no other one has room)."""

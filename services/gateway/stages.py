@@ -25,7 +25,7 @@ from common.transfer.grpc_stream import release_over_grpc
 from epdmesh.v1 import mesh_pb2 as pb
 from epdmesh.v1 import mesh_pb2_grpc as pb_grpc
 from services import wire
-from services.gateway.stage_errors import confirmed, encoded, failure, stage_call
+from services.gateway.stage_errors import confirmed, encoded_unless_answered, failure, stage_call
 from services.stage_calls.client import StageCalls
 
 _STATUS_OF = {reason: status for status, reason in FINISH_REASONS.items()}
@@ -71,7 +71,7 @@ class Stages:
                     prefilling = self.calls.call(plan.prefill.address, "prefill",
                                                  pb.PrefillRequest(request=spec, pending_images=pending), written)
                 await confirmed(reserved, plan)
-                await encoded(encoding, held, prefilling)
+                await encoded_unless_answered(encoding, held, prefilling)
                 reply = await stage_call("prefill", wire.ref_registration(plan.prefill), source, prefilling)
                 held.clear()
                 if not reply.first.finish_reason:  # held before the first token goes out: a client gone right
@@ -90,13 +90,20 @@ class Stages:
             with self.tracing.activate(span):  # the call's client span is made here, under the request's span
                 call = pb_grpc.DecoderStub(self.channels.get(plan.decoder.address)).Decode(decode)
             try:
-                await encoded(encoding, held, call)
-                async for chunk in call:
+                reading = asyncio.ensure_future(call.read())  # (read(), not `async for`: grpc allows one style a call)
+                try:
+                    await encoded_unless_answered(encoding, held, reading)
+                except BaseException:
+                    reading.cancel()
+                    raise
+                chunk = await reading
+                while chunk is not grpc.aio.EOF:
                     if chunk.handed_back:  # preempted there: no more tokens come from this call
                         raise HandedBack(plan.decoder.worker_id)
                     held.clear()
                     output.extend(chunk.token_ids)
                     yield _output(request.request_id, chunk, output)
+                    chunk = await call.read()
             except grpc.aio.AioRpcError as e:
                 raise failure("decode", wire.ref_registration(plan.decoder), source if not output else None, e) from None
             finally:

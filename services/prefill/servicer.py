@@ -16,7 +16,7 @@ from common.request import Stage
 from epdmesh.v1 import mesh_pb2 as pb
 from epdmesh.v1 import mesh_pb2_grpc as pb_grpc
 from services import wire
-from services.encoder.awaited import image_pages_of
+from services.encoder.awaited import fetch_awaited, image_pages_of
 from services.errors import grpc_errors
 from services.stage_calls.client import StageCalls
 from services.worker.runtime import WorkerRuntime
@@ -43,10 +43,18 @@ class PrefillServicer(pb_grpc.PrefillerServicer):
     async def prefill(self, request: pb.PrefillRequest) -> pb.PrefillResponse:
         """The stage method, also called on a StageCalls stream (services/stage_calls)."""
         spec = request.request
+        engine_request_id = f"{spec.request_id}@prefill"
+        if request.HasField("pending_images"):  # its images' KV may be in this worker's prefix cache already
+            engine_request = wire.request_from_pb(spec, Stage.PREFILL, Stage.PREFILL, engine_request_id)
+            if await self.runtime.pin_cached_images(engine_request, lambda: fetch_awaited(self.calls, request.pending_images)):
+                return self._reply(*await self.runtime.prefill(engine_request, None, pinned=True))
         images = await image_pages_of(self.calls, request)
         first = first_stage_for(spec, images is not None)
-        engine_request = wire.request_from_pb(spec, first, Stage.PREFILL, f"{spec.request_id}@prefill")
-        out, kv = await self.runtime.prefill(engine_request, images)
+        engine_request = wire.request_from_pb(spec, first, Stage.PREFILL, engine_request_id)
+        return self._reply(*await self.runtime.prefill(engine_request, images))
+
+    @staticmethod
+    def _reply(out, kv) -> pb.PrefillResponse:
         chunk = wire.chunk_to_pb(out.new_token_ids or out.output_token_ids[-1:], out.finish_reason, out.stop_reason,
                                  out.text, out.num_prompt_tokens, out.logprobs)
         return pb.PrefillResponse(first=chunk, kv_pages=wire.handle_to_pb(kv) if kv is not None else None)

@@ -17,7 +17,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 from common.engine.async_engine import AsyncEngine
 from common.engine.engine import NoRoomForPages
@@ -26,7 +26,7 @@ from common.paged_cache import PagedBuffer, PagePayload
 from common.request import Request, Stage
 from common.telemetry.metrics import WorkerMetrics
 from common.telemetry.tracing import Tracing
-from common.transfer import LeaseTable, PageHandle, PagePuller
+from common.transfer import LeaseTable, PageHandle, PagePuller, PullFailed
 from common.workers import WorkerLoad
 from services.encoder.awaited import AwaitedEncodes
 
@@ -78,17 +78,19 @@ class WorkerRuntime:
             self._observe_stage("encode", request)
             return handle
 
-    async def prefill(self, request: Request, image_pages: PageHandle | None) -> tuple[RequestOutput, PageHandle | None]:
-        """The first token, and a lease on the KV pages (None when the first token finished the request)."""
+    async def prefill(self, request: Request, image_pages: PageHandle | None,
+                      pinned: bool = False) -> tuple[RequestOutput, PageHandle | None]:
+        """The first token, and a lease on the KV pages (None when the first token finished the request).
+        `pinned`: its images' KV is cached here and its blocks taken (`pin_cached_images`); no pages come."""
         with self._admitted(request):
-            preloaded = await self._import(request, image_pages)
+            preloaded = pinned or await self._import(request, image_pages)
             last = await self._run_to_handoff(request, preloaded)
             handle = await self._lease(request.request_id, last.pages) if last.handed_off else None
             self._observe_stage("prefill", request)
             return last, handle
 
     async def decode(self, request: Request, kv_pages: PageHandle | None,
-                     image_pages: PageHandle | None) -> AsyncIterator[RequestOutput]:
+                     image_pages: PageHandle | None, pinned: bool = False) -> AsyncIterator[RequestOutput]:
         with self._admitted(request):
             try:
                 try:
@@ -97,13 +99,31 @@ class WorkerRuntime:
                     if kv_pages or image_pages:  # never pulled: let the source free them now
                         self._spawn(self.puller.release(kv_pages or image_pages))
                     raise
-                preloaded = await self._import(request, kv_pages or image_pages)
+                preloaded = pinned or await self._import(request, kv_pages or image_pages)
                 async for out in self.engine.generate(request, preloaded=preloaded):
                     if out.finished:
                         self._observe_stage("decode", request)
                     yield out
             finally:  # finished, handed back, or its caller gone: its blocks are free
                 self._note_freed()
+
+    async def pin_cached_images(self, request: Request, awaited: Callable[[], Awaitable[PageHandle]]) -> bool:
+        """A request whose images are still being encoded elsewhere (pending): when this worker's prefix cache holds
+        their KV, take its blocks now (`Engine.pin_cached`) and say True — it starts without the image pages, and
+        `awaited()` (their handle, once the encode is done) is let go of in the background, unpulled. False: the
+        pages are needed (then the caller waits for them as before)."""
+        if not self.engine.engine.config.enable_prefix_caching:
+            return False
+        await self.engine.prepare(request)  # before blocks are taken: nothing to cancel between the two
+        if not self.engine.now(lambda e: e.pin_cached(request)):
+            return False
+
+        async def let_go() -> None:
+            with contextlib.suppress(PullFailed):  # the gateway cancels an Encode it no longer needs
+                await self.puller.release(await awaited())
+
+        self._spawn(let_go())
+        return True
 
     async def _import(self, request: Request, handle: PageHandle | None) -> bool:
         """Reserve blocks for the handle's pages, pull them straight in, ack the source. False: no pages to bring."""

@@ -9,10 +9,10 @@ import torch
 from common.engine.config import EngineConfig
 from common.engine.engine import Engine
 from common.model.loader import load_model
-from common.request import Stage
+from common.request import Request, Stage
 from common.scheduler import SchedulerConfig
 from tests.conftest import SHAPES
-from tests.support import assert_pools_full, build_requests, hf_reference, mixed_cases, run_disaggregated
+from tests.support import _through_bytes, assert_pools_full, build_requests, hf_reference, mixed_cases, run_disaggregated
 
 CASES = mixed_cases()
 
@@ -34,9 +34,10 @@ def fp32_models(model_dirs):
     return {shape: load_model(model_dirs[shape], torch.float32) for shape in SHAPES}
 
 
-def make_engine(model_dirs, models, shape, dtype="float32", roles=frozenset(Stage), **scheduler):
+def make_engine(model_dirs, models, shape, dtype="float32", roles=frozenset(Stage), prefix_caching=False, **scheduler):
     config = EngineConfig(model=str(model_dirs[shape]), dtype=dtype, roles=roles, kv_cache_gib=0.05,
-                          image_cache_gib=0.02, scheduler=SchedulerConfig(**scheduler))
+                          image_cache_gib=0.02, scheduler=SchedulerConfig(**scheduler),
+                          enable_prefix_caching=prefix_caching)
     return Engine(config, model=models[shape] if models else None)
 
 
@@ -78,6 +79,66 @@ def test_encode_prefill_decode_on_three_engines_matches_transformers(shape, mode
     decoder = make_engine(model_dirs, fp32_models, shape, roles=frozenset({Stage.DECODE}))
     outputs = run_disaggregated(encoder, prefiller, decoder, build_requests(processors[shape], CASES))
     assert_matches_reference(outputs, prefiller.captured_logits, references(shape, torch.float32))
+    assert_pools_full(encoder, prefiller, decoder)
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_prefix_cache_hits_give_the_reference_tokens_and_skip_cached_images(shape, model_dirs, processors, fp32_models,
+                                                                            references):
+    """The same ten requests twice on one engine with prefix caching, chunked: the second pass computes only what
+    its cached prefix lacks — images whose placeholders' KV is all cached are not encoded again — and every token
+    and first-step logit is still transformers'."""
+    engine = make_engine(model_dirs, fp32_models, shape, prefix_caching=True, token_budget=64)
+    refs = references(shape, torch.float32)
+    image_ends = {r.request_id: r.image_end(engine.model_config.image_token_id) for r in build_requests(processors[shape], CASES)}
+    encoded = []
+    run_plan = engine.runner.run
+    engine.runner.run = lambda plan: (encoded.extend(w.request.request_id for w in plan.encodes), run_plan(plan))[1]
+    first = engine.generate(build_requests(processors[shape], CASES), capture_logits=True)
+    assert_matches_reference({rid: out.output_token_ids for rid, out in first.items()}, engine.captured_logits, refs)
+    assert all(out.num_cached_tokens == 0 for out in first.values())  # concurrent, nothing committed before they began
+    encoded.clear()
+    engine.captured_logits.clear()
+    second = engine.generate(build_requests(processors[shape], CASES), capture_logits=True)
+    assert_matches_reference({rid: out.output_token_ids for rid, out in second.items()}, engine.captured_logits, refs)
+    cached = {rid: out.num_cached_tokens for rid, out in second.items()}
+    for case in CASES:  # every full block but the one holding the last prompt token
+        assert cached[case.name] == (len(refs[case.name].prompt_ids) - 1) // 16 * 16, case.name
+    skipped = {rid for rid, end in image_ends.items() if end and cached[rid] >= end}
+    assert {"img-tall", "img-long"} <= skipped  # their text runs a block or more past the image
+    assert set(encoded) == {rid for rid, end in image_ends.items() if end} - skipped
+    assert engine.scheduler.num_encodes_skipped == len(skipped)
+    assert_pools_full(engine)
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_a_prefill_engine_with_the_images_kv_cached_needs_no_image_pages(shape, model_dirs, processors, fp32_models,
+                                                                         references):
+    """encode → prefill → decode on three engines, twice: the second time the prefill engine pins its cached
+    prefix for the image requests it covers (`pin_cached`) and prefills them without their image pages, as a
+    prefill worker does while the encoder's pages are still on their way. Tokens: transformers'."""
+    encoder = make_engine(model_dirs, fp32_models, shape, roles=frozenset({Stage.ENCODE}), image_budget=2)
+    prefiller = make_engine(model_dirs, fp32_models, shape, roles=frozenset({Stage.PREFILL}), token_budget=128,
+                            prefix_caching=True)
+    decoder = make_engine(model_dirs, fp32_models, shape, roles=frozenset({Stage.DECODE}))
+    refs = references(shape, torch.float32)
+    assert_matches_reference(run_disaggregated(encoder, prefiller, decoder, build_requests(processors[shape], CASES)),
+                             prefiller.captured_logits, refs)
+    prefiller.captured_logits.clear()
+    pinned = []
+    for r in build_requests(processors[shape], CASES):
+        if not r.images:
+            continue
+        again = Request(r.request_id, r.prompt_token_ids, r.sampling, r.images, first_stage=Stage.PREFILL,
+                        last_stage=Stage.PREFILL)
+        if prefiller.pin_cached(again):
+            prefiller.add_request(again, capture_logits=True, preloaded=True)
+            pinned.append(r.request_id)
+    assert {"img-tall", "img-long"} <= set(pinned)
+    rest = [r for r in build_requests(processors[shape], CASES) if r.request_id not in pinned]
+    outputs = run_disaggregated(encoder, prefiller, decoder, rest)  # steps the pinned ones too, and decodes them
+    assert set(outputs) == {case.name for case in CASES}
+    assert_matches_reference(outputs, prefiller.captured_logits, refs)
     assert_pools_full(encoder, prefiller, decoder)
 
 
