@@ -59,6 +59,8 @@ def parse_args(argv=None):
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--topology", default="E1+P1+D1")
+    p.add_argument("--prefix-caching", action="store_true",
+                   help="leave prefix caching on in the servers (and turn it on in the in-process engine)")
     p.add_argument("--transfer", default="auto", choices=["auto", "nixl", "grpc"])
     p.add_argument("--client", default="lean", choices=["lean", "httpx"],
                    help="HTTP client timing the servers: a minimal one (bench/lean_http.py), or httpx, whose own "
@@ -103,7 +105,7 @@ def _data_uri(img) -> str:
 class InProcess:
     """The baseline: the engine in this process, called directly (no HTTP, no gRPC)."""
 
-    def __init__(self, model_dir: str):
+    def __init__(self, model_dir: str, prefix_caching: bool = False):
         import torch
 
         from common.engine.async_engine import AsyncEngine
@@ -116,7 +118,8 @@ class InProcess:
         torch.set_num_threads(1)
         keep_freed_memory()  # as the serving processes do: a like-for-like baseline
         self.processor = ChatProcessor(model_dir)
-        config = EngineConfig(model=model_dir, kv_cache_gib=0.05, scheduler=SchedulerConfig(token_budget=256))
+        config = EngineConfig(model=model_dir, kv_cache_gib=0.05, scheduler=SchedulerConfig(token_budget=256),
+                              enable_prefix_caching=prefix_caching)
         self.engine = AsyncEngine(Engine(config, detokenize=self.processor.detokenize))
         self.count = 0
 
@@ -173,7 +176,7 @@ async def _post_lines(client, base: str, payload: bytes):
 async def measure_interleaved(model_dir: str, bases: dict[str, str], args, bar) -> dict[str, dict[str, list]]:
     """Request i of each workload goes to engine, local and each mesh (in a rotating order) before request i + 1:
     a slow spell of this noisy machine hits all alike, so their differences hold even when absolute times drift."""
-    engine = InProcess(model_dir)
+    engine = InProcess(model_dir, getattr(args, "prefix_caching", False))
     samples = {name: {w: [] for w in WORKLOADS} for name in ("engine", *bases)}
     lean = {name: LeanClient(base) for name, base in bases.items()}
     try:
@@ -243,8 +246,11 @@ def main(argv=None) -> int:
     with tqdm(total=(1 + len(configs)) * len(WORKLOADS) * args.requests, desc="mesh bench", unit="req",
               file=sys.stderr) as bar, contextlib.ExitStack() as servers:
         bar.set_postfix_str("starting " + ", ".join(name for name, *_ in configs))
+        # every request of a workload sends the same text: with prefix caching (serve's default) the servers would
+        # compute a cached prompt where the in-process engine computes it whole (an older checkout has it off anyway)
+        cache = () if args.prefix_caching else ("--no-enable-prefix-caching",)
         bases = {name: servers.enter_context(running_server(model_dir, topology, logs / f"mesh-{name}.log", *extra, *more,
-                                                            source=source))
+                                                            *(cache if source is None else ()), source=source))
                  for name, topology, more, source in configs}
         bar.set_postfix_str("interleaved")
         samples = asyncio.run(measure_interleaved(model_dir, bases, args, bar))

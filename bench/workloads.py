@@ -112,11 +112,13 @@ def images(shape: Shape, count: int, seed: int) -> list[str]:
     return uris
 
 
-def request_bodies(shape: Shape, n: int, model: str, seed: int = 0, distinct_images: int = 32) -> list[dict]:
+def request_bodies(shape: Shape, n: int, model: str, seed: int = 0, distinct_images: int | None = None) -> list[dict]:
     """`n` OpenAI chat-completion bodies (streaming, usage in the last chunk, fixed output length; token ids in
-    each chunk, so a token that adds no text — EOS, with `ignore_eos` — still counts as a token event)."""
+    each chunk, so a token that adds no text — EOS, with `ignore_eos` — still counts as a token event). Each has an
+    image of its own, as in the datasets (`distinct_images`: that many, taken in turn): an image sent again would be
+    a prefix-cache hit on a server that caches prefixes (epdmesh serve's default)."""
     rng = random.Random(seed)
-    uris = images(shape, min(n, distinct_images), seed)
+    uris = images(shape, min(n, distinct_images or n), seed)
     return [{
         "model": model, "stream": True, "stream_options": {"include_usage": True},
         "max_tokens": shape.output_tokens, "ignore_eos": True, "temperature": 0.0, "return_token_ids": True,

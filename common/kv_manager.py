@@ -29,6 +29,9 @@ class KVBlockManager:
         # blocks an admission leaves free for the running requests to grow into (vLLM's 1%): a request admitted
         # into the last blocks would be the next one preempted
         self.watermark = num_blocks // 100
+        # prompt tokens admitted with prefix caching on, and how many of them were cached (vLLM's prefix_cache_queries
+        # and prefix_cache_hits)
+        self.num_queried_tokens = self.num_hit_tokens = 0
 
     def admission_tokens(self, request: Request) -> int:
         """KV tokens a request's blocks cover when it is admitted: what its prefill computes, plus, when it
@@ -52,6 +55,9 @@ class KVBlockManager:
         self.pool.share(cached)
         request.block_table = cached + self.pool.allocate(needed - len(cached))
         request.num_cached_tokens = len(cached) * self.block_size
+        if self.enable_prefix_caching:
+            self.num_queried_tokens += request.num_prompt_tokens
+            self.num_hit_tokens += request.num_cached_tokens
         return request.num_cached_tokens
 
     def cached_prefix_tokens(self, request: Request) -> int:

@@ -295,8 +295,8 @@ def worker_argv(group: WorkerGroup, toggle: str, args, threads: int) -> list[str
                         ("--latency-profile", args.latency_profile)):
         if value is not None:
             argv += [flag, str(value)]
-    if args.enable_prefix_caching:
-        argv.append("--enable-prefix-caching")
+    if not args.enable_prefix_caching:
+        argv.append("--no-enable-prefix-caching")
     if getattr(args, "share_weights", False):
         argv.append("--share-weights")
     return argv

@@ -156,7 +156,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="on-demand: KV blocks as requests grow, the newest preempted when the cache runs out (vLLM); "
                         "worst-case: prompt + max_tokens booked at admission, never preempted, fewer requests at once")
     p.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "flash-attn", "xformers"])
-    p.add_argument("--enable-prefix-caching", action="store_true")
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                   help="reuse the KV of a prompt's cached full blocks (images included, by content), as vLLM and "
+                        "SGLang do by default; a request whose cached prefix covers its images skips the vision tower "
+                        "(--no-enable-prefix-caching: compute every prompt in full)")
     p.add_argument("--share-weights", action="store_true",
                    help="CPU: the workers on this host map one read-only copy of the weights from /dev/shm instead "
                         "of a copy each (common/model/shared_weights.py)")

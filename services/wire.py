@@ -144,9 +144,10 @@ def optional_handle(parent, field: str) -> PageHandle | None:
 # ----- outputs -----
 
 def chunk_to_pb(new_token_ids: list[int], finish_reason: str | None, stop_reason, text: str | None,
-                num_prompt_tokens: int, logprobs: list[TokenLogprob] | None = None, handed_back: bool = False) -> pb.TokenChunk:
+                num_prompt_tokens: int, logprobs: list[TokenLogprob] | None = None, handed_back: bool = False,
+                num_cached_tokens: int = 0) -> pb.TokenChunk:
     msg = pb.TokenChunk(token_ids=new_token_ids, finish_reason=finish_reason or "", num_prompt_tokens=num_prompt_tokens,
-                        handed_back=handed_back)
+                        handed_back=handed_back, num_cached_tokens=num_cached_tokens)
     for lp in logprobs or ():
         msg.logprobs.add(token_id=lp.token_id, logprob=lp.logprob, top_token_ids=[t for t, _ in lp.top],
                          top_logprobs=[v for _, v in lp.top])

@@ -78,28 +78,34 @@ class EmulatedEngine(Engine):
         for work in plan.encodes:
             request = work.request
             if work.first_image + work.num_images == len(request.images):
-                digest = zlib.crc32("".join(img.content_hash for img in request.images).encode())
-                self._write_stamp(self.image_cache.data, request.image_block_table[0], digest)
+                self._write_stamp(self.image_cache.data, request.image_block_table[0], _images_digest(request))
         sampling, tokens = [], []
         for request in plan.decodes:
             sampling.append(request)
-            tokens.append(self._token(self._read_stamp(self.kv_cache.data, request.block_table[0]), request))
+            tokens.append(self._token(self._read_stamp(self.kv_cache.data, self._stamp_block(request)), request))
         for chunk in plan.prefills:
             if not chunk.completes_prefill:
                 continue
             request = chunk.request
             original = request.prompt_token_ids[:request.num_prompt_tokens - request.num_continued_tokens]
             seed = array.array("q", original).tobytes()  # a continuation's tokens go on from the original's
-            if request.images:
-                seed += self._read_stamp(self.image_cache.data, request.image_block_table[0]).to_bytes(4, "little")
+            if request.images:  # from the encoder's pages; with none (the prefix cache held its images' KV), the same
+                digest = (self._read_stamp(self.image_cache.data, request.image_block_table[0])
+                          if request.image_block_table else _images_digest(request) & STAMP_MASK)
+                seed += digest.to_bytes(4, "little")
             stamp = zlib.crc32(seed)
-            self._write_stamp(self.kv_cache.data, request.block_table[0], stamp)
+            self._write_stamp(self.kv_cache.data, self._stamp_block(request), stamp)
             sampling.append(request)
             tokens.append(self._token(stamp & STAMP_MASK, request))
         remaining = start + self.predicted_ms / 1e3 - time.perf_counter()
         if remaining > 0:
             time.sleep(remaining)
         return sampling, tokens
+
+    def _stamp_block(self, request: Request) -> int:
+        """The KV block the prefill's stamp goes in: the one of the last prompt token, which no other request shares
+        (a cached prefix never includes it) and which goes with the prompt's KV pages to the decoder."""
+        return request.block_table[(request.num_prompt_tokens - 1) // self.config.block_size]
 
     def _token(self, stamp: int, request: Request) -> int:
         return self.token_pool[(stamp * 2654435761 + 7919 * len(request.generated_token_ids)) % len(self.token_pool)]
@@ -111,6 +117,10 @@ class EmulatedEngine(Engine):
     @staticmethod
     def _read_stamp(data: torch.Tensor, block: int) -> int:
         return int(data[block].view(-1)[0].item())
+
+
+def _images_digest(request: Request) -> int:
+    return zlib.crc32("".join(img.content_hash for img in request.images).encode())
 
 
 def word_token_pool(model_dir: str | Path) -> list[int] | None:

@@ -128,8 +128,16 @@ class WorkerMetrics:
                                    buckets=ITL_BUCKETS, registry=r)
 
     def gauges(self, running: Callable[[], float], waiting: Callable[[], float], kv_usage: Callable[[], float],
-               preemptions: Callable[[], int] = lambda: 0) -> None:
-        """Gauges (and the engine's own preemption count, a counter) read at scrape time."""
+               preemptions: Callable[[], int] = lambda: 0, prefix_cache: Callable[[], tuple[int, int, int]] | None = None
+               ) -> None:
+        """Gauges (and the engine's own counters) read at scrape time. `prefix_cache`: (prompt tokens queried,
+        tokens found cached, requests whose images were not encoded because their KV was cached)."""
+        if prefix_cache is not None:
+            for i, (name, doc) in enumerate((
+                    ("prefix_cache_queries", "Prompt tokens admitted here with prefix caching on (vLLM's name)."),
+                    ("prefix_cache_hits", "Of those, tokens whose KV was in the prefix cache (vLLM's name)."),
+                    ("image_encodes_skipped", "Requests whose images' KV was in the prefix cache: no vision tower run."))):
+                self.registry.register(_CounterAtScrape(P + name, doc, self.labels, lambda i=i: prefix_cache()[i]))
         for name, doc, fn in (("num_requests_running", "Requests running in this worker's engine.", running),
                               ("num_requests_waiting", "Requests waiting in this worker's queues.", waiting),
                               ("kv_cache_usage_perc", "Fraction of KV-cache blocks in use (1 = full).", kv_usage)):

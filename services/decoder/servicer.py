@@ -46,4 +46,4 @@ class DecoderServicer(pb_grpc.DecoderServicer):
             engine_request = wire.request_from_pb(spec, first, Stage.DECODE, engine_request_id)
         async for out in self.runtime.decode(engine_request, kv, None if pinned else images, pinned=pinned):
             yield wire.chunk_to_pb(out.new_token_ids, out.finish_reason, out.stop_reason, out.text, out.num_prompt_tokens,
-                                   out.logprobs, handed_back=out.handed_back)
+                                   out.logprobs, handed_back=out.handed_back, num_cached_tokens=out.num_cached_tokens)

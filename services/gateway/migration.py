@@ -27,7 +27,8 @@ def rebased(out: RequestOutput, request_id: str, before: list[int], detokenize,
         return out
     text = joined_text(before, out, detokenize, eos_token_ids) if out.text is not None else None
     return dataclasses.replace(out, request_id=request_id, output_token_ids=before + out.output_token_ids, text=text,
-                               num_prompt_tokens=out.num_prompt_tokens - len(before))
+                               num_prompt_tokens=out.num_prompt_tokens - len(before),
+                               num_cached_tokens=min(out.num_cached_tokens, out.num_prompt_tokens - len(before)))
 
 
 def joined_text(before: list[int], out: RequestOutput, detokenize, eos_token_ids: tuple[int, ...] = ()) -> str:

@@ -264,7 +264,8 @@ def _response(chat: ChatRequest, ids: _Ids, model: str, created: float, status: 
 
 def _usage(num_prompt: int, out: RequestOutput | None) -> dict:
     n = len(out.output_token_ids) if out is not None else 0
-    return {"input_tokens": num_prompt, "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
+    cached = out.num_cached_tokens if out is not None else 0
+    return {"input_tokens": num_prompt, "input_tokens_details": {"cached_tokens": cached, "cache_write_tokens": 0},
             "output_tokens": n,
             "output_tokens_details": {"reasoning_tokens": 0}, "total_tokens": num_prompt + n}
 

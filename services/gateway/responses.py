@@ -67,9 +67,13 @@ class Logprobs:
 
 
 def usage(num_prompt: int, finals: list[RequestOutput | None]) -> dict:
-    """The prompt once, the completions of every choice (as OpenAI and vLLM count n > 1)."""
+    """The prompt once, the completions of every choice (as OpenAI and vLLM count n > 1); the prompt tokens the
+    prefix cache held, as OpenAI's `prompt_tokens_details.cached_tokens` (each choice is prefilled on its own: the
+    most any of them found)."""
     n = sum(len(out.output_token_ids) for out in finals if out is not None)
-    return {"prompt_tokens": num_prompt, "completion_tokens": n, "total_tokens": num_prompt + n}
+    cached = max((out.num_cached_tokens for out in finals if out is not None), default=0)
+    return {"prompt_tokens": num_prompt, "completion_tokens": n, "total_tokens": num_prompt + n,
+            "prompt_tokens_details": {"cached_tokens": cached}}
 
 
 async def collect(streams: list[AsyncIterator[RequestOutput]], logprobs: Logprobs | None

@@ -62,6 +62,7 @@ class Stages:
                 source = wire.ref_registration(plan.encoder)
             spec = wire.spec_to_pb(request, with_pixels=pending is None)
             output: list[int] = []
+            cached = 0  # prompt tokens the prefilling worker found in its prefix cache
             if path != PrefillPath.DEDICATED:
                 written.set()  # nothing goes out before the reservation on this path
                 await confirmed(reserved, plan)
@@ -77,6 +78,7 @@ class Stages:
                 if not reply.first.finish_reason:  # held before the first token goes out: a client gone right
                     held.append(reply.kv_pages)    # after it must not leave the KV pinned until its lease ends
                 output.extend(reply.first.token_ids)
+                cached = reply.first.num_cached_tokens
                 yield _output(request.request_id, reply.first, output)
                 if reply.first.finish_reason:
                     return
@@ -102,7 +104,8 @@ class Stages:
                         raise HandedBack(plan.decoder.worker_id)
                     held.clear()
                     output.extend(chunk.token_ids)
-                    yield _output(request.request_id, chunk, output)
+                    cached = max(cached, chunk.num_cached_tokens)
+                    yield _output(request.request_id, chunk, output, cached)
                     chunk = await call.read()
             except grpc.aio.AioRpcError as e:
                 raise failure("decode", wire.ref_registration(plan.decoder), source if not output else None, e) from None
@@ -136,12 +139,14 @@ class HandedBack(Exception):
         self.worker_id = worker_id
 
 
-def _output(request_id: str, chunk: pb.TokenChunk, output: list[int]) -> RequestOutput:
+def _output(request_id: str, chunk: pb.TokenChunk, output: list[int], cached: int = 0) -> RequestOutput:
+    """`cached`: the prompt tokens the prefilling worker had cached (a decoder that got the KV reports none)."""
     status = _STATUS_OF.get(chunk.finish_reason, RequestStatus.DECODING) if chunk.finish_reason else RequestStatus.DECODING
     return RequestOutput(
         request_id=request_id, new_token_ids=list(chunk.token_ids), output_token_ids=list(output), status=status,
         finish_reason=chunk.finish_reason or None, stop_reason=wire.chunk_stop_reason(chunk),
         text=chunk.text if chunk.HasField("text") else None, num_prompt_tokens=chunk.num_prompt_tokens,
+        num_cached_tokens=max(cached, chunk.num_cached_tokens),
         logprobs=wire.chunk_logprobs(chunk),
     )
 

@@ -133,7 +133,9 @@ async def run_worker(options: WorkerOptions, engine: Engine | None = None, ready
     pool = engine.scheduler.kv.pool
     metrics.gauges(running=lambda: engine.stats().num_running, waiting=lambda: engine.stats().num_waiting,
                    kv_usage=lambda: 1 - pool.num_free / pool.num_blocks,
-                   preemptions=lambda: engine.scheduler.num_preemptions)
+                   preemptions=lambda: engine.scheduler.num_preemptions,
+                   prefix_cache=lambda: (engine.scheduler.kv.num_queried_tokens, engine.scheduler.kv.num_hit_tokens,
+                                         engine.scheduler.num_encodes_skipped))
     metrics_server, metrics_port = None, 0
     if options.metrics_port is not None:
         metrics_server, _ = start_http_server(options.metrics_port, options.host, registry=metrics.registry)

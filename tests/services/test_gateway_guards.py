@@ -337,7 +337,8 @@ def test_n_choices_count_as_sequences_in_the_metrics_and_the_request_ends_once()
         events = [line for line in _post(client, "hi", n=3, max_tokens=4, stream=True,
                                          stream_options={"include_usage": True}).text.splitlines() if line]
     assert [c["index"] for c in whole["choices"]] == [0, 1, 2]
-    assert whole["usage"] == {"prompt_tokens": 7, "completion_tokens": 12, "total_tokens": 19}
+    assert whole["usage"] == {"prompt_tokens": 7, "completion_tokens": 12, "total_tokens": 19,
+                              "prompt_tokens_details": {"cached_tokens": 0}}
     chunks = [json.loads(e[6:]) for e in events if e != "data: [DONE]"]
     assert sorted(c["choices"][0]["index"] for c in chunks if c["choices"] and c["choices"][0]["finish_reason"]) == [0, 1, 2]
     assert chunks[-1]["usage"]["completion_tokens"] == 12 and events[-1] == "data: [DONE]"
