@@ -58,6 +58,27 @@ def test_tokens_are_deterministic_depend_on_the_prompt_and_images_and_survive_di
     assert_pools_full(colocated, again, e, p, d)
 
 
+def test_with_prefix_caching_the_tokens_are_the_same_and_a_cached_image_is_not_encoded(emulated_dir, cfg):
+    def longer():  # the image requests with a block or more of text after the image
+        out = requests(cfg)
+        for r in out[:2]:
+            r.prompt_token_ids += [402, 403] * 10
+        return out
+
+    plain = {k: v.output_token_ids for k, v in make(emulated_dir, cfg).generate(longer()).items()}
+    engine = make(emulated_dir, cfg, enable_prefix_caching=True)
+    encoded = []
+    execute = engine._execute
+    engine._execute = lambda plan: (encoded.extend(w.request.request_id for w in plan.encodes), execute(plan))[1]
+    for round_ in range(2):  # the second time every prompt's full blocks are cached, images' placeholders included
+        encoded.clear()
+        outs = engine.generate(longer())
+        assert {k: v.output_token_ids for k, v in outs.items()} == plain
+        assert (outs["img"].num_cached_tokens > 0) == (round_ == 1)
+    assert encoded == [] and engine.scheduler.num_encodes_skipped == 2  # the second round: img and img2
+    assert_pools_full(engine)
+
+
 def test_a_continuation_goes_on_with_the_tokens_the_request_would_have_had(emulated_dir, cfg):
     """A request migrated or handed back mid-answer (prompt + the tokens sent) gets the rest of the same answer."""
     from services.gateway.migration import continuation
@@ -75,8 +96,8 @@ def test_a_garbled_kv_page_changes_the_tokens(emulated_dir, cfg):
     clean = engine.generate([Request("t", prompt, SamplingParams(max_tokens=4))])["t"].output_token_ids
     request = Request("t", prompt, SamplingParams(max_tokens=4))
     engine.add_request(request)
-    first = engine.step()[0]  # prefill: the first token, the stamp written into the first KV page
-    engine.kv_cache.data[request.block_table[0]].zero_()
+    first = engine.step()[0]  # prefill: the first token, the stamp written into the last prompt token's KV page
+    engine.kv_cache.data[request.block_table[(len(prompt) - 1) // engine.config.block_size]].zero_()
     while engine.has_unfinished:
         engine.step()
     assert first.new_token_ids == clean[:1] and request.output_token_ids != clean
