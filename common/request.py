@@ -57,6 +57,17 @@ FINISH_REASONS = {
 }
 
 
+IMAGE_DIGEST_KEY = "epdmesh.digest"  # a decoded PIL image's `info` entry: the digest of the file it came from
+
+
+def image_end(token_ids: list[int], image_token_id: int) -> int:
+    """The position after the last image placeholder of `token_ids` (0 without images)."""
+    for pos in range(len(token_ids) - 1, -1, -1):
+        if token_ids[pos] == image_token_id:
+            return pos + 1
+    return 0
+
+
 @dataclasses.dataclass(slots=True)
 class ImageInput:
     """One image of a request: its preprocessed pixels (opaque here) and how many placeholder tokens it fills.
@@ -139,10 +150,7 @@ class Request:
     def image_end(self, image_token_id: int) -> int:
         """The prompt position after its last image placeholder (0 without images): a prefill that starts there
         reads no image embeddings."""
-        for pos in range(len(self.prompt_token_ids) - 1, -1, -1):
-            if self.prompt_token_ids[pos] == image_token_id:
-                return pos + 1
-        return 0
+        return image_end(self.prompt_token_ids, image_token_id)
 
     @property
     def num_prefill_tokens(self) -> int:

@@ -21,6 +21,9 @@ def add_routing_args(p: argparse.ArgumentParser) -> None:
                    help="the toggle's policy; auto: the SLO-aware multiplexing toggle when --latency-profile is given")
     p.add_argument("--admission-control", action="store_true",
                    help="SLO routing: refuse (503 + Retry-After) a request no path can serve within its SLO")
+    p.add_argument("--cache-aware-routing", action=argparse.BooleanOptionalAction, default=True,
+                   help="send a prompt to the worker predicted to hold most of it in its prefix cache (what this router "
+                        "sent where), within a few requests of the least loaded one's queue")
     p.add_argument("--reserved-output-tokens", type=int,
                    help="output tokens a route books on its decoder's KV with the prompt (default 256: "
                         "decoders grow beyond them, and preempt when full; 0: the prompt only; serve --kv-admission "
@@ -58,7 +61,7 @@ def routing_policy(args):
     from common.policy.routing import RoutingConfig
 
     routing = RoutingConfig(prefill_mode=args.prefill_mode, multiplex_max_tokens=args.multiplex_max_tokens,
-                            reserved_output_tokens=reserved_output_tokens(args))
+                            reserved_output_tokens=reserved_output_tokens(args), cache_aware=args.cache_aware_routing)
     if args.routing == "slo" and not args.latency_profile:
         raise SystemExit("--routing slo needs --latency-profile")
     if not args.latency_profile or args.routing == "least-loaded":
@@ -92,6 +95,7 @@ def router_argv(args, latency_profile: str | None, worker_budgets: bool) -> list
             "--routing", args.routing, "--slo-ttft-ms", str(args.slo_ttft_ms), "--slo-tbt-ms", str(args.slo_tbt_ms),
             "--budget-headroom", str(args.budget_headroom), "--budget-alpha", str(args.budget_alpha),
             "--decoder-joins", args.decoder_joins,
+            *([] if args.cache_aware_routing else ["--no-cache-aware-routing"]),
             *(["--latency-profile", latency_profile] if latency_profile else []),
             *([] if worker_budgets else ["--no-worker-budgets"]),
             *(["--admission-control"] if args.admission_control else [])]

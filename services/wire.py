@@ -199,12 +199,14 @@ def load_from_pb(msg: pb.WorkerLoad) -> WorkerLoad:
 def summary_to_pb(s: RouteSummary) -> pb.RouteRequest:
     return pb.RouteRequest(request_id=s.request_id, num_prompt_tokens=s.num_prompt_tokens, num_images=s.num_images,
                            max_tokens=s.max_tokens, exclude_worker_ids=sorted(s.exclude), ttft_slo_ms=s.ttft_slo_ms or 0,
-                           tbt_slo_ms=s.tbt_slo_ms or 0, elapsed_ms=s.elapsed_ms)
+                           tbt_slo_ms=s.tbt_slo_ms or 0, elapsed_ms=s.elapsed_ms, prefix_hashes=s.prefix_hashes,
+                           image_end=s.image_end)
 
 
 def summary_from_pb(msg: pb.RouteRequest) -> RouteSummary:
     return RouteSummary(msg.request_id, msg.num_prompt_tokens, msg.num_images, msg.max_tokens,
-                        frozenset(msg.exclude_worker_ids), msg.ttft_slo_ms or None, msg.tbt_slo_ms or None, msg.elapsed_ms)
+                        frozenset(msg.exclude_worker_ids), msg.ttft_slo_ms or None, msg.tbt_slo_ms or None, msg.elapsed_ms,
+                        prefix_hashes=tuple(msg.prefix_hashes), image_end=msg.image_end)
 
 
 def _ref(w: WorkerSnapshot | None) -> pb.WorkerRef | None:

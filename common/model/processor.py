@@ -22,7 +22,7 @@ from PIL import Image
 
 from common.model.config import LlavaConfig
 from common.model.pixels import PixelScaling, finish
-from common.request import ImageInput
+from common.request import IMAGE_DIGEST_KEY, ImageInput
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +49,13 @@ def _template_refusals():
 
 class TemplateArgumentError(ValueError):
     pass
+
+
+def image_digests(conversation: list[dict]) -> list[str]:
+    """The digests of the chat's images in prompt order ('' for one decoded without a digest)."""
+    return [part["image"].info.get(IMAGE_DIGEST_KEY, "") if hasattr(part.get("image"), "info") else ""
+            for message in conversation if isinstance(message.get("content"), list)
+            for part in message["content"] if isinstance(part, dict) and part.get("type") == "image"]
 
 
 class ChatProcessor:
@@ -98,9 +105,12 @@ class ChatProcessor:
         ids = batch["input_ids"][0].tolist()
         images = []
         if "pixel_values" in batch:
-            for pixels in batch["pixel_values"]:
+            sources = image_digests(conversation)  # the files' own digests, where the gateway took them
+            for i, pixels in enumerate(batch["pixel_values"]):
                 pixels = pixels.to(torch.float32 if scaling is None else torch.uint8).contiguous()
-                digest = hashlib.blake2b(pixels.numpy().tobytes(), digest_size=16).hexdigest()
+                # the same file gives the same pixels: its digest identifies them (cheaper than hashing the pixels)
+                digest = (sources[i] if i < len(sources) and sources[i] else
+                          hashlib.blake2b(pixels.numpy().tobytes(), digest_size=16).hexdigest())
                 images.append(ImageInput(pixels, self.config.image_tokens_per_image, digest, scaling))
         return ids, images
 
@@ -182,15 +192,22 @@ class ChatProcessor:
     def count_prompt_tokens(self, conversation: list[dict], tools: list[dict] | None = None,
                             template_kwargs: dict | None = None) -> int:
         """The prompt's length without preprocessing any image (a fraction of `apply`'s time, so a route can
-        be asked for while the pixels are made): the chat template's text tokenized as `apply` does, each
-        image placeholder counted as the tokens it expands to. `apply` gives the ids themselves."""
+        be asked for while the pixels are made)."""
+        return len(self.prompt_ids(conversation, tools, template_kwargs))
+
+    def prompt_ids(self, conversation: list[dict], tools: list[dict] | None = None,
+                   template_kwargs: dict | None = None) -> list[int]:
+        """The prompt's token ids without preprocessing any image: the chat template's text tokenized as `apply`
+        does, each image placeholder expanded to the tokens it stands for — `apply`'s ids (a test keeps them so)."""
         with _template_refusals():
             text = self.processor.apply_chat_template(self._calls_as_text(conversation), add_generation_prompt=True,
                                                       tokenize=False, **self._template_kwargs(tools, template_kwargs))
         bos = self.tokenizer.bos_token
         ids = self.tokenizer(text, add_special_tokens=not (bos is not None and text.startswith(bos)))["input_ids"]
-        image_token = self.config.image_token_id
-        return len(ids) + sum(1 for t in ids if t == image_token) * (self.config.image_tokens_per_image - 1)
+        image_token, per_image = self.config.image_token_id, self.config.image_tokens_per_image
+        if image_token not in ids:
+            return ids
+        return [t for token in ids for t in ([token] * per_image if token == image_token else [token])]
 
     @functools.cached_property
     def max_token_chars(self) -> int:

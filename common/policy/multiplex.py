@@ -19,11 +19,14 @@ For one request (prompt tokens T, images, its TTFT/TBT targets, time already spe
      iteration fits (twice, where requests are handed over) and that the chunks (after d's queued
      prompts) finish within the slack — with join-first decoders, each chunk iteration before the prompt's
      last counted as followed by a decode-only one, for a request handed over meanwhile;
-  4. both allowed: short prompts (≤ `short_prompt_tokens`) take ②, long ones ①; one allowed: that one;
+  4. both allowed: short prefills (≤ `short_prompt_tokens` left to compute) take ②, long ones ①; one allowed: that one;
      none: the least-violating option, or no plan (HTTP 503) when admission control is on;
   5. the decoder of path ① is the one where the handed-over request's first decode comes soonest (the
      iteration in flight plus the next, with the chunks of prefills multiplexed onto it — on a short
      answer that one gap is most of its P90 TBT), then the fewest unfinished tokens.
+With prefix-cache affinity (the router's predictions in `RouteSummary.cached_tokens`), a prefill on a worker
+predicted to hold part of the prompt costs only the rest (at its context), and one predicted to hold the images'
+KV waits for no encode: so the policy weighs a cache hit against the worker's queue in predicted time.
 Workers with stale statistics (a missed heartbeat) or that the request excludes are never chosen.
 """
 
@@ -88,7 +91,10 @@ def route_slo(workers: list[WorkerSnapshot], request: RouteSummary, ttft_ms: flo
 
     def encode_wait(w: WorkerSnapshot) -> float:
         """When the request's image pages are ready for a prefill on w: w encodes it itself when it can
-        (no image pages move; its own queue and the iteration under way count), else the chosen encoder."""
+        (no image pages move; its own queue and the iteration under way count), else the chosen encoder — or
+        at once where w is predicted to hold the images' KV in its prefix cache (it needs no image pages)."""
+        if request.images_cached_on(w):
+            return 0.0
         return finishes[w.worker_id] if _encodes_here(w, request) else encode_pred
 
     left = ttft_ms - elapsed_ms  # the TTFT still to spend: encode, prefill queue, the prefill, the KV pull
@@ -166,7 +172,8 @@ def _dedicated(p, request, encode_wait, left, ttft_ms, profile, config) -> _Opti
     """`encode_wait`: when the image pages are ready; `left`: the TTFT still to spend."""
     queue = (0.0 if _encodes_here(p, request) else _in_flight_ms(p)) + prefill_ms(profile, p.load.queued_prefill_tokens)
     pull = transfer_ms(profile, config.kv_bytes_per_token * request.num_prompt_tokens) if config.kv_bytes_per_token else 0.0
-    predicted = encode_wait + queue + prefill_ms(profile, request.num_prompt_tokens) + pull
+    cached = min(request.cached_on(p), request.num_prompt_tokens - 1)  # the prefix p is predicted to hold
+    predicted = encode_wait + queue + prefill_chunk_ms(profile, request.num_prompt_tokens - cached, cached) + pull
     return _Option(PrefillPath.DEDICATED, p, predicted, max(0.0, (predicted - left) / ttft_ms))
 
 
@@ -179,9 +186,11 @@ def _multiplexed(d, request, encode_wait, left, ttft_ms, tbt_ms, profile, budget
     iteration = decode_ms(profile, batch, context)
     in_flight = 0.0 if _encodes_here(d, request) else max(iteration, _in_flight_ms(d))
     queued = d.load.queued_prefill_tokens
+    total = request.num_prompt_tokens
+    cached = min(request.cached_on(d), total - 1)  # the prefix d is predicted to hold: computed from there
     if budget is None:  # the whole prompt in one iteration beside the running decodes
         queue = prefill_ms(profile, queued)
-        steps = [iteration_ms(profile, decodes=batch, decode_context=context, chunks=[(request.num_prompt_tokens, 0)])]
+        steps = [iteration_ms(profile, decodes=batch, decode_context=context, chunks=[(total - cached, cached)])]
     else:  # chunks of what the budget leaves beside the decodes, one per iteration, queued prompts first
         chunk = budget - batch
         if chunk <= 0:  # no room beside the decodes: no prefill runs here until (as if) the batch has drained
@@ -189,9 +198,8 @@ def _multiplexed(d, request, encode_wait, left, ttft_ms, tbt_ms, profile, budget
             batch, context, chunk = 0, 0, max(budget, 1)
         queue = sum(iteration_ms(profile, decodes=batch, decode_context=context, chunks=[(min(chunk, queued - start), start)])
                     for start in range(0, queued, chunk))
-        steps = [iteration_ms(profile, decodes=batch, decode_context=context,
-                              chunks=[(min(chunk, request.num_prompt_tokens - start), start)])
-                 for start in range(0, request.num_prompt_tokens, chunk)]
+        steps = [iteration_ms(profile, decodes=batch, decode_context=context, chunks=[(min(chunk, total - start), start)])
+                 for start in range(cached, total, chunk)]
     joiner_only = decode_ms(profile, batch + 1, context) if handoffs and join_first else 0.0
     if joiner_only and budget is not None:  # requests handed over meanwhile: each chunk iteration before the
         # prompt's last may be followed by a decode-only one for a joiner's first decode (at most one between two)
@@ -222,8 +230,8 @@ def _choose(options: list[_Option], request: RouteSummary, config: MultiplexConf
     by_path = {path: min((o for o in ok if o.path == path), key=lambda o: (o.ttft_ms, o.worker.worker_id), default=None)
                for path in (PrefillPath.DEDICATED, PrefillPath.MULTIPLEXED)}
     dedicated, multiplexed = by_path[PrefillPath.DEDICATED], by_path[PrefillPath.MULTIPLEXED]
-    if dedicated and multiplexed:
-        short = request.num_prompt_tokens <= config.short_prompt_tokens
+    if dedicated and multiplexed:  # short: what the decoder would compute of it (less what it is predicted to hold)
+        short = request.num_prompt_tokens - request.cached_on(multiplexed.worker) <= config.short_prompt_tokens
         return (multiplexed, "both paths fit; short prompt on the decoder") if short else \
             (dedicated, "both paths fit; long prompt on a prefill worker")
     if dedicated or multiplexed:

@@ -428,7 +428,7 @@ class DeregisterResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class RouteRequest(_message.Message):
-    __slots__ = ("request_id", "num_prompt_tokens", "num_images", "max_tokens", "exclude_worker_ids", "ttft_slo_ms", "tbt_slo_ms", "elapsed_ms")
+    __slots__ = ("request_id", "num_prompt_tokens", "num_images", "max_tokens", "exclude_worker_ids", "ttft_slo_ms", "tbt_slo_ms", "elapsed_ms", "prefix_hashes", "image_end")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_IMAGES_FIELD_NUMBER: _ClassVar[int]
@@ -437,6 +437,8 @@ class RouteRequest(_message.Message):
     TTFT_SLO_MS_FIELD_NUMBER: _ClassVar[int]
     TBT_SLO_MS_FIELD_NUMBER: _ClassVar[int]
     ELAPSED_MS_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_HASHES_FIELD_NUMBER: _ClassVar[int]
+    IMAGE_END_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     num_prompt_tokens: int
     num_images: int
@@ -445,7 +447,9 @@ class RouteRequest(_message.Message):
     ttft_slo_ms: float
     tbt_slo_ms: float
     elapsed_ms: float
-    def __init__(self, request_id: _Optional[str] = ..., num_prompt_tokens: _Optional[int] = ..., num_images: _Optional[int] = ..., max_tokens: _Optional[int] = ..., exclude_worker_ids: _Optional[_Iterable[str]] = ..., ttft_slo_ms: _Optional[float] = ..., tbt_slo_ms: _Optional[float] = ..., elapsed_ms: _Optional[float] = ...) -> None: ...
+    prefix_hashes: _containers.RepeatedScalarFieldContainer[int]
+    image_end: int
+    def __init__(self, request_id: _Optional[str] = ..., num_prompt_tokens: _Optional[int] = ..., num_images: _Optional[int] = ..., max_tokens: _Optional[int] = ..., exclude_worker_ids: _Optional[_Iterable[str]] = ..., ttft_slo_ms: _Optional[float] = ..., tbt_slo_ms: _Optional[float] = ..., elapsed_ms: _Optional[float] = ..., prefix_hashes: _Optional[_Iterable[int]] = ..., image_end: _Optional[int] = ...) -> None: ...
 
 class WorkerRef(_message.Message):
     __slots__ = ("worker_id", "address", "instance")

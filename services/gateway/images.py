@@ -16,12 +16,14 @@ from __future__ import annotations
 
 import asyncio
 import binascii
+import hashlib
 import io
 from urllib.parse import urlsplit
 
 import pybase64
 from PIL import Image, UnidentifiedImageError
 
+from common.request import IMAGE_DIGEST_KEY
 from services.gateway.errors import ApiError
 
 MAX_IMAGE_BYTES = 20 * 2**20
@@ -74,7 +76,9 @@ def decode_image(data: bytes, where: str) -> Image.Image:
             probe.verify()
         image = Image.open(io.BytesIO(data))
         image.load()
-        return image.convert("RGB")
+        rgb = image.convert("RGB")
+        rgb.info[IMAGE_DIGEST_KEY] = hashlib.blake2b(data, digest_size=16).hexdigest()  # the image's identity in the caches
+        return rgb
     except ApiError:
         raise
     except UnidentifiedImageError:

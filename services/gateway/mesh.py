@@ -33,9 +33,10 @@ from collections.abc import AsyncIterator
 import grpc
 
 from common.engine.outputs import RequestOutput
-from common.model.processor import ChatProcessor
+from common.model.processor import ChatProcessor, image_digests
+from common.policy.affinity import prompt_hashes
 from common.policy.routing import PrefillPath, RouteSummary
-from common.request import Request
+from common.request import Request, image_end
 from common.transfer.channels import ChannelPool
 from epdmesh.v1 import mesh_pb2 as pb
 from epdmesh.v1 import mesh_pb2_grpc as pb_grpc
@@ -109,12 +110,14 @@ class MeshBackend(MeshStatus):
             applying = self._prepare_in_thread(self._apply, chat, span)
             try:
                 # tokenizing a short text costs less than a thread hop
-                num_tokens = await self._prepare(self._count_prompt_tokens, chat, span, inline=chat.short_text)
+                early_ids = await self._prepare(self._prompt_ids, chat, span, inline=chat.short_text)
+                num_tokens = len(early_ids)
                 sampling = await self._sampling(chat, num_tokens)
                 self._check_length(num_tokens, sampling.max_tokens, chat.max_tokens_given)
+                prefix = self._prefix_of(early_ids, image_digests(chat.conversation))
                 def summary_of() -> RouteSummary:
                     return RouteSummary(request_id, num_tokens, num_images, sampling.max_tokens, frozenset(), *slo,
-                                        elapsed_ms=(time.monotonic() - arrival) * 1e3)
+                                        elapsed_ms=(time.monotonic() - arrival) * 1e3, **prefix)
                 plan = await self._reroute(summary_of, span, 1, wait_for_worker=False)  # waits while all are full
             except BaseException:
                 applying.add_done_callback(consume)  # the thread runs to its end; nobody needs what it makes
@@ -143,8 +146,15 @@ class MeshBackend(MeshStatus):
         return self.processor.apply(chat.conversation, finish_pixels=False, tools=chat.tool_definitions,
                                     template_kwargs=chat.template_kwargs)
 
-    def _count_prompt_tokens(self, chat: ChatRequest) -> int:
-        return self.processor.count_prompt_tokens(chat.conversation, chat.tool_definitions, chat.template_kwargs)
+    def _prompt_ids(self, chat: ChatRequest) -> list[int]:
+        return self.processor.prompt_ids(chat.conversation, chat.tool_definitions, chat.template_kwargs)
+
+    def _prefix_of(self, token_ids: list[int], image_keys: list[str]) -> dict:
+        """The route summary's prefix-cache fields: the prompt's block hashes (salted by its images' identities —
+        the digests of their files, which the processor also gives the engine as their content hashes, so a
+        first route and a retry key the same prompt alike) and where its images end."""
+        return {"prefix_hashes": prompt_hashes(token_ids, image_keys),
+                "image_end": image_end(token_ids, self.processor.config.image_token_id)}
 
     async def _prepare(self, fn, chat: ChatRequest, span=None, inline: bool = False):
         """`fn(chat)`, off the event loop unless `inline`; a conversation the processor refuses is a 400.
@@ -267,10 +277,12 @@ class MeshBackend(MeshStatus):
             reserved = None
             written = asyncio.Event()  # the first stage call's message is out: a reservation ahead may go to Redis
             if plan is None or attempt > 1:
-                def summary_of(current=current) -> RouteSummary:
+                prefix = self._prefix_of(current.prompt_token_ids, [image.content_hash for image in current.images])
+
+                def summary_of(current=current, prefix=prefix) -> RouteSummary:
                     return RouteSummary(current.request_id, current.num_prompt_tokens, len(current.images),
                                         current.sampling.max_tokens, frozenset(exclude), *slo,
-                                        elapsed_ms=(time.monotonic() - request.arrival_time) * 1e3)
+                                        elapsed_ms=(time.monotonic() - request.arrival_time) * 1e3, **prefix)
                 if attempt > 1:
                     plan = await self._reroute(summary_of, span, attempt)
                 else:

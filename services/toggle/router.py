@@ -5,7 +5,8 @@ Life of a route:
      being made, every `idle_refresh_s` after `IDLE_AFTER_S` without one; the last good one is kept when
      Redis is unreachable, so routing degrades instead of failing);
   2. `common.policy.routing.route` (least loaded) or `common.policy.multiplex.route_slo` (the SLO-aware
-     multiplexing toggle) picks encoder, prefill path and worker, decoder;
+     multiplexing toggle) picks encoder, prefill path and worker, decoder — given what each worker is predicted to
+     hold of the prompt in its prefix cache (`common.policy.affinity`: the prompts this router sent it before);
   3. the request's KV tokens are reserved on the chosen workers in Redis, atomically (a Lua script), so
      several routers — toggles or gateways — cannot overbook a worker; a worker without room is routed around;
   4. the route is remembered as pending and the chosen workers' loads in the local snapshot are bumped, so a
@@ -28,6 +29,7 @@ import time
 import redis.exceptions
 
 from common.latency import LatencyProfile
+from common.policy.affinity import PrefixIndex
 from common.policy.multiplex import MultiplexConfig, route_slo
 from common.request import Stage
 from common.policy.routing import PrefillPath, RoutePlan, RouteSummary, RoutingConfig, route
@@ -102,6 +104,7 @@ class Router:
         self._snapshot_at = float("-inf")
         self._lock = asyncio.Lock()
         self._pending: dict[str, _Pending] = {}  # by request id: routes made here, until forgotten
+        self.prefixes = PrefixIndex()  # the prompts routed to each prefill worker, for prefix-cache affinity
         # by request id, oldest first: when, and the workers its KV is reserved on (until forgotten or expired)
         self._reserved: dict[str, tuple[float, tuple[str, ...]]] = {}
         self._releases: set[asyncio.Task] = set()
@@ -128,6 +131,7 @@ class Router:
             now = time.monotonic()
             try:
                 self._snapshot = self._with_pending(await self.registry.snapshot())
+                self.prefixes.keep_only({w.info.registration for w in self._snapshot})
             except (redis.exceptions.RedisError, OSError) as e:
                 log.warning("registry unreachable (%s); routing on the last snapshot", e)
                 self._snapshot = [dataclasses.replace(w, age_s=w.age_s + now - self._snapshot_at) for w in self._snapshot]
@@ -187,6 +191,7 @@ class Router:
     def _chosen(self, plan: RoutePlan, summary: RouteSummary, workers: list[WorkerSnapshot]) -> None:
         """The plan is the request's: its work loads the workers, it is counted, and the route span says so."""
         self._bump(plan, summary)
+        self.prefixes.record(plan.prefill.info.registration, summary.prefix_hashes, plan.prefill.load.kv_tokens_total)
         self.decisions[plan.path] += 1
         self.tracing.annotate({"epdmesh.path": plan.path.value, "epdmesh.decoder": plan.decoder.worker_id,
                                "epdmesh.prefill": plan.prefill.worker_id,
@@ -241,6 +246,10 @@ class Router:
         return self.routing.max_heartbeat_age_s if self.slo is None else self.slo.config.max_heartbeat_age_s
 
     def _plan(self, workers: list[WorkerSnapshot], summary: RouteSummary) -> RoutePlan | None:
+        if summary.prefix_hashes and self.routing.cache_aware:  # what each prefill worker is predicted to hold of it
+            hits = ((w.info.registration, self.prefixes.matched_tokens(w.info.registration, summary.prefix_hashes))
+                    for w in workers if w.has(Stage.PREFILL))
+            summary = dataclasses.replace(summary, cached_tokens=tuple((reg, n) for reg, n in hits if n))
         if self.slo is None:
             return route(workers, summary, self.routing)
         s = self.slo

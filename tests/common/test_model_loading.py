@@ -132,4 +132,5 @@ def test_prompt_length_counted_without_pixels_is_the_processors(processors, pres
     assert any(sum(p["type"] == "image" for m in c.conversation for p in m["content"]) == 2 for c in cases)
     for case in cases:
         ids, images = processor.apply(case.conversation)
+        assert processor.prompt_ids(case.conversation) == ids, case.name  # what routing hashes, the ids themselves
         assert processor.count_prompt_tokens(case.conversation) == len(ids), case.name

@@ -21,10 +21,12 @@ class Processor:
         self.routed, self.refuse, self.num_tokens = routed, refuse, num_tokens
         self.started, self.applied = threading.Event(), threading.Event()
 
-    def count_prompt_tokens(self, conversation, *template):
+    config = type("Config", (), {"image_token_id": 32000})
+
+    def prompt_ids(self, conversation, *template):
         if not self.started.wait(WAIT_S):  # the pixels (`apply`, on its thread) are under way before this
             raise TimeoutError("the prompt was counted before the processor's thread started")
-        return self.num_tokens
+        return list(range(self.num_tokens))
 
     def apply(self, conversation, finish_pixels=True, **template):
         self.started.set()

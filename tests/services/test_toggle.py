@@ -2,6 +2,7 @@
 
 import asyncio
 import contextlib
+import dataclasses
 import uuid
 
 import grpc
@@ -458,3 +459,45 @@ async def _p_and_d(reservations_type):
         await registry.clear()
         await client.delete(f"{prefix}resv:p-1", f"{prefix}resv:d-1")
         await client.aclose()
+
+
+def test_a_router_sends_a_prompt_it_routed_before_back_to_the_worker_it_sent_it_to():
+    """Prefix-cache affinity over the registry: the first route records the prompt's blocks under its prefill worker;
+    the same prompt (or one extending it) goes back there while that worker is not too much busier, a new prompt to
+    the least loaded one, and a restarted worker (a new registration) is predicted to hold nothing."""
+    from common.policy.affinity import prompt_hashes
+    from common.policy.routing import RouteSummary
+    from services.toggle.router import Router
+
+    def summary(rid, ids):
+        return RouteSummary(rid, len(ids), 0, 8, prefix_hashes=prompt_hashes(ids, []))
+
+    async def main():
+        client = aioredis.from_url(REDIS_URL)
+        registry = RedisRegistry(client, f"epdmesh-test:{uuid.uuid4().hex}:")
+        try:
+            for wid, roles in [("p-1", {P}), ("p-2", {P}), ("d-1", {D})]:
+                await registry.register(info(wid, roles), WorkerLoad(kv_tokens_free=100_000, kv_blocks_total=1000,
+                                                                     kv_block_size=16))
+            router = Router(registry)
+            chat = list(range(100, 400))
+            first = (await router.route(summary("a", chat))).prefill.worker_id
+            other = "p-2" if first == "p-1" else "p-1"
+            router.prefilled("a")
+            # `first` now looks busier (a route pending there); a new prompt goes to the other worker
+            assert (await router.route(summary("b", list(range(500, 800))))).prefill.worker_id == other
+            router.prefilled("b")
+            assert (await router.route(summary("c", chat + list(range(900, 950))))).prefill.worker_id == first
+            router.prefilled("c")
+            registration = info(first, {P}).registration
+            assert router.prefixes.matched_tokens(registration, prompt_hashes(chat, [])) == 288  # 18 whole blocks
+            assert router.prefixes.matched_tokens(registration, prompt_hashes(chat, ["img"])) == 0  # another image
+            await registry.register(dataclasses.replace(info(first, {P}), instance="restarted"), WorkerLoad(
+                kv_tokens_free=100_000, kv_blocks_total=1000, kv_block_size=16))
+            await router.refresh()
+            assert router.prefixes.matched_tokens(registration, prompt_hashes(chat, [])) == 0
+        finally:
+            await registry.clear()
+            await client.aclose()
+
+    asyncio.run(main())
