@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 ARGS ?=
 
-.PHONY: serve test bench-engine bench-mesh bench-transfer bench-tracing bench-timeline bench-detokenize bench-sampling bench-structured bench-soak bench-goodput proto clean
+.PHONY: serve test bench-engine bench-mesh bench-transfer bench-tracing bench-timeline bench-detokenize bench-sampling bench-structured bench-soak bench-prefix-cache bench-goodput proto clean
 
 $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
@@ -45,6 +45,9 @@ bench-structured: $(VENV)/.installed
 
 bench-soak: $(VENV)/.installed
 	$(PY) -m bench.soak $(ARGS)
+
+bench-prefix-cache: $(VENV)/.installed
+	$(PY) -m bench.prefix_cache $(ARGS)
 
 # e.g. make bench-goodput ARGS="--url http://127.0.0.1:8000 --workload textcaps --rates 1,2,4"
 bench-goodput: $(VENV)/.installed
