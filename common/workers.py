@@ -22,6 +22,7 @@ class WorkerInfo:
     pid: int = 0
     metrics_port: int = 0
     instance: str = ""  # new at every start of the process: a worker restarted under the same id is another one
+    prefix_caching: bool = False  # it keeps prompts' KV for later requests: cache-aware routing predicts hits only here
 
     def __post_init__(self) -> None:
         if not self.worker_id or not self.address:

@@ -12,12 +12,21 @@ from common.engine.async_engine import EngineDead
 from common.engine.engine import NoRoomForPages, RequestRejected
 from common.paged_cache import PageLayoutMismatch
 from common.transfer import PullFailed
+from services.wire import IMAGES_NOT_CACHED
 from services.worker.runtime import ShuttingDown
 
 log = logging.getLogger(__name__)
 
+class ImagesNotCached(Exception):
+    """A stage sent without the request's images (predicted cached here) found them not cached: encode them."""
+
+    def __init__(self, request_id: str):
+        super().__init__(f"{request_id}: {IMAGES_NOT_CACHED}")
+
+
 _CODES: list[tuple[type[BaseException], grpc.StatusCode]] = [
     (PageLayoutMismatch, grpc.StatusCode.FAILED_PRECONDITION),
+    (ImagesNotCached, grpc.StatusCode.FAILED_PRECONDITION),
     (NoRoomForPages, grpc.StatusCode.RESOURCE_EXHAUSTED),  # a full cache: the gateway answers 503 + Retry-After
     (RequestRejected, grpc.StatusCode.INVALID_ARGUMENT),
     (ValueError, grpc.StatusCode.INVALID_ARGUMENT),

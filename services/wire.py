@@ -22,6 +22,10 @@ _KINDS = {"kv": pb.CACHE_KIND_KV, "image": pb.CACHE_KIND_IMAGE}
 _PATHS = {PrefillPath.COLOCATED: pb.PREFILL_PATH_COLOCATED, PrefillPath.DEDICATED: pb.PREFILL_PATH_DEDICATED,
           PrefillPath.MULTIPLEXED: pb.PREFILL_PATH_MULTIPLEXED}
 
+# what a stage sent without its images (the router predicted their KV cached there) answers, under FAILED_PRECONDITION,
+# when its prefix cache does not hold them after all: the caller encodes them and calls it again
+IMAGES_NOT_CACHED = "the images' KV is not in this worker's prefix cache"
+
 
 _STAGES_OF = {v: k for k, v in _STAGES.items()}
 _KINDS_OF = {v: k for k, v in _KINDS.items()}
@@ -176,13 +180,14 @@ def chunk_stop_reason(msg: pb.TokenChunk) -> str | int | None:
 def info_to_pb(info: WorkerInfo) -> pb.WorkerInfo:
     return pb.WorkerInfo(worker_id=info.worker_id, address=info.address, roles=[_STAGES[s] for s in sorted(info.roles)],
                          model=info.model, max_model_len=info.max_model_len, transfer_backend=info.transfer_backend,
-                         pid=info.pid, metrics_port=info.metrics_port, instance=info.instance)
+                         pid=info.pid, metrics_port=info.metrics_port, instance=info.instance,
+                         prefix_caching=info.prefix_caching)
 
 
 def info_from_pb(msg: pb.WorkerInfo) -> WorkerInfo:
     roles = frozenset(_STAGES_OF[r] for r in msg.roles if r in _STAGES_OF)
     return WorkerInfo(msg.worker_id, msg.address, roles, msg.model, msg.max_model_len, msg.transfer_backend or "grpc",
-                      msg.pid, msg.metrics_port, msg.instance)
+                      msg.pid, msg.metrics_port, msg.instance, msg.prefix_caching)
 
 
 _LOAD_FIELDS = [f.name for f in pb.WorkerLoad.DESCRIPTOR.fields]
@@ -220,7 +225,8 @@ def ref_registration(ref: pb.WorkerRef) -> str:
 
 def plan_to_pb(plan: RoutePlan) -> pb.RoutePlan:
     return pb.RoutePlan(encoder=_ref(plan.encoder), prefill=_ref(plan.prefill), decoder=_ref(plan.decoder),
-                        path=_PATHS[plan.path], predicted_ttft_ms=plan.predicted_ttft_ms)
+                        path=_PATHS[plan.path], predicted_ttft_ms=plan.predicted_ttft_ms,
+                        images_cached=plan.images_cached)
 
 
 def path_from_pb(value: int) -> PrefillPath:

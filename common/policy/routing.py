@@ -62,6 +62,7 @@ class RoutePlan:
     decoder: WorkerSnapshot
     path: PrefillPath
     predicted_ttft_ms: float | None = None  # from the request's arrival to its first token (SLO-aware policy only)
+    images_cached: bool = False  # the prefill worker is predicted to hold its images' KV: no Encode (router's)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

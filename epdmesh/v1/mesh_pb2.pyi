@@ -217,14 +217,16 @@ class EncodeResponse(_message.Message):
     def __init__(self, image_pages: _Optional[_Union[PageHandle, _Mapping]] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("request", "image_pages", "pending_images")
+    __slots__ = ("request", "image_pages", "pending_images", "images_cached")
     REQUEST_FIELD_NUMBER: _ClassVar[int]
     IMAGE_PAGES_FIELD_NUMBER: _ClassVar[int]
     PENDING_IMAGES_FIELD_NUMBER: _ClassVar[int]
+    IMAGES_CACHED_FIELD_NUMBER: _ClassVar[int]
     request: RequestSpec
     image_pages: PageHandle
     pending_images: PendingImages
-    def __init__(self, request: _Optional[_Union[RequestSpec, _Mapping]] = ..., image_pages: _Optional[_Union[PageHandle, _Mapping]] = ..., pending_images: _Optional[_Union[PendingImages, _Mapping]] = ...) -> None: ...
+    images_cached: bool
+    def __init__(self, request: _Optional[_Union[RequestSpec, _Mapping]] = ..., image_pages: _Optional[_Union[PageHandle, _Mapping]] = ..., pending_images: _Optional[_Union[PendingImages, _Mapping]] = ..., images_cached: _Optional[bool] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
     __slots__ = ("first", "kv_pages")
@@ -235,16 +237,18 @@ class PrefillResponse(_message.Message):
     def __init__(self, first: _Optional[_Union[TokenChunk, _Mapping]] = ..., kv_pages: _Optional[_Union[PageHandle, _Mapping]] = ...) -> None: ...
 
 class DecodeRequest(_message.Message):
-    __slots__ = ("request", "kv_pages", "image_pages", "pending_images")
+    __slots__ = ("request", "kv_pages", "image_pages", "pending_images", "images_cached")
     REQUEST_FIELD_NUMBER: _ClassVar[int]
     KV_PAGES_FIELD_NUMBER: _ClassVar[int]
     IMAGE_PAGES_FIELD_NUMBER: _ClassVar[int]
     PENDING_IMAGES_FIELD_NUMBER: _ClassVar[int]
+    IMAGES_CACHED_FIELD_NUMBER: _ClassVar[int]
     request: RequestSpec
     kv_pages: PageHandle
     image_pages: PageHandle
     pending_images: PendingImages
-    def __init__(self, request: _Optional[_Union[RequestSpec, _Mapping]] = ..., kv_pages: _Optional[_Union[PageHandle, _Mapping]] = ..., image_pages: _Optional[_Union[PageHandle, _Mapping]] = ..., pending_images: _Optional[_Union[PendingImages, _Mapping]] = ...) -> None: ...
+    images_cached: bool
+    def __init__(self, request: _Optional[_Union[RequestSpec, _Mapping]] = ..., kv_pages: _Optional[_Union[PageHandle, _Mapping]] = ..., image_pages: _Optional[_Union[PageHandle, _Mapping]] = ..., pending_images: _Optional[_Union[PendingImages, _Mapping]] = ..., images_cached: _Optional[bool] = ...) -> None: ...
 
 class PullPagesRequest(_message.Message):
     __slots__ = ("lease_id", "chunk_bytes")
@@ -317,7 +321,7 @@ class WorkerLoad(_message.Message):
     def __init__(self, num_waiting: _Optional[int] = ..., num_running: _Optional[int] = ..., running_decode_batch: _Optional[int] = ..., unfinished_decode_tokens: _Optional[int] = ..., last_iteration_ms: _Optional[float] = ..., kv_blocks_free: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., image_blocks_free: _Optional[int] = ..., image_blocks_total: _Optional[int] = ..., num_leases: _Optional[int] = ..., iterations: _Optional[int] = ..., queued_prefill_tokens: _Optional[int] = ..., queued_images: _Optional[int] = ..., decode_context_tokens: _Optional[int] = ..., kv_tokens_free: _Optional[int] = ..., iteration_elapsed_ms: _Optional[float] = ..., num_preemptions: _Optional[int] = ..., kv_block_size: _Optional[int] = ...) -> None: ...
 
 class WorkerInfo(_message.Message):
-    __slots__ = ("worker_id", "address", "roles", "model", "max_model_len", "transfer_backend", "pid", "metrics_port", "instance")
+    __slots__ = ("worker_id", "address", "roles", "model", "max_model_len", "transfer_backend", "pid", "metrics_port", "instance", "prefix_caching")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     ROLES_FIELD_NUMBER: _ClassVar[int]
@@ -327,6 +331,7 @@ class WorkerInfo(_message.Message):
     PID_FIELD_NUMBER: _ClassVar[int]
     METRICS_PORT_FIELD_NUMBER: _ClassVar[int]
     INSTANCE_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHING_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     address: str
     roles: _containers.RepeatedScalarFieldContainer[Stage]
@@ -336,7 +341,8 @@ class WorkerInfo(_message.Message):
     pid: int
     metrics_port: int
     instance: str
-    def __init__(self, worker_id: _Optional[str] = ..., address: _Optional[str] = ..., roles: _Optional[_Iterable[_Union[Stage, str]]] = ..., model: _Optional[str] = ..., max_model_len: _Optional[int] = ..., transfer_backend: _Optional[str] = ..., pid: _Optional[int] = ..., metrics_port: _Optional[int] = ..., instance: _Optional[str] = ...) -> None: ...
+    prefix_caching: bool
+    def __init__(self, worker_id: _Optional[str] = ..., address: _Optional[str] = ..., roles: _Optional[_Iterable[_Union[Stage, str]]] = ..., model: _Optional[str] = ..., max_model_len: _Optional[int] = ..., transfer_backend: _Optional[str] = ..., pid: _Optional[int] = ..., metrics_port: _Optional[int] = ..., instance: _Optional[str] = ..., prefix_caching: _Optional[bool] = ...) -> None: ...
 
 class StageCall(_message.Message):
     __slots__ = ("call_id", "encode", "await_encode", "prefill", "cancel", "trace_context")
@@ -462,18 +468,20 @@ class WorkerRef(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., address: _Optional[str] = ..., instance: _Optional[str] = ...) -> None: ...
 
 class RoutePlan(_message.Message):
-    __slots__ = ("encoder", "prefill", "decoder", "path", "predicted_ttft_ms")
+    __slots__ = ("encoder", "prefill", "decoder", "path", "predicted_ttft_ms", "images_cached")
     ENCODER_FIELD_NUMBER: _ClassVar[int]
     PREFILL_FIELD_NUMBER: _ClassVar[int]
     DECODER_FIELD_NUMBER: _ClassVar[int]
     PATH_FIELD_NUMBER: _ClassVar[int]
     PREDICTED_TTFT_MS_FIELD_NUMBER: _ClassVar[int]
+    IMAGES_CACHED_FIELD_NUMBER: _ClassVar[int]
     encoder: WorkerRef
     prefill: WorkerRef
     decoder: WorkerRef
     path: PrefillPath
     predicted_ttft_ms: float
-    def __init__(self, encoder: _Optional[_Union[WorkerRef, _Mapping]] = ..., prefill: _Optional[_Union[WorkerRef, _Mapping]] = ..., decoder: _Optional[_Union[WorkerRef, _Mapping]] = ..., path: _Optional[_Union[PrefillPath, str]] = ..., predicted_ttft_ms: _Optional[float] = ...) -> None: ...
+    images_cached: bool
+    def __init__(self, encoder: _Optional[_Union[WorkerRef, _Mapping]] = ..., prefill: _Optional[_Union[WorkerRef, _Mapping]] = ..., decoder: _Optional[_Union[WorkerRef, _Mapping]] = ..., path: _Optional[_Union[PrefillPath, str]] = ..., predicted_ttft_ms: _Optional[float] = ..., images_cached: _Optional[bool] = ...) -> None: ...
 
 class ListWorkersRequest(_message.Message):
     __slots__ = ()

@@ -19,7 +19,7 @@ from epdmesh.v1 import mesh_pb2 as pb
 from epdmesh.v1 import mesh_pb2_grpc as pb_grpc
 from services import wire
 from services.encoder.awaited import fetch_awaited, image_pages_of
-from services.errors import grpc_errors
+from services.errors import ImagesNotCached, grpc_errors
 from services.stage_calls.client import StageCalls
 from services.prefill.servicer import first_stage_for
 from services.worker.runtime import WorkerRuntime
@@ -36,7 +36,12 @@ class DecoderServicer(pb_grpc.DecoderServicer):
         engine_request_id = f"{spec.request_id}@decode"
         kv = wire.optional_handle(request, "kv_pages")
         pinned = False
-        if request.HasField("pending_images"):  # prefilled here: its images' KV may be in the prefix cache already
+        if request.images_cached:  # predicted in this worker's prefix cache: no pixels, no pages come
+            engine_request = wire.request_from_pb(spec, Stage.PREFILL, Stage.DECODE, engine_request_id)
+            if not await self.runtime.pin_cached_images(engine_request, None):
+                raise ImagesNotCached(spec.request_id)
+            pinned = True
+        elif request.HasField("pending_images"):  # prefilled here: its images' KV may be in the prefix cache already
             engine_request = wire.request_from_pb(spec, Stage.PREFILL, Stage.DECODE, engine_request_id)
             pinned = await self.runtime.pin_cached_images(engine_request,
                                                           lambda: fetch_awaited(self.calls, request.pending_images))

@@ -53,14 +53,14 @@ class Stages:
         prefilling: asyncio.Task | None = None
         try:
             pending = source = None
-            if request.images and plan.encoder.worker_id != plan.prefill.worker_id:
+            separate = bool(request.images) and plan.encoder.worker_id != plan.prefill.worker_id
+            # the router predicts the prefill worker holds the images' KV: no Encode (it says so if it does not)
+            skip_encode = separate and plan.images_cached
+            if separate and not skip_encode:
                 # the Encode and the next stage's call go out together: that stage asks the encoder for the
                 # pages' handle (AwaitEncode) rather than waiting for it to come back through here
-                encoding = self._encode(request, plan, span)
-                pending = pb.PendingImages(worker_id=plan.encoder.worker_id, address=plan.encoder.address,
-                                           request_id=request.request_id)
-                source = wire.ref_registration(plan.encoder)
-            spec = wire.spec_to_pb(request, with_pixels=pending is None)
+                encoding, pending, source = self._encode_pending(request, plan, span)
+            spec = wire.spec_to_pb(request, with_pixels=not separate)
             output: list[int] = []
             cached = 0  # prompt tokens the prefilling worker found in its prefix cache
             if path != PrefillPath.DEDICATED:
@@ -69,9 +69,14 @@ class Stages:
             if path == PrefillPath.DEDICATED:
                 self.sent(request, plan.prefill.worker_id)
                 with self.tracing.activate(span):
-                    prefilling = self.calls.call(plan.prefill.address, "prefill",
-                                                 pb.PrefillRequest(request=spec, pending_images=pending), written)
+                    prefilling = self.calls.call(plan.prefill.address, "prefill", pb.PrefillRequest(
+                        request=spec, pending_images=pending, images_cached=skip_encode), written)
                 await confirmed(reserved, plan)
+                if skip_encode and await _not_cached(prefilling):  # predicted wrong: encode them after all
+                    encoding, pending, source = self._encode_pending(request, plan, span)
+                    with self.tracing.activate(span):
+                        prefilling = self.calls.call(plan.prefill.address, "prefill",
+                                                     pb.PrefillRequest(request=spec, pending_images=pending))
                 await encoded_unless_answered(encoding, held, prefilling)
                 reply = await stage_call("prefill", wire.ref_registration(plan.prefill), source, prefilling)
                 held.clear()
@@ -87,12 +92,19 @@ class Stages:
                 decode = pb.DecodeRequest(request=spec, kv_pages=reply.kv_pages)
                 source, encoding = wire.ref_registration(plan.prefill), None  # the KV pages' source
             else:
-                decode = pb.DecodeRequest(request=spec, pending_images=pending)
+                decode = pb.DecodeRequest(request=spec, pending_images=pending, images_cached=skip_encode)
             self.sent(request, plan.decoder.worker_id)
             with self.tracing.activate(span):  # the call's client span is made here, under the request's span
                 call = pb_grpc.DecoderStub(self.channels.get(plan.decoder.address)).Decode(decode)
             try:
                 reading = asyncio.ensure_future(call.read())  # (read(), not `async for`: grpc allows one style a call)
+                if decode.images_cached and await _not_cached(reading):  # predicted wrong: encode them after all
+                    call.cancel()
+                    encoding, pending, source = self._encode_pending(request, plan, span)
+                    decode = pb.DecodeRequest(request=spec, pending_images=pending)
+                    with self.tracing.activate(span):
+                        call = pb_grpc.DecoderStub(self.channels.get(plan.decoder.address)).Decode(decode)
+                    reading = asyncio.ensure_future(call.read())
                 try:
                     await encoded_unless_answered(encoding, held, reading)
                 except BaseException:
@@ -119,6 +131,12 @@ class Stages:
             for handle in held:  # never passed on: let the source free them now rather than at lease expiry
                 self.spawn(release_over_grpc(self.channels, wire.handle_from_pb(handle)))
 
+    def _encode_pending(self, request: Request, plan: pb.RoutePlan, span) -> tuple[asyncio.Task, pb.PendingImages, str]:
+        """The awaited Encode under way, the next stage's pending images on that encoder, and the pages' source."""
+        pending = pb.PendingImages(worker_id=plan.encoder.worker_id, address=plan.encoder.address,
+                                   request_id=request.request_id)
+        return self._encode(request, plan, span), pending, wire.ref_registration(plan.encoder)
+
     def _encode(self, request: Request, plan: pb.RoutePlan, span) -> asyncio.Task:
         """The request's awaited Encode, under way (its outcome: the encode's reply, or StageFailed)."""
         self.sent(request, plan.encoder.worker_id)
@@ -129,6 +147,18 @@ class Stages:
         task.add_done_callback(consume)  # its outcome is awaited, unless the request failed before that
         task.add_done_callback(lambda _: call.cancel())  # cancelled before it ran: the call must not go on alone
         return task
+
+
+async def _not_cached(answer: asyncio.Future) -> bool:
+    """Whether a stage sent without its images (predicted cached there) answered that they are not; any other outcome
+    is left in `answer` for the caller to read."""
+    try:
+        await asyncio.shield(answer)
+    except grpc.aio.AioRpcError as e:
+        return e.code() == grpc.StatusCode.FAILED_PRECONDITION and wire.IMAGES_NOT_CACHED in (e.details() or "")
+    except Exception:
+        return False
+    return False
 
 
 class HandedBack(Exception):

@@ -17,7 +17,7 @@ from epdmesh.v1 import mesh_pb2 as pb
 from epdmesh.v1 import mesh_pb2_grpc as pb_grpc
 from services import wire
 from services.encoder.awaited import fetch_awaited, image_pages_of
-from services.errors import grpc_errors
+from services.errors import ImagesNotCached, grpc_errors
 from services.stage_calls.client import StageCalls
 from services.worker.runtime import WorkerRuntime
 
@@ -44,6 +44,11 @@ class PrefillServicer(pb_grpc.PrefillerServicer):
         """The stage method, also called on a StageCalls stream (services/stage_calls)."""
         spec = request.request
         engine_request_id = f"{spec.request_id}@prefill"
+        if request.images_cached:  # predicted in this worker's prefix cache: no pixels, no pages come
+            engine_request = wire.request_from_pb(spec, Stage.PREFILL, Stage.PREFILL, engine_request_id)
+            if not await self.runtime.pin_cached_images(engine_request, None):
+                raise ImagesNotCached(spec.request_id)
+            return self._reply(*await self.runtime.prefill(engine_request, None, pinned=True))
         if request.HasField("pending_images"):  # its images' KV may be in this worker's prefix cache already
             engine_request = wire.request_from_pb(spec, Stage.PREFILL, Stage.PREFILL, engine_request_id)
             if await self.runtime.pin_cached_images(engine_request, lambda: fetch_awaited(self.calls, request.pending_images)):

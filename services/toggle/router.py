@@ -248,8 +248,15 @@ class Router:
     def _plan(self, workers: list[WorkerSnapshot], summary: RouteSummary) -> RoutePlan | None:
         if summary.prefix_hashes and self.routing.cache_aware:  # what each prefill worker is predicted to hold of it
             hits = ((w.info.registration, self.prefixes.matched_tokens(w.info.registration, summary.prefix_hashes))
-                    for w in workers if w.has(Stage.PREFILL))
+                    for w in workers if w.has(Stage.PREFILL) and w.info.prefix_caching)
             summary = dataclasses.replace(summary, cached_tokens=tuple((reg, n) for reg, n in hits if n))
+        plan = self._policy_plan(workers, summary)
+        if plan is not None and plan.encoder is not None and plan.encoder.worker_id != plan.prefill.worker_id \
+                and summary.images_cached_on(plan.prefill):
+            plan = dataclasses.replace(plan, images_cached=True)  # the images need no Encode there
+        return plan
+
+    def _policy_plan(self, workers: list[WorkerSnapshot], summary: RouteSummary) -> RoutePlan | None:
         if self.slo is None:
             return route(workers, summary, self.routing)
         s = self.slo
@@ -329,7 +336,9 @@ class Router:
 
 
 def _workers_of(plan: RoutePlan) -> set[str]:
-    return {plan.decoder.worker_id, plan.prefill.worker_id} | ({plan.encoder.worker_id} if plan.encoder else set())
+    """The workers the plan hands the request to (not its encoder when its images' KV is predicted cached)."""
+    encodes = plan.encoder is not None and not plan.images_cached
+    return {plan.decoder.worker_id, plan.prefill.worker_id} | ({plan.encoder.worker_id} if encodes else set())
 
 
 def _plus(w: WorkerSnapshot, pending: list[_Pending]) -> WorkerSnapshot:
@@ -345,7 +354,7 @@ def _plus(w: WorkerSnapshot, pending: list[_Pending]) -> WorkerSnapshot:
             continue
         if plan.prefill.worker_id == wid:
             waiting, prefill_tokens = waiting + 1, prefill_tokens + summary.num_prompt_tokens
-        if plan.encoder is not None and plan.encoder.worker_id == wid:
+        if plan.encoder is not None and plan.encoder.worker_id == wid and not plan.images_cached:
             images += summary.num_images
             waiting += plan.prefill.worker_id != wid
     if not (decode_tokens or waiting or images):

@@ -107,7 +107,7 @@ class WorkerRuntime:
             finally:  # finished, handed back, or its caller gone: its blocks are free
                 self._note_freed()
 
-    async def pin_cached_images(self, request: Request, awaited: Callable[[], Awaitable[PageHandle]]) -> bool:
+    async def pin_cached_images(self, request: Request, awaited: Callable[[], Awaitable[PageHandle]] | None) -> bool:
         """A request whose images are still being encoded elsewhere (pending): when this worker's prefix cache holds
         their KV, take its blocks now (`Engine.pin_cached`) and say True — it starts without the image pages, and
         `awaited()` (their handle, once the encode is done) is let go of in the background, unpulled. False: the
@@ -122,7 +122,8 @@ class WorkerRuntime:
             with contextlib.suppress(PullFailed):  # the gateway cancels an Encode it no longer needs
                 await self.puller.release(await awaited())
 
-        self._spawn(let_go())
+        if awaited is not None:
+            self._spawn(let_go())
         return True
 
     async def _import(self, request: Request, handle: PageHandle | None) -> bool:

@@ -149,7 +149,7 @@ async def run_worker(options: WorkerOptions, engine: Engine | None = None, ready
     for name in ["", "epdmesh.v1.Worker", *services]:
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     info = WorkerInfo(worker_id, address, config.roles, config.model, engine.max_model_len, transfer.offer, os.getpid(),
-                      metrics_port, instance=uuid.uuid4().hex[:12])
+                      metrics_port, instance=uuid.uuid4().hex[:12], prefix_caching=config.enable_prefix_caching)
     log.info("worker %s (%s) serving on %s, transfer %s, metrics on port %s%s", worker_id, label.upper(), address,
              transfer.offer, metrics_port or "-",
              f", emulated by {options.emulation.profile}" if options.emulation is not None else "")

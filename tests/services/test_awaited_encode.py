@@ -136,3 +136,81 @@ def test_a_prefill_sent_before_its_encode_gets_the_pages_from_the_encoder(tiny_d
             await asyncio.gather(e_task, p_task)
 
     asyncio.run(main())
+
+
+@pytest.mark.parametrize("path", ["dedicated", "colocated"])
+def test_a_stage_sent_without_its_images_encodes_them_when_they_are_not_cached_after_all(path, tiny_dir, processors):
+    """The router predicted the prefill worker holds the images' KV, so the gateway sends no Encode: where that
+    worker's cache does not hold them (FAILED_PRECONDITION, IMAGES_NOT_CACHED) the gateway encodes them and calls it
+    again — the same tokens either way; once they are cached the encoder is not called at all. Real workers over
+    gRPC (E + P + D, or E + PD), the gateway's own stage driver."""
+    from common.policy.routing import PrefillPath
+    from common.request import Request
+    from common.sampling import SamplingParams
+    from common.telemetry.tracing import Tracing
+    from common.transfer.channels import ChannelPool
+    from services.gateway.stages import Stages
+    from services.stage_calls.client import StageCalls
+    from tests.support import image
+
+    processor = processors["tiny"]
+    conversation = [{"role": "user", "content": [{"type": "image", "image": image(3, 96, 64)},
+                                                 {"type": "text", "text": "Tell me at length what you see " * 4}]}]
+    ids, images = processor.apply(conversation, finish_pixels=False)
+
+    async def main():
+        e_task, e_stop, e_addr = await start_worker(tiny_dir, processor, "E", port=0)
+        roles = "P" if path == "dedicated" else "PD"
+        p_task, p_stop, p_addr = await start_worker(tiny_dir, processor, roles, port=0, prefix_caching=True)
+        tasks, stops = [e_task, p_task], [e_stop, p_stop]
+        d_addr = p_addr
+        if path == "dedicated":
+            d_task, d_stop, d_addr = await start_worker(tiny_dir, processor, "D", port=0)
+            tasks.append(d_task)
+            stops.append(d_stop)
+        channels = ChannelPool()
+        calls = StageCalls(channels)
+        stages = Stages(channels, calls, Tracing(), sent=lambda request, worker_id: None,
+                        spawn=lambda coro: asyncio.ensure_future(coro))
+        try:
+            decoder = "d" if path == "dedicated" else "p"
+
+            async def drive(rid, prompt, images_cached):
+                plan = pb.RoutePlan(encoder=pb.WorkerRef(worker_id="e", address=e_addr),
+                                    prefill=pb.WorkerRef(worker_id="p", address=p_addr),
+                                    decoder=pb.WorkerRef(worker_id=decoder, address=d_addr), images_cached=images_cached)
+                request = Request(rid, prompt[0], SamplingParams(max_tokens=6, temperature=0), prompt[1])
+                outs = [out async for out in stages.drive(request, plan, PrefillPath(path))]
+                return outs[-1].output_token_ids, outs[-1].num_cached_tokens
+
+            async def encoder_iterations():
+                async with grpc.aio.insecure_channel(e_addr) as channel:
+                    return (await pb_grpc.WorkerStub(channel).Stats(pb.StatsRequest())).iterations
+
+            reference, cached = await drive("ref", (ids, images), images_cached=False)  # Encode + pending images
+            assert cached == 0
+            before = await encoder_iterations()
+            again, cached = await drive("hit", (ids, images), images_cached=True)  # predicted cached, and it is
+            assert again == reference and cached == (len(ids) - 1) // 16 * 16
+            assert await encoder_iterations() == before  # the encoder was not called
+            # predicted cached, but it is not (another image before the same text): the worker says so, and the
+            # gateway encodes it after all
+            other = processor.apply([{"role": "user", "content": [{"type": "image", "image": image(4, 96, 64)},
+                                                                  conversation[0]["content"][1]]}], finish_pixels=False)
+            missed, cached = await drive("miss", other, images_cached=True)
+            assert await encoder_iterations() > before and cached == 0
+            assert missed == (await drive("miss-again", other, images_cached=False))[0] != reference
+            await asyncio.sleep(0.1)  # acks of pulled pages go out 2 ms after the pulls
+            for address in {e_addr, p_addr, d_addr}:
+                async with grpc.aio.insecure_channel(address) as channel:
+                    stats = await pb_grpc.WorkerStub(channel).Stats(pb.StatsRequest())
+                assert stats.num_leases == 0 and stats.kv_blocks_free == stats.kv_blocks_total, address
+                assert stats.image_blocks_free == stats.image_blocks_total, address
+        finally:
+            await calls.close()
+            await channels.close()
+            for stop in stops:
+                stop.set()
+            await asyncio.gather(*tasks)
+
+    asyncio.run(main())

@@ -1,6 +1,7 @@
 """Prefix caching through the HTTP API, as `epdmesh serve` runs by default: a chat sent again is answered from its
 cached prefix — transformers' tokens still, the cached tokens in OpenAI's `usage.prompt_tokens_details`, and where
-the cache holds an image's KV the image is neither encoded nor pulled again."""
+the cache holds an image's KV the image is neither encoded nor pulled again (cache-aware routing sends it back to
+the worker that holds it, and sends no Encode)."""
 
 import asyncio
 
@@ -59,3 +60,5 @@ def test_a_chat_sent_again_is_answered_from_its_cached_prefix(topology, prefills
         assert delta(prefills, "epdmesh:image_encodes_skipped_total") == len(COVERED)
         image_bytes = 256 * 256 * 4  # one image's pages: 256 tokens × hidden 256 × fp32
         assert delta(prefills, "epdmesh:transfer_bytes_total", kind="image") == len(COVERED) * image_bytes  # round 1 only
+        # the second time the router predicted the images' KV cached there: no Encode was sent at all
+        assert delta("E", "epdmesh:encode_time_seconds_count") == len(COVERED)

@@ -477,8 +477,8 @@ def test_a_router_sends_a_prompt_it_routed_before_back_to_the_worker_it_sent_it_
         registry = RedisRegistry(client, f"epdmesh-test:{uuid.uuid4().hex}:")
         try:
             for wid, roles in [("p-1", {P}), ("p-2", {P}), ("d-1", {D})]:
-                await registry.register(info(wid, roles), WorkerLoad(kv_tokens_free=100_000, kv_blocks_total=1000,
-                                                                     kv_block_size=16))
+                await registry.register(dataclasses.replace(info(wid, roles), prefix_caching=True), WorkerLoad(
+                    kv_tokens_free=100_000, kv_blocks_total=1000, kv_block_size=16))
             router = Router(registry)
             chat = list(range(100, 400))
             first = (await router.route(summary("a", chat))).prefill.worker_id
@@ -492,10 +492,18 @@ def test_a_router_sends_a_prompt_it_routed_before_back_to_the_worker_it_sent_it_
             registration = info(first, {P}).registration
             assert router.prefixes.matched_tokens(registration, prompt_hashes(chat, [])) == 288  # 18 whole blocks
             assert router.prefixes.matched_tokens(registration, prompt_hashes(chat, ["img"])) == 0  # another image
-            await registry.register(dataclasses.replace(info(first, {P}), instance="restarted"), WorkerLoad(
-                kv_tokens_free=100_000, kv_blocks_total=1000, kv_block_size=16))
+            await registry.register(dataclasses.replace(info(first, {P}), instance="restarted", prefix_caching=True),
+                                    WorkerLoad(kv_tokens_free=100_000, kv_blocks_total=1000, kv_block_size=16))
             await router.refresh()
             assert router.prefixes.matched_tokens(registration, prompt_hashes(chat, [])) == 0
+            # a worker that caches no prefix is predicted to hold nothing, whatever was sent to it
+            await registry.register(info(first, {P}), WorkerLoad(kv_tokens_free=100_000))
+            await router.refresh()
+            router.prefixes.record(registration, prompt_hashes(chat, []), 0)
+            seen, plan_of = [], router._policy_plan
+            router._policy_plan = lambda workers, s: (seen.append(s.cached_tokens), plan_of(workers, s))[1]
+            await router.route(summary("e", chat))
+            assert seen == [()]
         finally:
             await registry.clear()
             await client.aclose()

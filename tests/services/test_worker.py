@@ -17,8 +17,9 @@ from services.worker.server import WorkerOptions, run_worker
 from tests.support import image
 
 
-async def start_worker(tiny_dir, processor, roles="EPD", **options):
-    config = EngineConfig(model=str(tiny_dir), roles=parse_roles(roles), kv_cache_gib=0.02, image_cache_gib=0.02)
+async def start_worker(tiny_dir, processor, roles="EPD", prefix_caching=False, **options):
+    config = EngineConfig(model=str(tiny_dir), roles=parse_roles(roles), kv_cache_gib=0.02, image_cache_gib=0.02,
+                          enable_prefix_caching=prefix_caching)
     engine = Engine(config, detokenize=processor.detokenize)
     opts = WorkerOptions(engine=config, transfer="grpc", **options)
     ready, stop, bound = asyncio.Event(), asyncio.Event(), []
