@@ -138,6 +138,8 @@ class Engine(PageHandover):
                 self._import_kv_pages(request, kv_pages)
         if request.first_stage == Stage.DECODE:
             request.num_computed_tokens = request.num_prompt_tokens
+            if Stage.PREFILL in self.config.roles:  # its imported prompt KV serves later prompts prefilled here too
+                self.scheduler.kv.commit_prompt(request)  # (a decode-only engine never looks: its blocks stay plain)
         self.requests[request.request_id] = request
         if capture_logits:
             self.captured_logits[request.request_id] = []

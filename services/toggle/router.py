@@ -192,6 +192,9 @@ class Router:
         """The plan is the request's: its work loads the workers, it is counted, and the route span says so."""
         self._bump(plan, summary)
         self.prefixes.record(plan.prefill.info.registration, summary.prefix_hashes, plan.prefill.load.kv_tokens_total)
+        d = plan.decoder
+        if plan.path == PrefillPath.DEDICATED and d.has(Stage.PREFILL) and d.info.prefix_caching:
+            self.prefixes.record(d.info.registration, summary.prefix_hashes, d.load.kv_tokens_total)  # it keeps the KV
         self.decisions[plan.path] += 1
         self.tracing.annotate({"epdmesh.path": plan.path.value, "epdmesh.decoder": plan.decoder.worker_id,
                                "epdmesh.prefill": plan.prefill.worker_id,

@@ -142,6 +142,27 @@ def test_a_prefill_engine_with_the_images_kv_cached_needs_no_image_pages(shape, 
     assert_pools_full(encoder, prefiller, decoder)
 
 
+def test_a_decoder_that_prefills_too_serves_later_prompts_from_the_kv_pages_it_imported(model_dirs, processors,
+                                                                                       fp32_models, references):
+    """A PD decoder with prefix caching keeps the prompt KV it was handed (path ①) for prompts it prefills itself
+    later (path ②): the same text chats again on it compute only what the imported pages lack — transformers' tokens."""
+    encoder = make_engine(model_dirs, fp32_models, "tiny", roles=frozenset({Stage.ENCODE}), image_budget=2)
+    prefiller = make_engine(model_dirs, fp32_models, "tiny", roles=frozenset({Stage.PREFILL}), token_budget=128)
+    decoder = make_engine(model_dirs, fp32_models, "tiny", roles=frozenset({Stage.PREFILL, Stage.DECODE}),
+                          prefix_caching=True)
+    refs = references("tiny", torch.float32)
+    assert_matches_reference(run_disaggregated(encoder, prefiller, decoder, build_requests(processors["tiny"], CASES)),
+                             prefiller.captured_logits, refs)
+    texts = [r for r in build_requests(processors["tiny"], CASES) if not r.images]
+    again = decoder.generate([Request(r.request_id, r.prompt_token_ids, r.sampling, first_stage=Stage.PREFILL)
+                              for r in texts])
+    for r in texts:
+        assert again[r.request_id].output_token_ids == refs[r.request_id].tokens, r.request_id
+        assert again[r.request_id].num_cached_tokens == (r.num_prompt_tokens - 1) // 16 * 16, r.request_id
+    assert sum(again[r.request_id].num_cached_tokens for r in texts) > 0
+    assert_pools_full(encoder, prefiller, decoder)
+
+
 def test_bfloat16_within_the_references_own_rounding(model_dirs, processors, references):
     """bf16 tolerance: our bf16 logits may differ from transformers' bf16 logits by at most twice as much as
     transformers' bf16 differs from its own fp32 (plus 0.05) — i.e. we are within bf16's own rounding noise.

@@ -509,3 +509,35 @@ def test_a_router_sends_a_prompt_it_routed_before_back_to_the_worker_it_sent_it_
             await client.aclose()
 
     asyncio.run(main())
+
+
+def test_a_decoder_that_prefills_is_recorded_as_holding_the_prompts_handed_to_it():
+    """Path ①: the decoder imports the prompt's KV and, when it prefills too and caches prefixes, keeps it for later
+    prompts: the router records the prompt under both workers (a decode-only decoder never prefills: not recorded)."""
+    from common.policy.affinity import prompt_hashes
+    from common.policy.routing import RouteSummary
+    from services.toggle.router import Router
+
+    async def main():
+        client = aioredis.from_url(REDIS_URL)
+        registry = RedisRegistry(client, f"epdmesh-test:{uuid.uuid4().hex}:")
+        try:
+            for wid, roles in [("p-1", {P}), ("pd-1", {P, D}), ("d-1", {D})]:
+                await registry.register(dataclasses.replace(info(wid, roles), prefix_caching=True), WorkerLoad(
+                    kv_tokens_free=100_000, kv_blocks_total=1000, kv_block_size=16, unfinished_decode_tokens=len(wid)))
+            router = Router(registry, RoutingConfig(prefill_mode="dedicated"))
+            ids = list(range(100, 400))
+            hashes = prompt_hashes(ids, [])
+            plan = await router.route(RouteSummary("a", len(ids), 0, 8, prefix_hashes=hashes))
+            assert (plan.prefill.worker_id, plan.decoder.worker_id) == ("p-1", "d-1")  # fewest unfinished tokens
+            assert router.prefixes.matched_tokens(info("d-1", {D}).registration, hashes) == 0
+            await registry.heartbeat("d-1", WorkerLoad(unfinished_decode_tokens=1000))
+            await router.refresh()
+            plan = await router.route(RouteSummary("b", len(ids), 0, 8, prefix_hashes=hashes))
+            assert (plan.prefill.worker_id, plan.decoder.worker_id) == ("p-1", "pd-1")
+            assert router.prefixes.matched_tokens(info("pd-1", {P, D}).registration, hashes) == 288
+        finally:
+            await registry.clear()
+            await client.aclose()
+
+    asyncio.run(main())
