@@ -44,7 +44,8 @@ BACKEND = "real engine (torch CPU, float32, 1 thread per process)"
 SERVED_NAME = "tiny"  # the name tests.services.servers.running_server serves under
 # kind → weight in the mix; `bad-image` and `too-long` must come back as a 400
 MIX = {"image-stream": 25, "text-stream": 25, "image-whole": 10, "text-whole": 15, "leave-stream": 15,
-       "bad-image": 5, "too-long": 5}
+       "bad-image": 5, "too-long": 5, "image-again": 10}
+REPEATED_CHATS = 4  # image-again: one of these few image chats again (prefix-cache hits, images' KV cached)
 REFUSED = {"bad-image", "too-long"}
 REQUEST_TIMEOUT_S = 120.0
 SETTLE_WAIT_S = 60.0  # at the end: for acks, lease expiries and a killed worker's restart
@@ -64,7 +65,7 @@ def parse_args(argv=None):
     p.add_argument("--redis-url", default=None)
     p.add_argument("--kill", action="append", default=[], metavar="ROLE@N",
                    help="SIGKILL a worker with these roles (as in the topology, e.g. D or EP) after N requests")
-    p.add_argument("--serve-args", default="", help="more `epdmesh serve` options, as one string after an =: --serve-args='--enable-prefix-caching'")
+    p.add_argument("--serve-args", default="", help="more `epdmesh serve` options, as one string after an =: --serve-args='--no-enable-prefix-caching'")
     p.add_argument("--out", default="bench/results/soak.json")
     args = p.parse_args(argv)
     if args.requests <= args.warmup or args.concurrency < 1 or args.samples < 2:
@@ -108,7 +109,11 @@ def _png(seed: int) -> str:
 def body_of(kind: str, max_tokens: int, i: int, max_model_len: int) -> dict:
     text = f"Request {i}: describe what you see in a few words."
     content: list[dict] = []
-    if kind.startswith("image"):
+    if kind == "image-again":  # a block or more of text after the image: its KV is all in the cached prefix
+        chat = i % REPEATED_CHATS
+        content.append({"type": "image_url", "image_url": {"url": _png(10**9 + chat)}})
+        text = f"Chat {chat}: describe what you see, then what it reminds you of, then what could come next."
+    elif kind.startswith("image"):
         content.append({"type": "image_url", "image_url": {"url": _png(i)}})
     elif kind == "bad-image":  # base64 that decodes to bytes no image reader takes
         content.append({"type": "image_url", "image_url": {"url": "data:image/png;base64,"

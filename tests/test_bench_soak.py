@@ -72,3 +72,9 @@ def test_the_report_names_the_backend_the_workers_ran():
     assert backend_of(["--backend", "emulated", "--profile", "H20"]).startswith("emulated (profile H20")
     assert backend_of(["--backend", "torch"]) == BACKEND
     assert backend_of(["--backend=emulated", "--profile=H100"]).startswith("emulated (profile H100")
+
+
+def test_an_image_chat_sent_again_is_the_same_chat_and_one_of_a_few():
+    a, b = body_of("image-again", 8, 3, 64), body_of("image-again", 8, 7, 64)  # 3 and 7: the same of the 4 chats
+    assert a["messages"] == b["messages"] != body_of("image-again", 8, 4, 64)["messages"]
+    assert a["messages"][0]["content"][0]["image_url"]["url"].startswith("data:image/png;base64,")
