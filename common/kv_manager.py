@@ -99,9 +99,13 @@ class KVBlockManager:
         return blocks
 
     def _hashes(self, request: Request, num_tokens: int) -> list[int]:
-        digest = hashlib.blake2b("|".join(i.content_hash for i in request.images).encode(), digest_size=8)
-        salt = int.from_bytes(digest.digest(), "little")
-        return chain_hashes(request.prompt_token_ids[:num_tokens], self.block_size, salt)
+        """The chained hashes of the prompt's first `num_tokens // block_size` blocks (computed once a request: a
+        waiting image request is looked up at every step)."""
+        if request.prompt_hashes is None or request.prompt_hashes[0] != self.block_size:
+            digest = hashlib.blake2b("|".join(i.content_hash for i in request.images).encode(), digest_size=8)
+            salt = int.from_bytes(digest.digest(), "little")
+            request.prompt_hashes = (self.block_size, chain_hashes(request.prompt_token_ids, self.block_size, salt))
+        return request.prompt_hashes[1][: num_tokens // self.block_size]
 
 
 class ImageBlockManager:

@@ -103,6 +103,7 @@ class Request:
     stop_reason: str | int | None = None
     detokenizer: Any = None  # the output's text so far, kept by the engine while stop strings are watched
     grammar_matcher: Any = None  # structured output: where its grammar is, kept by the engine (common/engine/grammar.py)
+    prompt_hashes: tuple[int, list[int]] | None = None  # (block size, its prompt's chained block hashes): kv_manager's
     # engine clock (time.monotonic): first step that scheduled it, and when it finished or was handed off here
     first_scheduled_time: float | None = None
     done_time: float | None = None

@@ -74,10 +74,18 @@ async def encoded_unless_answered(encoding: asyncio.Task | None, held: list[pb.P
     if encoding is None:
         return
     await asyncio.wait((encoding, answer), return_when=asyncio.FIRST_COMPLETED)
-    if encoding.done():
-        await encoded(encoding, held, answer)
+    if encoding.done() or _source_failed(answer):  # a failed encode fails its waiting stage (ABORTED) at once:
+        await encoded(encoding, held, answer)        # the Encode's own error says what went wrong (a 400, say)
     else:
         encoding.cancel()
+
+
+def _source_failed(answer: asyncio.Future) -> bool:
+    """The stage answered that the source of its pages failed."""
+    if not answer.done() or answer.cancelled():
+        return False
+    e = answer.exception()
+    return isinstance(e, grpc.aio.AioRpcError) and e.code() == grpc.StatusCode.ABORTED
 
 
 async def confirmed(reserved: asyncio.Future | None, plan: pb.RoutePlan) -> None:

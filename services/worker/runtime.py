@@ -82,15 +82,31 @@ class WorkerRuntime:
                       pinned: bool = False) -> tuple[RequestOutput, PageHandle | None]:
         """The first token, and a lease on the KV pages (None when the first token finished the request).
         `pinned`: its images' KV is cached here and its blocks taken (`pin_cached_images`); no pages come."""
-        with self._admitted(request):
-            preloaded = pinned or await self._import(request, image_pages)
-            last = await self._run_to_handoff(request, preloaded)
-            handle = await self._lease(request.request_id, last.pages) if last.handed_off else None
-            self._observe_stage("prefill", request)
-            return last, handle
+        try:
+            with self._admitted(request):
+                preloaded = pinned or await self._import(request, image_pages)
+                last = await self._run_to_handoff(request, preloaded)
+                handle = await self._lease(request.request_id, last.pages) if last.handed_off else None
+                self._observe_stage("prefill", request)
+                return last, handle
+        except BaseException:
+            if pinned:
+                self._unpin(request)
+            raise
 
     async def decode(self, request: Request, kv_pages: PageHandle | None,
                      image_pages: PageHandle | None, pinned: bool = False) -> AsyncIterator[RequestOutput]:
+        try:
+            async with contextlib.aclosing(self._decode(request, kv_pages, image_pages, pinned)) as outputs:
+                async for out in outputs:  # (closed with this one: a caller gone aborts the request at once)
+                    yield out
+        except BaseException:
+            if pinned:
+                self._unpin(request)
+            raise
+
+    async def _decode(self, request: Request, kv_pages: PageHandle | None,
+                      image_pages: PageHandle | None, pinned: bool) -> AsyncIterator[RequestOutput]:
         with self._admitted(request):
             try:
                 try:
@@ -110,21 +126,32 @@ class WorkerRuntime:
     async def pin_cached_images(self, request: Request, awaited: Callable[[], Awaitable[PageHandle]] | None) -> bool:
         """A request whose images are still being encoded elsewhere (pending): when this worker's prefix cache holds
         their KV, take its blocks now (`Engine.pin_cached`) and say True — it starts without the image pages, and
-        `awaited()` (their handle, once the encode is done) is let go of in the background, unpulled. False: the
-        pages are needed (then the caller waits for them as before)."""
+        `awaited()` (their handle, once the encode is done) is let go of in the background, unpulled; the caller
+        passes `pinned=True` to `prefill`/`decode`, which give the blocks back if the request never gets going.
+        False: the pages are needed (then the caller waits for them as before)."""
         if not self.engine.engine.config.enable_prefix_caching:
             return False
-        await self.engine.prepare(request)  # before blocks are taken: nothing to cancel between the two
-        if not self.engine.now(lambda e: e.pin_cached(request)):
-            return False
+        try:
+            await self.engine.prepare(request)  # before blocks are taken: nothing to cancel between the two
+            if not self.accepting:  # (the stage's `_admitted` would refuse it right after the pin)
+                raise ShuttingDown(f"worker {self.worker_id} is shutting down")
+            pinned = self.engine.now(lambda e: e.pin_cached(request))
+        except BaseException:
+            if awaited is not None:  # the stage fails here: the encoder's pages will never be pulled
+                self._spawn(self._let_go(awaited))
+            raise
+        if pinned and awaited is not None:
+            self._spawn(self._let_go(awaited))
+        return pinned
 
-        async def let_go() -> None:
-            with contextlib.suppress(PullFailed):  # the gateway cancels an Encode it no longer needs
-                await self.puller.release(await awaited())
+    async def _let_go(self, awaited: Callable[[], Awaitable[PageHandle]]) -> None:
+        """Release an awaited encode's pages unpulled, once its handle comes."""
+        with contextlib.suppress(PullFailed):  # the gateway cancels an Encode it no longer needs
+            await self.puller.release(await awaited())
 
-        if awaited is not None:
-            self._spawn(let_go())
-        return True
+    def _unpin(self, request: Request) -> None:
+        """A pinned request that failed before its engine took it in: its blocks go back (a no-op once taken in)."""
+        self.engine.now(lambda e: e.cancel_import(request.request_id))
 
     async def _import(self, request: Request, handle: PageHandle | None) -> bool:
         """Reserve blocks for the handle's pages, pull them straight in, ack the source. False: no pages to bring."""

@@ -13,11 +13,12 @@ from common.sampling import SamplingParams
 from common.transfer import PullFailed
 from common.transfer.fake import FakeFabric, FakePuller
 from services.worker.runtime import WorkerRuntime
-from tests.support import build_requests
+from tests.support import build_requests, image
 
 
-def runtime(name, roles, tiny_dir, processor, fabric, image_cache_gib=0.02) -> WorkerRuntime:
-    config = EngineConfig(model=str(tiny_dir), roles=parse_roles(roles), kv_cache_gib=0.02, image_cache_gib=image_cache_gib)
+def runtime(name, roles, tiny_dir, processor, fabric, image_cache_gib=0.02, prefix_caching=False) -> WorkerRuntime:
+    config = EngineConfig(model=str(tiny_dir), roles=parse_roles(roles), kv_cache_gib=0.02, image_cache_gib=image_cache_gib,
+                          enable_prefix_caching=prefix_caching)
     rt = WorkerRuntime(name, f"fake://{name}", AsyncEngine(Engine(config, detokenize=processor.detokenize)),
                        FakePuller(fabric), lease_ttl_s=30, offer_backend="fake")
     fabric.attach(f"fake://{name}", rt.read_lease, rt.release_lease)
@@ -136,3 +137,49 @@ def test_handed_over_pages_wait_for_cache_room_and_give_up_cleanly(tiny_dir, pro
 
     for load in asyncio.run(main()):
         assert (load.num_leases, load.kv_blocks_free, load.image_blocks_free) == (0, load.kv_blocks_total, load.image_blocks_total)
+
+
+def test_a_pinned_prefix_goes_back_when_its_stage_never_starts_and_the_encoders_pages_are_let_go(tiny_dir, processors):
+    """`pin_cached_images` takes cached blocks for a request whose images are pending elsewhere. A worker draining
+    meanwhile refuses it before the pin, a stage that fails before its engine takes the request in gives the blocks
+    back, and either way the encoder's pages are released unpulled: no block and no lease is left behind."""
+    from services.worker.runtime import ShuttingDown
+
+    processor = processors["tiny"]
+    conversation = [{"role": "user", "content": [{"type": "image", "image": image(5, 64, 64)},
+                                                 {"type": "text", "text": "Tell me at length what you see " * 4}]}]
+    ids, images = processor.apply(conversation)
+    request = Request("r", ids, SamplingParams(max_tokens=4, temperature=0), images)
+
+    async def main():
+        fabric = FakeFabric()
+        e = runtime("e", "e", tiny_dir, processor, fabric)
+        p = runtime("p", "p", tiny_dir, processor, fabric, prefix_caching=True)
+        try:
+            handle = await e.encode(stage_copy(request, Stage.ENCODE, Stage.ENCODE, "encode"))
+            first, kv = await p.prefill(stage_copy(request, Stage.PREFILL, Stage.PREFILL, "prefill"), handle)
+            await p.release_lease(kv.lease_id)
+            full = p.engine.stats()
+
+            async def awaited_pages(rid):
+                return await e.encode(stage_copy(request, Stage.ENCODE, Stage.ENCODE, rid))
+
+            again = stage_copy(request, Stage.PREFILL, Stage.PREFILL, "again")
+            assert await p.pin_cached_images(again, lambda: awaited_pages("enc-2"))
+            p.accepting = False  # draining: the stage refuses it, and the pinned blocks go back
+            with pytest.raises(ShuttingDown):
+                await p.prefill(again, None, pinned=True)
+            late = stage_copy(request, Stage.PREFILL, Stage.PREFILL, "late")
+            with pytest.raises(ShuttingDown):  # refused before anything is pinned
+                await p.pin_cached_images(late, lambda: awaited_pages("enc-3"))
+            for _ in range(100):
+                if not len(e.leases) and not len(p.leases):
+                    break
+                await asyncio.sleep(0.02)
+            assert not p.engine.engine.importing and p.engine.stats() == full
+            assert not len(e.leases)  # both awaited encodes' pages were released unpulled
+        finally:
+            for rt in (e, p):
+                rt.engine.shutdown()
+
+    asyncio.run(main())

@@ -541,3 +541,40 @@ def test_a_decoder_that_prefills_is_recorded_as_holding_the_prompts_handed_to_it
             await client.aclose()
 
     asyncio.run(main())
+
+
+def test_no_encode_is_skipped_before_a_prefill_covering_the_images_has_finished_on_that_worker():
+    """`images_cached` (the gateway sends no Encode) needs a prefill of the prompt *finished* on the worker, not just
+    routed there — a burst of one image would otherwise all be refused by the worker and encoded after — and never
+    counts the block holding the prompt's last token, which a worker computes again."""
+    from common.policy.affinity import prompt_hashes
+    from common.policy.routing import RouteSummary
+    from services.toggle.router import Router
+
+    ids = list(range(100, 164)) + [7] * 300 + list(range(200, 237))  # 401 tokens; "images" end at 364
+
+    def summary(rid, n=len(ids), image_end=364):
+        return RouteSummary(rid, n, 1, 8, prefix_hashes=prompt_hashes(ids[:n], ["img"]), image_end=image_end)
+
+    async def main():
+        client = aioredis.from_url(REDIS_URL)
+        registry = RedisRegistry(client, f"epdmesh-test:{uuid.uuid4().hex}:")
+        try:
+            for wid, roles in [("e-1", {E}), ("p-1", {P}), ("d-1", {D})]:
+                await registry.register(dataclasses.replace(info(wid, roles), prefix_caching=True), WorkerLoad(
+                    kv_tokens_free=100_000, kv_blocks_total=1000, kv_block_size=16))
+            router = Router(registry)
+            assert not (await router.route(summary("a"))).images_cached  # nothing there yet
+            assert not (await router.route(summary("b"))).images_cached  # "a" routed there, not prefilled yet
+            router.prefilled("a")
+            assert (await router.route(summary("c"))).images_cached
+            # a prompt of 368 tokens whose images end at 364: its 23rd block holds its last token — not reused
+            assert not (await router.route(summary("d", n=368))).images_cached
+            assert (await router.route(summary("e", n=369))).images_cached  # 369: that block is whole before it
+            router.forget("b")
+            assert "b" not in router._routed_prefix
+        finally:
+            await registry.clear()
+            await client.aclose()
+
+    asyncio.run(main())
