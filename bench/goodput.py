@@ -212,7 +212,10 @@ def sweep(base: str, model: str, workload: str, rates: list[float], args, label:
     bodies = request_bodies(shape, args.num_prompts, model, seed=args.seed)
     asyncio.run(run_rate(base, bodies[: args.warmup], [0.0] * args.warmup, args.time_scale))  # warm every path once
     points, below = [], 0
-    for rate in sorted(rates):
+    for k, rate in enumerate(sorted(rates)):
+        # each point's images are files of their own: a server that caches prefixes must not answer a point from
+        # what an earlier one left in its cache
+        bodies = request_bodies(shape, args.num_prompts, model, seed=args.seed, variant=k + 1)
         times = arrivals(args.num_prompts, rate, args.arrival, args.seed, gaps)
         with tqdm(total=len(bodies), desc=f"{label} {workload} @ {rate:g} req/s", unit="req", file=sys.stderr,
                   leave=False) as bar:

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import base64
 import dataclasses
+import functools
 import io
 import random
 import statistics
@@ -90,14 +91,32 @@ SHAPES = {
 }
 
 
-def images(shape: Shape, count: int, seed: int) -> list[str]:
-    """`count` distinct synthetic JPEGs (smooth gradients, blocks and noise) as data URIs."""
+def images(shape: Shape, count: int, seed: int, variant: int = 0) -> list[str]:
+    """`count` distinct synthetic JPEGs (smooth gradients, blocks and noise) as data URIs. `variant` > 0: the same
+    pictures with a small patch of their own (other files, so other images to a cache; a fraction of the time)."""
     import numpy as np
     from PIL import Image
 
-    rng = np.random.default_rng(seed)
-    w, h = shape.image_size
     uris = []
+    for i, pixels in enumerate(_pictures(shape.image_size, count, seed)):
+        if variant:
+            pixels = pixels.copy()
+            rng = np.random.default_rng((seed, variant, i))
+            pixels[:8, :8] = rng.integers(0, 256, (8, 8, 3), dtype=np.uint8)
+        buf = io.BytesIO()
+        Image.fromarray(pixels).save(buf, "JPEG", quality=85)
+        uris.append("data:image/jpeg;base64," + base64.b64encode(buf.getvalue()).decode())
+    return uris
+
+
+@functools.lru_cache(maxsize=8)
+def _pictures(size: tuple[int, int], count: int, seed: int) -> tuple:
+    """The pictures of `images`, as uint8 arrays (made once per size, count and seed)."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    w, h = size
+    out = []
     for _ in range(count):
         yy, xx = np.mgrid[0:h, 0:w]
         base = np.stack([(xx * rng.uniform(0.2, 0.6) + yy * rng.uniform(0.1, 0.5) + rng.uniform(0, 255)) % 256
@@ -105,20 +124,19 @@ def images(shape: Shape, count: int, seed: int) -> list[str]:
         for _ in range(6):
             x0, y0 = rng.integers(0, w - 32), rng.integers(0, h - 32)
             base[y0:y0 + rng.integers(16, h // 2), x0:x0 + rng.integers(16, w // 2)] = rng.uniform(0, 255, 3)
-        pixels = np.clip(base + rng.normal(0, 12, base.shape), 0, 255).astype(np.uint8)
-        buf = io.BytesIO()
-        Image.fromarray(pixels).save(buf, "JPEG", quality=85)
-        uris.append("data:image/jpeg;base64," + base64.b64encode(buf.getvalue()).decode())
-    return uris
+        out.append(np.clip(base + rng.normal(0, 12, base.shape), 0, 255).astype(np.uint8))
+    return tuple(out)
 
 
-def request_bodies(shape: Shape, n: int, model: str, seed: int = 0, distinct_images: int | None = None) -> list[dict]:
+def request_bodies(shape: Shape, n: int, model: str, seed: int = 0, distinct_images: int | None = None,
+                   variant: int = 0) -> list[dict]:
     """`n` OpenAI chat-completion bodies (streaming, usage in the last chunk, fixed output length; token ids in
     each chunk, so a token that adds no text — EOS, with `ignore_eos` — still counts as a token event). Each has an
     image of its own, as in the datasets (`distinct_images`: that many, taken in turn): an image sent again would be
-    a prefix-cache hit on a server that caches prefixes (epdmesh serve's default)."""
+    a prefix-cache hit on a server that caches prefixes (epdmesh serve's default) — so a sweep gives every rate
+    point its own `variant` of the images (the same prompts and pictures, other files)."""
     rng = random.Random(seed)
-    uris = images(shape, min(n, distinct_images or n), seed)
+    uris = images(shape, min(n, distinct_images or n), seed, variant)
     return [{
         "model": model, "stream": True, "stream_options": {"include_usage": True},
         "max_tokens": shape.output_tokens, "ignore_eos": True, "temperature": 0.0, "return_token_ids": True,

@@ -145,3 +145,11 @@ def test_a_configuration_may_sweep_its_own_rates_and_a_misnamed_one_is_refused(c
         with pytest.raises(SystemExit):
             parse_args(["--config", "a=--topology EPD1", "--config", "b=--topology EPD2", *bad])
     assert "--rates-of names no --config: c" in capsys.readouterr().err
+
+
+def test_each_rate_points_images_are_files_of_their_own_with_the_same_prompts():
+    base, other = request_bodies(SHAPES["pope"], 6, "m", seed=2), request_bodies(SHAPES["pope"], 6, "m", seed=2, variant=3)
+    url = lambda b: b["messages"][0]["content"][0]["image_url"]["url"]  # noqa: E731
+    assert not {url(b) for b in base} & {url(b) for b in other}
+    assert [b["messages"][0]["content"][1] for b in base] == [b["messages"][0]["content"][1] for b in other]
+    assert [url(b) for b in other] == [url(b) for b in request_bodies(SHAPES["pope"], 6, "m", seed=2, variant=3)]
