@@ -11,12 +11,23 @@ requests' blocks), and another router's routes are not seen; what a miss costs i
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 from collections import OrderedDict
 
 from common.block_pool import chain_hashes
+from common.policy.routing import PrefillPath, RoutePlan, RouteSummary
+from common.request import Stage, image_end
+from common.workers import WorkerSnapshot
 
 BLOCK_TOKENS = 16  # the index's granularity (the engines' default KV block)
+
+
+def summary_fields(token_ids: list[int], image_keys: list[str], image_token_id: int) -> dict:
+    """A route summary's prefix-cache fields for a prompt: its block hashes (salted by its images' identities — the
+    digests of their files, which the processor also gives the engine as their content hashes, so a first route and a
+    retry key the same prompt alike) and where its images end."""
+    return {"prefix_hashes": prompt_hashes(token_ids, image_keys), "image_end": image_end(token_ids, image_token_id)}
 
 
 def prompt_hashes(token_ids: list[int], image_keys: list[str], block_tokens: int = BLOCK_TOKENS) -> tuple[int, ...]:
@@ -62,3 +73,63 @@ class PrefixIndex:
 
     def __len__(self) -> int:
         return sum(map(len, self._blocks.values()))
+
+
+AWAITING_KEPT = 4096  # routes whose prefill may still end (`prefilled`), the oldest forgotten first
+
+
+class PrefixAffinity:
+    """A router's prefix-cache bookkeeping: what it sent where (`routed`), which of those prefills finished
+    (`prefilled`), and from them the predictions a route is made with."""
+
+    def __init__(self, block_tokens: int = BLOCK_TOKENS):
+        self.routed = PrefixIndex(block_tokens)  # the prompts routed to each worker that caches prefixes
+        self.prefilled = PrefixIndex(block_tokens)  # of those, the ones whose prefill finished there
+        self._awaiting: dict[str, tuple[str, tuple[int, ...], int]] = {}  # request id → (worker, hashes, room)
+
+    def _reusable(self, summary: RouteSummary) -> int:
+        """A worker never reuses the block holding a prompt's last token (its logits are computed again)."""
+        block = self.routed.block_tokens
+        return (summary.num_prompt_tokens - 1) // block * block
+
+    def predicted(self, workers: list[WorkerSnapshot], summary: RouteSummary) -> RouteSummary:
+        """`summary` with what each prefill worker that caches prefixes is predicted to hold of its prompt."""
+        reusable = self._reusable(summary)
+        hits = ((w.info.registration, min(reusable, self.routed.matched_tokens(w.info.registration, summary.prefix_hashes)))
+                for w in workers if w.has(Stage.PREFILL) and w.info.prefix_caching)
+        return dataclasses.replace(summary, cached_tokens=tuple((reg, n) for reg, n in hits if n))
+
+    def needs_no_encode(self, plan: RoutePlan, summary: RouteSummary) -> bool:
+        """The plan's prefill worker, not its encoder, has *finished* a prefill covering the request's images (routed
+        is not yet cached: a burst of one image would all be told so, and each then encode after a refusal)."""
+        p = plan.prefill
+        if not summary.num_images or plan.encoder is None or plan.encoder.worker_id == p.worker_id \
+                or not p.info.prefix_caching:
+            return False
+        done = self.prefilled.matched_tokens(p.info.registration, summary.prefix_hashes)
+        return min(self._reusable(summary), done) >= summary.image_end > 0
+
+    def chosen(self, plan: RoutePlan, summary: RouteSummary) -> None:
+        """The plan is the request's: its prefill worker will hold the prompt, and so will a path-① decoder that
+        prefills too (it keeps the KV it is handed)."""
+        if not summary.prefix_hashes:
+            return
+        p, d = plan.prefill, plan.decoder
+        if p.info.prefix_caching:
+            self.routed.record(p.info.registration, summary.prefix_hashes, p.load.kv_tokens_total)
+            self._awaiting[summary.request_id] = (p.info.registration, summary.prefix_hashes, p.load.kv_tokens_total)
+            while len(self._awaiting) > AWAITING_KEPT:  # a router nobody tells (the toggle's Route rpc)
+                del self._awaiting[next(iter(self._awaiting))]
+        if plan.path == PrefillPath.DEDICATED and d.has(Stage.PREFILL) and d.info.prefix_caching:
+            self.routed.record(d.info.registration, summary.prefix_hashes, d.load.kv_tokens_total)
+
+    def prefill_done(self, request_id: str) -> None:
+        if (awaiting := self._awaiting.pop(request_id, None)) is not None:
+            self.prefilled.record(*awaiting)
+
+    def forget(self, request_id: str) -> None:
+        self._awaiting.pop(request_id, None)
+
+    def keep_only(self, workers: set[str]) -> None:
+        self.routed.keep_only(workers)
+        self.prefilled.keep_only(workers)

@@ -18,7 +18,7 @@ from common.request import Stage
 from epdmesh.v1 import mesh_pb2 as pb
 from epdmesh.v1 import mesh_pb2_grpc as pb_grpc
 from services import wire
-from services.encoder.awaited import fetch_awaited, image_pages_of
+from services.encoder.awaited import fetch_awaited
 from services.errors import ImagesNotCached, grpc_errors
 from services.stage_calls.client import StageCalls
 from services.prefill.servicer import first_stage_for
@@ -35,20 +35,18 @@ class DecoderServicer(pb_grpc.DecoderServicer):
         spec = request.request
         engine_request_id = f"{spec.request_id}@decode"
         kv = wire.optional_handle(request, "kv_pages")
-        pinned = False
-        if request.images_cached:  # predicted in this worker's prefix cache: no pixels, no pages come
+        pinned, pending = False, request.HasField("pending_images")
+        if request.images_cached or pending:  # prefilled here: its images' KV may be in the prefix cache already
             engine_request = wire.request_from_pb(spec, Stage.PREFILL, Stage.DECODE, engine_request_id)
-            if not await self.runtime.pin_cached_images(engine_request, None):
+            awaited = (lambda: fetch_awaited(self.calls, request.pending_images)) if pending else None
+            pinned = await self.runtime.pin_cached_images(engine_request, awaited)
+            if not pinned and not pending:  # sent without its images (predicted cached here), and they are not
                 raise ImagesNotCached(spec.request_id)
-            pinned = True
-        elif request.HasField("pending_images"):  # prefilled here: its images' KV may be in the prefix cache already
-            engine_request = wire.request_from_pb(spec, Stage.PREFILL, Stage.DECODE, engine_request_id)
-            pinned = await self.runtime.pin_cached_images(engine_request,
-                                                          lambda: fetch_awaited(self.calls, request.pending_images))
-        if not pinned:
-            images = await image_pages_of(self.calls, request) if kv is None else None
+            images = None if pinned else await awaited()
+        else:
+            images = wire.optional_handle(request, "image_pages") if kv is None else None
             first = Stage.DECODE if kv is not None else first_stage_for(spec, images is not None)
             engine_request = wire.request_from_pb(spec, first, Stage.DECODE, engine_request_id)
-        async for out in self.runtime.decode(engine_request, kv, None if pinned else images, pinned=pinned):
+        async for out in self.runtime.decode(engine_request, kv, images, pinned=pinned):
             yield wire.chunk_to_pb(out.new_token_ids, out.finish_reason, out.stop_reason, out.text, out.num_prompt_tokens,
                                    out.logprobs, handed_back=out.handed_back, num_cached_tokens=out.num_cached_tokens)

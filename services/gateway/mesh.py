@@ -34,9 +34,9 @@ import grpc
 
 from common.engine.outputs import RequestOutput
 from common.model.processor import ChatProcessor, image_digests
-from common.policy.affinity import prompt_hashes
+from common.policy.affinity import summary_fields
 from common.policy.routing import PrefillPath, RouteSummary
-from common.request import Request, image_end
+from common.request import Request
 from common.transfer.channels import ChannelPool
 from epdmesh.v1 import mesh_pb2 as pb
 from epdmesh.v1 import mesh_pb2_grpc as pb_grpc
@@ -150,11 +150,7 @@ class MeshBackend(MeshStatus):
         return self.processor.prompt_ids(chat.conversation, chat.tool_definitions, chat.template_kwargs)
 
     def _prefix_of(self, token_ids: list[int], image_keys: list[str]) -> dict:
-        """The route summary's prefix-cache fields: the prompt's block hashes (salted by its images' identities —
-        the digests of their files, which the processor also gives the engine as their content hashes, so a
-        first route and a retry key the same prompt alike) and where its images end."""
-        return {"prefix_hashes": prompt_hashes(token_ids, image_keys),
-                "image_end": image_end(token_ids, self.processor.config.image_token_id)}
+        return summary_fields(token_ids, image_keys, self.processor.config.image_token_id)
 
     async def _prepare(self, fn, chat: ChatRequest, span=None, inline: bool = False):
         """`fn(chat)`, off the event loop unless `inline`; a conversation the processor refuses is a 400.

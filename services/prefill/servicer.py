@@ -44,15 +44,15 @@ class PrefillServicer(pb_grpc.PrefillerServicer):
         """The stage method, also called on a StageCalls stream (services/stage_calls)."""
         spec = request.request
         engine_request_id = f"{spec.request_id}@prefill"
-        if request.images_cached:  # predicted in this worker's prefix cache: no pixels, no pages come
+        pending = request.HasField("pending_images")
+        if request.images_cached or pending:  # its images' KV may be in this worker's prefix cache: no pages needed
             engine_request = wire.request_from_pb(spec, Stage.PREFILL, Stage.PREFILL, engine_request_id)
-            if not await self.runtime.pin_cached_images(engine_request, None):
-                raise ImagesNotCached(spec.request_id)
-            return self._reply(*await self.runtime.prefill(engine_request, None, pinned=True))
-        if request.HasField("pending_images"):  # its images' KV may be in this worker's prefix cache already
-            engine_request = wire.request_from_pb(spec, Stage.PREFILL, Stage.PREFILL, engine_request_id)
-            if await self.runtime.pin_cached_images(engine_request, lambda: fetch_awaited(self.calls, request.pending_images)):
+            awaited = (lambda: fetch_awaited(self.calls, request.pending_images)) if pending else None
+            if await self.runtime.pin_cached_images(engine_request, awaited):
                 return self._reply(*await self.runtime.prefill(engine_request, None, pinned=True))
+            if not pending:  # sent without its images (predicted cached here), and they are not
+                raise ImagesNotCached(spec.request_id)
+            return self._reply(*await self.runtime.prefill(engine_request, await awaited()))
         images = await image_pages_of(self.calls, request)
         first = first_stage_for(spec, images is not None)
         engine_request = wire.request_from_pb(spec, first, Stage.PREFILL, engine_request_id)

@@ -29,7 +29,7 @@ import time
 import redis.exceptions
 
 from common.latency import LatencyProfile
-from common.policy.affinity import PrefixIndex
+from common.policy.affinity import PrefixAffinity
 from common.policy.multiplex import MultiplexConfig, route_slo
 from common.request import Stage
 from common.policy.routing import PrefillPath, RoutePlan, RouteSummary, RoutingConfig, route
@@ -41,7 +41,6 @@ from services.toggle.reservations import Reservations, needs
 MAX_RESERVE_ATTEMPTS = 4  # plans tried when workers have no KV room left
 IDLE_AFTER_S = 2.0  # no route for this long: the snapshot is refreshed every idle_refresh_s
 PENDING_MAX_S = 30.0  # kept at most this long (with no worker registered, no heartbeat makes it redundant)
-ROUTED_PREFIXES_KEPT = 4096  # routes whose prefill may still end here (`prefilled`), the oldest forgotten first
 AHEAD_WAIT_S = 0.05  # a reservation made ahead waits at most this long for its stage call to be written
 
 log = logging.getLogger(__name__)
@@ -105,9 +104,7 @@ class Router:
         self._snapshot_at = float("-inf")
         self._lock = asyncio.Lock()
         self._pending: dict[str, _Pending] = {}  # by request id: routes made here, until forgotten
-        self.prefixes = PrefixIndex()  # the prompts routed to each prefill worker, for prefix-cache affinity
-        self.prefilled_prefixes = PrefixIndex()  # of those, the ones whose prefill finished there (`prefilled`)
-        self._routed_prefix: dict[str, tuple[str, tuple[int, ...], int]] = {}  # request id → (worker, hashes, room)
+        self.affinity = PrefixAffinity()  # what it sent where, for prefix-cache-aware routing
         # by request id, oldest first: when, and the workers its KV is reserved on (until forgotten or expired)
         self._reserved: dict[str, tuple[float, tuple[str, ...]]] = {}
         self._releases: set[asyncio.Task] = set()
@@ -134,9 +131,7 @@ class Router:
             now = time.monotonic()
             try:
                 self._snapshot = self._with_pending(await self.registry.snapshot())
-                live = {w.info.registration for w in self._snapshot}
-                self.prefixes.keep_only(live)
-                self.prefilled_prefixes.keep_only(live)
+                self.affinity.keep_only({w.info.registration for w in self._snapshot})
             except (redis.exceptions.RedisError, OSError) as e:
                 log.warning("registry unreachable (%s); routing on the last snapshot", e)
                 self._snapshot = [dataclasses.replace(w, age_s=w.age_s + now - self._snapshot_at) for w in self._snapshot]
@@ -196,15 +191,7 @@ class Router:
     def _chosen(self, plan: RoutePlan, summary: RouteSummary, workers: list[WorkerSnapshot]) -> None:
         """The plan is the request's: its work loads the workers, it is counted, and the route span says so."""
         self._bump(plan, summary)
-        self.prefixes.record(plan.prefill.info.registration, summary.prefix_hashes, plan.prefill.load.kv_tokens_total)
-        if summary.prefix_hashes and plan.prefill.info.prefix_caching:
-            self._routed_prefix[summary.request_id] = (plan.prefill.info.registration, summary.prefix_hashes,
-                                                       plan.prefill.load.kv_tokens_total)
-            while len(self._routed_prefix) > ROUTED_PREFIXES_KEPT:  # a router nobody tells (the toggle's Route rpc)
-                del self._routed_prefix[next(iter(self._routed_prefix))]
-        d = plan.decoder
-        if plan.path == PrefillPath.DEDICATED and d.has(Stage.PREFILL) and d.info.prefix_caching:
-            self.prefixes.record(d.info.registration, summary.prefix_hashes, d.load.kv_tokens_total)  # it keeps the KV
+        self.affinity.chosen(plan, summary)
         self.decisions[plan.path] += 1
         self.tracing.annotate({"epdmesh.path": plan.path.value, "epdmesh.decoder": plan.decoder.worker_id,
                                "epdmesh.prefill": plan.prefill.worker_id,
@@ -260,20 +247,11 @@ class Router:
 
     def _plan(self, workers: list[WorkerSnapshot], summary: RouteSummary) -> RoutePlan | None:
         cache_aware = bool(summary.prefix_hashes) and self.routing.cache_aware
-        # a worker never reuses the block holding a prompt's last token (its logits are computed again)
-        reusable = (summary.num_prompt_tokens - 1) // self.prefixes.block_tokens * self.prefixes.block_tokens
-        if cache_aware:  # what each prefill worker is predicted to hold of it
-            hits = ((w.info.registration, min(reusable, self.prefixes.matched_tokens(w.info.registration,
-                                                                                       summary.prefix_hashes)))
-                    for w in workers if w.has(Stage.PREFILL) and w.info.prefix_caching)
-            summary = dataclasses.replace(summary, cached_tokens=tuple((reg, n) for reg, n in hits if n))
+        if cache_aware:
+            summary = self.affinity.predicted(workers, summary)
         plan = self._policy_plan(workers, summary)
-        if cache_aware and plan is not None and plan.encoder is not None and plan.encoder.worker_id != plan.prefill.worker_id:
-            # no Encode only where a prefill covering the images has finished there (routed is not yet cached: a
-            # burst of one image would all be told so, and each then encode after a refusal)
-            done = self.prefilled_prefixes.matched_tokens(plan.prefill.info.registration, summary.prefix_hashes)
-            if summary.num_images and plan.prefill.info.prefix_caching and min(reusable, done) >= summary.image_end > 0:
-                plan = dataclasses.replace(plan, images_cached=True)
+        if cache_aware and plan is not None and self.affinity.needs_no_encode(plan, summary):
+            plan = dataclasses.replace(plan, images_cached=True)
         return plan
 
     def _policy_plan(self, workers: list[WorkerSnapshot], summary: RouteSummary) -> RoutePlan | None:
@@ -293,8 +271,7 @@ class Router:
         """The request's first token came: its encode and prefill no longer load the workers it was routed to."""
         if (entry := self._pending.get(request_id)) is not None:
             entry.prefilled = True
-        if (routed := self._routed_prefix.pop(request_id, None)) is not None:
-            self.prefilled_prefixes.record(*routed)
+        self.affinity.prefill_done(request_id)
 
     def sent(self, request_id: str, worker_id: str) -> None:
         """The request's stage on worker_id is being called now: a heartbeat from it after this includes it."""
@@ -313,7 +290,7 @@ class Router:
         sees it (done at its first token, its client gone, its prefill worker failed), and its reservation
         would hold KV room for nothing until it expires."""
         self._pending.pop(request_id, None)
-        self._routed_prefix.pop(request_id, None)
+        self.affinity.forget(request_id)
         _, workers = self._reserved.pop(request_id, (0.0, ()))
         if workers and self.reservations is not None:
             task = asyncio.ensure_future(self.reservations.release_request(request_id, workers))

@@ -461,6 +461,15 @@ async def _p_and_d(reservations_type):
         await client.aclose()
 
 
+async def _register_caching(registry, workers, instance="", by_id_length=False):
+    """Workers that cache prefixes, each with room for 16,000 tokens in 16-token blocks (`by_id_length`: as many
+    unfinished decode tokens as its id has characters, so the shorter id decodes less)."""
+    for wid, roles in workers:
+        await registry.register(dataclasses.replace(info(wid, roles), prefix_caching=True, instance=instance), WorkerLoad(
+            kv_tokens_free=100_000, kv_blocks_total=1000, kv_block_size=16,
+            unfinished_decode_tokens=len(wid) if by_id_length else 0))
+
+
 def test_a_router_sends_a_prompt_it_routed_before_back_to_the_worker_it_sent_it_to():
     """Prefix-cache affinity over the registry: the first route records the prompt's blocks under its prefill worker;
     the same prompt (or one extending it) goes back there while that worker is not too much busier, a new prompt to
@@ -476,9 +485,7 @@ def test_a_router_sends_a_prompt_it_routed_before_back_to_the_worker_it_sent_it_
         client = aioredis.from_url(REDIS_URL)
         registry = RedisRegistry(client, f"epdmesh-test:{uuid.uuid4().hex}:")
         try:
-            for wid, roles in [("p-1", {P}), ("p-2", {P}), ("d-1", {D})]:
-                await registry.register(dataclasses.replace(info(wid, roles), prefix_caching=True), WorkerLoad(
-                    kv_tokens_free=100_000, kv_blocks_total=1000, kv_block_size=16))
+            await _register_caching(registry, [("p-1", {P}), ("p-2", {P}), ("d-1", {D})])
             router = Router(registry)
             chat = list(range(100, 400))
             first = (await router.route(summary("a", chat))).prefill.worker_id
@@ -490,16 +497,15 @@ def test_a_router_sends_a_prompt_it_routed_before_back_to_the_worker_it_sent_it_
             assert (await router.route(summary("c", chat + list(range(900, 950))))).prefill.worker_id == first
             router.prefilled("c")
             registration = info(first, {P}).registration
-            assert router.prefixes.matched_tokens(registration, prompt_hashes(chat, [])) == 288  # 18 whole blocks
-            assert router.prefixes.matched_tokens(registration, prompt_hashes(chat, ["img"])) == 0  # another image
-            await registry.register(dataclasses.replace(info(first, {P}), instance="restarted", prefix_caching=True),
-                                    WorkerLoad(kv_tokens_free=100_000, kv_blocks_total=1000, kv_block_size=16))
+            assert router.affinity.routed.matched_tokens(registration, prompt_hashes(chat, [])) == 288  # 18 whole blocks
+            assert router.affinity.routed.matched_tokens(registration, prompt_hashes(chat, ["img"])) == 0  # another image
+            await _register_caching(registry, [(first, {P})], instance="restarted")
             await router.refresh()
-            assert router.prefixes.matched_tokens(registration, prompt_hashes(chat, [])) == 0
+            assert router.affinity.routed.matched_tokens(registration, prompt_hashes(chat, [])) == 0
             # a worker that caches no prefix is predicted to hold nothing, whatever was sent to it
             await registry.register(info(first, {P}), WorkerLoad(kv_tokens_free=100_000))
             await router.refresh()
-            router.prefixes.record(registration, prompt_hashes(chat, []), 0)
+            router.affinity.routed.record(registration, prompt_hashes(chat, []), 0)
             seen, plan_of = [], router._policy_plan
             router._policy_plan = lambda workers, s: (seen.append(s.cached_tokens), plan_of(workers, s))[1]
             await router.route(summary("e", chat))
@@ -522,20 +528,18 @@ def test_a_decoder_that_prefills_is_recorded_as_holding_the_prompts_handed_to_it
         client = aioredis.from_url(REDIS_URL)
         registry = RedisRegistry(client, f"epdmesh-test:{uuid.uuid4().hex}:")
         try:
-            for wid, roles in [("p-1", {P}), ("pd-1", {P, D}), ("d-1", {D})]:
-                await registry.register(dataclasses.replace(info(wid, roles), prefix_caching=True), WorkerLoad(
-                    kv_tokens_free=100_000, kv_blocks_total=1000, kv_block_size=16, unfinished_decode_tokens=len(wid)))
+            await _register_caching(registry, [("p-1", {P}), ("pd-1", {P, D}), ("d-1", {D})], by_id_length=True)
             router = Router(registry, RoutingConfig(prefill_mode="dedicated"))
             ids = list(range(100, 400))
             hashes = prompt_hashes(ids, [])
             plan = await router.route(RouteSummary("a", len(ids), 0, 8, prefix_hashes=hashes))
             assert (plan.prefill.worker_id, plan.decoder.worker_id) == ("p-1", "d-1")  # fewest unfinished tokens
-            assert router.prefixes.matched_tokens(info("d-1", {D}).registration, hashes) == 0
+            assert router.affinity.routed.matched_tokens(info("d-1", {D}).registration, hashes) == 0
             await registry.heartbeat("d-1", WorkerLoad(unfinished_decode_tokens=1000))
             await router.refresh()
             plan = await router.route(RouteSummary("b", len(ids), 0, 8, prefix_hashes=hashes))
             assert (plan.prefill.worker_id, plan.decoder.worker_id) == ("p-1", "pd-1")
-            assert router.prefixes.matched_tokens(info("pd-1", {P, D}).registration, hashes) == 288
+            assert router.affinity.routed.matched_tokens(info("pd-1", {P, D}).registration, hashes) == 288
         finally:
             await registry.clear()
             await client.aclose()
@@ -560,9 +564,7 @@ def test_no_encode_is_skipped_before_a_prefill_covering_the_images_has_finished_
         client = aioredis.from_url(REDIS_URL)
         registry = RedisRegistry(client, f"epdmesh-test:{uuid.uuid4().hex}:")
         try:
-            for wid, roles in [("e-1", {E}), ("p-1", {P}), ("d-1", {D})]:
-                await registry.register(dataclasses.replace(info(wid, roles), prefix_caching=True), WorkerLoad(
-                    kv_tokens_free=100_000, kv_blocks_total=1000, kv_block_size=16))
+            await _register_caching(registry, [("e-1", {E}), ("p-1", {P}), ("d-1", {D})])
             router = Router(registry)
             assert not (await router.route(summary("a"))).images_cached  # nothing there yet
             assert not (await router.route(summary("b"))).images_cached  # "a" routed there, not prefilled yet
@@ -572,7 +574,7 @@ def test_no_encode_is_skipped_before_a_prefill_covering_the_images_has_finished_
             assert not (await router.route(summary("d", n=368))).images_cached
             assert (await router.route(summary("e", n=369))).images_cached  # 369: that block is whole before it
             router.forget("b")
-            assert "b" not in router._routed_prefix
+            assert "b" not in router.affinity._awaiting
         finally:
             await registry.clear()
             await client.aclose()
