@@ -19,6 +19,10 @@ With `--backend emulated`, every launched mesh runs the emulated backend on `--p
 less often and every measured time is divided by K, so a host that cannot keep up with the real
 hardware's pace still queues exactly as it would (reported rates and times are the hardware's).
 Writes JSON (every configuration, workload and rate) and a PNG of SLO attainment vs rate.
+
+Workloads: the dataset shapes of `bench/workloads.py` (every request new to the server), and `conversation`
+(`bench/conversation.py`: the trace window's own prompt and output lengths, ÷ `--trace-scale`, and its shared
+prefixes — a system prompt and earlier turns —, each conversation with one image).
 """
 
 from __future__ import annotations
@@ -39,7 +43,8 @@ if not __package__:
 
 from bench.goodput_launch import launched, log_path, serve_args_of  # noqa: E402
 from bench.goodput_report import add_bound, finish, instances_of, replot  # noqa: E402
-from bench.workloads import SHAPES, arrivals, request_bodies, trace_times  # noqa: E402
+from bench import conversation  # noqa: E402
+from bench.workloads import SHAPES, WORKLOADS, arrivals, request_bodies, trace_times  # noqa: E402
 
 PERCENTILES = (50, 90, 99)
 
@@ -52,6 +57,7 @@ class Result:
     e2el: float = 0.0
     input_tokens: int = 0
     output_tokens: int = 0
+    cached_tokens: int = 0  # of the prompt, answered from the server's prefix cache (its usage says)
     error: str = ""
     request_id: str = ""  # the completion's id: the gateway's /stats names the prefill path it took
 
@@ -88,7 +94,7 @@ async def send(client, url: str, body: dict, scale: float) -> Result:
     end = time.perf_counter()
     return Result(True, (times[0] - start) / scale, [(b - a) / scale for a, b in zip(times, times[1:])],
                   (end - start) / scale, usage.get("prompt_tokens", 0), usage.get("completion_tokens", len(times)),
-                  request_id=request_id)
+                  (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0), request_id=request_id)
 
 
 def _pct(values: list[float], p: float) -> float:
@@ -112,6 +118,7 @@ def summarize(results: list[Result], duration: float, rate: float, ttft_ms: floa
         "request_rate": rate, "num_prompts": len(results), "completed": len(done), "failed": len(results) - len(done),
         "duration": duration, "total_input_tokens": sum(r.input_tokens for r in done),
         "total_output_tokens": sum(r.output_tokens for r in done),
+        "total_cached_tokens": sum(r.cached_tokens for r in done),
         "request_throughput": len(done) / duration, "request_goodput": len(good) / duration,
         "output_throughput": sum(r.output_tokens for r in done) / duration,
         "slo_attainment": len(good) / len(results) if results else 0.0,
@@ -205,17 +212,35 @@ def path_attainment(rows: list[list], results: list[Result], ttft_ms: float, tbt
     return out
 
 
+def workload_of(workload: str, base: str, model: str, args) -> tuple:
+    """(variant → the workload's `--num-prompts` request bodies, what the report keeps of its shape). A
+    `conversation` is planned on the server's own tokenizer (`bench/conversation.py`)."""
+    if workload != "conversation":
+        shape = SHAPES[workload]
+        return (lambda variant: request_bodies(shape, args.num_prompts, model, seed=args.seed, variant=variant),
+                {"output_tokens": shape.output_tokens})
+    vocab = conversation.calibrate(base)
+    planned = conversation.plan(args.num_prompts, args.seed, vocab, args.trace_scale)
+    shared = conversation.ideal_shared_tokens(planned, vocab)
+    prompts = [p.text_tokens + vocab.chat_tokens for p in planned]
+    meta = {"output_tokens": statistics.fmean(p.output_tokens for p in planned), "trace_scale": args.trace_scale,
+            "mean_prompt_tokens": statistics.fmean(prompts), "ideal_shared_fraction": sum(shared) / sum(prompts),
+            "requests": [[n, s, p.output_tokens, int(s <= p.blocks[0][1])]  # its image, unless a turn before has it
+                         for n, s, p in zip(prompts, shared, planned)]}
+    return (lambda variant: conversation.request_bodies(planned, vocab, model, args.seed, variant)), meta
+
+
 def sweep(base: str, model: str, workload: str, rates: list[float], args, label: str, gaps) -> dict:
     from tqdm import tqdm
 
-    shape = SHAPES[workload]
-    bodies = request_bodies(shape, args.num_prompts, model, seed=args.seed)
+    bodies_of, shape = workload_of(workload, base, model, args)
+    bodies = bodies_of(0)
     asyncio.run(run_rate(base, bodies[: args.warmup], [0.0] * args.warmup, args.time_scale))  # warm every path once
     points, below = [], 0
     for k, rate in enumerate(sorted(rates)):
-        # each point's images are files of their own: a server that caches prefixes must not answer a point from
-        # what an earlier one left in its cache
-        bodies = request_bodies(shape, args.num_prompts, model, seed=args.seed, variant=k + 1)
+        # each point's images (and a conversation's words) are its own: a server that caches prefixes must not
+        # answer a point from what an earlier one left in its cache
+        bodies = bodies_of(k + 1)
         times = arrivals(args.num_prompts, rate, args.arrival, args.seed, gaps)
         with tqdm(total=len(bodies), desc=f"{label} {workload} @ {rate:g} req/s", unit="req", file=sys.stderr,
                   leave=False) as bar:
@@ -236,6 +261,8 @@ def sweep(base: str, model: str, workload: str, rates: list[float], args, label:
         print(f"  {label:>12} {workload:<9} rate {rate:6.2f}  attainment {point['slo_attainment']:5.1%} "
               f"(TTFT {point['ttft_attainment']:5.1%}, TBT {point['tbt_attainment']:5.1%})  p90 TTFT "
               f"{point['p90_ttft_ms']:7.1f} ms  p90 ITL {point['p90_itl_ms']:6.1f} ms  failed {point['failed']}"
+              + (f"  cached {point['total_cached_tokens'] / point['total_input_tokens']:.1%}"
+                 if point["total_cached_tokens"] else "")
               + (f"  paths: {paths}" if paths else "")
               + (f"  TTFT late by (p50/p90 ms): {errors}" if errors else "")
               + (f"  TTFT/TBT met by path: {by_path}" if by_path else ""), file=sys.stderr, flush=True)
@@ -244,8 +271,7 @@ def sweep(base: str, model: str, workload: str, rates: list[float], args, label:
             break
         time.sleep(args.pause)
     good = [p["request_rate"] for p in points if p["slo_attainment"] >= args.attainment]
-    return {"workload": workload, "output_tokens": shape.output_tokens, "goodput": max(good) if good else 0.0,
-            "points": points}
+    return {"workload": workload, **shape, "goodput": max(good) if good else 0.0, "points": points}
 
 
 # ----- main -----
@@ -256,7 +282,10 @@ def parse_args(argv=None):
     p.add_argument("--url", help="a running mesh's base URL (instead of --config)")
     p.add_argument("--config", action="append", default=[], metavar="NAME=SERVE_ARGS",
                    help="launch `epdmesh serve SERVE_ARGS` per configuration (repeatable)")
-    p.add_argument("--workload", default="textcaps", help=f"comma-separated: {', '.join(SHAPES)}")
+    p.add_argument("--workload", default="textcaps", help=f"comma-separated: {', '.join(WORKLOADS)} (conversation: "
+                   "the trace's own lengths and shared prefixes, bench/conversation.py)")
+    p.add_argument("--trace-scale", type=int, default=16,
+                   help="conversation: the trace's prompt and output lengths ÷ this (a divisor of 512)")
     p.add_argument("--rates", default="1,2,4,8", help="comma-separated request rates (req/s, the hardware's time)")
     p.add_argument("--rates-of", action="append", default=[], metavar="NAME=RATES",
                    help="this configuration's own rates instead of --rates (repeatable): a split that saturates at "
@@ -287,9 +316,11 @@ def parse_args(argv=None):
     if args.time_scale != 1 and (args.url or args.backend != "emulated"):
         p.error("--time-scale applies to meshes this benchmark launches with --backend emulated")
     args.workloads = [w.strip() for w in args.workload.split(",") if w.strip()]
-    unknown = [w for w in args.workloads if w not in SHAPES]
+    unknown = [w for w in args.workloads if w not in WORKLOADS]
     if unknown:
-        p.error(f"unknown workload(s) {unknown}; choose from {', '.join(SHAPES)}")
+        p.error(f"unknown workload(s) {unknown}; choose from {', '.join(WORKLOADS)}")
+    if args.trace_scale < 1 or 512 % args.trace_scale:
+        p.error("--trace-scale must divide 512")
     args.rate_list = _rates(args.rates)
     args.rates_of = {name: _rates(rates) for name, _, rates in (spec.partition("=") for spec in args.rates_of)}
     names = {spec.partition("=")[0] for spec in args.config}

@@ -13,15 +13,21 @@ from bench.workloads import SHAPES
 
 def add_bound(result: dict, profile, instances: int) -> None:
     """The shape's goodput bound on `instances` accelerators of `profile` (`common.latency.goodput_bound`:
-    what no scheduler can exceed) and the fraction of it this configuration reached. Every shape has one
-    image; the prompt length is the mean the server reported."""
-    from common.latency import goodput_bound
+    what no scheduler can exceed) and the fraction of it this configuration reached. Every dataset shape has one
+    image; the prompt length is the mean the server reported. A conversation's bound is over its own requests,
+    each costing only what an earlier request of the window does not share with it (its image neither, then)."""
+    from common.latency import goodput_bound, request_cost_ms
 
     done = next((p for p in result["points"] if p["completed"]), None)
     if profile is None or not instances or done is None:
         return
-    prompt = round(done["total_input_tokens"] / done["completed"])
-    result["goodput_bound"] = goodput_bound(profile, instances, prompt, 1, result["output_tokens"])
+    if "requests" in result:  # a conversation: each request's own lengths, its prefix held by an earlier one free
+        costs = [request_cost_ms(profile, prompt, images, output, cached_tokens=shared)
+                 for prompt, shared, output, images in result["requests"]]
+        result["goodput_bound"] = instances * 1e3 * len(costs) / sum(costs)
+    else:
+        prompt = round(done["total_input_tokens"] / done["completed"])
+        result["goodput_bound"] = goodput_bound(profile, instances, prompt, 1, result["output_tokens"])
     result["fraction_of_bound"] = result["goodput"] / result["goodput_bound"]
 
 
@@ -57,7 +63,7 @@ def plot(report: dict, path: Path) -> None:
         for bound in sorted(bounds):
             ax.axvline(bound, color="black", linestyle=":", linewidth=1)
             ax.annotate(f"bound {bound:.0f}", (bound, 4), rotation=90, fontsize=7, ha="right")
-        ax.set_title(f"{workload}: {SHAPES[workload].output_tokens} output tokens")
+        ax.set_title(f"{workload}: {_shape_text(report, workload)}")
         ax.set_xlabel("request rate (req/s)")
         ax.set_ylabel("SLO attainment (%)")
         ax.set_ylim(0, 102)
@@ -69,6 +75,14 @@ def plot(report: dict, path: Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def _shape_text(report: dict, workload: str) -> str:
+    run = next((runs[workload] for runs in report["configs"].values() if workload in runs), {})
+    if "trace_scale" in run:
+        return (f"trace lengths ÷{run['trace_scale']}, {run['mean_prompt_tokens']:.0f} prompt / "
+                f"{run['output_tokens']:.0f} output tokens (means), {run['ideal_shared_fraction']:.0%} shared")
+    return f"{run.get('output_tokens', SHAPES[workload].output_tokens if workload in SHAPES else '?')} output tokens"
 
 
 def replot(args) -> int:

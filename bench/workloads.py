@@ -89,6 +89,7 @@ SHAPES = {
     "textvqa": Shape("textvqa", 10, (512, 384)),
     "vizwiz": Shape("vizwiz", 10, (480, 640)),
 }
+WORKLOADS = (*SHAPES, "conversation")  # conversation: bench/conversation.py
 
 
 def images(shape: Shape, count: int, seed: int, variant: int = 0) -> list[str]:
@@ -159,6 +160,12 @@ def trace_times(path: Path = TRACE, seed: int = 0) -> list[float]:
     return sorted(s + rng.random() * length[s] for s in stamps)
 
 
+def window_start(n: int, seed: int, total: int) -> int:
+    """The first of the `n` consecutive trace requests that `seed` picks out of `total` (the arrivals and the
+    `conversation` workload's requests come from the same window)."""
+    return random.Random(seed).randrange(0, total - n + 1)
+
+
 def arrivals(n: int, rate: float, kind: str = "mooncake", seed: int = 0, trace: list[float] | None = None) -> list[float]:
     """Send times (seconds from the start) of `n` requests at mean `rate` requests/s: a window of `n`
     consecutive trace arrivals (its start drawn by `seed`) rescaled to that mean rate, or a Poisson process."""
@@ -176,7 +183,7 @@ def arrivals(n: int, rate: float, kind: str = "mooncake", seed: int = 0, trace: 
     trace = trace if trace is not None else trace_times()
     if len(trace) < n:
         raise ValueError(f"the trace has {len(trace)} requests; ask for at most that many")
-    start = random.Random(seed).randrange(0, len(trace) - n + 1)
+    start = window_start(n, seed, len(trace))
     window = [t - trace[start] for t in trace[start:start + n]]
     span = window[-1]
     if n == 1 or span <= 0:

@@ -15,6 +15,7 @@ asked for more than is free.
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Sequence
 
 
 class NoFreeBlocksError(RuntimeError):
@@ -98,10 +99,16 @@ class BlockPool:
             del self._block_of[content_hash]
 
 
-def chain_hashes(token_ids: list[int], block_size: int, salt: int = 0) -> list[int]:
-    """Hash of each full block of `token_ids`, each chained on the one before (a prefix identity)."""
-    hashes, previous = [], salt
-    for start in range(0, len(token_ids) - block_size + 1, block_size):
-        previous = hash((previous, tuple(token_ids[start : start + block_size])))
+def chain_hashes(token_ids: list[int], block_size: int, marks: Sequence[tuple[int, int]] = ()) -> list[int]:
+    """Hash of each full block of `token_ids`, each chained on the one before (a prefix identity). `marks`:
+    (position, key) pairs mixed into the block holding the position — an image's identity at its first
+    placeholder (`request.image_marks`), so the blocks before an image are shared with prompts that have another
+    image there, and none from it on."""
+    extra: dict[int, tuple[int, ...]] = {}
+    for position, key in marks:
+        extra[position // block_size] = (*extra.get(position // block_size, ()), key)
+    hashes, previous = [], 0
+    for block, start in enumerate(range(0, len(token_ids) - block_size + 1, block_size)):
+        previous = hash((previous, tuple(token_ids[start : start + block_size]), extra.get(block, ())))
         hashes.append(previous)
     return hashes

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import hashlib
 import time
 from typing import Any
 
@@ -66,6 +67,24 @@ def image_end(token_ids: list[int], image_token_id: int) -> int:
         if token_ids[pos] == image_token_id:
             return pos + 1
     return 0
+
+
+def image_marks(token_ids: list[int], image_token_id: int | None, images: list[tuple[str, int]]) -> list[tuple[int, int]]:
+    """(position of its first placeholder, its identity as an integer) for each image, given as (identity, placeholder
+    tokens) in prompt order: what `block_pool.chain_hashes` mixes into a prompt's block hashes. Where the placeholders
+    cannot be matched to the images (or `image_token_id` is None) every image is marked at 0: no block is shared with
+    a prompt that has other images."""
+    if not images:
+        return []
+    keys = [int.from_bytes(hashlib.blake2b(identity.encode(), digest_size=8).digest(), "little") for identity, _ in images]
+    positions = [i for i, t in enumerate(token_ids) if t == image_token_id] if image_token_id is not None else []
+    starts, seen = [], 0
+    for _, num_tokens in images:
+        starts.append(positions[seen] if seen < len(positions) else -1)
+        seen += num_tokens
+    if seen != len(positions) or min(starts) < 0:
+        return [(0, key) for key in keys]
+    return list(zip(starts, keys))
 
 
 @dataclasses.dataclass(slots=True)

@@ -109,7 +109,8 @@ class Engine(PageHandover):
         self.scheduler = Scheduler(
             config.scheduler,
             KVBlockManager(num_kv, config.block_size, config.enable_prefix_caching,
-                           worst_case=config.scheduler.kv_admission == "worst-case"),
+                           worst_case=config.scheduler.kv_admission == "worst-case",
+                           image_token_id=model_config.image_token_id),
             ImageBlockManager(num_img, config.image_block_size),
             model_config.image_token_id,
         )

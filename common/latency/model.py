@@ -126,14 +126,17 @@ def iteration_ms(p: LatencyProfile, images: int = 0, decodes: int = 0, decode_co
 
 
 def request_cost_ms(p: LatencyProfile, prompt_tokens: int, images: int, output_tokens: int,
-                    max_images: int = 64) -> float:
+                    max_images: int = 64, cached_tokens: int = 0) -> float:
     """The least instance time one request can take on this profile, however it is batched or placed: its
     images encoded in a full batch (`max_images`), every prompt and output token at the saturated per-token
     cost of a large mixed batch, plus its own attention (prefill) and KV reads (decode). Transfers and
-    queueing are left out, so no scheduler beats it."""
+    queueing are left out, so no scheduler beats it. `cached_tokens`: a prompt prefix whose KV a cache holds
+    (not computed; its images neither, when it is the whole of them — pass `images` accordingly)."""
+    if not 0 <= cached_tokens <= prompt_tokens:
+        raise ValueError(f"cached_tokens must be within the prompt's {prompt_tokens}; got {cached_tokens}")
     encode = encode_ms(p, max_images) / max_images * images
-    tokens = p.prefill.per_unit_ms * (prompt_tokens + output_tokens)
-    attention = p.prefill.quadratic_ms * prompt_tokens * prompt_tokens / 2
+    tokens = p.prefill.per_unit_ms * (prompt_tokens - cached_tokens + output_tokens)
+    attention = p.prefill.quadratic_ms * (prompt_tokens * prompt_tokens - cached_tokens * cached_tokens) / 2
     kv_reads = p.decode.quadratic_ms * output_tokens * (prompt_tokens + output_tokens / 2)
     return encode + tokens + attention + kv_reads
 

@@ -12,28 +12,28 @@ requests' blocks), and another router's routes are not seen; what a miss costs i
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 from collections import OrderedDict
 
 from common.block_pool import chain_hashes
 from common.policy.routing import PrefillPath, RoutePlan, RouteSummary
-from common.request import Stage, image_end
+from common.request import Stage, image_end, image_marks
 from common.workers import WorkerSnapshot
 
 BLOCK_TOKENS = 16  # the index's granularity (the engines' default KV block)
 
 
-def summary_fields(token_ids: list[int], image_keys: list[str], image_token_id: int) -> dict:
-    """A route summary's prefix-cache fields for a prompt: its block hashes (salted by its images' identities — the
-    digests of their files, which the processor also gives the engine as their content hashes, so a first route and a
-    retry key the same prompt alike) and where its images end."""
-    return {"prefix_hashes": prompt_hashes(token_ids, image_keys), "image_end": image_end(token_ids, image_token_id)}
+def summary_fields(token_ids: list[int], images: list[tuple[str, int]], image_token_id: int) -> dict:
+    """A route summary's prefix-cache fields for a prompt: its block hashes (each image's identity — the digest of its
+    file, which the processor also gives the engine as its content hash, so a first route and a retry key the same
+    prompt alike — mixed in where it begins; `images`: (identity, placeholder tokens) each) and where its images end."""
+    return {"prefix_hashes": prompt_hashes(token_ids, images, image_token_id),
+            "image_end": image_end(token_ids, image_token_id)}
 
 
-def prompt_hashes(token_ids: list[int], image_keys: list[str], block_tokens: int = BLOCK_TOKENS) -> tuple[int, ...]:
-    """The chained hashes of the prompt's full blocks, salted by its images' identities (their content hashes)."""
-    digest = hashlib.blake2b("|".join(image_keys).encode(), digest_size=8).digest()
-    return tuple(chain_hashes(token_ids, block_tokens, int.from_bytes(digest, "little")))
+def prompt_hashes(token_ids: list[int], images: list[tuple[str, int]], image_token_id: int | None = None,
+                  block_tokens: int = BLOCK_TOKENS) -> tuple[int, ...]:
+    """The chained hashes of the prompt's full blocks, as the engine's cache keys them (`request.image_marks`)."""
+    return tuple(chain_hashes(token_ids, block_tokens, image_marks(token_ids, image_token_id, images)))
 
 
 class PrefixIndex:

@@ -27,12 +27,27 @@ def ask(tokens=400, images=0, cached=(), image_end=0):
 
 def test_prompt_hashes_chain_full_blocks_and_are_salted_by_the_images():
     ids = list(range(100, 150))  # 3 full blocks of 16, 2 tokens over
-    plain, img_a, img_b = prompt_hashes(ids, []), prompt_hashes(ids, ["a"]), prompt_hashes(ids, ["b"])
+    plain, img_a, img_b = prompt_hashes(ids, []), prompt_hashes(ids, [("a", 4)]), prompt_hashes(ids, [("b", 4)])
     assert len(plain) == 3 and len({plain, img_a, img_b}) == 3
-    assert prompt_hashes(ids, ["a"]) == img_a  # a pure function of tokens and image identities
-    longer = prompt_hashes(ids + list(range(200, 230)), ["a"])
+    assert prompt_hashes(ids, [("a", 4)]) == img_a  # a pure function of tokens and image identities
+    longer = prompt_hashes(ids + list(range(200, 230)), [("a", 4)])
     assert longer[:3] == img_a and len(longer) == 5  # a longer prompt extends the same chain
     assert prompt_hashes(ids[:5] + [9] + ids[6:], [])[0] != plain[0]  # one token changed: a different prefix
+
+
+def test_an_image_enters_the_hashes_where_it_begins_so_the_text_before_it_is_shared():
+    from common.request import image_marks
+
+    ids = list(range(100, 140)) + [7] * 8 + list(range(200, 230))  # an image of 8 placeholders at 40; 78 tokens
+    a, b = prompt_hashes(ids, [("a", 8)], image_token_id=7), prompt_hashes(ids, [("b", 8)], image_token_id=7)
+    assert len(a) == 4 and a[:2] == b[:2] == prompt_hashes(ids, [])[:2]  # blocks 0-1 end before position 40
+    assert all(x != y for x, y in zip(a[2:], b[2:]))  # block 2 holds the image's start: from there on, its own
+    two = ids[:60] + [7] * 4 + ids[60:]  # a second image of 4 at 60
+    marks = image_marks(two, 7, [("a", 8), ("c", 4)])
+    assert [m[0] for m in marks] == [40, 60] and marks[0] == image_marks(ids, 7, [("a", 8)])[0]
+    # placeholders that do not add up to the images (or no placeholder id): every image marked at 0, nothing shared
+    assert [m[0] for m in image_marks(ids, 7, [("a", 8), ("c", 4)])] == [0, 0]
+    assert prompt_hashes(ids, [("a", 8)])[0] != prompt_hashes(ids, [])[0]
 
 
 def test_the_index_matches_leading_blocks_and_forgets_least_recent_ones_beyond_a_workers_cache():

@@ -12,7 +12,8 @@ from common.model.loader import load_model
 from common.request import Request, Stage
 from common.scheduler import SchedulerConfig
 from tests.conftest import SHAPES
-from tests.support import _through_bytes, assert_pools_full, build_requests, hf_reference, mixed_cases, run_disaggregated
+from tests.support import (Case, _through_bytes, assert_pools_full, build_requests, hf_reference, image, mixed_cases,
+                           run_disaggregated, text_of)
 
 CASES = mixed_cases()
 
@@ -161,6 +162,32 @@ def test_a_decoder_that_prefills_too_serves_later_prompts_from_the_kv_pages_it_i
         assert again[r.request_id].num_cached_tokens == (r.num_prompt_tokens - 1) // 16 * 16, r.request_id
     assert sum(again[r.request_id].num_cached_tokens for r in texts) > 0
     assert_pools_full(encoder, prefiller, decoder)
+
+
+def test_a_system_prompt_before_an_image_is_cached_for_chats_with_other_images(model_dirs, processors, fp32_models):
+    """The blocks before an image's first placeholder are shared by prompts with another image there (the image's
+    identity enters the hashes where it begins, as vLLM keys them): a second picture after the same system prompt
+    computes from the image's block on, the first picture again from the last block only — and all give
+    transformers' tokens."""
+    system = [{"role": "system", "content": [{"type": "text", "text": text_of(70, 12)}]}]
+    chat = lambda seed: system + [{"role": "user", "content": [  # noqa: E731
+        {"type": "image", "image": image(seed, 240, 200)}, {"type": "text", "text": text_of(30, 13)}]}]
+    cases = [Case("first", chat(21), 10), Case("other-image", chat(22), 10)]
+    refs = hf_reference(model_dirs["tiny"], processors["tiny"], cases, torch.float32)
+    engine = make_engine(model_dirs, fp32_models, "tiny", prefix_caching=True)
+    image_token = engine.model_config.image_token_id
+    start = refs["first"].prompt_ids.index(image_token)
+    assert start >= 64 and refs["other-image"].prompt_ids[:start] == refs["first"].prompt_ids[:start]
+    first, other = build_requests(processors["tiny"], cases)
+    again = build_requests(processors["tiny"], cases[:1])[0]
+    outputs = []
+    for request in (first, other, again):
+        out = engine.generate([request])[request.request_id]
+        outputs.append((out.output_token_ids, out.num_cached_tokens))
+    assert outputs == [(refs["first"].tokens, 0), (refs["other-image"].tokens, start // 16 * 16),
+                       (refs["first"].tokens, (len(refs["first"].prompt_ids) - 1) // 16 * 16)]
+    assert engine.scheduler.num_encodes_skipped == 1
+    assert_pools_full(engine)
 
 
 def test_bfloat16_within_the_references_own_rounding(model_dirs, processors, references):

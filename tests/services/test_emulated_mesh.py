@@ -26,7 +26,7 @@ def test_emulated_meshes_agree_and_the_goodput_benchmark_measures_one(emulated_d
             assert all(r["usage"]["prompt_tokens"] > 576 for r in replies)  # 576 image tokens of LLaVA-1.5-7B
             if topology == "E1+P1+D1":
                 out = tmp_path / "goodput.json"
-                assert goodput.main(["--url", base, "--backend", "emulated", "--workload", "pope", "--rates", "2,50",
+                assert goodput.main(["--url", base, "--backend", "emulated", "--workload", "pope,conversation", "--rates", "2,50",
                                      "--num-prompts", "6", "--warmup", "1", "--pause", "0", "--slo-ttft-ms", "60000",
                                      "--slo-tbt-ms", "60000", "--out", str(out)]) == 0
                 report = json.loads(out.read_text())
@@ -37,6 +37,13 @@ def test_emulated_meshes_agree_and_the_goodput_benchmark_measures_one(emulated_d
                 assert [p["prefill_paths"]["dedicated"] for p in run["points"]] == [6, 6]  # E1+P1+D1: all on P
                 for key in ("request_throughput", "request_goodput", "p90_ttft_ms", "median_itl_ms", "p99_e2el_ms"):
                     assert key in run["points"][0]
+                chats = report["configs"]["mesh"]["conversation"]
+                assert all(p["completed"] == 6 for p in chats["points"]) and len(chats["requests"]) == 6
+                # the planned prompts are the server's, token for token; what its cache answered, an earlier
+                # request of the window held
+                assert {p["total_input_tokens"] for p in chats["points"]} == {sum(r[0] for r in chats["requests"])}
+                assert all(p["total_cached_tokens"] <= sum(r[1] for r in chats["requests"]) for p in chats["points"])
+                assert chats["points"][0]["total_cached_tokens"] > 0  # at 2 req/s the system prompt was cached by then
                 assert out.with_suffix(".png").stat().st_size > 10_000
             assert_pools_full(base)
     assert answers["EPD1"] == answers["E1+P1+D1"]

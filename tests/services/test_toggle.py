@@ -498,7 +498,7 @@ def test_a_router_sends_a_prompt_it_routed_before_back_to_the_worker_it_sent_it_
             router.prefilled("c")
             registration = info(first, {P}).registration
             assert router.affinity.routed.matched_tokens(registration, prompt_hashes(chat, [])) == 288  # 18 whole blocks
-            assert router.affinity.routed.matched_tokens(registration, prompt_hashes(chat, ["img"])) == 0  # another image
+            assert router.affinity.routed.matched_tokens(registration, prompt_hashes(chat, [("img", 576)])) == 0  # another image
             await _register_caching(registry, [(first, {P})], instance="restarted")
             await router.refresh()
             assert router.affinity.routed.matched_tokens(registration, prompt_hashes(chat, [])) == 0
@@ -558,7 +558,7 @@ def test_no_encode_is_skipped_before_a_prefill_covering_the_images_has_finished_
     ids = list(range(100, 164)) + [7] * 300 + list(range(200, 237))  # 401 tokens; "images" end at 364
 
     def summary(rid, n=len(ids), image_end=364):
-        return RouteSummary(rid, n, 1, 8, prefix_hashes=prompt_hashes(ids[:n], ["img"]), image_end=image_end)
+        return RouteSummary(rid, n, 1, 8, prefix_hashes=prompt_hashes(ids[:n], [("img", 576)]), image_end=image_end)
 
     async def main():
         client = aioredis.from_url(REDIS_URL)
