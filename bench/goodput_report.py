@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import json
+import textwrap
 from pathlib import Path
 
 from bench.workloads import SHAPES
@@ -63,14 +64,15 @@ def plot(report: dict, path: Path) -> None:
         for bound in sorted(bounds):
             ax.axvline(bound, color="black", linestyle=":", linewidth=1)
             ax.annotate(f"bound {bound:.0f}", (bound, 4), rotation=90, fontsize=7, ha="right")
-        ax.set_title(f"{workload}: {_shape_text(report, workload)}")
+        ax.set_title(textwrap.fill(f"{workload}: {_shape_text(report, workload)}", 52), fontsize=9)
         ax.set_xlabel("request rate (req/s)")
         ax.set_ylabel("SLO attainment (%)")
         ax.set_ylim(0, 102)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
-    fig.suptitle(f"{report['backend']} — SLO TTFT {report['slo_ttft_ms']:g} ms, P90 TBT {report['slo_tbt_ms']:g} ms, "
-                 f"{report['arrival']} arrivals", fontsize=10)
+    fig.suptitle(textwrap.fill(f"{report['backend']} — SLO TTFT {report['slo_ttft_ms']:g} ms, P90 TBT "
+                               f"{report['slo_tbt_ms']:g} ms, {report['arrival']} arrivals", 60 * len(workloads)),
+                 fontsize=10)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120)
