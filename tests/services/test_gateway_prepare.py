@@ -21,7 +21,7 @@ class Processor:
         self.routed, self.refuse, self.num_tokens = routed, refuse, num_tokens
         self.started, self.applied = threading.Event(), threading.Event()
 
-    config = type("Config", (), {"image_token_id": 32000})
+    config = type("Config", (), {"image_token_id": 32000, "image_tokens_per_image": 576})
 
     def prompt_ids(self, conversation, *template):
         if not self.started.wait(WAIT_S):  # the pixels (`apply`, on its thread) are under way before this
