@@ -22,12 +22,14 @@ from common.workers import WorkerSnapshot
 BLOCK_TOKENS = 16  # the index's granularity (the engines' default KV block)
 
 
-def summary_fields(token_ids: list[int], images: list[tuple[str, int]], image_token_id: int) -> dict:
+def summary_fields(token_ids: list[int], image_keys: list[str], model) -> dict:
     """A route summary's prefix-cache fields for a prompt: its block hashes (each image's identity — the digest of its
     file, which the processor also gives the engine as its content hash, so a first route and a retry key the same
-    prompt alike — mixed in where it begins; `images`: (identity, placeholder tokens) each) and where its images end."""
-    return {"prefix_hashes": prompt_hashes(token_ids, images, image_token_id),
-            "image_end": image_end(token_ids, image_token_id)}
+    prompt alike — mixed in where it begins) and where its images end. `model`: its config (`image_token_id`, and
+    `image_tokens_per_image`, which every image of it fills)."""
+    images = [(key, model.image_tokens_per_image) for key in image_keys]
+    return {"prefix_hashes": prompt_hashes(token_ids, images, model.image_token_id),
+            "image_end": image_end(token_ids, model.image_token_id)}
 
 
 def prompt_hashes(token_ids: list[int], images: list[tuple[str, int]], image_token_id: int | None = None,
