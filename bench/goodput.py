@@ -22,7 +22,8 @@ Writes JSON (every configuration, workload and rate) and a PNG of SLO attainment
 
 Workloads: the dataset shapes of `bench/workloads.py` (every request new to the server), and `conversation`
 (`bench/conversation.py`: the trace window's own prompt and output lengths, ÷ `--trace-scale`, and its shared
-prefixes — a system prompt and earlier turns —, each conversation with one image).
+prefixes — a system prompt and earlier turns —, each conversation with one image); `conversation/8` is the same
+at its own scale, so one launch can compare two (`--workload conversation,conversation/8`).
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ if not __package__:
 from bench.goodput_launch import launched, log_path, serve_args_of  # noqa: E402
 from bench.goodput_report import add_bound, finish, instances_of, replot  # noqa: E402
 from bench import conversation  # noqa: E402
-from bench.workloads import SHAPES, WORKLOADS, arrivals, request_bodies, trace_times  # noqa: E402
+from bench.workloads import SHAPES, WORKLOADS, arrivals, request_bodies, trace_scale_of, trace_times  # noqa: E402
 
 PERCENTILES = (50, 90, 99)
 
@@ -215,15 +216,16 @@ def path_attainment(rows: list[list], results: list[Result], ttft_ms: float, tbt
 def workload_of(workload: str, base: str, model: str, args) -> tuple:
     """(variant → the workload's `--num-prompts` request bodies, what the report keeps of its shape). A
     `conversation` is planned on the server's own tokenizer (`bench/conversation.py`)."""
-    if workload != "conversation":
+    scale = trace_scale_of(workload, args.trace_scale)
+    if scale is None:
         shape = SHAPES[workload]
         return (lambda variant: request_bodies(shape, args.num_prompts, model, seed=args.seed, variant=variant),
                 {"output_tokens": shape.output_tokens})
     vocab = conversation.calibrate(base)
-    planned = conversation.plan(args.num_prompts, args.seed, vocab, args.trace_scale)
+    planned = conversation.plan(args.num_prompts, args.seed, vocab, scale)
     shared = conversation.ideal_shared_tokens(planned, vocab)
     prompts = [p.text_tokens + vocab.chat_tokens for p in planned]
-    meta = {"output_tokens": statistics.fmean(p.output_tokens for p in planned), "trace_scale": args.trace_scale,
+    meta = {"output_tokens": statistics.fmean(p.output_tokens for p in planned), "trace_scale": scale,
             "mean_prompt_tokens": statistics.fmean(prompts), "ideal_shared_fraction": sum(shared) / sum(prompts),
             "requests": [[n, s, p.output_tokens, int(s <= p.blocks[0][1])]  # its image, unless a turn before has it
                          for n, s, p in zip(prompts, shared, planned)]}
@@ -283,7 +285,8 @@ def parse_args(argv=None):
     p.add_argument("--config", action="append", default=[], metavar="NAME=SERVE_ARGS",
                    help="launch `epdmesh serve SERVE_ARGS` per configuration (repeatable)")
     p.add_argument("--workload", default="textcaps", help=f"comma-separated: {', '.join(WORKLOADS)} (conversation: "
-                   "the trace's own lengths and shared prefixes, bench/conversation.py)")
+                   "the trace's own lengths and shared prefixes, bench/conversation.py; conversation/8: with its "
+                   "own --trace-scale, so one launch can sweep two)")
     p.add_argument("--trace-scale", type=int, default=16,
                    help="conversation: the trace's prompt and output lengths ÷ this (a divisor of 512)")
     p.add_argument("--rates", default="1,2,4,8", help="comma-separated request rates (req/s, the hardware's time)")
@@ -316,11 +319,13 @@ def parse_args(argv=None):
     if args.time_scale != 1 and (args.url or args.backend != "emulated"):
         p.error("--time-scale applies to meshes this benchmark launches with --backend emulated")
     args.workloads = [w.strip() for w in args.workload.split(",") if w.strip()]
-    unknown = [w for w in args.workloads if w not in WORKLOADS]
-    if unknown:
-        p.error(f"unknown workload(s) {unknown}; choose from {', '.join(WORKLOADS)}")
     if args.trace_scale < 1 or 512 % args.trace_scale:
         p.error("--trace-scale must divide 512")
+    for w in args.workloads:
+        try:
+            trace_scale_of(w, args.trace_scale)
+        except ValueError as e:
+            p.error(str(e))
     args.rate_list = _rates(args.rates)
     args.rates_of = {name: _rates(rates) for name, _, rates in (spec.partition("=") for spec in args.rates_of)}
     names = {spec.partition("=")[0] for spec in args.config}

@@ -92,6 +92,20 @@ SHAPES = {
 WORKLOADS = (*SHAPES, "conversation")  # conversation: bench/conversation.py
 
 
+def trace_scale_of(workload: str, default: int) -> int | None:
+    """A conversation workload's trace scale: `conversation/8` names its own, `conversation` takes `default`;
+    None for a dataset shape. Raises ValueError for a name that is neither, or a scale that does not divide 512."""
+    name, slash, scale = workload.partition("/")
+    if name != "conversation":
+        if name not in SHAPES or slash:
+            raise ValueError(f"unknown workload {workload!r}; choose from {', '.join(WORKLOADS)} or conversation/N")
+        return None
+    value = int(scale) if scale.isdigit() else (default if not slash else 0)
+    if value < 1 or 512 % value:
+        raise ValueError(f"{workload!r}: the trace scale must divide 512")
+    return value
+
+
 def images(shape: Shape, count: int, seed: int, variant: int = 0) -> list[str]:
     """`count` distinct synthetic JPEGs (smooth gradients, blocks and noise) as data URIs. `variant` > 0: the same
     pictures with a small patch of their own (other files, so other images to a cache; a fraction of the time)."""

@@ -100,3 +100,14 @@ def test_the_workload_is_one_the_benchmark_takes():
     assert args.workloads == ["pope", "conversation"] and args.trace_scale == 8
     with pytest.raises(SystemExit):
         parse_args(["--url", "http://127.0.0.1:1", "--workload", "conversation", "--trace-scale", "3"])
+
+
+def test_a_conversation_workload_may_name_its_own_trace_scale():
+    from bench.goodput import parse_args
+    from bench.workloads import trace_scale_of
+
+    args = parse_args(["--url", "http://127.0.0.1:1", "--workload", "conversation,conversation/8,pope"])
+    assert [trace_scale_of(w, args.trace_scale) for w in args.workloads] == [16, 8, None]
+    for bad in ("conversation/3", "conversation/", "conversation/x", "pope/8", "vqa"):
+        with pytest.raises(SystemExit):
+            parse_args(["--url", "http://127.0.0.1:1", "--workload", bad])
