@@ -32,10 +32,9 @@ import gzip
 import random
 from pathlib import Path
 
-from bench.workloads import Shape, images, window_start
+from bench.workloads import TRACE_BLOCK_TOKENS, Shape, images, window_start
 
 BLOCKS = Path(__file__).resolve().parent / "data" / "mooncake_conversation_blocks.txt.gz"
-TRACE_BLOCK_TOKENS = 512
 IMAGE_SIZE = (640, 480)
 # candidate words; those the served tokenizer makes one token with a leading space are used
 CANDIDATES = ("a", "the", "and", "is", "of", "in", "to", "on", "it", "with", "what", "this", "that", "image", "photo",

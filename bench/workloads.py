@@ -90,19 +90,22 @@ SHAPES = {
     "vizwiz": Shape("vizwiz", 10, (480, 640)),
 }
 WORKLOADS = (*SHAPES, "conversation")  # conversation: bench/conversation.py
+TRACE_BLOCK_TOKENS = 512  # the Mooncake trace's hash ids each stand for this many prompt tokens
 
 
 def trace_scale_of(workload: str, default: int) -> int | None:
     """A conversation workload's trace scale: `conversation/8` names its own, `conversation` takes `default`;
-    None for a dataset shape. Raises ValueError for a name that is neither, or a scale that does not divide 512."""
+    None for a dataset shape. Raises ValueError for a name that is neither, or a scale that does not divide the
+    trace's 512-token blocks."""
     name, slash, scale = workload.partition("/")
     if name != "conversation":
         if name not in SHAPES or slash:
             raise ValueError(f"unknown workload {workload!r}; choose from {', '.join(WORKLOADS)} or conversation/N")
         return None
-    value = int(scale) if scale.isdigit() else (default if not slash else 0)
-    if value < 1 or 512 % value:
-        raise ValueError(f"{workload!r}: the trace scale must divide 512")
+    value = default if not slash else int(scale) if scale.isdigit() else 0
+    if value < 1 or TRACE_BLOCK_TOKENS % value:
+        what = repr(workload) if slash else "--trace-scale"
+        raise ValueError(f"{what}: the trace scale must divide {TRACE_BLOCK_TOKENS}; got {scale or default}")
     return value
 
 
