@@ -6,6 +6,7 @@ import dataclasses
 
 MAX_LOGPROBS = 20  # most likely tokens a request may ask for per position (OpenAI's top_logprobs limit)
 SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1  # what the mesh's wire carries (int64), as vLLM accepts
+GREEDY_BELOW_TEMPERATURE = 1e-5  # vLLM's _SAMPLING_EPS: a lower temperature is greedy (logits / 1e-300 overflow)
 
 
 class InvalidSamplingParams(ValueError):
@@ -72,4 +73,4 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0 or self.top_k == 1
+        return self.temperature < GREEDY_BELOW_TEMPERATURE or self.top_k == 1

@@ -17,6 +17,7 @@ from common.engine.outputs import TokenLogprob
 from common.request import Request
 
 
+FLOAT32_MAX = torch.finfo(torch.float32).max
 NUCLEUS_FIRST_K = 256  # top-p alone: look for the nucleus among this many most likely tokens first (×4 until found)
 
 
@@ -38,6 +39,8 @@ class Sampler:
         helped (a 32k-token sort took 2.2 ms on a CPU core; the draw itself is then among a few hundred)."""
         params = request.sampling
         probs, candidates = distribution(logits, params)
+        if not float(probs.sum()) > 0:  # every token masked (stop ids and min_tokens, say): no draw to make
+            return int(logits.argmax())
         if params.seed is None:
             generator = self._generator
         else:
@@ -58,7 +61,9 @@ def distribution(logits: torch.Tensor, params) -> tuple[torch.Tensor, torch.Tens
     after temperature, min-p (a token's probability at least min_p × the most likely one's: its logit at least
     the top logit + log min_p), top-k (renormalized over the k, as masking the rest would) and top-p (over the
     probabilities top-k left)."""
-    scaled = logits.float().cpu() / params.temperature
+    # an extreme penalty (a repetition_penalty of 1e-30 divides by it) can push logits past float32: +inf would make
+    # softmax NaN where the limit is all the mass on those tokens, so they become the largest finite value
+    scaled = (logits.float().cpu() / params.temperature).nan_to_num(nan=float("-inf"), posinf=FLOAT32_MAX)
     if params.min_p > 0:  # vLLM's order: after temperature, before top-k and top-p
         scaled = scaled.masked_fill(scaled < scaled.max() + math.log(params.min_p), float("-inf"))
     if params.top_k and params.top_k < scaled.numel():
