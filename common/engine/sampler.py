@@ -61,7 +61,7 @@ def distribution(logits: torch.Tensor, params) -> tuple[torch.Tensor, torch.Tens
     after temperature, min-p (a token's probability at least min_p × the most likely one's: its logit at least
     the top logit + log min_p), top-k (renormalized over the k, as masking the rest would) and top-p (over the
     probabilities top-k left)."""
-    # an extreme penalty (a repetition_penalty of 1e-30 divides by it) can push logits past float32: +inf would make
+    # an extreme penalty (a repetition_penalty of 1e-224 divides by it) can push logits past float32: +inf would make
     # softmax NaN where the limit is all the mass on those tokens, so they become the largest finite value
     scaled = (logits.float().cpu() / params.temperature).nan_to_num(nan=float("-inf"), posinf=FLOAT32_MAX)
     if params.min_p > 0:  # vLLM's order: after temperature, before top-k and top-p

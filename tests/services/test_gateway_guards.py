@@ -136,6 +136,17 @@ def test_the_widest_seeds_min_tokens_and_min_p_cross_the_wire():
         assert wire.sampling_from_pb(wire.sampling_to_pb(params)) == params
 
 
+def test_the_values_a_client_sent_cross_the_wire_unrounded():
+    """temperature and top_p were float32 on the wire: 0.9 sampled as 0.8999999762 in a mesh and as 0.9 in one process,
+    and a top_p of 1e-300, which the gateway accepts, arrived as 0 and was refused by the worker (fuzzing found it)."""
+    for params in (SamplingParams(temperature=0.7, top_p=0.9), SamplingParams(top_p=1e-300, temperature=5e-324),
+                   SamplingParams(temperature=1.0000001, top_p=0.30000000000000004)):
+        assert wire.sampling_from_pb(wire.sampling_to_pb(params)) == params
+    summary = RouteSummary("r", 10, 0, 4, ttft_slo_ms=1e-300, tbt_slo_ms=0.1)
+    back = wire.summary_from_pb(wire.summary_to_pb(summary))
+    assert (back.ttft_slo_ms, back.tbt_slo_ms) == (1e-300, 0.1)
+
+
 def test_min_tokens_and_min_p_are_vllms_and_checked():
     sampling = _parse(max_tokens=20, min_tokens=5, min_p=0.1).sampling
     assert (sampling.min_tokens, sampling.min_p) == (5, 0.1) and sampling.adjusts_logits
