@@ -1,0 +1,202 @@
+"""Hypothesis strategies for the HTTP API's request bodies: well-formed chats that reach the engine (images, tools,
+structured output, every sampling parameter near the edges of its range), the same with one or two values replaced
+by arbitrary JSON or removed, and bodies that are mostly noise. `tests/services/test_api_fuzz.py` sends them."""
+
+from __future__ import annotations
+
+import base64
+import copy
+import io
+
+import numpy as np
+from hypothesis import strategies as st
+from PIL import Image
+
+from tests.services.servers import MODEL
+
+scalar = st.one_of(st.none(), st.booleans(), st.integers(-2**70, 2**70), st.floats(allow_nan=True, allow_infinity=True),
+                   st.text(max_size=12))
+noise = st.recursive(scalar, lambda c: st.lists(c, max_size=3) | st.dictionaries(st.text(max_size=6), c, max_size=3),
+                     max_leaves=6)
+ident = st.from_regex(r"[a-zA-Z_][a-zA-Z0-9_]{0,10}", fullmatch=True)
+
+
+def encoded_image(width: int, height: int, mode: str, fmt: str) -> bytes:
+    """An image file of that size, pixel mode and format (PNG where the format cannot hold the mode)."""
+    rgb = Image.fromarray((np.random.RandomState(width * 7 + height).rand(height, width, 3) * 255).astype("uint8"))
+    converted = rgb.convert(mode)
+    for img, fmt_ in ((converted, fmt), (converted, "PNG"), (rgb, "PNG")):  # an RGB PNG always saves
+        buf = io.BytesIO()
+        try:
+            img.save(buf, fmt_)
+            return buf.getvalue()
+        except (OSError, KeyError, ValueError):
+            continue
+    raise AssertionError("unreachable")
+
+
+def data_uri(data: bytes, mime: str, valid_base64: bool = True) -> str:
+    encoded = base64.b64encode(data).decode()
+    return f"data:{mime};base64,{encoded if valid_base64 else encoded[:-1] + '!'}"
+
+
+image_file = st.builds(encoded_image, st.integers(1, 400), st.integers(1, 400),
+                       st.sampled_from(["RGB", "L", "RGBA", "P", "CMYK", "I;16", "1", "LA"]),
+                       st.sampled_from(["PNG", "GIF", "BMP", "TIFF", "WEBP", "JPEG"]))
+broken_image = st.one_of(st.binary(max_size=64),
+                         st.builds(lambda data, cut: data[:cut], st.builds(encoded_image, st.just(32), st.just(32),
+                                                                          st.just("RGB"), st.just("PNG")),
+                                   st.integers(0, 200)))
+image_url = st.one_of(
+    st.builds(data_uri, image_file, st.sampled_from(["image/png", "image/jpeg", "image/webp"])),
+    st.builds(data_uri, broken_image, st.sampled_from(["image/png", "text/plain", ""]), st.booleans()),
+    st.sampled_from(["http://127.0.0.1:9/x.png", "https://[::1", "ftp://x", "", "data:", "data:image/png;base64,"]),
+)
+text = st.one_of(st.text(max_size=40).filter(lambda t: "<image>" not in t),
+                 st.sampled_from(["Describe it.", "USER:", "ASSISTANT:", "<s></s>", "a" * 3000, "\x00"]))
+
+schema_leaf = st.sampled_from([
+    {"type": "string"}, {"type": "integer"}, {"type": "number"}, {"type": "boolean"}, {"type": "null"},
+    {"enum": ["a", 1, None]}, {"const": "x"}, {"type": "string", "pattern": "[a-c]{2,3}"}, {"type": "string", "pattern": "("},
+    {"type": "string", "maxLength": 3}, {"type": "integer", "minimum": 5, "maximum": 2}, {"$ref": "#/$defs/x"},
+    {"$ref": "#"}, {"type": "string", "format": "date-time"}, {}, True, False, {"type": ["string", "null"]},
+    {"anyOf": [{"type": "string"}, {"type": "integer"}]}, {"type": "array", "items": {"type": "integer"}, "minItems": 5, "maxItems": 1},
+])
+schema = st.recursive(schema_leaf, lambda inner: st.one_of(
+    st.builds(lambda props, extra: {"type": "object", "properties": props, "required": sorted(props)[:1],
+                                    "additionalProperties": extra},
+              st.dictionaries(ident, inner, max_size=3), st.booleans()),
+    st.builds(lambda items: {"type": "array", "items": items}, inner),
+    st.builds(lambda options: {"oneOf": options}, st.lists(inner, max_size=3)),
+    st.builds(lambda parts, defined: {"allOf": parts, "$defs": {"x": defined}}, st.lists(inner, max_size=2), inner),
+), max_leaves=6)
+object_schema = st.builds(lambda props: {"type": "object", "properties": props}, st.dictionaries(ident, schema, max_size=3))
+
+
+
+def within(low: float, high: float, *edges: float):
+    """A float the API accepts for the parameter, its edges and the smallest positive ones more often than chance."""
+    return st.one_of(st.floats(low, high), st.sampled_from([low, high, *edges]))
+
+
+SAMPLING = {
+    "max_tokens": st.integers(1, 12), "max_completion_tokens": st.integers(1, 12),
+    "temperature": within(0, 2, 1e-300, 5e-324, 1e-5, 0.7), "top_p": within(5e-324, 1, 1e-300, 0.9),
+    "top_k": st.integers(-1, 50), "min_p": within(0, 1, 5e-324), "seed": st.integers(-2**63, 2**64 - 1),
+    "stop": st.one_of(st.text(min_size=1, max_size=4), st.lists(st.text(min_size=1, max_size=4), max_size=4)),
+    "stop_token_ids": st.lists(st.integers(0, 4000), max_size=3), "n": st.integers(1, 3), "stream": st.booleans(),
+    "stream_options": st.fixed_dictionaries({}, optional={"include_usage": st.booleans(),
+                                                          "continuous_usage_stats": st.booleans()}),
+    "logprobs": st.booleans(), "presence_penalty": within(-2, 2, 5e-324), "frequency_penalty": within(-2, 2, 5e-324),
+    "repetition_penalty": within(5e-324, 100, 1e-224, 1), "min_tokens": st.integers(0, 4), "ignore_eos": st.booleans(),
+    "logit_bias": st.dictionaries(st.integers(0, 4000).map(str), st.floats(-100, 100), max_size=3),
+    "return_token_ids": st.booleans(),
+    "slo": st.fixed_dictionaries({}, optional={"ttft_ms": within(5e-324, 1e5, 1e-300), "tbt_ms": within(5e-324, 1e5)}),
+    "chat_template_kwargs": st.dictionaries(st.sampled_from(["enable_thinking", "messages", "bos_token", "x", "date"]),
+                                            scalar, max_size=2),
+}
+
+
+@st.composite
+def some_of(draw, fields: dict, most: int = 4) -> dict:
+    """Up to `most` of the fields, each with a value of its strategy (a body with all of them is never served)."""
+    names = draw(st.lists(st.sampled_from(sorted(fields)), max_size=most, unique=True))
+    return {name: draw(fields[name]) for name in names}
+
+
+@st.composite
+def chat_bodies(draw) -> dict:
+    """A chat the API should serve, or refuse only for a value at the edge of its range."""
+    messages = []
+    for i in range(draw(st.integers(1, 4))):
+        role = draw(st.sampled_from(["user", "user", "system", "assistant", "developer"])) if i < 3 else "user"
+        if role == "user":
+            parts = draw(st.lists(st.one_of(
+                st.fixed_dictionaries({"type": st.just("text"), "text": text}),
+                st.fixed_dictionaries({"type": st.just("image_url"), "image_url": st.fixed_dictionaries({"url": image_url})}),
+            ), min_size=1, max_size=3))
+            messages.append({"role": role, "content": draw(st.one_of(st.just(parts), text))})
+        elif role == "assistant" and draw(st.booleans()):
+            messages.append({"role": "assistant", "content": None, "tool_calls": [
+                {"id": "c1", "type": "function", "function": {"name": draw(ident), "arguments": "{}"}}]})
+            messages.append({"role": "tool", "tool_call_id": "c1", "content": draw(text)})
+        else:
+            messages.append({"role": role, "content": draw(text)})
+    body = {"model": MODEL, "messages": messages, **draw(some_of(SAMPLING))}
+    if body.get("logprobs") is True and draw(st.booleans()):
+        body["top_logprobs"] = draw(st.integers(0, 20))
+    constraint = draw(st.sampled_from(["none", "none", "tools", "response_format", "guided_json", "guided_regex",
+                                       "guided_choice"]))
+    if constraint == "tools":
+        tools = draw(st.lists(st.builds(lambda n, p, strict: {"type": "function", "function": {"name": n, "parameters": p,
+                                                                                                "strict": strict}},
+                                        ident, object_schema, st.booleans()),
+                              min_size=1, max_size=3, unique_by=lambda t: t["function"]["name"]))
+        first = {"type": "function", "function": {"name": tools[0]["function"]["name"]}}
+        body.update(tools=tools, tool_choice=draw(st.sampled_from(["auto", "none", "required", first])),
+                    max_tokens=draw(st.integers(1, 40)))
+    elif constraint == "response_format":
+        body["response_format"] = draw(st.one_of(
+            st.just({"type": "json_object"}),
+            st.builds(lambda s: {"type": "json_schema", "json_schema": {"name": "x", "schema": s}}, st.one_of(schema, object_schema))))
+        body["max_tokens"] = draw(st.integers(1, 40))
+    elif constraint == "guided_json":
+        body["guided_json"] = draw(schema)
+    elif constraint == "guided_regex":
+        body["guided_regex"] = draw(st.sampled_from(["[a-z]+", "(", "a{3}", "", ".*", r"\d{2,1}", r"[^\x00-\x7f]{3}"]))
+    elif constraint == "guided_choice":
+        body["guided_choice"] = draw(st.lists(st.text(max_size=4), max_size=3))
+    return body
+
+
+def _paths(obj, prefix=()):
+    yield prefix
+    children = obj.items() if isinstance(obj, dict) else enumerate(obj) if isinstance(obj, list) else ()
+    for key, value in children:
+        yield from _paths(value, prefix + (key,))
+
+
+@st.composite
+def mutated(draw, bodies) -> dict:
+    """A body with one or two values (anywhere in it) replaced by arbitrary JSON, or removed."""
+    body = copy.deepcopy(draw(bodies))  # hypothesis may hand the same object out again
+    for _ in range(draw(st.integers(1, 2))):
+        paths = [p for p in _paths(body) if p]
+        path = draw(st.sampled_from(paths))
+        parent = body
+        for key in path[:-1]:
+            parent = parent[key]
+        if isinstance(parent, dict) and draw(st.booleans()):
+            del parent[path[-1]]
+        else:
+            parent[path[-1]] = draw(noise)
+    return body
+
+
+completion_bodies = st.builds(
+    lambda prompt, extra: {"model": MODEL, "prompt": prompt, **extra},
+    st.one_of(text, st.lists(st.integers(-3, 5000), max_size=6), st.lists(text, max_size=3)),
+    some_of({k: v for k, v in SAMPLING.items() if k != "chat_template_kwargs"}))
+response_bodies = st.builds(
+    lambda given, extra: {"model": MODEL, "input": given, **extra},
+    st.one_of(text, st.lists(st.fixed_dictionaries({"role": st.sampled_from(["user", "system", "assistant", "developer"]),
+                                                    "content": text}), min_size=1, max_size=3)),
+    st.fixed_dictionaries({}, optional={"max_output_tokens": st.integers(1, 10), "instructions": text,
+                                        "temperature": SAMPLING["temperature"], "top_p": SAMPLING["top_p"],
+                                        "stream": st.booleans()}))
+
+# (path, body strategy) pairs: each endpoint's own bodies, whole and mutated, and chats that are mostly noise
+ENDPOINTS = {
+    "/v1/chat/completions": st.one_of(chat_bodies(), chat_bodies(), mutated(chat_bodies()),
+                                      st.fixed_dictionaries({"model": st.just(MODEL), "messages": noise},
+                                                            optional={k: noise for k in SAMPLING})),
+    "/v1/completions": st.one_of(completion_bodies, mutated(completion_bodies)),
+    "/v1/responses": st.one_of(response_bodies, mutated(response_bodies)),
+}
+
+
+def capped(body) -> object:
+    """The body with a short answer asked for where it asks for none (left out, an answer runs to the context's end)."""
+    if isinstance(body, dict) and not {"max_tokens", "max_completion_tokens", "max_output_tokens"} & body.keys():
+        return {**body, ("max_output_tokens" if "input" in body else "max_tokens"): 4}
+    return body
