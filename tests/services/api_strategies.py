@@ -105,8 +105,8 @@ def some_of(draw, fields: dict, most: int = 4) -> dict:
 
 
 @st.composite
-def chat_bodies(draw) -> dict:
-    """A chat the API should serve, or refuse only for a value at the edge of its range."""
+def conversations(draw) -> list[dict]:
+    """1-4 messages a chat template takes: images in user messages only, an earlier tool call answered."""
     messages = []
     for i in range(draw(st.integers(1, 4))):
         role = draw(st.sampled_from(["user", "user", "system", "assistant", "developer"])) if i < 3 else "user"
@@ -122,6 +122,13 @@ def chat_bodies(draw) -> dict:
             messages.append({"role": "tool", "tool_call_id": "c1", "content": draw(text)})
         else:
             messages.append({"role": role, "content": draw(text)})
+    return messages
+
+
+@st.composite
+def chat_bodies(draw) -> dict:
+    """A chat the API should serve, or refuse only for a value at the edge of its range."""
+    messages = draw(conversations())
     body = {"model": MODEL, "messages": messages, **draw(some_of(SAMPLING))}
     if body.get("logprobs") is True and draw(st.booleans()):
         body["top_logprobs"] = draw(st.integers(0, 20))
@@ -185,6 +192,16 @@ response_bodies = st.builds(
                                         "temperature": SAMPLING["temperature"], "top_p": SAMPLING["top_p"],
                                         "stream": st.booleans()}))
 
+tokenize_bodies = st.one_of(
+    st.builds(lambda prompt, extra: {"model": MODEL, "prompt": prompt, **extra}, text,
+              some_of({"add_special_tokens": st.booleans(), "return_token_strs": st.booleans()})),
+    st.builds(lambda messages, extra: {"messages": messages, **extra}, conversations(),
+              some_of({"add_generation_prompt": st.booleans(), "return_token_strs": st.booleans(),
+                       "chat_template_kwargs": SAMPLING["chat_template_kwargs"],
+                       "tools": st.lists(st.builds(lambda n, p: {"type": "function", "function": {"name": n, "parameters": p}},
+                                                   ident, object_schema), max_size=2, unique_by=lambda t: t["function"]["name"])})))
+detokenize_bodies = st.fixed_dictionaries({"tokens": st.lists(st.integers(0, 4200), max_size=12)}, optional={"model": st.just(MODEL)})
+
 # (path, body strategy) pairs: each endpoint's own bodies, whole and mutated, and chats that are mostly noise
 ENDPOINTS = {
     "/v1/chat/completions": st.one_of(chat_bodies(), chat_bodies(), mutated(chat_bodies()),
@@ -192,6 +209,8 @@ ENDPOINTS = {
                                                             optional={k: noise for k in SAMPLING})),
     "/v1/completions": st.one_of(completion_bodies, mutated(completion_bodies)),
     "/v1/responses": st.one_of(response_bodies, mutated(response_bodies)),
+    "/tokenize": st.one_of(tokenize_bodies, mutated(tokenize_bodies)),
+    "/detokenize": st.one_of(detokenize_bodies, mutated(detokenize_bodies)),
 }
 
 
