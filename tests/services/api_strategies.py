@@ -169,6 +169,8 @@ def mutated(draw, bodies) -> dict:
     body = copy.deepcopy(draw(bodies))  # hypothesis may hand the same object out again
     for _ in range(draw(st.integers(1, 2))):
         paths = [p for p in _paths(body) if p]
+        if not paths:  # the first mutation removed the only field
+            break
         path = draw(st.sampled_from(paths))
         parent = body
         for key in path[:-1]:
