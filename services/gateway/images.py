@@ -81,10 +81,12 @@ def decode_image(data: bytes, where: str) -> Image.Image:
         return rgb
     except ApiError:
         raise
+    except Image.DecompressionBombError as e:  # PIL refuses past twice its own limit, before we see the size
+        raise ApiError(413, f"{where}: image is over {MAX_IMAGE_PIXELS} pixels ({e})", "messages") from None
     except UnidentifiedImageError:
         raise ApiError(400, f"{where}: not an image this server can read (PNG, JPEG, WebP, GIF, BMP, ...)",
                        "messages") from None
-    except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as e:
+    except (OSError, SyntaxError, ValueError) as e:
         raise ApiError(400, f"{where}: could not decode the image ({e.__class__.__name__}: {e})", "messages") from None
 
 

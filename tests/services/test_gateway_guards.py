@@ -119,6 +119,18 @@ def test_an_image_of_extreme_aspect_ratio_is_refused_before_the_processor_sees_i
     assert _parse_image(2, 400).num_images == 1 and _parse_image(400, 2).num_images == 1
 
 
+def test_an_image_of_too_many_pixels_is_a_413_naming_the_limit_however_far_over_it_is():
+    """A 20000x20000 one-bit PNG is 49 KB; PIL refuses to open it at all (over twice its own limit), which was a 400
+    quoting PIL's limit, while a 60-megapixel one was a 413 naming ours."""
+    for img in (Image.new("1", (20000, 20000)), Image.new("L", (10000, 6000))):
+        buf = io.BytesIO()
+        img.save(buf, "PNG")
+        content = [{"type": "image_url", "image_url": {"url": "data:image/png;base64," + pybase64.b64encode(buf.getvalue()).decode()}}]
+        with pytest.raises(ApiError) as err:
+            parse_chat_request(json.dumps({"model": MODEL, "messages": [{"role": "user", "content": content}]}).encode(), [MODEL])
+        assert err.value.status == 413 and "over 50000000 pixels" in err.value.message, err.value.message
+
+
 def test_seeds_beyond_64_bits_and_negative_top_k_are_400s_naming_the_parameter():
     assert _parse(seed=2**63 - 1).sampling.seed == 2**63 - 1 and _parse(seed=-(2**63)).sampling.seed == -(2**63)
     for extra, param in (({"seed": 2**63}, "seed"), ({"seed": -(2**63) - 1}, "seed"), ({"seed": 2**70}, "seed"),
