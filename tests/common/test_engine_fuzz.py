@@ -1,0 +1,147 @@
+"""The engine under generated schedules (hypothesis): requests added, stepped and aborted in any order, on small caches
+that preempt, with prefix caching on or off, whole or chunked prefills, on-demand or worst-case KV admission. Every
+request that finishes has exactly the greedy tokens it has alone on a roomy engine (which the parity tests hold to
+transformers'); one aborted part-way has a prefix of them; every page comes back.
+
+The prompts share prefixes (a system-like run of tokens, then their own) so prefix caching has something to find,
+and two carry an image (encoded again after a preemption). CI runs a fixed set of schedules; to look for new
+failures: EPDMESH_FUZZ_EXAMPLES=500 EPDMESH_FUZZ_RANDOM=1 make test ARGS=tests/common/test_engine_fuzz.py
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from hypothesis import HealthCheck, example, given, settings, strategies as st
+
+from common.engine.config import EngineConfig
+from common.engine.engine import Engine, RequestRejected
+from common.model.loader import load_model
+from common.paged_cache import PagedKVCache
+from common.request import Request
+from common.sampling import SamplingParams
+from common.scheduler import SchedulerConfig
+from tests.support import assert_pools_full, build_requests, mixed_cases
+
+EXAMPLES = int(os.environ.get("EPDMESH_FUZZ_EXAMPLES", "100"))
+MAX_TOKENS = 40
+MAX_STEPS = 2000  # to finish what a program left running: far more than any needs (a hang fails, not times out)
+SHARED = [1, *range(300, 340)]  # 41 tokens: two full blocks and a bit, shared by the text prompts below
+TEXT_PROMPTS = [SHARED + [500 + i] * (i + 1) for i in range(4)] + [SHARED[:20] + [900, 901]] + [[1, 77, 78]] + \
+               [SHARED + list(range(1000, 1040)), SHARED[:32], SHARED + list(range(600, 607))]  # the last two: whole blocks
+
+
+@pytest.fixture(scope="module")
+def model(tiny_dir):
+    return load_model(tiny_dir, torch.float32)
+
+
+@pytest.fixture(scope="module")
+def prompts(processors):
+    """(prompt ids, images) of each case: the text prompts above and two image chats."""
+    images = build_requests(processors["tiny"], [c for c in mixed_cases() if c.name in ("img-short", "img-tall")])
+    return [(p, []) for p in TEXT_PROMPTS] + [(r.prompt_token_ids, r.images) for r in images]
+
+
+def engine_for(tiny_dir, model, kv_blocks: int, prefix_caching: bool = False, **scheduler) -> Engine:
+    text = model.cfg.text
+    per_block = PagedKVCache.bytes_per_block(16, text.num_layers, text.num_kv_heads, text.head_dim, torch.float32)
+    return Engine(EngineConfig(model=str(tiny_dir), kv_cache_gib=kv_blocks * per_block / 2**30, image_cache_gib=0.02,
+                               enable_prefix_caching=prefix_caching, scheduler=SchedulerConfig(**scheduler)), model=model)
+
+
+@pytest.fixture(scope="module")
+def alone(tiny_dir, model, prompts):
+    """Each prompt's greedy tokens, run alone on a roomy engine, MAX_TOKENS of them (fewer where EOS comes first)."""
+    engine = engine_for(tiny_dir, model, kv_blocks=256)
+    out = {}
+    for i, (ids, images) in enumerate(prompts):
+        request = Request(f"alone-{i}", list(ids), SamplingParams(max_tokens=MAX_TOKENS, temperature=0), list(images))
+        out[i] = engine.generate([request])[request.request_id].output_token_ids
+    return out
+
+
+configs = st.fixed_dictionaries({
+    "kv_blocks": st.sampled_from([12, 24, 24, 40, 256]),
+    "prefix_caching": st.booleans(),
+    "token_budget": st.sampled_from([16, 64, 2048]),
+    "max_num_seqs": st.sampled_from([1, 2, 8]),
+    "kv_admission": st.sampled_from(["on-demand", "on-demand", "worst-case"]),
+})
+add = st.tuples(st.just("add"), st.integers(0, len(TEXT_PROMPTS) + 1), st.integers(1, MAX_TOKENS))
+ops = st.lists(st.one_of(add, add, add, st.tuples(st.just("step"), st.integers(1, 6)),
+                         st.tuples(st.just("abort"), st.integers(0, 20))), min_size=4, max_size=30)
+
+
+FUZZ = settings(max_examples=EXAMPLES, deadline=None, database=None, suppress_health_check=list(HealthCheck),
+                derandomize=not os.environ.get("EPDMESH_FUZZ_RANDOM"), print_blob=True)
+
+
+def run(engine: Engine, prompts, program) -> tuple[dict, set, dict]:
+    """Carry out the program, then run what is left to the end: (added, aborted, finished outputs)."""
+    added: dict[str, tuple[int, Request]] = {}  # request id → (prompt index, request)
+    aborted: set[str] = set()
+    finished: dict[str, list[int]] = {}
+
+    def step():
+        for out in engine.step():
+            if out.done_here:
+                finished[out.request_id] = out.output_token_ids
+
+    for op in program:
+        if op[0] == "add":
+            _, index, max_tokens = op
+            ids, images = prompts[index]
+            request = Request(f"r{len(added)}", list(ids), SamplingParams(max_tokens=max_tokens, temperature=0), list(images))
+            try:
+                engine.add_request(request)
+            except RequestRejected:  # more than the whole cache holds: refused, as it must be
+                continue
+            added[request.request_id] = (index, request)
+        elif op[0] == "step":
+            for _ in range(op[1]):
+                if engine.has_unfinished:
+                    step()
+        else:
+            live = [rid for rid in added if rid not in finished and rid not in aborted]
+            if live:
+                rid = live[op[1] % len(live)]
+                engine.abort(rid)
+                aborted.add(rid)
+    for _ in range(MAX_STEPS):
+        if not engine.has_unfinished:
+            return added, aborted, finished
+        step()
+    raise AssertionError(f"still unfinished after {MAX_STEPS} more steps: {sorted(engine.requests)}")
+
+
+def test_any_schedule_gives_each_request_its_tokens_alone_and_returns_every_page(tiny_dir, model, prompts, alone):
+    reached = {"preemptions": 0, "cached tokens": 0, "aborted part-way": 0, "finished": 0}
+
+    @FUZZ
+    @given(config=configs, program=ops)
+    @example(config={"kv_blocks": 12, "prefix_caching": True, "token_budget": 64, "max_num_seqs": 8,  # preempts twice
+                     "kv_admission": "on-demand"},
+             program=[("add", 0, 40), ("add", 1, 40), ("add", 2, 40), ("step", 3), ("add", 3, 40), ("add", 6, 40),
+                      ("step", 6), ("abort", 1), ("add", 7, 12), ("add", 0, 30)])
+    def schedule(config, program):
+        engine = engine_for(tiny_dir, model, **config)
+        added, aborted, finished = run(engine, prompts, program)
+        for rid, (index, request) in added.items():
+            expected = alone[index][: request.sampling.max_tokens]
+            if rid in aborted:
+                assert request.output_token_ids == expected[: len(request.output_token_ids)], (rid, config)
+                reached["aborted part-way"] += bool(request.output_token_ids)
+            else:
+                assert finished[rid] == expected, (rid, index, config)
+                reached["finished"] += 1
+            reached["cached tokens"] += request.num_cached_tokens
+        reached["preemptions"] += engine.stats().num_preemptions
+        assert_pools_full(engine)
+
+    schedule()
+    # the schedules reach what they are for (ones that only ever ran requests alone would show nothing); the explicit
+    # example preempts: the fixed generated ones in CI do not, the random ones of an exploration do
+    assert all(reached.values()), reached
