@@ -1,7 +1,7 @@
 """The engine under generated schedules (hypothesis): requests added, stepped and aborted in any order, on small caches
 that preempt, with prefix caching on or off, whole or chunked prefills, on-demand or worst-case KV admission. Every
 request that finishes has exactly the greedy tokens it has alone on a roomy engine (which the parity tests hold to
-transformers'); one aborted part-way has a prefix of them; every page comes back.
+transformers'); one aborted part-way has a prefix of them; every page comes back. Sampled requests with a seed likewise: a seeded stream does not depend on the batch.
 
 The prompts share prefixes (a system-like run of tokens, then their own) so prefix caching has something to find,
 and two carry an image (encoded again after a preemption). CI runs a fixed set of schedules; to look for new
@@ -52,14 +52,23 @@ def engine_for(tiny_dir, model, kv_blocks: int, prefix_caching: bool = False, **
                                enable_prefix_caching=prefix_caching, scheduler=SchedulerConfig(**scheduler)), model=model)
 
 
+def sampling(index: int, sampled: bool, max_tokens: int) -> SamplingParams:
+    """Greedy, or sampled with a seed of the prompt's own (a seeded stream does not depend on the batch it runs in)."""
+    if not sampled:
+        return SamplingParams(max_tokens=max_tokens, temperature=0)
+    return SamplingParams(max_tokens=max_tokens, temperature=0.8, top_k=50, top_p=0.95, seed=7 + index)
+
+
 @pytest.fixture(scope="module")
 def alone(tiny_dir, model, prompts):
-    """Each prompt's greedy tokens, run alone on a roomy engine, MAX_TOKENS of them (fewer where EOS comes first)."""
+    """Each prompt's tokens, greedy and seeded, run alone on a roomy engine, MAX_TOKENS of them (fewer where EOS
+    comes first): {(prompt index, sampled): tokens}."""
     engine = engine_for(tiny_dir, model, kv_blocks=256)
     out = {}
     for i, (ids, images) in enumerate(prompts):
-        request = Request(f"alone-{i}", list(ids), SamplingParams(max_tokens=MAX_TOKENS, temperature=0), list(images))
-        out[i] = engine.generate([request])[request.request_id].output_token_ids
+        for sampled in (False, True):
+            request = Request(f"alone-{i}-{sampled}", list(ids), sampling(i, sampled, MAX_TOKENS), list(images))
+            out[i, sampled] = engine.generate([request])[request.request_id].output_token_ids
     return out
 
 
@@ -70,7 +79,7 @@ configs = st.fixed_dictionaries({
     "max_num_seqs": st.sampled_from([1, 2, 8]),
     "kv_admission": st.sampled_from(["on-demand", "on-demand", "worst-case"]),
 })
-add = st.tuples(st.just("add"), st.integers(0, len(TEXT_PROMPTS) + 1), st.integers(1, MAX_TOKENS))
+add = st.tuples(st.just("add"), st.integers(0, len(TEXT_PROMPTS) + 1), st.integers(1, MAX_TOKENS), st.booleans())
 ops = st.lists(st.one_of(add, add, add, st.tuples(st.just("step"), st.integers(1, 6)),
                          st.tuples(st.just("abort"), st.integers(0, 20))), min_size=4, max_size=30)
 
@@ -81,7 +90,7 @@ FUZZ = settings(max_examples=EXAMPLES, deadline=None, database=None, suppress_he
 
 def run(engine: Engine, prompts, program) -> tuple[dict, set, dict]:
     """Carry out the program, then run what is left to the end: (added, aborted, finished outputs)."""
-    added: dict[str, tuple[int, Request]] = {}  # request id → (prompt index, request)
+    added: dict[str, tuple[tuple[int, bool], Request]] = {}  # request id → ((prompt index, sampled), request)
     aborted: set[str] = set()
     finished: dict[str, list[int]] = {}
 
@@ -92,14 +101,14 @@ def run(engine: Engine, prompts, program) -> tuple[dict, set, dict]:
 
     for op in program:
         if op[0] == "add":
-            _, index, max_tokens = op
+            _, index, max_tokens, sampled = op
             ids, images = prompts[index]
-            request = Request(f"r{len(added)}", list(ids), SamplingParams(max_tokens=max_tokens, temperature=0), list(images))
+            request = Request(f"r{len(added)}", list(ids), sampling(index, sampled, max_tokens), list(images))
             try:
                 engine.add_request(request)
             except RequestRejected:  # more than the whole cache holds: refused, as it must be
                 continue
-            added[request.request_id] = (index, request)
+            added[request.request_id] = ((index, sampled), request)
         elif op[0] == "step":
             for _ in range(op[1]):
                 if engine.has_unfinished:
@@ -124,18 +133,18 @@ def test_any_schedule_gives_each_request_its_tokens_alone_and_returns_every_page
     @given(config=configs, program=ops)
     @example(config={"kv_blocks": 12, "prefix_caching": True, "token_budget": 64, "max_num_seqs": 8,  # preempts twice
                      "kv_admission": "on-demand"},
-             program=[("add", 0, 40), ("add", 1, 40), ("add", 2, 40), ("step", 3), ("add", 3, 40), ("add", 6, 40),
-                      ("step", 6), ("abort", 1), ("add", 7, 12), ("add", 0, 30)])
+             program=[("add", 0, 40, False), ("add", 1, 40, True), ("add", 2, 40, False), ("step", 3), ("add", 3, 40, True),
+                      ("add", 6, 40, False), ("step", 6), ("abort", 1), ("add", 7, 12, False), ("add", 0, 30, True)])
     def schedule(config, program):
         engine = engine_for(tiny_dir, model, **config)
         added, aborted, finished = run(engine, prompts, program)
-        for rid, (index, request) in added.items():
-            expected = alone[index][: request.sampling.max_tokens]
+        for rid, (key, request) in added.items():
+            expected = alone[key][: request.sampling.max_tokens]
             if rid in aborted:
                 assert request.output_token_ids == expected[: len(request.output_token_ids)], (rid, config)
                 reached["aborted part-way"] += bool(request.output_token_ids)
             else:
-                assert finished[rid] == expected, (rid, index, config)
+                assert finished[rid] == expected, (rid, key, config)
                 reached["finished"] += 1
             reached["cached tokens"] += request.num_cached_tokens
         reached["preemptions"] += engine.stats().num_preemptions
