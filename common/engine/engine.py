@@ -189,6 +189,12 @@ class Engine(PageHandover):
                 f"the prompt has {placeholders} image placeholder tokens but {len(request.images)} image(s) need "
                 f"{len(request.images) * cfg.image_tokens_per_image}"
             )
+        size = cfg.vision.image_size  # pixels the vision tower cannot take would fail the whole step, not this request
+        for i, img in enumerate(request.images):
+            pixels = img.pixel_values
+            if pixels is not None and (tuple(pixels.shape) != (3, size, size) or not pixels.is_floating_point()):
+                raise RequestRejected(f"image {i}: this model's vision tower takes float pixels [3, {size}, {size}], "
+                                      f"got {str(pixels.dtype).removeprefix('torch.')} {list(pixels.shape)}")
         if request.sampling.stop and self.detokenize is None:
             raise RequestRejected("stop strings need a tokenizer; this engine was built without one")
 

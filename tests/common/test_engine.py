@@ -12,7 +12,7 @@ from common.paged_cache import PageLayoutMismatch, PagePayload
 from common.request import Request, Stage
 from common.sampling import SamplingParams
 from common.scheduler import SchedulerConfig
-from tests.support import assert_pools_full
+from tests.support import assert_pools_full, image
 
 PROMPT = [1, 354, 29, 405, 77, 1290, 33, 358, 29]
 
@@ -100,6 +100,27 @@ def test_bad_requests_are_rejected_with_a_reason_and_leave_nothing_behind(engine
         engine.add_request(Request("dup", PROMPT, SamplingParams()))
         engine.add_request(Request("dup", PROMPT, SamplingParams()))
     engine.abort("dup")
+    assert_pools_full(engine)
+
+
+def test_an_image_whose_pixels_the_vision_tower_cannot_take_is_refused_and_the_rest_of_the_batch_is_not_touched(
+        engine, processors):
+    """Pixels of another size or a non-float dtype (a worker's Encode built by another client, say) failed inside the
+    step, where the error ends every request the step holds: they are refused when the request is added."""
+    conversation = [{"role": "user", "content": [{"type": "image", "image": image(3, 64, 48)}, {"type": "text", "text": "Hi"}]}]
+    ids, (img,) = processors["tiny"].apply(conversation)
+    size = engine.model_config.vision.image_size
+    good = Request("good", ids, SamplingParams(max_tokens=4, temperature=0), [img])
+    engine.add_request(good)
+    for pixels in (torch.zeros(3, size // 2, size), torch.zeros(size, size, 3), torch.zeros(3, size, size, dtype=torch.int64),
+                   torch.zeros(1, 3, size, size)):
+        bad = Request(f"bad-{tuple(pixels.shape)}-{pixels.dtype}", ids, SamplingParams(max_tokens=4),
+                      [dataclasses.replace(img, pixel_values=pixels)])
+        with pytest.raises(RequestRejected, match=rf"\[3, {size}, {size}\]"):
+            engine.add_request(bad)
+    finals = engine.generate([])
+    assert finals["good"].output_token_ids == run(engine, Request("again", ids, SamplingParams(max_tokens=4, temperature=0),
+                                                                  [img]))["again"].output_token_ids
     assert_pools_full(engine)
 
 
