@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 
 import torch
 
@@ -50,6 +51,8 @@ def finish(raw: torch.Tensor, scaling: PixelScaling) -> torch.Tensor:
 @functools.lru_cache(maxsize=16)
 def _table(scaling: PixelScaling) -> torch.Tensor:
     """The finished value of every uint8 value in every channel: [channels, 256] float32."""
+    if not all(math.isfinite(v) for v in (scaling.rescale, *scaling.mean, *scaling.std)) or 0 in scaling.std:
+        raise ValueError(f"pixel scaling must be finite with non-zero stds, got {scaling}")
     values = torch.arange(256, dtype=torch.uint8).expand(len(scaling.mean), 1, 256)
     return finish_elementwise(values, scaling).view(len(scaling.mean), 256)
 

@@ -62,6 +62,11 @@ def test_finish_refuses_what_it_cannot_finish():
     with pytest.raises(ValueError, match="3 means"):
         finish(torch.zeros(1, 4, 4, dtype=torch.uint8), scaling)
     assert finish(torch.full((3, 2, 2), 255, dtype=torch.uint8), scaling).eq(2.0).all()
+    # what no image processor has (sent straight to a worker, they made NaN pixels the request was answered from)
+    for odd in (PixelScaling(float("nan"), (0.5,) * 3, (0.25,) * 3), PixelScaling(1 / 255, (float("inf"),) * 3, (0.25,) * 3),
+                PixelScaling(1 / 255, (0.5,) * 3, (0.25, 0.0, 0.25))):
+        with pytest.raises(ValueError, match="finite"):
+            finish(torch.zeros(3, 2, 2, dtype=torch.uint8), odd)
 
 
 @pytest.mark.parametrize("shape", [(3, 1, 256), (3, 17, 5), (2, 3, 9, 4)])
