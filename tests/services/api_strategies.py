@@ -221,3 +221,69 @@ def capped(body) -> object:
     if isinstance(body, dict) and not {"max_tokens", "max_completion_tokens", "max_output_tokens"} & body.keys():
         return {**body, ("max_output_tokens" if "input" in body else "max_tokens"): 4}
     return body
+
+
+# ----- stage calls straight to a worker (what a gateway of another version, or anything else, might send) -----
+
+def stage_call_specs(image_token_id: int, image_size: int, tokens_per_image: int):
+    """`RequestSpec`s: well-formed ones (images as the gateway sends them, pixels float32 or uint8 with a scaling),
+    the same with odd scalings and pixel byte counts, and ones of any values the wire can carry."""
+    from epdmesh.v1 import mesh_pb2 as pb
+
+    real = st.floats(allow_nan=True, allow_infinity=True)
+    any_sampling = st.builds(
+        lambda **kw: pb.SamplingParams(**kw), max_tokens=st.integers(0, 40), temperature=real, top_p=real,
+        top_k=st.integers(-5, 100), seed=st.one_of(st.none(), st.integers(-2**63, 2**63 - 1)),
+        stop=st.lists(st.text(max_size=3), max_size=3), stop_token_ids=st.lists(st.integers(-3, 5000), max_size=3),
+        logprobs=st.one_of(st.none(), st.integers(0, 40)), presence_penalty=real, repetition_penalty=st.one_of(st.none(), real),
+        logit_bias_token_ids=st.lists(st.integers(-3, 5000), max_size=2), logit_bias_values=st.lists(real, max_size=2),
+        min_tokens=st.integers(0, 50), min_p=real, grammar=st.one_of(st.none(), st.sampled_from(['{"type": "object"}', "", "x"])))
+    plain_sampling = st.builds(lambda n, t, seed: pb.SamplingParams(max_tokens=n, temperature=t, top_p=1.0, seed=seed),
+                               st.integers(1, 6), st.sampled_from([0.0, 0.7]), st.one_of(st.none(), st.integers(0, 9)))
+    values = 3 * image_size * image_size
+
+    def image(uint8: bool):
+        if not uint8:
+            return pb.Image(pixel_values=bytes(values * 4), shape=[3, image_size, image_size], dtype="float32",
+                            num_tokens=tokens_per_image)
+        msg = pb.Image(pixel_values=bytes(values), shape=[3, image_size, image_size], dtype="uint8", num_tokens=tokens_per_image)
+        msg.scaling.CopyFrom(pb.PixelScaling(rescale=1 / 255, mean=[0.5] * 3, std=[0.5] * 3))
+        return msg
+
+    odd_image = st.builds(lambda shape, dtype, size, tokens: pb.Image(pixel_values=bytes(size), shape=shape, dtype=dtype,
+                                                                      num_tokens=tokens),
+                          st.lists(st.integers(0, 300), max_size=4),
+                          st.sampled_from(["float32", "uint8", "float16", "int64", "bool", "complex64", "x", ""]),
+                          st.sampled_from([0, 7, values * 4]), st.integers(0, 600))
+    odd_scaling = st.builds(lambda rescale, mean, std: pb.PixelScaling(rescale=rescale, mean=mean, std=std),
+                            st.sampled_from([float("nan"), 1 / 255]), st.sampled_from([[0.5], [float("inf")] * 3, [0.5] * 3]),
+                            st.sampled_from([[0.5] * 3, [0.0] * 3]))
+    token = st.integers(5, 2000)
+
+    @st.composite
+    def spec(draw):
+        images = [image(draw(st.booleans())) for _ in range(draw(st.sampled_from([1, 1, 0, 2])))]
+        ids = [1, *draw(st.lists(token, max_size=10)), *[image_token_id] * (tokens_per_image * len(images)), 29, 30]
+        msg = pb.RequestSpec(request_id=draw(st.text(min_size=1, max_size=8)), prompt_token_ids=ids,
+                             sampling=draw(plain_sampling), images=images)
+        flaw = draw(st.sampled_from([None, None, None, "sampling", "token", "placeholders", "image", "scaling", "pixels",
+                                     "continued", "output"]))
+        if flaw == "sampling":
+            msg.sampling.CopyFrom(draw(any_sampling))
+        elif flaw == "token":
+            msg.prompt_token_ids[draw(st.integers(0, len(ids) - 1))] = draw(st.sampled_from([-3, -1, 4095, 5000, 2**31 - 1]))
+        elif flaw == "placeholders":
+            msg.prompt_token_ids.extend([image_token_id] * draw(st.integers(1, 300)))
+        elif flaw == "image":
+            msg.images.append(draw(odd_image))
+        elif flaw == "scaling" and images:
+            msg.images[0].scaling.CopyFrom(draw(odd_scaling))
+        elif flaw == "pixels" and images:
+            msg.images[-1].pixel_values = msg.images[-1].pixel_values[:-1]
+        elif flaw == "continued":
+            msg.num_continued_tokens = draw(st.sampled_from([len(ids), 99]))
+        elif flaw == "output":
+            msg.output_token_ids.extend(draw(st.lists(st.integers(-3, 5000), min_size=1, max_size=3)))
+        return msg
+
+    return spec()

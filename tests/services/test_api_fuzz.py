@@ -1,6 +1,7 @@
 """The HTTP API under generated bodies (hypothesis, `api_strategies.py`), on one process and on an `E1+P1+D1` mesh at
 once: any body is served or refused with an OpenAI-shaped 4xx, never a 5xx (the tokenizer endpoints too); a request sent over and over beside them
 keeps getting the same answer; every page comes back; and the two topologies answer a served chat with the same tokens.
+Stage calls sent straight to workers get an answer or a precise gRPC status.
 
 What it found when it was written: a repetition_penalty of 1e-224 overflowed the sampler and failed the engine's whole
 step (every request in it got a 500), and temperature / top_p rounded to float32 on the mesh's wire.
@@ -18,11 +19,14 @@ import os
 import re
 import threading
 
+import grpc
 import httpx
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, given, settings, strategies as st
 
-from tests.services.api_strategies import ENDPOINTS, capped, chat_bodies
+from common.model.config import LlavaConfig
+from epdmesh.v1 import mesh_pb2 as pb, mesh_pb2_grpc as rpc
+from tests.services.api_strategies import ENDPOINTS, capped, chat_bodies, stage_call_specs
 from tests.services.servers import MODEL, assert_pools_full, running_server
 
 EXAMPLES = int(os.environ.get("EPDMESH_FUZZ_EXAMPLES", "40"))
@@ -37,8 +41,9 @@ CANARY = {"model": MODEL, "messages": [{"role": "user", "content": "Tell me abou
 def servers(tiny_dir, tmp_path_factory):
     logs = tmp_path_factory.mktemp("fuzz")
     with running_server(tiny_dir, "local", logs / "local.log") as local, \
-            running_server(tiny_dir, "E1+P1+D1", logs / "mesh.log") as mesh:
-        yield {"local": local, "E1+P1+D1": mesh}
+            running_server(tiny_dir, "E1+P1+D1", logs / "mesh.log") as mesh, \
+            running_server(tiny_dir, "EPD1", logs / "epd.log") as colocated:  # a worker every stage call fits
+        yield {"local": local, "E1+P1+D1": mesh, "EPD1": colocated}
 
 
 @contextlib.contextmanager
@@ -152,3 +157,51 @@ def test_one_process_and_a_mesh_answer_the_same(servers):
         for client in clients.values():
             client.close()
     assert seen[200] >= EXAMPLES // 5, f"too few served chats to compare: {dict(seen)}"
+
+
+def test_stage_calls_straight_to_each_worker_are_answered_with_a_precise_status_and_leave_nothing_behind(servers, tiny_dir):
+    """Encode, Prefill and Decode of generated requests sent straight to a worker of all three roles, and to the mesh's
+    E, P and D whatever their roles: an answer or a precise status (never INTERNAL or UNKNOWN: a bug of ours), the
+    workers still serving, and their pools full once the leases the calls made are released."""
+    config = LlavaConfig.from_pretrained(str(tiny_dir))
+    specs = stage_call_specs(config.image_token_id, config.vision.image_size, config.image_tokens_per_image)
+    channels = {}
+    for topology in ("EPD1", "E1+P1+D1"):
+        for w in httpx.get(f"{servers[topology]}/stats", timeout=10).json()["workers"].values():
+            channels[w["roles"]] = grpc.insecure_channel(w["address"])
+    assert sorted(channels) == ["D", "E", "EPD", "P"], sorted(channels)
+    codes, details = collections.Counter(), collections.Counter()
+    calls = iter(range(10**9))
+
+    @FUZZ
+    @given(specs, st.sampled_from(["encode", "prefill", "decode"]), st.sampled_from(["EPD", "EPD", "EPD", "E", "P", "D"]))
+    def call(spec, stage, to):
+        channel = channels[to]
+        spec.request_id = f"{spec.request_id}-{next(calls)}"  # one in use (its pages leased) is refused, rightly
+        try:
+            if stage == "encode":
+                handle = rpc.EncoderStub(channel).Encode(pb.EncodeRequest(request=spec), timeout=60).image_pages
+            elif stage == "prefill":
+                handle = rpc.PrefillerStub(channel).Prefill(pb.PrefillRequest(request=spec), timeout=60).kv_pages
+            else:
+                handle = None
+                for _ in rpc.DecoderStub(channel).Decode(pb.DecodeRequest(request=spec), timeout=60):
+                    pass
+            if handle is not None and handle.lease_id:  # as the next stage would once it has the pages
+                assert rpc.WorkerStub(channel).ReleasePages(pb.ReleasePagesRequest(lease_id=handle.lease_id), timeout=10).released
+            codes["OK"] += 1
+        except grpc.RpcError as e:
+            assert e.code() not in (grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN), (stage, e.details(), str(spec)[:1500])
+            codes[e.code().name] += 1
+            details[e.details()[:50]] += 1
+
+    try:
+        call()
+        for channel in channels.values():
+            rpc.WorkerStub(channel).Stats(pb.StatsRequest(), timeout=10)
+    finally:
+        for channel in channels.values():
+            channel.close()
+    assert codes["OK"] >= EXAMPLES // 5 and codes["INVALID_ARGUMENT"] >= EXAMPLES // 10, (dict(codes), details.most_common(10))
+    for topology in ("EPD1", "E1+P1+D1"):
+        assert_pools_full(servers[topology])
