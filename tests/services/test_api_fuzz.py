@@ -42,8 +42,10 @@ def servers(tiny_dir, tmp_path_factory):
     logs = tmp_path_factory.mktemp("fuzz")
     with running_server(tiny_dir, "local", logs / "local.log") as local, \
             running_server(tiny_dir, "E1+P1+D1", logs / "mesh.log") as mesh, \
-            running_server(tiny_dir, "EPD1", logs / "epd.log") as colocated:  # a worker every stage call fits
-        yield {"local": local, "E1+P1+D1": mesh, "EPD1": colocated}
+            running_server(tiny_dir, "EPD1", logs / "epd.log") as colocated, \
+            running_server(tiny_dir, "E1+P1+PD1", logs / "multiplexed.log", "--multiplex-max-tokens", "40") as multiplexed:
+        # EPD1: a worker every stage call fits; E1+P1+PD1: prompts up to 40 tokens prefilled on the decoder (path 2)
+        yield {"local": local, "E1+P1+D1": mesh, "EPD1": colocated, "E1+P1+PD1": multiplexed}
 
 
 @contextlib.contextmanager
@@ -135,10 +137,11 @@ def answer_of(r: httpx.Response):
     return 200, choices, usage["prompt_tokens"], usage["completion_tokens"]
 
 
-def test_one_process_and_a_mesh_answer_the_same(servers):
-    """Greedy or seeded, the same chat gives the same answer on either topology (what the mesh's wire carries is what
-    the client sent)."""
-    clients = {t: httpx.Client(base_url=servers[t], timeout=120) for t in TOPOLOGIES}
+@pytest.mark.parametrize("mesh", ["E1+P1+D1", "E1+P1+PD1"])
+def test_one_process_and_a_mesh_answer_the_same(servers, mesh):
+    """Greedy or seeded, the same chat gives the same answer on one process and on a mesh, whether its prefill ran on a
+    prefill worker or on the decoder (what the mesh's wire carries is what the client sent)."""
+    clients = {t: httpx.Client(base_url=servers[t], timeout=120) for t in ("local", mesh)}
     seen = collections.Counter()
 
     @FUZZ
@@ -147,9 +150,9 @@ def test_one_process_and_a_mesh_answer_the_same(servers):
         body = capped({k: v for k, v in body.items() if k not in ("stream", "stream_options")})
         body.setdefault("seed", 1234)
         raw, headers = json.dumps(body), {"content-type": "application/json"}  # Infinity, as Python's json writes it
-        local, mesh = (answer_of(clients[t].post("/v1/chat/completions", content=raw, headers=headers)) for t in TOPOLOGIES)
-        seen[local[0]] += 1
-        assert local == mesh, json.dumps(body)[:2000]
+        one, split = (answer_of(client.post("/v1/chat/completions", content=raw, headers=headers)) for client in clients.values())
+        seen[one[0]] += 1
+        assert one == split, json.dumps(body)[:2000]
 
     try:
         compare()
@@ -157,6 +160,9 @@ def test_one_process_and_a_mesh_answer_the_same(servers):
         for client in clients.values():
             client.close()
     assert seen[200] >= EXAMPLES // 5, f"too few served chats to compare: {dict(seen)}"
+    if mesh == "E1+P1+PD1":  # both paths were taken
+        paths = httpx.get(f"{servers[mesh]}/stats", timeout=10).json()["paths"]
+        assert paths["multiplexed"] and paths["dedicated"], paths
 
 
 def test_stage_calls_straight_to_each_worker_are_answered_with_a_precise_status_and_leave_nothing_behind(servers, tiny_dir):
