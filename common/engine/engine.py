@@ -178,8 +178,12 @@ class Engine(PageHandover):
                 f"prompt ({request.num_prompt_tokens} tokens) plus max_tokens ({request.sampling.max_tokens}) is "
                 f"{total}, over the model's limit of {self.max_model_len}; shorten the prompt or lower max_tokens"
             )
-        if not self.scheduler.kv.pool.num_blocks >= blocks_for(total, self.config.block_size):
-            raise RequestRejected(f"{total} tokens do not fit this engine's KV cache; lower max_tokens")
+        # the KV this engine would ever hold of it: none when it only encodes here (a GPU encoder's cache is one block),
+        # the prompt when it only prefills, prompt and output when it decodes
+        kv_tokens = {Stage.ENCODE: 0, Stage.PREFILL: request.num_prompt_tokens, Stage.DECODE: total}[request.last_stage]
+        if not self.scheduler.kv.pool.num_blocks >= blocks_for(kv_tokens, self.config.block_size):
+            fix = "lower max_tokens" if request.last_stage == Stage.DECODE else "shorten the prompt"
+            raise RequestRejected(f"{kv_tokens} tokens do not fit this engine's KV cache; {fix}")
         bad = [t for t in request.prompt_token_ids if not 0 <= t < cfg.text.vocab_size]
         if bad:
             raise RequestRejected(f"token id {bad[0]} is outside the vocabulary (0..{cfg.text.vocab_size - 1})")

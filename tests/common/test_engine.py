@@ -124,6 +124,33 @@ def test_an_image_whose_pixels_the_vision_tower_cannot_take_is_refused_and_the_r
     assert_pools_full(engine)
 
 
+def test_an_engine_refuses_only_what_its_own_stages_cannot_hold(tiny_dir, model, processors):
+    """An encoder sized from a GPU's memory keeps one KV block (it never uses them): it refused every image request of
+    more than 16 tokens, as if it had to hold their KV. A prefill engine holds a prompt, not what a decoder adds."""
+    conversation = [{"role": "user", "content": [{"type": "image", "image": image(4, 64, 48)}, {"type": "text", "text": "Hi"}]}]
+    ids, images = processors["tiny"].apply(conversation)
+    sampling = SamplingParams(max_tokens=200, temperature=0)
+    encoder = Engine(EngineConfig(model=str(tiny_dir), roles=frozenset({Stage.ENCODE}), kv_cache_gib=1e-9,
+                                  image_cache_gib=0.01), model=model)
+    assert encoder.stats().kv_blocks_total == 1
+    encoded = run(encoder, Request("e", ids, sampling, images, last_stage=Stage.ENCODE))["e"]
+    assert encoded.handed_off and encoder.export_image_pages("e").num_tokens == len(images) * images[0].num_tokens
+    encoder.release("e")
+    prompt_blocks = -(-len(ids) // 16)
+    prefiller = Engine(EngineConfig(model=str(tiny_dir), roles=frozenset({Stage.ENCODE, Stage.PREFILL}),
+                                    kv_cache_gib=prompt_blocks * encoder.kv_cache.layout.bytes_per_block / 2**30,
+                                    image_cache_gib=0.01), model=model)
+    assert prefiller.stats().kv_blocks_total == prompt_blocks
+    assert run(prefiller, Request("p", ids, sampling, images, last_stage=Stage.PREFILL))["p"].handed_off
+    prefiller.release("p")
+    with pytest.raises(RequestRejected, match="shorten the prompt"):
+        prefiller.add_request(Request("long", ids + PROMPT * 3, sampling, images, last_stage=Stage.PREFILL))
+    with pytest.raises(RequestRejected, match="lower max_tokens"):
+        Engine(EngineConfig(model=str(tiny_dir), kv_cache_gib=prefiller.config.kv_cache_gib, image_cache_gib=0.01),
+               model=model).add_request(Request("whole", ids, sampling, images))
+    assert_pools_full(encoder, prefiller)
+
+
 def test_abort_mid_decode_frees_pages_and_others_continue(engine):
     keep = Request("keep", PROMPT, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
     drop = Request("drop", PROMPT, SamplingParams(max_tokens=50, temperature=0, ignore_eos=True))
