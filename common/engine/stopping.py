@@ -28,9 +28,11 @@ def check_stop(request: Request, token: int, eos_token_ids: Collection[int], max
         return RequestStatus.FINISHED_STOPPED
     if params.stop:
         detok = _detokenizer(request, detokenize)
-        seen = max(len(detok.text) - max(map(len, params.stop)) + 1, 0)  # a stop string may end in the new text
+        before = len(detok.text)
         detok.push(request.generated_token_ids[len(detok.token_ids):])
-        hits = [] if early else [(at, s) for s in params.stop if (at := detok.text.find(s, seen)) >= 0]
+        # as vLLM: a stop string counts where it ends in the text just added (one whole in the text of the min_tokens
+        # before, when nothing was checked, does not)
+        hits = [] if early else [(at, s) for s in params.stop if (at := detok.text.find(s, max(before - len(s) + 1, 0))) >= 0]
         if hits:
             cut, stop = min(hits)
             request.output_text, request.stop_reason = detok.text[:cut], stop

@@ -84,3 +84,56 @@ def test_a_continuation_finds_a_stop_string_that_began_in_the_output_before_it_a
     out = RequestOutput(rest.request_id, [token], list(rest.output_token_ids), status, "stop", rest.stop_reason,
                         text=rest.output_text)
     assert rebased(out, "r", sent, tok.detokenize).text == whole[1] == "the kitchen is "
+
+
+def test_generated_outputs_stop_where_a_rescan_of_the_whole_text_would(tok):
+    """Random outputs (any token ids, EOS among them), stop strings taken from their own text and others, min_tokens:
+    the check stops at the token, with the text and reason, that a plain scan after every token gives. (It found the
+    check taking a short stop string that was whole before min_tokens ended, within the longest one's length.)"""
+    from hypothesis import HealthCheck, example, given, settings, strategies as st
+
+    from common.detokenizer import IncrementalDetokenizer
+
+    vocab = len(tok.tokenizer)
+
+    def rescan(ids: list[int], params: SamplingParams):
+        detok = IncrementalDetokenizer(tok.detokenize)
+        for n, token in enumerate(ids, 1):
+            early = n < params.min_tokens
+            if not early and (token == EOS or token in params.stop_token_ids):
+                text = detok.text + detok.finish()  # the output before this token, whole
+                return RequestStatus.FINISHED_STOPPED, text, None if token == EOS else token
+            before = len(detok.text)
+            detok.push([token])
+            # a stop string counts where it ends in the text this token added (vLLM's rule: one that was whole during
+            # min_tokens, unchecked, does not count later)
+            hits = [] if early else sorted((at, s) for s in params.stop
+                                           if (at := detok.text.find(s, max(before - len(s) + 1, 0))) >= 0)
+            if hits:
+                return RequestStatus.FINISHED_STOPPED, detok.text[:hits[0][0]], hits[0][1]
+            if n >= params.max_tokens:
+                return RequestStatus.FINISHED_LENGTH, detok.text + detok.finish(), None
+        return None, detok.text, None
+
+    @settings(max_examples=150, deadline=None, database=None, derandomize=True, suppress_health_check=list(HealthCheck))
+    @given(st.lists(st.one_of(st.integers(0, vocab - 1), st.just(EOS), st.integers(3, 300)), min_size=1, max_size=40),
+           st.lists(st.tuples(st.integers(0, 40), st.integers(1, 6)), max_size=3), st.lists(st.text(min_size=1, max_size=3), max_size=2),
+           st.integers(0, 10), st.integers(1, 50), st.lists(st.integers(3, 300), max_size=2))
+    @example(ids=[2, 469, 0], cuts=[(0, 2), (4, 1)], others=[], min_tokens=3, max_tokens=3, stop_ids=[])  # the one found
+    def check(ids, cuts, others, min_tokens, max_tokens, stop_ids):
+        whole = tok.detokenize(ids)
+        stop = tuple(dict.fromkeys([whole[a:a + n] for a, n in cuts if whole[a:a + n]] + others))[:4]
+        params = SamplingParams(stop=stop, max_tokens=max_tokens, min_tokens=min(min_tokens, max_tokens),
+                                stop_token_ids=tuple(stop_ids))
+        request = Request("r", [1, 5, 6], params)
+        status = None
+        for token in ids:
+            request.output_token_ids.append(token)
+            if (status := check_stop(request, token, {EOS}, 4096, tok.detokenize)) is not None:
+                break
+        expected = rescan(ids, params)
+        assert (status, request.stop_reason) == (expected[0], expected[2]), (ids, params)
+        if params.stop:  # the text is kept (and cut) only where stop strings are watched; the gateway decodes the rest
+            assert request.output_text == expected[1], (ids, params)
+
+    check()
