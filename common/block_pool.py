@@ -14,8 +14,12 @@ asked for more than is free.
 
 from __future__ import annotations
 
+import hashlib
+from array import array
 from collections import OrderedDict
 from collections.abc import Sequence
+
+HASH_BYTES = 16  # of a block's chained hash, and of an image identity's key mixed into it
 
 
 class NoFreeBlocksError(RuntimeError):
@@ -103,12 +107,21 @@ def chain_hashes(token_ids: list[int], block_size: int, marks: Sequence[tuple[in
     """Hash of each full block of `token_ids`, each chained on the one before (a prefix identity). `marks`:
     (position, key) pairs mixed into the block holding the position — an image's identity at its first
     placeholder (`request.image_marks`), so the blocks before an image are shared with prompts that have another
-    image there, and none from it on."""
-    extra: dict[int, tuple[int, ...]] = {}
+    image there, and none from it on.
+
+    Each hash is a 128-bit BLAKE2b digest of the one before, the block's tokens and its marks. Python's `hash()` of
+    the same tuple (what this was) is no cryptographic hash: a client can make a prompt whose blocks hash like
+    another's, and the cache would then serve it that prompt's KV (vLLM's advisory GHSA-rm76-4mrf-v9r8; it keys its
+    cache with SHA-256 by default since v0.10.2)."""
+    extra: dict[int, list[int]] = {}
     for position, key in marks:
-        extra[position // block_size] = (*extra.get(position // block_size, ()), key)
-    hashes, previous = [], 0
+        extra.setdefault(position // block_size, []).append(key)
+    hashes, previous = [], bytes(HASH_BYTES)
     for block, start in enumerate(range(0, len(token_ids) - block_size + 1, block_size)):
-        previous = hash((previous, tuple(token_ids[start : start + block_size]), extra.get(block, ())))
-        hashes.append(previous)
+        digest = hashlib.blake2b(previous, digest_size=HASH_BYTES)
+        digest.update(array("q", token_ids[start : start + block_size]).tobytes())  # a fixed length per block size
+        for key in extra.get(block, ()):
+            digest.update(key.to_bytes(HASH_BYTES, "little"))
+        previous = digest.digest()
+        hashes.append(int.from_bytes(previous, "little"))
     return hashes

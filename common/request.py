@@ -76,7 +76,7 @@ def image_marks(token_ids: list[int], image_token_id: int | None, images: list[t
     a prompt that has other images."""
     if not images:
         return []
-    keys = [int.from_bytes(hashlib.blake2b(identity.encode(), digest_size=8).digest(), "little") for identity, _ in images]
+    keys = [int.from_bytes(hashlib.blake2b(identity.encode(), digest_size=16).digest(), "little") for identity, _ in images]
     positions = [i for i, t in enumerate(token_ids) if t == image_token_id] if image_token_id is not None else []
     starts, seen = [], 0
     for _, num_tokens in images:

@@ -20,6 +20,7 @@ from common.request import Stage, image_end, image_marks
 from common.workers import WorkerSnapshot
 
 BLOCK_TOKENS = 16  # the index's granularity (the engines' default KV block)
+ROUTING_KEY_MASK = (1 << 63) - 1
 
 
 def summary_fields(token_ids: list[int], image_keys: list[str], model) -> dict:
@@ -34,8 +35,10 @@ def summary_fields(token_ids: list[int], image_keys: list[str], model) -> dict:
 
 def prompt_hashes(token_ids: list[int], images: list[tuple[str, int]], image_token_id: int | None = None,
                   block_tokens: int = BLOCK_TOKENS) -> tuple[int, ...]:
-    """The chained hashes of the prompt's full blocks, as the engine's cache keys them (`request.image_marks`)."""
-    return tuple(chain_hashes(token_ids, block_tokens, image_marks(token_ids, image_token_id, images)))
+    """The chained hashes of the prompt's full blocks, as the engine's cache keys them (`request.image_marks`), cut to
+    63 bits for the route's wire (int64): a prediction's key, which the engine checks against its own whole ones."""
+    hashes = chain_hashes(token_ids, block_tokens, image_marks(token_ids, image_token_id, images))
+    return tuple(h & ROUTING_KEY_MASK for h in hashes)
 
 
 class PrefixIndex:

@@ -96,6 +96,19 @@ def test_cached_free_block_is_found_revived_and_forgotten_when_reused():
     assert pool.lookup(1234) is None
 
 
+def test_block_hashes_are_a_blake2b_chain_not_pythons_hash():
+    """A client must not be able to make a prompt whose blocks hash like another's: the cache would serve it that
+    prompt's KV. Python's hash() of a tuple of ints can be made to collide; a 128-bit BLAKE2b chain cannot."""
+    import hashlib
+    from array import array
+
+    tokens, key = list(range(100, 132)), 2**127 + 5
+    first = hashlib.blake2b(bytes(16) + array("q", tokens[:16]).tobytes(), digest_size=16).digest()
+    second = hashlib.blake2b(first + array("q", tokens[16:]).tobytes() + key.to_bytes(16, "little"), digest_size=16).digest()
+    assert chain_hashes(tokens, 16, [(20, key)]) == [int.from_bytes(first, "little"), int.from_bytes(second, "little")]
+    assert max(chain_hashes(list(range(4000)), 16)) >= 2**64  # the whole 128 bits are the key
+
+
 def test_chain_hashes_cover_full_blocks_and_depend_on_the_prefix():
     a = chain_hashes(list(range(40)), 16)
     b = chain_hashes([99] + list(range(1, 40)), 16)
