@@ -103,11 +103,13 @@ class BlockPool:
             del self._block_of[content_hash]
 
 
-def chain_hashes(token_ids: list[int], block_size: int, marks: Sequence[tuple[int, int]] = ()) -> list[int]:
+def chain_hashes(token_ids: list[int], block_size: int, marks: Sequence[tuple[int, int]] = (),
+                 salt: str = "") -> list[int]:
     """Hash of each full block of `token_ids`, each chained on the one before (a prefix identity). `marks`:
     (position, key) pairs mixed into the block holding the position — an image's identity at its first
     placeholder (`request.image_marks`), so the blocks before an image are shared with prompts that have another
-    image there, and none from it on.
+    image there, and none from it on. `salt` (a request's `cache_salt`, vLLM's): the chain starts from its digest, so
+    prompts of different salts share no block.
 
     Each hash is a 128-bit BLAKE2b digest of the one before, the block's tokens and its marks. Python's `hash()` of
     the same tuple (what this was) is no cryptographic hash: a client can make a prompt whose blocks hash like
@@ -116,7 +118,8 @@ def chain_hashes(token_ids: list[int], block_size: int, marks: Sequence[tuple[in
     extra: dict[int, list[int]] = {}
     for position, key in marks:
         extra.setdefault(position // block_size, []).append(key)
-    hashes, previous = [], bytes(HASH_BYTES)
+    hashes = []
+    previous = hashlib.blake2b(b"salt:" + salt.encode(), digest_size=HASH_BYTES).digest() if salt else bytes(HASH_BYTES)
     for block, start in enumerate(range(0, len(token_ids) - block_size + 1, block_size)):
         digest = hashlib.blake2b(previous, digest_size=HASH_BYTES)
         digest.update(array("q", token_ids[start : start + block_size]).tobytes())  # a fixed length per block size

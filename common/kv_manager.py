@@ -107,7 +107,8 @@ class KVBlockManager:
         if request.prompt_hashes is None or request.prompt_hashes[0] != self.block_size:
             marks = image_marks(request.prompt_token_ids, self.image_token_id,
                                 [(i.content_hash, i.num_tokens) for i in request.images])
-            request.prompt_hashes = (self.block_size, chain_hashes(request.prompt_token_ids, self.block_size, marks))
+            request.prompt_hashes = (self.block_size, chain_hashes(request.prompt_token_ids, self.block_size, marks,
+                                                                   request.cache_salt))
         return request.prompt_hashes[1][: num_tokens // self.block_size]
 
 

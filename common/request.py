@@ -109,6 +109,7 @@ class Request:
     last_stage: Stage = Stage.DECODE
     arrival_time: float = dataclasses.field(default_factory=time.monotonic)
     num_continued_tokens: int = 0  # a migrated request's continuation: the prompt's last n tokens are its earlier output
+    cache_salt: str = ""  # vLLM's: its prefix-cache blocks are shared only with requests of the same salt
     # mutable state
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = dataclasses.field(default_factory=list)

@@ -100,6 +100,7 @@ def spec_to_pb(request: Request, with_pixels: bool) -> pb.RequestSpec:
         sampling=sampling_to_pb(request.sampling),
         images=[image_to_pb(i, with_pixels) for i in request.images],
         output_token_ids=request.output_token_ids, num_continued_tokens=request.num_continued_tokens,
+        cache_salt=request.cache_salt,
     )
 
 
@@ -108,7 +109,7 @@ def request_from_pb(msg: pb.RequestSpec, first_stage: Stage, last_stage: Stage, 
     request = Request(
         request_id or msg.request_id, list(msg.prompt_token_ids), sampling_from_pb(msg.sampling),
         [image_from_pb(i) for i in msg.images], first_stage=first_stage, last_stage=last_stage,
-        num_continued_tokens=msg.num_continued_tokens,
+        num_continued_tokens=msg.num_continued_tokens, cache_salt=msg.cache_salt,
     )
     request.output_token_ids = list(msg.output_token_ids)
     return request

@@ -23,21 +23,21 @@ BLOCK_TOKENS = 16  # the index's granularity (the engines' default KV block)
 ROUTING_KEY_MASK = (1 << 63) - 1
 
 
-def summary_fields(token_ids: list[int], image_keys: list[str], model) -> dict:
+def summary_fields(token_ids: list[int], image_keys: list[str], model, salt: str = "") -> dict:
     """A route summary's prefix-cache fields for a prompt: its block hashes (each image's identity — the digest of its
     file, which the processor also gives the engine as its content hash, so a first route and a retry key the same
     prompt alike — mixed in where it begins) and where its images end. `model`: its config (`image_token_id`, and
-    `image_tokens_per_image`, which every image of it fills)."""
+    `image_tokens_per_image`, which every image of it fills); `salt`: the request's `cache_salt`."""
     images = [(key, model.image_tokens_per_image) for key in image_keys]
-    return {"prefix_hashes": prompt_hashes(token_ids, images, model.image_token_id),
+    return {"prefix_hashes": prompt_hashes(token_ids, images, model.image_token_id, salt=salt),
             "image_end": image_end(token_ids, model.image_token_id)}
 
 
 def prompt_hashes(token_ids: list[int], images: list[tuple[str, int]], image_token_id: int | None = None,
-                  block_tokens: int = BLOCK_TOKENS) -> tuple[int, ...]:
+                  block_tokens: int = BLOCK_TOKENS, salt: str = "") -> tuple[int, ...]:
     """The chained hashes of the prompt's full blocks, as the engine's cache keys them (`request.image_marks`), cut to
     63 bits for the route's wire (int64): a prediction's key, which the engine checks against its own whole ones."""
-    hashes = chain_hashes(token_ids, block_tokens, image_marks(token_ids, image_token_id, images))
+    hashes = chain_hashes(token_ids, block_tokens, image_marks(token_ids, image_token_id, images), salt)
     return tuple(h & ROUTING_KEY_MASK for h in hashes)
 
 

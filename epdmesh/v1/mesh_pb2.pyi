@@ -103,20 +103,22 @@ class PixelScaling(_message.Message):
     def __init__(self, rescale: _Optional[float] = ..., mean: _Optional[_Iterable[float]] = ..., std: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class RequestSpec(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling", "images", "output_token_ids", "num_continued_tokens")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "images", "output_token_ids", "num_continued_tokens", "cache_salt")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     IMAGES_FIELD_NUMBER: _ClassVar[int]
     OUTPUT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     NUM_CONTINUED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: SamplingParams
     images: _containers.RepeatedCompositeFieldContainer[Image]
     output_token_ids: _containers.RepeatedScalarFieldContainer[int]
     num_continued_tokens: int
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., images: _Optional[_Iterable[_Union[Image, _Mapping]]] = ..., output_token_ids: _Optional[_Iterable[int]] = ..., num_continued_tokens: _Optional[int] = ...) -> None: ...
+    cache_salt: str
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., images: _Optional[_Iterable[_Union[Image, _Mapping]]] = ..., output_token_ids: _Optional[_Iterable[int]] = ..., num_continued_tokens: _Optional[int] = ..., cache_salt: _Optional[str] = ...) -> None: ...
 
 class PageLayout(_message.Message):
     __slots__ = ("kind", "dtype", "block_size", "block_shape")

@@ -76,7 +76,7 @@ class LocalBackend:
             raise ApiError(400, f"could not build the prompt: {e}") from None
         sampling = chat.sampling_for(len(ids), self.context_tokens)
         check_length(len(ids), sampling.max_tokens, self.max_model_len, chat.max_tokens_given)
-        request = Request(request_id, ids, sampling, images)
+        request = Request(request_id, ids, sampling, images, cache_salt=chat.cache_salt)
         stream = self.engine.generate(request)
         try:
             first = await anext(stream)

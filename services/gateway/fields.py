@@ -49,6 +49,7 @@ KNOWN_FIELDS = {
     "frequency_penalty", "repetition_penalty", "logit_bias", "min_tokens", "min_p", "return_token_ids", "slo",
     "tools", "tool_choice", "response_format", "user", "metadata", "store", "service_tier", "parallel_tool_calls",
     "reasoning_effort", "guided_json", "guided_regex", "guided_choice", "structured_outputs", "chat_template_kwargs",
+    "cache_salt",
 }
 _warned: set[str] = set()
 MAX_WARNED_FIELDS = 1000  # names remembered (a body with a million random keys must not grow this without end)

@@ -114,7 +114,7 @@ class MeshBackend(MeshStatus):
                 num_tokens = len(early_ids)
                 sampling = await self._sampling(chat, num_tokens)
                 self._check_length(num_tokens, sampling.max_tokens, chat.max_tokens_given)
-                prefix = self._prefix_of(early_ids, image_digests(chat.conversation))
+                prefix = self._prefix_of(early_ids, image_digests(chat.conversation), chat.cache_salt)
                 def summary_of() -> RouteSummary:
                     return RouteSummary(request_id, num_tokens, num_images, sampling.max_tokens, frozenset(), *slo,
                                         elapsed_ms=(time.monotonic() - arrival) * 1e3, **prefix)
@@ -133,7 +133,7 @@ class MeshBackend(MeshStatus):
             ids, images = await self._prepare(self._apply, chat, span, inline=chat.short_text)
             sampling = await self._sampling(chat, len(ids))
             self._check_length(len(ids), sampling.max_tokens, chat.max_tokens_given)
-        request = Request(request_id, ids, sampling, images, arrival_time=arrival)
+        request = Request(request_id, ids, sampling, images, arrival_time=arrival, cache_salt=chat.cache_salt)
         stream = self._with_failover(request, span, slo, plan)
         first = await anext(stream)  # errors before the first token surface here, as an HTTP status
         return len(ids), Prepended(first, stream)
@@ -149,8 +149,8 @@ class MeshBackend(MeshStatus):
     def _prompt_ids(self, chat: ChatRequest) -> list[int]:
         return self.processor.prompt_ids(chat.conversation, chat.tool_definitions, chat.template_kwargs)
 
-    def _prefix_of(self, token_ids: list[int], image_keys: list[str]) -> dict:
-        return summary_fields(token_ids, image_keys, self.processor.config)
+    def _prefix_of(self, token_ids: list[int], image_keys: list[str], salt: str) -> dict:
+        return summary_fields(token_ids, image_keys, self.processor.config, salt)
 
     async def _prepare(self, fn, chat: ChatRequest, span=None, inline: bool = False):
         """`fn(chat)`, off the event loop unless `inline`; a conversation the processor refuses is a 400.
@@ -273,7 +273,8 @@ class MeshBackend(MeshStatus):
             reserved = None
             written = asyncio.Event()  # the first stage call's message is out: a reservation ahead may go to Redis
             if plan is None or attempt > 1:
-                prefix = self._prefix_of(current.prompt_token_ids, [image.content_hash for image in current.images])
+                prefix = self._prefix_of(current.prompt_token_ids, [image.content_hash for image in current.images],
+                                         current.cache_salt)
 
                 def summary_of(current=current, prefix=prefix) -> RouteSummary:
                     return RouteSummary(current.request_id, current.num_prompt_tokens, len(current.images),

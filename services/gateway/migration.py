@@ -17,7 +17,7 @@ def continuation(request: Request, emitted: list[int], attempt: int) -> Request:
     sampling = dataclasses.replace(request.sampling, max_tokens=request.sampling.max_tokens - len(emitted),
                                    min_tokens=max(0, request.sampling.min_tokens - len(emitted)))
     return Request(f"{request.request_id}-m{attempt}", request.prompt_token_ids + emitted, sampling, request.images,
-                   num_continued_tokens=len(emitted))  # its penalties and seeded random stream go on from there
+                   num_continued_tokens=len(emitted), cache_salt=request.cache_salt)  # its penalties and seeded random stream go on from there
 
 
 def rebased(out: RequestOutput, request_id: str, before: list[int], detokenize,

@@ -40,7 +40,7 @@ log = logging.getLogger(__name__)
 
 # taken from the request and passed on as a chat's fields of the same meaning
 PASSED = ("stream", "temperature", "top_p", "parallel_tool_calls", "seed", "top_k", "min_p", "repetition_penalty",
-          "stop", "min_tokens", "ignore_eos", "slo", "chat_template_kwargs", "logit_bias")
+          "stop", "min_tokens", "ignore_eos", "slo", "chat_template_kwargs", "logit_bias", "cache_salt")
 REFUSED = ("previous_response_id", "conversation", "background", "prompt", "max_tool_calls")
 ECHOED = ("instructions", "metadata", "user", "temperature", "top_p", "max_output_tokens", "parallel_tool_calls",
           "tool_choice", "tools", "text", "reasoning", "service_tier", "truncation")

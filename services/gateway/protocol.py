@@ -43,6 +43,7 @@ class ChatRequest:
     tools: ToolChoice | None = None  # the tools sent, and whether the answer calls them (`tools.py`)
     template_kwargs: dict | None = None  # `chat_template_kwargs`: variables for the chat template
     echo: dict | None = None  # a /v1/responses request's own fields, which its response object repeats
+    cache_salt: str = ""  # vLLM's: this request shares prefix-cache blocks only with requests of the same salt
 
     @property
     def tool_definitions(self) -> list[dict] | None:
@@ -182,9 +183,14 @@ def common_fields(body: dict) -> dict:
         raise ApiError(400, "'stream_options' is only for streamed requests (\"stream\": true)", "stream_options")
     include_usage = _typed(stream_options, "include_usage", bool, False)
     continuous = _typed(stream_options, "continuous_usage_stats", bool, False)
+    salt = body.get("cache_salt")
+    if salt is not None and not (isinstance(salt, str) and salt):
+        raise ApiError(400, "'cache_salt' must be a non-empty string (a secret of the tenant's, e.g. 43 characters of "
+                            "base64: 256 random bits)", "cache_salt")
     return dict(model=body["model"], stream=_typed(body, "stream", bool, False), n=n,
                 include_usage=include_usage, continuous_usage=include_usage and continuous,
-                return_token_ids=_typed(body, "return_token_ids", bool, False), **_parse_slo(body.get("slo")))
+                return_token_ids=_typed(body, "return_token_ids", bool, False), cache_salt=salt or "",
+                **_parse_slo(body.get("slo")))
 
 
 def _typed(body: dict, key: str, kind, default):

@@ -195,3 +195,11 @@ def test_image_manager_allocates_for_all_image_tokens():
     assert not images.can_allocate(make_request("s", images=1, tokens_per_image=4))
     images.free(req)
     assert images.pool.num_free == 4
+
+
+def test_a_salt_changes_every_block_hash_and_the_same_salt_keeps_them():
+    tokens = list(range(50))
+    plain, a, b = chain_hashes(tokens, 16), chain_hashes(tokens, 16, salt="a"), chain_hashes(tokens, 16, salt="b")
+    assert len(plain) == len(a) == len(b) == 3
+    assert not set(plain) & set(a) and not set(a) & set(b)
+    assert chain_hashes(tokens, 16, salt="a") == a

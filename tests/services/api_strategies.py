@@ -47,8 +47,9 @@ broken_image = st.one_of(st.binary(max_size=64),
                          st.builds(lambda data, cut: data[:cut], st.builds(encoded_image, st.just(32), st.just(32),
                                                                           st.just("RGB"), st.just("PNG")),
                                    st.integers(0, 200)))
+valid_image_url = st.builds(data_uri, image_file, st.sampled_from(["image/png", "image/jpeg", "image/webp"]))
 image_url = st.one_of(
-    st.builds(data_uri, image_file, st.sampled_from(["image/png", "image/jpeg", "image/webp"])),
+    valid_image_url, valid_image_url, valid_image_url,
     st.builds(data_uri, broken_image, st.sampled_from(["image/png", "text/plain", ""]), st.booleans()),
     st.sampled_from(["http://127.0.0.1:9/x.png", "https://[::1", "ftp://x", "", "data:", "data:image/png;base64,"]),
 )
@@ -90,7 +91,7 @@ SAMPLING = {
     "logprobs": st.booleans(), "presence_penalty": within(-2, 2, 5e-324), "frequency_penalty": within(-2, 2, 5e-324),
     "repetition_penalty": within(5e-324, 100, 1e-224, 1), "min_tokens": st.integers(0, 4), "ignore_eos": st.booleans(),
     "logit_bias": st.dictionaries(st.integers(0, 4000).map(str), st.floats(-100, 100), max_size=3),
-    "return_token_ids": st.booleans(),
+    "return_token_ids": st.booleans(), "cache_salt": st.text(min_size=1, max_size=8),
     "slo": st.fixed_dictionaries({}, optional={"ttft_ms": within(5e-324, 1e5, 1e-300), "tbt_ms": within(5e-324, 1e5)}),
     "chat_template_kwargs": st.dictionaries(st.sampled_from(["enable_thinking", "messages", "bos_token", "x", "date"]),
                                             scalar, max_size=2),
@@ -99,9 +100,11 @@ SAMPLING = {
 
 @st.composite
 def some_of(draw, fields: dict, most: int = 4) -> dict:
-    """Up to `most` of the fields, each with a value of its strategy (a body with all of them is never served)."""
+    """Up to `most` of the fields, each with a value of its strategy (a body with all of them is never served);
+    stream_options come with "stream": true, as they must."""
     names = draw(st.lists(st.sampled_from(sorted(fields)), max_size=most, unique=True))
-    return {name: draw(fields[name]) for name in names}
+    chosen = {name: draw(fields[name]) for name in names}
+    return {**chosen, "stream": True} if "stream_options" in chosen else chosen
 
 
 @st.composite
@@ -145,7 +148,8 @@ def chat_bodies(draw) -> dict:
     elif constraint == "response_format":
         body["response_format"] = draw(st.one_of(
             st.just({"type": "json_object"}),
-            st.builds(lambda s: {"type": "json_schema", "json_schema": {"name": "x", "schema": s}}, st.one_of(schema, object_schema))))
+            st.builds(lambda s: {"type": "json_schema", "json_schema": {"name": "x", "schema": s}},
+                      st.one_of(object_schema, object_schema, schema))))
         body["max_tokens"] = draw(st.integers(1, 40))
     elif constraint == "guided_json":
         body["guided_json"] = draw(schema)
@@ -184,8 +188,9 @@ def mutated(draw, bodies) -> dict:
 
 completion_bodies = st.builds(
     lambda prompt, extra: {"model": MODEL, "prompt": prompt, **extra},
-    st.one_of(text, st.lists(st.integers(-3, 5000), max_size=6), st.lists(text, max_size=3)),
-    some_of({k: v for k, v in SAMPLING.items() if k != "chat_template_kwargs"}))
+    st.one_of(text.filter(bool), st.lists(st.integers(1, 2000), min_size=1, max_size=12)),  # the odd ones by mutation
+    some_of({**{k: v for k, v in SAMPLING.items() if k != "chat_template_kwargs"},
+             "logprobs": st.integers(0, 5)}))  # a completion's logprobs: a number of alternatives
 response_bodies = st.builds(
     lambda given, extra: {"model": MODEL, "input": given, **extra},
     st.one_of(text, st.lists(st.fixed_dictionaries({"role": st.sampled_from(["user", "system", "assistant", "developer"]),
@@ -202,17 +207,18 @@ tokenize_bodies = st.one_of(
                        "chat_template_kwargs": SAMPLING["chat_template_kwargs"],
                        "tools": st.lists(st.builds(lambda n, p: {"type": "function", "function": {"name": n, "parameters": p}},
                                                    ident, object_schema), max_size=2, unique_by=lambda t: t["function"]["name"])})))
-detokenize_bodies = st.fixed_dictionaries({"tokens": st.lists(st.integers(0, 4200), max_size=12)}, optional={"model": st.just(MODEL)})
+detokenize_bodies = st.fixed_dictionaries({"tokens": st.lists(st.integers(0, 2000), max_size=12)},  # the tokenizer's
+                                          optional={"model": st.just(MODEL)})  # own ids (the model's vocabulary is wider)
 
 # (path, body strategy) pairs: each endpoint's own bodies, whole and mutated, and chats that are mostly noise
 ENDPOINTS = {
     "/v1/chat/completions": st.one_of(chat_bodies(), chat_bodies(), mutated(chat_bodies()),
                                       st.fixed_dictionaries({"model": st.just(MODEL), "messages": noise},
                                                             optional={k: noise for k in SAMPLING})),
-    "/v1/completions": st.one_of(completion_bodies, mutated(completion_bodies)),
-    "/v1/responses": st.one_of(response_bodies, mutated(response_bodies)),
-    "/tokenize": st.one_of(tokenize_bodies, mutated(tokenize_bodies)),
-    "/detokenize": st.one_of(detokenize_bodies, mutated(detokenize_bodies)),
+    "/v1/completions": st.one_of(completion_bodies, completion_bodies, mutated(completion_bodies)),
+    "/v1/responses": st.one_of(response_bodies, response_bodies, mutated(response_bodies)),
+    "/tokenize": st.one_of(tokenize_bodies, tokenize_bodies, mutated(tokenize_bodies)),
+    "/detokenize": st.one_of(detokenize_bodies, detokenize_bodies, mutated(detokenize_bodies)),
 }
 
 
@@ -266,8 +272,8 @@ def stage_call_specs(image_token_id: int, image_size: int, tokens_per_image: int
         ids = [1, *draw(st.lists(token, max_size=10)), *[image_token_id] * (tokens_per_image * len(images)), 29, 30]
         msg = pb.RequestSpec(request_id=draw(st.text(min_size=1, max_size=8)), prompt_token_ids=ids,
                              sampling=draw(plain_sampling), images=images)
-        flaw = draw(st.sampled_from([None, None, None, "sampling", "token", "placeholders", "image", "scaling", "pixels",
-                                     "continued", "output"]))
+        flaw = draw(st.sampled_from([None] * 8 + ["sampling", "token", "placeholders", "image", "scaling", "pixels",
+                                                  "continued", "output"]))
         if flaw == "sampling":
             msg.sampling.CopyFrom(draw(any_sampling))
         elif flaw == "token":

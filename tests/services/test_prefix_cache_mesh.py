@@ -62,3 +62,27 @@ def test_a_chat_sent_again_is_answered_from_its_cached_prefix(topology, prefills
         assert delta(prefills, "epdmesh:transfer_bytes_total", kind="image") == len(COVERED) * image_bytes  # round 1 only
         # the second time the router predicted the images' KV cached there: no Encode was sent at all
         assert delta("E", "epdmesh:encode_time_seconds_count") == len(COVERED)
+
+
+@pytest.mark.parametrize("topology", ["local", "E1+P1+D1"])
+def test_a_cache_salt_shares_cached_blocks_only_among_requests_that_carry_it(topology, tiny_dir, chat_reference, tmp_path):
+    """vLLM's `cache_salt`: a tenant's requests share prefix-cache blocks with each other and with nobody else (another
+    tenant cannot learn from a quicker first token that a prompt was seen). The answers stay transformers' tokens."""
+    cases, refs = chat_reference
+    case = next(c for c in cases if c.name == "img-long")
+    ref = refs[case.name]
+    full = (len(ref.prompt_ids) - 1) // 16 * 16  # every block but the one holding the last prompt token
+    with running_server(tiny_dir, topology, tmp_path / "serve.log") as base:
+        client = httpx.Client(base_url=base, timeout=120)
+        body = {"model": MODEL, "messages": to_openai(case.conversation), "max_tokens": case.max_tokens, "temperature": 0,
+                "return_token_ids": True}
+        seen = []
+        for salt in ("tenant-a", "tenant-a", "tenant-b", None, None, "tenant-b"):
+            resp = client.post("/v1/chat/completions", json={**body, **({"cache_salt": salt} if salt else {})}).json()
+            assert resp["choices"][0]["token_ids"] == ref.tokens, (topology, salt)
+            seen.append(resp["usage"]["prompt_tokens_details"]["cached_tokens"])
+        assert seen == [0, full, 0, 0, full, full], (topology, seen)
+        for bad in ("", 7, ["x"]):
+            resp = client.post("/v1/chat/completions", json={**body, "cache_salt": bad})
+            assert resp.status_code == 400 and resp.json()["error"]["param"] == "cache_salt", resp.text
+        assert_pools_full(base)
