@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 ARGS ?=
 
-.PHONY: serve test bench-engine bench-mesh bench-transfer bench-tracing bench-timeline bench-detokenize bench-sampling bench-structured bench-soak bench-prefix-cache bench-goodput proto clean
+.PHONY: serve test bench-engine bench-mesh bench-transfer bench-tracing bench-timeline bench-detokenize bench-sampling bench-structured bench-soak bench-prefix-cache bench-goodput bench-peer proto clean
 
 $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
@@ -52,6 +52,10 @@ bench-prefix-cache: $(VENV)/.installed
 # e.g. make bench-goodput ARGS="--url http://127.0.0.1:8000 --workload textcaps --rates 1,2,4"
 bench-goodput: $(VENV)/.installed
 	$(PY) -m bench.goodput $(ARGS)
+
+# epdmesh against vLLM's CPU build on one checkpoint (vLLM installed beside the repo: ../shared/peer/)
+bench-peer: $(VENV)/.installed
+	$(PY) -m bench.peer $(ARGS)
 
 # regenerate epdmesh/v1/*_pb2*.py from proto/ (a test fails when they are stale)
 proto: $(VENV)/.installed

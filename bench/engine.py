@@ -59,6 +59,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--batch-sizes", default="1,8,32", help="comma-separated")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's own)")
+    p.add_argument("--enforce-eager", action="store_true", help="ours without torch.compile (as `serve --enforce-eager`)")
     p.add_argument("--token-budget", type=int, default=SchedulerConfig().token_budget, help="our scheduler's tokens/step")
     p.add_argument("--workload", default="both", choices=("uniform", "mixed", "both"))
     p.add_argument("--mixed-requests-per-batch", type=int, default=4, help="mixed: requests = this × B")
@@ -107,6 +108,7 @@ def make_engine(model_dir: Path, model: LlavaModel, args: argparse.Namespace, ba
         kv_cache_gib=blocks * per_block / 2**30,
         image_cache_gib=1 / 1024,
         scheduler=SchedulerConfig(token_budget=args.token_budget, max_num_seqs=max_num_seqs or max(64, batch)),
+        compile=not args.enforce_eager,
     )
     return Engine(config, model=model)
 

@@ -33,10 +33,17 @@ def _engine_config(args, roles: str = "encode,prefill,decode"):
         kv_cache_gib=_kv_cache_gib(args), gpu_memory_utilization=args.gpu_memory_utilization,
         max_model_len=args.max_model_len, attention_backend=args.attention_backend,
         enable_prefix_caching=args.enable_prefix_caching, share_weights=getattr(args, "share_weights", False),
+        compile=_compiles(args),
         scheduler=SchedulerConfig(*_budgets(args, parse_roles(roles)),
                                   max_num_seqs=args.max_num_seqs, join_first=_decoder_joins(args)[1],
                                   kv_admission=args.kv_admission),
     )
+
+
+def _compiles(args) -> bool:
+    """The model runs compiled unless --enforce-eager, on the CPU (on CUDA eager until a GPU has run it), with torch."""
+    return (not getattr(args, "enforce_eager", True) and getattr(args, "device", "cpu") == "cpu"
+            and getattr(args, "backend", "torch") == "torch")
 
 
 def _kv_cache_gib(args) -> float | None:
@@ -105,6 +112,12 @@ def _resolve_model(args) -> None:
 
 def _cmd_serve(args) -> int:
     _resolve_model(args)
+    from epdmesh.auto_profile import ensure_profile, wants_auto_profile
+
+    if args.topology == "local" and wants_auto_profile(args):
+        import torch
+
+        args.latency_profile = ensure_profile(args, args.threads or torch.get_num_threads())
     if args.topology != "local":
         from epdmesh.launch import serve_mesh
 
@@ -279,6 +292,11 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--topology", default="E1+P1+D1",
                        help="worker role sets and counts, e.g. EPD1, E1+P1+D1, EP1+D2, ED1+P1, E2+P2+D4; "
                             "'local' = one process, no gRPC or Redis")
+    serve.add_argument("--auto-profile", action=argparse.BooleanOptionalAction,
+                       default=os.environ.get("EPDMESH_AUTO_PROFILE", "1") != "0",
+                       help="without --latency-profile or --token-budget: measure this setup's latency profile once "
+                            "(cached in ~/.cache/epdmesh/profiles) and size budgets and routing by it and the SLOs "
+                            "(default from $EPDMESH_AUTO_PROFILE)")
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument("--redis-url", help="default: $REDIS_URL, else a private redis-server")

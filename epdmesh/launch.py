@@ -299,6 +299,8 @@ def worker_argv(group: WorkerGroup, toggle: str, args, threads: int) -> list[str
         argv.append("--no-enable-prefix-caching")
     if getattr(args, "share_weights", False):
         argv.append("--share-weights")
+    if getattr(args, "enforce_eager", False):
+        argv.append("--enforce-eager")
     return argv
 
 
@@ -308,6 +310,10 @@ def serve_mesh(args) -> int:
         args.decoder_joins = "first" if decoders_join(groups) else "off"
     num_workers = sum(g.count for g in groups)
     threads = args.threads or max(1, (os.cpu_count() or 1) // num_workers)
+    from epdmesh.auto_profile import ensure_profile, wants_auto_profile
+
+    if wants_auto_profile(args):  # before anything starts: the cores are the profile's alone
+        args.latency_profile = ensure_profile(args, threads)
     try:  # one GPU per worker (--device cuda), decided before anything starts
         gpu_envs = worker_envs(num_workers, gpu_devices(args.device, getattr(args, "gpus", None)))
     except ValueError as e:

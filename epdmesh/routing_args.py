@@ -5,6 +5,7 @@ model and engine options of the commands that run one."""
 from __future__ import annotations
 
 import argparse
+import os
 from pathlib import Path
 
 from epdmesh.checkpoints import default_model_dir
@@ -143,7 +144,8 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"], help="auto: bfloat16 on CUDA, float32 on CPU")
+    p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"],
+                   help="auto: bfloat16 on CUDA and on CPUs that compute it natively (AMX, AVX512-BF16), else float32")
     p.add_argument("--device", default="cpu")
     p.add_argument("--kv-cache-gib", type=float, help="KV cache size per worker (default: on a GPU, what "
                                                       "--gpu-memory-utilization leaves; on the CPU 1; emulated: 64, "
@@ -167,6 +169,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--share-weights", action="store_true",
                    help="CPU: the workers on this host map one read-only copy of the weights from /dev/shm instead "
                         "of a copy each (common/model/shared_weights.py)")
+    p.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction,
+                   default=os.environ.get("EPDMESH_ENFORCE_EAGER", "") not in ("", "0"),
+                   help="run the model eagerly; by default a CPU worker compiles its dense path (torch.compile, a few "
+                        "seconds at start from a warm cache; default from $EPDMESH_ENFORCE_EAGER)")
     p.add_argument("--threads", type=int, help="torch intra-op threads (serve: default cores / workers)")
     p.add_argument("--backend", default="torch", choices=["torch", "emulated"],
                    help="emulated: iterations wait the --profile's predicted time and emit deterministic tokens; "

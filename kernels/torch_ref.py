@@ -48,12 +48,13 @@ class TorchPagedAttention:
 def _causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
     """q [n, H, D] are the last n positions of k/v [L, Hkv, D]; causal, aligned bottom-right."""
     n, length = q.shape[0], k.shape[0]
-    qh, kh, vh = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)
-    gqa = kh.shape[0] != qh.shape[0]
+    # [1, heads, n, D]: with a batch dimension SDPA takes its fused CPU kernel (3-D inputs fall back to the math path)
+    qh, kh, vh = q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None]
+    gqa = kh.shape[1] != qh.shape[1]
     if n == length:
         out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale, enable_gqa=gqa)
     else:
         rows = torch.arange(length - n, length, device=q.device)[:, None]
         mask = torch.arange(length, device=q.device)[None, :] <= rows
         out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=scale, enable_gqa=gqa)
-    return out.transpose(0, 1)
+    return out[0].transpose(0, 1)

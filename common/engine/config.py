@@ -12,10 +12,17 @@ DTYPES = ("float32", "bfloat16", "float16")
 
 
 def resolve_dtype(dtype: str, device: str) -> str:
-    """'auto' → bfloat16 on CUDA, float32 on CPU (CPUs without AVX512-BF16/AMX emulate bf16 GEMMs, ~10x slower)."""
+    """'auto' → bfloat16 where the hardware computes it natively: CUDA, and CPUs whose oneDNN has bf16 (AMX or
+    AVX512-BF16), as vLLM's CPU backend; float32 on other CPUs, which emulate bf16 GEMMs (~10x slower)."""
     if dtype != "auto":
         return dtype
-    return "bfloat16" if device.startswith("cuda") else "float32"
+    if device.startswith("cuda"):
+        return "bfloat16"
+    import torch
+
+    from common.model.packed_linear import can_pack
+
+    return "bfloat16" if can_pack(torch.bfloat16, torch.device(device)) else "float32"
 
 
 def parse_roles(text: str) -> frozenset[Stage]:
@@ -46,6 +53,7 @@ class EngineConfig:
     attention_backend: str = "auto"
     enable_prefix_caching: bool = False
     share_weights: bool = False  # CPU: one read-only copy of the weights per host, mapped by every worker
+    compile: bool = False  # the dense path through torch.compile, warmed up at start (common/model/compiled.py)
     scheduler: SchedulerConfig = SchedulerConfig()
     seed: int = 0
 

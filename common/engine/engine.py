@@ -33,6 +33,7 @@ from common.kv_manager import ImageBlockManager, KVBlockManager, blocks_for
 from common.model.config import LlavaConfig
 from common.model.llava import LlavaModel
 from common.model.loader import load_model
+from common.model.packed_linear import pack_linears
 from common.paged_cache import PagedImageCache, PagedKVCache, PagePayload
 from common.request import Request, RequestStatus, Stage
 from common.scheduler import Scheduler, SchedulerOutput
@@ -63,13 +64,22 @@ class Engine(PageHandover):
             from common.model.shared_weights import share
 
             self.shared_weights = share(self.model, config.model, dtype)
+        if self.shared_weights is None:  # packing makes a private copy: shared weights stay as they are mapped
+            pack_linears(self.model)
+        self.compiled = self.compile_seconds = None  # the compiled dense path, and its warm-up's seconds
+        if config.compile:
+            from common.model.compiled import CompiledModel
+
+            self.compiled = CompiledModel(self.model)
+            self.compile_seconds = self.compiled.warm_up(text=bool(config.roles - {Stage.ENCODE}),
+                                                         vision=Stage.ENCODE in config.roles)
 
         def setup(c: EngineConfig) -> None:
             text = self.model.cfg.text
             self._build(c, self.model.cfg, (text.num_layers, text.num_kv_heads, text.head_dim), text.hidden_size, dtype,
                         device, detokenize)
             self.runner = ModelRunner(self.model, self.kv_cache, self.image_cache,
-                                      make_attention_backend(c.attention_backend, device))
+                                      make_attention_backend(c.attention_backend, device), self.compiled)
             self.sampler = Sampler(c.seed, self.model_config.eos_token_ids)
 
         self.kv_sizing = None  # how the KV cache was sized from the device's memory (memory_profile.KvSizing)

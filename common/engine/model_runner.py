@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from common.model.compiled import CompiledModel
 from common.model.llava import LlavaModel
 from common.paged_cache import PagedImageCache, PagedKVCache
 from common.request import Request
@@ -17,8 +18,10 @@ from kernels import AttentionMetadata
 
 
 class ModelRunner:
-    def __init__(self, model: LlavaModel, kv_cache: PagedKVCache, image_cache: PagedImageCache, attention):
+    def __init__(self, model: LlavaModel, kv_cache: PagedKVCache, image_cache: PagedImageCache, attention,
+                 compiled: CompiledModel | None = None):
         self.model = model
+        self.compiled = compiled  # the dense path compiled (None: eager)
         self.kv_cache = kv_cache
         self.image_cache = image_cache
         self.attention = attention
@@ -35,12 +38,14 @@ class ModelRunner:
         ids, positions, meta, sample_rows, sampling = self._prepare(plan)
         embeds = self.model.embed(ids)
         self._insert_image_embeddings(plan, ids, embeds, len(plan.decodes))
-        hidden = self.model.text(embeds, positions, self.kv_cache.layers, meta, self.attention)
+        hidden = self.model.text(embeds, positions, self.kv_cache.layers, meta, self.attention,
+                                 self.compiled.text if self.compiled else None)
         return sampling, self.model.text.logits(hidden[sample_rows])
 
     def _encode(self, plan: SchedulerOutput) -> None:
         pixels = [w.request.images[i].pixel_values for w in plan.encodes for i in range(w.first_image, w.first_image + w.num_images)]
-        features = self.model.encode_images(torch.stack(pixels).to(self.device))
+        features = self.model.encode_images(torch.stack(pixels).to(self.device),
+                                            self.compiled.vision_layer if self.compiled else None)
         rows, block_size = [], self.image_cache.layout.block_size
         for work in plan.encodes:
             images = work.request.images

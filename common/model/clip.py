@@ -42,13 +42,14 @@ class VisionTower(nn.Module):
         self.pre_layrnorm = nn.LayerNorm(h, eps=cfg.layer_norm_eps)
         self.layers = nn.ModuleList(VisionLayer(cfg) for _ in range(num_layers_to_run))
 
-    def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
-        """pixel_values [images, 3, H, W] → features of the feature layer, CLS dropped: [images, patches, hidden]."""
+    def forward(self, pixel_values: torch.Tensor, layer_forward=VisionLayer.forward) -> torch.Tensor:
+        """pixel_values [images, 3, H, W] → features of the feature layer, CLS dropped: [images, patches, hidden].
+        `layer_forward`: `VisionLayer.forward`, or it compiled (`common.model.compiled`)."""
         dtype = self.patch_embedding.weight.dtype
         patches = self.patch_embedding(pixel_values.to(dtype)).flatten(2).transpose(1, 2)
         cls = self.class_embedding.expand(patches.shape[0], 1, -1)
         x = torch.cat([cls, patches], dim=1) + self.position_embedding.weight[None]
         x = self.pre_layrnorm(x)
         for layer in self.layers:
-            x = layer(x)
+            x = layer_forward(layer, x)
         return x[:, 1:]

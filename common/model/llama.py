@@ -28,16 +28,25 @@ class DecoderLayer(nn.Module):
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
         self.act = activation(cfg.hidden_act)
 
-    def forward(self, x, cos, sin, k_cache, v_cache, meta: AttentionMetadata, attention) -> torch.Tensor:
-        cfg = self.cfg
-        n = x.shape[0]
+    def forward(self, x, cos, sin, k_cache, v_cache, meta: AttentionMetadata, attention, dense=None) -> torch.Tensor:
+        """`dense`: this class's two dense halves, compiled (`common/model/compiled.py`); None runs them eagerly."""
+        qkv, finish = dense or (DecoderLayer.qkv, DecoderLayer.finish)
+        q, k, v = qkv(self, x, cos, sin)
+        write_kv(k, v, k_cache, v_cache, meta)
+        return finish(self, x, attention.forward(q, k_cache, v_cache, meta, self.cfg.head_dim**-0.5))
+
+    def qkv(self, x, cos, sin) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Everything before attention: norm, projection, rotary → q [n, heads, D], k and v [n, kv_heads, D]."""
+        cfg, n = self.cfg, x.shape[0]
         q, k, v = self.qkv_proj(rms_norm(x, self.input_layernorm, cfg.rms_norm_eps)).split(self.split, dim=-1)
         q = apply_rotary(q.view(n, cfg.num_heads, cfg.head_dim), cos, sin)
         k = apply_rotary(k.view(n, cfg.num_kv_heads, cfg.head_dim), cos, sin)
-        write_kv(k, v.view(n, cfg.num_kv_heads, cfg.head_dim), k_cache, v_cache, meta)
-        attn = attention.forward(q, k_cache, v_cache, meta, cfg.head_dim**-0.5)
-        x = x + self.o_proj(attn.reshape(n, -1))
-        gate, up = self.gate_up_proj(rms_norm(x, self.post_attention_layernorm, cfg.rms_norm_eps)).chunk(2, dim=-1)
+        return q, k, v.view(n, cfg.num_kv_heads, cfg.head_dim)
+
+    def finish(self, x, attn) -> torch.Tensor:
+        """Everything after attention: output projection, residual, norm, SwiGLU MLP, residual."""
+        x = x + self.o_proj(attn.reshape(x.shape[0], -1))
+        gate, up = self.gate_up_proj(rms_norm(x, self.post_attention_layernorm, self.cfg.rms_norm_eps)).chunk(2, dim=-1)
         return x + self.down_proj(self.act(gate) * up)
 
 
@@ -51,14 +60,15 @@ class LlamaDecoder(nn.Module):
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.rotary: RotaryEmbedding | None = None
 
-    def forward(self, embeds, positions, kv_layers, meta: AttentionMetadata, attention) -> torch.Tensor:
-        """embeds [tokens, hidden], positions [tokens] → final hidden states (before the last norm)."""
+    def forward(self, embeds, positions, kv_layers, meta: AttentionMetadata, attention, dense=None) -> torch.Tensor:
+        """embeds [tokens, hidden], positions [tokens] → final hidden states (before the last norm). `dense`: the
+        layers' two halves compiled (`common.model.compiled.CompiledModel.text`); None: eager."""
         if self.rotary is None:
             self.rotary = RotaryEmbedding(self.cfg.head_dim, self.cfg.rope_theta, embeds.device)
         cos, sin = self.rotary.cos_sin(positions, embeds.dtype)
         x = embeds
         for layer, (k_cache, v_cache) in zip(self.layers, kv_layers):
-            x = layer(x, cos, sin, k_cache, v_cache, meta, attention)
+            x = layer(x, cos, sin, k_cache, v_cache, meta, attention, dense)
         return x
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -35,9 +35,10 @@ class LlavaModel(nn.Module):
         self.text = LlamaDecoder(cfg.text)
 
     @torch.inference_mode()
-    def encode_images(self, pixel_values: torch.Tensor) -> torch.Tensor:
-        """[images, 3, H, W] → projected embeddings [images, tokens_per_image, text_hidden]."""
-        return self.projector(self.vision(pixel_values))
+    def encode_images(self, pixel_values: torch.Tensor, vision_layer=None) -> torch.Tensor:
+        """[images, 3, H, W] → projected embeddings [images, tokens_per_image, text_hidden]; `vision_layer`: a
+        compiled `VisionLayer.forward` (None: eager)."""
+        return self.projector(self.vision(pixel_values, *([vision_layer] if vision_layer else [])))
 
     def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
         return self.text.embed_tokens(token_ids)

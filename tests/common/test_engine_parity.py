@@ -35,10 +35,11 @@ def fp32_models(model_dirs):
     return {shape: load_model(model_dirs[shape], torch.float32) for shape in SHAPES}
 
 
-def make_engine(model_dirs, models, shape, dtype="float32", roles=frozenset(Stage), prefix_caching=False, **scheduler):
+def make_engine(model_dirs, models, shape, dtype="float32", roles=frozenset(Stage), prefix_caching=False,
+                compile=False, **scheduler):
     config = EngineConfig(model=str(model_dirs[shape]), dtype=dtype, roles=roles, kv_cache_gib=0.05,
                           image_cache_gib=0.02, scheduler=SchedulerConfig(**scheduler),
-                          enable_prefix_caching=prefix_caching)
+                          enable_prefix_caching=prefix_caching, compile=compile)
     return Engine(config, model=models[shape] if models else None)
 
 
@@ -59,11 +60,14 @@ def test_reference_workload_is_mixed(references, processors):
         assert len(set(ref.tokens)) > 1 or len(ref.tokens) == 1, "degenerate repeated output"
 
 
+@pytest.mark.parametrize("compile", [False, True], ids=["eager", "compiled"])
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("chunked", [False, True], ids=["whole-prefill", "chunked-64"])
-def test_concurrent_batch_matches_transformers(shape, chunked, model_dirs, processors, fp32_models, references):
+def test_concurrent_batch_matches_transformers(shape, chunked, compile, model_dirs, processors, fp32_models,
+                                               references):
     scheduler = dict(token_budget=64, enable_chunked_prefill=True) if chunked else dict(enable_chunked_prefill=False)
-    engine = make_engine(model_dirs, fp32_models, shape, **scheduler)
+    engine = make_engine(model_dirs, fp32_models, shape, compile=compile, **scheduler)
+    assert (engine.compiled is not None) == compile
     requests = build_requests(processors[shape], CASES)
     for r, case in zip(requests, CASES):
         assert r.prompt_token_ids == references(shape, torch.float32)[case.name].prompt_ids, case.name
@@ -73,11 +77,15 @@ def test_concurrent_batch_matches_transformers(shape, chunked, model_dirs, proce
     assert_pools_full(engine)
 
 
+@pytest.mark.parametrize("compile", [False, True], ids=["eager", "compiled"])
 @pytest.mark.parametrize("shape", SHAPES)
-def test_encode_prefill_decode_on_three_engines_matches_transformers(shape, model_dirs, processors, fp32_models, references):
-    encoder = make_engine(model_dirs, fp32_models, shape, roles=frozenset({Stage.ENCODE}), image_budget=2)
-    prefiller = make_engine(model_dirs, fp32_models, shape, roles=frozenset({Stage.PREFILL}), token_budget=128)
-    decoder = make_engine(model_dirs, fp32_models, shape, roles=frozenset({Stage.DECODE}))
+def test_encode_prefill_decode_on_three_engines_matches_transformers(shape, compile, model_dirs, processors,
+                                                                     fp32_models, references):
+    encoder = make_engine(model_dirs, fp32_models, shape, roles=frozenset({Stage.ENCODE}), image_budget=2,
+                          compile=compile)
+    prefiller = make_engine(model_dirs, fp32_models, shape, roles=frozenset({Stage.PREFILL}), token_budget=128,
+                            compile=compile)
+    decoder = make_engine(model_dirs, fp32_models, shape, roles=frozenset({Stage.DECODE}), compile=compile)
     outputs = run_disaggregated(encoder, prefiller, decoder, build_requests(processors[shape], CASES))
     assert_matches_reference(outputs, prefiller.captured_logits, references(shape, torch.float32))
     assert_pools_full(encoder, prefiller, decoder)
@@ -190,7 +198,8 @@ def test_a_system_prompt_before_an_image_is_cached_for_chats_with_other_images(m
     assert_pools_full(engine)
 
 
-def test_bfloat16_within_the_references_own_rounding(model_dirs, processors, references):
+@pytest.mark.parametrize("compile", [False, True], ids=["eager", "compiled"])
+def test_bfloat16_within_the_references_own_rounding(compile, model_dirs, processors, references):
     """bf16 tolerance: our bf16 logits may differ from transformers' bf16 logits by at most twice as much as
     transformers' bf16 differs from its own fp32 (plus 0.05) — i.e. we are within bf16's own rounding noise.
     Greedy tokens must agree at every step whose reference top-1/top-2 margin exceeds it; a step under it may
@@ -198,7 +207,7 @@ def test_bfloat16_within_the_references_own_rounding(model_dirs, processors, ref
     ref32, ref16 = references("tiny", torch.float32), references("tiny", torch.bfloat16)
     own_noise = max((ref16[c.name].logits[0] - ref32[c.name].logits[0]).abs().max().item() for c in CASES)
     tolerance = 2 * own_noise + 0.05
-    engine = make_engine(model_dirs, None, "tiny", dtype="bfloat16", token_budget=96)
+    engine = make_engine(model_dirs, None, "tiny", dtype="bfloat16", token_budget=96, compile=compile)
     finals = engine.generate(build_requests(processors["tiny"], CASES), capture_logits=True)
     compared = 0
     for case in CASES:

@@ -1,0 +1,80 @@
+"""A latency profile for `serve` when none is given: measured once per model, dtype, device, threads and host.
+
+`serve` without `--latency-profile` (and without `--no-auto-profile`) looks for a profile of this very setup in
+`$EPDMESH_HOME/profiles` (default ~/.cache/epdmesh/profiles); on a miss it runs `epdmesh profile` with the
+workers' own settings (seconds on the default model) and keeps the result. The workers then size their stage
+budgets from it and the SLOs, and the router routes by it, as with a profile given by hand — the way vLLM
+profiles memory before it serves.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import platform
+import subprocess
+import sys
+from pathlib import Path
+
+log = logging.getLogger("epdmesh")
+
+
+def profiles_dir() -> Path:
+    return Path(os.environ.get("EPDMESH_HOME", Path.home() / ".cache" / "epdmesh")) / "profiles"
+
+
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def setup_key(model: str, dtype: str, device: str, threads: int, eager: bool) -> dict:
+    """What a profile depends on: the checkpoint (its path and files' sizes and times), the numerics, the host."""
+    model_dir = Path(model).resolve()
+    files = sorted((p.name, p.stat().st_size, int(p.stat().st_mtime)) for p in model_dir.glob("*.safetensors"))
+    import torch
+
+    return dict(model=str(model_dir), files=files, dtype=dtype, device=device, threads=threads, eager=eager,
+                cpu=_cpu_name(), cores=os.cpu_count(), torch=torch.__version__, format=1)
+
+
+def profile_path(key: dict) -> Path:
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+    return profiles_dir() / f"{Path(key['model']).name}-{key['dtype']}-{key['threads']}t-{digest}.json"
+
+
+def wants_auto_profile(args) -> bool:
+    """serve measures its own profile: asked to, on the real backend, with no profile or token budget given."""
+    return (args.auto_profile and getattr(args, "backend", "torch") == "torch" and not args.latency_profile
+            and args.token_budget is None)
+
+
+def ensure_profile(args, threads: int) -> str:
+    """The path of this setup's profile, measured now (in a child process, with `threads` threads) if not cached."""
+    from common.engine.config import resolve_dtype
+
+    dtype = resolve_dtype(args.dtype, args.device)
+    key = setup_key(args.model, dtype, args.device, threads, bool(getattr(args, "enforce_eager", False)))
+    path = profile_path(key)
+    if path.is_file():
+        log.info("latency profile of this setup: %s (cached)", path)
+        return str(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_suffix(f".{os.getpid()}.partial")
+    argv = [sys.executable, "-m", "epdmesh.cli", "profile", "--model", args.model, "--dtype", dtype,
+            "--device", args.device, "--threads", str(threads), "--repeats", "2", "--out", str(partial)]
+    if key["eager"]:
+        argv.append("--enforce-eager")
+    log.info("measuring a latency profile of this setup (once; --latency-profile FILE or --no-auto-profile skip it)")
+    subprocess.run(argv, check=True)
+    partial.replace(path)
+    path.with_suffix(".key.json").write_text(json.dumps(key, indent=2) + "\n")
+    log.info("latency profile written to %s", path)
+    return str(path)
