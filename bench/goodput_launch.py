@@ -31,13 +31,22 @@ def launched(serve_args: list[str], log_path: Path, timeout: float = 900.0):
         while True:
             if proc.poll() is not None or time.monotonic() > deadline:
                 raise RuntimeError(f"`epdmesh serve {' '.join(serve_args)}` did not come up; see {log_path}")
-            if "EPDMESH_READY" in log_path.read_text(errors="replace"):
+            if "EPDMESH_READY" in log_path.read_text(errors="replace") or _answers(base):  # a mesh, or one process
                 break
             time.sleep(0.5)
         model = httpx.get(f"{base}/v1/models", timeout=10).json()["data"][0]["id"]
         yield base, model
     finally:
         stop_process(proc, 120, "the benchmarked mesh")
+
+
+def _answers(base: str) -> bool:
+    import httpx
+
+    try:
+        return httpx.get(f"{base}/v1/models", timeout=2).status_code == 200
+    except httpx.HTTPError:
+        return False
 
 
 def log_path(out: Path, config_name: str) -> Path:

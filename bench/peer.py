@@ -4,7 +4,8 @@
     make bench-peer ARGS="..."
 
 1. Writes `make-tiny-model --preset small` (62M-class llava-1.5 shape, 576 image tokens) in the layout vLLM loads
-   (llava-hf tensor names; a `PreTrainedTokenizerFast` tokenizer; a chat template taking `image_url` parts).
+   (llava-hf tensor names; `architectures` in config.json; a `PreTrainedTokenizerFast` tokenizer; a chat template
+   taking `image_url` parts).
 2. For each server in turn — vLLM's CPU build (`vllm serve`, bf16, as `../shared/peer/serve_vllm.sh` runs it) and
    `epdmesh serve --topology T` with serve's defaults (bf16 where the CPU computes it, compiled, its own latency
    profile) plus the SLOs — starts it on a loopback port, then:
@@ -74,6 +75,9 @@ def peer_checkpoint() -> Path:
     config = json.loads((tmp / "tokenizer_config.json").read_text())
     config["tokenizer_class"] = "PreTrainedTokenizerFast"  # vLLM's transformers does not know TokenizersBackend
     (tmp / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
+    model_config = json.loads((tmp / "config.json").read_text())  # without it vLLM takes the model for a pooling one
+    model_config["architectures"] = ["LlavaForConditionalGeneration"]
+    (tmp / "config.json").write_text(json.dumps(model_config, indent=2) + "\n")
     template = tmp / "chat_template.jinja"  # vLLM hands OpenAI parts through: an image arrives as image_url
     template.write_text(template.read_text().replace("part['type'] == 'image'", "part['type'] in ['image', 'image_url']"))
     tmp.rename(path)
@@ -135,7 +139,8 @@ def probe(url: str, model_name: str, n: int, seed: int) -> dict:
             start = time.perf_counter()
             times = []
             with client.stream("POST", f"{url}/v1/chat/completions", json=body) as r:
-                r.raise_for_status()
+                if r.status_code != 200:
+                    raise RuntimeError(f"{url}: {r.status_code} {r.read().decode()[:500]}")
                 for line in r.iter_lines():
                     if line.startswith("data: ") and line != "data: [DONE]":
                         chunk = json.loads(line[6:])
