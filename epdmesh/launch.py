@@ -310,6 +310,8 @@ def serve_mesh(args) -> int:
         args.decoder_joins = "first" if decoders_join(groups) else "off"
     num_workers = sum(g.count for g in groups)
     threads = args.threads or max(1, (os.cpu_count() or 1) // num_workers)
+    # every process of this mesh is on this host: UCX stays on loopback unless the caller chose its network
+    os.environ.setdefault("UCX_NET_DEVICES", "lo")
     from epdmesh.auto_profile import ensure_profile, wants_auto_profile
 
     if wants_auto_profile(args):  # before anything starts: the cores are the profile's alone

@@ -22,35 +22,33 @@ and steals the engine's CPU. It is switched off; instead a light thread ticks th
 connection wire-up and for the tcp transport; once connected, cma READs need no source progress.
 
 Every call into the agent goes through one lock (the agent is also created thread-safe), taken
-in worker threads only, never on the event loop. UCX is kept on loopback unless the environment
-says otherwise (`UCX_NET_DEVICES=lo`, set before NIXL loads UCX).
+in worker threads only, never on the event loop. Which network UCX uses is the environment's
+(`UCX_NET_DEVICES`): `epdmesh serve` and the tests keep it on loopback (`lo`); a deployment across hosts names
+its interface.
 """
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
+import importlib
+import logging
 import os
+import threading
+import time
+from collections import OrderedDict
 
-os.environ.setdefault("UCX_NET_DEVICES", "lo")
+import numpy as np
+import torch
 
-import asyncio  # noqa: E402
-import concurrent.futures  # noqa: E402
-import importlib  # noqa: E402
-import logging  # noqa: E402
-import threading  # noqa: E402
-import time  # noqa: E402
-from collections import OrderedDict  # noqa: E402
-
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
-
-from common.memory import block_runs, bytes_of, paired_runs  # noqa: E402
-from common.paged_cache import PagedBuffer, PagePayload  # noqa: E402
-from common.transfer.channels import ChannelPool  # noqa: E402
-from common.transfer.grpc_stream import release_over_grpc  # noqa: E402
-from common.transfer.handle import PageHandle  # noqa: E402
-from common.transfer.nixl_meta import CacheRegion, PeerInfo, pack_metadata, parse_metadata  # noqa: E402
-from common.transfer.nixl_staging import Staging, StagingPool  # noqa: E402
-from common.transfer.puller import (  # noqa: E402
+from common.memory import block_runs, bytes_of, paired_runs
+from common.paged_cache import PagedBuffer, PagePayload
+from common.transfer.channels import ChannelPool
+from common.transfer.grpc_stream import release_over_grpc
+from common.transfer.handle import PageHandle
+from common.transfer.nixl_meta import CacheRegion, PeerInfo, pack_metadata, parse_metadata
+from common.transfer.nixl_staging import Staging, StagingPool
+from common.transfer.puller import (
     PullFailed,
     check_destination,
     finish_even_if_cancelled,

@@ -211,3 +211,13 @@ def test_metadata_round_trip_and_runs():
     info = nixl_backend.parse_metadata(nixl_backend.pack_metadata("w", caches, b"\x00agent"))
     assert info.agent == "w" and info.caches == caches and info.agent_metadata == b"\x00agent"
     assert nixl_backend.block_runs((3, 4, 5, 1, 2, 7), 10) == [(30, 0, 30), (10, 30, 20), (70, 50, 10)]
+
+
+def test_importing_the_backend_leaves_ucx_network_choice_to_the_environment():
+    """A deployment across hosts names its interface; an import must not pin UCX to loopback behind its back."""
+    env = {k: v for k, v in os.environ.items() if k != "UCX_NET_DEVICES"}
+    code = "import os, common.transfer.nixl_backend; print(os.environ.get('UCX_NET_DEVICES'))"
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120,
+                         cwd=Path(__file__).resolve().parents[2])
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "None"
