@@ -10,7 +10,11 @@ Each `schedule()` forms one iteration:
   2. unfinished work: prefill chunks in progress, then images of partly encoded requests;
   3. new work from the queues, oldest first, while the token budget τ_t (prefill + decode
      tokens) and the image budget τ_e (images through the vision tower) last; nothing new takes KV
-     blocks while a preempted request waits for them.
+     blocks while a preempted request waits for them. With `image_token_cost`, each image encoded also takes
+     that many tokens of τ_t (the iteration's time is shared), and one image may still start an iteration
+     with no other new work, so images never starve behind long decode batches. With `iteration_time`, τ_t is
+     also held to what the step's decodes leave of the iteration's time limit (a decode at a long context
+     costs far more than the one token τ_t counts).
 A request whose last images a step encodes starts its prefill in that same step when τ_t has room (the
 runner encodes before the forward): it does not wait a whole iteration between its encode and its prefill.
 With `join_first` (a decoder that prefills while prefill workers hand requests over to it), the iteration
@@ -30,16 +34,20 @@ import dataclasses
 from collections import deque
 
 from common.kv_manager import ImageBlockManager, KVBlockManager
+from common.latency.budgets import IterationTime, Slowdown
 from common.request import Request, RequestStatus, Stage
 
 
 KV_ADMISSION = ("on-demand", "worst-case")
+MIN_CHUNK = 16  # prompt tokens an iteration carries however long its decodes take (with `iteration_time`)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class SchedulerConfig:
     token_budget: int = 2048  # τ_t: tokens (prefill chunks + decodes) per iteration
     image_budget: int = 4  # τ_e: images encoded per iteration
+    image_token_cost: int = 0  # tokens of τ_t one image's encode takes in the same iteration (0: budgets apart)
+    iteration_time: IterationTime | None = None  # the limit τ_t came from: new work gets what the decodes leave
     max_num_seqs: int = 64  # requests decoding at once
     enable_chunked_prefill: bool = True
     join_first: bool = False  # a handed-over request's first decode goes in a decode-only iteration (see above)
@@ -49,6 +57,8 @@ class SchedulerConfig:
         for name in ("token_budget", "image_budget", "max_num_seqs"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1")
+        if self.image_token_cost < 0:
+            raise ValueError("image_token_cost must be at least 0")
         if self.kv_admission not in KV_ADMISSION:
             raise ValueError(f"kv_admission must be one of {KV_ADMISSION}, got {self.kv_admission!r}")
 
@@ -78,6 +88,7 @@ class SchedulerOutput:
     prefills: list[PrefillChunk] = dataclasses.field(default_factory=list)  # prompt chunks, in request order
     encodes: list[EncodeWork] = dataclasses.field(default_factory=list)  # images through the vision tower
     handed_back: list[Request] = dataclasses.field(default_factory=list)  # preempted, not recomputable here: out
+    predicted_ms: float = 0.0  # the iteration's time by the profile (with `iteration_time`; 0 otherwise)
 
     @property
     def num_tokens(self) -> int:
@@ -115,6 +126,7 @@ class Scheduler:
         self.joined: set[str] = set()  # handed-over requests (KV in place) that have not decoded here yet
         self._last_had_work = False  # the last iteration carried prefill chunks or encodes
         self.num_preemptions = 0  # since start: recomputed here or handed back
+        self.slowdown = Slowdown()  # of iterations carrying new work, against `iteration_time`'s profile
 
     @property
     def has_work(self) -> bool:
@@ -148,6 +160,9 @@ class Scheduler:
             n = len(out.decodes)
             self.running = self.running[n:] + self.running[:n]
         tokens -= len(out.decodes)
+        context = sum(r.num_computed_tokens for r in out.decodes) if self.config.iteration_time else 0
+        if self.config.iteration_time is not None and tokens > 0:
+            tokens = self._tokens_beside(out, context, tokens)
         joining = False
         if self.joined:  # none left once every joiner has decoded: nothing to look up
             joining = any(r.request_id in self.joined for r in out.decodes)
@@ -155,9 +170,25 @@ class Scheduler:
         if joining and self.config.join_first and self._last_had_work:
             self._last_had_work = False
             return out  # decodes only: the joiners' first gap is the iteration before plus this short one
-        self._schedule_new_work(out, tokens, images)
+        self._schedule_new_work(out, tokens, images, context)
         self._last_had_work = bool(out.prefills or out.encodes)
+        if self.config.iteration_time is not None:
+            out.predicted_ms = self.config.iteration_time.predict_ms(
+                out.num_images, len(out.decodes), context, [(c.num_tokens, c.start) for c in out.prefills])
         return out
+
+    def observe(self, out: SchedulerOutput, elapsed_ms: float) -> None:
+        """The time the iteration `out` took (called by the engine): with `iteration_time`, iterations that
+        carried prompt or image work teach `slowdown`, which sizes the next ones."""
+        if out.predicted_ms and (out.prefills or out.encodes):
+            self.slowdown.observe(out.predicted_ms, elapsed_ms)
+
+    def _tokens_beside(self, out: SchedulerOutput, context: int, upper: int, chunk_context: int = 0) -> int:
+        """Prompt tokens the iteration's time leaves beside its decodes (`iteration_time`, `slowdown`) — at least
+        `MIN_CHUNK` in an iteration without other new work, so prompts never stall behind a long decode batch."""
+        fits = self.config.iteration_time.tokens_beside(len(out.decodes), context, upper, chunk_context,
+                                                        self.slowdown.factor)
+        return fits if fits or out.prefills or out.encodes else min(MIN_CHUNK, upper)
 
     @property
     def preempted_waiting(self) -> bool:
@@ -198,13 +229,16 @@ class Scheduler:
         request.status = RequestStatus.WAITING
         self.waiting.appendleft(request)
 
-    def _schedule_new_work(self, out: SchedulerOutput, tokens: int, images: int) -> None:
+    def _schedule_new_work(self, out: SchedulerOutput, tokens: int, images: int, context: int) -> None:
         for request in self.prefilling:
+            if self.config.iteration_time is not None and request.num_computed_tokens and tokens > 0:
+                # a later chunk attends to the prompt before it: fewer tokens fit, its own and any after it
+                tokens = self._tokens_beside(out, context, tokens, request.num_computed_tokens)
             tokens -= self._chunk(out, request, tokens)
         encoded = []  # partly encoded requests whose last images this step encodes
         for request in self.encoding:
-            n = self._encode(out, request, images)
-            images -= n
+            n = self._encode(out, request, self._image_room(out, images, tokens))
+            images, tokens = images - n, tokens - n * self.config.image_token_cost
             if self._encodes_rest(request, n):
                 encoded.append(request)
         while self.ready and tokens > 0 and self._admit_prefill(self.ready[0]):
@@ -221,13 +255,13 @@ class Scheduler:
                     if tokens > 0 and self._admit_without_encode(request):
                         self.waiting.remove(request)
                         tokens -= self._chunk(out, request, tokens)
-                elif images > 0 and self.images.can_allocate(request):
+                elif (room := self._image_room(out, images, tokens)) > 0 and self.images.can_allocate(request):
                     self.waiting.remove(request)
                     self.images.allocate(request)
                     request.status = RequestStatus.ENCODING
                     self.encoding.append(request)
-                    n = self._encode(out, request, images)
-                    images -= n
+                    n = self._encode(out, request, room)
+                    images, tokens = images - n, tokens - n * self.config.image_token_cost
                     if self._encodes_rest(request, n):
                         tokens -= self._fuse(out, request, tokens)
             elif tokens > 0 and self._admit_prefill(request):
@@ -273,6 +307,15 @@ class Scheduler:
             return 0
         out.prefills.append(PrefillChunk(request, start, n))
         return n
+
+    def _image_room(self, out: SchedulerOutput, images: int, tokens: int) -> int:
+        """Images this step can still encode: what is left of τ_e and, with `image_token_cost`, of τ_t — at least
+        one in a step that carries no prefill or encode yet."""
+        cost = self.config.image_token_cost
+        if not cost or images <= 0:
+            return max(images, 0)
+        room = max(tokens, 0) // cost
+        return min(images, room if room or out.prefills or out.encodes else 1)
 
     def _encode(self, out: SchedulerOutput, request: Request, budget: int) -> int:
         n = min(len(request.images) - request.num_encoded_images, budget)

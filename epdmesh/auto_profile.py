@@ -35,14 +35,27 @@ def _cpu_name() -> str:
     return platform.processor() or platform.machine()
 
 
+# the code whose speed a profile measures: a change to any of it measures again
+ENGINE_SOURCES = ("kernels/*.py", "common/model/*.py", "common/engine/model_runner.py", "common/paged_cache.py")
+
+
+def engine_digest() -> str:
+    root = Path(__file__).resolve().parent.parent
+    digest = hashlib.sha256()
+    for path in sorted(p for pattern in ENGINE_SOURCES for p in root.glob(pattern)):
+        digest.update(path.relative_to(root).as_posix().encode() + b"\0" + path.read_bytes())
+    return digest.hexdigest()[:16]
+
+
 def setup_key(model: str, dtype: str, device: str, threads: int, eager: bool) -> dict:
-    """What a profile depends on: the checkpoint (its path and files' sizes and times), the numerics, the host."""
+    """What a profile depends on: the checkpoint (its path and files' sizes and times), the numerics, the host, and
+    the engine's compute code (`ENGINE_SOURCES`)."""
     model_dir = Path(model).resolve()
     files = sorted((p.name, p.stat().st_size, int(p.stat().st_mtime)) for p in model_dir.glob("*.safetensors"))
     import torch
 
     return dict(model=str(model_dir), files=files, dtype=dtype, device=device, threads=threads, eager=eager,
-                cpu=_cpu_name(), cores=os.cpu_count(), torch=torch.__version__, format=1)
+                cpu=_cpu_name(), cores=os.cpu_count(), torch=torch.__version__, engine=engine_digest(), format=1)
 
 
 def profile_path(key: dict) -> Path:

@@ -34,7 +34,7 @@ def _engine_config(args, roles: str = "encode,prefill,decode"):
         max_model_len=args.max_model_len, attention_backend=args.attention_backend,
         enable_prefix_caching=args.enable_prefix_caching, share_weights=getattr(args, "share_weights", False),
         compile=_compiles(args),
-        scheduler=SchedulerConfig(*_budgets(args, parse_roles(roles)),
+        scheduler=SchedulerConfig(**_budgets(args, parse_roles(roles)),
                                   max_num_seqs=args.max_num_seqs, join_first=_decoder_joins(args)[1],
                                   kv_admission=args.kv_admission),
     )
@@ -61,35 +61,53 @@ def _decoder_joins(args) -> tuple[bool, bool]:
     return decoder_joins(getattr(args, "decoder_joins", "auto"))
 
 
-def _budgets(args, roles) -> tuple[int, int]:
-    """(τ_t, τ_e): given explicitly, else derived from --latency-profile and the SLOs, else 2048 tokens / 4 images."""
+def _budgets(args, roles) -> dict[str, int]:
+    """SchedulerConfig's budgets: τ_t and τ_e given explicitly, else derived from --latency-profile and the SLOs
+    (with an image's token cost and the iteration's time limit, which come only with a derived τ_t), else 2048
+    tokens and 4 images, apart."""
     token, image = getattr(args, "token_budget", None), getattr(args, "image_budget", None)
     profile_path = getattr(args, "latency_profile", None)
     if profile_path and (token is None or image is None):
-        from common.latency.budgets import budgets_for
+        from common.latency.budgets import IterationTime, budgets_for
         from common.latency.roofline import load_profile
         from common.request import Stage
 
         joins, join_first = _decoder_joins(args)
-        derived = budgets_for(load_profile(profile_path), Stage.DECODE in roles, args.slo_ttft_ms, args.slo_tbt_ms,
+        profile = load_profile(profile_path)
+        derived = budgets_for(profile, Stage.DECODE in roles, args.slo_ttft_ms, args.slo_tbt_ms,
                               headroom=args.budget_headroom, alpha=args.budget_alpha, joins=joins, join_first=join_first)
         log = logging.getLogger("epdmesh")
-        log.info("budgets from %s for a %.0f ms iteration limit: %d tokens, %d images per iteration",
-                 profile_path, derived.limit_ms, derived.token_budget, derived.image_budget)
+        log.info("budgets from %s for a %.0f ms iteration limit: %d tokens, %d images per iteration, an image "
+                 "taking %d of the tokens", profile_path, derived.limit_ms, derived.token_budget, derived.image_budget,
+                 derived.image_token_cost)
         if not derived.fits:
             log.warning("even a batch of one exceeds the %.0f ms limit on this profile: the SLOs cannot be met",
                         derived.limit_ms)
+        derived_tokens = token is None
         token = derived.token_budget if token is None else token
         image = derived.image_budget if image is None else image
-    return (2048 if token is None else token), (4 if image is None else image)
+        return dict(token_budget=token, image_budget=image,
+                    image_token_cost=derived.image_token_cost if derived_tokens else 0,
+                    iteration_time=IterationTime(profile, derived.limit_ms) if derived_tokens else None)
+    return dict(token_budget=2048 if token is None else token, image_budget=4 if image is None else image)
 
 
 def _serving_process(args) -> None:
-    """Settings of a process that serves: torch threads, and malloc keeping freed memory (no page faults per forward)."""
+    """Settings of a process that serves: malloc keeping freed memory (no page faults per forward). Its torch
+    threads go to the engine thread (`_engine_threads`)."""
     from common.memory import keep_freed_memory
 
-    _set_threads(args)
     keep_freed_memory()
+
+
+def _engine_threads(args) -> int | None:
+    """Intra-op threads of a serving process's engine thread: --threads, else torch's default (the cores); None
+    for the emulated backend, which computes nothing."""
+    if getattr(args, "backend", "torch") == "emulated":
+        return None
+    import torch
+
+    return args.threads or torch.get_num_threads()
 
 
 def _set_threads(args) -> None:
@@ -129,7 +147,8 @@ def _cmd_serve(args) -> int:
     _serving_process(args)
     metrics, tracing = _gateway_telemetry(args)
     processor = _chat_processor(args)
-    engine = AsyncEngine(build_engine(_engine_config(args), _emulation(args)))
+    config, emulation = _engine_config(args), _emulation(args)
+    engine = AsyncEngine(build=lambda: build_engine(config, emulation), threads=_engine_threads(args))
     logging.getLogger("epdmesh").info("serving %s (%s) in one process on http://%s:%d/v1", args.served_model_name,
                                       args.model, args.host, args.port)
     try:
@@ -150,7 +169,7 @@ def _cmd_worker(args) -> int:
                             advertise_host=args.advertise_host, worker_id=args.worker_id, toggle=args.toggle,
                             transfer=args.transfer, lease_ttl_s=args.lease_ttl, grace_s=args.grace,
                             metrics_port=None if args.metrics_port < 0 else args.metrics_port,
-                            emulation=_emulation(args), stage_calls=args.stage_calls)
+                            emulation=_emulation(args), stage_calls=args.stage_calls, threads=_engine_threads(args))
     uvloop.run(run_worker(options))
     return 0
 

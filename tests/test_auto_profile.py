@@ -34,11 +34,14 @@ def test_a_setup_is_profiled_once_and_its_profile_reused(tiny_dir, tmp_path, mon
 def test_the_key_holds_what_a_profile_depends_on(tiny_dir, tmp_path, monkeypatch):
     monkeypatch.setenv("EPDMESH_HOME", str(tmp_path))
     key = setup_key(str(tiny_dir), "float32", "cpu", 1, True)
-    assert {"model", "files", "dtype", "device", "threads", "eager", "cpu", "torch"} <= set(key)
+    assert {"model", "files", "dtype", "device", "threads", "eager", "cpu", "torch", "engine"} <= set(key)
     paths = {profile_path(setup_key(str(tiny_dir), *v)) for v in
              [("float32", "cpu", 1, True), ("bfloat16", "cpu", 1, True), ("float32", "cpu", 2, True),
               ("float32", "cpu", 1, False)]}
     assert len(paths) == 4
+    # the engine's compute code is part of the setup: a faster kernel is measured again
+    monkeypatch.setattr("epdmesh.auto_profile.ENGINE_SOURCES", ("kernels/*.py",))
+    assert setup_key(str(tiny_dir), "float32", "cpu", 1, True)["engine"] != key["engine"]
 
 
 def test_only_serve_without_a_profile_or_budgets_measures(tiny_dir):

@@ -22,11 +22,12 @@ def test_budgets_come_from_the_profile_and_the_slos(tmp_path):
     decode = config_for("--roles", "decode", "--latency-profile", str(path), "--slo-ttft-ms", "400", "--slo-tbt-ms", "50")
     expected = budgets_for(analytic_profile("H100"), True, 400, 50)  # limit TBT = 50 ms
     assert (decode.token_budget, decode.image_budget) == (expected.token_budget, expected.image_budget)
+    assert decode.image_token_cost == expected.image_token_cost > 0
     assert decode.token_budget < prefill.token_budget  # a decode instance keeps its iterations short
     explicit = config_for("--roles", "decode", "--latency-profile", str(path), "--token-budget", "99")
-    assert explicit.token_budget == 99
+    assert (explicit.token_budget, explicit.image_token_cost) == (99, 0)  # a given τ_t is the user's: no cost
     plain = config_for("--roles", "decode")
-    assert (plain.token_budget, plain.image_budget) == (2048, 4)
+    assert (plain.token_budget, plain.image_budget, plain.image_token_cost) == (2048, 4, 0)
     joined = config_for("--roles", "prefill,decode", "--latency-profile", str(path), "--slo-tbt-ms", "50",
                         "--decoder-joins", "on")
     assert joined.token_budget == budgets_for(analytic_profile("H100"), True, 2000, 50, joins=True).token_budget

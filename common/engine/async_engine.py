@@ -21,6 +21,7 @@ from typing import TypeVar
 
 from common.engine.engine import Engine, RequestRejected
 from common.engine.grammar import GrammarRejected
+from common.engine.threads import use_intra_op_threads
 from common.engine.outputs import RequestOutput
 from common.paged_cache import PagePayload
 from common.request import Request
@@ -34,9 +35,19 @@ class EngineDead(RuntimeError):
 
 
 class AsyncEngine:
-    def __init__(self, engine: Engine, on_iteration: Callable[[float], None] | None = None):
-        """`on_iteration(seconds)` is called on the engine thread after every step that did work."""
-        self.engine = engine
+    def __init__(self, engine: Engine | None = None, on_iteration: Callable[[float], None] | None = None,
+                 build: Callable[[], Engine] | None = None, threads: int | None = None):
+        """`on_iteration(seconds)` is called on the engine thread after every step that did work. Instead of an
+        `engine`, `build` makes one: it is called on the engine thread, and the constructor returns once it has
+        (raising what it raised). `threads`: the engine thread gets that many intra-op threads and every thread
+        that has not computed yet, this one included, one (`common/engine/threads.py`)."""
+        if (engine is None) == (build is None):
+            raise ValueError("give an engine or a function that builds one")
+        self.engine: Engine = engine
+        self._build = build
+        self._threads = threads
+        self._built = threading.Event()
+        self._build_error: BaseException | None = None
         self.on_iteration = on_iteration
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
@@ -48,6 +59,12 @@ class AsyncEngine:
         self.last_iteration_ms = 0.0
         self._iteration_started = 0.0  # perf_counter() at the start of the step under way; 0 between steps
         self._thread.start()
+        self._built.wait()
+        if self._build_error is not None:
+            self._thread.join()
+            raise self._build_error
+        if threads is not None:
+            use_intra_op_threads(1)  # after the engine thread fixed its own count
 
     async def generate(
         self, request: Request, image_pages: PagePayload | None = None, kv_pages: PagePayload | None = None,
@@ -133,7 +150,18 @@ class AsyncEngine:
                 pass
 
     def _run(self) -> None:
-        """The thread: the loop, then — however it ended — every caller still waiting is told."""
+        """The thread: the engine built (if it comes as a function), the loop, then — however it ended — every
+        caller still waiting is told."""
+        try:
+            if self._threads is not None:
+                use_intra_op_threads(self._threads)
+            if self._build is not None:
+                self.engine = self._build()
+        except BaseException as exc:
+            self._build_error = exc
+            return
+        finally:
+            self._built.set()
         try:
             self._loop()
         except BaseException as exc:

@@ -224,7 +224,7 @@ class Engine(PageHandover):
             handed_back = [self._hand_back(request) for request in plan.handed_back]
             if plan.is_empty:
                 return handed_back
-            now = time.monotonic()
+            now, started = time.monotonic(), time.perf_counter()
             for request in plan.requests:
                 if request.first_scheduled_time is None:
                     request.first_scheduled_time = now
@@ -233,6 +233,7 @@ class Engine(PageHandover):
         except Exception as e:  # the model failed (out of memory, say): the caller fails the plan and what else runs
             raise StepFailed([request.request_id for request in plan.requests], e, handed_back) from e
         with self.lock:
+            self.scheduler.observe(plan, (time.perf_counter() - started) * 1e3)
             try:
                 return handed_back + self._postprocess(plan, sampling, tokens)
             except Exception as e:  # a bug of ours, part-way through the plan: drop all of it, pages freed

@@ -1,15 +1,18 @@
 """Stage budgets (TriInfer): the largest batch whose predicted iteration time stays within the stage's
 time limit — α·TTFT_max on instances without the decode role (a request needs at least two iterations,
 encode then prefill, before its first token), TBT_max on instances with it. Iteration time grows with
-batch size, so a binary search over the latency model finds it.
+batch size, so a binary search over the latency model finds it. An iteration may carry both kinds of work (a
+request's last image and the first chunk of its prompt, say): `image_token_cost` is what one image's encode takes
+from the token budget of the same iteration, so the two together still fit the limit.
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 from collections.abc import Callable
 
-from common.latency.model import LatencyProfile, decode_ms, encode_ms, prefill_chunk_ms
+from common.latency.model import LatencyProfile, decode_ms, encode_ms, iteration_ms, prefill_chunk_ms
 
 ALPHA = 0.5
 # what a decode-only iteration costs where decoders put a joining request's first decode in one (`join_first`):
@@ -23,6 +26,47 @@ class Budgets:
     token_budget: int  # τ_t
     limit_ms: float  # the iteration-time limit they were derived for
     fits: bool  # False: even a batch of one exceeds the limit (budgets are 1)
+    image_token_cost: int = 0  # tokens of τ_t one image's encode takes in the same iteration
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class IterationTime:
+    """An iteration's time limit and the profile that predicts it. τ_t counts a decode as one token, but at long
+    contexts a decode reads far more KV than a prompt token computes: `tokens_beside` is what the iteration's own
+    decodes leave for a prompt chunk."""
+    profile: LatencyProfile
+    limit_ms: float
+
+    def tokens_beside(self, decodes: int, context_tokens: int, upper: int, chunk_context: int = 0,
+                      slowdown: float = 1.0) -> int:
+        """Prompt tokens (a chunk after `chunk_context` tokens of its prompt) that fit within the limit beside
+        `decodes` sequences holding `context_tokens` KV tokens, on a host `slowdown` times slower than the profile."""
+        return largest_within(lambda t: iteration_ms(self.profile, decodes=decodes, decode_context=context_tokens,
+                                                     chunks=((t, chunk_context),)), self.limit_ms / slowdown, upper)
+
+    def predict_ms(self, images: int, decodes: int, context_tokens: int, chunks: list[tuple[int, int]]) -> float:
+        return iteration_ms(self.profile, images=images, decodes=decodes, decode_context=context_tokens, chunks=chunks)
+
+
+class Slowdown:
+    """How much longer this host's iterations take than its profile predicts — the gateway, the page server and
+    the load generator share its cores, which the profile measured without them. A high quantile of the recent
+    ratios actual / predicted, so that most iterations sized by it land within their limit."""
+
+    def __init__(self, window: int = 64, quantile: float = 0.8, bounds: tuple[float, float] = (0.5, 4.0)):
+        if window < 1 or not 0 < quantile <= 1 or not 0 < bounds[0] <= 1 <= bounds[1]:
+            raise ValueError("need window >= 1, 0 < quantile <= 1 and bounds around 1")
+        self._ratios: collections.deque[float] = collections.deque(maxlen=window)
+        self.quantile, self.bounds = quantile, bounds
+        self.factor = 1.0  # no iteration observed yet: the profile as it is
+
+    def observe(self, predicted_ms: float, actual_ms: float) -> None:
+        if predicted_ms <= 0 or actual_ms <= 0:
+            return
+        self._ratios.append(actual_ms / predicted_ms)
+        ranked = sorted(self._ratios)
+        ratio = ranked[min(len(ranked) - 1, int(self.quantile * len(ranked)))]
+        self.factor = min(max(ratio, self.bounds[0]), self.bounds[1])
 
 
 def largest_within(time_of: Callable[[int], float], limit_ms: float, upper: int) -> int:
@@ -65,4 +109,6 @@ def budgets_for(profile: LatencyProfile, has_decode: bool, ttft_ms: float, tbt_m
         limit = max(limit, tbt_ms * headroom - join)
     images = largest_within(lambda n: encode_ms(profile, n), limit, max_images)
     tokens = largest_within(lambda t: prefill_chunk_ms(profile, t), limit, max_tokens)
-    return Budgets(max(images, 1), max(tokens, 1), limit, fits=images > 0 and tokens > 0)
+    beside_image = largest_within(lambda t: prefill_chunk_ms(profile, t), limit - encode_ms(profile, 1), max_tokens)
+    return Budgets(max(images, 1), max(tokens, 1), limit, fits=images > 0 and tokens > 0,
+                   image_token_cost=max(tokens - beside_image, 1))

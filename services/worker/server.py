@@ -55,6 +55,7 @@ class WorkerOptions:
     metrics_port: int | None = 0  # Prometheus /metrics on host:port (0: any free port; None: off)
     stage_calls: str = "stream"  # how this worker calls others (AwaitEncode): stream | unary (services/stage_calls)
     emulation: EmulationOptions | None = None  # run the emulated backend instead of the model
+    threads: int | None = None  # intra-op threads of the engine thread, the only one that computes (None: as is)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -118,14 +119,18 @@ async def run_worker(options: WorkerOptions, engine: Engine | None = None, ready
     config = options.engine
     label = "".join(s.name[0] for s in sorted(config.roles)).lower()
     tracing = Tracing(f"epdmesh-worker-{label}")  # before any server or channel: it instruments grpc.aio
-    if engine is None:
-        engine = await asyncio.to_thread(build_engine, config, options.emulation)
     server = grpc.aio.server(options=CHANNEL_OPTIONS)
     port = server.add_insecure_port(f"{options.host}:{options.port}")
     address = f"{options.advertise_host or options.host}:{port}"
     worker_id = options.worker_id or f"{label}-{port}"
     metrics = WorkerMetrics(worker_id, label.upper())
-    async_engine = AsyncEngine(engine, on_iteration=metrics.iteration.labels(**metrics.labels).observe)
+    on_iteration = metrics.iteration.labels(**metrics.labels).observe
+    if engine is None:  # built on the thread that steps it (common/engine/threads.py)
+        async_engine = await asyncio.to_thread(AsyncEngine, on_iteration=on_iteration, threads=options.threads,
+                                               build=lambda: build_engine(config, options.emulation))
+        engine = async_engine.engine
+    else:
+        async_engine = AsyncEngine(engine, on_iteration=on_iteration)
     channels = ChannelPool()
     transfer = make_transfer(options.transfer, engine, channels, worker_id)
     runtime = WorkerRuntime(worker_id, address, async_engine, transfer.puller, options.lease_ttl_s,

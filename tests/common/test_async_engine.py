@@ -109,3 +109,57 @@ def test_a_second_caller_with_a_request_id_in_use_is_refused_and_the_first_keeps
         asyncio.run(scenario())
     finally:
         async_engine.shutdown()
+
+
+def test_an_engine_built_by_the_thread_that_steps_it_answers_and_a_failed_build_raises_here(tiny_dir):
+    built_on = []
+
+    def build():
+        built_on.append(threading.current_thread().name)
+        return Engine(EngineConfig(model=str(tiny_dir), kv_cache_gib=0.02, image_cache_gib=0.01))
+
+    async def answer(engine):
+        request = Request("r", [1, 5, 6, 7], SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))
+        return [t async for out in engine.generate(request) for t in out.new_token_ids]
+
+    engine = AsyncEngine(build=build)
+    try:
+        assert built_on == ["engine"] and len(asyncio.run(answer(engine))) == 3
+    finally:
+        engine.shutdown()
+
+    def broken():
+        raise OSError("no checkpoint here")
+
+    with pytest.raises(OSError, match="no checkpoint here"):
+        AsyncEngine(build=broken)
+    with pytest.raises(ValueError, match="an engine or a function"):
+        AsyncEngine()
+
+
+CHILD = """
+import asyncio, sys, torch
+sys.path.insert(0, {root!r})
+from common.engine.async_engine import AsyncEngine
+from common.engine.config import EngineConfig
+from common.engine.engine import Engine
+engine = AsyncEngine(build=lambda: Engine(EngineConfig(model={model!r}, kv_cache_gib=0.02, image_cache_gib=0.01)),
+                     threads=2)
+async def counts():
+    return await engine.call(lambda e: torch.get_num_threads())
+torch.ones(1 << 20).add_(1)  # a parallel-sized op here: one thread, no second OpenMP team
+print(asyncio.run(counts()), torch.get_num_threads())
+engine.shutdown()
+"""
+
+
+def test_with_threads_only_the_engine_thread_computes_in_parallel(tiny_dir):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = str(Path(__file__).resolve().parents[2])
+    out = subprocess.run([sys.executable, "-c", CHILD.format(root=root, model=str(tiny_dir))], capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["2", "1"]  # the engine thread's count, the caller's

@@ -8,7 +8,8 @@ import sys
 import pytest
 
 from common.latency import LatencyProfile, StageCost, decode_ms, encode_ms, prefill_chunk_ms, prefill_ms, transfer_ms
-from common.latency.budgets import budgets_for, largest_within, stage_limit_ms
+from common.latency.budgets import IterationTime, Slowdown, budgets_for, largest_within, stage_limit_ms
+from common.latency.model import iteration_ms
 from common.latency.roofline import LLAVA_15_7B, TRIINFER_H20, analytic_profile, saturation_points
 
 
@@ -66,8 +67,24 @@ def test_budgets_are_the_largest_batches_under_the_stage_limit(has_decode):
     assert b.limit_ms == limit == stage_limit_ms(has_decode, 200, 30) and b.fits
     assert encode_ms(p, b.image_budget) <= limit < encode_ms(p, b.image_budget + 1)
     assert prefill_chunk_ms(p, b.token_budget) <= limit < prefill_chunk_ms(p, b.token_budget + 1)
+    beside = b.token_budget - b.image_token_cost  # tokens that fit beside one image's encode
+    assert 0 < b.image_token_cost < b.token_budget
+    assert encode_ms(p, 1) + prefill_chunk_ms(p, beside) <= limit < encode_ms(p, 1) + prefill_chunk_ms(p, beside + 1)
     tight = budgets_for(p, has_decode, ttft_ms=2, tbt_ms=1)
     assert (tight.image_budget, tight.token_budget, tight.fits) == (1, 1, False)
+
+
+def test_an_iterations_decodes_leave_fewer_prompt_tokens_the_longer_their_context():
+    p, limit = profile(), 100.0
+    time = IterationTime(p, limit)
+    alone = time.tokens_beside(0, 0, 1 << 15)
+    assert alone == budgets_for(p, True, 1000, limit).token_budget
+    short, long = time.tokens_beside(8, 8 * 100, 1 << 15), time.tokens_beside(8, 8 * 1000, 1 << 15)
+    assert 0 < long < short < alone
+    for decodes, context, tokens in ((8, 800, short), (8, 8000, long)):
+        assert iteration_ms(p, decodes=decodes, decode_context=context, chunks=[(tokens, 0)]) <= limit
+        assert iteration_ms(p, decodes=decodes, decode_context=context, chunks=[(tokens + 1, 0)]) > limit
+    assert time.tokens_beside(8, 8000, upper=10) == 10 and time.tokens_beside(8, 10**6, 1 << 15) == 0
 
 
 def test_h20_roofline_saturates_where_triinfer_measured():
@@ -189,3 +206,18 @@ def test_request_cost_is_a_lower_bound_of_every_schedule_and_a_tight_one(hardwar
         iteration_ms(p, decodes=4096, decode_context=4096 * (prompt + t)) / 64 for t in range(out))
     assert packed <= n * per_request * 1.1
     assert goodput_bound(p, 8, prompt, 1, out) == pytest.approx(2 * goodput_bound(p, 4, prompt, 1, out))
+
+
+def test_the_slowdown_is_a_high_quantile_of_recent_ratios_within_bounds():
+    slow = Slowdown(window=10, quantile=0.8, bounds=(0.5, 4.0))
+    assert slow.factor == 1.0
+    for ratio in (1.0, 1.1, 1.2, 1.3, 1.4, 1.5, 1.6, 1.7, 1.8, 3.0):
+        slow.observe(10.0, 10.0 * ratio)
+    assert slow.factor == pytest.approx(1.8)  # the 9th of 10: one outlier does not size every iteration
+    slow.observe(0.0, 5.0)  # nothing predicted: nothing learnt
+    assert slow.factor == pytest.approx(1.8)
+    for _ in range(10):
+        slow.observe(1.0, 100.0)
+    assert slow.factor == 4.0  # the window forgot the rest; the bound holds
+    with pytest.raises(ValueError):
+        Slowdown(quantile=0)

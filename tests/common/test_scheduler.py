@@ -1,9 +1,12 @@
 import subprocess
 import sys
 
+import pytest
+
 from common.kv_manager import ImageBlockManager, KVBlockManager
 from common.request import ImageInput, Request, RequestStatus, Stage
 from common.sampling import SamplingParams
+from common.latency.budgets import IterationTime
 from common.scheduler import Scheduler, SchedulerConfig
 
 TORCH_FREE = ["common.scheduler", "common.block_pool", "common.kv_manager", "common.request", "common.sampling"]
@@ -20,9 +23,10 @@ def req(rid, prompt=10, max_tokens=4, images=0, **kw):
     return Request(rid, list(range(prompt)), SamplingParams(max_tokens=max_tokens), imgs, **kw)
 
 
-def make(token_budget=16, image_budget=2, max_num_seqs=8, chunked=True, kv_blocks=64, image_blocks=16):
+def make(token_budget=16, image_budget=2, max_num_seqs=8, chunked=True, kv_blocks=64, image_blocks=16,
+         image_token_cost=0):
     config = SchedulerConfig(token_budget=token_budget, image_budget=image_budget, max_num_seqs=max_num_seqs,
-                             enable_chunked_prefill=chunked)
+                             enable_chunked_prefill=chunked, image_token_cost=image_token_cost)
     return Scheduler(config, KVBlockManager(kv_blocks, 4), ImageBlockManager(image_blocks, 4))
 
 
@@ -190,6 +194,56 @@ def test_join_first_gives_a_joining_requests_first_decode_a_decode_only_iteratio
         (["j1", "j3", "j4"], 13),  # nobody new
     ]
     assert all(tokens for _, tokens in run(join_first=False))  # without it every iteration carries a chunk
+
+
+def test_with_an_image_token_cost_images_and_prompt_chunks_share_one_iteration():
+    s = make(token_budget=16, image_budget=4, image_token_cost=6)
+    first, second = req("first", prompt=20, images=1), req("second", prompt=10, images=2)
+    s.add(first)
+    s.add(second)
+    plan = step(s)  # first's image (6) + 10 of its prompt; 'second' would take 12 more: it waits
+    assert [(e.request.request_id, e.num_images) for e in plan.encodes] == [("first", 1)]
+    assert [(c.request.request_id, c.num_tokens) for c in plan.prefills] == [("first", 10)]
+    plan = step(s)  # first's last 10 tokens leave 6: one image of 'second', none of its prompt
+    assert [(c.request.request_id, c.num_tokens) for c in plan.prefills] == [("first", 10)]
+    assert [(e.request.request_id, e.num_images) for e in plan.encodes] == [("second", 1)]
+    plan = step(s)  # one decode, its last image (6), 9 tokens of its prompt
+    assert plan.decodes == [first] and [(e.request.request_id, e.num_images) for e in plan.encodes] == [("second", 1)]
+    assert [(c.request.request_id, c.num_tokens) for c in plan.prefills] == [("second", 9)]
+    with pytest.raises(ValueError, match="image_token_cost"):
+        SchedulerConfig(image_token_cost=-1)
+
+
+def test_with_an_iteration_time_the_decodes_context_shrinks_the_prompt_chunk_beside_them():
+    from common.latency import LatencyProfile, StageCost
+
+    flat = StageCost(per_unit_ms=1.0)  # 1 ms per token; a decode also reads its context at 0.1 ms per KV token
+    p = LatencyProfile("t", "measured", "cpu", "m", flat, flat, StageCost(per_unit_ms=1.0, quadratic_ms=0.1), 0.0, 1.0, 4)
+    s = Scheduler(SchedulerConfig(token_budget=40, iteration_time=IterationTime(p, 40.0)), KVBlockManager(64, 4),
+                  ImageBlockManager(16, 4))
+    first = req("first", prompt=50, max_tokens=8)
+    s.add(first)
+    assert [c.num_tokens for c in step(s).prefills] == [40]  # no decodes: τ_t
+    step(s)  # its last 10 tokens
+    s.add(req("second", prompt=40))
+    plan = step(s)  # one decode over 50 KV tokens: (1 + t) + 5 ms <= 40 leaves t = 34 beside it, not 39
+    assert plan.decodes == [first] and [c.num_tokens for c in plan.prefills] == [34]
+    assert plan.predicted_ms == pytest.approx(1 + 34 + 5.0)
+    s.observe(plan, 2 * plan.predicted_ms)  # the host ran it twice as slowly as the profile says
+    assert s.slowdown.factor == 2.0
+    plan = step(s)  # the rest of 'second' at context 34: 20 ms leave (1 + t) + 5.1 + its attention (none here)
+    assert [c.num_tokens for c in plan.prefills] == [6] and plan.predicted_ms <= 20
+
+
+def test_an_image_costing_more_than_the_tokens_left_still_starts_an_iteration_without_other_new_work():
+    s = make(token_budget=4, image_budget=2, image_token_cost=8)
+    running = [req(f"d{i}", prompt=1) for i in range(4)]
+    for r in running:
+        s.add(r)
+        step(s)
+    s.add(req("img", prompt=8, images=2))
+    plan = step(s)  # four decodes fill τ_t; the image goes alone, its prompt and the second image wait
+    assert len(plan.decodes) == 4 and [e.num_images for e in plan.encodes] == [1] and not plan.prefills
 
 
 def step(s: Scheduler):
