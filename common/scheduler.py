@@ -31,10 +31,11 @@ the vision tower (as vLLM does): it goes from waiting straight to prefilling, fr
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections import deque
 
 from common.kv_manager import ImageBlockManager, KVBlockManager
-from common.latency.budgets import IterationTime, Slowdown
+from common.latency.budgets import IterationTime, Overrun
 from common.request import Request, RequestStatus, Stage
 
 
@@ -126,7 +127,8 @@ class Scheduler:
         self.joined: set[str] = set()  # handed-over requests (KV in place) that have not decoded here yet
         self._last_had_work = False  # the last iteration carried prefill chunks or encodes
         self.num_preemptions = 0  # since start: recomputed here or handed back
-        self.slowdown = Slowdown()  # of iterations carrying new work, against `iteration_time`'s profile
+        self.overrun = Overrun()  # of iterations carrying prompt work only, past `iteration_time`'s profile
+        self.encode_overrun = Overrun()  # of iterations that encode: an image here may cost more than profiled
 
     @property
     def has_work(self) -> bool:
@@ -179,15 +181,27 @@ class Scheduler:
 
     def observe(self, out: SchedulerOutput, elapsed_ms: float) -> None:
         """The time the iteration `out` took (called by the engine): with `iteration_time`, iterations that
-        carried prompt or image work teach `slowdown`, which sizes the next ones."""
+        carried prompt or image work teach `overrun` / `encode_overrun`, which size the next ones."""
         if out.predicted_ms and (out.prefills or out.encodes):
-            self.slowdown.observe(out.predicted_ms, elapsed_ms)
+            (self.encode_overrun if out.encodes else self.overrun).observe(out.predicted_ms, elapsed_ms)
+
+    @property
+    def image_token_cost(self) -> int:
+        """`image_token_cost`, plus (with `iteration_time`) the tokens of what iterations that encode overrun the
+        profile by beyond the others — what encoding here costs that the profile did not see."""
+        cost = self.config.image_token_cost
+        if cost and self.config.iteration_time is not None:
+            extra_ms = self.encode_overrun.ms - self.overrun.ms
+            per_token = self.config.iteration_time.profile.prefill.per_unit_ms
+            if extra_ms > 0 and per_token > 0:
+                cost += math.ceil(extra_ms / per_token)
+        return cost
 
     def _tokens_beside(self, out: SchedulerOutput, context: int, upper: int, chunk_context: int = 0) -> int:
-        """Prompt tokens the iteration's time leaves beside its decodes (`iteration_time`, `slowdown`) — at least
+        """Prompt tokens the iteration's time leaves beside its decodes (`iteration_time`, `overrun`) — at least
         `MIN_CHUNK` in an iteration without other new work, so prompts never stall behind a long decode batch."""
         fits = self.config.iteration_time.tokens_beside(len(out.decodes), context, upper, chunk_context,
-                                                        self.slowdown.factor)
+                                                        self.overrun.ms)
         return fits if fits or out.prefills or out.encodes else min(MIN_CHUNK, upper)
 
     @property
@@ -238,7 +252,7 @@ class Scheduler:
         encoded = []  # partly encoded requests whose last images this step encodes
         for request in self.encoding:
             n = self._encode(out, request, self._image_room(out, images, tokens))
-            images, tokens = images - n, tokens - n * self.config.image_token_cost
+            images, tokens = images - n, tokens - n * self.image_token_cost
             if self._encodes_rest(request, n):
                 encoded.append(request)
         while self.ready and tokens > 0 and self._admit_prefill(self.ready[0]):
@@ -261,7 +275,7 @@ class Scheduler:
                     request.status = RequestStatus.ENCODING
                     self.encoding.append(request)
                     n = self._encode(out, request, room)
-                    images, tokens = images - n, tokens - n * self.config.image_token_cost
+                    images, tokens = images - n, tokens - n * self.image_token_cost
                     if self._encodes_rest(request, n):
                         tokens -= self._fuse(out, request, tokens)
             elif tokens > 0 and self._admit_prefill(request):
@@ -311,7 +325,7 @@ class Scheduler:
     def _image_room(self, out: SchedulerOutput, images: int, tokens: int) -> int:
         """Images this step can still encode: what is left of τ_e and, with `image_token_cost`, of τ_t — at least
         one in a step that carries no prefill or encode yet."""
-        cost = self.config.image_token_cost
+        cost = self.image_token_cost
         if not cost or images <= 0:
             return max(images, 0)
         room = max(tokens, 0) // cost

@@ -38,35 +38,38 @@ class IterationTime:
     limit_ms: float
 
     def tokens_beside(self, decodes: int, context_tokens: int, upper: int, chunk_context: int = 0,
-                      slowdown: float = 1.0) -> int:
-        """Prompt tokens (a chunk after `chunk_context` tokens of its prompt) that fit within the limit beside
-        `decodes` sequences holding `context_tokens` KV tokens, on a host `slowdown` times slower than the profile."""
+                      overrun_ms: float = 0.0) -> int:
+        """Prompt tokens (a chunk after `chunk_context` tokens of its prompt) that fit beside `decodes` sequences
+        holding `context_tokens` KV tokens, within the limit less what iterations here overrun the profile by
+        (`Overrun`; never below a quarter of the limit)."""
+        limit = max(self.limit_ms - overrun_ms, self.limit_ms / 4)
         return largest_within(lambda t: iteration_ms(self.profile, decodes=decodes, decode_context=context_tokens,
-                                                     chunks=((t, chunk_context),)), self.limit_ms / slowdown, upper)
+                                                     chunks=((t, chunk_context),)), limit, upper)
 
     def predict_ms(self, images: int, decodes: int, context_tokens: int, chunks: list[tuple[int, int]]) -> float:
         return iteration_ms(self.profile, images=images, decodes=decodes, decode_context=context_tokens, chunks=chunks)
 
 
-class Slowdown:
-    """How much longer this host's iterations take than its profile predicts — the gateway, the page server and
-    the load generator share its cores, which the profile measured without them. A high quantile of the recent
-    ratios actual / predicted, so that most iterations sized by it land within their limit."""
+class Overrun:
+    """By how much this host's iterations outlast what its profile predicts — the gateway, the page server and the
+    load generator share its cores, which the profile measured without them. A high quantile of the recent
+    differences actual − predicted, in milliseconds, so that most iterations sized by it land within their limit.
+    A difference, not a ratio: an overhead per iteration that the profile misses would, as a ratio, grow as the
+    iterations it shrinks get shorter, and shrink them further."""
 
-    def __init__(self, window: int = 64, quantile: float = 0.8, bounds: tuple[float, float] = (0.5, 4.0)):
-        if window < 1 or not 0 < quantile <= 1 or not 0 < bounds[0] <= 1 <= bounds[1]:
-            raise ValueError("need window >= 1, 0 < quantile <= 1 and bounds around 1")
-        self._ratios: collections.deque[float] = collections.deque(maxlen=window)
-        self.quantile, self.bounds = quantile, bounds
-        self.factor = 1.0  # no iteration observed yet: the profile as it is
+    def __init__(self, window: int = 64, quantile: float = 0.9):
+        if window < 1 or not 0 < quantile <= 1:
+            raise ValueError("need window >= 1 and 0 < quantile <= 1")
+        self._excess: collections.deque[float] = collections.deque(maxlen=window)
+        self.quantile = quantile
+        self.ms = 0.0  # nothing observed yet (or iterations ran within their prediction): the profile as it is
 
     def observe(self, predicted_ms: float, actual_ms: float) -> None:
-        if predicted_ms <= 0 or actual_ms <= 0:
+        if predicted_ms <= 0:
             return
-        self._ratios.append(actual_ms / predicted_ms)
-        ranked = sorted(self._ratios)
-        ratio = ranked[min(len(ranked) - 1, int(self.quantile * len(ranked)))]
-        self.factor = min(max(ratio, self.bounds[0]), self.bounds[1])
+        self._excess.append(actual_ms - predicted_ms)
+        ranked = sorted(self._excess)
+        self.ms = max(ranked[min(len(ranked) - 1, int(self.quantile * len(ranked)))], 0.0)
 
 
 def largest_within(time_of: Callable[[int], float], limit_ms: float, upper: int) -> int:

@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from common.latency import LatencyProfile, StageCost, decode_ms, encode_ms, prefill_chunk_ms, prefill_ms, transfer_ms
-from common.latency.budgets import IterationTime, Slowdown, budgets_for, largest_within, stage_limit_ms
+from common.latency.budgets import IterationTime, Overrun, budgets_for, largest_within, stage_limit_ms
 from common.latency.model import iteration_ms
 from common.latency.roofline import LLAVA_15_7B, TRIINFER_H20, analytic_profile, saturation_points
 
@@ -208,16 +208,19 @@ def test_request_cost_is_a_lower_bound_of_every_schedule_and_a_tight_one(hardwar
     assert goodput_bound(p, 8, prompt, 1, out) == pytest.approx(2 * goodput_bound(p, 4, prompt, 1, out))
 
 
-def test_the_slowdown_is_a_high_quantile_of_recent_ratios_within_bounds():
-    slow = Slowdown(window=10, quantile=0.8, bounds=(0.5, 4.0))
-    assert slow.factor == 1.0
-    for ratio in (1.0, 1.1, 1.2, 1.3, 1.4, 1.5, 1.6, 1.7, 1.8, 3.0):
-        slow.observe(10.0, 10.0 * ratio)
-    assert slow.factor == pytest.approx(1.8)  # the 9th of 10: one outlier does not size every iteration
-    slow.observe(0.0, 5.0)  # nothing predicted: nothing learnt
-    assert slow.factor == pytest.approx(1.8)
+def test_the_overrun_is_a_high_quantile_of_recent_differences_and_never_negative():
+    over = Overrun(window=10, quantile=0.8)
+    assert over.ms == 0.0
+    for excess in (-2, 0, 1, 2, 3, 4, 5, 6, 7, 30):
+        over.observe(50.0, 50.0 + excess)
+    assert over.ms == 7  # the 9th of 10: one outlier does not size every iteration
+    over.observe(0.0, 5.0)  # nothing predicted: nothing learnt
+    assert over.ms == 7
     for _ in range(10):
-        slow.observe(1.0, 100.0)
-    assert slow.factor == 4.0  # the window forgot the rest; the bound holds
+        over.observe(50.0, 40.0)
+    assert over.ms == 0.0  # the window forgot the rest; faster than predicted leaves the limit as it is
     with pytest.raises(ValueError):
-        Slowdown(quantile=0)
+        Overrun(quantile=0)
+    time = IterationTime(profile(), 100.0)
+    assert time.tokens_beside(0, 0, 1 << 15, overrun_ms=20) == IterationTime(profile(), 80.0).tokens_beside(0, 0, 1 << 15)
+    assert time.tokens_beside(0, 0, 1 << 15, overrun_ms=500) == IterationTime(profile(), 25.0).tokens_beside(0, 0, 1 << 15)

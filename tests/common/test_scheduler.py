@@ -1,3 +1,4 @@
+import dataclasses
 import subprocess
 import sys
 
@@ -229,10 +230,29 @@ def test_with_an_iteration_time_the_decodes_context_shrinks_the_prompt_chunk_bes
     plan = step(s)  # one decode over 50 KV tokens: (1 + t) + 5 ms <= 40 leaves t = 34 beside it, not 39
     assert plan.decodes == [first] and [c.num_tokens for c in plan.prefills] == [34]
     assert plan.predicted_ms == pytest.approx(1 + 34 + 5.0)
-    s.observe(plan, 2 * plan.predicted_ms)  # the host ran it twice as slowly as the profile says
-    assert s.slowdown.factor == 2.0
-    plan = step(s)  # the rest of 'second' at context 34: 20 ms leave (1 + t) + 5.1 + its attention (none here)
-    assert [c.num_tokens for c in plan.prefills] == [6] and plan.predicted_ms <= 20
+    s.observe(plan, plan.predicted_ms + 30)  # the host took 30 ms longer than the profile says
+    assert s.overrun.ms == 30
+    s.add(req("third", prompt=40))
+    plan = step(s)  # 40 - 30 ms leave (1 + t) + 5.1 ms: 3 of the 6 left of 'second'; 'third' waits
+    assert [(c.request.request_id, c.num_tokens) for c in plan.prefills] == [("second", 3)]
+
+
+def test_iterations_that_encode_and_overrun_more_than_the_others_make_an_image_cost_more_tokens():
+    from common.latency import LatencyProfile, StageCost
+
+    flat = StageCost(per_unit_ms=1.0)
+    p = LatencyProfile("t", "measured", "cpu", "m", flat, flat, flat, 0.0, 1.0, 4)
+    s = Scheduler(SchedulerConfig(token_budget=40, image_token_cost=6, iteration_time=IterationTime(p, 40.0)),
+                  KVBlockManager(64, 4), ImageBlockManager(16, 4))
+    assert s.image_token_cost == 6
+    s.add(req("img", prompt=60, images=1))
+    plan = step(s)
+    assert [c.num_tokens for c in plan.prefills] == [34]  # 40 less the image's 6
+    s.observe(plan, plan.predicted_ms + 12)  # encoding here took 12 ms more than profiled
+    assert (s.encode_overrun.ms, s.overrun.ms) == (12, 0)
+    assert s.image_token_cost == 6 + 12  # 1 ms a token
+    s.observe(dataclasses.replace(plan, encodes=[]), plan.predicted_ms + 5)  # and prompt-only ones 5 ms
+    assert s.image_token_cost == 6 + 7
 
 
 def test_an_image_costing_more_than_the_tokens_left_still_starts_an_iteration_without_other_new_work():
