@@ -14,7 +14,8 @@ Each `schedule()` forms one iteration:
      that many tokens of τ_t (the iteration's time is shared), and one image may still start an iteration
      with no other new work, so images never starve behind long decode batches. With `iteration_time`, τ_t is
      also held to what the step's decodes leave of the iteration's time limit (a decode at a long context
-     costs far more than the one token τ_t counts).
+     costs far more than the one token τ_t counts), less what iterations here overrun the profile by
+     (`observe`); a later chunk of a prompt is sized with its attention to the chunks before it.
 A request whose last images a step encodes starts its prefill in that same step when τ_t has room (the
 runner encodes before the forward): it does not wait a whole iteration between its encode and its prefill.
 With `join_first` (a decoder that prefills while prefill workers hand requests over to it), the iteration
@@ -47,12 +48,12 @@ MIN_CHUNK = 16  # prompt tokens an iteration carries however long its decodes ta
 class SchedulerConfig:
     token_budget: int = 2048  # τ_t: tokens (prefill chunks + decodes) per iteration
     image_budget: int = 4  # τ_e: images encoded per iteration
-    image_token_cost: int = 0  # tokens of τ_t one image's encode takes in the same iteration (0: budgets apart)
-    iteration_time: IterationTime | None = None  # the limit τ_t came from: new work gets what the decodes leave
     max_num_seqs: int = 64  # requests decoding at once
     enable_chunked_prefill: bool = True
     join_first: bool = False  # a handed-over request's first decode goes in a decode-only iteration (see above)
     kv_admission: str = "on-demand"  # or "worst-case": blocks for prompt + max_tokens at admission, never preempts
+    image_token_cost: int = 0  # tokens of τ_t one image's encode takes in the same iteration (0: budgets apart)
+    iteration_time: IterationTime | None = None  # the limit τ_t came from: new work gets what the decodes leave
 
     def __post_init__(self) -> None:
         for name in ("token_budget", "image_budget", "max_num_seqs"):
