@@ -398,6 +398,8 @@ BENCHMARKS = {"goodput": "bench.goodput"}
 
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    for name in filter(None, (n.strip() for n in os.environ.get("EPDMESH_DEBUG", "").split(","))):
+        logging.getLogger(name).setLevel(logging.DEBUG)  # e.g. EPDMESH_DEBUG=epdmesh.iterations
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["bench"]:  # `epdmesh bench NAME ARGS`: the benchmark's own parser takes ARGS
         if len(argv) < 2 or argv[1] not in BENCHMARKS:

@@ -86,3 +86,21 @@ def test_emulated_defaults_and_routing_choice(tmp_path):
     toggle = build_parser().parse_args(["toggle", "--routing", "slo"])
     with pytest.raises(SystemExit, match="--latency-profile"):  # SLO routing without a profile refuses to start
         toggle.func(toggle)
+
+
+def test_epdmesh_debug_turns_named_loggers_to_debug(monkeypatch):
+    import logging
+
+    from epdmesh.cli import main
+
+    monkeypatch.setenv("EPDMESH_DEBUG", "epdmesh.iterations, epdmesh.test-probe")
+    for name in ("epdmesh.iterations", "epdmesh.test-probe"):
+        logging.getLogger(name).setLevel(logging.NOTSET)
+    assert main(["bench"]) == 2  # a usage error: returns at once, after the logging is set up
+    try:
+        assert logging.getLogger("epdmesh.iterations").level == logging.DEBUG
+        assert logging.getLogger("epdmesh.test-probe").level == logging.DEBUG
+        assert logging.getLogger("epdmesh.engine").getEffectiveLevel() > logging.DEBUG
+    finally:
+        for name in ("epdmesh.iterations", "epdmesh.test-probe"):
+            logging.getLogger(name).setLevel(logging.NOTSET)

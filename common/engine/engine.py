@@ -40,6 +40,8 @@ from common.scheduler import Scheduler, SchedulerOutput
 from kernels import make_attention_backend
 
 log = logging.getLogger(__name__)
+# one line per iteration at DEBUG: what it carried, how long it took, what the profile predicted (EPDMESH_DEBUG)
+iterations_log = logging.getLogger("epdmesh.iterations")
 
 
 class Engine(PageHandover):
@@ -232,8 +234,15 @@ class Engine(PageHandover):
             sampling, tokens = self._execute(plan)  # without the lock: it touches only the plan's requests and pages
         except Exception as e:  # the model failed (out of memory, say): the caller fails the plan and what else runs
             raise StepFailed([request.request_id for request in plan.requests], e, handed_back) from e
+        elapsed_ms = (time.perf_counter() - started) * 1e3
+        if iterations_log.isEnabledFor(logging.DEBUG):
+            iterations_log.debug(
+                "decodes %d (context %d) prompt tokens %d images %d: %.1f ms, predicted %.1f, overrun %.1f / %.1f",
+                len(plan.decodes), sum(r.num_computed_tokens for r in plan.decodes),
+                sum(c.num_tokens for c in plan.prefills), plan.num_images, elapsed_ms, plan.predicted_ms,
+                self.scheduler.overrun.ms, self.scheduler.encode_overrun.ms)
         with self.lock:
-            self.scheduler.observe(plan, (time.perf_counter() - started) * 1e3)
+            self.scheduler.observe(plan, elapsed_ms)
             try:
                 return handed_back + self._postprocess(plan, sampling, tokens)
             except Exception as e:  # a bug of ours, part-way through the plan: drop all of it, pages freed

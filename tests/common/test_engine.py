@@ -357,3 +357,13 @@ def test_request_after_request_the_engine_reuses_the_same_few_kv_blocks(engine):
     assert pool.num_blocks > 10 * needed  # room to walk, had the pool not reused
     assert len(seen) == needed
     assert_pools_full(engine)
+
+
+def test_each_iteration_is_logged_at_debug_with_what_it_carried(engine, caplog):
+    sampling = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+    with caplog.at_level("DEBUG", logger="epdmesh.iterations"):
+        run(engine, Request("a", PROMPT, sampling))
+    lines = [r.getMessage() for r in caplog.records if r.name == "epdmesh.iterations"]
+    assert len(lines) == 3  # the prefill (which samples the first token), then two decodes
+    assert lines[0].startswith(f"decodes 0 (context 0) prompt tokens {len(PROMPT)} images 0: ")
+    assert lines[2].startswith(f"decodes 1 (context {len(PROMPT) + 1}) prompt tokens 0 images 0: ")
