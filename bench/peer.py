@@ -56,6 +56,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--slo-ttft-ms", type=float, default=1000.0)
     p.add_argument("--slo-tbt-ms", type=float, default=100.0)
     p.add_argument("--epdmesh-args", default="", help="more `epdmesh serve` options (none: serve's defaults)")
+    p.add_argument("--vllm-args", default="", help="more `vllm serve` options, e.g. --max-num-batched-tokens 640 "
+                   "(none: vLLM's defaults)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="bench/results/peer.json")
     return p.parse_args(argv)
@@ -107,7 +109,7 @@ def start_vllm(args, model: Path, port: int, work: Path) -> tuple[subprocess.Pop
                VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "4"))
     log = work / "vllm.log"
     argv = [str(venv / "bin" / "vllm"), "serve", str(model), "--host", "127.0.0.1", "--port", str(port),
-            "--dtype", "bfloat16", "--max-model-len", "2048", "--seed", str(args.seed)]
+            "--dtype", "bfloat16", "--max-model-len", "2048", "--seed", str(args.seed), *args.vllm_args.split()]
     return subprocess.Popen(argv, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True), log
 
 

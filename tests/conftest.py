@@ -1,11 +1,11 @@
 import os
 
-os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
+os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")  # the tests fork to exec servers too (epdmesh/__init__.py)
 # servers the tests start run eagerly (a compile per worker process would cost seconds each); the parity tests run
 # the compiled path on purpose (EngineConfig(compile=True), and a mesh with --no-enforce-eager)
 os.environ.setdefault("EPDMESH_ENFORCE_EAGER", "1")
 os.environ.setdefault("EPDMESH_AUTO_PROFILE", "0")  # likewise: the auto-profile tests ask for it
-os.environ.setdefault("UCX_NET_DEVICES", "lo")  # UCX on loopback, in this process and the servers it starts  # the tests fork to exec servers too (epdmesh/__init__.py)
+os.environ.setdefault("UCX_NET_DEVICES", "lo")  # UCX on loopback, in this process and the servers it starts
 
 import pytest
 import torch
