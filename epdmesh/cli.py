@@ -11,7 +11,7 @@ from pathlib import Path
 
 from common.model.tiny import PRESETS
 from epdmesh.checkpoints import DEFAULT_MODEL_NAME, ensure_default_model, ensure_emulated_model, make_model
-from epdmesh.routing_args import (DEFAULT_EMULATED_PROFILE, add_chat_template_arg, add_engine_args, add_model_args,
+from epdmesh.options import (DEFAULT_EMULATED_PROFILE, add_chat_template_arg, add_engine_args, add_model_args,
                                   add_remote_image_args, add_router_args, add_routing_args, add_slo_args,
                                   add_stage_calls_arg, allowed_image_domains, chat_template, decoder_joins,
                                   routing_policy)
@@ -141,7 +141,7 @@ def _cmd_serve(args) -> int:
 
         return serve_mesh(args)
     from common.engine.async_engine import AsyncEngine
-    from services.gateway.app import LocalBackend
+    from services.gateway.local import LocalBackend
     from services.worker.server import build_engine
 
     _serving_process(args)
@@ -242,7 +242,7 @@ def _gateway_router(args, tracing):
     """The toggle's router run in the gateway: one Redis round trip (the reservation) instead of a gRPC hop."""
     import redis.asyncio as aioredis
 
-    from services.toggle.router import Router
+    from services.routing.router import Router
 
     routing, slo = routing_policy(args)
     return Router.over_redis(aioredis.from_url(args.redis_url), args.prefix, routing, tracing, slo, reports_delivery=True)

@@ -36,7 +36,7 @@ import uuid
 from common.ports import free_port
 from common.topology import WorkerGroup, decoders_join, parse_topology
 from epdmesh.gpus import gpu_devices, memory_shares, worker_envs
-from epdmesh.routing_args import router_argv
+from epdmesh.options import router_argv
 from services.gateway.edge import ENV as API_KEY_ENV
 from services.gateway.edge import api_keys
 

@@ -1,4 +1,5 @@
-"""Exceptions → precise gRPC status codes, for unary and server-streaming servicer methods."""
+"""Exceptions → precise gRPC status codes and a typed reason (`services.failure`), for unary and server-streaming
+servicer methods."""
 
 from __future__ import annotations
 
@@ -12,36 +13,44 @@ from common.engine.async_engine import EngineDead
 from common.engine.engine import NoRoomForPages, RequestRejected
 from common.paged_cache import PageLayoutMismatch
 from common.transfer import PullFailed
-from services.wire import IMAGES_NOT_CACHED
-from services.worker.runtime import ShuttingDown
+from services import failure
+from services.failure import Reason
 
 log = logging.getLogger(__name__)
+
+
+class ShuttingDown(RuntimeError):
+    """The worker is draining and takes no new work."""
+
 
 class ImagesNotCached(Exception):
     """A stage sent without the request's images (predicted cached here) found them not cached: encode them."""
 
     def __init__(self, request_id: str):
-        super().__init__(f"{request_id}: {IMAGES_NOT_CACHED}")
+        super().__init__(f"{request_id}: the images' KV is not in this worker's prefix cache")
 
 
-_CODES: list[tuple[type[BaseException], grpc.StatusCode]] = [
-    (PageLayoutMismatch, grpc.StatusCode.FAILED_PRECONDITION),
-    (ImagesNotCached, grpc.StatusCode.FAILED_PRECONDITION),
-    (NoRoomForPages, grpc.StatusCode.RESOURCE_EXHAUSTED),  # a full cache: the gateway answers 503 + Retry-After
-    (RequestRejected, grpc.StatusCode.INVALID_ARGUMENT),
-    (ValueError, grpc.StatusCode.INVALID_ARGUMENT),
-    (KeyError, grpc.StatusCode.NOT_FOUND),
-    (PullFailed, grpc.StatusCode.ABORTED),  # the *source* of the pages failed: retry the request elsewhere
-    (ShuttingDown, grpc.StatusCode.UNAVAILABLE),
-    (EngineDead, grpc.StatusCode.UNAVAILABLE),
+_REASONS: list[tuple[type[BaseException], Reason]] = [
+    (PageLayoutMismatch, Reason.MISMATCH),
+    (ImagesNotCached, Reason.IMAGES_NOT_CACHED),
+    (NoRoomForPages, Reason.NO_ROOM),  # a full cache: the gateway answers 503 + Retry-After
+    (RequestRejected, Reason.INVALID),
+    (ValueError, Reason.INVALID),
+    (KeyError, Reason.NOT_FOUND),
+    (PullFailed, Reason.SOURCE_FAILED),  # the pages' *source* failed: retry the request elsewhere
+    (ShuttingDown, Reason.DOWN),
+    (EngineDead, Reason.DOWN),
 ]
 
 
+def reason_for(exc: BaseException) -> tuple[Reason, grpc.StatusCode]:
+    """Why `exc` ended a call, and the status code that says so."""
+    reason = next((reason for kind, reason in _REASONS if isinstance(exc, kind)), Reason.INTERNAL)
+    return reason, failure.CODES[reason]
+
+
 def status_for(exc: BaseException) -> grpc.StatusCode:
-    for kind, code in _CODES:
-        if isinstance(exc, kind):
-            return code
-    return grpc.StatusCode.INTERNAL
+    return reason_for(exc)[1]
 
 
 def details_of(exc: BaseException) -> str:
@@ -49,10 +58,10 @@ def details_of(exc: BaseException) -> str:
 
 
 async def _abort(context, exc: Exception, name: str) -> None:
-    code = status_for(exc)
+    reason, code = reason_for(exc)
     if code == grpc.StatusCode.INTERNAL:
         log.exception("%s failed", name)
-    await context.abort(code, details_of(exc) or type(exc).__name__)
+    await context.abort(code, details_of(exc) or type(exc).__name__, trailing_metadata=failure.metadata(reason))
 
 
 def grpc_errors(method):

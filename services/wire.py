@@ -14,18 +14,13 @@ from common.policy.routing import PrefillPath, RoutePlan, RouteSummary
 from common.request import ImageInput, Request, Stage
 from common.sampling import SamplingParams
 from common.transfer.handle import PageHandle
-from common.workers import WorkerInfo, WorkerLoad, WorkerSnapshot, registration
+from common.workers import WorkerInfo, WorkerLoad, WorkerSnapshot
 from epdmesh.v1 import mesh_pb2 as pb
 
 _STAGES = {Stage.ENCODE: pb.STAGE_ENCODE, Stage.PREFILL: pb.STAGE_PREFILL, Stage.DECODE: pb.STAGE_DECODE}
 _KINDS = {"kv": pb.CACHE_KIND_KV, "image": pb.CACHE_KIND_IMAGE}
 _PATHS = {PrefillPath.COLOCATED: pb.PREFILL_PATH_COLOCATED, PrefillPath.DEDICATED: pb.PREFILL_PATH_DEDICATED,
           PrefillPath.MULTIPLEXED: pb.PREFILL_PATH_MULTIPLEXED}
-
-# what a stage sent without its images (the router predicted their KV cached there) answers, under FAILED_PRECONDITION,
-# when its prefix cache does not hold them after all: the caller encodes them and calls it again
-IMAGES_NOT_CACHED = "the images' KV is not in this worker's prefix cache"
-
 
 _STAGES_OF = {v: k for k, v in _STAGES.items()}
 _KINDS_OF = {v: k for k, v in _KINDS.items()}
@@ -113,6 +108,15 @@ def request_from_pb(msg: pb.RequestSpec, first_stage: Stage, last_stage: Stage, 
     )
     request.output_token_ids = list(msg.output_token_ids)
     return request
+
+
+def first_stage_for(spec: pb.RequestSpec, has_image_pages: bool) -> Stage:
+    """ENCODE when the images still need the vision tower here, else PREFILL."""
+    if not spec.images or has_image_pages:
+        return Stage.PREFILL
+    if any(not image.pixel_values for image in spec.images):
+        raise ValueError("the request's images have neither pixel values nor encoded image pages")
+    return Stage.ENCODE
 
 
 # ----- pages -----
@@ -215,23 +219,17 @@ def summary_from_pb(msg: pb.RouteRequest) -> RouteSummary:
                         prefix_hashes=tuple(msg.prefix_hashes), image_end=msg.image_end)
 
 
-def _ref(w: WorkerSnapshot | None) -> pb.WorkerRef | None:
-    return None if w is None else pb.WorkerRef(worker_id=w.worker_id, address=w.info.address, instance=w.info.instance)
-
-
-def ref_registration(ref: pb.WorkerRef) -> str:
-    """What the gateway routes around when this worker fails a request (`WorkerInfo.registration`)."""
-    return registration(ref.worker_id, ref.instance)
-
-
 def plan_to_pb(plan: RoutePlan) -> pb.RoutePlan:
-    return pb.RoutePlan(encoder=_ref(plan.encoder), prefill=_ref(plan.prefill), decoder=_ref(plan.decoder),
+    return pb.RoutePlan(encoder=snapshot_to_pb(plan.encoder) if plan.encoder is not None else None,
+                        prefill=snapshot_to_pb(plan.prefill), decoder=snapshot_to_pb(plan.decoder),
                         path=_PATHS[plan.path], predicted_ttft_ms=plan.predicted_ttft_ms,
                         images_cached=plan.images_cached)
 
 
-def path_from_pb(value: int) -> PrefillPath:
-    return _PATHS_OF[value]
+def plan_from_pb(msg: pb.RoutePlan) -> RoutePlan:
+    return RoutePlan(snapshot_from_pb(msg.encoder) if msg.HasField("encoder") else None,
+                     snapshot_from_pb(msg.prefill), snapshot_from_pb(msg.decoder), _PATHS_OF[msg.path],
+                     msg.predicted_ttft_ms if msg.HasField("predicted_ttft_ms") else None, msg.images_cached)
 
 
 def snapshot_to_pb(w: WorkerSnapshot) -> pb.WorkerEntry:

@@ -44,7 +44,7 @@ def test_budgets_come_from_the_profile_and_the_slos(tmp_path):
 
 
 def test_serve_passes_its_routing_policy_to_toggle_and_gateway_alike():
-    from epdmesh.routing_args import router_argv
+    from epdmesh.options import router_argv
 
     args = build_parser().parse_args(["serve", "--latency-profile", "H20", "--slo-tbt-ms", "150", "--admission-control",
                                       "--decoder-joins", "on", "--budget-headroom", "0.8", "--budget-alpha", "0.3",
@@ -63,7 +63,7 @@ def test_serve_passes_its_routing_policy_to_toggle_and_gateway_alike():
 
 
 def test_join_first_reaches_the_routing_policy_with_the_decoders_budget():
-    from epdmesh.routing_args import routing_policy
+    from epdmesh.options import routing_policy
 
     def policy(joins):
         args = build_parser().parse_args(["gateway", "--toggle", "127.0.0.1:1", "--latency-profile", "H20",

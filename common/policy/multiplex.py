@@ -137,17 +137,9 @@ def _encode_finish(w: WorkerSnapshot, request: RouteSummary, profile: LatencyPro
     """When w would have this request's images encoded: after its iteration under way, in the next one, beside
     its next prefill chunk when it prefills too.
 
-    A prefill there then waits for w's whole queue (`_dedicated`, `_multiplexed`), that chunk included: it is
-    counted twice. The second count stands in, roughly, for what the model leaves out on a busy worker: the
-    iteration that carries the prompt's last tokens is filled up to τ_t by requests arriving meanwhile, and
-    runs full. Two replacements were measured and lost to it (bench/README, sessions 9 and 10):
-    - counting it once (the exact count): path ①'s predictions came out late by +103 to +178 ms at the median,
-      the "long prompts prefer ①" rule then filled the EP workers' queues up to the TTFT target, and the
-      toggle's SLO attainment fell to 60–73%, against 83–98% with the double count at the same rates;
-    - whole iterations of τ_t, each as long as the worker's last one: still late, +45 to +115 ms at the median
-      and +536 to +722 ms at p90, with attainment 76–81% against 96–98%.
-    What else makes a busy EP worker's first tokens late (the length of its iteration under way, taken as that
-    of its last one, is a candidate) is not measured yet."""
+    A prefill there then waits for w's whole queue, that chunk included: it is counted twice, which stands in for
+    the iteration carrying the prompt's last tokens being filled to τ_t by arrivals. Counting it once measured worse
+    (bench/README.md, "Path ① predictions and the double-counted chunk")."""
     budget = (config.decoder_token_budget if w.has(Stage.DECODE) else config.prefill_token_budget) or 0
     beside = prefill_chunk_ms(profile, min(w.load.queued_prefill_tokens, budget)) if w.has(Stage.PREFILL) else 0.0
     return _in_flight_ms(w) + encode_ms(profile, w.load.queued_images + request.num_images) + beside

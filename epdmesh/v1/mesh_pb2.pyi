@@ -386,12 +386,14 @@ class StageReply(_message.Message):
     def __init__(self, call_id: _Optional[int] = ..., encode: _Optional[_Union[EncodeResponse, _Mapping]] = ..., prefill: _Optional[_Union[PrefillResponse, _Mapping]] = ..., error: _Optional[_Union[CallError, _Mapping]] = ...) -> None: ...
 
 class CallError(_message.Message):
-    __slots__ = ("code", "details")
+    __slots__ = ("code", "details", "reason")
     CODE_FIELD_NUMBER: _ClassVar[int]
     DETAILS_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
     code: int
     details: str
-    def __init__(self, code: _Optional[int] = ..., details: _Optional[str] = ...) -> None: ...
+    reason: str
+    def __init__(self, code: _Optional[int] = ..., details: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class RegisterRequest(_message.Message):
     __slots__ = ("info", "load")
@@ -459,16 +461,6 @@ class RouteRequest(_message.Message):
     image_end: int
     def __init__(self, request_id: _Optional[str] = ..., num_prompt_tokens: _Optional[int] = ..., num_images: _Optional[int] = ..., max_tokens: _Optional[int] = ..., exclude_worker_ids: _Optional[_Iterable[str]] = ..., ttft_slo_ms: _Optional[float] = ..., tbt_slo_ms: _Optional[float] = ..., elapsed_ms: _Optional[float] = ..., prefix_hashes: _Optional[_Iterable[int]] = ..., image_end: _Optional[int] = ...) -> None: ...
 
-class WorkerRef(_message.Message):
-    __slots__ = ("worker_id", "address", "instance")
-    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
-    ADDRESS_FIELD_NUMBER: _ClassVar[int]
-    INSTANCE_FIELD_NUMBER: _ClassVar[int]
-    worker_id: str
-    address: str
-    instance: str
-    def __init__(self, worker_id: _Optional[str] = ..., address: _Optional[str] = ..., instance: _Optional[str] = ...) -> None: ...
-
 class RoutePlan(_message.Message):
     __slots__ = ("encoder", "prefill", "decoder", "path", "predicted_ttft_ms", "images_cached")
     ENCODER_FIELD_NUMBER: _ClassVar[int]
@@ -477,13 +469,13 @@ class RoutePlan(_message.Message):
     PATH_FIELD_NUMBER: _ClassVar[int]
     PREDICTED_TTFT_MS_FIELD_NUMBER: _ClassVar[int]
     IMAGES_CACHED_FIELD_NUMBER: _ClassVar[int]
-    encoder: WorkerRef
-    prefill: WorkerRef
-    decoder: WorkerRef
+    encoder: WorkerEntry
+    prefill: WorkerEntry
+    decoder: WorkerEntry
     path: PrefillPath
     predicted_ttft_ms: float
     images_cached: bool
-    def __init__(self, encoder: _Optional[_Union[WorkerRef, _Mapping]] = ..., prefill: _Optional[_Union[WorkerRef, _Mapping]] = ..., decoder: _Optional[_Union[WorkerRef, _Mapping]] = ..., path: _Optional[_Union[PrefillPath, str]] = ..., predicted_ttft_ms: _Optional[float] = ..., images_cached: _Optional[bool] = ...) -> None: ...
+    def __init__(self, encoder: _Optional[_Union[WorkerEntry, _Mapping]] = ..., prefill: _Optional[_Union[WorkerEntry, _Mapping]] = ..., decoder: _Optional[_Union[WorkerEntry, _Mapping]] = ..., path: _Optional[_Union[PrefillPath, str]] = ..., predicted_ttft_ms: _Optional[float] = ..., images_cached: _Optional[bool] = ...) -> None: ...
 
 class ListWorkersRequest(_message.Message):
     __slots__ = ()

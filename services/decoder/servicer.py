@@ -21,7 +21,6 @@ from services import wire
 from services.encoder.awaited import fetch_awaited
 from services.errors import ImagesNotCached, grpc_errors
 from services.stage_calls.client import StageCalls
-from services.prefill.servicer import first_stage_for
 from services.worker.runtime import WorkerRuntime
 
 
@@ -45,7 +44,7 @@ class DecoderServicer(pb_grpc.DecoderServicer):
             images = None if pinned else await awaited()
         else:
             images = wire.optional_handle(request, "image_pages") if kv is None else None
-            first = Stage.DECODE if kv is not None else first_stage_for(spec, images is not None)
+            first = Stage.DECODE if kv is not None else wire.first_stage_for(spec, images is not None)
             engine_request = wire.request_from_pb(spec, first, Stage.DECODE, engine_request_id)
         async for out in self.runtime.decode(engine_request, kv, images, pinned=pinned):
             yield wire.chunk_to_pb(out.new_token_ids, out.finish_reason, out.stop_reason, out.text, out.num_prompt_tokens,

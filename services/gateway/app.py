@@ -1,4 +1,5 @@
-"""OpenAI-style HTTP API over a generation backend: the mesh (`mesh.MeshBackend`) or one in-process engine.
+"""OpenAI-style HTTP API over a generation backend: the mesh (`mesh.MeshBackend`) or one in-process engine
+(`local.LocalBackend`).
 
 Life of a chat request:
   1. parse + validate the body (`protocol.parse_chat_request`); bad input → 4xx, nothing queued.
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import time
 import uuid
@@ -25,20 +27,17 @@ from starlette.requests import Request as HttpRequest
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from common.engine.async_engine import AsyncEngine
-from common.engine.engine import RequestRejected
 from common.engine.outputs import RequestOutput
-from common.model.processor import ChatProcessor
-from common.request import Request
 from common.telemetry.metrics import GatewayMetrics, render
 from common.telemetry.tracing import Tracing
+from services.gateway import openai_responses
 from services.gateway.completions import parse_completion_request
+from services.gateway.errors import ApiError
 from services.gateway.event_stream import EventStream
 from services.gateway.images import ImageFetcher
-from services.gateway import openai_responses
 from services.gateway.observe import RequestObserver
-from services.gateway.protocol import ApiError, ChatRequest, check_length, parse_chat_request
-from services.gateway.responses import Logprobs, Prepended, collect, completion, internal_error, sse
+from services.gateway.protocol import ChatRequest, parse_chat_request
+from services.gateway.responses import Logprobs, collect, completion, internal_error, sse
 from services.gateway.tokenize import detokenize, tokenize
 
 log = logging.getLogger(__name__)
@@ -49,129 +48,131 @@ INLINE_GRAMMAR_BYTES = 2 * 2**10
 GRAMMAR_KEYS = (b'"tools"', b'"json_schema"', b'"guided_json"', b'"guided_regex"', b'"structured_outputs"')
 
 
-class LocalBackend:
-    """One colocated worker (all roles) in this process."""
-
-    def __init__(self, processor: ChatProcessor, engine: AsyncEngine):
-        self.processor = processor
-        self.engine = engine
-
-    @property
-    def max_model_len(self) -> int:
-        return self.engine.engine.max_model_len
-
-    @property
-    def context_tokens(self) -> int:
-        """The most one request can hold: the model's limit, or the whole KV cache when that holds less."""
-        kv = self.engine.engine.scheduler.kv
-        return min(self.max_model_len, kv.pool.num_blocks * kv.block_size)
-
-    async def start(self, chat: ChatRequest, request_id: str, span=None) -> tuple[int, AsyncIterator[RequestOutput]]:
-        try:
-            if not chat.num_images and chat.short_text:  # on the loop: a thread hop costs more than tokenizing
-                ids, images = self._inputs(chat)
-            else:
-                ids, images = await asyncio.to_thread(self._inputs, chat)
-        except (ValueError, TypeError, KeyError) as e:
-            raise ApiError(400, f"could not build the prompt: {e}") from None
-        sampling = chat.sampling_for(len(ids), self.context_tokens)
-        check_length(len(ids), sampling.max_tokens, self.max_model_len, chat.max_tokens_given)
-        request = Request(request_id, ids, sampling, images, cache_salt=chat.cache_salt)
-        stream = self.engine.generate(request)
-        try:
-            first = await anext(stream)
-        except RequestRejected as e:
-            raise ApiError(400, str(e)) from None
-
-        return len(ids), Prepended(first, stream)
-
-    def _inputs(self, chat: ChatRequest):
-        if chat.is_text_completion:
-            return self.processor.encode_prompt(chat.prompt)
-        return self.processor.apply(chat.conversation, tools=chat.tool_definitions, template_kwargs=chat.template_kwargs)
-
-    def detokenize(self, ids: list[int]) -> str:
-        return self.processor.detokenize(ids)
-
-    async def stats(self) -> dict:
-        return _asdict(self.engine.stats())
-
-    async def health(self) -> dict:
-        return {"status": "ok"} if self.engine.alive else {"status": "error", "reason": "the engine thread has stopped"}
-
-
-def _asdict(obj) -> dict:
-    return {name: getattr(obj, name) for name in obj.__slots__}
-
-
 def build_app(backend, model_name: str, allow_remote_images: bool = False, metrics: GatewayMetrics | None = None,
               tracing: Tracing | None = None, allowed_image_domains: tuple[str, ...] = ()) -> Starlette:
     """`metrics` default: a fresh registry with SLO targets of 2 s TTFT / 200 ms TBT; `tracing` default: from the env.
     `allow_remote_images`: fetch http(s) image URLs (from `allowed_image_domains` only, when given)."""
-    created = int(time.time())
     fetcher = ImageFetcher(allowed_image_domains) if allow_remote_images else None
-    metrics = metrics or GatewayMetrics(model_name, ttft_slo_s=2.0, tbt_slo_s=0.2)
-    tracing = tracing or Tracing("epdmesh-gateway")
+    api = Api(backend, model_name, fetcher, metrics or GatewayMetrics(model_name, ttft_slo_s=2.0, tbt_slo_s=0.2),
+              tracing or Tracing("epdmesh-gateway"))
+    routes = [
+        Route("/health", api.health),
+        Route("/v1/models", api.models),
+        Route("/v1/models/{model:path}", api.model),
+        Route("/tokenize", api.tokenize, methods=["POST"]),
+        Route("/detokenize", api.detokenize, methods=["POST"]),
+        Route("/stats", api.stats),
+        Route("/metrics", api.prometheus),
+        Route("/v1/chat/completions", api.chat_completions, methods=["POST"]),
+        Route("/v1/completions", api.text_completions, methods=["POST"]),
+        Route("/v1/responses", api.responses, methods=["POST"]),
+    ]
+    return Starlette(routes=routes, lifespan=_lifespan(backend, fetcher),
+                     exception_handlers={404: _not_found(routes), 405: _wrong_method(routes)})
 
-    async def health(_: HttpRequest) -> Response:
-        body = await backend.health()
+
+@dataclasses.dataclass(slots=True)
+class _Started:
+    """A request under way: its first outputs came."""
+    chat: ChatRequest
+    request_id: str
+    num_prompt: int
+    streams: list[AsyncIterator[RequestOutput]]
+
+
+class Api:
+    """The endpoints, over one backend serving one model."""
+
+    def __init__(self, backend, model_name: str, fetcher: ImageFetcher | None, metrics: GatewayMetrics,
+                 tracing: Tracing):
+        self.backend = backend
+        self.model_name = model_name
+        self.fetcher = fetcher
+        self.metrics = metrics
+        self.tracing = tracing
+        self.created = int(time.time())
+
+    async def health(self, _: HttpRequest) -> Response:
+        body = await self.backend.health()
         return JSONResponse(body, status_code=200 if body["status"] in ("ok", "degraded") else 503)
 
-    def card() -> dict:
-        return {"id": model_name, "object": "model", "created": created, "owned_by": "epdmesh",
-                "max_model_len": backend.max_model_len}
+    def _card(self) -> dict:
+        return {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "epdmesh",
+                "max_model_len": self.backend.max_model_len}
 
-    async def models(_: HttpRequest) -> Response:
-        return JSONResponse({"object": "list", "data": [card()]})
+    async def models(self, _: HttpRequest) -> Response:
+        return JSONResponse({"object": "list", "data": [self._card()]})
 
-    async def model(http: HttpRequest) -> Response:
+    async def model(self, http: HttpRequest) -> Response:
         name = http.path_params["model"]
-        if name != model_name:
-            error = ApiError(404, f"the model '{name}' does not exist; this server serves ['{model_name}']", "model")
+        if name != self.model_name:
+            error = ApiError(404, f"the model '{name}' does not exist; this server serves ['{self.model_name}']",
+                             "model")
             return JSONResponse(error.body(), status_code=404)
-        return JSONResponse(card())
+        return JSONResponse(self._card())
 
-    async def tokenize_endpoint(http: HttpRequest) -> Response:
-        return await _answer(http, lambda body: tokenize(body, backend.processor, model_name, backend.max_model_len,
-                                                         _max_text_chars(backend), fetcher))
+    async def tokenize(self, http: HttpRequest) -> Response:
+        backend = self.backend
+        return await _answer(http, lambda body: tokenize(body, backend.processor, self.model_name,
+                                                         backend.max_model_len, _max_text_chars(backend), self.fetcher))
 
-    async def detokenize_endpoint(http: HttpRequest) -> Response:
+    async def detokenize(self, http: HttpRequest) -> Response:
         async def work(body):
-            return detokenize(body, backend.processor, model_name)
+            return detokenize(body, self.backend.processor, self.model_name)
         return await _answer(http, work)
 
-    async def stats(_: HttpRequest) -> Response:
-        return JSONResponse(await backend.stats())
+    async def stats(self, _: HttpRequest) -> Response:
+        return JSONResponse(await self.backend.stats())
 
-    async def prometheus(_: HttpRequest) -> Response:
-        body, content_type = render(metrics.registry)
+    async def prometheus(self, _: HttpRequest) -> Response:
+        body, content_type = render(self.metrics.registry)
         return Response(body, media_type=content_type)
 
-    def parse_chat(body: bytes) -> ChatRequest:
-        return parse_chat_request(body, [model_name], allow_remote_images)
+    async def chat_completions(self, http: HttpRequest) -> Response:
+        return await self._completions(http, lambda body: parse_chat_request(body, [self.model_name],
+                                                                             self.fetcher is not None),
+                                       "chatcmpl", "chat")
 
-    def parse_completion(body: bytes) -> ChatRequest:
-        return parse_completion_request(body, [model_name])
+    async def text_completions(self, http: HttpRequest) -> Response:
+        return await self._completions(http, lambda body: parse_completion_request(body, [self.model_name]),
+                                       "cmpl", "text_completion")
 
-    async def chat_completions(http: HttpRequest) -> Response:
-        return await completions(http, parse_chat, "chatcmpl", "chat")
+    async def responses(self, http: HttpRequest) -> Response:
+        def parse(body: bytes) -> ChatRequest:
+            return openai_responses.parse_responses_request(body, [self.model_name], self.fetcher is not None)
+        return await self._completions(http, parse, "resp", "chat", openai_responses.stream, openai_responses.whole,
+                                       openai_responses.in_responses_terms)
 
-    async def text_completions(http: HttpRequest) -> Response:
-        return await completions(http, parse_completion, "cmpl", "text_completion")
-
-    def parse_response(body: bytes) -> ChatRequest:
-        return openai_responses.parse_responses_request(body, [model_name], fetcher is not None)
-
-    async def responses_endpoint(http: HttpRequest) -> Response:
-        return await completions(http, parse_response, "resp", "chat", openai_responses.stream, openai_responses.whole,
-                                 openai_responses.in_responses_terms)
-
-    async def completions(http: HttpRequest, parse, id_prefix: str, operation: str, stream=sse,
-                          whole=completion, terms=lambda error: error) -> Response:
+    async def _completions(self, http: HttpRequest, parse, id_prefix: str, operation: str, stream=sse,
+                           whole=completion, terms=lambda error: error) -> Response:
         """Any kind: a chat (messages, images), a text completion (a prompt as it is), or a chat asked for by the
         Responses API; the same stages. `stream` and `whole` shape the answer (`responses.py`, `openai_responses.py`);
         `terms` words an error the way the request's API names its fields."""
-        observer = RequestObserver(metrics, tracing, http.headers, model_name, operation)
+        observer = RequestObserver(self.metrics, self.tracing, http.headers, self.model_name, operation)
+        started = await self._start(http, parse, id_prefix, observer, terms)
+        if isinstance(started, Response):
+            return started
+        chat, streams = started.chat, [observer.observe(s, started.num_prompt) for s in started.streams]
+        logprobs = Logprobs(self.backend.processor.token_text) if chat.sampling.logprobs is not None else None
+        if chat.stream:
+            return EventStream(stream(chat, started.request_id, self.model_name, started.num_prompt, streams,
+                                      self.backend.detokenize, logprobs))
+        try:
+            results = await _unless_client_leaves(http, collect(streams, logprobs))
+        except ClientDisconnect:  # its requests were cancelled with it
+            return Response(status_code=499)
+        except ApiError as e:  # a stage failed after the request started
+            return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+        except Exception as e:
+            log.exception("request failed")
+            return JSONResponse(internal_error(e).body(), status_code=500)
+        return JSONResponse(whole(chat, started.request_id, self.model_name, started.num_prompt, results,
+                                  self.backend.detokenize, logprobs is not None))
+
+    async def _start(self, http: HttpRequest, parse, id_prefix: str, observer: RequestObserver,
+                     terms) -> _Started | Response:
+        """Body → request → its first outputs; or the response that says why not (an error, a client gone)."""
+        tracing = self.tracing
         try:
             body = await _read_body(http)
             with tracing.activate(observer.span), tracing.span("parse", {"http.request.body.size": len(body)}):
@@ -179,13 +180,15 @@ def build_app(backend, model_name: str, allow_remote_images: bool = False, metri
                     chat = await asyncio.to_thread(parse, body)
                 else:
                     chat = parse(body)
-            _check_fits(chat, backend)  # before fetching: what cannot fit is refused without downloading it
-            if fetcher is not None and fetcher.pending(chat.conversation):
+            _check_fits(chat, self.backend)  # before fetching: what cannot fit is refused without downloading it
+            if self.fetcher is not None and self.fetcher.pending(chat.conversation):
                 with tracing.activate(observer.span), tracing.span("fetch_images"):
-                    await _unless_client_leaves(http, fetcher.fetch(chat.conversation))
+                    await _unless_client_leaves(http, self.fetcher.fetch(chat.conversation))
             request_id = f"{id_prefix}-{uuid.uuid4().hex}"
             observer.request(chat, request_id)
-            num_prompt, streams = await _unless_client_leaves(http, _start(backend, chat, request_id, observer.span))
+            num_prompt, streams = await _unless_client_leaves(http, _start(self.backend, chat, request_id,
+                                                                           observer.span))
+            return _Started(chat, request_id, num_prompt, streams)
         except ApiError as e:
             e = terms(e)
             observer.failed(e.status, e.message)
@@ -201,37 +204,6 @@ def build_app(backend, model_name: str, allow_remote_images: bool = False, metri
         except BaseException:  # cancelled (the server stops, or the client left): the request ends here
             observer.abandoned()
             raise
-        streams = [observer.observe(stream, num_prompt) for stream in streams]
-        logprobs = Logprobs(backend.processor.token_text) if chat.sampling.logprobs is not None else None
-        if chat.stream:
-            events = stream(chat, request_id, model_name, num_prompt, streams, backend.detokenize, logprobs)
-            return EventStream(events)
-        try:
-            results = await _unless_client_leaves(http, collect(streams, logprobs))
-        except ClientDisconnect:  # its requests were cancelled with it
-            return Response(status_code=499)
-        except ApiError as e:  # a stage failed after the request started
-            return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
-        except Exception as e:
-            log.exception("request failed")
-            return JSONResponse(internal_error(e).body(), status_code=500)
-        return JSONResponse(whole(chat, request_id, model_name, num_prompt, results, backend.detokenize,
-                                  logprobs is not None))
-
-    routes = [
-        Route("/health", health),
-        Route("/v1/models", models),
-        Route("/v1/models/{model:path}", model),
-        Route("/tokenize", tokenize_endpoint, methods=["POST"]),
-        Route("/detokenize", detokenize_endpoint, methods=["POST"]),
-        Route("/stats", stats),
-        Route("/metrics", prometheus),
-        Route("/v1/chat/completions", chat_completions, methods=["POST"]),
-        Route("/v1/completions", text_completions, methods=["POST"]),
-        Route("/v1/responses", responses_endpoint, methods=["POST"]),
-    ]
-    return Starlette(routes=routes, lifespan=_lifespan(backend, fetcher),
-                     exception_handlers={404: _not_found(routes), 405: _wrong_method(routes)})
 
 
 def _parse_in_thread(body: bytes) -> bool:

@@ -8,7 +8,8 @@ how many alternatives per token, in the legacy form `tokens` / `token_logprobs` 
 
 from __future__ import annotations
 
-from services.gateway.protocol import ApiError, ChatRequest, common_fields, is_token_id, json_body, parse_sampling
+from services.gateway.errors import ApiError
+from services.gateway.protocol import ChatRequest, common_fields, is_token_id, json_body, parse_sampling
 
 DEFAULT_MAX_TOKENS = 16
 MAX_LEGACY_LOGPROBS = 20

@@ -18,7 +18,8 @@ from collections.abc import AsyncIterator, Mapping
 from common.engine.outputs import RequestOutput
 from common.telemetry.metrics import GatewayMetrics
 from common.telemetry.tracing import Tracing, set_attributes
-from services.gateway.protocol import ApiError, ChatRequest
+from services.gateway.errors import ApiError
+from services.gateway.protocol import ChatRequest
 
 
 class _Stream:

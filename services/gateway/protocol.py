@@ -9,17 +9,16 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from common.sampling import SEED_MIN, InvalidSamplingParams, SamplingParams
 from services.gateway.errors import ApiError
 from services.gateway.fields import refuse_unsupported
 from services.gateway.images import image_part
+from services.gateway.structured import parse_grammar
+from services.gateway.tools import ToolChoice, parse_tools, tool_grammar
 
-if TYPE_CHECKING:
-    from services.gateway.tools import ToolChoice
-
-__all__ = ["ApiError", "ChatRequest", "check_length", "parse_chat_request", "parse_conversation", "parse_sampling"]
+__all__ = ["ChatRequest", "check_length", "parse_chat_request", "parse_conversation", "parse_sampling"]
 MAX_STOP_STRINGS = 4
 MAX_CHOICES = 16  # n: each choice is a request of its own, with its own KV reservation
 MAX_TOKEN_ID = 2**31 - 1  # what the mesh's wire carries; the model's vocabulary is checked where it runs
@@ -109,8 +108,6 @@ def parse_chat_request(raw: bytes, served_models: list[str], allow_remote_images
 
 def parse_chat_body(body: dict, allow_remote_images: bool = False) -> ChatRequest:
     """A chat-completions body (a JSON object naming a served model) as the request it asks for."""
-    from services.gateway.tools import parse_tools, tool_grammar  # here: it raises this module's ApiError
-
     conversation = parse_conversation(body.get("messages"), allow_remote_images)
     tools = parse_tools(body)
     return ChatRequest(conversation=conversation, sampling=parse_sampling(body, tool_grammar(tools)), tools=tools,
@@ -233,8 +230,6 @@ def parse_sampling(body: dict, tools_grammar: str | None = None) -> SamplingPara
     if not isinstance(stop_ids, list) or not all(is_token_id(t) for t in stop_ids):
         raise ApiError(400, f"'stop_token_ids' must be a list of token ids (integers 0 to {MAX_TOKEN_ID})", "stop_token_ids")
     refuse_unsupported(body)
-    from services.gateway.structured import parse_grammar  # here: it raises this module's ApiError
-
     grammar = parse_grammar(body, tools_grammar)
     logprobs = _typed(body, "logprobs", bool, False)
     top_logprobs = _typed(body, "top_logprobs", int, None)

@@ -15,7 +15,8 @@ from collections.abc import AsyncIterator
 from common.detokenizer import IncrementalDetokenizer
 from common.engine.outputs import RequestOutput
 from services.gateway.completions import legacy_logprobs
-from services.gateway.protocol import ApiError, ChatRequest
+from services.gateway.errors import ApiError
+from services.gateway.protocol import ChatRequest
 from services.gateway.tools import AnswerDeltas, finish_reason
 from services.gateway.tools import message as tool_message
 
@@ -172,6 +173,34 @@ async def sse(chat: ChatRequest, request_id: str, model: str, num_prompt: int, s
     yield "data: [DONE]\n\n"
 
 
+class _ChoiceEntry:
+    """Builds one choice's streamed entries (a chat's delta, or a text completion's text with legacy logprobs)."""
+
+    def __init__(self, index: int, chat: ChatRequest, logprobs: Logprobs | None):
+        self.index, self.chat, self.logprobs = index, chat, logprobs
+        self.offset = 0  # text completions: where the next logprobs entry's token starts in the text
+
+    def __call__(self, delta: dict, finish: str | None = None, token_ids: list[int] | None = None,
+                 out: RequestOutput | None = None) -> dict:
+        chat, index = self.chat, self.index
+        entries = self.logprobs.entries(out) if self.logprobs is not None and out is not None else None
+        if chat.is_text_completion:
+            legacy = None
+            if entries:
+                legacy, self.offset = legacy_logprobs(entries, self.offset)
+            entry = {"index": index, "text": delta.get("content", ""), "logprobs": legacy, "finish_reason": finish}
+        else:
+            entry = {"index": index, "delta": delta, "logprobs": {"content": entries} if entries else None,
+                     "finish_reason": finish}
+        if finish is not None:  # as in the whole answer (and vLLM's stream): the stop string or token that ended it
+            entry["stop_reason"] = out.stop_reason
+        if chat.return_token_ids and token_ids is not None:
+            entry["token_ids"] = token_ids
+        if out is not None:
+            entry[GENERATED] = len(out.output_token_ids)  # for a running usage; taken out before it is sent
+        return entry
+
+
 async def choice_deltas(index: int, chat: ChatRequest, outputs: AsyncIterator[RequestOutput], detokenize,
                          logprobs: Logprobs | None, finals: list) -> AsyncIterator[dict]:
     """One choice's `choices` entries: its role (a chat's), then text deltas as tokens come (held back by the longest
@@ -185,27 +214,7 @@ async def choice_deltas(index: int, chat: ChatRequest, outputs: AsyncIterator[Re
 
     every_token = calls is None or logprobs is not None or chat.return_token_ids
     holdback = max((len(s) for s in chat.sampling.stop), default=1) - 1
-    offset = 0  # text completions: where the next logprobs entry's token starts in the text
-
-    def choice(delta: dict, finish: str | None = None, token_ids: list[int] | None = None,
-               out: RequestOutput | None = None) -> dict:
-        nonlocal offset
-        entries = logprobs.entries(out) if logprobs is not None and out is not None else None
-        if chat.is_text_completion:
-            legacy = None
-            if entries:
-                legacy, offset = legacy_logprobs(entries, offset)
-            entry = {"index": index, "text": delta.get("content", ""), "logprobs": legacy, "finish_reason": finish}
-        else:
-            entry = {"index": index, "delta": delta, "logprobs": {"content": entries} if entries else None,
-                     "finish_reason": finish}
-        if finish is not None:  # as in the whole answer (and vLLM's stream): the stop string or token that ended it
-            entry["stop_reason"] = out.stop_reason
-        if chat.return_token_ids and token_ids is not None:
-            entry["token_ids"] = token_ids
-        if out is not None:
-            entry[GENERATED] = len(out.output_token_ids)  # for a running usage; taken out before it is sent
-        return entry
+    choice = _ChoiceEntry(index, chat, logprobs)
 
     sent, last = "", None
     text = IncrementalDetokenizer(detokenize)  # a few tokens decoded per output, not the whole output again

@@ -18,7 +18,7 @@ import json
 import re
 
 from common.engine.grammar import GrammarRejected, json_schema_grammar, regex_grammar
-from services.gateway.protocol import ApiError
+from services.gateway.errors import ApiError
 
 
 def parse_grammar(body: dict, tools_grammar: str | None = None) -> str | None:

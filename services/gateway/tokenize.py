@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import asyncio
 
-from services.gateway.protocol import (INLINE_TOKENIZE_CHARS, ApiError, is_token_id, json_body, parse_conversation,
+from services.gateway.errors import ApiError
+from services.gateway.protocol import (INLINE_TOKENIZE_CHARS, is_token_id, json_body, parse_conversation,
                                       parse_template_kwargs)
 from services.gateway.tools import parse_tools
 

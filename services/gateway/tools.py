@@ -32,7 +32,7 @@ import re
 import uuid
 
 from common.engine.grammar import GrammarRejected, json_schema_grammar
-from services.gateway.protocol import ApiError
+from services.gateway.errors import ApiError
 from services.gateway.structured import strict_schema
 
 MAX_TOOLS = 128  # as OpenAI allows

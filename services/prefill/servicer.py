@@ -22,15 +22,6 @@ from services.stage_calls.client import StageCalls
 from services.worker.runtime import WorkerRuntime
 
 
-def first_stage_for(spec: pb.RequestSpec, has_image_pages: bool) -> Stage:
-    """ENCODE when the images still need the vision tower here, else PREFILL."""
-    if not spec.images or has_image_pages:
-        return Stage.PREFILL
-    if any(not image.pixel_values for image in spec.images):
-        raise ValueError("the request's images have neither pixel values nor encoded image pages")
-    return Stage.ENCODE
-
-
 class PrefillServicer(pb_grpc.PrefillerServicer):
     def __init__(self, runtime: WorkerRuntime, calls: StageCalls):
         self.runtime = runtime
@@ -54,7 +45,7 @@ class PrefillServicer(pb_grpc.PrefillerServicer):
                 raise ImagesNotCached(spec.request_id)
             return self._reply(*await self.runtime.prefill(engine_request, await awaited()))
         images = await image_pages_of(self.calls, request)
-        first = first_stage_for(spec, images is not None)
+        first = wire.first_stage_for(spec, images is not None)
         engine_request = wire.request_from_pb(spec, first, Stage.PREFILL, engine_request_id)
         return self._reply(*await self.runtime.prefill(engine_request, images))
 

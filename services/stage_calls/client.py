@@ -23,6 +23,7 @@ from common.telemetry.tracing import Tracing
 from common.transfer.channels import ChannelPool
 from epdmesh.v1 import mesh_pb2 as pb
 from epdmesh.v1 import mesh_pb2_grpc as pb_grpc
+from services.failure import REASON_KEY
 from services.stage_calls.methods import METHODS, span_attributes
 
 log = logging.getLogger(__name__)
@@ -33,8 +34,10 @@ _UNARY = {"encode": ("EncoderStub", "Encode"), "await_encode": ("EncoderStub", "
           "prefill": ("PrefillerStub", "Prefill")}
 
 
-def rpc_error(code: grpc.StatusCode, details: str) -> grpc.aio.AioRpcError:
-    return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details)
+def rpc_error(code: grpc.StatusCode, details: str, reason: str = "") -> grpc.aio.AioRpcError:
+    """The error a unary rpc would have raised; `reason` in its trailing metadata, as a servicer puts it there."""
+    trailing = grpc.aio.Metadata((REASON_KEY, reason)) if reason else grpc.aio.Metadata()
+    return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), trailing, details)
 
 
 class StageCalls:
@@ -186,7 +189,7 @@ class _Stream:
         body = reply.WhichOneof("body")
         if body == "error":
             code = _CODES.get(reply.error.code, grpc.StatusCode.UNKNOWN)
-            future.set_exception(rpc_error(code, reply.error.details))
+            future.set_exception(rpc_error(code, reply.error.details, reply.error.reason))
         elif body is None:
             future.set_exception(rpc_error(grpc.StatusCode.INTERNAL, f"an empty reply to call {reply.call_id}"))
         else:

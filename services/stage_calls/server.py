@@ -22,7 +22,8 @@ import grpc
 from common.telemetry.tracing import Tracing
 from epdmesh.v1 import mesh_pb2 as pb
 from epdmesh.v1 import mesh_pb2_grpc as pb_grpc
-from services.errors import details_of, status_for
+from services.errors import details_of, reason_for
+from services.failure import Reason
 from services.stage_calls.methods import METHODS, span_attributes
 
 log = logging.getLogger(__name__)
@@ -118,12 +119,13 @@ class _Served:
                               context=tracing.extract(trace_context) if trace_context else None):
                 response = await handler(message)
         except Exception as exc:
-            code = status_for(exc)
+            reason, code = reason_for(exc)
             if code == grpc.StatusCode.INTERNAL:
                 log.exception("%s failed", method)
-            self._reply_error(call_id, code, details_of(exc) or type(exc).__name__)
+            self._reply_error(call_id, code, details_of(exc) or type(exc).__name__, reason)
             return
         self.outbox.put_nowait(pb.StageReply(call_id=call_id, **{reply_body: response}))
 
-    def _reply_error(self, call_id: int, code: grpc.StatusCode, details: str) -> None:
-        self.outbox.put_nowait(pb.StageReply(call_id=call_id, error=pb.CallError(code=code.value[0], details=details)))
+    def _reply_error(self, call_id: int, code: grpc.StatusCode, details: str, reason: Reason | None = None) -> None:
+        error = pb.CallError(code=code.value[0], details=details, reason=reason.value if reason is not None else "")
+        self.outbox.put_nowait(pb.StageReply(call_id=call_id, error=error))

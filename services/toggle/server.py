@@ -24,7 +24,8 @@ from epdmesh.v1 import mesh_pb2 as pb
 from epdmesh.v1 import mesh_pb2_grpc as pb_grpc
 from services import wire
 from services.errors import grpc_errors
-from services.toggle.router import REFUSED_KEY, NoRoute, Router, SloRouting
+from services import failure
+from services.routing.router import NoRoute, Router, SloRouting
 
 __all__ = ["SloRouting", "ToggleOptions", "ToggleServicer", "run_toggle"]
 
@@ -68,9 +69,7 @@ class ToggleServicer(pb_grpc.ToggleServicer):
         try:
             plan = await self.router.route(wire.summary_from_pb(request))
         except NoRoute as e:
-            code = (grpc.StatusCode.INVALID_ARGUMENT if not e.fits else
-                    grpc.StatusCode.RESOURCE_EXHAUSTED if e.busy else grpc.StatusCode.UNAVAILABLE)
-            await context.abort(code, e.message, trailing_metadata=((REFUSED_KEY, "slo"),) if e.refused else ())
+            await context.abort(failure.CODES[e.reason], e.message, trailing_metadata=failure.metadata(e.reason))
         return wire.plan_to_pb(plan)
 
     @grpc_errors

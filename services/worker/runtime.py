@@ -29,16 +29,13 @@ from common.telemetry.tracing import Tracing
 from common.transfer import LeaseTable, PageHandle, PagePuller, PullFailed
 from common.workers import WorkerLoad
 from services.encoder.awaited import AwaitedEncodes
+from services.errors import ShuttingDown
 
 IMPORT_WAIT_S = 10.0  # how long handed-over pages wait for cache room here (other requests free theirs as they run)
 ACK_DELAY_S = 0.002  # pulled pages are acked this long after (the source frees them then; its lease holds them)
 KV_PRESSURE = 0.1  # free KV blocks under this share of the cache: freeing some is worth a heartbeat at once
 
 log = logging.getLogger(__name__)
-
-
-class ShuttingDown(RuntimeError):
-    """The worker is draining and takes no new work."""
 
 
 class WorkerRuntime:

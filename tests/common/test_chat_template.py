@@ -8,7 +8,7 @@ import pytest
 from starlette.testclient import TestClient
 
 from common.model.processor import ChatProcessor
-from epdmesh.routing_args import add_chat_template_arg, chat_template
+from epdmesh.options import add_chat_template_arg, chat_template
 from services.gateway.app import build_app
 
 TOOLS_TEMPLATE = (

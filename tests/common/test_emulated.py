@@ -81,7 +81,7 @@ def test_with_prefix_caching_the_tokens_are_the_same_and_a_cached_image_is_not_e
 
 def test_a_continuation_goes_on_with_the_tokens_the_request_would_have_had(emulated_dir, cfg):
     """A request migrated or handed back mid-answer (prompt + the tokens sent) gets the rest of the same answer."""
-    from services.gateway.migration import continuation
+    from services.gateway.mesh.migration import continuation
 
     whole = {k: v.output_token_ids for k, v in make(emulated_dir, cfg).generate(requests(cfg, max_tokens=9)).items()}
     for original in requests(cfg, max_tokens=9)[:3]:

@@ -28,7 +28,7 @@ from common.paged_cache import PagedKVCache, PagePayload
 from common.request import Request, RequestStatus, Stage
 from common.sampling import SamplingParams
 from common.scheduler import SchedulerConfig
-from services.gateway.migration import continuation
+from services.gateway.mesh.migration import continuation
 from tests.support import assert_pools_full, build_requests, mixed_cases
 
 EXAMPLES = int(os.environ.get("EPDMESH_FUZZ_EXAMPLES", "100"))

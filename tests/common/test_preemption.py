@@ -19,7 +19,7 @@ from common.paged_cache import PagedKVCache
 from common.request import Request, Stage
 from common.sampling import SamplingParams
 from common.scheduler import SchedulerConfig
-from services.gateway.migration import continuation
+from services.gateway.mesh.migration import continuation
 from tests.support import assert_pools_full, build_requests
 
 

@@ -6,7 +6,7 @@ from common.engine.outputs import RequestOutput
 from common.engine.stopping import check_stop
 from common.request import Request, RequestStatus
 from common.sampling import SamplingParams
-from services.gateway.migration import continuation, rebased
+from services.gateway.mesh.migration import continuation, rebased
 
 EOS = 2
 

@@ -141,15 +141,17 @@ def test_a_prefill_sent_before_its_encode_gets_the_pages_from_the_encoder(tiny_d
 @pytest.mark.parametrize("path", ["dedicated", "colocated"])
 def test_a_stage_sent_without_its_images_encodes_them_when_they_are_not_cached_after_all(path, tiny_dir, processors):
     """The router predicted the prefill worker holds the images' KV, so the gateway sends no Encode: where that
-    worker's cache does not hold them (FAILED_PRECONDITION, IMAGES_NOT_CACHED) the gateway encodes them and calls it
+    worker's cache does not hold them (FAILED_PRECONDITION, reason IMAGES_NOT_CACHED) the gateway encodes them and calls it
     again — the same tokens either way; once they are cached the encoder is not called at all. Real workers over
     gRPC (E + P + D, or E + PD), the gateway's own stage driver."""
-    from common.policy.routing import PrefillPath
-    from common.request import Request
+    from common.policy.routing import PrefillPath, RoutePlan
+    from common.request import Request, Stage
+    from common.workers import WorkerInfo, WorkerLoad, WorkerSnapshot
     from common.sampling import SamplingParams
     from common.telemetry.tracing import Tracing
     from common.transfer.channels import ChannelPool
-    from services.gateway.stages import Stages
+    from services.gateway.mesh.route_client import Route
+    from services.gateway.mesh.stages import Stages
     from services.stage_calls.client import StageCalls
     from tests.support import image
 
@@ -170,17 +172,17 @@ def test_a_stage_sent_without_its_images_encodes_them_when_they_are_not_cached_a
             stops.append(d_stop)
         channels = ChannelPool()
         calls = StageCalls(channels)
-        stages = Stages(channels, calls, Tracing(), sent=lambda request, worker_id: None,
-                        spawn=lambda coro: asyncio.ensure_future(coro))
+        stages = Stages(channels, calls, Tracing(), spawn=lambda coro: asyncio.ensure_future(coro))
         try:
             decoder = "d" if path == "dedicated" else "p"
 
             async def drive(rid, prompt, images_cached):
-                plan = pb.RoutePlan(encoder=pb.WorkerRef(worker_id="e", address=e_addr),
-                                    prefill=pb.WorkerRef(worker_id="p", address=p_addr),
-                                    decoder=pb.WorkerRef(worker_id=decoder, address=d_addr), images_cached=images_cached)
+                def worker(worker_id, address, *roles):
+                    return WorkerSnapshot(WorkerInfo(worker_id, address, frozenset(roles)), WorkerLoad(), 0.0)
+                plan = RoutePlan(worker("e", e_addr, Stage.ENCODE), worker("p", p_addr, Stage.PREFILL),
+                                 worker(decoder, d_addr, Stage.DECODE), PrefillPath(path), images_cached=images_cached)
                 request = Request(rid, prompt[0], SamplingParams(max_tokens=6, temperature=0), prompt[1])
-                outs = [out async for out in stages.drive(request, plan, PrefillPath(path))]
+                outs = [out async for out in stages.drive(request, Route(plan, rid))]
                 return outs[-1].output_token_ids, outs[-1].num_cached_tokens
 
             async def encoder_iterations():

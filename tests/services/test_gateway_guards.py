@@ -19,12 +19,15 @@ from common.workers import WorkerInfo, WorkerLoad, WorkerSnapshot
 from common.request import Stage
 from epdmesh.v1 import mesh_pb2 as pb
 from services import wire
-from services.gateway import mesh as mesh_module
+from services.failure import Reason
 from services.gateway.app import NORMALIZATION_SLACK, build_app
-from services.gateway.mesh import MeshBackend, NoLiveRoute
-from services.gateway.protocol import ApiError, parse_chat_request
-from services.gateway.status import MeshStatus
-from services.toggle.router import NoRoute, _why_no_route
+from services.gateway.errors import ApiError
+from services.gateway.mesh import MeshBackend
+from services.gateway.mesh import route_client as route_module
+from services.gateway.mesh.outcome import StageError
+from services.gateway.mesh.status import MeshStatus
+from services.gateway.protocol import parse_chat_request
+from services.routing.router import NoRoute, _why_no_route
 
 MODEL = "m"
 
@@ -185,13 +188,13 @@ def _entry(worker_id: str, roles, age_s: float = 0.1) -> pb.WorkerEntry:
     return pb.WorkerEntry(info=wire.info_to_pb(info), age_s=age_s)
 
 
-class Status(MeshStatus):
+class Routes:
     def __init__(self, entries):
         self.toggle = Toggle(entries)
 
 
 def _health(*entries) -> dict:
-    return asyncio.run(Status(list(entries)).health())
+    return asyncio.run(MeshStatus(Routes(list(entries)), None).health())
 
 
 def test_health_needs_live_workers_covering_prefill_and_decode_and_says_which_role_is_missing():
@@ -233,11 +236,11 @@ class Router:
     async def route(self, summary):
         self.calls += 1
         if self.calls <= self.ready_after and self.refused:
-            raise NoRoute("no worker can serve this request within its SLO", busy=True, refused=True)
+            raise NoRoute("no worker can serve this request within its SLO", Reason.REFUSED)
         if self.calls <= self.ready_after and self.busy:
-            raise NoRoute("every decoder is full", busy=True)
+            raise NoRoute("every decoder is full", Reason.NO_ROOM)
         if self.calls <= self.ready_after:
-            raise NoRoute("no live worker set covers a prefill and a decode role", busy=False)
+            raise NoRoute("no live worker set covers a prefill and a decode role", Reason.NO_WORKER)
         return RoutePlan(None, _worker("x"), _worker("x"), PrefillPath.COLOCATED)
 
 
@@ -246,17 +249,20 @@ def _worker(worker_id):
 
 
 def _reroute(router, wait_s: float, monkeypatch, wait_for_worker: bool = True):
-    monkeypatch.setattr(mesh_module, "FAILOVER_WAIT_S", wait_s)
-    monkeypatch.setattr(mesh_module, "ROOM_WAIT_S", wait_s)
-    monkeypatch.setattr(mesh_module, "FAILOVER_POLL_S", 0.01)
+    """The plan `reroute` comes back with, or the client's error its StageError becomes."""
+    monkeypatch.setattr(route_module, "FAILOVER_WAIT_S", wait_s)
+    monkeypatch.setattr(route_module, "ROOM_WAIT_S", wait_s)
+    monkeypatch.setattr(route_module, "FAILOVER_POLL_S", 0.01)
     backend = MeshBackend(Processor(), "127.0.0.1:1", 100, router=router)
     summary = RouteSummary("r", 5, 0, 4, frozenset({"dead"}))
 
     async def go():
         try:
-            return await backend._reroute(lambda: summary, None, 2, wait_for_worker)
+            return (await backend.routes.reroute(lambda: summary, None, 2, wait_for_worker)).plan
+        except StageError as e:
+            raise e.api_error() from None
         finally:
-            backend._refresher.cancel()
+            backend.routes._refresher.cancel()
     return asyncio.run(go())
 
 
@@ -290,7 +296,7 @@ def test_a_request_waits_for_room_as_a_queued_one_but_not_out_a_refusal_or_for_a
 def test_the_wait_for_a_replacement_is_bounded(monkeypatch):
     router = Router(ready_after=10**6)
     start = time.monotonic()
-    with pytest.raises(NoLiveRoute) as err:
+    with pytest.raises(ApiError) as err:
         _reroute(router, 0.1, monkeypatch)
     assert err.value.status == 503 and "routing is unavailable" in err.value.message
     assert 0.1 <= time.monotonic() - start < 5 and router.calls >= 2
@@ -388,8 +394,8 @@ def test_a_request_routes_around_the_run_of_a_worker_that_failed_it_not_a_restar
     assert plan is not None and plan.decoder.info.instance == "run2"
     full = RouteSummary("r", 5, 0, 4, frozenset({"decoder"}))  # no KV room there (a reservation): any run of it
     assert route([prefill, restarted], full, RoutingConfig()) is None
-    ref = wire.plan_to_pb(plan).decoder
-    assert wire.ref_registration(ref) == "decoder#run2" and wire.info_from_pb(wire.info_to_pb(restarted.info)) == restarted.info
+    decoder = wire.plan_from_pb(wire.plan_to_pb(plan)).decoder  # as the gateway gets it from the toggle
+    assert decoder.info.registration == "decoder#run2" and wire.info_from_pb(wire.info_to_pb(restarted.info)) == restarted.info
 
 
 def test_body_guards_bom_content_length_and_a_chunked_body_over_the_limit(app, monkeypatch):
@@ -448,7 +454,7 @@ def test_a_bug_of_ours_mid_stream_ends_the_stream_with_an_error_event_and_done()
 def test_a_request_no_decoder_could_ever_hold_is_a_400_not_a_retry_later():
     """Admission reserves prompt + max_tokens: a request over every decoder's whole KV cache would get 'retry
     later' 503s forever."""
-    from services.toggle.router import _check_fits
+    from services.routing.router import _check_fits
 
     def snap(worker_id, roles, blocks_total, blocks_free, age_s=0.1):
         load = WorkerLoad(kv_blocks_total=blocks_total, kv_blocks_free=blocks_free, kv_tokens_free=blocks_free * 16)
@@ -459,7 +465,7 @@ def test_a_request_no_decoder_could_ever_hold_is_a_400_not_a_retry_later():
     _check_fits(workers, RouteSummary("r", 21, 0, 1019, frozenset()), 3.0)  # 1040 tokens: fits d1 when it is empty
     with pytest.raises(NoRoute) as err:
         _check_fits(workers, RouteSummary("r", 21, 0, 1100, frozenset()), 3.0)
-    assert not err.value.fits and "needs 1121 tokens of KV" in err.value.message and "(1040)" in err.value.message
+    assert err.value.reason == Reason.TOO_LARGE and "needs 1121 tokens of KV" in err.value.message and "(1040)" in err.value.message
     _check_fits(workers + [snap("d3", {Stage.DECODE}, 100, 0)], RouteSummary("r", 21, 0, 1100, frozenset()), 3.0)  # d3's size unknown
     with pytest.raises(NoRoute):  # a dead or excluded decoder's size does not count
         _check_fits(workers + [snap("d4", {Stage.DECODE}, 999, 999, age_s=9)], RouteSummary("r", 21, 0, 1100, frozenset()), 3.0)

@@ -9,7 +9,8 @@ import pytest
 
 from common.sampling import SamplingParams
 from services.gateway.mesh import MeshBackend
-from services.gateway.protocol import ApiError, ChatRequest
+from services.gateway.errors import ApiError
+from services.gateway.protocol import ChatRequest
 
 WAIT_S = 5.0
 
@@ -82,8 +83,8 @@ def test_the_route_is_asked_for_while_the_pixels_are_made():
         with pytest.raises(Routed):
             await backend.start(_chat(), "r1")
         assert await asyncio.to_thread(processor.applied.wait, WAIT_S)
-        if backend._refresher is not None:
-            backend._refresher.cancel()
+        if backend.routes._refresher is not None:
+            backend.routes._refresher.cancel()
 
     asyncio.run(main())
 
@@ -97,7 +98,6 @@ def test_a_prompt_the_processor_refuses_after_routing_is_a_400_and_its_route_is_
         return None
 
     monkeypatch.setattr(router, "route", route)
-    monkeypatch.setattr("services.gateway.mesh.wire.plan_to_pb", lambda plan: plan)
 
     async def main():
         backend = _backend(processor, router)
@@ -105,7 +105,7 @@ def test_a_prompt_the_processor_refuses_after_routing_is_a_400_and_its_route_is_
             await backend.start(_chat(), "r2")
         assert err.value.status == 400 and "no user turn" in err.value.message
         assert router.forgotten == ["r2"]  # its reservation ends now rather than at its expiry
-        backend._refresher.cancel()
+        backend.routes._refresher.cancel()
 
     asyncio.run(main())
 

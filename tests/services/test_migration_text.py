@@ -4,7 +4,7 @@ whose decode drops its first token's leading space, so two decodes joined would 
 
 from common.engine.outputs import RequestOutput
 from common.request import RequestStatus
-from services.gateway.migration import rebased
+from services.gateway.mesh.migration import rebased
 from tests.common.test_detokenizer import _llama_style
 
 
@@ -44,7 +44,7 @@ def test_a_continuation_counts_the_tokens_already_sent_as_generated_across_the_w
     from common.request import Request, Stage
     from common.sampling import SamplingParams
     from services import wire
-    from services.gateway.migration import continuation
+    from services.gateway.mesh.migration import continuation
 
     original = Request("r", [1, 2, 3], SamplingParams(max_tokens=9, seed=4, frequency_penalty=0.5, repetition_penalty=1.1))
     moved = continuation(original, [7, 8, 7], attempt=2)
@@ -59,7 +59,7 @@ def test_a_continuation_keeps_min_tokens_counted_from_the_same_point_as_max_toke
     min_tokens left whole was over the lowered max_tokens, and the continuation could not even be made)."""
     from common.request import Request
     from common.sampling import SamplingParams
-    from services.gateway.migration import continuation
+    from services.gateway.mesh.migration import continuation
 
     original = Request("r", [1, 2, 3], SamplingParams(max_tokens=20, min_tokens=15))
     moved = continuation(original, list(range(10, 20)), attempt=2)

@@ -4,7 +4,8 @@ import json
 
 import pytest
 
-from services.gateway.protocol import INLINE_TOKENIZE_CHARS, ApiError, parse_chat_request
+from services.gateway.errors import ApiError
+from services.gateway.protocol import INLINE_TOKENIZE_CHARS, parse_chat_request
 
 
 def _chat(*texts: str):

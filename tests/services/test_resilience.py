@@ -9,14 +9,15 @@ import grpc
 
 from common.engine.config import EngineConfig
 from common.engine.engine import Engine
-from common.policy.routing import PrefillPath
+from common.policy.routing import PrefillPath, RoutePlan
 from common.request import Request, Stage
 from common.sampling import SamplingParams
 from common.transfer.channels import CHANNEL_OPTIONS
-from common.workers import WorkerInfo, WorkerLoad
+from common.workers import WorkerInfo, WorkerLoad, WorkerSnapshot
 from epdmesh.v1 import mesh_pb2 as pb
 from epdmesh.v1 import mesh_pb2_grpc as pb_grpc
 from services.gateway.mesh import MeshBackend
+from services.gateway.mesh.route_client import Route
 from services.worker import server as worker_server
 from services.worker.runtime import WorkerRuntime
 
@@ -53,11 +54,10 @@ def test_a_client_gone_at_its_first_token_releases_the_kv_pages_at_once():
         pb_grpc.add_WorkerServicer_to_server(worker, server)
         await server.start()
         backend = MeshBackend(None, "127.0.0.1:1", 4096)
-        ref = pb.WorkerRef(worker_id="p-1", address=prefiller.address)
-        plan = pb.RoutePlan(prefill=ref, decoder=pb.WorkerRef(worker_id="d-1", address="127.0.0.1:1"),
-                            path=pb.PREFILL_PATH_DEDICATED)
-        stream = backend.stages.drive(Request("r", [1, 2, 3], SamplingParams(max_tokens=4, temperature=0.0)), plan,
-                                PrefillPath.DEDICATED)
+        prefill = WorkerSnapshot(WorkerInfo("p-1", prefiller.address, frozenset({Stage.PREFILL})), WorkerLoad(), 0.0)
+        decoder = WorkerSnapshot(WorkerInfo("d-1", "127.0.0.1:1", frozenset({Stage.DECODE})), WorkerLoad(), 0.0)
+        route = Route(RoutePlan(None, prefill, decoder, PrefillPath.DEDICATED), "r")
+        stream = backend.stages.drive(Request("r", [1, 2, 3], SamplingParams(max_tokens=4, temperature=0.0)), route)
         first = await asyncio.wait_for(anext(stream), WAIT_S)
         assert first.new_token_ids == [42]
         await stream.aclose()  # the client is gone: no Decode goes out

@@ -3,8 +3,8 @@
 import asyncio
 
 from common.policy.routing import RouteSummary
-from services.toggle import router as router_module
-from services.toggle.router import NoRoute, Router
+from services.routing import router as router_module
+from services.routing.router import NoRoute, Router
 
 
 class CountingRegistry:

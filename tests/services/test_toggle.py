@@ -15,7 +15,8 @@ from common.workers import WorkerInfo, WorkerLoad
 from epdmesh.v1 import mesh_pb2 as pb
 from epdmesh.v1 import mesh_pb2_grpc as pb_grpc
 from services import wire
-from services.toggle.registry import SET_TTL_FACTOR, RedisRegistry
+from services.failure import Reason, reason_of
+from services.routing.registry import SET_TTL_FACTOR, RedisRegistry
 from services.toggle.server import ToggleOptions, run_toggle
 from tests.services.servers import REDIS_URL
 
@@ -81,14 +82,15 @@ def test_route_over_grpc_and_unavailable_without_workers():
             with pytest.raises(grpc.aio.AioRpcError) as err:
                 await toggle.Route(ask)
             assert err.value.code() == grpc.StatusCode.UNAVAILABLE and "no live workers" in err.value.details()
+            assert reason_of(err.value) == Reason.NO_WORKER  # in the call's trailing metadata
             for wid, roles in [("e-1", {E}), ("p-1", {P}), ("d-1", {D}), ("d-2", {D})]:
                 await toggle.Register(pb.RegisterRequest(info=wire.info_to_pb(info(wid, roles)),
                                                          load=pb.WorkerLoad(kv_tokens_free=100_000)))
             plan = await toggle.Route(ask)
-            assert (plan.encoder.worker_id, plan.prefill.worker_id, plan.path) == ("e-1", "p-1", pb.PREFILL_PATH_DEDICATED)
+            assert (plan.encoder.info.worker_id, plan.prefill.info.worker_id, plan.path) == ("e-1", "p-1", pb.PREFILL_PATH_DEDICATED)
             # the first decoder got the request's tokens booked locally, so the next one goes to the other
             second = await toggle.Route(ask)
-            assert {plan.decoder.worker_id, second.decoder.worker_id} == {"d-1", "d-2"}
+            assert {plan.decoder.info.worker_id, second.decoder.info.worker_id} == {"d-1", "d-2"}
             listed = await toggle.ListWorkers(pb.ListWorkersRequest())
             assert sorted(w.info.worker_id for w in listed.workers) == ["d-1", "d-2", "e-1", "p-1"]
             await toggle.Deregister(pb.DeregisterRequest(worker_id="e-1"))
@@ -130,8 +132,8 @@ def test_slo_routing_over_grpc_chooses_paths_and_refuses_what_cannot_fit():
                                                           max_tokens=8, **slo_fields))
 
             short, long = await route(100), await route(1000)
-            assert (short.path, short.prefill.worker_id) == (pb.PREFILL_PATH_MULTIPLEXED, "pd-1")
-            assert (long.path, long.prefill.worker_id, long.decoder.worker_id) == (pb.PREFILL_PATH_DEDICATED, "p-1", "pd-1")
+            assert (short.path, short.prefill.info.worker_id) == (pb.PREFILL_PATH_MULTIPLEXED, "pd-1")
+            assert (long.path, long.prefill.info.worker_id, long.decoder.info.worker_id) == (pb.PREFILL_PATH_DEDICATED, "p-1", "pd-1")
             with pytest.raises(grpc.aio.AioRpcError) as err:
                 await route(1000, ttft_slo_ms=20)  # its own target: no path can reach it
             assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "within its SLO" in err.value.details()
@@ -166,9 +168,9 @@ def test_two_toggles_routing_at_once_never_overbook_a_decoder():
         async def ask(i):
             try:
                 plan = await toggles[i % 2].Route(pb.RouteRequest(request_id=f"r{i}", num_prompt_tokens=60, max_tokens=40))
-                return plan.decoder.worker_id
+                return plan.decoder.info.worker_id
             except grpc.aio.AioRpcError as e:
-                assert e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, e.details()
+                assert e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and reason_of(e) == Reason.NO_ROOM, e.details()
                 return None
 
         routed = await asyncio.gather(*(ask(i) for i in range(30)))
@@ -197,9 +199,9 @@ def test_a_gateway_routing_in_process_and_a_toggle_share_one_view_of_capacity():
     With no workers at all, the gateway answers 503 with the reason, as the toggle would."""
     from common.policy.routing import RouteSummary
     from services.gateway.mesh import MeshBackend
-    from services.gateway.protocol import ApiError
-    from services.toggle.reservations import Reservations
-    from services.toggle.router import NoRoute, Router
+    from services.gateway.mesh.outcome import StageError
+    from services.routing.reservations import Reservations
+    from services.routing.router import NoRoute, Router
 
     async def main():
         prefix = f"epdmesh-test:{uuid.uuid4().hex}:"
@@ -218,13 +220,13 @@ def test_a_gateway_routing_in_process_and_a_toggle_share_one_view_of_capacity():
         async def ask(i):
             try:
                 if i % 2:
-                    return (await router.route(RouteSummary(f"r{i}", 60, 0, 40))).decoder.worker_id
+                    return (await router.route(RouteSummary(f"r{i}", 60, 0, 40))).decoder.info.worker_id
                 return (await toggle.Route(pb.RouteRequest(request_id=f"r{i}", num_prompt_tokens=60,
-                                                           max_tokens=40))).decoder.worker_id
+                                                           max_tokens=40))).decoder.info.worker_id
             except NoRoute as e:
-                assert e.busy, e.message
+                assert e.reason == Reason.NO_ROOM, e.message
             except grpc.aio.AioRpcError as e:
-                assert e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, e.details()
+                assert e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and reason_of(e) == Reason.NO_ROOM, e.details()
 
         routed = await asyncio.gather(*(ask(i) for i in range(30)))
         assert {d: routed.count(d) for d in ("d-1", "d-2", None)} == {"d-1": 10, "d-2": 10, None: 10}
@@ -233,9 +235,10 @@ def test_a_gateway_routing_in_process_and_a_toggle_share_one_view_of_capacity():
             await toggle.Deregister(pb.DeregisterRequest(worker_id=wid))
         router.invalidate()
         backend = MeshBackend(None, bound[0], 4096, router=router)
-        with pytest.raises(ApiError) as err:
-            await backend._route(RouteSummary("lonely", 60, 0, 40), None, attempt=1)
-        assert err.value.status == 503 and "no live workers are registered" in err.value.message
+        with pytest.raises(StageError) as err:
+            await backend.routes.route(RouteSummary("lonely", 60, 0, 40), None, attempt=1)
+        assert err.value.reason == Reason.NO_WORKER and err.value.api_error().status == 503
+        assert "no live workers are registered" in err.value.api_error().message
         await backend.close()  # closes the router's Redis client too
         await channel.close()
         stop.set()
@@ -248,7 +251,7 @@ def test_routes_made_since_a_workers_last_heartbeat_stay_in_its_load_until_prefi
     """Loads in Redis are the workers' last heartbeats: a refresh must not drop the routes made after them
     (a burst would pile onto the worker that looks idle), nor keep them once the heartbeat can include them."""
     from common.policy.routing import RouteSummary
-    from services.toggle.router import Router
+    from services.routing.router import Router
 
     async def main():
         client = aioredis.from_url(REDIS_URL)
@@ -265,8 +268,8 @@ def test_routes_made_since_a_workers_last_heartbeat_stay_in_its_load_until_prefi
 
             first = await router.route(RouteSummary("r1", 600, 0, 40))
             second = await router.route(RouteSummary("r2", 300, 0, 20))
-            assert {first.prefill.worker_id, second.prefill.worker_id} == {"p-1", "p-2"}  # spread, not piled
-            p1, p2 = first.prefill.worker_id, second.prefill.worker_id
+            assert {first.prefill.info.worker_id, second.prefill.info.worker_id} == {"p-1", "p-2"}  # spread, not piled
+            p1, p2 = first.prefill.info.worker_id, second.prefill.info.worker_id
             assert await loads() == {p1: (1, 600, 0), p2: (1, 300, 0), "d-1": (0, 0, 60)}  # survives a refresh
             router.prefilled("r1")  # its first token came: its prompt is no longer queued
             assert await loads() == {p1: (0, 0, 0), p2: (1, 300, 0), "d-1": (0, 0, 60)}
@@ -288,7 +291,7 @@ def test_a_request_the_gateway_is_done_with_releases_its_reservations():
     """A request can end before its decoder admits it (done at its first token, its client gone): its KV
     reservations end with it, not 10 s later, so they do not turn later requests away."""
     from common.policy.routing import RouteSummary
-    from services.toggle.reservations import Reservations
+    from services.routing.reservations import Reservations
 
     async def main():
         async with _p_and_d(Reservations) as (router, reservations):
@@ -311,7 +314,7 @@ def test_a_request_the_gateway_is_done_with_releases_its_reservations():
 def test_with_admission_control_a_missing_role_is_reported_as_such_not_as_an_slo_refusal():
     from common.policy.multiplex import MultiplexConfig
     from common.policy.routing import RouteSummary
-    from services.toggle.router import NoRoute, Router, SloRouting
+    from services.routing.router import NoRoute, Router, SloRouting
 
     profile = _profile()
 
@@ -323,7 +326,7 @@ def test_with_admission_control_a_missing_role_is_reported_as_such_not_as_an_slo
             slo = SloRouting(profile, ttft_ms=500, tbt_ms=50, config=MultiplexConfig(admission_control=True))
             with pytest.raises(NoRoute) as err:
                 await Router(registry, slo=slo).route(RouteSummary("r", 100, 0, 8))
-            assert not err.value.busy and "no live worker set covers" in err.value.message
+            assert err.value.reason == Reason.NO_WORKER and "no live worker set covers" in err.value.message
         finally:
             await registry.clear()
             await client.aclose()
@@ -335,7 +338,7 @@ def test_a_route_loads_a_worker_until_the_gateway_has_handed_it_the_request():
     """A path-① decoder gets its request only after the encode and the prefill, most of a TTFT later: its
     heartbeats before then cannot include the route, which keeps loading it (else a burst piles onto it)."""
     from common.policy.routing import RouteSummary
-    from services.toggle.router import Router
+    from services.routing.router import Router
 
     async def main():
         client = aioredis.from_url(REDIS_URL)
@@ -371,10 +374,10 @@ def test_routing_ahead_gives_the_plan_before_its_reservation_and_a_worker_full_m
     another router took the room meanwhile — with NoRoute naming the full worker, nothing reserved anywhere and
     the route forgotten. The gateway then routes around that worker (its registration), as for a failed one."""
     from common.policy.routing import RouteSummary
-    from services.gateway.protocol import ApiError
-    from services.gateway.stage_errors import StageFailed, confirmed
-    from services.toggle.reservations import Reservations
-    from services.toggle.router import NoRoute, Router
+    from services.gateway.mesh.outcome import StageError
+    from services.gateway.mesh.route_client import Route
+    from services.routing.reservations import Reservations
+    from services.routing.router import NoRoute, Router
 
     async def main():
         client = aioredis.from_url(REDIS_URL)
@@ -386,24 +389,24 @@ def test_routing_ahead_gives_the_plan_before_its_reservation_and_a_worker_full_m
             reservations = Reservations(client, prefix)
             router = Router(registry, reservations=reservations)
             plan, reserved = await router.route_ahead(RouteSummary("r1", 600, 0, 40))
-            assert (plan.prefill.worker_id, plan.decoder.worker_id) == ("p-1", "d-1") and not reserved.done()
+            assert (plan.prefill.info.worker_id, plan.decoder.info.worker_id) == ("p-1", "d-1") and not reserved.done()
             assert await reserved is None
             assert (await reservations.held("p-1"), await reservations.held("d-1")) == (600, 640)
             # another router reserves the rest of d-1; this one's snapshot does not know it yet
             assert await reservations.reserve("elsewhere", {"d-1": (300, 1000)}) is None
             plan, reserved = await router.route_ahead(RouteSummary("r2", 100, 0, 20))
-            assert plan.decoder.worker_id == "d-1"
+            assert plan.decoder.info.worker_id == "d-1"
             with pytest.raises(NoRoute) as refused:
                 await reserved
-            assert refused.value.busy and refused.value.full == "d-1"
+            assert refused.value.reason == Reason.NO_ROOM and refused.value.full == "d-1"
             assert (await reservations.held("p-1"), await reservations.held("d-1")) == (600, 940)  # all or nothing
             assert "r2" not in router._pending
             _, again = await router.route_ahead(RouteSummary("r3", 100, 0, 20))
-            with pytest.raises(StageFailed) as failed:  # the gateway's side
-                await confirmed(again, wire.plan_to_pb(plan))
-            assert failed.value.busy and failed.value.blame == wire.ref_registration(wire.plan_to_pb(plan).decoder)
-            assert isinstance(failed.value.error, ApiError) and failed.value.error.status == 503
-            assert failed.value.error.headers == {"Retry-After": "1"}
+            with pytest.raises(StageError) as failed:  # the gateway's side
+                await Route(plan, "r3", reserved=again).confirmed()
+            assert failed.value.no_room and failed.value.blame == plan.decoder.info.registration
+            error = failed.value.api_error()
+            assert error.status == 503 and error.headers == {"Retry-After": "1"}
         finally:
             await registry.clear()
             await client.delete(f"{prefix}resv:p-1", f"{prefix}resv:d-1")
@@ -416,7 +419,7 @@ def test_a_reservation_ahead_goes_to_redis_only_once_its_stage_call_is_written()
     """The client side of the reservation script costs the gateway's loop ~0.1 ms: made ahead, it waits until the
     stage call it overlaps has been written (the `after` event), so the call's message does not wait behind it."""
     from common.policy.routing import RouteSummary
-    from services.toggle.reservations import Reservations
+    from services.routing.reservations import Reservations
 
     class Recording(Reservations):
         calls: list[str] = []
@@ -445,7 +448,7 @@ def test_a_reservation_ahead_goes_to_redis_only_once_its_stage_call_is_written()
 async def _p_and_d(reservations_type):
     """A router over a real Redis registry of a prefill worker p-1 and a decoder d-1 with 1,000 KV tokens free each,
     reserving through `reservations_type`; everything removed after."""
-    from services.toggle.router import Router
+    from services.routing.router import Router
 
     client = aioredis.from_url(REDIS_URL)
     prefix = f"epdmesh-test:{uuid.uuid4().hex}:"
@@ -476,7 +479,7 @@ def test_a_router_sends_a_prompt_it_routed_before_back_to_the_worker_it_sent_it_
     the least loaded one, and a restarted worker (a new registration) is predicted to hold nothing."""
     from common.policy.affinity import prompt_hashes
     from common.policy.routing import RouteSummary
-    from services.toggle.router import Router
+    from services.routing.router import Router
 
     def summary(rid, ids):
         return RouteSummary(rid, len(ids), 0, 8, prefix_hashes=prompt_hashes(ids, []))
@@ -488,13 +491,13 @@ def test_a_router_sends_a_prompt_it_routed_before_back_to_the_worker_it_sent_it_
             await _register_caching(registry, [("p-1", {P}), ("p-2", {P}), ("d-1", {D})])
             router = Router(registry)
             chat = list(range(100, 400))
-            first = (await router.route(summary("a", chat))).prefill.worker_id
+            first = (await router.route(summary("a", chat))).prefill.info.worker_id
             other = "p-2" if first == "p-1" else "p-1"
             router.prefilled("a")
             # `first` now looks busier (a route pending there); a new prompt goes to the other worker
-            assert (await router.route(summary("b", list(range(500, 800))))).prefill.worker_id == other
+            assert (await router.route(summary("b", list(range(500, 800))))).prefill.info.worker_id == other
             router.prefilled("b")
-            assert (await router.route(summary("c", chat + list(range(900, 950))))).prefill.worker_id == first
+            assert (await router.route(summary("c", chat + list(range(900, 950))))).prefill.info.worker_id == first
             router.prefilled("c")
             registration = info(first, {P}).registration
             assert router.affinity.routed.matched_tokens(registration, prompt_hashes(chat, [])) == 288  # 18 whole blocks
@@ -522,7 +525,7 @@ def test_a_decoder_that_prefills_is_recorded_as_holding_the_prompts_handed_to_it
     prompts: the router records the prompt under both workers (a decode-only decoder never prefills: not recorded)."""
     from common.policy.affinity import prompt_hashes
     from common.policy.routing import RouteSummary
-    from services.toggle.router import Router
+    from services.routing.router import Router
 
     async def main():
         client = aioredis.from_url(REDIS_URL)
@@ -533,12 +536,12 @@ def test_a_decoder_that_prefills_is_recorded_as_holding_the_prompts_handed_to_it
             ids = list(range(100, 400))
             hashes = prompt_hashes(ids, [])
             plan = await router.route(RouteSummary("a", len(ids), 0, 8, prefix_hashes=hashes))
-            assert (plan.prefill.worker_id, plan.decoder.worker_id) == ("p-1", "d-1")  # fewest unfinished tokens
+            assert (plan.prefill.info.worker_id, plan.decoder.info.worker_id) == ("p-1", "d-1")  # fewest unfinished tokens
             assert router.affinity.routed.matched_tokens(info("d-1", {D}).registration, hashes) == 0
             await registry.heartbeat("d-1", WorkerLoad(unfinished_decode_tokens=1000))
             await router.refresh()
             plan = await router.route(RouteSummary("b", len(ids), 0, 8, prefix_hashes=hashes))
-            assert (plan.prefill.worker_id, plan.decoder.worker_id) == ("p-1", "pd-1")
+            assert (plan.prefill.info.worker_id, plan.decoder.info.worker_id) == ("p-1", "pd-1")
             assert router.affinity.routed.matched_tokens(info("pd-1", {P, D}).registration, hashes) == 288
         finally:
             await registry.clear()
@@ -553,7 +556,7 @@ def test_no_encode_is_skipped_before_a_prefill_covering_the_images_has_finished_
     counts the block holding the prompt's last token, which a worker computes again."""
     from common.policy.affinity import prompt_hashes
     from common.policy.routing import RouteSummary
-    from services.toggle.router import Router
+    from services.routing.router import Router
 
     ids = list(range(100, 164)) + [7] * 300 + list(range(200, 237))  # 401 tokens; "images" end at 364
 

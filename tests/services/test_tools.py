@@ -7,7 +7,8 @@ import llguidance
 import pytest
 
 from common.engine.grammar import json_schema_grammar
-from services.gateway.protocol import ApiError, parse_chat_request
+from services.gateway.errors import ApiError
+from services.gateway.protocol import parse_chat_request
 from services.gateway.tools import ToolCallStream, ToolChoice, finish_reason, message, tool_grammar
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "The weather in a city",

@@ -35,8 +35,9 @@ from common.request import Stage
 from common.policy.routing import PrefillPath, RoutePlan, RouteSummary, RoutingConfig, route
 from common.telemetry.tracing import Tracing
 from common.workers import WorkerSnapshot
-from services.toggle.registry import RedisRegistry
-from services.toggle.reservations import Reservations, needs
+from services.failure import Reason
+from services.routing.registry import RedisRegistry
+from services.routing.reservations import Reservations, needs
 
 MAX_RESERVE_ATTEMPTS = 4  # plans tried when workers have no KV room left
 IDLE_AFTER_S = 2.0  # no route for this long: the snapshot is refreshed every idle_refresh_s
@@ -54,19 +55,15 @@ class SloRouting:
     config: MultiplexConfig = MultiplexConfig()
 
 
-REFUSED_KEY = "epdmesh-refused"  # trailing metadata of the toggle's RESOURCE_EXHAUSTED: refused, not short of room
-
-
 class NoRoute(Exception):
-    """No plan for this request. `busy`: workers exist but have no room (or no SLO fits): retry later;
-    else no live worker set covers the request at all."""
+    """No plan for this request, and why: `Reason.NO_ROOM` (workers exist but have no room now: retry later),
+    `REFUSED` (admission control: no path meets its SLO), `TOO_LARGE` (no worker could ever hold it) or
+    `NO_WORKER` (no live worker set covers it)."""
 
-    def __init__(self, message: str, busy: bool, fits: bool = True, full: str | None = None, refused: bool = False):
+    def __init__(self, message: str, reason: Reason, full: str | None = None):
         super().__init__(message)
-        self.fits = fits  # False: it never will (too big for any worker), a client error
         self.message = message
-        self.busy = busy
-        self.refused = refused  # busy because admission control turned it down (no path meets its SLO): not to wait
+        self.reason = reason
         self.full = full  # `route_ahead`'s reservation: the planned worker that had no KV room after all
 
 
@@ -169,7 +166,7 @@ class Router:
             if plan is None and full_workers:
                 break
             if plan is None:
-                raise NoRoute(_why_no_route(workers, summary, self._max_heartbeat_age_s), busy=False)
+                raise NoRoute(_why_no_route(workers, summary, self._max_heartbeat_age_s), Reason.NO_WORKER)
             amounts = needs(plan, summary, self.routing.reserved_output_tokens)
             try:
                 full = None if self.reservations is None else await self.reservations.reserve(summary.request_id, amounts)
@@ -184,7 +181,7 @@ class Router:
             full_workers.add(full)
             summary = dataclasses.replace(summary, exclude=summary.exclude | {full})  # no room there: route around it
         if plan is None or full is not None:
-            raise NoRoute("no worker has KV room for this request now (all reserved); retry later", busy=True)
+            raise NoRoute("no worker has KV room for this request now (all reserved); retry later", Reason.NO_ROOM)
         self._chosen(plan, summary, workers)
         return plan
 
@@ -237,7 +234,7 @@ class Router:
             raise
         if full is not None:
             self.forget(request_id)  # all or nothing: none was made, and its work no longer loads the workers
-            raise NoRoute(f"worker {full} has no KV room left for this request (reserved meanwhile)", busy=True,
+            raise NoRoute(f"worker {full} has no KV room left for this request (reserved meanwhile)", Reason.NO_ROOM,
                           full=full)
         self._reserve_noted(request_id, tuple(amounts))
 
@@ -264,7 +261,7 @@ class Router:
                                "epdmesh.route_reason": decision.reason, "epdmesh.meets_slo": decision.meets_slo})
         if decision.refused:  # else no live worker set serves it: route() says which roles are missing
             raise NoRoute(f"no worker can serve this request within its SLO (TTFT {ttft:.0f} ms, TBT {tbt:.0f} ms, "
-                          f"predicted TTFT {decision.predicted_ttft_ms:.0f} ms); retry later", busy=True, refused=True)
+                          f"predicted TTFT {decision.predicted_ttft_ms:.0f} ms); retry later", Reason.REFUSED)
         return decision.plan
 
     def prefilled(self, request_id: str) -> None:
@@ -370,7 +367,7 @@ def largest_decoder_cache(workers: list[WorkerSnapshot], max_age_s: float) -> in
 
 
 def _check_fits(workers: list[WorkerSnapshot], summary: RouteSummary, max_age_s: float) -> None:
-    """NoRoute(fits=False) when no live decoder's whole KV cache holds the request's prompt + max_tokens: it could
+    """NoRoute(TOO_LARGE) when no live decoder's whole KV cache holds the request's prompt + max_tokens: it could
     wait for room forever (admission reserves the worst case). Workers whose size is unknown let it through."""
     need = summary.num_prompt_tokens + summary.max_tokens
     sizes = [w.load.kv_tokens_total for w in workers
@@ -378,7 +375,7 @@ def _check_fits(workers: list[WorkerSnapshot], summary: RouteSummary, max_age_s:
     if sizes and all(0 < size < need for size in sizes):
         raise NoRoute(f"this request needs {need} tokens of KV (prompt {summary.num_prompt_tokens} + max_tokens "
                       f"{summary.max_tokens}), more than any decoder's whole cache holds ({max(sizes)}); lower "
-                      "max_tokens", busy=False, fits=False)
+                      "max_tokens", Reason.TOO_LARGE)
 
 
 def _why_no_route(workers: list[WorkerSnapshot], summary: RouteSummary, max_age_s: float) -> str:

@@ -4,18 +4,24 @@ from __future__ import annotations
 
 import grpc
 
-from common.policy.routing import RoutingConfig
 from common.request import Stage
+from common.transfer.channels import ChannelPool
 from epdmesh.v1 import mesh_pb2 as pb
 from epdmesh.v1 import mesh_pb2_grpc as pb_grpc
 from services import wire
-
-# a worker is counted as long as routing still sends it work: /health says what the router believes
-HEALTHY_HEARTBEAT_AGE_S = RoutingConfig().max_heartbeat_age_s
+from services.gateway.mesh.route_client import HEALTHY_HEARTBEAT_AGE_S, RouteClient
 
 
 class MeshStatus:
-    """Mixed into the mesh backend: needs `toggle` (a Toggle stub) and `channels` (a ChannelPool)."""
+    """The mesh as the toggle's registry and the workers' own statistics show it."""
+
+    def __init__(self, routes: RouteClient, channels: ChannelPool):
+        self.routes = routes
+        self.channels = channels
+
+    @property
+    def toggle(self) -> pb_grpc.ToggleStub:
+        return self.routes.toggle
 
     async def worker_stats(self) -> dict:
         reply = await self.toggle.ListWorkers(pb.ListWorkersRequest(), timeout=5)

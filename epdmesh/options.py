@@ -1,5 +1,5 @@
 """Options shared by several commands: routing (the toggle and a gateway that routes in-process both run
-`services.toggle.router`), SLO targets and stage budgets, how stage calls reach a worker, remote images, and the
+`services.routing.router`), SLO targets and stage budgets, how stage calls reach a worker, remote images, and the
 model and engine options of the commands that run one."""
 
 from __future__ import annotations
@@ -70,7 +70,7 @@ def routing_policy(args):
     from common.latency.budgets import budgets_for
     from common.latency.roofline import load_profile
     from common.policy.multiplex import MultiplexConfig
-    from services.toggle.router import SloRouting
+    from services.routing.router import SloRouting
 
     profile = load_profile(args.latency_profile)
     # the workers of a mesh given this profile run its stage budgets (epdmesh serve passes it to them):
