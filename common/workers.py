@@ -23,6 +23,10 @@ class WorkerInfo:
     metrics_port: int = 0
     instance: str = ""  # new at every start of the process: a worker restarted under the same id is another one
     prefix_caching: bool = False  # it keeps prompts' KV for later requests: cache-aware routing predicts hits only here
+    # the stage budgets its scheduler runs (what the SLO policy predicts its iterations from); 0: not reported
+    token_budget: int = 0  # τ_t: tokens per iteration
+    image_budget: int = 0  # τ_e: images per iteration
+    join_first: bool = False  # a handed-over request's first decode gets a decode-only iteration here
 
     def __post_init__(self) -> None:
         if not self.worker_id or not self.address:

@@ -11,10 +11,9 @@ from pathlib import Path
 
 from common.model.tiny import PRESETS
 from epdmesh.checkpoints import DEFAULT_MODEL_NAME, ensure_default_model, ensure_emulated_model, make_model
-from epdmesh.options import (DEFAULT_EMULATED_PROFILE, add_chat_template_arg, add_engine_args, add_model_args,
-                                  add_remote_image_args, add_router_args, add_routing_args, add_slo_args,
-                                  add_stage_calls_arg, allowed_image_domains, chat_template, decoder_joins,
-                                  routing_policy)
+from epdmesh.options import (DEFAULT_EMULATED_PROFILE, add_budget_args, add_chat_template_arg, add_engine_args,
+                             add_model_args, add_remote_image_args, add_router_args, add_routing_args, add_slo_args,
+                             add_stage_calls_arg, allowed_image_domains, chat_template, decoder_joins, routing_policy)
 from services.gateway.edge import add_api_key_arg, api_keys, edge
 
 
@@ -333,6 +332,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="times in a row a crashed worker, toggle, gateway or private Redis is started again "
                             "(backoff 1 s … 30 s; 0: never)")
     add_slo_args(serve)
+    add_budget_args(serve)
     serve.set_defaults(func=_cmd_serve)
 
     worker = sub.add_parser("worker", help="one worker: an engine and the gRPC services of its roles")
@@ -340,6 +340,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(worker)
     worker.add_argument("--roles", default="encode,prefill,decode", help="e.g. encode,prefill or EP")
     add_slo_args(worker)
+    add_budget_args(worker)
     worker.add_argument("--host", default="127.0.0.1")
     worker.add_argument("--port", type=int, default=0, help="0: any free port (registered with the toggle)")
     worker.add_argument("--advertise-host", help="the host other services dial (default: --host)")
@@ -360,6 +361,7 @@ def build_parser() -> argparse.ArgumentParser:
                          help="the roofline profile of LLaVA-1.5-7B on this accelerator instead of measuring")
     profile.add_argument("--repeats", type=int, default=3)
     add_slo_args(profile)
+    add_budget_args(profile)
     profile.add_argument("--out", default="latency-profile.json")
     profile.set_defaults(func=_cmd_profile)
 

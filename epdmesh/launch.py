@@ -333,7 +333,7 @@ def serve_mesh(args) -> int:
         redis_url = start_redis(mesh, args.redis_url, avoid=frozenset({args.port}))
         toggle = f"127.0.0.1:{free_port(avoid={args.port, _port_of(redis_url)})}"
         prefix = f"epdmesh:{uuid.uuid4().hex[:12]}:"
-        routing = router_argv(args, args.latency_profile, worker_budgets=args.token_budget is None)
+        routing = router_argv(args, args.latency_profile)
         mesh.spawn("toggle", [sys.executable, "-m", "epdmesh.cli", "toggle", "--redis-url", redis_url, "--prefix", prefix,
                               "--port", toggle.rsplit(":", 1)[1], *routing])
         _wait(lambda: _registered(toggle) >= 0, mesh, "the toggle", 60)

@@ -47,9 +47,6 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
     """What a router needs beyond `add_routing_args` (the toggle's; serve has its own --latency-profile)."""
     p.add_argument("--latency-profile", help="route by the SLO-aware multiplexing policy over this profile "
                                              "(default: least loaded)")
-    p.add_argument("--no-worker-budgets", dest="worker_budgets", action="store_false",
-                   help="the workers do not run this profile's stage budgets (explicit --token-budget): "
-                        "do not count on multiplexed prefills being chunked within TBT")
 
 
 def decoder_joins(mode: str | None) -> tuple[bool, bool]:
@@ -67,44 +64,34 @@ def routing_policy(args):
         raise SystemExit("--routing slo needs --latency-profile")
     if not args.latency_profile or args.routing == "least-loaded":
         return routing, None
-    from common.latency.budgets import budgets_for
     from common.latency.roofline import load_profile
     from common.policy.multiplex import MultiplexConfig
     from services.routing.router import SloRouting
 
-    profile = load_profile(args.latency_profile)
-    # the workers of a mesh given this profile run its stage budgets (epdmesh serve passes it to them):
-    # a decoder's prefills come in TBT-sized chunks, a prefill worker's next iteration holds τ_t tokens
-    joins, join_first = decoder_joins(args.decoder_joins)
-    decoder_budget, prefill_budget = (budgets_for(profile, has_decode, args.slo_ttft_ms, args.slo_tbt_ms,
-                                                  headroom=args.budget_headroom, alpha=args.budget_alpha,
-                                                  joins=has_decode and joins, join_first=has_decode and join_first
-                                                  ).token_budget
-                                      for has_decode in (True, False))
-    return routing, SloRouting(profile, args.slo_ttft_ms, args.slo_tbt_ms,
+    # each worker's stage budgets (τ_t, join-first) come with its registration: the policy reads them there
+    return routing, SloRouting(load_profile(args.latency_profile), args.slo_ttft_ms, args.slo_tbt_ms,
                                MultiplexConfig(short_prompt_tokens=args.multiplex_max_tokens,
-                                               admission_control=args.admission_control,
-                                               decoder_token_budget=decoder_budget if args.worker_budgets else None,
-                                               prefill_token_budget=prefill_budget if args.worker_budgets else None,
-                                               join_first=join_first))
+                                               admission_control=args.admission_control))
 
 
-def router_argv(args, latency_profile: str | None, worker_budgets: bool) -> list[str]:
+def router_argv(args, latency_profile: str | None) -> list[str]:
     """The command-line options that give a toggle or gateway process this launch's routing policy."""
     return ["--prefill-mode", args.prefill_mode, "--multiplex-max-tokens", str(args.multiplex_max_tokens),
             "--reserved-output-tokens", str(reserved_output_tokens(args)),
             "--routing", args.routing, "--slo-ttft-ms", str(args.slo_ttft_ms), "--slo-tbt-ms", str(args.slo_tbt_ms),
-            "--budget-headroom", str(args.budget_headroom), "--budget-alpha", str(args.budget_alpha),
-            "--decoder-joins", args.decoder_joins,
             *([] if args.cache_aware_routing else ["--no-cache-aware-routing"]),
             *(["--latency-profile", latency_profile] if latency_profile else []),
-            *([] if worker_budgets else ["--no-worker-budgets"]),
             *(["--admission-control"] if args.admission_control else [])]
 
 
 def add_slo_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--slo-ttft-ms", type=float, default=2000.0, help="default TTFT target (SLO attainment metrics)")
     p.add_argument("--slo-tbt-ms", type=float, default=200.0, help="default P90 time-between-tokens target")
+
+
+def add_budget_args(p: argparse.ArgumentParser) -> None:
+    """How a worker sizes its stage budgets from the SLOs and its latency profile (what it registers; routers read
+    them from the registry)."""
     p.add_argument("--budget-headroom", type=float, default=1.0,
                    help="stage budgets fill this fraction of their iteration-time limit (α·TTFT or TBT); < 1 leaves "
                         "room for what the latency profile does not predict")

@@ -186,13 +186,15 @@ def info_to_pb(info: WorkerInfo) -> pb.WorkerInfo:
     return pb.WorkerInfo(worker_id=info.worker_id, address=info.address, roles=[_STAGES[s] for s in sorted(info.roles)],
                          model=info.model, max_model_len=info.max_model_len, transfer_backend=info.transfer_backend,
                          pid=info.pid, metrics_port=info.metrics_port, instance=info.instance,
-                         prefix_caching=info.prefix_caching)
+                         prefix_caching=info.prefix_caching, token_budget=info.token_budget,
+                         image_budget=info.image_budget, join_first=info.join_first)
 
 
 def info_from_pb(msg: pb.WorkerInfo) -> WorkerInfo:
     roles = frozenset(_STAGES_OF[r] for r in msg.roles if r in _STAGES_OF)
     return WorkerInfo(msg.worker_id, msg.address, roles, msg.model, msg.max_model_len, msg.transfer_backend or "grpc",
-                      msg.pid, msg.metrics_port, msg.instance, msg.prefix_caching)
+                      msg.pid, msg.metrics_port, msg.instance, msg.prefix_caching, msg.token_budget, msg.image_budget,
+                      msg.join_first)
 
 
 _LOAD_FIELDS = [f.name for f in pb.WorkerLoad.DESCRIPTOR.fields]

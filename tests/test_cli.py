@@ -44,36 +44,36 @@ def test_budgets_come_from_the_profile_and_the_slos(tmp_path):
 
 
 def test_serve_passes_its_routing_policy_to_toggle_and_gateway_alike():
-    from epdmesh.options import router_argv
+    from epdmesh.options import router_argv, routing_policy
 
     args = build_parser().parse_args(["serve", "--latency-profile", "H20", "--slo-tbt-ms", "150", "--admission-control",
                                       "--decoder-joins", "on", "--budget-headroom", "0.8", "--budget-alpha", "0.3",
                                       "--prefill-mode", "dedicated", "--multiplex-max-tokens", "300", "--routing", "slo",
                                       "--slo-ttft-ms", "900"])  # none at its default
-    argv = router_argv(args, args.latency_profile, worker_budgets=True)
+    argv = router_argv(args, args.latency_profile)
     toggle = build_parser().parse_args(["toggle", *argv])
     gateway = build_parser().parse_args(["gateway", "--toggle", "127.0.0.1:1", *argv])
-    fields = ("prefill_mode", "multiplex_max_tokens", "routing", "slo_ttft_ms", "slo_tbt_ms", "budget_headroom",
-              "budget_alpha", "decoder_joins", "latency_profile", "worker_budgets", "admission_control")
+    fields = ("prefill_mode", "multiplex_max_tokens", "routing", "slo_ttft_ms", "slo_tbt_ms", "latency_profile",
+              "admission_control")
     assert [getattr(toggle, f) for f in fields] == [getattr(gateway, f) for f in fields]
-    assert (gateway.decoder_joins, gateway.admission_control, gateway.slo_tbt_ms, gateway.budget_alpha) == ("on", True, 150, 0.3)
     # every option reaches them as serve was given it (an option router_argv forgot would fall back to its default)
-    assert [getattr(gateway, f) for f in fields[:-3]] == [getattr(args, f) for f in fields[:-3]]
-    assert (gateway.latency_profile, gateway.worker_budgets, gateway.admission_control) == ("H20", True, True)
+    assert [getattr(gateway, f) for f in fields] == [getattr(args, f) for f in fields]
+    assert (gateway.latency_profile, gateway.admission_control, gateway.slo_tbt_ms) == ("H20", True, 150)
+    # the stage budgets are the workers' own (they register them): a router is given none to derive
+    assert not any(hasattr(gateway, f) for f in ("budget_headroom", "budget_alpha", "decoder_joins", "worker_budgets"))
+    assert routing_policy(gateway)[1].config.short_prompt_tokens == 300
 
 
-def test_join_first_reaches_the_routing_policy_with_the_decoders_budget():
-    from epdmesh.options import routing_policy
+def test_a_worker_registers_the_stage_budgets_it_runs():
+    from services.worker.server import registered_budgets
 
-    def policy(joins):
-        args = build_parser().parse_args(["gateway", "--toggle", "127.0.0.1:1", "--latency-profile", "H20",
-                                          "--routing", "slo", "--slo-tbt-ms", "150", "--decoder-joins", joins])
-        return routing_policy(args)[1].config
-
-    first, half = policy("first"), policy("on")
-    assert first.join_first and not half.join_first
-    assert first.decoder_token_budget == budgets_for(analytic_profile("H20"), True, 2000, 150, joins=True,
-                                                     join_first=True).token_budget > half.decoder_token_budget
+    for joins in ("first", "on"):
+        args = build_parser().parse_args(["worker", "--model", "/nowhere", "--roles", "prefill,decode",
+                                          "--latency-profile", "H20", "--slo-tbt-ms", "150", "--decoder-joins", joins])
+        info = registered_budgets(_engine_config(args, args.roles).scheduler)
+        expected = budgets_for(analytic_profile("H20"), True, 2000, 150, joins=True, join_first=joins == "first")
+        assert (info["token_budget"], info["image_budget"], info["join_first"]) == (
+            expected.token_budget, expected.image_budget, joins == "first")
 
 
 def test_emulated_defaults_and_routing_choice(tmp_path):

@@ -13,8 +13,8 @@ For one request (prompt tokens T, images, its TTFT/TBT targets, time already spe
      their SLO — and the prefill itself fits the slack. Where prefill workers hand requests over to the
      decoders, a request joining d waits for the prefill's iteration in flight and then its own, so two
      such iterations must fit TBT (on a short answer that first gap is its P90) — or, where decoders give a
-     joiner's first decode a decode-only iteration (`join_first`), one such iteration plus that one. When the decoders run
-     with their TBT-derived stage budget (`decoder_token_budget`, TriInfer), the prefill is chunked to
+     joiner's first decode a decode-only iteration (`join_first`), one such iteration plus that one. When d runs
+     with a stage budget (the τ_t it registered, TBT-derived as in TriInfer), the prefill is chunked to
      what the budget leaves beside the decodes, one chunk per iteration, and ② needs that each chunk's
      iteration fits (twice, where requests are handed over) and that the chunks (after d's queued
      prompts) finish within the slack — with join-first decoders, each chunk iteration before the prompt's
@@ -48,14 +48,6 @@ class MultiplexConfig:
     max_heartbeat_age_s: float = 3.0
     image_bytes: int = 0  # bytes of one image's pages (transfer time); 0: ignore
     kv_bytes_per_token: int = 0  # bytes of one token's KV pages; 0: ignore
-    # τ_t of the workers with the decode role (their TBT-derived stage budget), when they run with one: a
-    # multiplexed prefill is then chunked to fit each iteration within TBT, and path ② needs only TTFT slack
-    decoder_token_budget: int | None = None
-    # τ_t of prefill workers without the decode role: how much of their queue runs in the next iteration
-    prefill_token_budget: int | None = None
-    # the decoders give a handed-over request's first decode a decode-only iteration (the scheduler's
-    # `join_first`): a joiner then waits for the iteration in flight plus that short one, not two chunk iterations
-    join_first: bool = False
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -101,8 +93,7 @@ def route_slo(workers: list[WorkerSnapshot], request: RouteSummary, ttft_ms: flo
     options = [_dedicated(p, request, encode_wait(p), left, ttft_ms, profile, config)
                for p in live if p.has(Stage.PREFILL) and not p.has(Stage.DECODE)]
     handoffs = bool(options)  # dedicated prefill workers exist: they hand requests over to the decoders
-    options += [_multiplexed(d, request, encode_wait(d), left, ttft_ms, tbt_ms, profile, config.decoder_token_budget,
-                             handoffs, config.join_first)
+    options += [_multiplexed(d, request, encode_wait(d), left, ttft_ms, tbt_ms, profile, handoffs)
                 for d in decoders if d.has(Stage.PREFILL)]
     if not options:
         return Decision(None, 0.0, left - encode_pred, "no live prefill worker", False)
@@ -110,8 +101,8 @@ def route_slo(workers: list[WorkerSnapshot], request: RouteSummary, ttft_ms: flo
     if chosen is None:
         return Decision(None, min(o.ttft_ms for o in options), left - encode_pred, reason, False, refused=True)
     if chosen.path == PrefillPath.DEDICATED:
-        decoder = min(decoders, key=lambda w: (_join_gap_ms(w, profile, config.decoder_token_budget, config.join_first),
-                                               w.load.unfinished_decode_tokens, w.load.queue_length, w.worker_id))
+        decoder = min(decoders, key=lambda w: (_join_gap_ms(w, profile), w.load.unfinished_decode_tokens,
+                                               w.load.queue_length, w.worker_id))
     else:
         decoder = chosen.worker
     path = PrefillPath.COLOCATED if chosen.path == PrefillPath.MULTIPLEXED and not handoffs else chosen.path
@@ -140,8 +131,8 @@ def _encode_finish(w: WorkerSnapshot, request: RouteSummary, profile: LatencyPro
     A prefill there then waits for w's whole queue, that chunk included: it is counted twice, which stands in for
     the iteration carrying the prompt's last tokens being filled to τ_t by arrivals. Counting it once measured worse
     (bench/README.md, "Path ① predictions and the double-counted chunk")."""
-    budget = (config.decoder_token_budget if w.has(Stage.DECODE) else config.prefill_token_budget) or 0
-    beside = prefill_chunk_ms(profile, min(w.load.queued_prefill_tokens, budget)) if w.has(Stage.PREFILL) else 0.0
+    beside = (prefill_chunk_ms(profile, min(w.load.queued_prefill_tokens, w.info.token_budget))
+              if w.has(Stage.PREFILL) else 0.0)
     return _in_flight_ms(w) + encode_ms(profile, w.load.queued_images + request.num_images) + beside
 
 
@@ -169,11 +160,11 @@ def _dedicated(p, request, encode_wait, left, ttft_ms, profile, config) -> _Opti
     return _Option(PrefillPath.DEDICATED, p, predicted, max(0.0, (predicted - left) / ttft_ms))
 
 
-def _multiplexed(d, request, encode_wait, left, ttft_ms, tbt_ms, profile, budget: int | None,
-                 handoffs: bool = False, join_first: bool = False) -> _Option:
+def _multiplexed(d, request, encode_wait, left, ttft_ms, tbt_ms, profile, handoffs: bool = False) -> _Option:
     """`handoffs`: prefill workers hand requests over to the decoders, so one may join d while this prefill
     runs there, and its first gap is the chunk iteration in flight plus its own: two of them must fit TBT, or
-    with `join_first` one of them plus a decode-only iteration."""
+    where d gives a joiner's first decode a decode-only iteration (`join_first`), one of them plus that one."""
+    budget, join_first = _budget(d), d.info.join_first
     batch, context = d.load.running_decode_batch, d.load.decode_context_tokens
     iteration = decode_ms(profile, batch, context)
     in_flight = 0.0 if _encodes_here(d, request) else max(iteration, _in_flight_ms(d))
@@ -206,15 +197,22 @@ def _multiplexed(d, request, encode_wait, left, ttft_ms, tbt_ms, profile, budget
     return _Option(PrefillPath.MULTIPLEXED, d, predicted, max(0.0, tbt_over, (predicted - left) / ttft_ms))
 
 
-def _join_gap_ms(d: WorkerSnapshot, profile: LatencyProfile, budget: int | None, join_first: bool = False) -> float:
+def _join_gap_ms(d: WorkerSnapshot, profile: LatencyProfile) -> float:
     """The gap a request handed to decoder d waits for its first decode: the iteration in flight, then the
-    next, which carries it — each with the chunk of d's queued prefills that fits beside the decodes; with
-    `join_first` the next is decode-only."""
+    next, which carries it — each with the chunk of d's queued prefills that fits beside the decodes; where d
+    runs `join_first` the next is decode-only."""
     batch, context, queued = d.load.running_decode_batch, d.load.decode_context_tokens, d.load.queued_prefill_tokens
+    budget = _budget(d)
     chunk = queued if budget is None else min(queued, max(0, budget - batch - 1))
     chunks = [(chunk, 0)] if chunk else []
     return (iteration_ms(profile, decodes=batch, decode_context=context, chunks=chunks)
-            + iteration_ms(profile, decodes=batch + 1, decode_context=context, chunks=[] if join_first else chunks))
+            + iteration_ms(profile, decodes=batch + 1, decode_context=context,
+                           chunks=[] if d.info.join_first else chunks))
+
+
+def _budget(w: WorkerSnapshot) -> int | None:
+    """τ_t as w registered it; None where it reported none (a whole prompt is then predicted in one iteration)."""
+    return w.info.token_budget or None
 
 
 def _choose(options: list[_Option], request: RouteSummary, config: MultiplexConfig) -> tuple[_Option | None, str]:

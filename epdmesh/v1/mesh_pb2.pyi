@@ -323,7 +323,7 @@ class WorkerLoad(_message.Message):
     def __init__(self, num_waiting: _Optional[int] = ..., num_running: _Optional[int] = ..., running_decode_batch: _Optional[int] = ..., unfinished_decode_tokens: _Optional[int] = ..., last_iteration_ms: _Optional[float] = ..., kv_blocks_free: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., image_blocks_free: _Optional[int] = ..., image_blocks_total: _Optional[int] = ..., num_leases: _Optional[int] = ..., iterations: _Optional[int] = ..., queued_prefill_tokens: _Optional[int] = ..., queued_images: _Optional[int] = ..., decode_context_tokens: _Optional[int] = ..., kv_tokens_free: _Optional[int] = ..., iteration_elapsed_ms: _Optional[float] = ..., num_preemptions: _Optional[int] = ..., kv_block_size: _Optional[int] = ...) -> None: ...
 
 class WorkerInfo(_message.Message):
-    __slots__ = ("worker_id", "address", "roles", "model", "max_model_len", "transfer_backend", "pid", "metrics_port", "instance", "prefix_caching")
+    __slots__ = ("worker_id", "address", "roles", "model", "max_model_len", "transfer_backend", "pid", "metrics_port", "instance", "prefix_caching", "token_budget", "image_budget", "join_first")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     ROLES_FIELD_NUMBER: _ClassVar[int]
@@ -334,6 +334,9 @@ class WorkerInfo(_message.Message):
     METRICS_PORT_FIELD_NUMBER: _ClassVar[int]
     INSTANCE_FIELD_NUMBER: _ClassVar[int]
     PREFIX_CACHING_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_BUDGET_FIELD_NUMBER: _ClassVar[int]
+    IMAGE_BUDGET_FIELD_NUMBER: _ClassVar[int]
+    JOIN_FIRST_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     address: str
     roles: _containers.RepeatedScalarFieldContainer[Stage]
@@ -344,7 +347,10 @@ class WorkerInfo(_message.Message):
     metrics_port: int
     instance: str
     prefix_caching: bool
-    def __init__(self, worker_id: _Optional[str] = ..., address: _Optional[str] = ..., roles: _Optional[_Iterable[_Union[Stage, str]]] = ..., model: _Optional[str] = ..., max_model_len: _Optional[int] = ..., transfer_backend: _Optional[str] = ..., pid: _Optional[int] = ..., metrics_port: _Optional[int] = ..., instance: _Optional[str] = ..., prefix_caching: _Optional[bool] = ...) -> None: ...
+    token_budget: int
+    image_budget: int
+    join_first: bool
+    def __init__(self, worker_id: _Optional[str] = ..., address: _Optional[str] = ..., roles: _Optional[_Iterable[_Union[Stage, str]]] = ..., model: _Optional[str] = ..., max_model_len: _Optional[int] = ..., transfer_backend: _Optional[str] = ..., pid: _Optional[int] = ..., metrics_port: _Optional[int] = ..., instance: _Optional[str] = ..., prefix_caching: _Optional[bool] = ..., token_budget: _Optional[int] = ..., image_budget: _Optional[int] = ..., join_first: _Optional[bool] = ...) -> None: ...
 
 class StageCall(_message.Message):
     __slots__ = ("call_id", "encode", "await_encode", "prefill", "cancel", "trace_context")

@@ -24,6 +24,7 @@ from prometheus_client import start_http_server
 
 from common.engine.async_engine import AsyncEngine
 from common.engine.config import EngineConfig
+from common.scheduler import SchedulerConfig
 from common.engine.engine import Engine
 from common.request import Stage
 from common.telemetry.metrics import WorkerMetrics
@@ -65,6 +66,13 @@ class EmulationOptions:
     profile: str  # latency profile file (epdmesh-latency/1), or H20 / H100 / H200 for the analytic LLaVA-1.5-7B one
     kv_bytes_per_token: int = 256  # real bytes moved per token, standing in for the model's
     image_bytes_per_token: int = 64
+
+
+def registered_budgets(scheduling: SchedulerConfig) -> dict:
+    """The stage budgets a worker registers (`WorkerInfo`): what its scheduler runs, which the SLO-aware router
+    predicts its iterations from."""
+    return dict(token_budget=scheduling.token_budget, image_budget=scheduling.image_budget,
+                join_first=scheduling.join_first)
 
 
 def build_engine(config: EngineConfig, emulation: EmulationOptions | None = None) -> Engine:
@@ -154,7 +162,8 @@ async def run_worker(options: WorkerOptions, engine: Engine | None = None, ready
     for name in ["", "epdmesh.v1.Worker", *services]:
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     info = WorkerInfo(worker_id, address, config.roles, config.model, engine.max_model_len, transfer.offer, os.getpid(),
-                      metrics_port, instance=uuid.uuid4().hex[:12], prefix_caching=config.enable_prefix_caching)
+                      metrics_port, instance=uuid.uuid4().hex[:12], prefix_caching=config.enable_prefix_caching,
+                      **registered_budgets(engine.scheduler.config))
     log.info("worker %s (%s) serving on %s, transfer %s, metrics on port %s%s", worker_id, label.upper(), address,
              transfer.offer, metrics_port or "-",
              f", emulated by {options.emulation.profile}" if options.emulation is not None else "")

@@ -1,5 +1,7 @@
 """The SLO-aware multiplexing toggle as a pure function: which path, which workers, when it refuses."""
 
+import dataclasses
+
 import pytest
 
 from common.latency import LatencyProfile, StageCost
@@ -23,7 +25,20 @@ def ask(tokens, images=0, exclude=()):
     return RouteSummary("r", tokens, images, 16, frozenset(exclude))
 
 
-def decide(workers, tokens, images=0, ttft=500.0, tbt=50.0, elapsed=0.0, **config):
+def registered(workers, decoder_token_budget=0, prefill_token_budget=0, join_first=False):
+    """The workers as they register the stage budgets they run: decoders τ_t = `decoder_token_budget` (and
+    `join_first`), workers without the decode role `prefill_token_budget` (0: none reported)."""
+    def budgets(s):
+        decodes = s.has(D)
+        info = dataclasses.replace(s.info, token_budget=decoder_token_budget if decodes else prefill_token_budget,
+                                   join_first=join_first and decodes)
+        return dataclasses.replace(s, info=info)
+    return [budgets(s) for s in workers]
+
+
+def decide(workers, tokens, images=0, ttft=500.0, tbt=50.0, elapsed=0.0, decoder_token_budget=0, prefill_token_budget=0,
+           join_first=False, **config):
+    workers = registered(workers, decoder_token_budget, prefill_token_budget, join_first)
     return route_slo(workers, ask(tokens, images), ttft, tbt, elapsed, PROFILE, MultiplexConfig(**config))
 
 

@@ -1,5 +1,5 @@
-"""The emulated backend behind the real mesh: same tokens on every topology (pages really move), and the
-goodput benchmark's smoke run against it."""
+"""The emulated backend behind the real mesh: same tokens on every topology (pages really move), each worker
+registering the stage budgets it runs, and the goodput benchmark's smoke run against it."""
 
 import json
 from pathlib import Path
@@ -8,6 +8,8 @@ import httpx
 
 from bench import goodput
 from bench.workloads import SHAPES, request_bodies
+from common.latency.budgets import budgets_for
+from common.latency.roofline import load_profile
 from tests.services.servers import MODEL, assert_pools_full, running_server
 
 H20 = str(Path(__file__).resolve().parents[2] / "profiles" / "llava-1.5-7b-h20.json")
@@ -20,11 +22,19 @@ def test_emulated_meshes_agree_and_the_goodput_benchmark_measures_one(emulated_d
     for topology in ("EPD1", "E1+P1+D1"):
         log = tmp_path / f"{topology.replace('+', '_')}.log"
         with running_server(emulated_dir, topology, log, "--backend", "emulated", "--profile", H20, "--kv-cache-gib", "4",
-                            "--transfer", "grpc") as base:
+                            "--transfer", "grpc", "--latency-profile", H20, "--slo-ttft-ms", "2000",
+                            "--slo-tbt-ms", "150") as base:
             replies = [httpx.post(f"{base}/v1/chat/completions", json=b, timeout=60).json() for b in bodies]
             answers[topology] = [(r["choices"][0]["message"]["content"], r["usage"]["completion_tokens"]) for r in replies]
             assert all(r["usage"]["prompt_tokens"] > 576 for r in replies)  # 576 image tokens of LLaVA-1.5-7B
             if topology == "E1+P1+D1":
+                # each worker registered the budgets it runs (routers read them there): τ_t as given (running_server's
+                # --token-budget 256), τ_e derived from the profile and the SLOs
+                workers = httpx.get(f"{base}/stats", timeout=30).json()["workers"].values()
+                for has_decode, roles in ((False, "E"), (False, "P"), (True, "D")):
+                    expected = budgets_for(load_profile(H20), has_decode, 2000, 150).image_budget
+                    assert [(w["token_budget"], w["image_budget"], w["join_first"]) for w in workers
+                            if w["roles"] == roles] == [(256, expected, False)]
                 out = tmp_path / "goodput.json"
                 assert goodput.main(["--url", base, "--backend", "emulated", "--workload", "pope,conversation", "--rates", "2,50",
                                      "--num-prompts", "6", "--warmup", "1", "--pause", "0", "--slo-ttft-ms", "60000",

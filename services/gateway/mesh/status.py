@@ -28,14 +28,15 @@ class MeshStatus:
         stats = {}
         for entry in reply.workers:
             info = wire.info_from_pb(entry.info)
+            registered = {"roles": info.role_label, "address": info.address, "pid": info.pid,
+                          "heartbeat_age_s": entry.age_s, "token_budget": info.token_budget,
+                          "image_budget": info.image_budget, "join_first": info.join_first}
             try:
                 load = await pb_grpc.WorkerStub(self.channels.get(info.address)).Stats(pb.StatsRequest(), timeout=5)
             except grpc.aio.AioRpcError as e:
-                stats[info.worker_id] = {"roles": info.role_label, "address": info.address, "pid": info.pid,
-                                         "heartbeat_age_s": entry.age_s, "error": e.code().name}
+                stats[info.worker_id] = {**registered, "error": e.code().name}
                 continue
-            stats[info.worker_id] = {"roles": info.role_label, "address": info.address, "pid": info.pid,
-                                     "metrics_port": info.metrics_port, "heartbeat_age_s": entry.age_s,
+            stats[info.worker_id] = {**registered, "metrics_port": info.metrics_port,
                                      **{f.name: getattr(load, f.name) for f in pb.WorkerLoad.DESCRIPTOR.fields}}
         return stats
 
