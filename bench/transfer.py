@@ -102,8 +102,9 @@ def block_ids_for(sizes: list[int], block_bytes: int, num_blocks: int, order: st
 
 # ----- the source process: a real WorkerServicer + WorkerRuntime, and a NIXL agent, over one paged cache -----
 
-class _Engine:
-    """The two things WorkerRuntime's source side asks of the engine: a cache by kind, and releasing a request."""
+class _Pages:
+    """The two things WorkerRuntime's source side asks of the engine's pages: a cache by kind, and releasing a
+    request."""
 
     def __init__(self, cache: PagedBuffer):
         self.kv_cache = cache
@@ -115,6 +116,11 @@ class _Engine:
 
     def release(self, request_id: str) -> None:
         pass
+
+
+class _Engine:
+    def __init__(self, cache: PagedBuffer):
+        self.pages = _Pages(cache)
 
 
 class _AsyncEngine:

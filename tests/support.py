@@ -131,20 +131,20 @@ def run_disaggregated(encoder: Engine, prefiller: Engine, decoder: Engine, reque
                                    last_stage=Stage.ENCODE if r.images else Stage.PREFILL), capture_logits=True)
     while encoder.has_unfinished or prefiller.has_unfinished or decoder.has_unfinished:
         for out in encoder.step():
-            r = encoder.handed_off[out.request_id]
+            r = encoder.pages.handed_off[out.request_id]
             assert out.pages == ("image", r.image_block_table, r.num_image_tokens)  # what a worker leases
-            pages = encoder.export_image_pages(out.request_id)
-            encoder.release(out.request_id)
+            pages = encoder.pages.export_image_pages(out.request_id)
+            encoder.pages.release(out.request_id)
             prefiller.add_request(Request(r.request_id, r.prompt_token_ids, r.sampling, r.images, first_stage=Stage.PREFILL,
                                           last_stage=Stage.PREFILL), image_pages=_through_bytes(pages), capture_logits=True)
         for out in prefiller.step():
             if out.finished:
                 finals[out.request_id] = out.output_token_ids
                 continue
-            r = prefiller.handed_off[out.request_id]
+            r = prefiller.pages.handed_off[out.request_id]
             assert out.pages == ("kv", r.block_table[:len(out.pages[1])], r.num_prompt_tokens) and out.pages[1]
-            pages = prefiller.export_kv_pages(out.request_id)
-            prefiller.release(out.request_id)
+            pages = prefiller.pages.export_kv_pages(out.request_id)
+            prefiller.pages.release(out.request_id)
             decoder.add_request(Request(r.request_id, r.prompt_token_ids, r.sampling, r.images, first_stage=Stage.DECODE,
                                         output_token_ids=list(out.output_token_ids)), kv_pages=_through_bytes(pages))
         for out in decoder.step():
@@ -165,4 +165,4 @@ def assert_pools_full(*engines: Engine) -> None:
         stats = engine.stats()
         assert stats.kv_blocks_free == stats.kv_blocks_total, stats
         assert stats.image_blocks_free == stats.image_blocks_total, stats
-        assert not engine.requests and not engine.handed_off
+        assert not engine.requests and not engine.pages.handed_off

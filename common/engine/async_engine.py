@@ -71,7 +71,7 @@ class AsyncEngine:
         preloaded: bool = False,
     ) -> AsyncIterator[RequestOutput]:
         """Outputs of `request` until it finishes or is handed off (or back: preempted); pages of an earlier stage go in with it
-        (or are already in the blocks `Engine.reserve_import` gave it: `preloaded`)."""
+        (or are already in the blocks `PageHandover.reserve_import` gave it: `preloaded`)."""
         await self.prepare(request)
         outputs: asyncio.Queue = asyncio.Queue()
         with self._gate:

@@ -44,7 +44,7 @@ log = logging.getLogger(__name__)
 iterations_log = logging.getLogger("epdmesh.iterations")
 
 
-class Engine(PageHandover):
+class Engine:
     computes_logprobs = True  # it has the model's logits to report them from
 
     def __init__(self, config: EngineConfig, model: LlavaModel | None = None, detokenize: Callable[[list[int]], str] | None = None,
@@ -94,7 +94,7 @@ class Engine(PageHandover):
 
     def release_caches(self) -> None:
         """Let go of the caches and what refers to them (before others of a new size are allocated in their place)."""
-        self.kv_cache = self.image_cache = self.runner = self.scheduler = None
+        self.kv_cache = self.image_cache = self.runner = self.scheduler = self.pages = None
 
     def _build(self, config: EngineConfig, model_config: LlavaConfig, kv_shape: tuple[int, int, int], image_hidden: int,
                dtype: torch.dtype, device: torch.device, detokenize, count_as: tuple[int, int] | None = None) -> None:
@@ -128,8 +128,7 @@ class Engine(PageHandover):
         )
         self.detokenize = detokenize
         self.requests: dict[str, Request] = {}
-        self.handed_off: dict[str, Request] = {}
-        self.importing: dict[str, Request] = {}  # blocks reserved, being filled by a transfer
+        self.pages = PageHandover(self.scheduler, self.kv_cache, self.image_cache, config.block_size, self._admit)
         self.captured_logits: dict[str, list[torch.Tensor]] = {}
 
     # ----- intake -----
@@ -141,14 +140,14 @@ class Engine(PageHandover):
         """Queue a request. Pages of an earlier stage come as payloads, or were written straight into the
         blocks `reserve_import` gave (`preloaded=True`, the same request object)."""
         if preloaded:
-            if self.importing.pop(request.request_id, None) is not request:
+            if self.pages.importing.pop(request.request_id, None) is not request:
                 raise RequestRejected(f"no pages were reserved for request {request.request_id!r}")
         else:
             self._admit(request)
             if request.first_stage == Stage.PREFILL and request.images:
-                self._import_image_pages(request, image_pages)
+                self.pages.import_image_pages(request, image_pages)
             if request.first_stage == Stage.DECODE:
-                self._import_kv_pages(request, kv_pages)
+                self.pages.import_kv_pages(request, kv_pages)
         if request.first_stage == Stage.DECODE:
             request.num_computed_tokens = request.num_prompt_tokens
             if Stage.PREFILL in self.config.roles:  # its imported prompt KV serves later prompts prefilled here too
@@ -181,7 +180,7 @@ class Engine(PageHandover):
         if request.sampling.grammar is not None and not self.computes_logprobs:
             raise RequestRejected("structured output (response_format, guided_*, tool calls) is not available on this "
                                   "backend: it runs no model (with tools, send tool_choice \"none\")")
-        if request.request_id in self.requests or request.request_id in self.handed_off or request.request_id in self.importing:
+        if request.request_id in self.requests or self.pages.holds(request.request_id):
             raise RequestRejected(f"request id {request.request_id!r} is already in use")
         cfg = self.model_config
         total = request.num_prompt_tokens + request.sampling.max_tokens
@@ -307,9 +306,8 @@ class Engine(PageHandover):
     def _handoff(self, request: Request, new: list[int] | None = None) -> RequestOutput:
         request.done_time = time.monotonic()
         del self.requests[request.request_id]
-        self.handed_off[request.request_id] = request
         out = self._output(request, new or [])
-        out.pages = self.handoff_pages(request.request_id)
+        out.pages = self.pages.keep(request)
         return out
 
     def _output(self, request: Request, new: list[int]) -> RequestOutput:
@@ -333,7 +331,12 @@ class Engine(PageHandover):
         if request is not None:
             self._finish(request, RequestStatus.FINISHED_ABORTED)
             return True
-        return self.release(request_id)
+        return self.pages.release(request_id)
+
+    def transfer_delay_s(self, kind: str, num_tokens: int) -> float:
+        """Extra time an import of `num_tokens` tokens of `kind` pages should take (the emulated engine's
+        stand-in for the real model's page bytes); 0 for a real engine."""
+        return 0.0
 
     # ----- conveniences -----
 
@@ -360,7 +363,7 @@ class Engine(PageHandover):
             kv_blocks_total=s.kv.pool.num_blocks, kv_blocks_free=s.kv.pool.num_free,
             image_blocks_total=s.images.pool.num_blocks, image_blocks_free=s.images.pool.num_free,
             num_waiting=len(s.waiting) + len(s.ready) + len(s.encoding), num_running=len(s.running) + len(s.prefilling),
-            num_handed_off=len(self.handed_off), running_decodes=len(s.running),
+            num_handed_off=len(self.pages.handed_off), running_decodes=len(s.running),
             unfinished_decode_tokens=sum(r.sampling.max_tokens - len(r.output_token_ids) for r in s.running),
             queued_prefill_tokens=sum(r.prefill_remaining for q in (s.waiting, s.encoding, s.ready, s.prefilling) for r in q
                                       if r.last_stage >= Stage.PREFILL),

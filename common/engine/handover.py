@@ -1,17 +1,33 @@
 """How an engine's pages move between stages: a request's handed-over pages written in (imported) as it arrives —
 or blocks reserved for a transfer to fill directly —, and a handed-off request's pages read out (exported) for the
-next stage, then released. Part of `Engine` (a mixin over its scheduler, caches and request tables)."""
+next stage, then released. An `Engine` owns one (`engine.pages`), over its scheduler and caches."""
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 from common.engine.errors import NoRoomForPages, RequestRejected
 from common.kv_manager import blocks_for
 from common.paged_cache import PagedImageCache, PagedKVCache, PagePayload
 from common.request import Request, RequestStatus, Stage
+from common.scheduler import Scheduler
 
 
 class PageHandover:
-    """Needs, from `Engine`: `config`, `scheduler`, `kv_cache`, `image_cache`, `importing`, `handed_off`, `_admit`."""
+    """The pages of requests between stages on one engine: `importing` (blocks reserved, being filled by a transfer)
+    and `handed_off` (finished here, pages kept for the next stage). `admit` checks a request as the engine's
+    intake does (roles, limits, grammar) before any of its blocks are taken."""
+
+    def __init__(self, scheduler: Scheduler, kv_cache: PagedKVCache, image_cache: PagedImageCache, block_size: int,
+                 admit: Callable[[Request], None]):
+        self.scheduler, self.kv_cache, self.image_cache = scheduler, kv_cache, image_cache
+        self.block_size = block_size
+        self._admit = admit
+        self.importing: dict[str, Request] = {}
+        self.handed_off: dict[str, Request] = {}
+
+    def holds(self, request_id: str) -> bool:
+        return request_id in self.importing or request_id in self.handed_off
 
     def reserve_import(self, request: Request) -> tuple[str, list[int], int]:
         """Allocate the blocks that `request`'s handed-over pages go into, for a transfer to fill directly.
@@ -25,7 +41,7 @@ class PageHandover:
         if request.first_stage == Stage.DECODE:
             self._allocate_kv_import(request)
             kind, n = "kv", request.num_prompt_tokens
-            blocks = request.block_table[: blocks_for(n, self.config.block_size)]
+            blocks = request.block_table[: blocks_for(n, self.block_size)]
         elif request.first_stage == Stage.PREFILL and request.images:
             self._allocate_image_import(request)
             kind, n, blocks = "image", request.num_image_tokens, request.image_block_table
@@ -73,7 +89,7 @@ class PageHandover:
         kv = self.scheduler.kv
         request.block_table = kv.pool.allocate(blocks_for(kv.admission_tokens(request), kv.block_size))
 
-    def _import_image_pages(self, request: Request, pages: PagePayload | None) -> None:
+    def import_image_pages(self, request: Request, pages: PagePayload | None) -> None:
         if pages is None or pages.num_tokens != request.num_image_tokens:
             raise RequestRejected(f"request {request.request_id} starts at prefill with images but no matching image pages")
         self._allocate_image_import(request)
@@ -83,7 +99,7 @@ class PageHandover:
             self.scheduler.images.free(request)
             raise
 
-    def _import_kv_pages(self, request: Request, pages: PagePayload | None) -> None:
+    def import_kv_pages(self, request: Request, pages: PagePayload | None) -> None:
         if pages is None or pages.num_tokens != request.num_prompt_tokens:
             raise RequestRejected(f"request {request.request_id} starts at decode but has no KV pages for its prompt")
         self._allocate_kv_import(request)
@@ -93,7 +109,6 @@ class PageHandover:
             self.scheduler.kv.free(request)
             raise
 
-
     def export_image_pages(self, request_id: str) -> PagePayload:
         request = self._handed_off(request_id, Stage.ENCODE)
         return self.image_cache.read_blocks(request.image_block_table, request.num_image_tokens)
@@ -101,7 +116,7 @@ class PageHandover:
     def export_kv_pages(self, request_id: str) -> PagePayload:
         request = self._handed_off(request_id, Stage.PREFILL)
         n = request.num_prompt_tokens
-        return self.kv_cache.read_blocks(request.block_table[: blocks_for(n, self.config.block_size)], n)
+        return self.kv_cache.read_blocks(request.block_table[: blocks_for(n, self.block_size)], n)
 
     def handoff_pages(self, request_id: str) -> tuple[str, list[int], int]:
         """(cache kind, block ids in token order, valid tokens) a handed-off request keeps for the next stage."""
@@ -111,15 +126,15 @@ class PageHandover:
         if request.last_stage == Stage.ENCODE:
             return "image", list(request.image_block_table), request.num_image_tokens
         n = request.num_prompt_tokens
-        return "kv", list(request.block_table[: blocks_for(n, self.config.block_size)]), n
-
-    def transfer_delay_s(self, kind: str, num_tokens: int) -> float:
-        """Extra time an import of `num_tokens` tokens of `kind` pages should take (the emulated engine's
-        stand-in for the real model's page bytes); 0 for a real engine."""
-        return 0.0
+        return "kv", list(request.block_table[: blocks_for(n, self.block_size)]), n
 
     def cache(self, kind: str) -> PagedKVCache | PagedImageCache:
         return self.kv_cache if kind == "kv" else self.image_cache
+
+    def keep(self, request: Request) -> tuple[str, list[int], int]:
+        """`request` finished its last stage here: keep its pages for the next stage; what `handoff_pages` says."""
+        self.handed_off[request.request_id] = request
+        return self.handoff_pages(request.request_id)
 
     def release(self, request_id: str) -> bool:
         """Free a handed-off request's pages (the next stage has them, or gave up)."""

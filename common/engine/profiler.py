@@ -75,8 +75,8 @@ class Profiler:
     def _drain(self) -> None:
         while self.engine.has_unfinished:
             self.engine.step()
-        for request_id in list(self.engine.handed_off):
-            self.engine.release(request_id)
+        for request_id in list(self.engine.pages.handed_off):
+            self.engine.pages.release(request_id)
 
     def encode(self, counts: list[int]) -> None:
         cfg = self.engine.model_config

@@ -93,7 +93,7 @@ class NixlTransfer:
     def __init__(self, worker_id: str, engine, channels: ChannelPool, *, timeout_s: float = 30.0,
                  progress_interval_s: float = 0.002, staging_keep_bytes: int = 256 << 20, max_concurrent: int = 4,
                  caches: dict[str, torch.Tensor] | None = None):
-        """`engine.cache(kind).data` for kind in ('kv', 'image') are the tensors to serve (or pass `caches`)."""
+        """`engine.pages.cache(kind).data` for kind in ('kv', 'image') are the tensors to serve (or pass `caches`)."""
         self.worker_id = worker_id
         self.channels = channels
         self.timeout_s = timeout_s
@@ -111,7 +111,7 @@ class NixlTransfer:
         if "UCX" not in self.agent.backends:
             raise ImportError("NIXL has no UCX backend plugin here")
         if caches is None:
-            caches = {kind: getattr(engine.cache(kind), "data", engine.cache(kind)) for kind in KINDS}
+            caches = {kind: getattr(engine.pages.cache(kind), "data", engine.pages.cache(kind)) for kind in KINDS}
         self._tensors: dict[str, torch.Tensor] = {}
         self._cache_regs = []
         regions: dict[str, CacheRegion] = {}

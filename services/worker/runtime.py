@@ -122,7 +122,7 @@ class WorkerRuntime:
 
     async def pin_cached_images(self, request: Request, awaited: Callable[[], Awaitable[PageHandle]] | None) -> bool:
         """A request whose images are still being encoded elsewhere (pending): when this worker's prefix cache holds
-        their KV, take its blocks now (`Engine.pin_cached`) and say True — it starts without the image pages, and
+        their KV, take its blocks now (`PageHandover.pin_cached`) and say True — it starts without the image pages, and
         `awaited()` (their handle, once the encode is done) is let go of in the background, unpulled; the caller
         passes `pinned=True` to `prefill`/`decode`, which give the blocks back if the request never gets going.
         False: the pages are needed (then the caller waits for them as before)."""
@@ -132,7 +132,7 @@ class WorkerRuntime:
             await self.engine.prepare(request)  # before blocks are taken: nothing to cancel between the two
             if not self.accepting:  # (the stage's `_admitted` would refuse it right after the pin)
                 raise ShuttingDown(f"worker {self.worker_id} is shutting down")
-            pinned = self.engine.now(lambda e: e.pin_cached(request))
+            pinned = self.engine.now(lambda e: e.pages.pin_cached(request))
         except BaseException:
             if awaited is not None:  # the stage fails here: the encoder's pages will never be pulled
                 self._spawn(self._let_go(awaited))
@@ -148,7 +148,7 @@ class WorkerRuntime:
 
     def _unpin(self, request: Request) -> None:
         """A pinned request that failed before its engine took it in: its blocks go back (a no-op once taken in)."""
-        self.engine.now(lambda e: e.cancel_import(request.request_id))
+        self.engine.now(lambda e: e.pages.cancel_import(request.request_id))
 
     async def _import(self, request: Request, handle: PageHandle | None) -> bool:
         """Reserve blocks for the handle's pages, pull them straight in, ack the source. False: no pages to bring."""
@@ -169,7 +169,7 @@ class WorkerRuntime:
                 raise ValueError(f"the {handle.kind} pages of {handle.lease_id} hold {handle.num_tokens} tokens; "
                                  f"request {request.request_id} needs {num_tokens} tokens of {kind} pages")
             with self.tracing.span("page_pull", attributes):
-                await self.puller.pull_into(handle, self.engine.engine.cache(kind), block_ids)
+                await self.puller.pull_into(handle, self.engine.engine.pages.cache(kind), block_ids)
                 emulated = self.engine.engine.transfer_delay_s(kind, num_tokens) - (time.perf_counter() - start)
                 if emulated > 0:  # an emulated engine's pages stand in for bigger ones: take their time
                     await asyncio.sleep(emulated)
@@ -182,7 +182,7 @@ class WorkerRuntime:
             # the engine thread's taking the request in (seen: 0.26-0.36 ms from generate() to the engine's add)
             asyncio.get_running_loop().call_later(ACK_DELAY_S, lambda: self._spawn(self.puller.release(handle)))
             if not done:  # free the reserved blocks before the error goes back
-                self.engine.now(lambda e: e.cancel_import(request.request_id))
+                self.engine.now(lambda e: e.pages.cancel_import(request.request_id))
         return True
 
     async def _reserve_import(self, request: Request, handle: PageHandle) -> tuple[str, list[int], int]:
@@ -193,7 +193,7 @@ class WorkerRuntime:
         delay = 0.005
         while True:
             try:
-                return self.engine.now(lambda e: e.reserve_import(request))  # not after the step under way
+                return self.engine.now(lambda e: e.pages.reserve_import(request))  # not after the step under way
             except NoRoomForPages:
                 if time.time() + delay > deadline:
                     raise
@@ -215,7 +215,7 @@ class WorkerRuntime:
         """`pages`: what the handing-off output says the request keeps (kind, block ids, tokens)."""
         try:
             kind, block_ids, num_tokens = pages
-            layout = self.engine.engine.cache(kind).layout
+            layout = self.engine.engine.pages.cache(kind).layout
             return self.leases.grant(engine_request_id, block_ids, num_tokens, layout, self.offer_backend, self.backend_info)
         except BaseException:
             self._post_release(engine_request_id)
@@ -232,18 +232,18 @@ class WorkerRuntime:
     def leased_blocks(self, lease_id: str) -> tuple[PagedBuffer, list[int]]:
         """The cache and block ids (token order) a live lease holds; KeyError if there is no such lease."""
         handle = self._live_lease(lease_id).handle
-        return self.engine.engine.cache(handle.kind), list(handle.block_ids)
+        return self.engine.engine.pages.cache(handle.kind), list(handle.block_ids)
 
     async def read_lease(self, lease_id: str) -> PagePayload:
         handle = self._live_lease(lease_id).handle
-        cache = self.engine.engine.cache(handle.kind)
+        cache = self.engine.engine.pages.cache(handle.kind)
         return PagePayload(cache.layout, handle.num_tokens, await asyncio.to_thread(cache.gather_bytes, list(handle.block_ids)))
 
     async def release_lease(self, lease_id: str) -> bool:
         lease = self.leases.take(lease_id)
         if lease is None:
             return False
-        self.engine.now(lambda e: e.release(lease.engine_request_id))
+        self.engine.now(lambda e: e.pages.release(lease.engine_request_id))
         self._note_freed()
         return True
 
@@ -266,7 +266,7 @@ class WorkerRuntime:
                 self.metrics.leases_expired.labels(**self.metrics.labels).inc()
             log.warning("lease %s expired unacked; freeing its %d %s blocks", lease.lease_id,
                         len(lease.handle.block_ids), lease.handle.kind)
-            self.engine.now(lambda e, rid=lease.engine_request_id: e.release(rid))
+            self.engine.now(lambda e, rid=lease.engine_request_id: e.pages.release(rid))
 
     # ----- bookkeeping -----
 

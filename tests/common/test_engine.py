@@ -134,15 +134,15 @@ def test_an_engine_refuses_only_what_its_own_stages_cannot_hold(tiny_dir, model,
                                   image_cache_gib=0.01), model=model)
     assert encoder.stats().kv_blocks_total == 1
     encoded = run(encoder, Request("e", ids, sampling, images, last_stage=Stage.ENCODE))["e"]
-    assert encoded.handed_off and encoder.export_image_pages("e").num_tokens == len(images) * images[0].num_tokens
-    encoder.release("e")
+    assert encoded.handed_off and encoder.pages.export_image_pages("e").num_tokens == len(images) * images[0].num_tokens
+    encoder.pages.release("e")
     prompt_blocks = -(-len(ids) // 16)
     prefiller = Engine(EngineConfig(model=str(tiny_dir), roles=frozenset({Stage.ENCODE, Stage.PREFILL}),
                                     kv_cache_gib=prompt_blocks * encoder.kv_cache.layout.bytes_per_block / 2**30,
                                     image_cache_gib=0.01), model=model)
     assert prefiller.stats().kv_blocks_total == prompt_blocks
     assert run(prefiller, Request("p", ids, sampling, images, last_stage=Stage.PREFILL))["p"].handed_off
-    prefiller.release("p")
+    prefiller.pages.release("p")
     with pytest.raises(RequestRejected, match="shorten the prompt"):
         prefiller.add_request(Request("long", ids + PROMPT * 3, sampling, images, last_stage=Stage.PREFILL))
     with pytest.raises(RequestRejected, match="lower max_tokens"):
@@ -259,7 +259,7 @@ def test_blocks_for_incoming_pages_are_reserved_while_a_step_runs_not_after_it(e
         first = asyncio.ensure_future(stream.__anext__())
         assert await asyncio.to_thread(running.wait, 30)
         joining = Request("join", PROMPT, SamplingParams(max_tokens=3), first_stage=Stage.DECODE, output_token_ids=[5])
-        kind, blocks, tokens = async_engine.now(lambda e: e.reserve_import(joining))
+        kind, blocks, tokens = async_engine.now(lambda e: e.pages.reserve_import(joining))
         assert not release.is_set() and async_engine.iteration_elapsed_ms > 0  # the step is still under way
         assert kind == "kv" and tokens == len(PROMPT) and len(blocks) == 1
         assert blocks[0] not in engine.requests["busy"].block_table
@@ -269,7 +269,7 @@ def test_blocks_for_incoming_pages_are_reserved_while_a_step_runs_not_after_it(e
         assert rest[-1].finished
         outs = [out async for out in async_engine.generate(joining, preloaded=True)]
         assert outs[-1].finished and len(outs[-1].output_token_ids) == 3
-        assert async_engine.now(lambda e: e.cancel_import("join")) is False  # it left `importing` when added
+        assert async_engine.now(lambda e: e.pages.cancel_import("join")) is False  # it left `importing` when added
 
     try:
         asyncio.run(scenario())
@@ -308,10 +308,10 @@ def test_a_step_that_fails_after_a_handoff_fails_that_request_too_and_frees_its_
     async def scenario():
         with pytest.raises(RuntimeError, match="engine failure: KeyError"):
             await asyncio.wait_for(_drain(async_engine.generate(prefill("broken"))), 30)
-        assert "broken" not in engine.handed_off and not engine.requests
+        assert "broken" not in engine.pages.handed_off and not engine.requests
         outs = await asyncio.wait_for(_drain(async_engine.generate(prefill("next"))), 30)
         assert outs[-1].handed_off
-        engine.release("next")
+        engine.pages.release("next")
 
     try:
         asyncio.run(scenario())

@@ -224,14 +224,14 @@ class Pipeline:
                 self.handed_back += 1
                 self._continue(rid)
             elif out.handed_off:
-                request = engine.handed_off[out.request_id]
+                request = engine.pages.handed_off[out.request_id]
                 self.unacked[out.request_id] = name
                 if name == "E":
-                    self._next("P", request, through_bytes(engine.export_image_pages(out.request_id)),
+                    self._next("P", request, through_bytes(engine.pages.export_image_pages(out.request_id)),
                                first_stage=Stage.PREFILL, last_stage=Stage.PREFILL)
                 else:
                     self.emitted[rid] += out.new_token_ids
-                    self._next("D", request, through_bytes(engine.export_kv_pages(out.request_id)), first_stage=Stage.DECODE,
+                    self._next("D", request, through_bytes(engine.pages.export_kv_pages(out.request_id)), first_stage=Stage.DECODE,
                                last_stage=Stage.DECODE, output_token_ids=list(out.output_token_ids), status=RequestStatus.WAITING)
 
     def _continue(self, rid: str) -> None:
@@ -254,7 +254,7 @@ class Pipeline:
         self.waiting = still
 
     def _release(self, carrier: str) -> None:
-        assert self.engines[self.unacked.pop(carrier)].release(carrier)
+        assert self.engines[self.unacked.pop(carrier)].pages.release(carrier)
 
     def abort(self, k: int) -> None:
         live = [rid for rid in self.origin if rid not in self.finished and rid not in self.aborted]

@@ -140,7 +140,7 @@ def test_a_prefill_engine_with_the_images_kv_cached_needs_no_image_pages(shape, 
             continue
         again = Request(r.request_id, r.prompt_token_ids, r.sampling, r.images, first_stage=Stage.PREFILL,
                         last_stage=Stage.PREFILL)
-        if prefiller.pin_cached(again):
+        if prefiller.pages.pin_cached(again):
             prefiller.add_request(again, capture_logits=True, preloaded=True)
             pinned.append(r.request_id)
     assert {"img-tall", "img-long"} <= set(pinned)

@@ -106,8 +106,8 @@ def test_a_decoder_hands_back_what_it_cannot_recompute_and_the_continuation_fini
     emitted, handed_back, arriving = {}, [], []
     while prefiller.has_unfinished or decoder.has_unfinished or arriving:
         for out in prefiller.step():
-            arriving.append((out, prefiller.export_kv_pages(out.request_id)))
-            prefiller.release(out.request_id)
+            arriving.append((out, prefiller.pages.export_kv_pages(out.request_id)))
+            prefiller.pages.release(out.request_id)
         for out, pages in list(arriving):  # as a worker does, the pages wait for room
             r = requests[out.request_id]
             no_pixels = [dataclasses.replace(image, pixel_values=None) for image in r.images]
@@ -144,8 +144,8 @@ def _handed_over(tiny_dir, model, requests: list[Request]) -> dict[str, tuple[Re
                                  for r in requests])
     out = {}
     for r in requests:
-        pages = prefiller.export_kv_pages(r.request_id)
-        prefiller.release(r.request_id)
+        pages = prefiller.pages.export_kv_pages(r.request_id)
+        prefiller.pages.release(r.request_id)
         no_pixels = [dataclasses.replace(image, pixel_values=None) for image in r.images]
         out[r.request_id] = (Request(r.request_id, r.prompt_token_ids, r.sampling, no_pixels, first_stage=Stage.DECODE,
                                      output_token_ids=list(finals[r.request_id].output_token_ids)), pages)

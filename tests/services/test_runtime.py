@@ -120,11 +120,11 @@ def test_handed_over_pages_wait_for_cache_room_and_give_up_cleanly(tiny_dir, pro
                 await p.puller.release(kv)
             monkeypatch.setattr(runtime_module, "IMPORT_WAIT_S", 0.3)
             filler = stage_copy(requests[0], Stage.PREFILL, Stage.PREFILL, "filler")
-            await p.engine.call(lambda eng: eng.reserve_import(filler))  # the cache is full and stays so
+            await p.engine.call(lambda eng: eng.pages.reserve_import(filler))  # the cache is full and stays so
             handle = await e.encode(stage_copy(requests[1], Stage.ENCODE, Stage.ENCODE, "encode-2"))
             with pytest.raises(NoRoomForPages, match="no free image-cache blocks"):
                 await p.prefill(stage_copy(requests[1], Stage.PREFILL, Stage.PREFILL, "prefill-2"), handle)
-            await p.engine.call(lambda eng: eng.cancel_import(filler.request_id))
+            await p.engine.call(lambda eng: eng.pages.cancel_import(filler.request_id))
             for _ in range(250):  # the release of the lease, then of its blocks, is fire-and-forget
                 loads = [rt.load() for rt in (e, p)]
                 if all(not l.num_leases and l.image_blocks_free == l.image_blocks_total for l in loads):
@@ -176,7 +176,7 @@ def test_a_pinned_prefix_goes_back_when_its_stage_never_starts_and_the_encoders_
                 if not len(e.leases) and not len(p.leases):
                     break
                 await asyncio.sleep(0.02)
-            assert not p.engine.engine.importing and p.engine.stats() == full
+            assert not p.engine.engine.pages.importing and p.engine.stats() == full
             assert not len(e.leases)  # both awaited encodes' pages were released unpulled
         finally:
             for rt in (e, p):
