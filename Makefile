@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 ARGS ?=
 
-.PHONY: serve test bench-engine bench-mesh bench-transfer bench-tracing bench-timeline bench-detokenize bench-sampling bench-structured bench-soak bench-prefix-cache bench-goodput bench-peer proto clean
+.PHONY: serve test format bench-engine bench-mesh bench-transfer bench-tracing bench-timeline bench-detokenize bench-sampling bench-structured bench-soak bench-prefix-cache bench-goodput bench-peer proto clean
 
 $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
@@ -16,8 +16,15 @@ $(VENV)/.installed: pyproject.toml
 serve: $(VENV)/.installed
 	$(VENV)/bin/epdmesh serve $(ARGS)
 
+# lint and format check first (ruff, configured in pyproject.toml; `make format` fixes what it can), then the suite
 test: $(VENV)/.installed
+	$(VENV)/bin/ruff check --quiet .
+	$(VENV)/bin/ruff format --check --quiet .
 	$(PY) -m pytest -q $(ARGS)
+
+format: $(VENV)/.installed
+	$(VENV)/bin/ruff check --fix --quiet .
+	$(VENV)/bin/ruff format --quiet .
 
 bench-engine: $(VENV)/.installed
 	$(PY) -m bench.engine $(ARGS)

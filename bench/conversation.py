@@ -37,14 +37,105 @@ from bench.workloads import TRACE_BLOCK_TOKENS, Shape, images, window_start
 BLOCKS = Path(__file__).resolve().parent / "data" / "mooncake_conversation_blocks.txt.gz"
 IMAGE_SIZE = (640, 480)
 # candidate words; those the served tokenizer makes one token with a leading space are used
-CANDIDATES = ("a", "the", "and", "is", "of", "in", "to", "on", "it", "with", "what", "this", "that", "image", "photo",
-              "picture", "there", "are", "you", "can", "see", "left", "right", "top", "bottom", "behind", "front",
-              "color", "red", "blue", "green", "black", "white", "small", "big", "man", "woman", "child", "dog", "cat",
-              "car", "bus", "street", "sign", "table", "chair", "book", "cup", "bottle", "clock", "tree", "sky",
-              "building", "window", "door", "water", "food", "text", "word", "name", "number", "question", "answer",
-              "describe", "briefly", "caption", "object", "person", "people", "background", "day", "night", "light",
-              "dark", "open", "closed", "yes", "no", "one", "two", "three", "many", "some", "all", "any", "how",
-              "where", "which", "who", "why", "when", "bird", "horse", "phone", "laptop", "pizza", "umbrella")
+CANDIDATES = (
+    "a",
+    "the",
+    "and",
+    "is",
+    "of",
+    "in",
+    "to",
+    "on",
+    "it",
+    "with",
+    "what",
+    "this",
+    "that",
+    "image",
+    "photo",
+    "picture",
+    "there",
+    "are",
+    "you",
+    "can",
+    "see",
+    "left",
+    "right",
+    "top",
+    "bottom",
+    "behind",
+    "front",
+    "color",
+    "red",
+    "blue",
+    "green",
+    "black",
+    "white",
+    "small",
+    "big",
+    "man",
+    "woman",
+    "child",
+    "dog",
+    "cat",
+    "car",
+    "bus",
+    "street",
+    "sign",
+    "table",
+    "chair",
+    "book",
+    "cup",
+    "bottle",
+    "clock",
+    "tree",
+    "sky",
+    "building",
+    "window",
+    "door",
+    "water",
+    "food",
+    "text",
+    "word",
+    "name",
+    "number",
+    "question",
+    "answer",
+    "describe",
+    "briefly",
+    "caption",
+    "object",
+    "person",
+    "people",
+    "background",
+    "day",
+    "night",
+    "light",
+    "dark",
+    "open",
+    "closed",
+    "yes",
+    "no",
+    "one",
+    "two",
+    "three",
+    "many",
+    "some",
+    "all",
+    "any",
+    "how",
+    "where",
+    "which",
+    "who",
+    "why",
+    "when",
+    "bird",
+    "horse",
+    "phone",
+    "laptop",
+    "pizza",
+    "umbrella",
+)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -74,6 +165,7 @@ def trace_requests(path: Path = BLOCKS) -> tuple[TraceRequest, ...]:
 class Vocabulary:
     """What a server's tokenizer makes of the workload's text: words that are one token each with a leading
     space, the tokens a one-image chat adds beyond its text (template, image), and the server's context."""
+
     words: tuple[str, ...]
     chat_tokens: int
     max_model_len: int
@@ -104,14 +196,20 @@ def calibrate(base: str, client=None) -> Vocabulary:
 
 
 def chat_messages(system: str, user: str, image: str) -> list[dict]:
-    return [{"role": "system", "content": system},
-            {"role": "user", "content": [{"type": "image_url", "image_url": {"url": image}}, {"type": "text", "text": user}]}]
+    return [
+        {"role": "system", "content": system},
+        {
+            "role": "user",
+            "content": [{"type": "image_url", "image_url": {"url": image}}, {"type": "text", "text": user}],
+        },
+    ]
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Planned:
     """One request of the workload: its blocks (hash id, tokens) — the first is the system message —, its
     conversation (which image), and its answer's length."""
+
     blocks: tuple[tuple[int, int], ...]
     conversation: int
     output_tokens: int
@@ -121,7 +219,9 @@ class Planned:
         return sum(n for _, n in self.blocks)
 
 
-def plan(n: int, seed: int, vocab: Vocabulary, scale: int = 16, trace: tuple[TraceRequest, ...] | None = None) -> list[Planned]:
+def plan(
+    n: int, seed: int, vocab: Vocabulary, scale: int = 16, trace: tuple[TraceRequest, ...] | None = None
+) -> list[Planned]:
     """The `n` requests of the trace window `seed` picks (the same window as `workloads.arrivals`), lengths ÷ `scale`
     and cut to fit the server's context."""
     if scale < 1 or TRACE_BLOCK_TOKENS % scale:
@@ -130,13 +230,15 @@ def plan(n: int, seed: int, vocab: Vocabulary, scale: int = 16, trace: tuple[Tra
     start = window_start(n, seed, len(trace))
     block = TRACE_BLOCK_TOKENS // scale
     out = []
-    for row in trace[start:start + n]:
+    for row in trace[start : start + n]:
         output = max(1, round(row.output_tokens / scale))
         room = vocab.max_model_len - vocab.chat_tokens - output
         text = min(-(-row.input_tokens // scale), room)
         if text < 2:
-            raise ValueError(f"a context of {vocab.max_model_len} tokens leaves no room for the trace's requests "
-                             f"at scale {scale}; use a larger scale")
+            raise ValueError(
+                f"a context of {vocab.max_model_len} tokens leaves no room for the trace's requests "
+                f"at scale {scale}; use a larger scale"
+            )
         blocks, left = [], text
         for h in row.hash_ids:
             take = min(block, left - (1 if len(blocks) == 0 else 0))  # the user message keeps at least a token
@@ -158,7 +260,9 @@ def block_text(vocab: Vocabulary, hash_id: int, tokens: int, seed: int, variant:
     return "".join(" " + rng.choice(vocab.words) for _ in range(tokens))
 
 
-def request_bodies(planned: list[Planned], vocab: Vocabulary, model: str, seed: int = 0, variant: int = 0) -> list[dict]:
+def request_bodies(
+    planned: list[Planned], vocab: Vocabulary, model: str, seed: int = 0, variant: int = 0
+) -> list[dict]:
     """The chat bodies of `planned` (streamed, usage last, token ids per chunk, as the dataset shapes'): every
     conversation's image and every block's words are the variant's own, so no rate point reuses another's."""
     conversations = list(dict.fromkeys(p.conversation for p in planned))
@@ -167,11 +271,18 @@ def request_bodies(planned: list[Planned], vocab: Vocabulary, model: str, seed: 
     for p in planned:
         (h0, n0), rest = p.blocks[0], p.blocks[1:]
         user = "".join(block_text(vocab, h, k, seed, variant) for h, k in rest)
-        bodies.append({
-            "model": model, "stream": True, "stream_options": {"include_usage": True},
-            "max_tokens": p.output_tokens, "ignore_eos": True, "temperature": 0.0, "return_token_ids": True,
-            "messages": chat_messages(block_text(vocab, h0, n0, seed, variant), user, uris[p.conversation]),
-        })
+        bodies.append(
+            {
+                "model": model,
+                "stream": True,
+                "stream_options": {"include_usage": True},
+                "max_tokens": p.output_tokens,
+                "ignore_eos": True,
+                "temperature": 0.0,
+                "return_token_ids": True,
+                "messages": chat_messages(block_text(vocab, h0, n0, seed, variant), user, uris[p.conversation]),
+            }
+        )
     return bodies
 
 

@@ -30,7 +30,7 @@ def per_token_ms(decode, ids: list[int], incremental: bool) -> tuple[float, str]
     if incremental:
         detok = IncrementalDetokenizer(decode)
         for i in range(len(ids)):
-            detok.push(ids[i:i + 1])
+            detok.push(ids[i : i + 1])
         detok.finish()
         text = detok.text
     else:
@@ -50,8 +50,10 @@ def main(argv=None) -> int:
     processor = ChatProcessor(ensure_default_model())
     words = processor.tokenizer(SENTENCE, add_special_tokens=False)["input_ids"]
     rng = random.Random(0)
-    print(f"tokenizer of the default checkpoint ({len(processor.tokenizer)} tokens); ms per streamed token, "
-          f"median of {args.repeats}")
+    print(
+        f"tokenizer of the default checkpoint ({len(processor.tokenizer)} tokens); ms per streamed token, "
+        f"median of {args.repeats}"
+    )
     print(f"{'output tokens':>14}{'whole decode':>14}{'incremental':>14}{'ratio':>8}")
     for n in (int(x) for x in args.lengths.split(",")):
         ids = [rng.choice(words) for _ in range(n)]

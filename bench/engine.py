@@ -21,6 +21,7 @@ output tok/s = Σ outputs / wall time, and requests/s. Medians of --repeats runs
 from __future__ import annotations
 
 import argparse
+import functools
 import itertools
 import json
 import os
@@ -59,8 +60,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--batch-sizes", default="1,8,32", help="comma-separated")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's own)")
-    p.add_argument("--enforce-eager", action="store_true", help="ours without torch.compile (as `serve --enforce-eager`)")
-    p.add_argument("--token-budget", type=int, default=SchedulerConfig().token_budget, help="our scheduler's tokens/step")
+    p.add_argument(
+        "--enforce-eager", action="store_true", help="ours without torch.compile (as `serve --enforce-eager`)"
+    )
+    p.add_argument(
+        "--token-budget", type=int, default=SchedulerConfig().token_budget, help="our scheduler's tokens/step"
+    )
     p.add_argument("--workload", default="both", choices=("uniform", "mixed", "both"))
     p.add_argument("--mixed-requests-per-batch", type=int, default=4, help="mixed: requests = this × B")
     p.add_argument("--mixed-prompt-lens", default="16,512", help="mixed: min,max prompt tokens (uniform draw)")
@@ -68,8 +73,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--out", default="bench/results/engine.json")
     args = p.parse_args(argv)
     args.batch_sizes = [int(b) for b in args.batch_sizes.split(",") if b.strip()]
-    args.mixed_prompt_lens, args.mixed_output_lens = (tuple(int(x) for x in v.split(","))
-                                                      for v in (args.mixed_prompt_lens, args.mixed_output_lens))
+    args.mixed_prompt_lens, args.mixed_output_lens = (
+        tuple(int(x) for x in v.split(",")) for v in (args.mixed_prompt_lens, args.mixed_output_lens)
+    )
     if not all(len(v) == 2 and 2 <= v[0] <= v[1] for v in (args.mixed_prompt_lens, args.mixed_output_lens)):
         p.error("--mixed-prompt-lens and --mixed-output-lens are MIN,MAX with 2 <= MIN <= MAX")
     if args.output_len < 2 or args.prompt_len < 2 or args.repeats < 1 or min(args.batch_sizes, default=0) < 1:
@@ -97,14 +103,25 @@ def make_prompts(batch: int, length: int, seed: int) -> list[list[int]]:
     return [[1] + [rng.randrange(5, 2000) for _ in range(length - 1)] for _ in range(batch)]
 
 
-def make_engine(model_dir: Path, model: LlavaModel, args: argparse.Namespace, batch: int, max_len: int | None = None,
-                max_num_seqs: int | None = None) -> Engine:
+def make_engine(
+    model_dir: Path,
+    model: LlavaModel,
+    args: argparse.Namespace,
+    batch: int,
+    max_len: int | None = None,
+    max_num_seqs: int | None = None,
+) -> Engine:
     """An engine sharing the loaded weights, with a KV cache sized to `batch` requests of `max_len` (plus slack)."""
     text, block = model.cfg.text, 16
-    per_block = PagedKVCache.bytes_per_block(block, text.num_layers, text.num_kv_heads, text.head_dim, getattr(torch, args.dtype))
+    per_block = PagedKVCache.bytes_per_block(
+        block, text.num_layers, text.num_kv_heads, text.head_dim, getattr(torch, args.dtype)
+    )
     blocks = batch * -(-(max_len or args.prompt_len + args.output_len) // block) + 8
     config = EngineConfig(
-        model=str(model_dir), dtype=args.dtype, device=args.device, block_size=block,
+        model=str(model_dir),
+        dtype=args.dtype,
+        device=args.device,
+        block_size=block,
         kv_cache_gib=blocks * per_block / 2**30,
         image_cache_gib=1 / 1024,
         scheduler=SchedulerConfig(token_budget=args.token_budget, max_num_seqs=max_num_seqs or max(64, batch)),
@@ -135,8 +152,12 @@ def run_hf(model, input_ids: torch.Tensor, max_tokens: int, pad_id: int) -> floa
     _sync(model.device)
     start = time.perf_counter()
     out = model.generate(
-        input_ids=input_ids, attention_mask=torch.ones_like(input_ids), do_sample=False,
-        max_new_tokens=max_tokens, min_new_tokens=max_tokens, pad_token_id=pad_id,
+        input_ids=input_ids,
+        attention_mask=torch.ones_like(input_ids),
+        do_sample=False,
+        max_new_tokens=max_tokens,
+        min_new_tokens=max_tokens,
+        pad_token_id=pad_id,
     )
     _sync(model.device)
     elapsed = time.perf_counter() - start
@@ -167,16 +188,24 @@ def bench_batch(batch, args, model_dir, ours_model, hf_model, pad_id, bar) -> di
     prompts = make_prompts(batch, args.prompt_len, seed=batch)
     engine, ids = make_engine(model_dir, ours_model, args, batch), itertools.count()
     bar.set_postfix_str(f"batch {batch}: ours")
-    ours = measure(lambda n: run_ours(engine, ids, prompts, n), args.output_len, args.repeats, bar)
+    ours = measure(functools.partial(run_ours, engine, ids, prompts), args.output_len, args.repeats, bar)
     del engine
     bar.set_postfix_str(f"batch {batch}: HF")
     input_ids = torch.tensor(prompts, dtype=torch.long, device=hf_model.device)
     hf = measure(lambda n: run_hf(hf_model, input_ids, n, pad_id), args.output_len, args.repeats, bar)
     (op, od), (hp, hd) = rates(batch, args, *ours), rates(batch, args, *hf)
     return dict(
-        batch=batch, ours_prefill_tok_s=op, hf_prefill_tok_s=hp, prefill_ratio=op / hp,
-        ours_decode_tok_s=od, hf_decode_tok_s=hd, decode_ratio=od / hd,
-        ours_first_s=ours[0], ours_full_s=ours[1], hf_first_s=hf[0], hf_full_s=hf[1],
+        batch=batch,
+        ours_prefill_tok_s=op,
+        hf_prefill_tok_s=hp,
+        prefill_ratio=op / hp,
+        ours_decode_tok_s=od,
+        hf_decode_tok_s=hd,
+        decode_ratio=od / hd,
+        ours_first_s=ours[0],
+        ours_full_s=ours[1],
+        hf_first_s=hf[0],
+        hf_full_s=hf[1],
     )
 
 
@@ -184,13 +213,17 @@ def make_mixed(n: int, args: argparse.Namespace, seed: int) -> list[tuple[list[i
     """n (prompt ids, output length) pairs, lengths drawn uniformly from the --mixed ranges."""
     rng = random.Random(seed)
     (p_lo, p_hi), (o_lo, o_hi) = args.mixed_prompt_lens, args.mixed_output_lens
-    return [([1] + [rng.randrange(5, 2000) for _ in range(rng.randint(p_lo, p_hi) - 1)], rng.randint(o_lo, o_hi))
-            for _ in range(n)]
+    return [
+        ([1] + [rng.randrange(5, 2000) for _ in range(rng.randint(p_lo, p_hi) - 1)], rng.randint(o_lo, o_hi))
+        for _ in range(n)
+    ]
 
 
 def run_ours_mixed(engine: Engine, ids: itertools.count, work: list[tuple[list[int], int]]) -> float:
-    requests = [Request(f"m{next(ids)}", list(p), SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True))
-                for p, n in work]
+    requests = [
+        Request(f"m{next(ids)}", list(p), SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True))
+        for p, n in work
+    ]
     start = time.perf_counter()
     outputs = engine.generate(requests)
     elapsed = time.perf_counter() - start
@@ -206,15 +239,21 @@ def run_hf_mixed(model, work: list[tuple[list[int], int]], batch: int, pad_id: i
     _sync(model.device)
     start = time.perf_counter()
     for i in range(0, len(work), batch):
-        chunk = work[i:i + batch]
+        chunk = work[i : i + batch]
         width, new = max(len(p) for p, _ in chunk), max(n for _, n in chunk)
         input_ids = torch.full((len(chunk), width), pad_id, dtype=torch.long)
         mask = torch.zeros_like(input_ids)
         for row, (prompt, _) in enumerate(chunk):
-            input_ids[row, width - len(prompt):] = torch.tensor(prompt)
-            mask[row, width - len(prompt):] = 1
-        out = model.generate(input_ids=input_ids.to(model.device), attention_mask=mask.to(model.device),
-                             do_sample=False, max_new_tokens=new, min_new_tokens=new, pad_token_id=pad_id)
+            input_ids[row, width - len(prompt) :] = torch.tensor(prompt)
+            mask[row, width - len(prompt) :] = 1
+        out = model.generate(
+            input_ids=input_ids.to(model.device),
+            attention_mask=mask.to(model.device),
+            do_sample=False,
+            max_new_tokens=new,
+            min_new_tokens=new,
+            pad_token_id=pad_id,
+        )
         assert out.shape == (len(chunk), width + new), tuple(out.shape)
     _sync(model.device)
     return time.perf_counter() - start
@@ -223,9 +262,15 @@ def run_hf_mixed(model, work: list[tuple[list[int], int]], batch: int, pad_id: i
 def bench_mixed(batch, args, model_dir, ours_model, hf_model, pad_id, bar) -> dict:
     work = make_mixed(args.mixed_requests_per_batch * batch, args, seed=1000 + batch)
     max_len = max(len(p) + n for p, n in work)
-    engine, ids = make_engine(model_dir, ours_model, args, batch, max_len=max_len, max_num_seqs=batch), itertools.count()
+    engine, ids = (
+        make_engine(model_dir, ours_model, args, batch, max_len=max_len, max_num_seqs=batch),
+        itertools.count(),
+    )
     times: dict[str, list[float]] = {"ours": [], "hf": []}
-    runs = {"ours": lambda w: run_ours_mixed(engine, ids, w), "hf": lambda w: run_hf_mixed(hf_model, w, batch, pad_id)}
+    runs = {
+        "ours": functools.partial(run_ours_mixed, engine, ids),
+        "hf": lambda w: run_hf_mixed(hf_model, w, batch, pad_id),
+    }
     for side in runs:  # warm-up: the first batch
         bar.set_postfix_str(f"mixed batch {batch}: warm-up {side}")
         runs[side](work[:batch])
@@ -235,23 +280,41 @@ def bench_mixed(batch, args, model_dir, ours_model, hf_model, pad_id, bar) -> di
             bar.set_postfix_str(f"mixed batch {batch}: {side}")
             times[side].append(run(work))
             bar.update()
-    del engine
+    del runs, engine
     ours, hf = statistics.median(times["ours"]), statistics.median(times["hf"])
     outputs = sum(n for _, n in work)
-    return dict(batch=batch, requests=len(work), prompt_tokens=sum(len(p) for p, _ in work), output_tokens=outputs,
-                ours_s=ours, hf_s=hf, ours_output_tok_s=outputs / ours, hf_output_tok_s=outputs / hf,
-                ours_req_s=len(work) / ours, hf_req_s=len(work) / hf, ratio=hf / ours)
+    return dict(
+        batch=batch,
+        requests=len(work),
+        prompt_tokens=sum(len(p) for p, _ in work),
+        output_tokens=outputs,
+        ours_s=ours,
+        hf_s=hf,
+        ours_output_tok_s=outputs / ours,
+        hf_output_tok_s=outputs / hf,
+        ours_req_s=len(work) / ours,
+        hf_req_s=len(work) / hf,
+        ratio=hf / ours,
+    )
 
 
 def print_mixed(meta: dict, rows: list[dict]) -> None:
     (p_lo, p_hi), (o_lo, o_hi) = meta["mixed_prompt_lens"], meta["mixed_output_lens"]
-    print(f"\nmixed workload: {meta['mixed_requests_per_batch']}×B requests, prompts {p_lo}-{p_hi} tokens, outputs "
-          f"{o_lo}-{o_hi} tokens (seeded uniform draws), concurrency B; ours continuous batching, HF static batches")
+    print(
+        f"\nmixed workload: {meta['mixed_requests_per_batch']}×B requests, prompts {p_lo}-{p_hi} tokens, outputs "
+        f"{o_lo}-{o_hi} tokens (seeded uniform draws), concurrency B; ours continuous batching, HF static batches"
+    )
     head = ("batch", "requests", "ours out tok/s", "HF out tok/s", "ours req/s", "HF req/s", "ratio")
     print("  ".join(f"{h:>15}" if i else f"{h:>5}" for i, h in enumerate(head)))
     for r in rows:
-        cells = (f"{r['requests']}", f"{r['ours_output_tok_s']:.1f}", f"{r['hf_output_tok_s']:.1f}", f"{r['ours_req_s']:.2f}",
-                 f"{r['hf_req_s']:.2f}", f"{r['ratio']:.2f}x")
+        cells = (
+            f"{r['requests']}",
+            f"{r['ours_output_tok_s']:.1f}",
+            f"{r['hf_output_tok_s']:.1f}",
+            f"{r['ours_req_s']:.2f}",
+            f"{r['hf_req_s']:.2f}",
+            f"{r['ratio']:.2f}x",
+        )
         print(f"{r['batch']:>5}  " + "  ".join(c.rjust(15) for c in cells))
     at8 = next((r for r in rows if r["batch"] == 8), None)
     if at8 is not None:
@@ -272,8 +335,14 @@ def print_report(meta: dict, rows: list[dict]) -> None:
     head = ("batch", "ours prefill tok/s", "HF prefill tok/s", "ratio", "ours decode tok/s", "HF decode tok/s", "ratio")
     print("  ".join(f"{h:>18}" if i else f"{h:>5}" for i, h in enumerate(head)))
     for r in rows:
-        cells = (r["ours_prefill_tok_s"], r["hf_prefill_tok_s"], r["prefill_ratio"],
-                 r["ours_decode_tok_s"], r["hf_decode_tok_s"], r["decode_ratio"])
+        cells = (
+            r["ours_prefill_tok_s"],
+            r["hf_prefill_tok_s"],
+            r["prefill_ratio"],
+            r["ours_decode_tok_s"],
+            r["hf_decode_tok_s"],
+            r["decode_ratio"],
+        )
         text = [f"{c:.2f}x" if i in (2, 5) else f"{c:.1f}" for i, c in enumerate(cells)]
         print(f"{r['batch']:>5}  " + "  ".join(t.rjust(18) for t in text))
     at8 = next((r for r in rows if r["batch"] == 8), None)
@@ -294,14 +363,23 @@ def main(argv: list[str] | None = None) -> int:
     hf_model = transformers.LlavaForConditionalGeneration.from_pretrained(str(model_dir), dtype=dtype).to(device).eval()
     pad_id = hf_model.generation_config.pad_token_id or 0
     meta = dict(
-        model=args.model or f"preset {args.preset!r}", checkpoint=str(model_dir),
-        params_m=sum(p.numel() for p in ours_model.parameters()) / 1e6, dtype=args.dtype,
-        threads=torch.get_num_threads(), backend=BACKEND, device=str(device),
+        model=args.model or f"preset {args.preset!r}",
+        checkpoint=str(model_dir),
+        params_m=sum(p.numel() for p in ours_model.parameters()) / 1e6,
+        dtype=args.dtype,
+        threads=torch.get_num_threads(),
+        backend=BACKEND,
+        device=str(device),
         accelerator=torch.cuda.get_device_name(device) if device.type == "cuda" else "none",
         transformers=transformers.__version__,
-        prompt_len=args.prompt_len, output_len=args.output_len, repeats=args.repeats,
-        token_budget=args.token_budget, prompts="text-only (random token ids, no images)", workload=args.workload,
-        mixed_requests_per_batch=args.mixed_requests_per_batch, mixed_prompt_lens=args.mixed_prompt_lens,
+        prompt_len=args.prompt_len,
+        output_len=args.output_len,
+        repeats=args.repeats,
+        token_budget=args.token_budget,
+        prompts="text-only (random token ids, no images)",
+        workload=args.workload,
+        mixed_requests_per_batch=args.mixed_requests_per_batch,
+        mixed_prompt_lens=args.mixed_prompt_lens,
         mixed_output_lens=args.mixed_output_lens,
     )
     uniform, mixed = args.workload in ("uniform", "both"), args.workload in ("mixed", "both")

@@ -42,9 +42,9 @@ from pathlib import Path
 if not __package__:
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench import conversation  # noqa: E402
 from bench.goodput_launch import launched, log_path, serve_args_of  # noqa: E402
 from bench.goodput_report import add_bound, finish, instances_of, replot  # noqa: E402
-from bench import conversation  # noqa: E402
 from bench.workloads import SHAPES, WORKLOADS, arrivals, request_bodies, trace_scale_of, trace_times  # noqa: E402
 
 PERCENTILES = (50, 90, 99)
@@ -93,9 +93,16 @@ async def send(client, url: str, body: dict, scale: float) -> Result:
     if not times:
         return Result(False, error="no tokens streamed")
     end = time.perf_counter()
-    return Result(True, (times[0] - start) / scale, [(b - a) / scale for a, b in zip(times, times[1:])],
-                  (end - start) / scale, usage.get("prompt_tokens", 0), usage.get("completion_tokens", len(times)),
-                  (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0), request_id=request_id)
+    return Result(
+        True,
+        (times[0] - start) / scale,
+        [(b - a) / scale for a, b in zip(times, times[1:])],
+        (end - start) / scale,
+        usage.get("prompt_tokens", 0),
+        usage.get("completion_tokens", len(times)),
+        (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0),
+        request_id=request_id,
+    )
 
 
 def _pct(values: list[float], p: float) -> float:
@@ -116,15 +123,21 @@ def summarize(results: list[Result], duration: float, rate: float, ttft_ms: floa
     done = [r for r in results if r.ok]
     good = [r for r in results if meets_slo(r, ttft_ms, tbt_ms)]
     out = {
-        "request_rate": rate, "num_prompts": len(results), "completed": len(done), "failed": len(results) - len(done),
-        "duration": duration, "total_input_tokens": sum(r.input_tokens for r in done),
+        "request_rate": rate,
+        "num_prompts": len(results),
+        "completed": len(done),
+        "failed": len(results) - len(done),
+        "duration": duration,
+        "total_input_tokens": sum(r.input_tokens for r in done),
         "total_output_tokens": sum(r.output_tokens for r in done),
         "total_cached_tokens": sum(r.cached_tokens for r in done),
-        "request_throughput": len(done) / duration, "request_goodput": len(good) / duration,
+        "request_throughput": len(done) / duration,
+        "request_goodput": len(good) / duration,
         "output_throughput": sum(r.output_tokens for r in done) / duration,
         "slo_attainment": len(good) / len(results) if results else 0.0,
         "ttft_attainment": sum(r.ok and r.ttft * 1e3 <= ttft_ms for r in results) / max(1, len(results)),
-        "tbt_attainment": sum(r.ok and (not r.itl or _pct(r.itl, 90) * 1e3 <= tbt_ms) for r in results) / max(1, len(results)),
+        "tbt_attainment": sum(r.ok and (not r.itl or _pct(r.itl, 90) * 1e3 <= tbt_ms) for r in results)
+        / max(1, len(results)),
         "errors": sorted({r.error for r in results if not r.ok})[:5],
     }
     out["total_token_throughput"] = (out["total_input_tokens"] + out["total_output_tokens"]) / duration
@@ -143,7 +156,9 @@ def summarize(results: list[Result], duration: float, rate: float, ttft_ms: floa
     return out
 
 
-async def run_rate(base: str, bodies: list[dict], times: list[float], scale: float, bar=None) -> tuple[list[Result], float]:
+async def run_rate(
+    base: str, bodies: list[dict], times: list[float], scale: float, bar=None
+) -> tuple[list[Result], float]:
     """Send `bodies` at `times` (hardware seconds; × scale on the wall clock) and wait for all of them."""
     import httpx
 
@@ -176,8 +191,14 @@ def gateway_stats(base: str) -> dict | None:
     return stats if isinstance(stats.get("paths"), dict) else None
 
 
-def prediction_report(before: dict, after: dict, scale: float, results: list[Result] | None = None,
-                      ttft_ms: float = 0.0, tbt_ms: float = 0.0) -> dict:
+def prediction_report(
+    before: dict,
+    after: dict,
+    scale: float,
+    results: list[Result] | None = None,
+    ttft_ms: float = 0.0,
+    tbt_ms: float = 0.0,
+) -> dict:
     """Per prefill path, how the SLO-aware policy's predicted TTFT compared with the gateway's measured one for
     the requests routed between two /stats reads (ms, divided by the time scale): error = actual − predicted.
     With the client's `results`, also each path's SLO attainment (which path's requests missed, and on what)."""
@@ -187,8 +208,13 @@ def prediction_report(before: dict, after: dict, scale: float, results: list[Res
     for path in sorted({r[1] for r in rows}):
         errors = sorted((r[3] - r[2]) / scale for r in rows if r[1] == path)
         pick = lambda q: errors[min(len(errors) - 1, int(q * len(errors)))]  # noqa: E731
-        report[path] = {"count": len(errors), "p10_error_ms": pick(0.1), "median_error_ms": pick(0.5),
-                        "p90_error_ms": pick(0.9), "late_fraction": sum(e > 0 for e in errors) / len(errors)}
+        report[path] = {
+            "count": len(errors),
+            "p10_error_ms": pick(0.1),
+            "median_error_ms": pick(0.5),
+            "p90_error_ms": pick(0.9),
+            "late_fraction": sum(e > 0 for e in errors) / len(errors),
+        }
     out = {"by_path": report, "requests": [[r[1], r[2] / scale, r[3] / scale] for r in rows]}
     if results is not None:
         out["attainment_by_path"] = path_attainment(rows, results, ttft_ms, tbt_ms)
@@ -205,11 +231,13 @@ def path_attainment(rows: list[list], results: list[Result], ttft_ms: float, tbt
         if not mine:
             continue
         gaps = [_pct(r.itl, 90) * 1e3 for r in mine if r.itl]
-        out[path] = {"count": len(mine),
-                     "ttft_attainment": sum(r.ttft * 1e3 <= ttft_ms for r in mine) / len(mine),
-                     "tbt_attainment": sum(not r.itl or _pct(r.itl, 90) * 1e3 <= tbt_ms for r in mine) / len(mine),
-                     "slo_attainment": sum(meets_slo(r, ttft_ms, tbt_ms) for r in mine) / len(mine),
-                     "p90_of_p90_gap_ms": _pct(gaps, 90)}
+        out[path] = {
+            "count": len(mine),
+            "ttft_attainment": sum(r.ttft * 1e3 <= ttft_ms for r in mine) / len(mine),
+            "tbt_attainment": sum(not r.itl or _pct(r.itl, 90) * 1e3 <= tbt_ms for r in mine) / len(mine),
+            "slo_attainment": sum(meets_slo(r, ttft_ms, tbt_ms) for r in mine) / len(mine),
+            "p90_of_p90_gap_ms": _pct(gaps, 90),
+        }
     return out
 
 
@@ -219,16 +247,24 @@ def workload_of(workload: str, base: str, model: str, args) -> tuple:
     scale = trace_scale_of(workload, args.trace_scale)
     if scale is None:
         shape = SHAPES[workload]
-        return (lambda variant: request_bodies(shape, args.num_prompts, model, seed=args.seed, variant=variant),
-                {"output_tokens": shape.output_tokens})
+        return (
+            lambda variant: request_bodies(shape, args.num_prompts, model, seed=args.seed, variant=variant),
+            {"output_tokens": shape.output_tokens},
+        )
     vocab = conversation.calibrate(base)
     planned = conversation.plan(args.num_prompts, args.seed, vocab, scale)
     shared = conversation.ideal_shared_tokens(planned, vocab)
     prompts = [p.text_tokens + vocab.chat_tokens for p in planned]
-    meta = {"output_tokens": statistics.fmean(p.output_tokens for p in planned), "trace_scale": scale,
-            "mean_prompt_tokens": statistics.fmean(prompts), "ideal_shared_fraction": sum(shared) / sum(prompts),
-            "requests": [[n, s, p.output_tokens, int(s <= p.blocks[0][1])]  # its image, unless a turn before has it
-                         for n, s, p in zip(prompts, shared, planned)]}
+    meta = {
+        "output_tokens": statistics.fmean(p.output_tokens for p in planned),
+        "trace_scale": scale,
+        "mean_prompt_tokens": statistics.fmean(prompts),
+        "ideal_shared_fraction": sum(shared) / sum(prompts),
+        "requests": [
+            [n, s, p.output_tokens, int(s <= p.blocks[0][1])]  # its image, unless a turn before has it
+            for n, s, p in zip(prompts, shared, planned)
+        ],
+    }
     return (lambda variant: conversation.request_bodies(planned, vocab, model, args.seed, variant)), meta
 
 
@@ -244,30 +280,43 @@ def sweep(base: str, model: str, workload: str, rates: list[float], args, label:
         # answer a point from what an earlier one left in its cache
         bodies = bodies_of(k + 1)
         times = arrivals(args.num_prompts, rate, args.arrival, args.seed, gaps)
-        with tqdm(total=len(bodies), desc=f"{label} {workload} @ {rate:g} req/s", unit="req", file=sys.stderr,
-                  leave=False) as bar:
+        with tqdm(
+            total=len(bodies), desc=f"{label} {workload} @ {rate:g} req/s", unit="req", file=sys.stderr, leave=False
+        ) as bar:
             before = gateway_stats(base)
             results, duration = asyncio.run(run_rate(base, bodies, times, args.time_scale, bar))
         point = summarize(results, duration, rate, args.slo_ttft_ms, args.slo_tbt_ms)
         after = gateway_stats(base)
         if before is not None and after is not None:  # where the prefills ran (mesh gateways count them)
             point["prefill_paths"] = {path: n - before["paths"].get(path, 0) for path, n in after["paths"].items()}
-            point["ttft_prediction"] = prediction_report(before, after, args.time_scale, results, args.slo_ttft_ms,
-                                                         args.slo_tbt_ms)
+            point["ttft_prediction"] = prediction_report(
+                before, after, args.time_scale, results, args.slo_ttft_ms, args.slo_tbt_ms
+            )
         points.append(point)
         paths = " ".join(f"{k} {v}" for k, v in point.get("prefill_paths", {}).items() if v)
-        errors = " ".join(f"{k} {v['median_error_ms']:+.0f}/{v['p90_error_ms']:+.0f}"
-                          for k, v in point.get("ttft_prediction", {}).get("by_path", {}).items())
-        by_path = " ".join(f"{k} {v['ttft_attainment']:.0%}/{v['tbt_attainment']:.0%}"
-                           for k, v in point.get("ttft_prediction", {}).get("attainment_by_path", {}).items())
-        print(f"  {label:>12} {workload:<9} rate {rate:6.2f}  attainment {point['slo_attainment']:5.1%} "
-              f"(TTFT {point['ttft_attainment']:5.1%}, TBT {point['tbt_attainment']:5.1%})  p90 TTFT "
-              f"{point['p90_ttft_ms']:7.1f} ms  p90 ITL {point['p90_itl_ms']:6.1f} ms  failed {point['failed']}"
-              + (f"  cached {point['total_cached_tokens'] / point['total_input_tokens']:.1%}"
-                 if point["total_cached_tokens"] else "")
-              + (f"  paths: {paths}" if paths else "")
-              + (f"  TTFT late by (p50/p90 ms): {errors}" if errors else "")
-              + (f"  TTFT/TBT met by path: {by_path}" if by_path else ""), file=sys.stderr, flush=True)
+        errors = " ".join(
+            f"{k} {v['median_error_ms']:+.0f}/{v['p90_error_ms']:+.0f}"
+            for k, v in point.get("ttft_prediction", {}).get("by_path", {}).items()
+        )
+        by_path = " ".join(
+            f"{k} {v['ttft_attainment']:.0%}/{v['tbt_attainment']:.0%}"
+            for k, v in point.get("ttft_prediction", {}).get("attainment_by_path", {}).items()
+        )
+        print(
+            f"  {label:>12} {workload:<9} rate {rate:6.2f}  attainment {point['slo_attainment']:5.1%} "
+            f"(TTFT {point['ttft_attainment']:5.1%}, TBT {point['tbt_attainment']:5.1%})  p90 TTFT "
+            f"{point['p90_ttft_ms']:7.1f} ms  p90 ITL {point['p90_itl_ms']:6.1f} ms  failed {point['failed']}"
+            + (
+                f"  cached {point['total_cached_tokens'] / point['total_input_tokens']:.1%}"
+                if point["total_cached_tokens"]
+                else ""
+            )
+            + (f"  paths: {paths}" if paths else "")
+            + (f"  TTFT late by (p50/p90 ms): {errors}" if errors else "")
+            + (f"  TTFT/TBT met by path: {by_path}" if by_path else ""),
+            file=sys.stderr,
+            flush=True,
+        )
         below = below + 1 if point["slo_attainment"] < args.attainment else 0
         if below >= 2:
             break
@@ -278,39 +327,70 @@ def sweep(base: str, model: str, workload: str, rates: list[float], args, label:
 
 # ----- main -----
 
+
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(prog="epdmesh bench goodput", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="epdmesh bench goodput", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--url", help="a running mesh's base URL (instead of --config)")
-    p.add_argument("--config", action="append", default=[], metavar="NAME=SERVE_ARGS",
-                   help="launch `epdmesh serve SERVE_ARGS` per configuration (repeatable)")
-    p.add_argument("--workload", default="textcaps", help=f"comma-separated: {', '.join(WORKLOADS)} (conversation: "
-                   "the trace's own lengths and shared prefixes, bench/conversation.py; conversation/8: with its "
-                   "own --trace-scale, so one launch can sweep two)")
-    p.add_argument("--trace-scale", type=int, default=16,
-                   help="conversation: the trace's prompt and output lengths ÷ this (a divisor of 512)")
+    p.add_argument(
+        "--config",
+        action="append",
+        default=[],
+        metavar="NAME=SERVE_ARGS",
+        help="launch `epdmesh serve SERVE_ARGS` per configuration (repeatable)",
+    )
+    p.add_argument(
+        "--workload",
+        default="textcaps",
+        help=f"comma-separated: {', '.join(WORKLOADS)} (conversation: "
+        "the trace's own lengths and shared prefixes, bench/conversation.py; conversation/8: with its "
+        "own --trace-scale, so one launch can sweep two)",
+    )
+    p.add_argument(
+        "--trace-scale",
+        type=int,
+        default=16,
+        help="conversation: the trace's prompt and output lengths ÷ this (a divisor of 512)",
+    )
     p.add_argument("--rates", default="1,2,4,8", help="comma-separated request rates (req/s, the hardware's time)")
-    p.add_argument("--rates-of", action="append", default=[], metavar="NAME=RATES",
-                   help="this configuration's own rates instead of --rates (repeatable): a split that saturates at "
-                   "20 req/s need not be run at 80, nor one that holds 70 at 20")
+    p.add_argument(
+        "--rates-of",
+        action="append",
+        default=[],
+        metavar="NAME=RATES",
+        help="this configuration's own rates instead of --rates (repeatable): a split that saturates at "
+        "20 req/s need not be run at 80, nor one that holds 70 at 20",
+    )
     p.add_argument("--num-prompts", type=int, default=100, help="requests per rate")
     p.add_argument("--warmup", type=int, default=4)
     p.add_argument("--arrival", default="mooncake", choices=["mooncake", "poisson"])
     p.add_argument("--slo-ttft-ms", type=float, default=1000.0)
     p.add_argument("--slo-tbt-ms", type=float, default=100.0)
     p.add_argument("--attainment", type=float, default=0.9)
-    p.add_argument("--backend", default="torch", choices=["torch", "emulated"],
-                   help="of the launched meshes (with --url: what the running mesh runs, for the report)")
-    p.add_argument("--profile", default="H20",
-                   help="emulated backend: the latency profile the workers run (a file, or H20 / H100 / H200: analytic)")
+    p.add_argument(
+        "--backend",
+        default="torch",
+        choices=["torch", "emulated"],
+        help="of the launched meshes (with --url: what the running mesh runs, for the report)",
+    )
+    p.add_argument(
+        "--profile",
+        default="H20",
+        help="emulated backend: the latency profile the workers run (a file, or H20 / H100 / H200: analytic)",
+    )
     p.add_argument("--time-scale", type=float, default=1.0, help="time dilation of an emulated mesh (see above)")
     p.add_argument("--model", help="checkpoint directory for launched meshes (default: serve's)")
     p.add_argument("--pause", type=float, default=2.0, help="seconds between rates (queues drain)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="bench/results/goodput.json")
     p.add_argument("--plot", help="PNG path (default: the --out path with .png)")
-    p.add_argument("--replot", metavar="JSON", help="measure nothing: add the goodput bounds to a saved report "
-                   "(emulated runs, on --profile), rewrite it, plot it and print its table")
+    p.add_argument(
+        "--replot",
+        metavar="JSON",
+        help="measure nothing: add the goodput bounds to a saved report "
+        "(emulated runs, on --profile), rewrite it, plot it and print its table",
+    )
     args = p.parse_args(argv)
     if args.replot:
         return args
@@ -352,12 +432,24 @@ def main(argv=None) -> int:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     gaps = trace_times(seed=args.seed) if args.arrival == "mooncake" else None
-    backend = ("emulated: " + Path(args.profile).stem + (f", time ×{args.time_scale:g}" if args.time_scale != 1 else "")
-               if args.backend == "emulated" else "real engine (torch CPU)")
-    report = {"backend": backend, "arrival": args.arrival, "slo_ttft_ms": args.slo_ttft_ms, "slo_tbt_ms": args.slo_tbt_ms,
-              "attainment": args.attainment, "num_prompts": args.num_prompts, "time_scale": args.time_scale,
-              "workloads": args.workloads, "configs": {}, "serve_args": {},
-              "profile": args.profile if args.backend == "emulated" else None}
+    backend = (
+        "emulated: " + Path(args.profile).stem + (f", time ×{args.time_scale:g}" if args.time_scale != 1 else "")
+        if args.backend == "emulated"
+        else "real engine (torch CPU)"
+    )
+    report = {
+        "backend": backend,
+        "arrival": args.arrival,
+        "slo_ttft_ms": args.slo_ttft_ms,
+        "slo_tbt_ms": args.slo_tbt_ms,
+        "attainment": args.attainment,
+        "num_prompts": args.num_prompts,
+        "time_scale": args.time_scale,
+        "workloads": args.workloads,
+        "configs": {},
+        "serve_args": {},
+        "profile": args.profile if args.backend == "emulated" else None,
+    }
     with tempfile.TemporaryDirectory(prefix="epdmesh-goodput-") as tmp:
         profile, hardware = None, None
         if args.backend == "emulated" or any("{profile}" in c for c in args.config):
@@ -371,8 +463,9 @@ def main(argv=None) -> int:
             import httpx
 
             model = httpx.get(f"{args.url}/v1/models", timeout=10).json()["data"][0]["id"]
-            report["configs"]["mesh"] = {w: sweep(args.url, model, w, args.rate_list, args, "mesh", gaps)
-                                         for w in args.workloads}
+            report["configs"]["mesh"] = {
+                w: sweep(args.url, model, w, args.rate_list, args, "mesh", gaps) for w in args.workloads
+            }
         for spec in args.config:
             name, _, config_args = spec.partition("=")
             serve_args = serve_args_of(config_args, args, profile)
@@ -380,8 +473,7 @@ def main(argv=None) -> int:
             print(f"{name}: epdmesh serve {' '.join(serve_args)}", file=sys.stderr, flush=True)
             with launched(serve_args, log_path(out, name)) as (base, model):
                 rates = args.rates_of.get(name, args.rate_list)
-                report["configs"][name] = {w: sweep(base, model, w, rates, args, name, gaps)
-                                           for w in args.workloads}
+                report["configs"][name] = {w: sweep(base, model, w, rates, args, name, gaps) for w in args.workloads}
             for result in report["configs"][name].values():
                 add_bound(result, hardware if args.backend == "emulated" else None, instances_of(serve_args))
             out.write_text(json.dumps(report, indent=2) + "\n")  # partial results survive a later failure

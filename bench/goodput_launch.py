@@ -23,8 +23,13 @@ def launched(serve_args: list[str], log_path: Path, timeout: float = 900.0):
     port = free_port()
     cmd = [sys.executable, "-m", "epdmesh.cli", "serve", *serve_args, "--host", "127.0.0.1", "--port", str(port)]
     with open(log_path, "w") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"},
-                                preexec_fn=die_with_parent)  # a killed benchmark takes its mesh with it
+        proc = subprocess.Popen(
+            cmd,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            preexec_fn=die_with_parent,
+        )  # a killed benchmark takes its mesh with it
     base = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + timeout
     try:
@@ -60,5 +65,10 @@ def serve_args_of(config_args: str, args, profile: Path | None) -> list[str]:
     out = shlex.split(config_args.replace("{profile}", str(profile or "")))
     if args.backend == "emulated":
         out += ["--backend", "emulated", "--profile", str(profile)]
-    out += ["--slo-ttft-ms", str(args.slo_ttft_ms * args.time_scale), "--slo-tbt-ms", str(args.slo_tbt_ms * args.time_scale)]
+    out += [
+        "--slo-ttft-ms",
+        str(args.slo_ttft_ms * args.time_scale),
+        "--slo-tbt-ms",
+        str(args.slo_tbt_ms * args.time_scale),
+    ]
     return out + (["--model", args.model] if args.model else [])

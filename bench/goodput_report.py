@@ -23,8 +23,10 @@ def add_bound(result: dict, profile, instances: int) -> None:
     if profile is None or not instances or done is None:
         return
     if "requests" in result:  # a conversation: each request's own lengths, its prefix held by an earlier one free
-        costs = [request_cost_ms(profile, prompt, images, output, cached_tokens=shared)
-                 for prompt, shared, output, images in result["requests"]]
+        costs = [
+            request_cost_ms(profile, prompt, images, output, cached_tokens=shared)
+            for prompt, shared, output, images in result["requests"]
+        ]
         result["goodput_bound"] = instances * 1e3 * len(costs) / sum(costs)
     else:
         prompt = round(done["total_input_tokens"] / done["completed"])
@@ -56,11 +58,18 @@ def plot(report: dict, path: Path) -> None:
             if not run:
                 continue
             rates = [p["request_rate"] for p in run["points"]]
-            ax.plot(rates, [100 * p["slo_attainment"] for p in run["points"]], marker="o",
-                    label=f"{name} (goodput {_goodput_text(run)})")
+            ax.plot(
+                rates,
+                [100 * p["slo_attainment"] for p in run["points"]],
+                marker="o",
+                label=f"{name} (goodput {_goodput_text(run)})",
+            )
         ax.axhline(100 * report["attainment"], color="grey", linestyle="--", linewidth=1)
-        bounds = {run[workload]["goodput_bound"] for run in report["configs"].values()
-                  if run.get(workload, {}).get("goodput_bound")}
+        bounds = {
+            run[workload]["goodput_bound"]
+            for run in report["configs"].values()
+            if run.get(workload, {}).get("goodput_bound")
+        }
         for bound in sorted(bounds):
             ax.axvline(bound, color="black", linestyle=":", linewidth=1)
             ax.annotate(f"bound {bound:.0f}", (bound, 4), rotation=90, fontsize=7, ha="right")
@@ -70,9 +79,14 @@ def plot(report: dict, path: Path) -> None:
         ax.set_ylim(0, 102)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
-    fig.suptitle(textwrap.fill(f"{report['backend']} — SLO TTFT {report['slo_ttft_ms']:g} ms, P90 TBT "
-                               f"{report['slo_tbt_ms']:g} ms, {report['arrival']} arrivals", 60 * len(workloads)),
-                 fontsize=10)
+    fig.suptitle(
+        textwrap.fill(
+            f"{report['backend']} — SLO TTFT {report['slo_ttft_ms']:g} ms, P90 TBT "
+            f"{report['slo_tbt_ms']:g} ms, {report['arrival']} arrivals",
+            60 * len(workloads),
+        ),
+        fontsize=10,
+    )
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120)
@@ -82,8 +96,10 @@ def plot(report: dict, path: Path) -> None:
 def _shape_text(report: dict, workload: str) -> str:
     run = next((runs[workload] for runs in report["configs"].values() if workload in runs), {})
     if "trace_scale" in run:
-        return (f"trace lengths ÷{run['trace_scale']}, {run['mean_prompt_tokens']:.0f} prompt / "
-                f"{run['output_tokens']:.0f} output tokens (means), {run['ideal_shared_fraction']:.0%} shared")
+        return (
+            f"trace lengths ÷{run['trace_scale']}, {run['mean_prompt_tokens']:.0f} prompt / "
+            f"{run['output_tokens']:.0f} output tokens (means), {run['ideal_shared_fraction']:.0%} shared"
+        )
     return f"{run.get('output_tokens', SHAPES[workload].output_tokens if workload in SHAPES else '?')} output tokens"
 
 
@@ -106,8 +122,10 @@ def finish(report: dict, out: Path, args) -> None:
     png = Path(args.plot) if args.plot else out.with_suffix(".png")
     plot(report, png)
     workloads = report["workloads"]
-    print(f"\ngoodput (highest rate with ≥ {report['attainment']:.0%} of requests within TTFT {report['slo_ttft_ms']:g} ms "
-          f"and P90 TBT {report['slo_tbt_ms']:g} ms), backend {report['backend']}:")
+    print(
+        f"\ngoodput (highest rate with ≥ {report['attainment']:.0%} of requests within "
+        f"TTFT {report['slo_ttft_ms']:g} ms and P90 TBT {report['slo_tbt_ms']:g} ms), backend {report['backend']}:"
+    )
     names = list(report["configs"])
     width = max(14, *(len(n) for n in names))
 
@@ -121,17 +139,33 @@ def finish(report: dict, out: Path, args) -> None:
     bounds = {tuple(report["configs"][n][w].get("goodput_bound") for w in workloads) for n in names}
     for row in sorted(bounds, key=str):
         if any(row):
-            who = "" if len(bounds) == 1 else " (" + ", ".join(n for n in names if tuple(
-                report["configs"][n][w].get("goodput_bound") for w in workloads) == row) + ")"
-            print(f"{'bound':>{width}} " + " ".join(f"{b:>14.1f}" if b else f"{'-':>14}" for b in row)
-                  + f"  req/s no scheduler exceeds on these instances{who}; (%) = share of it reached")
-    over = [(n, w, r["goodput"]) for n in names for w in workloads
-            if (r := report["configs"][n][w]).get("goodput_bound") and r["goodput"] > r["goodput_bound"]]
+            who = (
+                ""
+                if len(bounds) == 1
+                else " ("
+                + ", ".join(
+                    n for n in names if tuple(report["configs"][n][w].get("goodput_bound") for w in workloads) == row
+                )
+                + ")"
+            )
+            print(
+                f"{'bound':>{width}} "
+                + " ".join(f"{b:>14.1f}" if b else f"{'-':>14}" for b in row)
+                + f"  req/s no scheduler exceeds on these instances{who}; (%) = share of it reached"
+            )
+    over = [
+        (n, w, r["goodput"])
+        for n in names
+        for w in workloads
+        if (r := report["configs"][n][w]).get("goodput_bound") and r["goodput"] > r["goodput_bound"]
+    ]
     if over:
         window = report["num_prompts"] / max(rate for _, _, rate in over)
-        print(f"note: {', '.join(f'{n} on {w}' for n, w, _ in over)} came out above the bound: at that rate the "
-              f"{report['num_prompts']} requests of a point arrive within ~{window:.1f} s, a burst the queues absorb "
-              "within the TTFT target; raise --num-prompts to measure a rate the mesh sustains")
+        print(
+            f"note: {', '.join(f'{n} on {w}' for n, w, _ in over)} came out above the bound: at that rate the "
+            f"{report['num_prompts']} requests of a point arrive within ~{window:.1f} s, a burst the queues absorb "
+            "within the TTFT target; raise --num-prompts to measure a rate the mesh sustains"
+        )
     if len(names) > 1:
         base = names[0]
         for w in workloads:

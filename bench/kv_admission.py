@@ -71,8 +71,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--prompt-lens is MIN,MAX with 2 <= MIN <= MAX")
     worst = args.prompt_lens[1] + args.max_tokens
     if min(args.kv_blocks, default=0) * BLOCK < worst or args.requests < 1 or args.repeats < 1:
-        p.error(f"need --kv-blocks of at least {-(-worst // BLOCK)} (one request's worst case), --requests and "
-                "--repeats >= 1")
+        p.error(
+            f"need --kv-blocks of at least {-(-worst // BLOCK)} (one request's worst case), --requests and "
+            "--repeats >= 1"
+        )
     return args
 
 
@@ -81,20 +83,29 @@ def workload(args: argparse.Namespace, eos: int) -> list[Request]:
     requests = []
     for i in range(args.requests):
         prompt = [1] + [rng.randrange(5, 2000) for _ in range(rng.randint(*args.prompt_lens) - 1)]
-        sampling = SamplingParams(max_tokens=args.max_tokens, temperature=1.0, seed=args.seed * 10_000 + i,
-                                  logit_bias=((eos, args.eos_bias),))
+        sampling = SamplingParams(
+            max_tokens=args.max_tokens, temperature=1.0, seed=args.seed * 10_000 + i, logit_bias=((eos, args.eos_bias),)
+        )
         requests.append(Request(f"r{i}", prompt, sampling))
     return requests
 
 
 def make_engine(model_dir: Path, model, args: argparse.Namespace, kv_blocks: int, admission: str) -> Engine:
     text = model.cfg.text
-    per_block = PagedKVCache.bytes_per_block(BLOCK, text.num_layers, text.num_kv_heads, text.head_dim,
-                                             getattr(torch, args.dtype))
-    config = EngineConfig(model=str(model_dir), dtype=args.dtype, device=args.device, block_size=BLOCK,
-                          kv_cache_gib=kv_blocks * per_block / 2**30, image_cache_gib=1 / 1024,
-                          scheduler=SchedulerConfig(token_budget=args.token_budget, max_num_seqs=args.max_num_seqs,
-                                                    kv_admission=admission))
+    per_block = PagedKVCache.bytes_per_block(
+        BLOCK, text.num_layers, text.num_kv_heads, text.head_dim, getattr(torch, args.dtype)
+    )
+    config = EngineConfig(
+        model=str(model_dir),
+        dtype=args.dtype,
+        device=args.device,
+        block_size=BLOCK,
+        kv_cache_gib=kv_blocks * per_block / 2**30,
+        image_cache_gib=1 / 1024,
+        scheduler=SchedulerConfig(
+            token_budget=args.token_budget, max_num_seqs=args.max_num_seqs, kv_admission=admission
+        ),
+    )
     return Engine(config, model=model)
 
 
@@ -113,10 +124,17 @@ def run(engine: Engine, requests: list[Request]) -> dict:
     stats = engine.stats()
     assert len(outputs) == len(requests) and stats.kv_blocks_free == stats.kv_blocks_total, "blocks leaked"
     generated = sum(len(o) for o in outputs.values())
-    return {"seconds": elapsed, "output_tokens": generated, "output_tok_s": generated / elapsed,
-            "requests_s": len(requests) / elapsed, "mean_decoding": statistics.mean(batches),
-            "max_decoding": max(batches), "iterations": len(batches), "preemptions": stats.num_preemptions,
-            "outputs": outputs}
+    return {
+        "seconds": elapsed,
+        "output_tokens": generated,
+        "output_tok_s": generated / elapsed,
+        "requests_s": len(requests) / elapsed,
+        "mean_decoding": statistics.mean(batches),
+        "max_decoding": max(batches),
+        "iterations": len(batches),
+        "preemptions": stats.num_preemptions,
+        "outputs": outputs,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -141,28 +159,43 @@ def main(argv: list[str] | None = None) -> int:
     keys = ("seconds", "output_tok_s", "requests_s", "mean_decoding", "max_decoding", "preemptions")
     summary = {cell: {key: statistics.median(r[key] for r in rs) for key in keys} for cell, rs in runs.items()}
     text = model.cfg.text
-    print(f"backend: real engine (torch {args.device}, {args.dtype}); model {model_dir.name}: "
-          f"{sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters, {text.num_layers} layers")
-    print(f"{args.requests} requests, prompts {args.prompt_lens[0]}-{args.prompt_lens[1]} tokens, max_tokens "
-          f"{args.max_tokens}, answers to EOS: mean {statistics.mean(lengths):.0f}, median "
-          f"{statistics.median(lengths):.0f}, max {lengths[-1]} tokens; medians of {args.repeats}")
-    print(f"{'KV blocks':>9}  {'admission':<12}{'seconds':>9}{'out tok/s':>11}{'req/s':>8}"
-          f"{'decoding (mean/max)':>22}{'preemptions':>13}{'ratio':>8}")
+    print(
+        f"backend: real engine (torch {args.device}, {args.dtype}); model {model_dir.name}: "
+        f"{sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters, {text.num_layers} layers"
+    )
+    print(
+        f"{args.requests} requests, prompts {args.prompt_lens[0]}-{args.prompt_lens[1]} tokens, max_tokens "
+        f"{args.max_tokens}, answers to EOS: mean {statistics.mean(lengths):.0f}, median "
+        f"{statistics.median(lengths):.0f}, max {lengths[-1]} tokens; medians of {args.repeats}"
+    )
+    print(
+        f"{'KV blocks':>9}  {'admission':<12}{'seconds':>9}{'out tok/s':>11}{'req/s':>8}"
+        f"{'decoding (mean/max)':>22}{'preemptions':>13}{'ratio':>8}"
+    )
     ratios = {}
     for blocks, mode in cells:
         s, base = summary[blocks, mode], summary[blocks, "worst-case"]
         ratios[blocks] = summary[blocks, "on-demand"]["output_tok_s"] / base["output_tok_s"]
-        print(f"{blocks:>9}  {mode:<12}{s['seconds']:>9.2f}{s['output_tok_s']:>11.1f}{s['requests_s']:>8.2f}"
-              f"{s['mean_decoding']:>15.1f} / {s['max_decoding']:<4.0f}{s['preemptions']:>13.0f}"
-              f"{s['output_tok_s'] / base['output_tok_s']:>7.2f}x")
+        print(
+            f"{blocks:>9}  {mode:<12}{s['seconds']:>9.2f}{s['output_tok_s']:>11.1f}{s['requests_s']:>8.2f}"
+            f"{s['mean_decoding']:>15.1f} / {s['max_decoding']:<4.0f}{s['preemptions']:>13.0f}"
+            f"{s['output_tok_s'] / base['output_tok_s']:>7.2f}x"
+        )
     print("ratio: output tok/s over worst-case admission with the same cache (the same tokens in every run)")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    report = {"backend": f"real engine (torch {args.device}, {args.dtype})", "args": vars(args), "output_lengths": lengths,
-              "summary": [{"kv_blocks": b, "admission": m, **summary[b, m]} for b, m in cells],
-              "ratio_output_tok_s": ratios,
-              "runs": [{"kv_blocks": b, "admission": m, **{k: v for k, v in r.items() if k != "outputs"}}
-                       for (b, m), rs in runs.items() for r in rs]}
+    report = {
+        "backend": f"real engine (torch {args.device}, {args.dtype})",
+        "args": vars(args),
+        "output_lengths": lengths,
+        "summary": [{"kv_blocks": b, "admission": m, **summary[b, m]} for b, m in cells],
+        "ratio_output_tok_s": ratios,
+        "runs": [
+            {"kv_blocks": b, "admission": m, **{k: v for k, v in r.items() if k != "outputs"}}
+            for (b, m), rs in runs.items()
+            for r in rs
+        ],
+    }
     out.write_text(json.dumps(report, indent=1, default=str))
     return 0
 

@@ -27,8 +27,11 @@ class LeanClient:
 
     async def post_lines(self, path: str, body: bytes) -> AsyncIterator[str]:
         """POST `body` (JSON) to `path`; yield the response body's lines as they arrive (without newlines)."""
-        request = (f"POST {path} HTTP/1.1\r\nHost: {self.host}:{self.port}\r\nContent-Type: application/json\r\n"
-                   f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+        request = (
+            f"POST {path} HTTP/1.1\r\nHost: {self.host}:{self.port}\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(body)}\r\n\r\n".encode()
+            + body
+        )
         done = False
         try:
             reader, status, headers = await self._send(request)

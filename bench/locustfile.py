@@ -24,8 +24,13 @@ from PIL import Image
 
 MAX_TOKENS = int(os.environ.get("EPDMESH_MAX_TOKENS", "32"))
 IMAGE_FRACTION = float(os.environ.get("EPDMESH_IMAGE_FRACTION", "1.0"))
-PROMPTS = ["What is in this picture?", "Describe the scene in one sentence.", "How many people can you see?",
-           "What colour is the largest object?", "Is there any text in the image? Read it."]
+PROMPTS = [
+    "What is in this picture?",
+    "Describe the scene in one sentence.",
+    "How many people can you see?",
+    "What colour is the largest object?",
+    "Is there any text in the image? Read it.",
+]
 
 
 def _data_uri(seed: int) -> str:
@@ -50,12 +55,19 @@ class ChatUser(HttpUser):
         content = [{"type": "text", "text": random.choice(PROMPTS)}]
         if random.random() < IMAGE_FRACTION:
             content.insert(0, {"type": "image_url", "image_url": {"url": random.choice(IMAGES)}})
-        body = {"model": self.model, "messages": [{"role": "user", "content": content}], "max_tokens": MAX_TOKENS,
-                "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
+        body = {
+            "model": self.model,
+            "messages": [{"role": "user", "content": content}],
+            "max_tokens": MAX_TOKENS,
+            "temperature": 0,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
         start = time.perf_counter()
         ttft_ms, finish = None, None
-        with self.client.post("/v1/chat/completions", json=body, stream=True, catch_response=True,
-                              name="chat (stream)") as resp:
+        with self.client.post(
+            "/v1/chat/completions", json=body, stream=True, catch_response=True, name="chat (stream)"
+        ) as resp:
             if resp.status_code != 200:
                 resp.failure(f"HTTP {resp.status_code}: {resp.text[:200]}")
                 return
@@ -75,5 +87,11 @@ class ChatUser(HttpUser):
                 return
             resp.success()
         if ttft_ms is not None:
-            self.environment.events.request.fire(request_type="TTFT", name="chat (stream)", response_time=ttft_ms,
-                                                 response_length=0, exception=None, context={})
+            self.environment.events.request.fire(
+                request_type="TTFT",
+                name="chat (stream)",
+                response_time=ttft_ms,
+                response_length=0,
+                exception=None,
+                context={},
+            )

@@ -2,11 +2,11 @@
 
     python -m bench.mesh [--requests 20] [--max-tokens 32] [--topology E1+P1+D1]
 
-Three configurations, all up at once and measured interleaved (request i on each in turn, in an order that rotates), every process
-on 1 torch thread, on the real engine (torch CPU, fp32, the default tiny checkpoint, the same scheduler
-settings: 256-token budget), one request at a time (no queueing), two workloads: `image` (one 320×240
-image + a short prompt: encode → prefill → decode, image and KV pages move) and `text` (the short prompt
-alone: the mesh's control path with the least compute):
+Three configurations, all up at once and measured interleaved (request i on each in turn, in an order that rotates),
+every process on 1 torch thread, on the real engine (torch CPU, fp32, the default tiny checkpoint, the same scheduler
+settings: 256-token budget), one request at a time (no queueing), two workloads: `image` (one 320×240 image + a short
+prompt: encode → prefill → decode, image and KV pages move) and `text` (the short prompt alone: the mesh's control
+path with the least compute):
   engine   — AsyncEngine in this process, no HTTP, no gRPC (the baseline);
   local    — `epdmesh serve --topology local`: the same engine behind the HTTP gateway (HTTP cost);
   mesh     — `epdmesh serve --topology E1+P1+D1`: gateway (routes in-process over Redis) → encoder →
@@ -59,24 +59,44 @@ def parse_args(argv=None):
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--topology", default="E1+P1+D1")
-    p.add_argument("--prefix-caching", action="store_true",
-                   help="leave prefix caching on in the servers (and turn it on in the in-process engine)")
+    p.add_argument(
+        "--prefix-caching",
+        action="store_true",
+        help="leave prefix caching on in the servers (and turn it on in the in-process engine)",
+    )
     p.add_argument("--transfer", default="auto", choices=["auto", "nixl", "grpc"])
-    p.add_argument("--client", default="lean", choices=["lean", "httpx"],
-                   help="HTTP client timing the servers: a minimal one (bench/lean_http.py), or httpx, whose own "
-                        "request and response handling (~1.5 ms here) then counts as the server's")
+    p.add_argument(
+        "--client",
+        default="lean",
+        choices=["lean", "httpx"],
+        help="HTTP client timing the servers: a minimal one (bench/lean_http.py), or httpx, whose own "
+        "request and response handling (~1.5 ms here) then counts as the server's",
+    )
     p.add_argument("--redis-url", default=None)
-    p.add_argument("--no-toggle-route", dest="toggle_route", action="store_false",
-                   help="leave out the mesh routed by the toggle's Route rpc")
-    p.add_argument("--unary", action="store_true",
-                   help="also serve the topology with `--stage-calls unary` (Encode, AwaitEncode and Prefill as unary "
-                        "rpcs instead of messages on a stream kept open to each worker), measured interleaved")
-    p.add_argument("--shared", action="store_true",
-                   help="also serve the topology with `--share-weights` (the workers map one read-only copy of the "
-                        "weights instead of a private copy each), measured interleaved")
-    p.add_argument("--against", metavar="DIR",
-                   help="also serve the topology from another checkout (e.g. `git worktree add --detach DIR REV`), "
-                        "measured interleaved with the rest: an A/B of a change on this noisy machine")
+    p.add_argument(
+        "--no-toggle-route",
+        dest="toggle_route",
+        action="store_false",
+        help="leave out the mesh routed by the toggle's Route rpc",
+    )
+    p.add_argument(
+        "--unary",
+        action="store_true",
+        help="also serve the topology with `--stage-calls unary` (Encode, AwaitEncode and Prefill as unary "
+        "rpcs instead of messages on a stream kept open to each worker), measured interleaved",
+    )
+    p.add_argument(
+        "--shared",
+        action="store_true",
+        help="also serve the topology with `--share-weights` (the workers map one read-only copy of the "
+        "weights instead of a private copy each), measured interleaved",
+    )
+    p.add_argument(
+        "--against",
+        metavar="DIR",
+        help="also serve the topology from another checkout (e.g. `git worktree add --detach DIR REV`), "
+        "measured interleaved with the rest: an A/B of a change on this noisy machine",
+    )
     p.add_argument("--out", default="bench/results/mesh.json")
     args = p.parse_args(argv)
     if args.requests < 1 or args.max_tokens < 2:
@@ -118,8 +138,12 @@ class InProcess:
         torch.set_num_threads(1)
         keep_freed_memory()  # as the serving processes do: a like-for-like baseline
         self.processor = ChatProcessor(model_dir)
-        config = EngineConfig(model=model_dir, kv_cache_gib=0.05, scheduler=SchedulerConfig(token_budget=256),
-                              enable_prefix_caching=prefix_caching)
+        config = EngineConfig(
+            model=model_dir,
+            kv_cache_gib=0.05,
+            scheduler=SchedulerConfig(token_budget=256),
+            enable_prefix_caching=prefix_caching,
+        )
         self.engine = AsyncEngine(Engine(config, detokenize=self.processor.detokenize))
         self.count = 0
 
@@ -132,8 +156,9 @@ class InProcess:
         start = time.perf_counter()
         ids, images = self.processor.apply([{"role": "user", "content": content}])
         self.count += 1
-        request = Request(f"b{self.count}", ids, SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True),
-                          images)
+        request = Request(
+            f"b{self.count}", ids, SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True), images
+        )
         times = []
         async for out in self.engine.generate(request):
             if out.new_token_ids:
@@ -148,9 +173,15 @@ async def measure_http(client, base: str, workload: str, i: int, max_tokens: int
     """`client`: an httpx.AsyncClient, or the lean client of the server at `base`."""
     img, text = conversation(i, workload)
     content = [{"type": "image_url", "image_url": {"url": _data_uri(img)}}] if img is not None else []
-    body = {"model": SERVED_NAME, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
-            "stream": True, "return_token_ids": True,
-            "messages": [{"role": "user", "content": content + [{"type": "text", "text": text}]}]}
+    body = {
+        "model": SERVED_NAME,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+        "return_token_ids": True,
+        "messages": [{"role": "user", "content": content + [{"type": "text", "text": text}]}],
+    }
     payload = json.dumps(body).encode()  # serialized before the clock starts: client-side cost, not ours
     start, times = time.perf_counter(), []
     async for line in _post_lines(client, base, payload):
@@ -166,8 +197,9 @@ async def _post_lines(client, base: str, payload: bytes):
         async for line in client.post_lines("/v1/chat/completions", payload):
             yield line
         return
-    async with client.stream("POST", f"{base}/v1/chat/completions", content=payload,
-                             headers={"content-type": "application/json"}) as resp:
+    async with client.stream(
+        "POST", f"{base}/v1/chat/completions", content=payload, headers={"content-type": "application/json"}
+    ) as resp:
         resp.raise_for_status()
         async for line in resp.aiter_lines():
             yield line
@@ -221,8 +253,12 @@ def paired(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> float:
 def summarize(samples: list[tuple[float, float]]) -> dict:
     ttft = sorted(s[0] for s in samples)
     gap = sorted(s[1] for s in samples)
-    return {"p50_ttft_ms": statistics.median(ttft), "p90_ttft_ms": ttft[int(0.9 * (len(ttft) - 1))],
-            "p50_tpot_ms": statistics.median(gap), "num_requests": len(samples)}
+    return {
+        "p50_ttft_ms": statistics.median(ttft),
+        "p90_ttft_ms": ttft[int(0.9 * (len(ttft) - 1))],
+        "p50_tpot_ms": statistics.median(gap),
+        "num_requests": len(samples),
+    }
 
 
 def main(argv=None) -> int:
@@ -243,33 +279,65 @@ def main(argv=None) -> int:
         configs.append(("mesh-shared", args.topology, ("--share-weights",), None))
     if args.against:
         configs.append(("mesh-against", args.topology, (), args.against))
-    with tqdm(total=(1 + len(configs)) * len(WORKLOADS) * args.requests, desc="mesh bench", unit="req",
-              file=sys.stderr) as bar, contextlib.ExitStack() as servers:
+    with (
+        tqdm(
+            total=(1 + len(configs)) * len(WORKLOADS) * args.requests, desc="mesh bench", unit="req", file=sys.stderr
+        ) as bar,
+        contextlib.ExitStack() as servers,
+    ):
         bar.set_postfix_str("starting " + ", ".join(name for name, *_ in configs))
         # every request of a workload sends the same text: with prefix caching (serve's default) the servers would
         # compute a cached prompt where the in-process engine computes it whole (an older checkout has it off anyway)
         cache = () if args.prefix_caching else ("--no-enable-prefix-caching",)
-        bases = {name: servers.enter_context(running_server(model_dir, topology, logs / f"mesh-{name}.log", *extra, *more,
-                                                            *(cache if source is None else ()), source=source))
-                 for name, topology, more, source in configs}
+        bases = {
+            name: servers.enter_context(
+                running_server(
+                    model_dir,
+                    topology,
+                    logs / f"mesh-{name}.log",
+                    *extra,
+                    *more,
+                    *(cache if source is None else ()),
+                    source=source,
+                )
+            )
+            for name, topology, more, source in configs
+        }
         bar.set_postfix_str("interleaved")
         samples = asyncio.run(measure_interleaved(model_dir, bases, args, bar))
     results = {name: {w: summarize(s) for w, s in per.items()} for name, per in samples.items()}
-    report = {"backend": BACKEND, "topology": args.topology, "transfer": args.transfer, "client": args.client,
-              "against": args.against,
-              "max_tokens": args.max_tokens,
-              "requests": args.requests, "results": results, "mesh_added": {},
-              "samples_ttft_gap_ms": samples}
-    print(f"\nbackend: {BACKEND}; {args.requests} requests per workload, one at a time, {args.max_tokens} tokens each; "
-          f"transfer {args.transfer}; HTTP client {args.client}")
+    report = {
+        "backend": BACKEND,
+        "topology": args.topology,
+        "transfer": args.transfer,
+        "client": args.client,
+        "against": args.against,
+        "max_tokens": args.max_tokens,
+        "requests": args.requests,
+        "results": results,
+        "mesh_added": {},
+        "samples_ttft_gap_ms": samples,
+    }
+    print(
+        f"\nbackend: {BACKEND}; {args.requests} requests per workload, one at a time, {args.max_tokens} tokens each; "
+        f"transfer {args.transfer}; HTTP client {args.client}"
+    )
     print(f"{'workload':<8}{'config':<28}{'p50 TTFT ms':>12}{'p90 TTFT ms':>12}{'p50 gap ms':>12}")
     for workload in WORKLOADS:
-        labels = {"engine": "engine (in-process)", "local": "local (HTTP, one process)", "mesh": f"mesh {args.topology}",
-                  "mesh-toggle": f"mesh {args.topology}, toggle rpc", "mesh-against": f"mesh {args.topology}, --against",
-                  "mesh-unary": f"mesh {args.topology}, unary", "mesh-shared": f"mesh {args.topology}, shared weights"}
+        labels = {
+            "engine": "engine (in-process)",
+            "local": "local (HTTP, one process)",
+            "mesh": f"mesh {args.topology}",
+            "mesh-toggle": f"mesh {args.topology}, toggle rpc",
+            "mesh-against": f"mesh {args.topology}, --against",
+            "mesh-unary": f"mesh {args.topology}, unary",
+            "mesh-shared": f"mesh {args.topology}, shared weights",
+        }
         for name in results:
             label, r = labels[name], results[name][workload]
-            print(f"{workload:<8}{label:<28}{r['p50_ttft_ms']:>12.2f}{r['p90_ttft_ms']:>12.2f}{r['p50_tpot_ms']:>12.2f}")
+            print(
+                f"{workload:<8}{label:<28}{r['p50_ttft_ms']:>12.2f}{r['p90_ttft_ms']:>12.2f}{r['p50_tpot_ms']:>12.2f}"
+            )
         e, lo, m = (results[n][workload] for n in ("engine", "local", "mesh"))
         added = report["mesh_added"][workload] = {
             "ttft_over_engine_ms": m["p50_ttft_ms"] - e["p50_ttft_ms"],
@@ -280,24 +348,38 @@ def main(argv=None) -> int:
             "paired_ttft_over_engine_ms": paired(samples["mesh"][workload], samples["engine"][workload]),
             "paired_ttft_over_local_ms": paired(samples["mesh"][workload], samples["local"][workload]),
         }
-        print(f"  {workload}: mesh TTFT p50 {added['ttft_over_engine_ms']:+.2f} ms over the in-process engine "
-              f"({added['ttft_ratio_over_engine']:.2f}x; goal ≤ +2 ms), {added['ttft_over_local_ms']:+.2f} ms over one "
-              f"HTTP process; per-token gap {added['tpot_over_engine_ms']:+.2f} ms ({added['tpot_ratio_over_engine']:.2f}x)")
-        print(f"  {workload}: paired (median of per-request differences): TTFT {added['paired_ttft_over_engine_ms']:+.2f} ms "
-              f"over the engine, {added['paired_ttft_over_local_ms']:+.2f} ms over one HTTP process")
+        print(
+            f"  {workload}: mesh TTFT p50 {added['ttft_over_engine_ms']:+.2f} ms over the in-process engine "
+            f"({added['ttft_ratio_over_engine']:.2f}x; goal ≤ +2 ms), {added['ttft_over_local_ms']:+.2f} ms over one "
+            f"HTTP process; per-token gap {added['tpot_over_engine_ms']:+.2f} ms "
+            f"({added['tpot_ratio_over_engine']:.2f}x)"
+        )
+        print(
+            f"  {workload}: paired (median of per-request differences): "
+            f"TTFT {added['paired_ttft_over_engine_ms']:+.2f} ms over the engine, "
+            f"{added['paired_ttft_over_local_ms']:+.2f} ms over one HTTP process"
+        )
         if "mesh-toggle" in results:
-            saved = added["routing_in_gateway_saves_ms"] = results["mesh-toggle"][workload]["p50_ttft_ms"] - m["p50_ttft_ms"]
+            saved = added["routing_in_gateway_saves_ms"] = (
+                results["mesh-toggle"][workload]["p50_ttft_ms"] - m["p50_ttft_ms"]
+            )
             print(f"  {workload}: routing in the gateway instead of by the toggle's rpc: TTFT p50 {-saved:+.2f} ms")
-        for other, key, what in (("mesh-unary", "streamed_over_unary", "stage calls on open streams over unary rpcs"),
-                                 ("mesh-shared", "private_over_shared", "private weight copies over --share-weights"),
-                                 ("mesh-against", "change_over_against", "this checkout over --against")):
+        for other, key, what in (
+            ("mesh-unary", "streamed_over_unary", "stage calls on open streams over unary rpcs"),
+            ("mesh-shared", "private_over_shared", "private weight copies over --share-weights"),
+            ("mesh-against", "change_over_against", "this checkout over --against"),
+        ):
             if other in results:
                 o = results[other][workload]
                 change = added[key] = {
-                    "ttft_ms": m["p50_ttft_ms"] - o["p50_ttft_ms"], "tpot_ms": m["p50_tpot_ms"] - o["p50_tpot_ms"],
-                    "paired_ttft_ms": paired(samples["mesh"][workload], samples[other][workload])}
-                print(f"  {workload}: {what}: TTFT p50 {change['ttft_ms']:+.2f} ms (paired "
-                      f"{change['paired_ttft_ms']:+.2f} ms), per-token gap {change['tpot_ms']:+.2f} ms")
+                    "ttft_ms": m["p50_ttft_ms"] - o["p50_ttft_ms"],
+                    "tpot_ms": m["p50_tpot_ms"] - o["p50_tpot_ms"],
+                    "paired_ttft_ms": paired(samples["mesh"][workload], samples[other][workload]),
+                }
+                print(
+                    f"  {workload}: {what}: TTFT p50 {change['ttft_ms']:+.2f} ms (paired "
+                    f"{change['paired_ttft_ms']:+.2f} ms), per-token gap {change['tpot_ms']:+.2f} ms"
+                )
     Path(args.out).write_text(json.dumps(report, indent=2))
     return 0
 

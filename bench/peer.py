@@ -56,8 +56,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--slo-ttft-ms", type=float, default=1000.0)
     p.add_argument("--slo-tbt-ms", type=float, default=100.0)
     p.add_argument("--epdmesh-args", default="", help="more `epdmesh serve` options (none: serve's defaults)")
-    p.add_argument("--vllm-args", default="", help="more `vllm serve` options, e.g. --max-num-batched-tokens 640 "
-                   "(none: vLLM's defaults)")
+    p.add_argument(
+        "--vllm-args",
+        default="",
+        help="more `vllm serve` options, e.g. --max-num-batched-tokens 640 (none: vLLM's defaults)",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="bench/results/peer.json")
     return p.parse_args(argv)
@@ -81,7 +84,9 @@ def peer_checkpoint() -> Path:
     model_config["architectures"] = ["LlavaForConditionalGeneration"]
     (tmp / "config.json").write_text(json.dumps(model_config, indent=2) + "\n")
     template = tmp / "chat_template.jinja"  # vLLM hands OpenAI parts through: an image arrives as image_url
-    template.write_text(template.read_text().replace("part['type'] == 'image'", "part['type'] in ['image', 'image_url']"))
+    template.write_text(
+        template.read_text().replace("part['type'] == 'image'", "part['type'] in ['image', 'image_url']")
+    )
     tmp.rename(path)
     return path
 
@@ -105,19 +110,51 @@ def start_vllm(args, model: Path, port: int, work: Path) -> tuple[subprocess.Pop
     if not (venv / "bin" / "vllm").is_file():
         raise SystemExit(f"no vLLM at {venv}: run ../shared/peer/setup_vllm_cpu.sh in {venv.parent} (or --vllm-venv)")
     cache = work / "vllm-cache"
-    env = dict(os.environ, VLLM_CACHE_ROOT=str(cache / "vllm"), TORCHINDUCTOR_CACHE_DIR=str(cache / "inductor"),
-               VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "4"))
+    env = dict(
+        os.environ,
+        VLLM_CACHE_ROOT=str(cache / "vllm"),
+        TORCHINDUCTOR_CACHE_DIR=str(cache / "inductor"),
+        VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "4"),
+    )
     log = work / "vllm.log"
-    argv = [str(venv / "bin" / "vllm"), "serve", str(model), "--host", "127.0.0.1", "--port", str(port),
-            "--dtype", "bfloat16", "--max-model-len", "2048", "--seed", str(args.seed), *args.vllm_args.split()]
+    argv = [
+        str(venv / "bin" / "vllm"),
+        "serve",
+        str(model),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--dtype",
+        "bfloat16",
+        "--max-model-len",
+        "2048",
+        "--seed",
+        str(args.seed),
+        *args.vllm_args.split(),
+    ]
     return subprocess.Popen(argv, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True), log
 
 
 def start_epdmesh(args, topology: str, model: Path, port: int, work: Path) -> tuple[subprocess.Popen, Path]:
     log = work / f"epdmesh-{topology}.log"
-    argv = [sys.executable, "-m", "epdmesh.cli", "serve", "--topology", topology, "--model", str(model),
-            "--port", str(port), "--slo-ttft-ms", str(args.slo_ttft_ms), "--slo-tbt-ms", str(args.slo_tbt_ms),
-            *args.epdmesh_args.split()]
+    argv = [
+        sys.executable,
+        "-m",
+        "epdmesh.cli",
+        "serve",
+        "--topology",
+        topology,
+        "--model",
+        str(model),
+        "--port",
+        str(port),
+        "--slo-ttft-ms",
+        str(args.slo_ttft_ms),
+        "--slo-tbt-ms",
+        str(args.slo_tbt_ms),
+        *args.epdmesh_args.split(),
+    ]
     env = {k: v for k, v in os.environ.items() if k not in ("EPDMESH_ENFORCE_EAGER", "EPDMESH_AUTO_PROFILE")}
     return subprocess.Popen(argv, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True), log
 
@@ -146,8 +183,9 @@ def probe(url: str, model_name: str, n: int, seed: int) -> dict:
                 for line in r.iter_lines():
                     if line.startswith("data: ") and line != "data: [DONE]":
                         chunk = json.loads(line[6:])
-                        if chunk.get("choices") and (chunk["choices"][0].get("token_ids")
-                                                     or chunk["choices"][0]["delta"].get("content")):
+                        if chunk.get("choices") and (
+                            chunk["choices"][0].get("token_ids") or chunk["choices"][0]["delta"].get("content")
+                        ):
                             times.append(time.perf_counter())
             if i and len(times) >= 2:  # the first request warms the server
                 ttfts.append((times[0] - start) * 1e3)
@@ -169,9 +207,29 @@ def crossing(points: list[dict], target: float = 0.9) -> float:
 
 def goodput(args, url: str, work: Path, name: str) -> dict:
     out = work / f"goodput-{name}.json"
-    argv = [sys.executable, "-m", "bench.goodput", "--url", url, "--workload", "textcaps", "--arrival", "poisson",
-            "--rates", args.rates, "--num-prompts", str(args.num_prompts), "--slo-ttft-ms", str(args.slo_ttft_ms),
-            "--slo-tbt-ms", str(args.slo_tbt_ms), "--seed", str(args.seed), "--out", str(out)]
+    argv = [
+        sys.executable,
+        "-m",
+        "bench.goodput",
+        "--url",
+        url,
+        "--workload",
+        "textcaps",
+        "--arrival",
+        "poisson",
+        "--rates",
+        args.rates,
+        "--num-prompts",
+        str(args.num_prompts),
+        "--slo-ttft-ms",
+        str(args.slo_ttft_ms),
+        "--slo-tbt-ms",
+        str(args.slo_tbt_ms),
+        "--seed",
+        str(args.seed),
+        "--out",
+        str(out),
+    ]
     subprocess.run(argv, check=True, cwd=ROOT)
     report = json.loads(out.read_text())
     (result,) = [w for c in report["configs"].values() for w in c.values()]
@@ -204,8 +262,12 @@ def plot(results: list[dict], path: Path, args) -> None:
     fig, ax = plt.subplots(figsize=(6.4, 4))
     for r in results:
         pts = sorted(r["points"], key=lambda p: p["request_rate"])
-        ax.plot([p["request_rate"] for p in pts], [100 * p["slo_attainment"] for p in pts], marker="o",
-                label=f"{r['name']} (goodput {r['goodput']:g}, 90% at {r['crossing']:.2f})")
+        ax.plot(
+            [p["request_rate"] for p in pts],
+            [100 * p["slo_attainment"] for p in pts],
+            marker="o",
+            label=f"{r['name']} (goodput {r['goodput']:g}, 90% at {r['crossing']:.2f})",
+        )
     ax.axhline(90, color="grey", linestyle="--", linewidth=1)
     ax.set_xlabel("request rate (req/s, Poisson)")
     ax.set_ylabel("SLO attainment (%)")
@@ -226,28 +288,44 @@ def main(argv=None) -> int:
             results.append(run_server(args, "vLLM", lambda port: start_vllm(args, model, port, work), work))
         elif server == "epdmesh":
             for topology in args.topology.split(","):
-                results.append(run_server(args, f"epdmesh {topology}",
-                                          lambda port, t=topology: start_epdmesh(args, t, model, port, work), work))
+                results.append(
+                    run_server(
+                        args,
+                        f"epdmesh {topology}",
+                        lambda port, t=topology: start_epdmesh(args, t, model, port, work),
+                        work,
+                    )
+                )
         else:
             raise SystemExit(f"unknown server {server!r}: vllm or epdmesh")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    meta = dict(checkpoint=str(model), workload="textcaps (1 image, 32 output tokens, EOS ignored), Poisson",
-                slo_ttft_ms=args.slo_ttft_ms, slo_tbt_ms=args.slo_tbt_ms, num_prompts=args.num_prompts,
-                backend="real engines (torch CPU, bf16)", logs=str(work))
+    meta = dict(
+        checkpoint=str(model),
+        workload="textcaps (1 image, 32 output tokens, EOS ignored), Poisson",
+        slo_ttft_ms=args.slo_ttft_ms,
+        slo_tbt_ms=args.slo_tbt_ms,
+        num_prompts=args.num_prompts,
+        backend="real engines (torch CPU, bf16)",
+        logs=str(work),
+    )
     out.write_text(json.dumps(dict(meta, results=results), indent=2) + "\n")
     plot(results, out.with_suffix(".png"), args)
     print(f"{'server':<16} {'TTFT p50':>9} {'TPOT p50':>9} {'goodput':>8} {'90% at':>7}")
     for r in results:
         low = r["low_load"]
-        print(f"{r['name']:<16} {low['ttft_p50_ms']:>7.0f}ms {low['tpot_p50_ms']:>7.1f}ms {r['goodput']:>8g} "
-              f"{r['crossing']:>7.2f}")
+        print(
+            f"{r['name']:<16} {low['ttft_p50_ms']:>7.0f}ms {low['tpot_p50_ms']:>7.1f}ms {r['goodput']:>8g} "
+            f"{r['crossing']:>7.2f}"
+        )
     base = next((r for r in results if r["name"] == "vLLM"), None)
     for r in results:
         if base and r is not base and base["crossing"]:
-            print(f"{r['name']} / vLLM: goodput {r['crossing'] / base['crossing']:.2f}x (interpolated), "
-                  f"TTFT {r['low_load']['ttft_p50_ms'] / base['low_load']['ttft_p50_ms']:.2f}x, "
-                  f"TPOT {r['low_load']['tpot_p50_ms'] / base['low_load']['tpot_p50_ms']:.2f}x")
+            print(
+                f"{r['name']} / vLLM: goodput {r['crossing'] / base['crossing']:.2f}x (interpolated), "
+                f"TTFT {r['low_load']['ttft_p50_ms'] / base['low_load']['ttft_p50_ms']:.2f}x, "
+                f"TPOT {r['low_load']['tpot_p50_ms'] / base['low_load']['tpot_p50_ms']:.2f}x"
+            )
     print(f"wrote {out} and {out.with_suffix('.png')}")
     return 0
 

@@ -41,9 +41,14 @@ from tqdm import tqdm  # noqa: E402
 BACKEND = "real engine (torch CPU, float32, 1 thread per process)"
 SERVED_NAME = "tiny"  # what tests.services.servers.running_server serves as
 CONFIGS = {"no-cache": ("--no-enable-prefix-caching",), "cache": ("--no-cache-aware-routing",), "affinity": ()}
-QUESTIONS = ["What is in this picture?", "Which colours stand out the most, and where are they?",
-             "Describe the top left corner in more detail.", "Is there any text or writing visible?",
-             "What would you call this picture if it were a painting?", "Count the distinct shapes you can see."]
+QUESTIONS = [
+    "What is in this picture?",
+    "Which colours stand out the most, and where are they?",
+    "Describe the top left corner in more detail.",
+    "Is there any text or writing visible?",
+    "What would you call this picture if it were a painting?",
+    "Count the distinct shapes you can see.",
+]
 
 
 def parse_args(argv=None):
@@ -65,10 +70,18 @@ def image_uri(seed: int) -> str:
     return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
 
 
-async def ask(client: httpx.AsyncClient, base: str, messages: list[dict], max_tokens: int) -> tuple[float, str, int, int]:
+async def ask(
+    client: httpx.AsyncClient, base: str, messages: list[dict], max_tokens: int
+) -> tuple[float, str, int, int]:
     """(TTFT s, answer text, prompt tokens, cached prompt tokens) of one streamed greedy chat."""
-    body = {"model": SERVED_NAME, "messages": messages, "max_tokens": max_tokens, "temperature": 0, "stream": True,
-            "stream_options": {"include_usage": True}}
+    body = {
+        "model": SERVED_NAME,
+        "messages": messages,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     start, ttft, text, usage = time.perf_counter(), None, [], {}
     async with client.stream("POST", f"{base}/v1/chat/completions", json=body, timeout=120) as resp:
         if resp.status_code != 200:
@@ -82,20 +95,34 @@ async def ask(client: httpx.AsyncClient, base: str, messages: list[dict], max_to
                     ttft = time.perf_counter() - start
                 text.append(choice.get("delta", {}).get("content") or "")
             usage = chunk.get("usage") or usage
-    return (ttft if ttft is not None else time.perf_counter() - start), "".join(text), usage.get("prompt_tokens", 0), \
-        (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+    return (
+        (ttft if ttft is not None else time.perf_counter() - start),
+        "".join(text),
+        usage.get("prompt_tokens", 0),
+        (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0),
+    )
 
 
 async def conversation(client, base: str, seed: int, turns: int, max_tokens: int) -> list[dict]:
-    messages = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": image_uri(seed)}},
-                                             {"type": "text", "text": QUESTIONS[seed % len(QUESTIONS)]}]}]
+    messages = [
+        {
+            "role": "user",
+            "content": [
+                {"type": "image_url", "image_url": {"url": image_uri(seed)}},
+                {"type": "text", "text": QUESTIONS[seed % len(QUESTIONS)]},
+            ],
+        }
+    ]
     results = []
     for turn in range(turns):
         ttft, answer, prompt, cached = await ask(client, base, messages, max_tokens)
-        results.append({"turn": turn, "ttft_ms": ttft * 1e3, "prompt_tokens": prompt, "cached_tokens": cached,
-                        "answer": answer})
-        messages += [{"role": "assistant", "content": answer},
-                     {"role": "user", "content": QUESTIONS[(seed + turn + 1) % len(QUESTIONS)]}]
+        results.append(
+            {"turn": turn, "ttft_ms": ttft * 1e3, "prompt_tokens": prompt, "cached_tokens": cached, "answer": answer}
+        )
+        messages += [
+            {"role": "assistant", "content": answer},
+            {"role": "user", "content": QUESTIONS[(seed + turn + 1) % len(QUESTIONS)]},
+        ]
     return results
 
 
@@ -113,9 +140,13 @@ def summarize(rows: list[dict]) -> dict:
     first = [r["ttft_ms"] for r in rows if r["turn"] == 0]
     later = [r["ttft_ms"] for r in rows if r["turn"] > 0]
     later_prompt = sum(r["prompt_tokens"] for r in rows if r["turn"] > 0)
-    return {"first_turn_p50_ttft_ms": statistics.median(first), "later_turns_p50_ttft_ms": statistics.median(later),
-            "later_turns_p90_ttft_ms": pct(later, 0.9), "num_requests": len(rows),
-            "later_turns_cached_fraction": sum(r["cached_tokens"] for r in rows if r["turn"] > 0) / max(later_prompt, 1)}
+    return {
+        "first_turn_p50_ttft_ms": statistics.median(first),
+        "later_turns_p50_ttft_ms": statistics.median(later),
+        "later_turns_p90_ttft_ms": pct(later, 0.9),
+        "num_requests": len(rows),
+        "later_turns_cached_fraction": sum(r["cached_tokens"] for r in rows if r["turn"] > 0) / max(later_prompt, 1),
+    }
 
 
 def main(argv=None) -> int:
@@ -129,10 +160,17 @@ def main(argv=None) -> int:
     names = list(CONFIGS)
     rows: dict[str, list[dict]] = {name: [] for name in names}
     total = len(names) * args.repeats * args.conversations * args.turns
-    with tqdm(total=total, desc="prefix-cache bench", unit="req", file=sys.stderr) as bar, contextlib.ExitStack() as stack:
+    with (
+        tqdm(total=total, desc="prefix-cache bench", unit="req", file=sys.stderr) as bar,
+        contextlib.ExitStack() as stack,
+    ):
         bar.set_postfix_str("starting " + ", ".join(names))
-        bases = {name: stack.enter_context(running_server(model_dir, args.topology, out.parent / f"prefix-{name}.log",
-                                                          *CONFIGS[name])) for name in names}
+        bases = {
+            name: stack.enter_context(
+                running_server(model_dir, args.topology, out.parent / f"prefix-{name}.log", *CONFIGS[name])
+            )
+            for name in names
+        }
         bar.set_postfix_str("warm-up")
         for name in names:  # one short chat each: the first requests of a fresh server pay its start-up
             asyncio.run(run_config(bases[name], [7], argparse.Namespace(turns=2, max_tokens=args.max_tokens)))
@@ -146,19 +184,33 @@ def main(argv=None) -> int:
     answers = {name: {(r["seed"], r["turn"]): r["answer"] for r in rows[name]} for name in names}
     same = all(answers[name] == answers[names[0]] for name in names)
     results = {name: summarize(rows[name]) for name in names}
-    report = {"backend": BACKEND, "topology": args.topology, "conversations": args.conversations, "turns": args.turns,
-              "repeats": args.repeats, "max_tokens": args.max_tokens, "same_answers": same, "results": results,
-              "rows": rows}
+    report = {
+        "backend": BACKEND,
+        "topology": args.topology,
+        "conversations": args.conversations,
+        "turns": args.turns,
+        "repeats": args.repeats,
+        "max_tokens": args.max_tokens,
+        "same_answers": same,
+        "results": results,
+        "rows": rows,
+    }
     out.write_text(json.dumps(report, indent=1))
-    print(f"backend: {BACKEND}; topology {args.topology}; {args.conversations} chats at once × {args.turns} turns × "
-          f"{args.repeats} repeats per configuration; same answers everywhere: {same}")
-    print(f"{'config':<10}{'turn 1 p50':>12}{'later p50':>11}{'later p90':>11}{'cached':>9}{'later p50 vs no-cache':>24}")
+    print(
+        f"backend: {BACKEND}; topology {args.topology}; {args.conversations} chats at once × {args.turns} turns × "
+        f"{args.repeats} repeats per configuration; same answers everywhere: {same}"
+    )
+    print(
+        f"{'config':<10}{'turn 1 p50':>12}{'later p50':>11}{'later p90':>11}{'cached':>9}{'later p50 vs no-cache':>24}"
+    )
     base = results["no-cache"]["later_turns_p50_ttft_ms"]
     for name in names:
         r = results[name]
-        print(f"{name:<10}{r['first_turn_p50_ttft_ms']:>9.1f} ms{r['later_turns_p50_ttft_ms']:>8.1f} ms"
-              f"{r['later_turns_p90_ttft_ms']:>8.1f} ms{100 * r['later_turns_cached_fraction']:>8.1f}%"
-              f"{base / r['later_turns_p50_ttft_ms']:>23.2f}×")
+        print(
+            f"{name:<10}{r['first_turn_p50_ttft_ms']:>9.1f} ms{r['later_turns_p50_ttft_ms']:>8.1f} ms"
+            f"{r['later_turns_p90_ttft_ms']:>8.1f} ms{100 * r['later_turns_cached_fraction']:>8.1f}%"
+            f"{base / r['later_turns_p50_ttft_ms']:>23.2f}×"
+        )
     print(f"wrote {out}")
     return 0 if same else 1
 

@@ -58,8 +58,9 @@ def requests_for(batch: int, params: dict, args) -> list[Request]:
     out = []
     for i in range(batch):
         prompt = torch.randint(0, args.vocab, (args.prompt,), generator=rng).tolist()
-        request = Request(f"r{i}", prompt, SamplingParams(max_tokens=args.generated + 16, seed=i, **params),
-                          first_stage=Stage.DECODE)
+        request = Request(
+            f"r{i}", prompt, SamplingParams(max_tokens=args.generated + 16, seed=i, **params), first_stage=Stage.DECODE
+        )
         request.output_token_ids = torch.randint(0, args.vocab, (args.generated,), generator=rng).tolist()
         out.append(request)
     return out
@@ -84,8 +85,10 @@ def main(argv=None) -> int:
     torch.set_num_threads(args.threads)
     sampler = Sampler(0)
     rows = []
-    print(f"backend: the engine's sampling step alone (no model), torch {args.device}, {args.threads} thread(s); "
-          f"vocab {args.vocab}, prompt {args.prompt}, generated {args.generated}; median of {args.repeats}")
+    print(
+        f"backend: the engine's sampling step alone (no model), torch {args.device}, {args.threads} thread(s); "
+        f"vocab {args.vocab}, prompt {args.prompt}, generated {args.generated}; median of {args.repeats}"
+    )
     print(f"{'batch':>5} {'config':<11} {'ms/step':>9} {'x greedy':>9}")
     for batch in (int(b) for b in args.batches.split(",")):
         logits = torch.randn(batch, args.vocab, generator=torch.Generator().manual_seed(7)).to(args.device)
@@ -93,11 +96,15 @@ def main(argv=None) -> int:
         for name, params in CONFIGS.items():
             ms = step_ms(sampler, logits, requests_for(batch, params, args), args.repeats, args.device)
             base = base if base is not None else ms
-            rows.append({"batch": batch, "config": name, "ms_per_step": round(ms, 4), "ratio_to_greedy": round(ms / base, 2)})
+            rows.append(
+                {"batch": batch, "config": name, "ms_per_step": round(ms, 4), "ratio_to_greedy": round(ms / base, 2)}
+            )
             print(f"{batch:>5} {name:<11} {ms:>9.3f} {ms / base:>8.1f}x")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"backend": f"sampling step only, torch {args.device}", "args": vars(args), "rows": rows}, indent=1))
+    out.write_text(
+        json.dumps({"backend": f"sampling step only, torch {args.device}", "args": vars(args), "rows": rows}, indent=1)
+    )
     return 0
 
 

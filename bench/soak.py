@@ -43,8 +43,16 @@ from tqdm import tqdm  # noqa: E402
 BACKEND = "real engine (torch CPU, float32, 1 thread per process)"
 SERVED_NAME = "tiny"  # the name tests.services.servers.running_server serves under
 # kind → weight in the mix; `bad-image` and `too-long` must come back as a 400
-MIX = {"image-stream": 25, "text-stream": 25, "image-whole": 10, "text-whole": 15, "leave-stream": 15,
-       "bad-image": 5, "too-long": 5, "image-again": 10}
+MIX = {
+    "image-stream": 25,
+    "text-stream": 25,
+    "image-whole": 10,
+    "text-whole": 15,
+    "leave-stream": 15,
+    "bad-image": 5,
+    "too-long": 5,
+    "image-again": 10,
+}
 REPEATED_CHATS = 4  # image-again: one of these few image chats again (prefix-cache hits, images' KV cached)
 REFUSED = {"bad-image", "too-long"}
 REQUEST_TIMEOUT_S = 120.0
@@ -63,9 +71,18 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--transfer", default="auto", choices=["auto", "nixl", "grpc"])
     p.add_argument("--redis-url", default=None)
-    p.add_argument("--kill", action="append", default=[], metavar="ROLE@N",
-                   help="SIGKILL a worker with these roles (as in the topology, e.g. D or EP) after N requests")
-    p.add_argument("--serve-args", default="", help="more `epdmesh serve` options, as one string after an =: --serve-args='--no-enable-prefix-caching'")
+    p.add_argument(
+        "--kill",
+        action="append",
+        default=[],
+        metavar="ROLE@N",
+        help="SIGKILL a worker with these roles (as in the topology, e.g. D or EP) after N requests",
+    )
+    p.add_argument(
+        "--serve-args",
+        default="",
+        help="more `epdmesh serve` options, as one string after an =: --serve-args='--no-enable-prefix-caching'",
+    )
     p.add_argument("--out", default="bench/results/soak.json")
     args = p.parse_args(argv)
     if args.requests <= args.warmup or args.concurrency < 1 or args.samples < 2:
@@ -89,6 +106,7 @@ def parse_kills(given: list[str], num_requests: int) -> dict[int, list[str]]:
 
 
 # ----- the requests -----
+
 
 def plan(num: int, seed: int) -> list[tuple[str, int]]:
     """(kind, max_tokens) per request, the same for a seed."""
@@ -116,13 +134,23 @@ def body_of(kind: str, max_tokens: int, i: int, max_model_len: int) -> dict:
     elif kind.startswith("image"):
         content.append({"type": "image_url", "image_url": {"url": _png(i)}})
     elif kind == "bad-image":  # base64 that decodes to bytes no image reader takes
-        content.append({"type": "image_url", "image_url": {"url": "data:image/png;base64,"
-                                                                  + base64.b64encode(b"not an image" * 20).decode()}})
+        content.append(
+            {
+                "type": "image_url",
+                "image_url": {"url": "data:image/png;base64," + base64.b64encode(b"not an image" * 20).decode()},
+            }
+        )
     elif kind == "too-long":
         text = " ".join(["word"] * (max_model_len + 50))
     content.append({"type": "text", "text": text})
-    return {"model": SERVED_NAME, "messages": [{"role": "user", "content": content}], "max_tokens": max_tokens,
-            "temperature": 0.7, "seed": i, "stream": kind.endswith("stream") or kind == "leave-stream"}
+    return {
+        "model": SERVED_NAME,
+        "messages": [{"role": "user", "content": content}],
+        "max_tokens": max_tokens,
+        "temperature": 0.7,
+        "seed": i,
+        "stream": kind.endswith("stream") or kind == "leave-stream",
+    }
 
 
 async def send(client: httpx.AsyncClient, base: str, kind: str, body: dict) -> tuple[str, str | None]:
@@ -160,6 +188,7 @@ def _judge(kind: str, status: int, text: str) -> tuple[str, str | None]:
 
 # ----- the processes -----
 
+
 def _ppids() -> dict[int, int]:
     out = {}
     for stat in Path("/proc").glob("[0-9]*/stat"):
@@ -174,7 +203,7 @@ def _ppids() -> dict[int, int]:
 def backend_of(serve_args: list[str]) -> str:
     """What the launched workers run, as the report states it."""
     serve_args = [part for arg in serve_args for part in (arg.split("=", 1) if arg.startswith("--") else [arg])]
-    if "--backend" in serve_args and serve_args[serve_args.index("--backend") + 1:][:1] == ["emulated"]:
+    if "--backend" in serve_args and serve_args[serve_args.index("--backend") + 1 :][:1] == ["emulated"]:
         profile = serve_args[serve_args.index("--profile") + 1] if "--profile" in serve_args[:-1] else "its default"
         return f"emulated (profile {profile}; page bytes moved for real, no model)"
     return BACKEND
@@ -235,6 +264,7 @@ def slope_per_1000(points: list[tuple[int, float]]) -> float:
 
 
 # ----- the run -----
+
 
 def num_workers(topology: str) -> int:
     """How many workers a topology names (`local`: its one engine)."""
@@ -320,17 +350,34 @@ async def soak(base: str, port: int, args, bar) -> dict:
         points = memory[pid]
         if len(points) < 2:
             continue
-        lifetime = ("started during the run" if points[0][0] > args.warmup
-                    else "gone before the end" if points[-1][0] < done else "")
+        lifetime = (
+            "started during the run"
+            if points[0][0] > args.warmup
+            else "gone before the end"
+            if points[-1][0] < done
+            else ""
+        )
         per_process[f"{label} ({pid})"] = {
-            "rss_after_warmup_mib": points[0][1], "rss_end_mib": points[-1][1],
-            "growth_mib": points[-1][1] - points[0][1], "growth_mib_per_1000_requests": slope_per_1000(points),
-            "lifetime": lifetime, "samples": points}
+            "rss_after_warmup_mib": points[0][1],
+            "rss_end_mib": points[-1][1],
+            "growth_mib": points[-1][1] - points[0][1],
+            "growth_mib_per_1000_requests": slope_per_1000(points),
+            "lifetime": lifetime,
+            "samples": points,
+        }
     quantiles = statistics.quantiles(latencies, n=100) if len(latencies) >= 2 else [float("nan")] * 99
-    return {"requests_done": done, "seconds": elapsed, "requests_per_s": done / elapsed, "outcomes": counts,
-            "latency_s": {"p50": quantiles[49], "p99": quantiles[98], "max": max(latencies, default=float("nan"))},
-            "failures": failures, "killed": killed, "pools_full_at_end": full, "pools": workers,
-            "processes": per_process}
+    return {
+        "requests_done": done,
+        "seconds": elapsed,
+        "requests_per_s": done / elapsed,
+        "outcomes": counts,
+        "latency_s": {"p50": quantiles[49], "p99": quantiles[98], "max": max(latencies, default=float("nan"))},
+        "failures": failures,
+        "killed": killed,
+        "pools_full_at_end": full,
+        "pools": workers,
+        "processes": per_process,
+    }
 
 
 def main(argv=None) -> int:
@@ -341,30 +388,48 @@ def main(argv=None) -> int:
     model_dir = args.model or str(ensure_default_model())
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    extra = (["--transfer", args.transfer] + (["--redis-url", args.redis_url] if args.redis_url else [])
-             + shlex.split(args.serve_args))
+    extra = (
+        ["--transfer", args.transfer]
+        + (["--redis-url", args.redis_url] if args.redis_url else [])
+        + shlex.split(args.serve_args)
+    )
     with running_server(model_dir, args.topology, out.parent / "soak-serve.log", *extra) as base:
         with tqdm(total=args.requests, desc=f"soak {args.topology}", unit="req", file=sys.stderr) as bar:
             report = asyncio.run(soak(base, int(base.rsplit(":", 1)[1]), args, bar))
     backend = backend_of(shlex.split(args.serve_args))
-    report = {"backend": backend, "topology": args.topology, "transfer": args.transfer, "serve_args": args.serve_args,
-              "concurrency": args.concurrency,
-              "mix": MIX, **report}
-    print(f"\nbackend: {backend}; {args.topology} {args.serve_args}, transfer {args.transfer}; {report['requests_done']} requests, "
-          f"{args.concurrency} at a time, in {report['seconds']:.0f} s ({report['requests_per_s']:.1f} req/s)")
+    report = {
+        "backend": backend,
+        "topology": args.topology,
+        "transfer": args.transfer,
+        "serve_args": args.serve_args,
+        "concurrency": args.concurrency,
+        "mix": MIX,
+        **report,
+    }
+    print(
+        f"\nbackend: {backend}; {args.topology} {args.serve_args}, transfer {args.transfer}; "
+        f"{report['requests_done']} requests, "
+        f"{args.concurrency} at a time, in {report['seconds']:.0f} s ({report['requests_per_s']:.1f} req/s)"
+    )
     for k in report["killed"]:
-        print(f"killed worker {k['role']} (pid {k['pid']}) after {k['after_requests']} requests"
-              + (f": {k['error']}" if "error" in k else ""))
-    print(f"outcomes: {report['outcomes']}; {len(report['pools'])} workers at the end, their pools full and no lease "
-          f"held: {report['pools_full_at_end']}")
+        print(
+            f"killed worker {k['role']} (pid {k['pid']}) after {k['after_requests']} requests"
+            + (f": {k['error']}" if "error" in k else "")
+        )
+    print(
+        f"outcomes: {report['outcomes']}; {len(report['pools'])} workers at the end, their pools full and no lease "
+        f"held: {report['pools_full_at_end']}"
+    )
     for why in report["failures"]:
         print("  failed:", why)
     lat = report["latency_s"]
     print(f"answered requests' latency: p50 {lat['p50']:.3f} s, p99 {lat['p99']:.3f} s, max {lat['max']:.3f} s")
     print(f"{'process':<28}{'RSS after warm-up':>18}{'RSS at end':>12}{'growth':>10}{'MiB / 1000 req':>16}")
     for name, p in sorted(report["processes"].items()):  # a process started or gone mid-run: its growth is not a slope
-        print(f"{name:<28}{p['rss_after_warmup_mib']:>15.1f} MiB{p['rss_end_mib']:>8.1f} MiB{p['growth_mib']:>+8.1f}"
-              f"{p['growth_mib_per_1000_requests']:>+16.2f}  {p['lifetime']}")
+        print(
+            f"{name:<28}{p['rss_after_warmup_mib']:>15.1f} MiB{p['rss_end_mib']:>8.1f} MiB{p['growth_mib']:>+8.1f}"
+            f"{p['growth_mib_per_1000_requests']:>+16.2f}  {p['lifetime']}"
+        )
     out.write_text(json.dumps(report, indent=2))
     missed = any("error" in k for k in report["killed"])
     return 0 if report["outcomes"]["failed"] == 0 and report["pools_full_at_end"] and not missed else 1

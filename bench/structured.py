@@ -47,19 +47,42 @@ def parse_args(argv=None):
 def grammars(tokens: int) -> dict[str, str | None]:
     from common.engine.grammar import json_schema_grammar, regex_grammar
 
-    return {"none": None,
-            "json_schema": json_schema_grammar({"type": "object", "properties": {"text": {"type": "string",
-                                                "minLength": 4 * tokens}}, "required": ["text"]}),
-            "regex": regex_grammar(f"[a-z ]{{{4 * tokens},}}"),
-            "tools": _tools_grammar(16, 4 * tokens)}
+    return {
+        "none": None,
+        "json_schema": json_schema_grammar(
+            {
+                "type": "object",
+                "properties": {"text": {"type": "string", "minLength": 4 * tokens}},
+                "required": ["text"],
+            }
+        ),
+        "regex": regex_grammar(f"[a-z ]{{{4 * tokens},}}"),
+        "tools": _tools_grammar(16, 4 * tokens),
+    }
 
 
 def _tools(n: int, min_length: int = 0) -> tuple:
     """n function tools of three typed parameters each, whose text takes at least `min_length` characters."""
-    return tuple({"type": "function", "function": {"name": f"tool_{i}", "description": f"Tool number {i}", "parameters": {
-        "type": "object", "properties": {"text": {"type": "string", "minLength": min_length},
-                                         "count": {"type": "integer", "minimum": 0}, "unit": {"enum": ["a", "b", "c"]}},
-        "required": ["text", "count", "unit"], "additionalProperties": False}}} for i in range(n))
+    return tuple(
+        {
+            "type": "function",
+            "function": {
+                "name": f"tool_{i}",
+                "description": f"Tool number {i}",
+                "parameters": {
+                    "type": "object",
+                    "properties": {
+                        "text": {"type": "string", "minLength": min_length},
+                        "count": {"type": "integer", "minimum": 0},
+                        "unit": {"enum": ["a", "b", "c"]},
+                    },
+                    "required": ["text", "count", "unit"],
+                    "additionalProperties": False,
+                },
+            },
+        }
+        for i in range(n)
+    )
 
 
 def _tools_grammar(n: int, min_length: int = 0) -> str:
@@ -93,8 +116,13 @@ def decode_step_ms(engine, prompt: list[int], batch: int, tokens: int, grammar: 
     from common.sampling import SamplingParams
 
     for i in range(batch):
-        engine.add_request(Request(f"{tag}-{i}", list(prompt), SamplingParams(max_tokens=tokens, temperature=0,
-                                                                              ignore_eos=True, grammar=grammar)))
+        engine.add_request(
+            Request(
+                f"{tag}-{i}",
+                list(prompt),
+                SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True, grammar=grammar),
+            )
+        )
     steps = []
     first = True
     while engine.has_unfinished:
@@ -123,11 +151,15 @@ def main(argv=None) -> int:
     batches = [int(b) for b in args.batches.split(",")]
     kinds = grammars(args.tokens)
     samples = {b: {k: [] for k in kinds} for b in batches}
-    with tqdm(total=len(batches) * len(kinds) * args.repeats, desc="structured bench", unit="run", file=sys.stderr) as bar:
+    with tqdm(
+        total=len(batches) * len(kinds) * args.repeats, desc="structured bench", unit="run", file=sys.stderr
+    ) as bar:
         for repeat in range(args.repeats):
             for b in batches:
                 for kind, grammar in kinds.items():  # interleaved: a slow spell hits every kind alike
-                    samples[b][kind].append(decode_step_ms(engine, prompt, b, args.tokens, grammar, f"{kind}-{b}-{repeat}"))
+                    samples[b][kind].append(
+                        decode_step_ms(engine, prompt, b, args.tokens, grammar, f"{kind}-{b}-{repeat}")
+                    )
                     bar.update()
     print(f"\nbackend: {BACKEND}; {model_dir}; {args.tokens} greedy tokens per request; medians of {args.repeats} runs")
     print(f"{'batch':>6}{'grammar':>14}{'decode step ms':>16}{'× none':>10}")
@@ -136,8 +168,11 @@ def main(argv=None) -> int:
         base = statistics.median(samples[b]["none"])
         for kind in kinds:
             ms = statistics.median(samples[b][kind])
-            report["results"].setdefault(str(b), {})[kind] = {"decode_step_ms": ms, "ratio_to_none": ms / base,
-                                                              "samples_ms": samples[b][kind]}
+            report["results"].setdefault(str(b), {})[kind] = {
+                "decode_step_ms": ms,
+                "ratio_to_none": ms / base,
+                "samples_ms": samples[b][kind],
+            }
             print(f"{b:>6}{kind:>14}{ms:>16.3f}{ms / base:>9.2f}×")
     counts = [int(n) for n in args.tools.split(",") if n]
     engine.grammar.load()

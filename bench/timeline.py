@@ -79,8 +79,18 @@ def timeline(spans) -> tuple[list[Row], int]:
             key = (s.service, s.name, seen[(s.service, s.name)])
             seen[(s.service, s.name)] += 1
             cells[key].append(((s.start_ns - root.start_ns) / 1e6, (s.end_ns - root.start_ns) / 1e6))
-    rows = [Row(service, name, n, statistics.median(a for a, _ in v), statistics.median(b for _, b in v),
-                statistics.median(b - a for a, b in v), len(v)) for (service, name, n), v in cells.items()]
+    rows = [
+        Row(
+            service,
+            name,
+            n,
+            statistics.median(a for a, _ in v),
+            statistics.median(b for _, b in v),
+            statistics.median(b - a for a, b in v),
+            len(v),
+        )
+        for (service, name, n), v in cells.items()
+    ]
     return sorted(rows, key=lambda r: (r.start_ms, r.end_ms)), requests
 
 
@@ -88,8 +98,10 @@ async def send(base: str, args, first: int, count: int) -> list[float]:
     """`count` chats one at a time, as bench/mesh.py sends them; the client's TTFT of each, ms."""
     client = LeanClient(base)
     try:
-        return [(await measure_http(client, base, args.workload, i, args.max_tokens))[0]
-                for i in range(first, first + count)]
+        return [
+            (await measure_http(client, base, args.workload, i, args.max_tokens))[0]
+            for i in range(first, first + count)
+        ]
     finally:
         await client.close()
 
@@ -105,25 +117,37 @@ def main(argv=None) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     with OtlpReceiver() as receiver:
         env = {"OTEL_EXPORTER_OTLP_ENDPOINT": receiver.endpoint, "OTEL_BSP_SCHEDULE_DELAY": "100"}
-        with running_server(model_dir, args.topology, out.parent / "timeline-serve.log", env=env,
-                            source=args.against) as base:
-            print(f"{args.topology} up; {args.warmup} warm-up then {args.requests} {args.workload} requests", file=sys.stderr)
+        with running_server(
+            model_dir, args.topology, out.parent / "timeline-serve.log", env=env, source=args.against
+        ) as base:
+            print(
+                f"{args.topology} up; {args.warmup} warm-up then {args.requests} {args.workload} requests",
+                file=sys.stderr,
+            )
             asyncio.run(send(base, args, 0, args.warmup))
             time.sleep(1.0)  # the warm-ups' spans arrive (batch export every 100 ms)
             warm = {s.trace_id for s in receiver.spans}
             ttfts = asyncio.run(send(base, args, args.warmup, args.requests))
             time.sleep(2.0)
         rows, traced = timeline([s for s in receiver.spans if s.trace_id not in warm])
-    print(f"\nbackend: {BACKEND}; {args.topology}, {args.workload}, {traced} traced requests of {args.requests}; "
-          f"client TTFT p50 {statistics.median(ttfts):.2f} ms"
-          + (f"; code of {args.against}" if args.against else ""))
+    print(
+        f"\nbackend: {BACKEND}; {args.topology}, {args.workload}, {traced} traced requests of {args.requests}; "
+        f"client TTFT p50 {statistics.median(ttfts):.2f} ms" + (f"; code of {args.against}" if args.against else "")
+    )
     print(f"{'service':<22}{'span':<40}{'start ms':>10}{'end ms':>10}{'duration':>10}{'n':>5}")
     for r in rows:
         name = r.name if not r.occurrence else f"{r.name} #{r.occurrence + 1}"
         print(f"{r.service:<22}{name[:39]:<40}{r.start_ms:>10.2f}{r.end_ms:>10.2f}{r.duration_ms:>10.2f}{r.count:>5}")
-    report = {"backend": BACKEND, "topology": args.topology, "workload": args.workload, "requests": args.requests,
-              "traced": traced, "against": args.against, "client_ttft_ms": ttfts,
-              "rows": [r.__dict__ for r in rows]}
+    report = {
+        "backend": BACKEND,
+        "topology": args.topology,
+        "workload": args.workload,
+        "requests": args.requests,
+        "traced": traced,
+        "against": args.against,
+        "client_ttft_ms": ttfts,
+        "rows": [r.__dict__ for r in rows],
+    }
     out.write_text(json.dumps(report, indent=2))
     return 0
 

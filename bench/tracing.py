@@ -49,10 +49,27 @@ async def load(base: str, args, bar) -> dict:
     bodies = []
     for i in range(args.requests):
         img, text = conversation(i)
-        bodies.append(json.dumps({
-            "model": SERVED_NAME, "max_tokens": args.max_tokens, "temperature": 0, "ignore_eos": True, "stream": True,
-            "return_token_ids": True, "messages": [{"role": "user", "content": [
-                {"type": "image_url", "image_url": {"url": _data_uri(img)}}, {"type": "text", "text": text}]}]}).encode())
+        bodies.append(
+            json.dumps(
+                {
+                    "model": SERVED_NAME,
+                    "max_tokens": args.max_tokens,
+                    "temperature": 0,
+                    "ignore_eos": True,
+                    "stream": True,
+                    "return_token_ids": True,
+                    "messages": [
+                        {
+                            "role": "user",
+                            "content": [
+                                {"type": "image_url", "image_url": {"url": _data_uri(img)}},
+                                {"type": "text", "text": text},
+                            ],
+                        }
+                    ],
+                }
+            ).encode()
+        )
     queue: asyncio.Queue = asyncio.Queue()
     for body in bodies:
         queue.put_nowait(body)
@@ -62,8 +79,9 @@ async def load(base: str, args, bar) -> dict:
         while not queue.empty():
             body = queue.get_nowait()
             start, first = time.perf_counter(), None
-            async with http.stream("POST", f"{base}/v1/chat/completions", content=body,
-                                   headers={"content-type": "application/json"}) as resp:
+            async with http.stream(
+                "POST", f"{base}/v1/chat/completions", content=body, headers={"content-type": "application/json"}
+            ) as resp:
                 resp.raise_for_status()
                 async for line in resp.aiter_lines():
                     if first is None and '"token_ids": [' in line and '"token_ids": []' not in line:
@@ -81,8 +99,13 @@ async def load(base: str, args, bar) -> dict:
 
 async def client_warmup(http: httpx.AsyncClient, base: str, body: bytes) -> None:
     for _ in range(2):
-        (await http.post(f"{base}/v1/chat/completions", content=body.replace(b'"stream": true', b'"stream": false'),
-                         headers={"content-type": "application/json"})).raise_for_status()
+        (
+            await http.post(
+                f"{base}/v1/chat/completions",
+                content=body.replace(b'"stream": true', b'"stream": false'),
+                headers={"content-type": "application/json"},
+            )
+        ).raise_for_status()
 
 
 def main(argv=None) -> int:
@@ -96,25 +119,42 @@ def main(argv=None) -> int:
     spans = 0
     logs = Path(args.out).parent
     logs.mkdir(parents=True, exist_ok=True)
-    with OtlpReceiver() as receiver, tqdm(total=2 * args.rounds * args.requests, desc="tracing bench", unit="req",
-                                          file=sys.stderr) as bar:
+    with (
+        OtlpReceiver() as receiver,
+        tqdm(total=2 * args.rounds * args.requests, desc="tracing bench", unit="req", file=sys.stderr) as bar,
+    ):
         for r in range(args.rounds):
             for mode in ("off", "on"):
                 bar.set_postfix_str(f"round {r + 1}, tracing {mode} (starting)")
-                env = {"OTEL_EXPORTER_OTLP_ENDPOINT": receiver.endpoint, "OTEL_BSP_SCHEDULE_DELAY": "100"} \
-                    if mode == "on" else {"OTEL_SDK_DISABLED": "true"}
+                env = (
+                    {"OTEL_EXPORTER_OTLP_ENDPOINT": receiver.endpoint, "OTEL_BSP_SCHEDULE_DELAY": "100"}
+                    if mode == "on"
+                    else {"OTEL_SDK_DISABLED": "true"}
+                )
                 with running_server(model_dir, args.topology, logs / f"tracing-{mode}.log", env=env) as base:
                     bar.set_postfix_str(f"round {r + 1}, tracing {mode}")
                     results[mode].append(asyncio.run(load(base, args, bar)))
         time.sleep(1)
         spans = len(receiver.spans)
-    summary = {mode: {key: statistics.median(run[key] for run in runs) for key in runs[0]} for mode, runs in results.items()}
+    summary = {
+        mode: {key: statistics.median(run[key] for run in runs) for key in runs[0]} for mode, runs in results.items()
+    }
     ratio = summary["on"]["requests_per_s"] / summary["off"]["requests_per_s"]
-    report = {"backend": BACKEND, "topology": args.topology, "requests": args.requests, "concurrency": args.concurrency,
-              "max_tokens": args.max_tokens, "rounds": results, "median": summary, "on_over_off_throughput": ratio,
-              "spans_received": spans}
-    print(f"\nbackend: {BACKEND}; mesh {args.topology}; {args.requests} requests × {args.rounds} rounds, "
-          f"{args.concurrency} concurrent, {args.max_tokens} tokens each, 1 image per request")
+    report = {
+        "backend": BACKEND,
+        "topology": args.topology,
+        "requests": args.requests,
+        "concurrency": args.concurrency,
+        "max_tokens": args.max_tokens,
+        "rounds": results,
+        "median": summary,
+        "on_over_off_throughput": ratio,
+        "spans_received": spans,
+    }
+    print(
+        f"\nbackend: {BACKEND}; mesh {args.topology}; {args.requests} requests × {args.rounds} rounds, "
+        f"{args.concurrency} concurrent, {args.max_tokens} tokens each, 1 image per request"
+    )
     print(f"{'tracing':<10}{'req/s':>10}{'p50 TTFT ms':>14}")
     for mode in ("off", "on"):
         print(f"{mode:<10}{summary[mode]['requests_per_s']:>10.2f}{summary[mode]['p50_ttft_ms']:>14.1f}")

@@ -91,7 +91,9 @@ def fill_cache(num_blocks: int, block_bytes: int) -> PagedBuffer:
     return cache
 
 
-def block_ids_for(sizes: list[int], block_bytes: int, num_blocks: int, order: str, seed: int = 1234) -> dict[int, list[int]]:
+def block_ids_for(
+    sizes: list[int], block_bytes: int, num_blocks: int, order: str, seed: int = 1234
+) -> dict[int, list[int]]:
     gen = torch.Generator().manual_seed(seed)
     out = {}
     for size in sizes:
@@ -101,6 +103,7 @@ def block_ids_for(sizes: list[int], block_bytes: int, num_blocks: int, order: st
 
 
 # ----- the source process: a real WorkerServicer + WorkerRuntime, and a NIXL agent, over one paged cache -----
+
 
 class _Pages:
     """The two things WorkerRuntime's source side asks of the engine's pages: a cache by kind, and releasing a
@@ -157,13 +160,29 @@ async def _serve(conn, sizes, block_bytes, num_blocks, order, with_nixl) -> None
         nixl = NixlTransfer("bench-source", None, None, caches={"kv": cache.data})
     server = grpc.aio.server(options=CHANNEL_OPTIONS)
     port = server.add_insecure_port("127.0.0.1:0")
-    runtime = WorkerRuntime("bench-source", f"127.0.0.1:{port}", _AsyncEngine(engine), puller=None, lease_ttl_s=3600,
-                            offer_backend="nixl" if nixl else "grpc", backend_info=nixl.metadata if nixl else b"")
+    runtime = WorkerRuntime(
+        "bench-source",
+        f"127.0.0.1:{port}",
+        _AsyncEngine(engine),
+        puller=None,
+        lease_ttl_s=3600,
+        offer_backend="nixl" if nixl else "grpc",
+        backend_info=nixl.metadata if nixl else b"",
+    )
     pb_grpc.add_WorkerServicer_to_server(WorkerServicer(runtime), server)
     await server.start()
     ids = block_ids_for(sizes, block_bytes, num_blocks, order)
-    handles = {size: runtime.leases.grant(f"lease-{size}", ids[size], len(ids[size]) * BLOCK_SIZE, cache.layout,
-                                          runtime.offer_backend, runtime.backend_info) for size in sizes}
+    handles = {
+        size: runtime.leases.grant(
+            f"lease-{size}",
+            ids[size],
+            len(ids[size]) * BLOCK_SIZE,
+            cache.layout,
+            runtime.offer_backend,
+            runtime.backend_info,
+        )
+        for size in sizes
+    }
     conn.send(handles)
     await asyncio.get_running_loop().run_in_executor(None, conn.recv)  # until the bench says stop
     conn.send(len(runtime.leases))  # leases still held: 0 if every ack arrived
@@ -173,6 +192,7 @@ async def _serve(conn, sizes, block_bytes, num_blocks, order, with_nixl) -> None
 
 
 # ----- the bench process -----
+
 
 async def _time_cell(pull, size: int, expect: bytes | None, repeats: int, cell_budget_s: float, bar) -> list[float]:
     data = await pull()  # warm-up (connection set-up, staging buffers), checked byte for byte
@@ -224,27 +244,43 @@ async def _run(args, handles: dict[int, object], local: PagedBuffer, ids: dict[i
                     rows.append({"backend": backend, "size_bytes": size, "skipped": "run budget spent"})
                     continue
                 if backend == "memcpy":
+
                     async def pull(src=src, dst=dst):
                         ctypes.memmove(dst.data_ptr(), src.data_ptr(), src.numel())
+
                     check = None
                 elif backend == "gather":
+
                     async def pull(size=size):
                         return local.read_blocks(ids[size], len(ids[size]) * BLOCK_SIZE).data
+
                     check = expect
                 elif backend.endswith("-into"):
+
                     async def pull(puller=pullers[backend], handle=handles[size], size=size):
                         await puller.pull_into(handle, dest, dest_ids[size])
                         return dest
+
                     check = ("into", dest_ids[size], expect)
                 else:
+
                     async def pull(puller=pullers[backend], handle=handles[size]):
                         return (await puller.pull(handle)).data
+
                     check = expect
                 times = await _time_cell(pull, size, check, args.repeats, args.cell_budget_s, bar)
                 med = statistics.median(times)
-                rows.append({"backend": backend, "size_bytes": size, "median_s": med, "gbps": size / med / 1e9,
-                             "min_gbps": size / max(times) / 1e9, "max_gbps": size / min(times) / 1e9,
-                             "samples_s": times})
+                rows.append(
+                    {
+                        "backend": backend,
+                        "size_bytes": size,
+                        "median_s": med,
+                        "gbps": size / med / 1e9,
+                        "min_gbps": size / max(times) / 1e9,
+                        "max_gbps": size / min(times) / 1e9,
+                        "samples_s": times,
+                    }
+                )
             del expect
         # the ack every backend uses (Worker.ReleasePages over gRPC): the source frees each lease
         released = [await pullers.get("nixl", pullers["grpc"]).release(h) for h in handles.values()]
@@ -262,8 +298,10 @@ async def _run(args, handles: dict[int, object], local: PagedBuffer, ids: dict[i
 
 
 def print_report(meta: dict, rows: list[dict]) -> None:
-    print(f"\npage pulls, blocks of {meta['block_bytes'] // 1024} KiB ({meta['order']} ids), median of "
-          f"{meta['repeats']} after a warm-up; {meta['cpus']} CPUs, torch {meta['torch']}, nixl {meta['nixl'] or '-'}")
+    print(
+        f"\npage pulls, blocks of {meta['block_bytes'] // 1024} KiB ({meta['order']} ids), median of "
+        f"{meta['repeats']} after a warm-up; {meta['cpus']} CPUs, torch {meta['torch']}, nixl {meta['nixl'] or '-'}"
+    )
     for b in meta["backends"]:
         print(f"  {b:<7} {DESCRIPTIONS[b]}")
     backends = meta["backends"]
@@ -327,11 +365,19 @@ def main(argv: list[str] | None = None) -> int:
     local = fill_cache(num_blocks, block_bytes)
     ids = block_ids_for(args.sizes, block_bytes, num_blocks, args.order)
     meta = {
-        "bench": "transfer", "date": datetime.datetime.now().isoformat(timespec="seconds"),
-        "cpus": os.cpu_count(), "machine": platform.processor() or platform.machine(), "torch": torch.__version__,
-        "nixl": nixl_version, "ucx_env": {k: v for k, v in os.environ.items() if k.startswith("UCX_")},
-        "block_bytes": block_bytes, "order": args.order, "repeats": args.repeats, "sizes": args.sizes,
-        "backends": args.backends, "descriptions": {b: DESCRIPTIONS[b] for b in args.backends},
+        "bench": "transfer",
+        "date": datetime.datetime.now().isoformat(timespec="seconds"),
+        "cpus": os.cpu_count(),
+        "machine": platform.processor() or platform.machine(),
+        "torch": torch.__version__,
+        "nixl": nixl_version,
+        "ucx_env": {k: v for k, v in os.environ.items() if k.startswith("UCX_")},
+        "block_bytes": block_bytes,
+        "order": args.order,
+        "repeats": args.repeats,
+        "sizes": args.sizes,
+        "backends": args.backends,
+        "descriptions": {b: DESCRIPTIONS[b] for b in args.backends},
     }
     ctx = multiprocessing.get_context("spawn")
     conn = proc = None
@@ -340,8 +386,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if needs_source:
             conn, child = ctx.Pipe()
-            proc = ctx.Process(target=_source_main, args=(child, args.sizes, block_bytes, num_blocks, args.order, with_nixl),
-                               daemon=True)
+            proc = ctx.Process(
+                target=_source_main,
+                args=(child, args.sizes, block_bytes, num_blocks, args.order, with_nixl),
+                daemon=True,
+            )
             proc.start()
             if not conn.poll(120):
                 raise RuntimeError("the source process did not come up in 120 s")

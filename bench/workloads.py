@@ -11,8 +11,11 @@ dataset's and images are synthetic JPEGs of a typical size for it (every image b
 | textcaps | "Provide a one-sentence caption for the provided image." (+ a style hint) | 8–14 | 32 | 512×384 |
 | pope     | "Is there a <object> in the image? Answer yes or no." | 10–12 | 4 | 640×480 |
 | mme      | "<question about the image>? Please answer yes or no." | 12–20 | 2 | 512×512 |
-| textvqa  | "<question about text in the image>? Reference OCR tokens: <6–12 words>. Answer the question using a single word or phrase." | 25–40 | 10 | 512×384 |
-| vizwiz   | "<question>? When the provided information is insufficient, respond with 'Unanswerable'. Answer the question using a single word or phrase." | 25–35 | 10 | 480×640 |
+| textvqa  | "<question about text in the image>? Reference OCR tokens: <6–12 words>. (a)" | 25–40 | 10 | 512×384 |
+| vizwiz   | "<question>? (b) (a)" | 25–35 | 10 | 480×640 |
+
+(a) "Answer the question using a single word or phrase."
+(b) "When the provided information is insufficient, respond with 'Unanswerable'."
 
 Output lengths follow each dataset's answers (TextCaps captions ≈ 12 words; POPE/MME yes/no; TextVQA and
 VizWiz a word or short phrase, padded to 10 tokens). Arrivals: the Mooncake conversation trace's
@@ -33,10 +36,54 @@ from pathlib import Path
 
 # the timestamps of the Mooncake FAST'25 conversation trace (Apache-2.0), one per line, in milliseconds
 TRACE = Path(__file__).resolve().parent / "data" / "mooncake_conversation_arrivals.txt"
-OBJECTS = ("dog", "cat", "car", "bus", "person", "chair", "bottle", "cup", "bird", "umbrella", "clock", "book",
-           "bicycle", "traffic light", "bench", "horse", "laptop", "phone", "pizza", "sink")
-WORDS = ("red", "sign", "street", "open", "sale", "coffee", "station", "exit", "park", "north", "main", "free",
-         "menu", "hotel", "city", "bank", "stop", "book", "cafe", "market", "road", "label", "brand", "store")
+OBJECTS = (
+    "dog",
+    "cat",
+    "car",
+    "bus",
+    "person",
+    "chair",
+    "bottle",
+    "cup",
+    "bird",
+    "umbrella",
+    "clock",
+    "book",
+    "bicycle",
+    "traffic light",
+    "bench",
+    "horse",
+    "laptop",
+    "phone",
+    "pizza",
+    "sink",
+)
+WORDS = (
+    "red",
+    "sign",
+    "street",
+    "open",
+    "sale",
+    "coffee",
+    "station",
+    "exit",
+    "park",
+    "north",
+    "main",
+    "free",
+    "menu",
+    "hotel",
+    "city",
+    "bank",
+    "stop",
+    "book",
+    "cafe",
+    "market",
+    "road",
+    "label",
+    "brand",
+    "store",
+)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -60,25 +107,45 @@ def _pope(rng: random.Random) -> str:
 
 def _mme(rng: random.Random) -> str:
     subject = rng.choice(OBJECTS)
-    question = rng.choice([f"Is the {subject} on the left side of the picture",
-                           f"Are there exactly {rng.randint(2, 5)} {subject}s in this image",
-                           f"Is this photo taken in a place where a {subject} would usually be found",
-                           f"Is the {subject} in this image {rng.choice(WORDS)}"])
+    question = rng.choice(
+        [
+            f"Is the {subject} on the left side of the picture",
+            f"Are there exactly {rng.randint(2, 5)} {subject}s in this image",
+            f"Is this photo taken in a place where a {subject} would usually be found",
+            f"Is the {subject} in this image {rng.choice(WORDS)}",
+        ]
+    )
     return f"{question}? Please answer yes or no."
 
 
 def _textvqa(rng: random.Random) -> str:
     ocr = " ".join(rng.choice(WORDS) for _ in range(rng.randint(6, 12)))
-    question = rng.choice(["What is written on the sign", "What brand is shown", "What number is on the bus",
-                           "What does the label say", "What is the name of the store"])
+    question = rng.choice(
+        [
+            "What is written on the sign",
+            "What brand is shown",
+            "What number is on the bus",
+            "What does the label say",
+            "What is the name of the store",
+        ]
+    )
     return f"{question}? Reference OCR tokens: {ocr}. Answer the question using a single word or phrase."
 
 
 def _vizwiz(rng: random.Random) -> str:
-    question = rng.choice(["What is this", "What color is this shirt", "What does this can say",
-                           "Can you tell me what this box is", "What is the expiration date on this"])
-    return (f"{question}? When the provided information is insufficient, respond with 'Unanswerable'. "
-            "Answer the question using a single word or phrase.")
+    question = rng.choice(
+        [
+            "What is this",
+            "What color is this shirt",
+            "What does this can say",
+            "Can you tell me what this box is",
+            "What is the expiration date on this",
+        ]
+    )
+    return (
+        f"{question}? When the provided information is insufficient, respond with 'Unanswerable'. "
+        "Answer the question using a single word or phrase."
+    )
 
 
 _PROMPTS = {"textcaps": _textcaps, "pope": _pope, "mme": _mme, "textvqa": _textvqa, "vizwiz": _vizwiz}
@@ -137,17 +204,20 @@ def _pictures(size: tuple[int, int], count: int, seed: int) -> tuple:
     out = []
     for _ in range(count):
         yy, xx = np.mgrid[0:h, 0:w]
-        base = np.stack([(xx * rng.uniform(0.2, 0.6) + yy * rng.uniform(0.1, 0.5) + rng.uniform(0, 255)) % 256
-                         for _ in range(3)], axis=-1)
+        base = np.stack(
+            [(xx * rng.uniform(0.2, 0.6) + yy * rng.uniform(0.1, 0.5) + rng.uniform(0, 255)) % 256 for _ in range(3)],
+            axis=-1,
+        )
         for _ in range(6):
             x0, y0 = rng.integers(0, w - 32), rng.integers(0, h - 32)
-            base[y0:y0 + rng.integers(16, h // 2), x0:x0 + rng.integers(16, w // 2)] = rng.uniform(0, 255, 3)
+            base[y0 : y0 + rng.integers(16, h // 2), x0 : x0 + rng.integers(16, w // 2)] = rng.uniform(0, 255, 3)
         out.append(np.clip(base + rng.normal(0, 12, base.shape), 0, 255).astype(np.uint8))
     return tuple(out)
 
 
-def request_bodies(shape: Shape, n: int, model: str, seed: int = 0, distinct_images: int | None = None,
-                   variant: int = 0) -> list[dict]:
+def request_bodies(
+    shape: Shape, n: int, model: str, seed: int = 0, distinct_images: int | None = None, variant: int = 0
+) -> list[dict]:
     """`n` OpenAI chat-completion bodies (streaming, usage in the last chunk, fixed output length; token ids in
     each chunk, so a token that adds no text — EOS, with `ignore_eos` — still counts as a token event). Each has an
     image of its own, as in the datasets (`distinct_images`: that many, taken in turn): an image sent again would be
@@ -155,12 +225,27 @@ def request_bodies(shape: Shape, n: int, model: str, seed: int = 0, distinct_ima
     point its own `variant` of the images (the same prompts and pictures, other files)."""
     rng = random.Random(seed)
     uris = images(shape, min(n, distinct_images or n), seed, variant)
-    return [{
-        "model": model, "stream": True, "stream_options": {"include_usage": True},
-        "max_tokens": shape.output_tokens, "ignore_eos": True, "temperature": 0.0, "return_token_ids": True,
-        "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": uris[i % len(uris)]}},
-                                                  {"type": "text", "text": shape.prompt(rng)}]}],
-    } for i in range(n)]
+    return [
+        {
+            "model": model,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+            "max_tokens": shape.output_tokens,
+            "ignore_eos": True,
+            "temperature": 0.0,
+            "return_token_ids": True,
+            "messages": [
+                {
+                    "role": "user",
+                    "content": [
+                        {"type": "image_url", "image_url": {"url": uris[i % len(uris)]}},
+                        {"type": "text", "text": shape.prompt(rng)},
+                    ],
+                }
+            ],
+        }
+        for i in range(n)
+    ]
 
 
 def trace_times(path: Path = TRACE, seed: int = 0) -> list[float]:
@@ -183,7 +268,9 @@ def window_start(n: int, seed: int, total: int) -> int:
     return random.Random(seed).randrange(0, total - n + 1)
 
 
-def arrivals(n: int, rate: float, kind: str = "mooncake", seed: int = 0, trace: list[float] | None = None) -> list[float]:
+def arrivals(
+    n: int, rate: float, kind: str = "mooncake", seed: int = 0, trace: list[float] | None = None
+) -> list[float]:
     """Send times (seconds from the start) of `n` requests at mean `rate` requests/s: a window of `n`
     consecutive trace arrivals (its start drawn by `seed`) rescaled to that mean rate, or a Poisson process."""
     if n < 1 or rate <= 0:
@@ -201,7 +288,7 @@ def arrivals(n: int, rate: float, kind: str = "mooncake", seed: int = 0, trace: 
     if len(trace) < n:
         raise ValueError(f"the trace has {len(trace)} requests; ask for at most that many")
     start = window_start(n, seed, len(trace))
-    window = [t - trace[start] for t in trace[start:start + n]]
+    window = [t - trace[start] for t in trace[start : start + n]]
     span = window[-1]
     if n == 1 or span <= 0:
         return [i / rate for i in range(n)]

@@ -103,8 +103,9 @@ class BlockPool:
             del self._block_of[content_hash]
 
 
-def chain_hashes(token_ids: list[int], block_size: int, marks: Sequence[tuple[int, int]] = (),
-                 salt: str = "") -> list[int]:
+def chain_hashes(
+    token_ids: list[int], block_size: int, marks: Sequence[tuple[int, int]] = (), salt: str = ""
+) -> list[int]:
     """Hash of each full block of `token_ids`, each chained on the one before (a prefix identity). `marks`:
     (position, key) pairs mixed into the block holding the position — an image's identity at its first
     placeholder (`request.image_marks`), so the blocks before an image are shared with prompts that have another

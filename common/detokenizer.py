@@ -29,7 +29,7 @@ class IncrementalDetokenizer:
         prefix, window = self._decode_window()
         if len(window) <= len(prefix) or window.endswith("\ufffd") or not window.startswith(prefix):
             return ""  # nothing stable yet: an incomplete character, or tokens that render as nothing
-        delta = window[len(prefix):]
+        delta = window[len(prefix) :]
         self.text += delta
         self._prefix_offset, self._read_offset = self._read_offset, len(self.token_ids)
         return delta
@@ -41,12 +41,14 @@ class IncrementalDetokenizer:
         prefix, window = self._decode_window()
         # A byte-fallback decoder renders a run of byte pieces that ends mid-character as U+FFFD for every
         # byte of the run, earlier complete characters included; those were put out already.
-        rest = window[len(prefix):] if window.startswith(prefix) else self.decode(self.token_ids[self._read_offset:])
+        rest = window[len(prefix) :] if window.startswith(prefix) else self.decode(self.token_ids[self._read_offset :])
         self.text += rest
         self._prefix_offset = self._read_offset = len(self.token_ids)
         return rest
 
     def _decode_window(self) -> tuple[str, str]:
         """(the context tokens' text, the context and the unread tokens' text)."""
-        return (self.decode(self.token_ids[self._prefix_offset:self._read_offset]),
-                self.decode(self.token_ids[self._prefix_offset:]))
+        return (
+            self.decode(self.token_ids[self._prefix_offset : self._read_offset]),
+            self.decode(self.token_ids[self._prefix_offset :]),
+        )

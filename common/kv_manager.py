@@ -10,7 +10,6 @@ blocks whose chained hash is cached are shared instead of recomputed.
 
 from __future__ import annotations
 
-
 from common.block_pool import BlockPool, chain_hashes
 from common.request import Request, Stage, image_marks
 
@@ -20,8 +19,14 @@ def blocks_for(num_tokens: int, block_size: int) -> int:
 
 
 class KVBlockManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False, worst_case: bool = False,
-                 image_token_id: int | None = None):
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_prefix_caching: bool = False,
+        worst_case: bool = False,
+        image_token_id: int | None = None,
+    ):
         """`image_token_id`: the model's image placeholder, so a cached prefix may end where an image begins (None:
         a prompt with images shares no block with one with other images)."""
         self.pool = BlockPool(num_blocks)
@@ -105,10 +110,13 @@ class KVBlockManager:
         """The chained hashes of the prompt's first `num_tokens // block_size` blocks (computed once a request: a
         waiting image request is looked up at every step)."""
         if request.prompt_hashes is None or request.prompt_hashes[0] != self.block_size:
-            marks = image_marks(request.prompt_token_ids, self.image_token_id,
-                                [(i.content_hash, i.num_tokens) for i in request.images])
-            request.prompt_hashes = (self.block_size, chain_hashes(request.prompt_token_ids, self.block_size, marks,
-                                                                   request.cache_salt))
+            marks = image_marks(
+                request.prompt_token_ids, self.image_token_id, [(i.content_hash, i.num_tokens) for i in request.images]
+            )
+            request.prompt_hashes = (
+                self.block_size,
+                chain_hashes(request.prompt_token_ids, self.block_size, marks, request.cache_salt),
+            )
         return request.prompt_hashes[1][: num_tokens // self.block_size]
 
 

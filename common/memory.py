@@ -71,8 +71,11 @@ def keep_freed_memory(nbytes: int = KEEP_FREED_BYTES) -> bool:
     mmap_ok = libc.mallopt(M_MMAP_THRESHOLD, nbytes) or libc.mallopt(M_MMAP_THRESHOLD, min(nbytes, OLD_GLIBC_MMAP_MAX))
     trim_ok = libc.mallopt(M_TRIM_THRESHOLD, nbytes)
     if not (mmap_ok and trim_ok):
-        log.warning("glibc refused to keep freed memory (mmap threshold %s, trim threshold %s)",
-                    "set" if mmap_ok else "refused", "set" if trim_ok else "refused")
+        log.warning(
+            "glibc refused to keep freed memory (mmap threshold %s, trim threshold %s)",
+            "set" if mmap_ok else "refused",
+            "set" if trim_ok else "refused",
+        )
     return bool(mmap_ok and trim_ok)
 
 

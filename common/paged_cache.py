@@ -92,7 +92,9 @@ class PagedBuffer:
 
 class PagedKVCache(PagedBuffer):
     def __init__(self, num_blocks, block_size, num_layers, num_kv_heads, head_dim, dtype, device):
-        super().__init__("kv", num_blocks, block_size, (num_layers, 2, block_size, num_kv_heads, head_dim), dtype, device)
+        super().__init__(
+            "kv", num_blocks, block_size, (num_layers, 2, block_size, num_kv_heads, head_dim), dtype, device
+        )
         self.layers = [(self.data[:, i, 0], self.data[:, i, 1]) for i in range(num_layers)]
 
     @staticmethod

@@ -69,14 +69,18 @@ def image_end(token_ids: list[int], image_token_id: int) -> int:
     return 0
 
 
-def image_marks(token_ids: list[int], image_token_id: int | None, images: list[tuple[str, int]]) -> list[tuple[int, int]]:
+def image_marks(
+    token_ids: list[int], image_token_id: int | None, images: list[tuple[str, int]]
+) -> list[tuple[int, int]]:
     """(position of its first placeholder, its identity as an integer) for each image, given as (identity, placeholder
     tokens) in prompt order: what `block_pool.chain_hashes` mixes into a prompt's block hashes. Where the placeholders
     cannot be matched to the images (or `image_token_id` is None) every image is marked at 0: no block is shared with
     a prompt that has other images."""
     if not images:
         return []
-    keys = [int.from_bytes(hashlib.blake2b(identity.encode(), digest_size=16).digest(), "little") for identity, _ in images]
+    keys = [
+        int.from_bytes(hashlib.blake2b(identity.encode(), digest_size=16).digest(), "little") for identity, _ in images
+    ]
     positions = [i for i, t in enumerate(token_ids) if t == image_token_id] if image_token_id is not None else []
     starts, seen = [], 0
     for _, num_tokens in images:
@@ -108,7 +112,9 @@ class Request:
     first_stage: Stage = Stage.ENCODE
     last_stage: Stage = Stage.DECODE
     arrival_time: float = dataclasses.field(default_factory=time.monotonic)
-    num_continued_tokens: int = 0  # a migrated request's continuation: the prompt's last n tokens are its earlier output
+    num_continued_tokens: int = (
+        0  # a migrated request's continuation: the prompt's last n tokens are its earlier output
+    )
     cache_salt: str = ""  # vLLM's: its prefix-cache blocks are shared only with requests of the same salt
     # mutable state
     status: RequestStatus = RequestStatus.WAITING
@@ -122,7 +128,9 @@ class Request:
     output_text: str = ""
     stop_reason: str | int | None = None
     detokenizer: Any = None  # the output's text so far, kept by the engine while stop strings are watched
-    grammar_matcher: Any = None  # structured output: where its grammar is, kept by the engine (common/engine/grammar.py)
+    grammar_matcher: Any = (
+        None  # structured output: where its grammar is, kept by the engine (common/engine/grammar.py)
+    )
     prompt_hashes: tuple[int, list[int]] | None = None  # (block size, its prompt's chained block hashes): kv_manager's
     # engine clock (time.monotonic): first step that scheduled it, and when it finished or was handed off here
     first_scheduled_time: float | None = None
@@ -132,7 +140,9 @@ class Request:
         if not self.prompt_token_ids:
             raise ValueError("prompt must contain at least one token")
         if not 0 <= self.num_continued_tokens < len(self.prompt_token_ids):
-            raise ValueError(f"{self.num_continued_tokens} continued tokens in a prompt of {len(self.prompt_token_ids)}")
+            raise ValueError(
+                f"{self.num_continued_tokens} continued tokens in a prompt of {len(self.prompt_token_ids)}"
+            )
         if self.first_stage > self.last_stage:
             raise ValueError(f"first stage {self.first_stage.name} comes after last stage {self.last_stage.name}")
         if self.first_stage == Stage.ENCODE and not self.images:
@@ -146,7 +156,7 @@ class Request:
         what penalties count and what a seeded request's random stream is indexed by."""
         if not self.num_continued_tokens:
             return self.output_token_ids
-        return self.prompt_token_ids[-self.num_continued_tokens:] + self.output_token_ids
+        return self.prompt_token_ids[-self.num_continued_tokens :] + self.output_token_ids
 
     @property
     def num_prompt_tokens(self) -> int:

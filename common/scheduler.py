@@ -39,7 +39,6 @@ from common.kv_manager import ImageBlockManager, KVBlockManager
 from common.latency.budgets import IterationTime, Overrun
 from common.request import Request, RequestStatus, Stage
 
-
 KV_ADMISSION = ("on-demand", "worst-case")
 MIN_CHUNK = 16  # prompt tokens an iteration carries however long its decodes take (with `iteration_time`)
 
@@ -111,8 +110,9 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv: KVBlockManager, images: ImageBlockManager,
-                 image_token_id: int | None = None):
+    def __init__(
+        self, config: SchedulerConfig, kv: KVBlockManager, images: ImageBlockManager, image_token_id: int | None = None
+    ):
         """`image_token_id`: the model's image placeholder, to find where a prompt's images end (None: every image
         is encoded, whatever the prefix cache holds)."""
         self.config = config
@@ -177,7 +177,8 @@ class Scheduler:
         self._last_had_work = bool(out.prefills or out.encodes)
         if self.config.iteration_time is not None:
             out.predicted_ms = self.config.iteration_time.predict_ms(
-                out.num_images, len(out.decodes), context, [(c.num_tokens, c.start) for c in out.prefills])
+                out.num_images, len(out.decodes), context, [(c.num_tokens, c.start) for c in out.prefills]
+            )
         return out
 
     def observe(self, out: SchedulerOutput, elapsed_ms: float) -> None:
@@ -201,8 +202,9 @@ class Scheduler:
     def _tokens_beside(self, out: SchedulerOutput, context: int, upper: int, chunk_context: int = 0) -> int:
         """Prompt tokens the iteration's time leaves beside its decodes (`iteration_time`, `overrun`) — at least
         `MIN_CHUNK` in an iteration without other new work, so prompts never stall behind a long decode batch."""
-        fits = self.config.iteration_time.tokens_beside(len(out.decodes), context, upper, chunk_context,
-                                                        self.overrun.ms)
+        fits = self.config.iteration_time.tokens_beside(
+            len(out.decodes), context, upper, chunk_context, self.overrun.ms
+        )
         return fits if fits or out.prefills or out.encodes else min(MIN_CHUNK, upper)
 
     @property

@@ -54,8 +54,19 @@ def setup_key(model: str, dtype: str, device: str, threads: int, eager: bool) ->
     files = sorted((p.name, p.stat().st_size, int(p.stat().st_mtime)) for p in model_dir.glob("*.safetensors"))
     import torch
 
-    return dict(model=str(model_dir), files=files, dtype=dtype, device=device, threads=threads, eager=eager,
-                cpu=_cpu_name(), cores=os.cpu_count(), torch=torch.__version__, engine=engine_digest(), format=1)
+    return dict(
+        model=str(model_dir),
+        files=files,
+        dtype=dtype,
+        device=device,
+        threads=threads,
+        eager=eager,
+        cpu=_cpu_name(),
+        cores=os.cpu_count(),
+        torch=torch.__version__,
+        engine=engine_digest(),
+        format=1,
+    )
 
 
 def profile_path(key: dict) -> Path:
@@ -65,8 +76,12 @@ def profile_path(key: dict) -> Path:
 
 def wants_auto_profile(args) -> bool:
     """serve measures its own profile: asked to, on the real backend, with no profile or token budget given."""
-    return (args.auto_profile and getattr(args, "backend", "torch") == "torch" and not args.latency_profile
-            and args.token_budget is None)
+    return (
+        args.auto_profile
+        and getattr(args, "backend", "torch") == "torch"
+        and not args.latency_profile
+        and args.token_budget is None
+    )
 
 
 def ensure_profile(args, threads: int) -> str:
@@ -81,8 +96,24 @@ def ensure_profile(args, threads: int) -> str:
         return str(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     partial = path.with_suffix(f".{os.getpid()}.partial")
-    argv = [sys.executable, "-m", "epdmesh.cli", "profile", "--model", args.model, "--dtype", dtype,
-            "--device", args.device, "--threads", str(threads), "--repeats", "2", "--out", str(partial)]
+    argv = [
+        sys.executable,
+        "-m",
+        "epdmesh.cli",
+        "profile",
+        "--model",
+        args.model,
+        "--dtype",
+        dtype,
+        "--device",
+        args.device,
+        "--threads",
+        str(threads),
+        "--repeats",
+        "2",
+        "--out",
+        str(partial),
+    ]
     if key["eager"]:
         argv.append("--enforce-eager")
     log.info("measuring a latency profile of this setup (once; --latency-profile FILE or --no-auto-profile skip it)")

@@ -27,8 +27,11 @@ def make_model(out_dir: Path, preset: str = "tiny", seed: int = 0, config_only: 
     from common.model.tiny import make_tiny_model
 
     with tqdm(total=2 if config_only else 3, desc=f"writing {preset} checkpoint", unit="step", file=sys.stderr) as bar:
-        make_tiny_model(out_dir, TinySpec(preset=preset, seed=seed, config_only=config_only),
-                        progress=lambda name: (bar.set_postfix_str(name), bar.update()))
+        make_tiny_model(
+            out_dir,
+            TinySpec(preset=preset, seed=seed, config_only=config_only),
+            progress=lambda name: (bar.set_postfix_str(name), bar.update()),
+        )
     return out_dir
 
 

@@ -11,9 +11,22 @@ from pathlib import Path
 
 from common.model.tiny import PRESETS
 from epdmesh.checkpoints import DEFAULT_MODEL_NAME, ensure_default_model, ensure_emulated_model, make_model
-from epdmesh.options import (DEFAULT_EMULATED_PROFILE, add_budget_args, add_chat_template_arg, add_engine_args,
-                             add_model_args, add_remote_image_args, add_router_args, add_routing_args, add_slo_args,
-                             add_stage_calls_arg, allowed_image_domains, chat_template, decoder_joins, routing_policy)
+from epdmesh.options import (
+    DEFAULT_EMULATED_PROFILE,
+    add_budget_args,
+    add_chat_template_arg,
+    add_engine_args,
+    add_model_args,
+    add_remote_image_args,
+    add_router_args,
+    add_routing_args,
+    add_slo_args,
+    add_stage_calls_arg,
+    allowed_image_domains,
+    chat_template,
+    decoder_joins,
+    routing_policy,
+)
 from services.gateway.edge import add_api_key_arg, api_keys, edge
 
 
@@ -28,21 +41,33 @@ def _engine_config(args, roles: str = "encode,prefill,decode"):
     from common.scheduler import SchedulerConfig
 
     return EngineConfig(
-        model=args.model, dtype=resolve_dtype(args.dtype, args.device), device=args.device, roles=parse_roles(roles),
-        kv_cache_gib=_kv_cache_gib(args), gpu_memory_utilization=args.gpu_memory_utilization,
-        max_model_len=args.max_model_len, attention_backend=args.attention_backend,
-        enable_prefix_caching=args.enable_prefix_caching, share_weights=getattr(args, "share_weights", False),
+        model=args.model,
+        dtype=resolve_dtype(args.dtype, args.device),
+        device=args.device,
+        roles=parse_roles(roles),
+        kv_cache_gib=_kv_cache_gib(args),
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        max_model_len=args.max_model_len,
+        attention_backend=args.attention_backend,
+        enable_prefix_caching=args.enable_prefix_caching,
+        share_weights=getattr(args, "share_weights", False),
         compile=_compiles(args),
-        scheduler=SchedulerConfig(**_budgets(args, parse_roles(roles)),
-                                  max_num_seqs=args.max_num_seqs, join_first=_decoder_joins(args)[1],
-                                  kv_admission=args.kv_admission),
+        scheduler=SchedulerConfig(
+            **_budgets(args, parse_roles(roles)),
+            max_num_seqs=args.max_num_seqs,
+            join_first=_decoder_joins(args)[1],
+            kv_admission=args.kv_admission,
+        ),
     )
 
 
 def _compiles(args) -> bool:
     """The model runs compiled unless --enforce-eager, on the CPU (on CUDA eager until a GPU has run it), with torch."""
-    return (not getattr(args, "enforce_eager", True) and getattr(args, "device", "cpu") == "cpu"
-            and getattr(args, "backend", "torch") == "torch")
+    return (
+        not getattr(args, "enforce_eager", True)
+        and getattr(args, "device", "cpu") == "cpu"
+        and getattr(args, "backend", "torch") == "torch"
+    )
 
 
 def _kv_cache_gib(args) -> float | None:
@@ -73,21 +98,40 @@ def _budgets(args, roles) -> dict[str, int]:
 
         joins, join_first = _decoder_joins(args)
         profile = load_profile(profile_path)
-        derived = budgets_for(profile, Stage.DECODE in roles, args.slo_ttft_ms, args.slo_tbt_ms,
-                              headroom=args.budget_headroom, alpha=args.budget_alpha, joins=joins, join_first=join_first)
+        derived = budgets_for(
+            profile,
+            Stage.DECODE in roles,
+            args.slo_ttft_ms,
+            args.slo_tbt_ms,
+            headroom=args.budget_headroom,
+            alpha=args.budget_alpha,
+            joins=joins,
+            join_first=join_first,
+        )
         log = logging.getLogger("epdmesh")
-        log.info("budgets from %s for a %.0f ms iteration limit: %d tokens, %d images per iteration, an image "
-                 "taking %d of the tokens", profile_path, derived.limit_ms, derived.token_budget, derived.image_budget,
-                 derived.image_token_cost)
+        log.info(
+            "budgets from %s for a %.0f ms iteration limit: %d tokens, %d images per iteration, an image "
+            "taking %d of the tokens",
+            profile_path,
+            derived.limit_ms,
+            derived.token_budget,
+            derived.image_budget,
+            derived.image_token_cost,
+        )
         if not derived.fits:
-            log.warning("even a batch of one exceeds the %.0f ms limit on this profile: the SLOs cannot be met",
-                        derived.limit_ms)
+            log.warning(
+                "even a batch of one exceeds the %.0f ms limit on this profile: the SLOs cannot be met",
+                derived.limit_ms,
+            )
         derived_tokens = token is None
         token = derived.token_budget if token is None else token
         image = derived.image_budget if image is None else image
-        return dict(token_budget=token, image_budget=image,
-                    image_token_cost=derived.image_token_cost if derived_tokens else 0,
-                    iteration_time=IterationTime(profile, derived.limit_ms) if derived_tokens else None)
+        return dict(
+            token_budget=token,
+            image_budget=image,
+            image_token_cost=derived.image_token_cost if derived_tokens else 0,
+            iteration_time=IterationTime(profile, derived.limit_ms) if derived_tokens else None,
+        )
     return dict(token_budget=2048 if token is None else token, image_budget=4 if image is None else image)
 
 
@@ -121,7 +165,9 @@ def _resolve_model(args) -> None:
     if emulated and not args.profile:
         args.profile = DEFAULT_EMULATED_PROFILE
     args.kv_cache_gib = _kv_cache_gib(args)
-    model_dir = Path(args.model) if args.model else ensure_emulated_model(args.profile) if emulated else ensure_default_model()
+    model_dir = (
+        Path(args.model) if args.model else ensure_emulated_model(args.profile) if emulated else ensure_default_model()
+    )
     default_name = model_dir.name.removesuffix("-config") if emulated else DEFAULT_MODEL_NAME
     args.served_model_name = args.served_model_name or (default_name if not args.model else model_dir.name)
     args.model = str(model_dir)
@@ -148,8 +194,9 @@ def _cmd_serve(args) -> int:
     processor = _chat_processor(args)
     config, emulation = _engine_config(args), _emulation(args)
     engine = AsyncEngine(build=lambda: build_engine(config, emulation), threads=_engine_threads(args))
-    logging.getLogger("epdmesh").info("serving %s (%s) in one process on http://%s:%d/v1", args.served_model_name,
-                                      args.model, args.host, args.port)
+    logging.getLogger("epdmesh").info(
+        "serving %s (%s) in one process on http://%s:%d/v1", args.served_model_name, args.model, args.host, args.port
+    )
     try:
         _serve_http(LocalBackend(processor, engine), args, metrics, tracing, "info")
     finally:
@@ -164,11 +211,21 @@ def _cmd_worker(args) -> int:
 
     _resolve_model(args)
     _serving_process(args)
-    options = WorkerOptions(engine=_engine_config(args, args.roles), host=args.host, port=args.port,
-                            advertise_host=args.advertise_host, worker_id=args.worker_id, toggle=args.toggle,
-                            transfer=args.transfer, lease_ttl_s=args.lease_ttl, grace_s=args.grace,
-                            metrics_port=None if args.metrics_port < 0 else args.metrics_port,
-                            emulation=_emulation(args), stage_calls=args.stage_calls, threads=_engine_threads(args))
+    options = WorkerOptions(
+        engine=_engine_config(args, args.roles),
+        host=args.host,
+        port=args.port,
+        advertise_host=args.advertise_host,
+        worker_id=args.worker_id,
+        toggle=args.toggle,
+        transfer=args.transfer,
+        lease_ttl_s=args.lease_ttl,
+        grace_s=args.grace,
+        metrics_port=None if args.metrics_port < 0 else args.metrics_port,
+        emulation=_emulation(args),
+        stage_calls=args.stage_calls,
+        threads=_engine_threads(args),
+    )
     uvloop.run(run_worker(options))
     return 0
 
@@ -209,10 +266,23 @@ def _serve_http(backend, args, metrics, tracing, log_level: str) -> None:
 
     from services.gateway.app import build_app
 
-    app = build_app(backend, args.served_model_name, allow_remote_images=args.allow_remote_images, metrics=metrics,
-                    tracing=tracing, allowed_image_domains=allowed_image_domains(args))
-    uvicorn.run(edge(app, api_keys(args, os.environ)), host=args.host, port=args.port, loop="uvloop", http="httptools",
-                log_level=log_level, timeout_graceful_shutdown=5)
+    app = build_app(
+        backend,
+        args.served_model_name,
+        allow_remote_images=args.allow_remote_images,
+        metrics=metrics,
+        tracing=tracing,
+        allowed_image_domains=allowed_image_domains(args),
+    )
+    uvicorn.run(
+        edge(app, api_keys(args, os.environ)),
+        host=args.host,
+        port=args.port,
+        loop="uvloop",
+        http="httptools",
+        log_level=log_level,
+        timeout_graceful_shutdown=5,
+    )
 
 
 def _cmd_gateway(args) -> int:
@@ -230,9 +300,15 @@ def _cmd_gateway(args) -> int:
     processor = _chat_processor(args, config)
     pixels = "uint8, finished by the encoder" if processor.deferred_scaling is not None else "float32"
     backend = MeshBackend(processor, args.toggle, max_model_len, metrics, tracing, router, args.stage_calls)
-    logging.getLogger("epdmesh").info("gateway for %s on http://%s:%d/v1, toggle %s, routing %s, image pixels sent as %s",
-                                      args.served_model_name, args.host, args.port, args.toggle,
-                                      f"in-process over {args.redis_url}" if router else "by the toggle", pixels)
+    logging.getLogger("epdmesh").info(
+        "gateway for %s on http://%s:%d/v1, toggle %s, routing %s, image pixels sent as %s",
+        args.served_model_name,
+        args.host,
+        args.port,
+        args.toggle,
+        f"in-process over {args.redis_url}" if router else "by the toggle",
+        pixels,
+    )
     _serve_http(backend, args, metrics, tracing, "warning")
     return 0
 
@@ -244,7 +320,9 @@ def _gateway_router(args, tracing):
     from services.routing.router import Router
 
     routing, slo = routing_policy(args)
-    return Router.over_redis(aioredis.from_url(args.redis_url), args.prefix, routing, tracing, slo, reports_delivery=True)
+    return Router.over_redis(
+        aioredis.from_url(args.redis_url), args.prefix, routing, tracing, slo, reports_delivery=True
+    )
 
 
 def _gateway_telemetry(args):
@@ -272,8 +350,11 @@ def _cmd_profile(args) -> int:
 
         _resolve_model(args)
         _set_threads(args)
-        config = dataclasses.replace(_engine_config(args), kv_cache_gib=args.kv_cache_gib,
-                                     scheduler=SchedulerConfig(token_budget=1 << 15, image_budget=64, max_num_seqs=256))
+        config = dataclasses.replace(
+            _engine_config(args),
+            kv_cache_gib=args.kv_cache_gib,
+            scheduler=SchedulerConfig(token_budget=1 << 15, image_budget=64, max_num_seqs=256),
+        )
         encodes, lengths, batches, contexts = [1, 2, 3, 4], [16, 32, 64, 128, 256, 512], [1, 2, 4, 8, 16], [64, 256]
         steps = len(encodes) + len(lengths) + len(batches) * len(contexts) + 1
         with tqdm(total=steps, desc="profiling the engine", unit="point", file=sys.stderr) as bar:
@@ -284,9 +365,12 @@ def _cmd_profile(args) -> int:
             transfer = profiler.transfer()
         import torch
 
-        hardware = f"{platform.processor() or platform.machine()} CPU, {torch.get_num_threads()} threads, {config.dtype}"
-        profile = profiler.profile(f"{Path(args.model).name} on this machine (measured)", hardware, Path(args.model).name,
-                                   transfer)
+        hardware = (
+            f"{platform.processor() or platform.machine()} CPU, {torch.get_num_threads()} threads, {config.dtype}"
+        )
+        profile = profiler.profile(
+            f"{Path(args.model).name} on this machine (measured)", hardware, Path(args.model).name, transfer
+        )
     profile.save(out)
     print(f"wrote {out}: {profile.name}")
     return 0
@@ -307,30 +391,47 @@ def build_parser() -> argparse.ArgumentParser:
     add_model_args(serve)
     add_engine_args(serve)
     add_routing_args(serve)
-    serve.add_argument("--topology", default="E1+P1+D1",
-                       help="worker role sets and counts, e.g. EPD1, E1+P1+D1, EP1+D2, ED1+P1, E2+P2+D4; "
-                            "'local' = one process, no gRPC or Redis")
-    serve.add_argument("--auto-profile", action=argparse.BooleanOptionalAction,
-                       default=os.environ.get("EPDMESH_AUTO_PROFILE", "1") != "0",
-                       help="without --latency-profile or --token-budget: measure this setup's latency profile once "
-                            "(cached in ~/.cache/epdmesh/profiles) and size budgets and routing by it and the SLOs "
-                            "(default from $EPDMESH_AUTO_PROFILE)")
+    serve.add_argument(
+        "--topology",
+        default="E1+P1+D1",
+        help="worker role sets and counts, e.g. EPD1, E1+P1+D1, EP1+D2, ED1+P1, E2+P2+D4; "
+        "'local' = one process, no gRPC or Redis",
+    )
+    serve.add_argument(
+        "--auto-profile",
+        action=argparse.BooleanOptionalAction,
+        default=os.environ.get("EPDMESH_AUTO_PROFILE", "1") != "0",
+        help="without --latency-profile or --token-budget: measure this setup's latency profile once "
+        "(cached in ~/.cache/epdmesh/profiles) and size budgets and routing by it and the SLOs "
+        "(default from $EPDMESH_AUTO_PROFILE)",
+    )
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument("--redis-url", help="default: $REDIS_URL, else a private redis-server")
-    serve.add_argument("--route-in", default="gateway", choices=["gateway", "toggle"],
-                       help="where requests are routed: in the gateway (over Redis, no extra hop) or by a gRPC call to "
-                            "the toggle; the toggle keeps the registry either way")
+    serve.add_argument(
+        "--route-in",
+        default="gateway",
+        choices=["gateway", "toggle"],
+        help="where requests are routed: in the gateway (over Redis, no extra hop) or by a gRPC call to "
+        "the toggle; the toggle keeps the registry either way",
+    )
     serve.add_argument("--transfer", default="auto", choices=["auto", "nixl", "grpc"], help="page transfer backend")
     add_stage_calls_arg(serve)
     add_remote_image_args(serve)
     add_chat_template_arg(serve)
     add_api_key_arg(serve)
-    serve.add_argument("--gpus", help="with --device cuda: the GPU ids workers get one each, round-robin "
-                                      "(default: $CUDA_VISIBLE_DEVICES, else all)")
-    serve.add_argument("--max-restarts", type=int, default=5,
-                       help="times in a row a crashed worker, toggle, gateway or private Redis is started again "
-                            "(backoff 1 s … 30 s; 0: never)")
+    serve.add_argument(
+        "--gpus",
+        help="with --device cuda: the GPU ids workers get one each, round-robin "
+        "(default: $CUDA_VISIBLE_DEVICES, else all)",
+    )
+    serve.add_argument(
+        "--max-restarts",
+        type=int,
+        default=5,
+        help="times in a row a crashed worker, toggle, gateway or private Redis is started again "
+        "(backoff 1 s … 30 s; 0: never)",
+    )
     add_slo_args(serve)
     add_budget_args(serve)
     serve.set_defaults(func=_cmd_serve)
@@ -350,15 +451,22 @@ def build_parser() -> argparse.ArgumentParser:
     add_stage_calls_arg(worker)
     worker.add_argument("--lease-ttl", type=float, default=30.0, help="seconds a page lease waits for its ack")
     worker.add_argument("--grace", type=float, default=10.0, help="seconds to drain on shutdown")
-    worker.add_argument("--metrics-port", type=int, default=0,
-                        help="Prometheus /metrics port on --host (0: any free port, shown in the gateway's /stats; -1: off)")
+    worker.add_argument(
+        "--metrics-port",
+        type=int,
+        default=0,
+        help="Prometheus /metrics port on --host (0: any free port, shown in the gateway's /stats; -1: off)",
+    )
     worker.set_defaults(func=_cmd_worker)
 
     profile = sub.add_parser("profile", help="write a latency profile: measured on this machine, or analytic")
     add_model_args(profile)
     add_engine_args(profile)
-    profile.add_argument("--analytic", choices=["H20", "H100", "H200"],
-                         help="the roofline profile of LLaVA-1.5-7B on this accelerator instead of measuring")
+    profile.add_argument(
+        "--analytic",
+        choices=["H20", "H100", "H200"],
+        help="the roofline profile of LLaVA-1.5-7B on this accelerator instead of measuring",
+    )
     profile.add_argument("--repeats", type=int, default=3)
     add_slo_args(profile)
     add_budget_args(profile)
@@ -385,8 +493,11 @@ def build_parser() -> argparse.ArgumentParser:
     add_chat_template_arg(gateway)
     add_api_key_arg(gateway)
     add_stage_calls_arg(gateway)
-    gateway.add_argument("--redis-url", help="route in the gateway over this registry (one Redis round trip per "
-                                             "request instead of a gRPC hop to the toggle); default: ask the toggle")
+    gateway.add_argument(
+        "--redis-url",
+        help="route in the gateway over this registry (one Redis round trip per "
+        "request instead of a gRPC hop to the toggle); default: ask the toggle",
+    )
     gateway.add_argument("--prefix", default="epdmesh:default:", help="with --redis-url: the mesh's Redis key prefix")
     add_routing_args(gateway)
     add_slo_args(gateway)
@@ -405,7 +516,10 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["bench"]:  # `epdmesh bench NAME ARGS`: the benchmark's own parser takes ARGS
         if len(argv) < 2 or argv[1] not in BENCHMARKS:
-            print(f"usage: epdmesh bench {{{','.join(BENCHMARKS)}}} [ARGS] (--help for a benchmark's own)", file=sys.stderr)
+            print(
+                f"usage: epdmesh bench {{{','.join(BENCHMARKS)}}} [ARGS] (--help for a benchmark's own)",
+                file=sys.stderr,
+            )
             return 2
         import importlib
 

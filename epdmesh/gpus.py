@@ -25,8 +25,9 @@ def gpu_devices(device: str, gpus: str | None = None, environ: dict | None = Non
     else:
         devices = [str(i) for i in range((count or _device_count)())]
     if not devices:
-        raise ValueError("--device cuda, but no GPU is visible (CUDA_VISIBLE_DEVICES / --gpus is empty, or torch "
-                         "sees none)")
+        raise ValueError(
+            "--device cuda, but no GPU is visible (CUDA_VISIBLE_DEVICES / --gpus is empty, or torch sees none)"
+        )
     return devices
 
 
@@ -35,8 +36,12 @@ def worker_envs(num_workers: int, devices: list[str] | None) -> list[dict[str, s
     if devices is None:
         return [{} for _ in range(num_workers)]
     if num_workers > len(devices):
-        log.warning("%d workers share %d GPU(s) %s: each GPU holds the weights and KV cache of several workers",
-                    num_workers, len(devices), ",".join(devices))
+        log.warning(
+            "%d workers share %d GPU(s) %s: each GPU holds the weights and KV cache of several workers",
+            num_workers,
+            len(devices),
+            ",".join(devices),
+        )
     return [{"CUDA_VISIBLE_DEVICES": devices[i % len(devices)]} for i in range(num_workers)]
 
 

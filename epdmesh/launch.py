@@ -41,9 +41,11 @@ from services.gateway.edge import ENV as API_KEY_ENV
 from services.gateway.edge import api_keys
 
 log = logging.getLogger("epdmesh.launch")
-NO_REDIS = ("epdmesh serve needs Redis for the toggle's registry, and none was found: set REDIS_URL "
-            "(e.g. REDIS_URL=redis://127.0.0.1:6379/0) or install redis-server "
-            "(Debian/Ubuntu: apt-get install redis-server; macOS: brew install redis)")
+NO_REDIS = (
+    "epdmesh serve needs Redis for the toggle's registry, and none was found: set REDIS_URL "
+    "(e.g. REDIS_URL=redis://127.0.0.1:6379/0) or install redis-server "
+    "(Debian/Ubuntu: apt-get install redis-server; macOS: brew install redis)"
+)
 RESTART_BACKOFF_S = (1, 2, 4, 8, 16, 30)  # before the n-th restart in a row of one worker
 STABLE_S = 60.0  # a worker registered this long before it dies starts its count of restarts in a row again
 ASKED_TO_STOP = (-signal.SIGINT, -signal.SIGTERM)  # exit codes of a child stopped before its handlers were set
@@ -80,8 +82,9 @@ class Mesh:
         """Start a child; its traces carry its own service name (`$OTEL_SERVICE_NAME-<kind>` or `epdmesh-<kind>`)."""
         kind = name.split()[0] + ("-" + name.split()[1].split("#")[0].lower() if name.startswith("worker ") else "")
         service = f"{os.environ.get('OTEL_SERVICE_NAME', 'epdmesh')}-{kind}"
-        proc = subprocess.Popen(argv, env={**os.environ, "OTEL_SERVICE_NAME": service, **(env or {})},
-                                preexec_fn=die_with_parent)
+        proc = subprocess.Popen(
+            argv, env={**os.environ, "OTEL_SERVICE_NAME": service, **(env or {})}, preexec_fn=die_with_parent
+        )
         self._argv[name] = (argv, env)
         self.procs = [(n, p) for n, p in self.procs if n != name] + [(name, proc)]
         return proc
@@ -170,14 +173,27 @@ class Restarts:
             if self.in_a_row[name] >= self.limit:
                 if not worker:
                     return f"{name} exited with code {proc.returncode} after {self.in_a_row[name]} restarts in a row"
-                log.error("%s exited with code %s; not starting it again (%d restarts in a row, --max-restarts "
-                          "%d); the toggle routes around it", name, proc.returncode, self.in_a_row[name], self.limit)
+                log.error(
+                    "%s exited with code %s; not starting it again (%d restarts in a row, --max-restarts "
+                    "%d); the toggle routes around it",
+                    name,
+                    proc.returncode,
+                    self.in_a_row[name],
+                    self.limit,
+                )
                 continue
             delay = RESTART_BACKOFF_S[min(self.in_a_row[name], len(RESTART_BACKOFF_S) - 1)]
             self.in_a_row[name] += 1
             self.due[name] = now + delay
-            log.error("%s exited with code %s;%s starting it again in %g s (restart %d of at most %d in a row)", name,
-                      proc.returncode, " deregistered it," if worker else "", delay, self.in_a_row[name], self.limit)
+            log.error(
+                "%s exited with code %s;%s starting it again in %g s (restart %d of at most %d in a row)",
+                name,
+                proc.returncode,
+                " deregistered it," if worker else "",
+                delay,
+                self.in_a_row[name],
+                self.limit,
+            )
         for name, when in list(self.due.items()):
             if now >= when:
                 del self.due[name]
@@ -186,8 +202,11 @@ class Restarts:
 
     def _note_registrations(self, now: float) -> None:
         """When restarted workers first show up in the registry (every poll_s while one has not yet)."""
-        waiting = [p for n, p in self.mesh.procs
-                   if n.startswith("worker ") and self.in_a_row[n] and p.poll() is None and p not in self._stable_since]
+        waiting = [
+            p
+            for n, p in self.mesh.procs
+            if n.startswith("worker ") and self.in_a_row[n] and p.poll() is None and p not in self._stable_since
+        ]
         if not waiting or self.mesh.toggle is None or now < self._next_poll:
             return
         self._next_poll = now + self._poll_s
@@ -213,8 +232,24 @@ def start_redis(mesh: Mesh, redis_url: str | None, avoid: frozenset[int] = froze
     if binary is None:
         raise SystemExit(NO_REDIS)
     port = free_port(avoid=avoid)
-    mesh.spawn("redis", [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-                         "--dir", mesh.tmp.name, "--logfile", os.path.join(mesh.tmp.name, "redis.log")])
+    mesh.spawn(
+        "redis",
+        [
+            binary,
+            "--port",
+            str(port),
+            "--bind",
+            "127.0.0.1",
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            "--dir",
+            mesh.tmp.name,
+            "--logfile",
+            os.path.join(mesh.tmp.name, "redis.log"),
+        ],
+    )
     import redis
 
     client = redis.Redis(host="127.0.0.1", port=port)
@@ -223,8 +258,9 @@ def start_redis(mesh: Mesh, redis_url: str | None, avoid: frozenset[int] = froze
     return f"redis://127.0.0.1:{port}/0"
 
 
-def _wait(probe, mesh: Mesh, what: str, timeout: float, only: tuple[str, ...] | None = None,
-          restarts: Restarts | None = None) -> None:
+def _wait(
+    probe, mesh: Mesh, what: str, timeout: float, only: tuple[str, ...] | None = None, restarts: Restarts | None = None
+) -> None:
     """Until `probe()` is true. A child in `only` (default: all) that exits fails the start-up; with `restarts`,
     the others' exits are handled by its policy meanwhile."""
     deadline = time.monotonic() + timeout
@@ -277,22 +313,64 @@ def _http_ok(url: str) -> bool:
 
 
 def worker_argv(group: WorkerGroup, toggle: str, args, threads: int) -> list[str]:
-    argv = [sys.executable, "-m", "epdmesh.cli", "worker", "--roles", group.label, "--toggle", toggle,
-            "--model", args.model, "--dtype", args.dtype, "--device", args.device,
-            "--slo-ttft-ms", str(args.slo_ttft_ms), "--slo-tbt-ms", str(args.slo_tbt_ms),
-            "--budget-headroom", str(args.budget_headroom), "--budget-alpha", str(args.budget_alpha),
-            "--decoder-joins", args.decoder_joins, "--max-num-seqs", str(args.max_num_seqs), "--attention-backend", args.attention_backend,
-            "--transfer", args.transfer, "--threads", str(threads), "--backend", args.backend,
-            "--stage-calls", args.stage_calls, "--kv-admission", args.kv_admission]
+    argv = [
+        sys.executable,
+        "-m",
+        "epdmesh.cli",
+        "worker",
+        "--roles",
+        group.label,
+        "--toggle",
+        toggle,
+        "--model",
+        args.model,
+        "--dtype",
+        args.dtype,
+        "--device",
+        args.device,
+        "--slo-ttft-ms",
+        str(args.slo_ttft_ms),
+        "--slo-tbt-ms",
+        str(args.slo_tbt_ms),
+        "--budget-headroom",
+        str(args.budget_headroom),
+        "--budget-alpha",
+        str(args.budget_alpha),
+        "--decoder-joins",
+        args.decoder_joins,
+        "--max-num-seqs",
+        str(args.max_num_seqs),
+        "--attention-backend",
+        args.attention_backend,
+        "--transfer",
+        args.transfer,
+        "--threads",
+        str(threads),
+        "--backend",
+        args.backend,
+        "--stage-calls",
+        args.stage_calls,
+        "--kv-admission",
+        args.kv_admission,
+    ]
     if args.backend == "emulated":
-        argv += ["--profile", args.profile, "--emulated-kv-bytes-per-token", str(args.emulated_kv_bytes_per_token),
-                 "--emulated-image-bytes-per-token", str(args.emulated_image_bytes_per_token)]
+        argv += [
+            "--profile",
+            args.profile,
+            "--emulated-kv-bytes-per-token",
+            str(args.emulated_kv_bytes_per_token),
+            "--emulated-image-bytes-per-token",
+            str(args.emulated_image_bytes_per_token),
+        ]
     if args.max_model_len:
         argv += ["--max-model-len", str(args.max_model_len)]
     if args.kv_cache_gib is not None:  # else each sizes its own from its GPU's memory
         argv += ["--kv-cache-gib", str(args.kv_cache_gib)]
-    for flag, value in (("--token-budget", args.token_budget), ("--image-budget", args.image_budget),
-                        ("--latency-profile", args.latency_profile)):
+    for flag, value in (
+        ("--token-budget", args.token_budget),
+        ("--image-budget", args.image_budget),
+        ("--latency-profile", args.latency_profile),
+    ):
         if value is not None:
             argv += [flag, str(value)]
     if not args.enable_prefix_caching:
@@ -334,8 +412,22 @@ def serve_mesh(args) -> int:
         toggle = f"127.0.0.1:{free_port(avoid={args.port, _port_of(redis_url)})}"
         prefix = f"epdmesh:{uuid.uuid4().hex[:12]}:"
         routing = router_argv(args, args.latency_profile)
-        mesh.spawn("toggle", [sys.executable, "-m", "epdmesh.cli", "toggle", "--redis-url", redis_url, "--prefix", prefix,
-                              "--port", toggle.rsplit(":", 1)[1], *routing])
+        mesh.spawn(
+            "toggle",
+            [
+                sys.executable,
+                "-m",
+                "epdmesh.cli",
+                "toggle",
+                "--redis-url",
+                redis_url,
+                "--prefix",
+                prefix,
+                "--port",
+                toggle.rsplit(":", 1)[1],
+                *routing,
+            ],
+        )
         _wait(lambda: _registered(toggle) >= 0, mesh, "the toggle", 60)
         mesh.toggle = toggle
         shares = iter(memory_shares(gpu_envs, args.gpu_memory_utilization, args.device))
@@ -344,12 +436,29 @@ def serve_mesh(args) -> int:
             for i in range(group.count):
                 share = next(shares)
                 memory = [] if share is None else ["--gpu-memory-utilization", f"{share:.6g}"]
-                mesh.spawn(f"worker {group.label}#{i}", worker_argv(group, toggle, args, threads) + memory,
-                           next(gpu_envs))
+                mesh.spawn(
+                    f"worker {group.label}#{i}", worker_argv(group, toggle, args, threads) + memory, next(gpu_envs)
+                )
         _wait(lambda: _registered(toggle) == num_workers, mesh, f"{num_workers} workers", 600)
-        gateway_argv = [sys.executable, "-m", "epdmesh.cli", "gateway", "--toggle", toggle, "--model", args.model,
-                        "--host", args.host, "--port", str(args.port), "--served-model-name", args.served_model_name,
-                        "--stage-calls", args.stage_calls, *routing]
+        gateway_argv = [
+            sys.executable,
+            "-m",
+            "epdmesh.cli",
+            "gateway",
+            "--toggle",
+            toggle,
+            "--model",
+            args.model,
+            "--host",
+            args.host,
+            "--port",
+            str(args.port),
+            "--served-model-name",
+            args.served_model_name,
+            "--stage-calls",
+            args.stage_calls,
+            *routing,
+        ]
         if args.route_in == "gateway":
             gateway_argv += ["--redis-url", redis_url, "--prefix", prefix]
         if args.max_model_len:
@@ -365,9 +474,18 @@ def serve_mesh(args) -> int:
         # while the gateway starts (its /health may answer a client before the probe here sees it) — except the
         # gateway itself, which fails the start-up if it exits before answering (a bad flag, a missing file)
         restarts = Restarts(mesh, args.max_restarts)
-        _wait(lambda: _http_ok(f"http://{args.host}:{args.port}/health"), mesh, "the gateway", 120,
-              only=("gateway",), restarts=restarts)
-        print(f"EPDMESH_READY http://{args.host}:{args.port}/v1 topology={args.topology} workers={num_workers}", flush=True)
+        _wait(
+            lambda: _http_ok(f"http://{args.host}:{args.port}/health"),
+            mesh,
+            "the gateway",
+            120,
+            only=("gateway",),
+            restarts=restarts,
+        )
+        print(
+            f"EPDMESH_READY http://{args.host}:{args.port}/v1 topology={args.topology} workers={num_workers}",
+            flush=True,
+        )
         log.info("mesh %s up: OpenAI API on http://%s:%d/v1 (Ctrl-C stops it)", args.topology, args.host, args.port)
         while not mesh.stopping:
             reason = restarts.check()

@@ -14,21 +14,43 @@ DEFAULT_EMULATED_PROFILE = "H20"  # the analytic LLaVA-1.5-7B on H20 profile (= 
 
 
 def add_routing_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--prefill-mode", default="auto", choices=["auto", "dedicated", "multiplexed"],
-                   help="where prefills run when decoders can prefill too (auto: short prompts on the decoder)")
-    p.add_argument("--multiplex-max-tokens", type=int, default=256,
-                   help="auto mode: longest prompt prefilled on a decoder (SLO routing: when both paths fit)")
-    p.add_argument("--routing", default="auto", choices=["auto", "least-loaded", "slo"],
-                   help="the toggle's policy; auto: the SLO-aware multiplexing toggle when --latency-profile is given")
-    p.add_argument("--admission-control", action="store_true",
-                   help="SLO routing: refuse (503 + Retry-After) a request no path can serve within its SLO")
-    p.add_argument("--cache-aware-routing", action=argparse.BooleanOptionalAction, default=True,
-                   help="send a prompt to the worker predicted to hold most of it in its prefix cache (what this router "
-                        "sent where), within a few requests of the least loaded one's queue")
-    p.add_argument("--reserved-output-tokens", type=int,
-                   help="output tokens a route books on its decoder's KV with the prompt (default 256: "
-                        "decoders grow beyond them, and preempt when full; 0: the prompt only; serve --kv-admission "
-                        "worst-case: all of max_tokens)")
+    p.add_argument(
+        "--prefill-mode",
+        default="auto",
+        choices=["auto", "dedicated", "multiplexed"],
+        help="where prefills run when decoders can prefill too (auto: short prompts on the decoder)",
+    )
+    p.add_argument(
+        "--multiplex-max-tokens",
+        type=int,
+        default=256,
+        help="auto mode: longest prompt prefilled on a decoder (SLO routing: when both paths fit)",
+    )
+    p.add_argument(
+        "--routing",
+        default="auto",
+        choices=["auto", "least-loaded", "slo"],
+        help="the toggle's policy; auto: the SLO-aware multiplexing toggle when --latency-profile is given",
+    )
+    p.add_argument(
+        "--admission-control",
+        action="store_true",
+        help="SLO routing: refuse (503 + Retry-After) a request no path can serve within its SLO",
+    )
+    p.add_argument(
+        "--cache-aware-routing",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="send a prompt to the worker predicted to hold most of it in its prefix cache (what this router "
+        "sent where), within a few requests of the least loaded one's queue",
+    )
+    p.add_argument(
+        "--reserved-output-tokens",
+        type=int,
+        help="output tokens a route books on its decoder's KV with the prompt (default 256: "
+        "decoders grow beyond them, and preempt when full; 0: the prompt only; serve --kv-admission "
+        "worst-case: all of max_tokens)",
+    )
 
 
 def reserved_output_tokens(args) -> int:
@@ -45,8 +67,9 @@ def reserved_output_tokens(args) -> int:
 
 def add_router_args(p: argparse.ArgumentParser) -> None:
     """What a router needs beyond `add_routing_args` (the toggle's; serve has its own --latency-profile)."""
-    p.add_argument("--latency-profile", help="route by the SLO-aware multiplexing policy over this profile "
-                                             "(default: least loaded)")
+    p.add_argument(
+        "--latency-profile", help="route by the SLO-aware multiplexing policy over this profile (default: least loaded)"
+    )
 
 
 def decoder_joins(mode: str | None) -> tuple[bool, bool]:
@@ -58,8 +81,12 @@ def routing_policy(args):
     """(RoutingConfig, SloRouting or None) from the parsed routing, router and SLO options."""
     from common.policy.routing import RoutingConfig
 
-    routing = RoutingConfig(prefill_mode=args.prefill_mode, multiplex_max_tokens=args.multiplex_max_tokens,
-                            reserved_output_tokens=reserved_output_tokens(args), cache_aware=args.cache_aware_routing)
+    routing = RoutingConfig(
+        prefill_mode=args.prefill_mode,
+        multiplex_max_tokens=args.multiplex_max_tokens,
+        reserved_output_tokens=reserved_output_tokens(args),
+        cache_aware=args.cache_aware_routing,
+    )
     if args.routing == "slo" and not args.latency_profile:
         raise SystemExit("--routing slo needs --latency-profile")
     if not args.latency_profile or args.routing == "least-loaded":
@@ -69,19 +96,33 @@ def routing_policy(args):
     from services.routing.router import SloRouting
 
     # each worker's stage budgets (τ_t, join-first) come with its registration: the policy reads them there
-    return routing, SloRouting(load_profile(args.latency_profile), args.slo_ttft_ms, args.slo_tbt_ms,
-                               MultiplexConfig(short_prompt_tokens=args.multiplex_max_tokens,
-                                               admission_control=args.admission_control))
+    return routing, SloRouting(
+        load_profile(args.latency_profile),
+        args.slo_ttft_ms,
+        args.slo_tbt_ms,
+        MultiplexConfig(short_prompt_tokens=args.multiplex_max_tokens, admission_control=args.admission_control),
+    )
 
 
 def router_argv(args, latency_profile: str | None) -> list[str]:
     """The command-line options that give a toggle or gateway process this launch's routing policy."""
-    return ["--prefill-mode", args.prefill_mode, "--multiplex-max-tokens", str(args.multiplex_max_tokens),
-            "--reserved-output-tokens", str(reserved_output_tokens(args)),
-            "--routing", args.routing, "--slo-ttft-ms", str(args.slo_ttft_ms), "--slo-tbt-ms", str(args.slo_tbt_ms),
-            *([] if args.cache_aware_routing else ["--no-cache-aware-routing"]),
-            *(["--latency-profile", latency_profile] if latency_profile else []),
-            *(["--admission-control"] if args.admission_control else [])]
+    return [
+        "--prefill-mode",
+        args.prefill_mode,
+        "--multiplex-max-tokens",
+        str(args.multiplex_max_tokens),
+        "--reserved-output-tokens",
+        str(reserved_output_tokens(args)),
+        "--routing",
+        args.routing,
+        "--slo-ttft-ms",
+        str(args.slo_ttft_ms),
+        "--slo-tbt-ms",
+        str(args.slo_tbt_ms),
+        *([] if args.cache_aware_routing else ["--no-cache-aware-routing"]),
+        *(["--latency-profile", latency_profile] if latency_profile else []),
+        *(["--admission-control"] if args.admission_control else []),
+    ]
 
 
 def add_slo_args(p: argparse.ArgumentParser) -> None:
@@ -92,32 +133,54 @@ def add_slo_args(p: argparse.ArgumentParser) -> None:
 def add_budget_args(p: argparse.ArgumentParser) -> None:
     """How a worker sizes its stage budgets from the SLOs and its latency profile (what it registers; routers read
     them from the registry)."""
-    p.add_argument("--budget-headroom", type=float, default=1.0,
-                   help="stage budgets fill this fraction of their iteration-time limit (α·TTFT or TBT); < 1 leaves "
-                        "room for what the latency profile does not predict")
-    p.add_argument("--budget-alpha", type=float, default=0.5,
-                   help="α: instances without the decode role size their iterations to α·TTFT (TriInfer: 0.5)")
-    p.add_argument("--decoder-joins", default="auto", choices=["auto", "on", "first", "off"],
-                   help="decoders take requests handed over by dedicated prefill workers. on: size their iterations to "
-                        "TBT/2 (a request that joins waits for the iteration in flight, then its own); first: give a "
-                        "joining request's first decode a decode-only iteration, and size the others to TBT less one "
-                        "such iteration. serve: auto = first where decoders also prefill beside dedicated prefill "
-                        "workers; elsewhere auto = off")
+    p.add_argument(
+        "--budget-headroom",
+        type=float,
+        default=1.0,
+        help="stage budgets fill this fraction of their iteration-time limit (α·TTFT or TBT); < 1 leaves "
+        "room for what the latency profile does not predict",
+    )
+    p.add_argument(
+        "--budget-alpha",
+        type=float,
+        default=0.5,
+        help="α: instances without the decode role size their iterations to α·TTFT (TriInfer: 0.5)",
+    )
+    p.add_argument(
+        "--decoder-joins",
+        default="auto",
+        choices=["auto", "on", "first", "off"],
+        help="decoders take requests handed over by dedicated prefill workers. on: size their iterations to "
+        "TBT/2 (a request that joins waits for the iteration in flight, then its own); first: give a "
+        "joining request's first decode a decode-only iteration, and size the others to TBT less one "
+        "such iteration. serve: auto = first where decoders also prefill beside dedicated prefill "
+        "workers; elsewhere auto = off",
+    )
 
 
 def add_stage_calls_arg(p) -> None:
-    p.add_argument("--stage-calls", default="stream", choices=["stream", "unary"],
-                   help="how Encode, AwaitEncode and Prefill reach a worker: on one gRPC stream kept open to it (a "
-                        "message each way) or as unary rpcs")
+    p.add_argument(
+        "--stage-calls",
+        default="stream",
+        choices=["stream", "unary"],
+        help="how Encode, AwaitEncode and Prefill reach a worker: on one gRPC stream kept open to it (a "
+        "message each way) or as unary rpcs",
+    )
 
 
 def add_remote_image_args(p) -> None:
     """The gateway's (`epdmesh serve`, `epdmesh gateway`): whether it fetches http(s) image URLs, and from where."""
-    p.add_argument("--allow-remote-images", action="store_true",
-                   help="fetch http(s) image URLs (off by default: images come inline as base64 data URIs)")
-    p.add_argument("--allowed-image-domains", default="",
-                   help="with --allow-remote-images: comma-separated hosts images may come from (a domain allows its "
-                        "subdomains); default: any")
+    p.add_argument(
+        "--allow-remote-images",
+        action="store_true",
+        help="fetch http(s) image URLs (off by default: images come inline as base64 data URIs)",
+    )
+    p.add_argument(
+        "--allowed-image-domains",
+        default="",
+        help="with --allow-remote-images: comma-separated hosts images may come from (a domain allows its "
+        "subdomains); default: any",
+    )
 
 
 def allowed_image_domains(args) -> tuple[str, ...]:
@@ -125,55 +188,104 @@ def allowed_image_domains(args) -> tuple[str, ...]:
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", help=f"Hugging Face llava-1.5 directory (default: the tiny model in {default_model_dir()})")
+    p.add_argument(
+        "--model", help=f"Hugging Face llava-1.5 directory (default: the tiny model in {default_model_dir()})"
+    )
     p.add_argument("--served-model-name")
     p.add_argument("--max-model-len", type=int)
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"],
-                   help="auto: bfloat16 on CUDA and on CPUs that compute it natively (AMX, AVX512-BF16), else float32")
+    p.add_argument(
+        "--dtype",
+        default="auto",
+        choices=["auto", "bfloat16", "float32"],
+        help="auto: bfloat16 on CUDA and on CPUs that compute it natively (AMX, AVX512-BF16), else float32",
+    )
     p.add_argument("--device", default="cpu")
-    p.add_argument("--kv-cache-gib", type=float, help="KV cache size per worker (default: on a GPU, what "
-                                                      "--gpu-memory-utilization leaves; on the CPU 1; emulated: 64, "
-                                                      "counted in the model's real page bytes)")
-    p.add_argument("--gpu-memory-utilization", type=float, default=0.9,
-                   help="fraction of the GPU's memory for the weights, activations and caches (serve: split among "
-                        "the workers that share a GPU)")
-    p.add_argument("--token-budget", type=int, help="τ_t: tokens per iteration (default: from --latency-profile, else 2048)")
-    p.add_argument("--image-budget", type=int, help="τ_e: images per iteration (default: from --latency-profile, else 4)")
-    p.add_argument("--latency-profile", help="a latency profile (epdmesh profile; or H20/H100/H200): τ_t and τ_e are the largest batches "
-                                            "within α·TTFT (instances without decode) or TBT (with decode)")
+    p.add_argument(
+        "--kv-cache-gib",
+        type=float,
+        help="KV cache size per worker (default: on a GPU, what "
+        "--gpu-memory-utilization leaves; on the CPU 1; emulated: 64, "
+        "counted in the model's real page bytes)",
+    )
+    p.add_argument(
+        "--gpu-memory-utilization",
+        type=float,
+        default=0.9,
+        help="fraction of the GPU's memory for the weights, activations and caches (serve: split among "
+        "the workers that share a GPU)",
+    )
+    p.add_argument(
+        "--token-budget", type=int, help="τ_t: tokens per iteration (default: from --latency-profile, else 2048)"
+    )
+    p.add_argument(
+        "--image-budget", type=int, help="τ_e: images per iteration (default: from --latency-profile, else 4)"
+    )
+    p.add_argument(
+        "--latency-profile",
+        help="a latency profile (epdmesh profile; or H20/H100/H200): τ_t and τ_e are the largest batches "
+        "within α·TTFT (instances without decode) or TBT (with decode)",
+    )
     p.add_argument("--max-num-seqs", type=int, default=64)
-    p.add_argument("--kv-admission", default="on-demand", choices=["on-demand", "worst-case"],
-                   help="on-demand: KV blocks as requests grow, the newest preempted when the cache runs out (vLLM); "
-                        "worst-case: prompt + max_tokens booked at admission, never preempted, fewer requests at once")
+    p.add_argument(
+        "--kv-admission",
+        default="on-demand",
+        choices=["on-demand", "worst-case"],
+        help="on-demand: KV blocks as requests grow, the newest preempted when the cache runs out (vLLM); "
+        "worst-case: prompt + max_tokens booked at admission, never preempted, fewer requests at once",
+    )
     p.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "flash-attn", "xformers"])
-    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
-                   help="reuse the KV of a prompt's cached full blocks (images included, by content), as vLLM and "
-                        "SGLang do by default; a request whose cached prefix covers its images skips the vision tower "
-                        "(--no-enable-prefix-caching: compute every prompt in full)")
-    p.add_argument("--share-weights", action="store_true",
-                   help="CPU: the workers on this host map one read-only copy of the weights from /dev/shm instead "
-                        "of a copy each (common/model/shared_weights.py)")
-    p.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction,
-                   default=os.environ.get("EPDMESH_ENFORCE_EAGER", "") not in ("", "0"),
-                   help="run the model eagerly; by default a CPU worker compiles its dense path (torch.compile, a few "
-                        "seconds at start from a warm cache; default from $EPDMESH_ENFORCE_EAGER)")
+    p.add_argument(
+        "--enable-prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="reuse the KV of a prompt's cached full blocks (images included, by content), as vLLM and "
+        "SGLang do by default; a request whose cached prefix covers its images skips the vision tower "
+        "(--no-enable-prefix-caching: compute every prompt in full)",
+    )
+    p.add_argument(
+        "--share-weights",
+        action="store_true",
+        help="CPU: the workers on this host map one read-only copy of the weights from /dev/shm instead "
+        "of a copy each (common/model/shared_weights.py)",
+    )
+    p.add_argument(
+        "--enforce-eager",
+        action=argparse.BooleanOptionalAction,
+        default=os.environ.get("EPDMESH_ENFORCE_EAGER", "") not in ("", "0"),
+        help="run the model eagerly; by default a CPU worker compiles its dense path (torch.compile, a few "
+        "seconds at start from a warm cache; default from $EPDMESH_ENFORCE_EAGER)",
+    )
     p.add_argument("--threads", type=int, help="torch intra-op threads (serve: default cores / workers)")
-    p.add_argument("--backend", default="torch", choices=["torch", "emulated"],
-                   help="emulated: iterations wait the --profile's predicted time and emit deterministic tokens; "
-                        "everything else (batching, caches, transfers, routing) is the real code")
-    p.add_argument("--profile", help="emulated backend: the latency profile to run, a file or H20 / H100 / H200 for the "
-                                     f"analytic LLaVA-1.5-7B one (default {DEFAULT_EMULATED_PROFILE})")
-    p.add_argument("--emulated-kv-bytes-per-token", type=int, default=256,
-                   help="emulated backend: real KV bytes per token in the pages (the transfer waits for the model's)")
+    p.add_argument(
+        "--backend",
+        default="torch",
+        choices=["torch", "emulated"],
+        help="emulated: iterations wait the --profile's predicted time and emit deterministic tokens; "
+        "everything else (batching, caches, transfers, routing) is the real code",
+    )
+    p.add_argument(
+        "--profile",
+        help="emulated backend: the latency profile to run, a file or H20 / H100 / H200 for the "
+        f"analytic LLaVA-1.5-7B one (default {DEFAULT_EMULATED_PROFILE})",
+    )
+    p.add_argument(
+        "--emulated-kv-bytes-per-token",
+        type=int,
+        default=256,
+        help="emulated backend: real KV bytes per token in the pages (the transfer waits for the model's)",
+    )
     p.add_argument("--emulated-image-bytes-per-token", type=int, default=64)
 
 
 def add_chat_template_arg(p) -> None:
-    p.add_argument("--chat-template", help="a Jinja chat template to use instead of the checkpoint's: a file, or the "
-                                           "template itself (e.g. one that renders tools)")
+    p.add_argument(
+        "--chat-template",
+        help="a Jinja chat template to use instead of the checkpoint's: a file, or the "
+        "template itself (e.g. one that renders tools)",
+    )
 
 
 def chat_template(args) -> str | None:

@@ -16,8 +16,15 @@ def generate(out_dir: Path) -> list[Path]:
     protoc runs in its own process: its bundled libprotobuf must not meet the native libraries other
     packages have loaded into ours (seen: a segfault importing it after NIXL)."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    args = [sys.executable, "-m", "grpc_tools.protoc", f"-I{ROOT / 'proto'}", f"--python_out={out_dir}",
-            f"--pyi_out={out_dir}", f"--grpc_python_out={out_dir}"]
+    args = [
+        sys.executable,
+        "-m",
+        "grpc_tools.protoc",
+        f"-I{ROOT / 'proto'}",
+        f"--python_out={out_dir}",
+        f"--pyi_out={out_dir}",
+        f"--grpc_python_out={out_dir}",
+    ]
     done = subprocess.run(args + [str(ROOT / "proto" / p) for p in PROTOS], capture_output=True, text=True)
     if done.returncode != 0:
         raise RuntimeError(f"protoc failed: {done.stderr.strip()}")

@@ -30,8 +30,13 @@ class FlashPagedAttention:
         nd = meta.num_decodes
         if nd and paged:
             out[:nd] = self._with_kvcache(
-                q[:nd, None], k_cache, v_cache, cache_seqlens=meta.seq_lens_t[:nd],
-                block_table=meta.block_tables[:nd], softmax_scale=scale, causal=True,
+                q[:nd, None],
+                k_cache,
+                v_cache,
+                cache_seqlens=meta.seq_lens_t[:nd],
+                block_table=meta.block_tables[:nd],
+                softmax_scale=scale,
+                causal=True,
             )[:, 0]
         first = 0 if (nd and not paged) else nd
         if first < meta.num_sequences:
@@ -45,8 +50,13 @@ class FlashPagedAttention:
         q_lens = torch.tensor([0] + [meta.query_lens[i] for i in seqs], device=q.device)
         k_lens = torch.tensor([0] + [meta.seq_lens[i] for i in seqs], device=q.device)
         return self._varlen(
-            q, k, v,
-            cu_seqlens_q=q_lens.cumsum(0, dtype=torch.int32), cu_seqlens_k=k_lens.cumsum(0, dtype=torch.int32),
-            max_seqlen_q=max(meta.query_lens[i] for i in seqs), max_seqlen_k=max(meta.seq_lens[i] for i in seqs),
-            softmax_scale=scale, causal=True,
+            q,
+            k,
+            v,
+            cu_seqlens_q=q_lens.cumsum(0, dtype=torch.int32),
+            cu_seqlens_k=k_lens.cumsum(0, dtype=torch.int32),
+            max_seqlen_q=max(meta.query_lens[i] for i in seqs),
+            max_seqlen_k=max(meta.seq_lens[i] for i in seqs),
+            softmax_scale=scale,
+            causal=True,
         )

@@ -51,7 +51,8 @@ class TorchPagedAttention:
 def _heads_first(x: torch.Tensor) -> torch.Tensor:
     """[n, L, H, D] → a contiguous [n, H, L, D] (matmul on the strided view would copy it anyway, more slowly)."""
     return torch.empty(x.shape[0], x.shape[2], x.shape[1], x.shape[3], dtype=x.dtype, device=x.device).copy_(
-        x.transpose(1, 2))
+        x.transpose(1, 2)
+    )
 
 
 def _causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:

@@ -67,6 +67,7 @@ async def _abort(context, exc: Exception, name: str) -> None:
 def grpc_errors(method):
     """Wrap a servicer method so that our exceptions end the call with the right status code."""
     if inspect.isasyncgenfunction(method):
+
         @functools.wraps(method)
         async def stream(self, request, context):
             try:
@@ -76,6 +77,7 @@ def grpc_errors(method):
                 if isinstance(exc, grpc.aio.AbortError):
                     raise
                 await _abort(context, exc, method.__qualname__)
+
         return stream
 
     @functools.wraps(method)
@@ -86,4 +88,5 @@ def grpc_errors(method):
             if isinstance(exc, grpc.aio.AbortError):
                 raise
             await _abort(context, exc, method.__qualname__)
+
     return unary

@@ -19,8 +19,11 @@ from epdmesh.v1 import mesh_pb2 as pb
 
 _STAGES = {Stage.ENCODE: pb.STAGE_ENCODE, Stage.PREFILL: pb.STAGE_PREFILL, Stage.DECODE: pb.STAGE_DECODE}
 _KINDS = {"kv": pb.CACHE_KIND_KV, "image": pb.CACHE_KIND_IMAGE}
-_PATHS = {PrefillPath.COLOCATED: pb.PREFILL_PATH_COLOCATED, PrefillPath.DEDICATED: pb.PREFILL_PATH_DEDICATED,
-          PrefillPath.MULTIPLEXED: pb.PREFILL_PATH_MULTIPLEXED}
+_PATHS = {
+    PrefillPath.COLOCATED: pb.PREFILL_PATH_COLOCATED,
+    PrefillPath.DEDICATED: pb.PREFILL_PATH_DEDICATED,
+    PrefillPath.MULTIPLEXED: pb.PREFILL_PATH_MULTIPLEXED,
+}
 
 _STAGES_OF = {v: k for k, v in _STAGES.items()}
 _KINDS_OF = {v: k for k, v in _KINDS.items()}
@@ -29,9 +32,17 @@ _PATHS_OF = {v: k for k, v in _PATHS.items()}
 
 # ----- requests -----
 
+
 def sampling_to_pb(s: SamplingParams) -> pb.SamplingParams:
-    msg = pb.SamplingParams(max_tokens=s.max_tokens, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
-                            stop=list(s.stop), stop_token_ids=list(s.stop_token_ids), ignore_eos=s.ignore_eos)
+    msg = pb.SamplingParams(
+        max_tokens=s.max_tokens,
+        temperature=s.temperature,
+        top_p=s.top_p,
+        top_k=s.top_k,
+        stop=list(s.stop),
+        stop_token_ids=list(s.stop_token_ids),
+        ignore_eos=s.ignore_eos,
+    )
     if s.seed is not None:
         msg.seed = s.seed
     if s.logprobs is not None:
@@ -49,14 +60,22 @@ def sampling_to_pb(s: SamplingParams) -> pb.SamplingParams:
 
 def sampling_from_pb(msg: pb.SamplingParams) -> SamplingParams:
     return SamplingParams(
-        max_tokens=msg.max_tokens, temperature=msg.temperature, top_p=msg.top_p, top_k=msg.top_k,
-        seed=msg.seed if msg.HasField("seed") else None, stop=tuple(msg.stop),
-        stop_token_ids=tuple(msg.stop_token_ids), ignore_eos=msg.ignore_eos,
+        max_tokens=msg.max_tokens,
+        temperature=msg.temperature,
+        top_p=msg.top_p,
+        top_k=msg.top_k,
+        seed=msg.seed if msg.HasField("seed") else None,
+        stop=tuple(msg.stop),
+        stop_token_ids=tuple(msg.stop_token_ids),
+        ignore_eos=msg.ignore_eos,
         logprobs=msg.logprobs if msg.HasField("logprobs") else None,
-        presence_penalty=msg.presence_penalty, frequency_penalty=msg.frequency_penalty,
+        presence_penalty=msg.presence_penalty,
+        frequency_penalty=msg.frequency_penalty,
         repetition_penalty=msg.repetition_penalty if msg.HasField("repetition_penalty") else 1.0,
         logit_bias=tuple(zip(msg.logit_bias_token_ids, msg.logit_bias_values)),
-        min_tokens=msg.min_tokens, min_p=msg.min_p, grammar=msg.grammar if msg.HasField("grammar") else None,
+        min_tokens=msg.min_tokens,
+        min_p=msg.min_p,
+        grammar=msg.grammar if msg.HasField("grammar") else None,
     )
 
 
@@ -68,8 +87,9 @@ def image_to_pb(image: ImageInput, with_pixels: bool) -> pb.Image:
         msg.shape.extend(pixels.shape)
         msg.dtype = str(pixels.dtype).removeprefix("torch.")
         if image.scaling is not None:
-            msg.scaling.CopyFrom(pb.PixelScaling(rescale=image.scaling.rescale, mean=image.scaling.mean,
-                                                 std=image.scaling.std))
+            msg.scaling.CopyFrom(
+                pb.PixelScaling(rescale=image.scaling.rescale, mean=image.scaling.mean, std=image.scaling.std)
+            )
     return msg
 
 
@@ -91,20 +111,29 @@ def image_from_pb(msg: pb.Image) -> ImageInput:
 
 def spec_to_pb(request: Request, with_pixels: bool) -> pb.RequestSpec:
     return pb.RequestSpec(
-        request_id=request.request_id, prompt_token_ids=request.prompt_token_ids,
+        request_id=request.request_id,
+        prompt_token_ids=request.prompt_token_ids,
         sampling=sampling_to_pb(request.sampling),
         images=[image_to_pb(i, with_pixels) for i in request.images],
-        output_token_ids=request.output_token_ids, num_continued_tokens=request.num_continued_tokens,
+        output_token_ids=request.output_token_ids,
+        num_continued_tokens=request.num_continued_tokens,
         cache_salt=request.cache_salt,
     )
 
 
-def request_from_pb(msg: pb.RequestSpec, first_stage: Stage, last_stage: Stage, request_id: str | None = None) -> Request:
+def request_from_pb(
+    msg: pb.RequestSpec, first_stage: Stage, last_stage: Stage, request_id: str | None = None
+) -> Request:
     """A fresh engine request for the stages [first_stage, last_stage] of the spec. Raises ValueError on bad input."""
     request = Request(
-        request_id or msg.request_id, list(msg.prompt_token_ids), sampling_from_pb(msg.sampling),
-        [image_from_pb(i) for i in msg.images], first_stage=first_stage, last_stage=last_stage,
-        num_continued_tokens=msg.num_continued_tokens, cache_salt=msg.cache_salt,
+        request_id or msg.request_id,
+        list(msg.prompt_token_ids),
+        sampling_from_pb(msg.sampling),
+        [image_from_pb(i) for i in msg.images],
+        first_stage=first_stage,
+        last_stage=last_stage,
+        num_continued_tokens=msg.num_continued_tokens,
+        cache_salt=msg.cache_salt,
     )
     request.output_token_ids = list(msg.output_token_ids)
     return request
@@ -121,9 +150,11 @@ def first_stage_for(spec: pb.RequestSpec, has_image_pages: bool) -> Stage:
 
 # ----- pages -----
 
+
 def layout_to_pb(layout: PageLayout) -> pb.PageLayout:
-    return pb.PageLayout(kind=_KINDS[layout.kind], dtype=layout.dtype, block_size=layout.block_size,
-                         block_shape=list(layout.block_shape))
+    return pb.PageLayout(
+        kind=_KINDS[layout.kind], dtype=layout.dtype, block_size=layout.block_size, block_shape=list(layout.block_shape)
+    )
 
 
 def layout_from_pb(msg: pb.PageLayout) -> PageLayout:
@@ -135,15 +166,30 @@ def layout_from_pb(msg: pb.PageLayout) -> PageLayout:
 
 def handle_to_pb(h: PageHandle) -> pb.PageHandle:
     return pb.PageHandle(
-        worker_id=h.worker_id, address=h.address, lease_id=h.lease_id, block_ids=list(h.block_ids),
-        num_tokens=h.num_tokens, layout=layout_to_pb(h.layout), lease_expiry_unix_ms=int(h.lease_expiry * 1e3),
-        backend=h.backend, backend_info=h.backend_info,
+        worker_id=h.worker_id,
+        address=h.address,
+        lease_id=h.lease_id,
+        block_ids=list(h.block_ids),
+        num_tokens=h.num_tokens,
+        layout=layout_to_pb(h.layout),
+        lease_expiry_unix_ms=int(h.lease_expiry * 1e3),
+        backend=h.backend,
+        backend_info=h.backend_info,
     )
 
 
 def handle_from_pb(msg: pb.PageHandle) -> PageHandle:
-    return PageHandle(msg.worker_id, msg.address, msg.lease_id, tuple(msg.block_ids), msg.num_tokens,
-                      layout_from_pb(msg.layout), msg.lease_expiry_unix_ms / 1e3, msg.backend, msg.backend_info)
+    return PageHandle(
+        msg.worker_id,
+        msg.address,
+        msg.lease_id,
+        tuple(msg.block_ids),
+        msg.num_tokens,
+        layout_from_pb(msg.layout),
+        msg.lease_expiry_unix_ms / 1e3,
+        msg.backend,
+        msg.backend_info,
+    )
 
 
 def optional_handle(parent, field: str) -> PageHandle | None:
@@ -152,14 +198,31 @@ def optional_handle(parent, field: str) -> PageHandle | None:
 
 # ----- outputs -----
 
-def chunk_to_pb(new_token_ids: list[int], finish_reason: str | None, stop_reason, text: str | None,
-                num_prompt_tokens: int, logprobs: list[TokenLogprob] | None = None, handed_back: bool = False,
-                num_cached_tokens: int = 0) -> pb.TokenChunk:
-    msg = pb.TokenChunk(token_ids=new_token_ids, finish_reason=finish_reason or "", num_prompt_tokens=num_prompt_tokens,
-                        handed_back=handed_back, num_cached_tokens=num_cached_tokens)
+
+def chunk_to_pb(
+    new_token_ids: list[int],
+    finish_reason: str | None,
+    stop_reason,
+    text: str | None,
+    num_prompt_tokens: int,
+    logprobs: list[TokenLogprob] | None = None,
+    handed_back: bool = False,
+    num_cached_tokens: int = 0,
+) -> pb.TokenChunk:
+    msg = pb.TokenChunk(
+        token_ids=new_token_ids,
+        finish_reason=finish_reason or "",
+        num_prompt_tokens=num_prompt_tokens,
+        handed_back=handed_back,
+        num_cached_tokens=num_cached_tokens,
+    )
     for lp in logprobs or ():
-        msg.logprobs.add(token_id=lp.token_id, logprob=lp.logprob, top_token_ids=[t for t, _ in lp.top],
-                         top_logprobs=[v for _, v in lp.top])
+        msg.logprobs.add(
+            token_id=lp.token_id,
+            logprob=lp.logprob,
+            top_token_ids=[t for t, _ in lp.top],
+            top_logprobs=[v for _, v in lp.top],
+        )
     if isinstance(stop_reason, str):
         msg.stop_string = stop_reason
     elif isinstance(stop_reason, int):
@@ -182,19 +245,42 @@ def chunk_stop_reason(msg: pb.TokenChunk) -> str | int | None:
 
 # ----- registry -----
 
+
 def info_to_pb(info: WorkerInfo) -> pb.WorkerInfo:
-    return pb.WorkerInfo(worker_id=info.worker_id, address=info.address, roles=[_STAGES[s] for s in sorted(info.roles)],
-                         model=info.model, max_model_len=info.max_model_len, transfer_backend=info.transfer_backend,
-                         pid=info.pid, metrics_port=info.metrics_port, instance=info.instance,
-                         prefix_caching=info.prefix_caching, token_budget=info.token_budget,
-                         image_budget=info.image_budget, join_first=info.join_first)
+    return pb.WorkerInfo(
+        worker_id=info.worker_id,
+        address=info.address,
+        roles=[_STAGES[s] for s in sorted(info.roles)],
+        model=info.model,
+        max_model_len=info.max_model_len,
+        transfer_backend=info.transfer_backend,
+        pid=info.pid,
+        metrics_port=info.metrics_port,
+        instance=info.instance,
+        prefix_caching=info.prefix_caching,
+        token_budget=info.token_budget,
+        image_budget=info.image_budget,
+        join_first=info.join_first,
+    )
 
 
 def info_from_pb(msg: pb.WorkerInfo) -> WorkerInfo:
     roles = frozenset(_STAGES_OF[r] for r in msg.roles if r in _STAGES_OF)
-    return WorkerInfo(msg.worker_id, msg.address, roles, msg.model, msg.max_model_len, msg.transfer_backend or "grpc",
-                      msg.pid, msg.metrics_port, msg.instance, msg.prefix_caching, msg.token_budget, msg.image_budget,
-                      msg.join_first)
+    return WorkerInfo(
+        msg.worker_id,
+        msg.address,
+        roles,
+        msg.model,
+        msg.max_model_len,
+        msg.transfer_backend or "grpc",
+        msg.pid,
+        msg.metrics_port,
+        msg.instance,
+        msg.prefix_caching,
+        msg.token_budget,
+        msg.image_budget,
+        msg.join_first,
+    )
 
 
 _LOAD_FIELDS = [f.name for f in pb.WorkerLoad.DESCRIPTOR.fields]
@@ -209,29 +295,55 @@ def load_from_pb(msg: pb.WorkerLoad) -> WorkerLoad:
 
 
 def summary_to_pb(s: RouteSummary) -> pb.RouteRequest:
-    return pb.RouteRequest(request_id=s.request_id, num_prompt_tokens=s.num_prompt_tokens, num_images=s.num_images,
-                           max_tokens=s.max_tokens, exclude_worker_ids=sorted(s.exclude), ttft_slo_ms=s.ttft_slo_ms or 0,
-                           tbt_slo_ms=s.tbt_slo_ms or 0, elapsed_ms=s.elapsed_ms, prefix_hashes=s.prefix_hashes,
-                           image_end=s.image_end)
+    return pb.RouteRequest(
+        request_id=s.request_id,
+        num_prompt_tokens=s.num_prompt_tokens,
+        num_images=s.num_images,
+        max_tokens=s.max_tokens,
+        exclude_worker_ids=sorted(s.exclude),
+        ttft_slo_ms=s.ttft_slo_ms or 0,
+        tbt_slo_ms=s.tbt_slo_ms or 0,
+        elapsed_ms=s.elapsed_ms,
+        prefix_hashes=s.prefix_hashes,
+        image_end=s.image_end,
+    )
 
 
 def summary_from_pb(msg: pb.RouteRequest) -> RouteSummary:
-    return RouteSummary(msg.request_id, msg.num_prompt_tokens, msg.num_images, msg.max_tokens,
-                        frozenset(msg.exclude_worker_ids), msg.ttft_slo_ms or None, msg.tbt_slo_ms or None, msg.elapsed_ms,
-                        prefix_hashes=tuple(msg.prefix_hashes), image_end=msg.image_end)
+    return RouteSummary(
+        msg.request_id,
+        msg.num_prompt_tokens,
+        msg.num_images,
+        msg.max_tokens,
+        frozenset(msg.exclude_worker_ids),
+        msg.ttft_slo_ms or None,
+        msg.tbt_slo_ms or None,
+        msg.elapsed_ms,
+        prefix_hashes=tuple(msg.prefix_hashes),
+        image_end=msg.image_end,
+    )
 
 
 def plan_to_pb(plan: RoutePlan) -> pb.RoutePlan:
-    return pb.RoutePlan(encoder=snapshot_to_pb(plan.encoder) if plan.encoder is not None else None,
-                        prefill=snapshot_to_pb(plan.prefill), decoder=snapshot_to_pb(plan.decoder),
-                        path=_PATHS[plan.path], predicted_ttft_ms=plan.predicted_ttft_ms,
-                        images_cached=plan.images_cached)
+    return pb.RoutePlan(
+        encoder=snapshot_to_pb(plan.encoder) if plan.encoder is not None else None,
+        prefill=snapshot_to_pb(plan.prefill),
+        decoder=snapshot_to_pb(plan.decoder),
+        path=_PATHS[plan.path],
+        predicted_ttft_ms=plan.predicted_ttft_ms,
+        images_cached=plan.images_cached,
+    )
 
 
 def plan_from_pb(msg: pb.RoutePlan) -> RoutePlan:
-    return RoutePlan(snapshot_from_pb(msg.encoder) if msg.HasField("encoder") else None,
-                     snapshot_from_pb(msg.prefill), snapshot_from_pb(msg.decoder), _PATHS_OF[msg.path],
-                     msg.predicted_ttft_ms if msg.HasField("predicted_ttft_ms") else None, msg.images_cached)
+    return RoutePlan(
+        snapshot_from_pb(msg.encoder) if msg.HasField("encoder") else None,
+        snapshot_from_pb(msg.prefill),
+        snapshot_from_pb(msg.decoder),
+        _PATHS_OF[msg.path],
+        msg.predicted_ttft_ms if msg.HasField("predicted_ttft_ms") else None,
+        msg.images_cached,
+    )
 
 
 def snapshot_to_pb(w: WorkerSnapshot) -> pb.WorkerEntry:

@@ -49,4 +49,6 @@ def _torch_threads():
 @pytest.fixture(scope="session")
 def emulated_dir(tmp_path_factory):
     """LLaVA-1.5-7B's config, tokenizer and processor without weights: what the emulated backend runs on."""
-    return make_tiny_model(tmp_path_factory.mktemp("models") / "llava-1.5-7b", TinySpec(preset="llava-1.5-7b", config_only=True))
+    return make_tiny_model(
+        tmp_path_factory.mktemp("models") / "llava-1.5-7b", TinySpec(preset="llava-1.5-7b", config_only=True)
+    )

@@ -47,8 +47,13 @@ def mixed_cases() -> list[Case]:
         Case("text-650", user(txt(text_of(560, 4))), 20),
         Case("img-long", user(img(5, 500, 300), txt(text_of(300, 5))), 11),
         Case("system", [{"role": "system", "content": [txt("Answer briefly.")]}] + user(txt(text_of(25, 6))), 40),
-        Case("multi-turn", user(txt("Describe the scene.")) + [{"role": "assistant", "content": [txt(text_of(12, 7))]}]
-             + user(img(8, 256, 256), txt("And now?")), 15),
+        Case(
+            "multi-turn",
+            user(txt("Describe the scene."))
+            + [{"role": "assistant", "content": [txt(text_of(12, 7))]}]
+            + user(img(8, 256, 256), txt("And now?")),
+            15,
+        ),
         Case("two-images", user(img(9, 300, 300), img(10, 180, 240), txt("Compare them.")), 13),
     ]
 
@@ -76,8 +81,15 @@ class Reference:
         return float(top[0] - top[1])
 
 
-def hf_reference(model_dir, processor: ChatProcessor, cases: list[Case], dtype: torch.dtype,
-                 presence_penalty: float = 0.0, frequency_penalty: float = 0.0, **generate) -> dict[str, Reference]:
+def hf_reference(
+    model_dir,
+    processor: ChatProcessor,
+    cases: list[Case],
+    dtype: torch.dtype,
+    presence_penalty: float = 0.0,
+    frequency_penalty: float = 0.0,
+    **generate,
+) -> dict[str, Reference]:
     """transformers' own LlavaForConditionalGeneration.generate, greedy, one request at a time. `generate`:
     more of its arguments (e.g. repetition_penalty); the OpenAI penalties, which transformers lacks, are a
     logits processor written from OpenAI's definition (`OpenAIPenalties`)."""
@@ -87,7 +99,10 @@ def hf_reference(model_dir, processor: ChatProcessor, cases: list[Case], dtype: 
     refs = {}
     for case in cases:
         if case.conversation is None:
-            inputs = {"input_ids": torch.tensor([case.raw_ids]), "attention_mask": torch.ones(1, len(case.raw_ids), dtype=torch.long)}
+            inputs = {
+                "input_ids": torch.tensor([case.raw_ids]),
+                "attention_mask": torch.ones(1, len(case.raw_ids), dtype=torch.long),
+            }
         else:
             inputs = processor.processor.apply_chat_template(
                 case.conversation, add_generation_prompt=True, tokenize=True, return_dict=True, return_tensors="pt"
@@ -95,13 +110,22 @@ def hf_reference(model_dir, processor: ChatProcessor, cases: list[Case], dtype: 
             if "pixel_values" in inputs:
                 inputs["pixel_values"] = inputs["pixel_values"].to(dtype)
         n = inputs["input_ids"].shape[1]
-        processors = LogitsProcessorList([OpenAIPenalties(n, presence_penalty, frequency_penalty)]
-                                         if presence_penalty or frequency_penalty else [])
+        processors = LogitsProcessorList(
+            [OpenAIPenalties(n, presence_penalty, frequency_penalty)] if presence_penalty or frequency_penalty else []
+        )
         with torch.inference_mode():
-            out = model.generate(**inputs, do_sample=False, max_new_tokens=case.max_tokens, logits_processor=processors,
-                                 output_logits=True, return_dict_in_generate=True, **generate)
-        refs[case.name] = Reference(inputs["input_ids"][0].tolist(), out.sequences[0, n:].tolist(),
-                                    [step[0].float() for step in out.logits])
+            out = model.generate(
+                **inputs,
+                do_sample=False,
+                max_new_tokens=case.max_tokens,
+                logits_processor=processors,
+                output_logits=True,
+                return_dict_in_generate=True,
+                **generate,
+            )
+        refs[case.name] = Reference(
+            inputs["input_ids"][0].tolist(), out.sequences[0, n:].tolist(), [step[0].float() for step in out.logits]
+        )
     return refs
 
 
@@ -115,38 +139,68 @@ class OpenAIPenalties:
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
         scores = scores.clone()
         for row in range(scores.shape[0]):
-            for token in set(input_ids[row, self.prompt_len:].tolist()):
-                count = int((input_ids[row, self.prompt_len:] == token).sum())
+            for token in set(input_ids[row, self.prompt_len :].tolist()):
+                count = int((input_ids[row, self.prompt_len :] == token).sum())
                 scores[row, token] -= self.presence + self.frequency * count
         return scores
 
 
-def run_disaggregated(encoder: Engine, prefiller: Engine, decoder: Engine, requests: list[Request]) -> dict[str, list[int]]:
+def run_disaggregated(
+    encoder: Engine, prefiller: Engine, decoder: Engine, requests: list[Request]
+) -> dict[str, list[int]]:
     """Drive requests encode → (image page bytes) → prefill → (KV page bytes) → decode across three engines."""
     finals: dict[str, list[int]] = {}
     for r in requests:
         stage = Stage.ENCODE if r.images else Stage.PREFILL
         target = encoder if r.images else prefiller
-        target.add_request(Request(r.request_id, r.prompt_token_ids, r.sampling, r.images, first_stage=stage,
-                                   last_stage=Stage.ENCODE if r.images else Stage.PREFILL), capture_logits=True)
+        target.add_request(
+            Request(
+                r.request_id,
+                r.prompt_token_ids,
+                r.sampling,
+                r.images,
+                first_stage=stage,
+                last_stage=Stage.ENCODE if r.images else Stage.PREFILL,
+            ),
+            capture_logits=True,
+        )
     while encoder.has_unfinished or prefiller.has_unfinished or decoder.has_unfinished:
         for out in encoder.step():
             r = encoder.pages.handed_off[out.request_id]
             assert out.pages == ("image", r.image_block_table, r.num_image_tokens)  # what a worker leases
             pages = encoder.pages.export_image_pages(out.request_id)
             encoder.pages.release(out.request_id)
-            prefiller.add_request(Request(r.request_id, r.prompt_token_ids, r.sampling, r.images, first_stage=Stage.PREFILL,
-                                          last_stage=Stage.PREFILL), image_pages=_through_bytes(pages), capture_logits=True)
+            prefiller.add_request(
+                Request(
+                    r.request_id,
+                    r.prompt_token_ids,
+                    r.sampling,
+                    r.images,
+                    first_stage=Stage.PREFILL,
+                    last_stage=Stage.PREFILL,
+                ),
+                image_pages=_through_bytes(pages),
+                capture_logits=True,
+            )
         for out in prefiller.step():
             if out.finished:
                 finals[out.request_id] = out.output_token_ids
                 continue
             r = prefiller.pages.handed_off[out.request_id]
-            assert out.pages == ("kv", r.block_table[:len(out.pages[1])], r.num_prompt_tokens) and out.pages[1]
+            assert out.pages == ("kv", r.block_table[: len(out.pages[1])], r.num_prompt_tokens) and out.pages[1]
             pages = prefiller.pages.export_kv_pages(out.request_id)
             prefiller.pages.release(out.request_id)
-            decoder.add_request(Request(r.request_id, r.prompt_token_ids, r.sampling, r.images, first_stage=Stage.DECODE,
-                                        output_token_ids=list(out.output_token_ids)), kv_pages=_through_bytes(pages))
+            decoder.add_request(
+                Request(
+                    r.request_id,
+                    r.prompt_token_ids,
+                    r.sampling,
+                    r.images,
+                    first_stage=Stage.DECODE,
+                    output_token_ids=list(out.output_token_ids),
+                ),
+                kv_pages=_through_bytes(pages),
+            )
         for out in decoder.step():
             if out.finished:
                 finals[out.request_id] = out.output_token_ids

@@ -10,8 +10,16 @@ from epdmesh.auto_profile import ensure_profile, profile_path, setup_key, wants_
 
 
 def serve_args(model, **kw):
-    base = dict(model=str(model), dtype="float32", device="cpu", enforce_eager=True, auto_profile=True,
-                backend="torch", latency_profile=None, token_budget=None)
+    base = dict(
+        model=str(model),
+        dtype="float32",
+        device="cpu",
+        enforce_eager=True,
+        auto_profile=True,
+        backend="torch",
+        latency_profile=None,
+        token_budget=None,
+    )
     return argparse.Namespace(**{**base, **kw})
 
 
@@ -35,9 +43,15 @@ def test_the_key_holds_what_a_profile_depends_on(tiny_dir, tmp_path, monkeypatch
     monkeypatch.setenv("EPDMESH_HOME", str(tmp_path))
     key = setup_key(str(tiny_dir), "float32", "cpu", 1, True)
     assert {"model", "files", "dtype", "device", "threads", "eager", "cpu", "torch", "engine"} <= set(key)
-    paths = {profile_path(setup_key(str(tiny_dir), *v)) for v in
-             [("float32", "cpu", 1, True), ("bfloat16", "cpu", 1, True), ("float32", "cpu", 2, True),
-              ("float32", "cpu", 1, False)]}
+    paths = {
+        profile_path(setup_key(str(tiny_dir), *v))
+        for v in [
+            ("float32", "cpu", 1, True),
+            ("bfloat16", "cpu", 1, True),
+            ("float32", "cpu", 2, True),
+            ("float32", "cpu", 1, False),
+        ]
+    }
     assert len(paths) == 4
     # the engine's compute code is part of the setup: a faster kernel is measured again
     monkeypatch.setattr("epdmesh.auto_profile.ENGINE_SOURCES", ("kernels/*.py",))

@@ -6,8 +6,15 @@ from pathlib import Path
 
 import pytest
 
-from bench.conversation import (TraceRequest, Vocabulary, block_text, ideal_shared_tokens, plan, request_bodies,
-                                trace_requests)
+from bench.conversation import (
+    TraceRequest,
+    Vocabulary,
+    block_text,
+    ideal_shared_tokens,
+    plan,
+    request_bodies,
+    trace_requests,
+)
 from bench.workloads import trace_times, window_start
 
 SHARED_TRACE = Path(__file__).resolve().parents[2] / "shared" / "traces" / "mooncake_conversation_trace.jsonl"
@@ -26,22 +33,31 @@ def test_the_stored_trace_has_every_request_of_the_arrivals_with_its_hash_ids():
 def test_the_stored_trace_is_the_original_losslessly():
     original = [json.loads(line) for line in SHARED_TRACE.read_text().splitlines()]
     assert [(r.input_tokens, r.output_tokens, list(r.hash_ids)) for r in trace_requests()] == [
-        (o["input_length"], o["output_length"], o["hash_ids"]) for o in original]
+        (o["input_length"], o["output_length"], o["hash_ids"]) for o in original
+    ]
 
 
 def test_requests_are_the_trace_windows_lengths_scaled_and_cut_to_the_context():
-    trace = (TraceRequest(1000, 160, (0, 1)),  # 63 text tokens at scale 16: blocks of 32
-             TraceRequest(1600, 8, (0, 1, 2, 3)),  # the same conversation; a 1-token answer at least
-             TraceRequest(9000, 3200, (0, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21)),  # cut
-             TraceRequest(900, 16, (0, 22)))
+    trace = (
+        TraceRequest(1000, 160, (0, 1)),  # 63 text tokens at scale 16: blocks of 32
+        TraceRequest(1600, 8, (0, 1, 2, 3)),  # the same conversation; a 1-token answer at least
+        TraceRequest(9000, 3200, (0, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21)),  # cut
+        TraceRequest(900, 16, (0, 22)),
+    )
     planned = plan(4, seed=0, vocab=VOCAB, scale=16, trace=trace)
-    assert [p.blocks for p in planned] == [((0, 32), (1, 31)), ((0, 32), (1, 32), (2, 32), (3, 4)),
-                                           ((0, 32), (5, 32), (6, 32), (7, 4)), ((0, 32), (22, 25))]
+    assert [p.blocks for p in planned] == [
+        ((0, 32), (1, 31)),
+        ((0, 32), (1, 32), (2, 32), (3, 4)),
+        ((0, 32), (5, 32), (6, 32), (7, 4)),
+        ((0, 32), (22, 25)),
+    ]
     assert [p.output_tokens for p in planned] == [10, 1, 200, 1]
     assert [p.conversation for p in planned] == [1, 1, 5, 22]
     assert planned[2].text_tokens == VOCAB.max_model_len - VOCAB.chat_tokens - 200  # what the context leaves
-    assert window_start(2, 5, 4) == window_start(2, 5, 4) and plan(2, 5, VOCAB, trace=trace) == planned[
-        window_start(2, 5, 4):window_start(2, 5, 4) + 2]
+    assert (
+        window_start(2, 5, 4) == window_start(2, 5, 4)
+        and plan(2, 5, VOCAB, trace=trace) == planned[window_start(2, 5, 4) : window_start(2, 5, 4) + 2]
+    )
     with pytest.raises(ValueError, match="divide"):
         plan(2, 0, VOCAB, scale=3, trace=trace)
     with pytest.raises(ValueError, match="no room"):
@@ -49,8 +65,12 @@ def test_requests_are_the_trace_windows_lengths_scaled_and_cut_to_the_context():
 
 
 def test_only_a_prefix_an_earlier_request_holds_counts_as_shared():
-    trace = (TraceRequest(1000, 160, (0, 1)), TraceRequest(1600, 8, (0, 1, 2, 3)), TraceRequest(1600, 8, (0, 1, 2, 9)),
-             TraceRequest(900, 16, (0, 22)))
+    trace = (
+        TraceRequest(1000, 160, (0, 1)),
+        TraceRequest(1600, 8, (0, 1, 2, 3)),
+        TraceRequest(1600, 8, (0, 1, 2, 9)),
+        TraceRequest(900, 16, (0, 22)),
+    )
     planned = plan(4, seed=0, vocab=VOCAB, scale=16, trace=trace)
     # nothing before the first; then the system block, the image (with the template) and the blocks that match:
     # block 1 is 31 tokens in the first request and 32 in the second, so the match ends inside it
@@ -83,11 +103,16 @@ def test_a_conversations_bound_counts_each_request_without_what_a_turn_before_ho
     h20 = load_profile("H20")
     full, cached = request_cost_ms(h20, 1000, 1, 20), request_cost_ms(h20, 1000, 0, 20, cached_tokens=800)
     assert cached < full
-    assert full - cached == pytest.approx(request_cost_ms(h20, 1000, 1, 0) - request_cost_ms(h20, 1000, 0, 0, cached_tokens=800))
+    assert full - cached == pytest.approx(
+        request_cost_ms(h20, 1000, 1, 0) - request_cost_ms(h20, 1000, 0, 0, cached_tokens=800)
+    )
     with pytest.raises(ValueError, match="within"):
         request_cost_ms(h20, 10, 1, 1, cached_tokens=11)
-    result = {"goodput": 10.0, "requests": [[1000, 0, 20, 1], [1000, 800, 20, 0]],
-              "points": [{"completed": 2, "total_input_tokens": 2000}]}
+    result = {
+        "goodput": 10.0,
+        "requests": [[1000, 0, 20, 1], [1000, 800, 20, 0]],
+        "points": [{"completed": 2, "total_input_tokens": 2000}],
+    }
     add_bound(result, h20, 8)
     assert result["goodput_bound"] == pytest.approx(8e3 * 2 / (full + cached))
     assert result["fraction_of_bound"] == pytest.approx(10.0 / result["goodput_bound"])

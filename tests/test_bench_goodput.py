@@ -18,10 +18,16 @@ def test_trace_arrivals_keep_the_traces_burstiness_at_any_rate():
         gaps = [b - a for a, b in zip(times, times[1:])]
         assert times[0] == 0 and min(gaps) >= 0
         assert statistics.fmean(gaps) == pytest.approx(1 / rate)
-    assert arrivals(50, 4.0, seed=2, trace=trace) == arrivals(50, 4.0, seed=2, trace=trace) != arrivals(50, 4.0, seed=3, trace=trace)
+    assert (
+        arrivals(50, 4.0, seed=2, trace=trace)
+        == arrivals(50, 4.0, seed=2, trace=trace)
+        != arrivals(50, 4.0, seed=3, trace=trace)
+    )
     poisson = arrivals(2000, 5.0, "poisson", seed=0)
     gaps = [b - a for a, b in zip(poisson, poisson[1:])]
-    assert statistics.fmean(gaps) == pytest.approx(0.2, rel=0.1) and statistics.pstdev(gaps) == pytest.approx(0.2, rel=0.15)
+    assert statistics.fmean(gaps) == pytest.approx(0.2, rel=0.1) and statistics.pstdev(gaps) == pytest.approx(
+        0.2, rel=0.15
+    )
     with pytest.raises(ValueError):
         arrivals(5, 1.0, "uniform")
 
@@ -40,15 +46,28 @@ def test_attainment_needs_ttft_and_p90_tbt_and_metrics_use_vllms_names(tmp_path)
     stalls = Result(True, 0.2, [0.01] * 17 + [0.5] * 3, 1.9, 600, 21)  # 3 of 20 gaps slow: P90 over
     one_stall = Result(True, 0.2, [0.01] * 19 + [0.5], 0.9, 600, 21)  # 1 of 20: P90 fine
     failed = Result(False, error="HTTP 503")
-    assert [meets_slo(r, 1000, 100) for r in (fast, slow_start, stalls, one_stall, failed)] == [True, False, False, True, False]
+    assert [meets_slo(r, 1000, 100) for r in (fast, slow_start, stalls, one_stall, failed)] == [
+        True,
+        False,
+        False,
+        True,
+        False,
+    ]
     m = summarize([fast, slow_start, stalls, one_stall, failed], 10.0, 0.5, 1000, 100)
     assert m["completed"] == 4 and m["failed"] == 1 and m["slo_attainment"] == 0.4
     assert m["request_goodput"] == pytest.approx(0.2) and m["request_throughput"] == pytest.approx(0.4)
     assert m["ttft_attainment"] == 0.6 and m["tbt_attainment"] == 0.6
     assert m["median_ttft_ms"] == pytest.approx(200) and m["p99_ttft_ms"] > 1900
     assert m["total_output_tokens"] == 84 and m["mean_tpot_ms"] > 10
-    report = {"workloads": ["pope"], "attainment": 0.9, "backend": "test", "slo_ttft_ms": 1000, "slo_tbt_ms": 100,
-              "arrival": "mooncake", "configs": {"A": {"pope": {"goodput": 0.5, "points": [m]}}}}
+    report = {
+        "workloads": ["pope"],
+        "attainment": 0.9,
+        "backend": "test",
+        "slo_ttft_ms": 1000,
+        "slo_tbt_ms": 100,
+        "arrival": "mooncake",
+        "configs": {"A": {"pope": {"goodput": 0.5, "points": [m]}}},
+    }
     plot(report, tmp_path / "p.png")
     assert (tmp_path / "p.png").stat().st_size > 5000
 
@@ -66,13 +85,21 @@ def test_each_configuration_is_measured_against_the_bound_of_its_instances(tmp_p
     result = {"output_tokens": 32, "goodput": 40.0, "points": [{"completed": 0, "total_input_tokens": 0}, point]}
     add_bound(result, h20, 8)
     assert result["goodput_bound"] == pytest.approx(goodput_bound(h20, 8, 620, 1, 32))
-    assert 60 < result["goodput_bound"] < 120 and result["fraction_of_bound"] == pytest.approx(40 / result["goodput_bound"])
+    assert 60 < result["goodput_bound"] < 120 and result["fraction_of_bound"] == pytest.approx(
+        40 / result["goodput_bound"]
+    )
     real = {"output_tokens": 32, "goodput": 4.0, "points": [point]}
     add_bound(real, None, 1)  # the real backend has no profile: no bound claimed
     assert "goodput_bound" not in real
-    report = {"workloads": ["textcaps"], "attainment": 0.9, "backend": "test", "slo_ttft_ms": 1000, "slo_tbt_ms": 100,
-              "arrival": "mooncake", "configs": {"A": {"textcaps": {**result, "points": [
-                  {**point, "request_rate": 10.0, "slo_attainment": 1.0}]}}}}
+    report = {
+        "workloads": ["textcaps"],
+        "attainment": 0.9,
+        "backend": "test",
+        "slo_ttft_ms": 1000,
+        "slo_tbt_ms": 100,
+        "arrival": "mooncake",
+        "configs": {"A": {"textcaps": {**result, "points": [{**point, "request_rate": 10.0, "slo_attainment": 1.0}]}}},
+    }
     plot(report, tmp_path / "b.png")
     assert (tmp_path / "b.png").stat().st_size > 5000
 
@@ -87,8 +114,13 @@ def test_prediction_report_takes_the_requests_routed_between_two_reads_per_path_
     late = report["by_path"]["dedicated"]  # errors 1..10 ms once unscaled; the one before is left out
     assert late["count"] == 10 and late["median_error_ms"] == 6 and late["p90_error_ms"] == 10
     assert late["p10_error_ms"] == 2 and late["late_fraction"] == 1.0
-    assert report["by_path"]["multiplexed"] == {"count": 1, "p10_error_ms": -10, "median_error_ms": -10,
-                                                "p90_error_ms": -10, "late_fraction": 0.0}
+    assert report["by_path"]["multiplexed"] == {
+        "count": 1,
+        "p10_error_ms": -10,
+        "median_error_ms": -10,
+        "p90_error_ms": -10,
+        "late_fraction": 0.0,
+    }
 
 
 def test_a_goodput_above_the_bound_is_flagged_as_a_burst_not_a_sustained_rate(tmp_path, capsys):
@@ -97,11 +129,23 @@ def test_a_goodput_above_the_bound_is_flagged_as_a_burst_not_a_sustained_rate(tm
     from bench.goodput_report import finish
 
     def run(goodput):
-        return {"output_tokens": 32, "goodput": goodput, "goodput_bound": 85.9,
-                "points": [{"request_rate": goodput, "slo_attainment": 0.95, "completed": 80}]}
+        return {
+            "output_tokens": 32,
+            "goodput": goodput,
+            "goodput_bound": 85.9,
+            "points": [{"request_rate": goodput, "slo_attainment": 0.95, "completed": 80}],
+        }
 
-    report = {"workloads": ["textcaps"], "attainment": 0.9, "backend": "test", "slo_ttft_ms": 1000, "slo_tbt_ms": 150,
-              "arrival": "mooncake", "num_prompts": 80, "configs": {"A": {"textcaps": run(60.0)}}}
+    report = {
+        "workloads": ["textcaps"],
+        "attainment": 0.9,
+        "backend": "test",
+        "slo_ttft_ms": 1000,
+        "slo_tbt_ms": 150,
+        "arrival": "mooncake",
+        "num_prompts": 80,
+        "configs": {"A": {"textcaps": run(60.0)}},
+    }
     finish(report, tmp_path / "r.json", types.SimpleNamespace(plot=None))
     assert "above the bound" not in capsys.readouterr().out
     report["configs"]["B"] = {"textcaps": run(100.0)}
@@ -118,16 +162,27 @@ def test_a_goodput_above_the_bound_is_flagged_as_a_burst_not_a_sustained_rate(tm
 
 def test_attainment_by_path_matches_the_clients_requests_to_the_gateways_routes_by_id():
     fields = ["seq", "path", "predicted_ms", "actual_ms", "id"]
-    rows = [[1, "dedicated", 100.0, 200.0, "a"], [2, "dedicated", 100.0, 200.0, "b"], [3, "multiplexed", 50.0, 90.0, "c"]]
-    results = [Result(True, 0.1, [0.02, 0.02, 0.02], request_id="a"),  # meets both
-               Result(True, 1.5, [0.02, 0.02, 0.02], request_id="b"),  # TTFT 1500 ms > 1000
-               Result(True, 0.1, [0.02, 0.02, 0.30], request_id="c"),  # its P90 gap is 244 ms > 150
-               Result(True, 0.1, [0.02], request_id="unrouted"),  # no route recorded: in no path
-               Result(False, error="HTTP 503", request_id="")]
+    rows = [
+        [1, "dedicated", 100.0, 200.0, "a"],
+        [2, "dedicated", 100.0, 200.0, "b"],
+        [3, "multiplexed", 50.0, 90.0, "c"],
+    ]
+    results = [
+        Result(True, 0.1, [0.02, 0.02, 0.02], request_id="a"),  # meets both
+        Result(True, 1.5, [0.02, 0.02, 0.02], request_id="b"),  # TTFT 1500 ms > 1000
+        Result(True, 0.1, [0.02, 0.02, 0.30], request_id="c"),  # its P90 gap is 244 ms > 150
+        Result(True, 0.1, [0.02], request_id="unrouted"),  # no route recorded: in no path
+        Result(False, error="HTTP 503", request_id=""),
+    ]
     report = prediction_report({}, {"ttft_predictions": {"fields": fields, "recent": rows}}, 1, results, 1000, 150)
     by_path = report["attainment_by_path"]
-    assert by_path["dedicated"] == {"count": 2, "ttft_attainment": 0.5, "tbt_attainment": 1.0, "slo_attainment": 0.5,
-                                    "p90_of_p90_gap_ms": pytest.approx(20.0)}
+    assert by_path["dedicated"] == {
+        "count": 2,
+        "ttft_attainment": 0.5,
+        "tbt_attainment": 1.0,
+        "slo_attainment": 0.5,
+        "p90_of_p90_gap_ms": pytest.approx(20.0),
+    }
     assert by_path["multiplexed"]["count"] == 1 and by_path["multiplexed"]["tbt_attainment"] == 0.0
     assert by_path["multiplexed"]["p90_of_p90_gap_ms"] == pytest.approx(244.0)
 
@@ -138,8 +193,9 @@ def test_a_configuration_label_with_any_characters_names_a_log_file_beside_the_j
 
 
 def test_a_configuration_may_sweep_its_own_rates_and_a_misnamed_one_is_refused(capsys):
-    args = parse_args(["--config", "a=--topology EPD1", "--config", "b=--topology EPD2", "--rates", "40,45",
-                       "--rates-of", "b=15,20"])
+    args = parse_args(
+        ["--config", "a=--topology EPD1", "--config", "b=--topology EPD2", "--rates", "40,45", "--rates-of", "b=15,20"]
+    )
     assert args.rate_list == [40.0, 45.0] and args.rates_of == {"b": [15.0, 20.0]}
     for bad in (["--rates-of", "c=15"], ["--rates-of", "b=15,x"], ["--rates-of", "b=0"]):
         with pytest.raises(SystemExit):
@@ -148,7 +204,10 @@ def test_a_configuration_may_sweep_its_own_rates_and_a_misnamed_one_is_refused(c
 
 
 def test_each_rate_points_images_are_files_of_their_own_with_the_same_prompts():
-    base, other = request_bodies(SHAPES["pope"], 6, "m", seed=2), request_bodies(SHAPES["pope"], 6, "m", seed=2, variant=3)
+    base, other = (
+        request_bodies(SHAPES["pope"], 6, "m", seed=2),
+        request_bodies(SHAPES["pope"], 6, "m", seed=2, variant=3),
+    )
     url = lambda b: b["messages"][0]["content"][0]["image_url"]["url"]  # noqa: E731
     assert not {url(b) for b in base} & {url(b) for b in other}
     assert [b["messages"][0]["content"][1] for b in base] == [b["messages"][0]["content"][1] for b in other]

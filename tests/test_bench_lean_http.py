@@ -9,12 +9,16 @@ from bench.lean_http import HttpError, LeanClient
 
 def _chunked(*parts: bytes) -> bytes:
     body = b"".join(b"%x\r\n%s\r\n" % (len(p), p) for p in parts)
-    return b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n" + body + b"0\r\n\r\n"
+    return (
+        b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
+        + body
+        + b"0\r\n\r\n"
+    )
 
 
 CHUNKED = _chunked(b'data: {"a": 1}\n', b"\ndata: [DO", b"NE]\n\n")  # a line split across chunks
 SIZED = b"HTTP/1.1 200 OK\r\ncontent-length: 9\r\n\r\none\ntwo\r\n"
-REFUSED = b"HTTP/1.1 400 Bad Request\r\ncontent-length: 15\r\n\r\n{\"error\": \"no\"}"
+REFUSED = b'HTTP/1.1 400 Bad Request\r\ncontent-length: 15\r\n\r\n{"error": "no"}'
 
 
 async def _serve(responses: list[bytes], seen: list[tuple[bytes, bytes]], per_connection: int = 0):
@@ -27,7 +31,9 @@ async def _serve(responses: list[bytes], seen: list[tuple[bytes, bytes]], per_co
         while responses and not (per_connection and answered == per_connection):
             answered += 1
             head = await reader.readuntil(b"\r\n\r\n")
-            length = int(next(line.split(b":")[1] for line in head.split(b"\r\n") if line.lower().startswith(b"content-length")))
+            length = int(
+                next(line.split(b":")[1] for line in head.split(b"\r\n") if line.lower().startswith(b"content-length"))
+            )
             seen.append((head.split(b"\r\n")[0], await reader.readexactly(length)))
             writer.write(responses.pop(0))
             await writer.drain()

@@ -37,10 +37,20 @@ def test_the_slope_is_mib_per_thousand_requests():
 
 def test_the_processes_under_a_serve_are_found_and_measured():
     port = "45678"  # only a marker in the command line: nothing listens on it
-    parent = subprocess.Popen([sys.executable, "-c", "import subprocess, sys, time; "
-                               "c = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(30)']); "
-                               "print(c.pid, flush=True); time.sleep(30)", "serve", "--port", port],
-                              stdout=subprocess.PIPE, text=True)
+    parent = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import subprocess, sys, time; "
+            "c = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(30)']); "
+            "print(c.pid, flush=True); time.sleep(30)",
+            "serve",
+            "--port",
+            port,
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     child = None
     try:
         child = int(parent.stdout.readline())

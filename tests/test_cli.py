@@ -15,11 +15,14 @@ def config_for(*argv):
 def test_budgets_come_from_the_profile_and_the_slos(tmp_path):
     path = tmp_path / "h100.json"
     analytic_profile("H100").save(path)
-    prefill = config_for("--roles", "encode,prefill", "--latency-profile", str(path), "--slo-ttft-ms", "400",
-                         "--slo-tbt-ms", "50")
+    prefill = config_for(
+        "--roles", "encode,prefill", "--latency-profile", str(path), "--slo-ttft-ms", "400", "--slo-tbt-ms", "50"
+    )
     expected = budgets_for(analytic_profile("H100"), False, 400, 50)  # limit α·TTFT = 200 ms
     assert (prefill.token_budget, prefill.image_budget) == (expected.token_budget, expected.image_budget)
-    decode = config_for("--roles", "decode", "--latency-profile", str(path), "--slo-ttft-ms", "400", "--slo-tbt-ms", "50")
+    decode = config_for(
+        "--roles", "decode", "--latency-profile", str(path), "--slo-ttft-ms", "400", "--slo-tbt-ms", "50"
+    )
     expected = budgets_for(analytic_profile("H100"), True, 400, 50)  # limit TBT = 50 ms
     assert (decode.token_budget, decode.image_budget) == (expected.token_budget, expected.image_budget)
     assert decode.image_token_cost == expected.image_token_cost > 0
@@ -28,17 +31,23 @@ def test_budgets_come_from_the_profile_and_the_slos(tmp_path):
     assert (explicit.token_budget, explicit.image_token_cost) == (99, 0)  # a given τ_t is the user's: no cost
     plain = config_for("--roles", "decode")
     assert (plain.token_budget, plain.image_budget, plain.image_token_cost) == (2048, 4, 0)
-    joined = config_for("--roles", "prefill,decode", "--latency-profile", str(path), "--slo-tbt-ms", "50",
-                        "--decoder-joins", "on")
+    joined = config_for(
+        "--roles", "prefill,decode", "--latency-profile", str(path), "--slo-tbt-ms", "50", "--decoder-joins", "on"
+    )
     assert joined.token_budget == budgets_for(analytic_profile("H100"), True, 2000, 50, joins=True).token_budget
     assert joined.token_budget < budgets_for(analytic_profile("H100"), True, 2000, 50).token_budget
     assert not joined.join_first
-    first = config_for("--roles", "prefill,decode", "--latency-profile", str(path), "--slo-tbt-ms", "150",
-                       "--decoder-joins", "first")
-    assert first.join_first and first.token_budget == budgets_for(analytic_profile("H100"), True, 2000, 150, joins=True,
-                                                                  join_first=True).token_budget
-    shorter = config_for("--roles", "encode,prefill", "--latency-profile", str(path), "--slo-ttft-ms", "400",
-                         "--budget-alpha", "0.25")  # limit α·TTFT = 100 ms
+    first = config_for(
+        "--roles", "prefill,decode", "--latency-profile", str(path), "--slo-tbt-ms", "150", "--decoder-joins", "first"
+    )
+    assert (
+        first.join_first
+        and first.token_budget
+        == budgets_for(analytic_profile("H100"), True, 2000, 150, joins=True, join_first=True).token_budget
+    )
+    shorter = config_for(
+        "--roles", "encode,prefill", "--latency-profile", str(path), "--slo-ttft-ms", "400", "--budget-alpha", "0.25"
+    )  # limit α·TTFT = 100 ms
     assert shorter.token_budget == budgets_for(analytic_profile("H100"), False, 400, 50, alpha=0.25).token_budget
     assert shorter.token_budget < prefill.token_budget
 
@@ -46,15 +55,42 @@ def test_budgets_come_from_the_profile_and_the_slos(tmp_path):
 def test_serve_passes_its_routing_policy_to_toggle_and_gateway_alike():
     from epdmesh.options import router_argv, routing_policy
 
-    args = build_parser().parse_args(["serve", "--latency-profile", "H20", "--slo-tbt-ms", "150", "--admission-control",
-                                      "--decoder-joins", "on", "--budget-headroom", "0.8", "--budget-alpha", "0.3",
-                                      "--prefill-mode", "dedicated", "--multiplex-max-tokens", "300", "--routing", "slo",
-                                      "--slo-ttft-ms", "900"])  # none at its default
+    args = build_parser().parse_args(
+        [
+            "serve",
+            "--latency-profile",
+            "H20",
+            "--slo-tbt-ms",
+            "150",
+            "--admission-control",
+            "--decoder-joins",
+            "on",
+            "--budget-headroom",
+            "0.8",
+            "--budget-alpha",
+            "0.3",
+            "--prefill-mode",
+            "dedicated",
+            "--multiplex-max-tokens",
+            "300",
+            "--routing",
+            "slo",
+            "--slo-ttft-ms",
+            "900",
+        ]
+    )  # none at its default
     argv = router_argv(args, args.latency_profile)
     toggle = build_parser().parse_args(["toggle", *argv])
     gateway = build_parser().parse_args(["gateway", "--toggle", "127.0.0.1:1", *argv])
-    fields = ("prefill_mode", "multiplex_max_tokens", "routing", "slo_ttft_ms", "slo_tbt_ms", "latency_profile",
-              "admission_control")
+    fields = (
+        "prefill_mode",
+        "multiplex_max_tokens",
+        "routing",
+        "slo_ttft_ms",
+        "slo_tbt_ms",
+        "latency_profile",
+        "admission_control",
+    )
     assert [getattr(toggle, f) for f in fields] == [getattr(gateway, f) for f in fields]
     # every option reaches them as serve was given it (an option router_argv forgot would fall back to its default)
     assert [getattr(gateway, f) for f in fields] == [getattr(args, f) for f in fields]
@@ -68,12 +104,28 @@ def test_a_worker_registers_the_stage_budgets_it_runs():
     from services.worker.server import registered_budgets
 
     for joins in ("first", "on"):
-        args = build_parser().parse_args(["worker", "--model", "/nowhere", "--roles", "prefill,decode",
-                                          "--latency-profile", "H20", "--slo-tbt-ms", "150", "--decoder-joins", joins])
+        args = build_parser().parse_args(
+            [
+                "worker",
+                "--model",
+                "/nowhere",
+                "--roles",
+                "prefill,decode",
+                "--latency-profile",
+                "H20",
+                "--slo-tbt-ms",
+                "150",
+                "--decoder-joins",
+                joins,
+            ]
+        )
         info = registered_budgets(_engine_config(args, args.roles).scheduler)
         expected = budgets_for(analytic_profile("H20"), True, 2000, 150, joins=True, join_first=joins == "first")
         assert (info["token_budget"], info["image_budget"], info["join_first"]) == (
-            expected.token_budget, expected.image_budget, joins == "first")
+            expected.token_budget,
+            expected.image_budget,
+            joins == "first",
+        )
 
 
 def test_emulated_defaults_and_routing_choice(tmp_path):

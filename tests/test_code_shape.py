@@ -8,10 +8,12 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("common", "services", "epdmesh", "kernels", "bench")
 # services' layers, lowest first: a module may import its own layer and those below
-LAYERS = [("services.wire", "services.failure", "services.errors"),
-          ("services.stage_calls", "services.routing"),
-          ("services.encoder", "services.prefill", "services.decoder", "services.worker"),
-          ("services.toggle", "services.gateway")]
+LAYERS = [
+    ("services.wire", "services.failure", "services.errors"),
+    ("services.stage_calls", "services.routing"),
+    ("services.encoder", "services.prefill", "services.decoder", "services.worker"),
+    ("services.toggle", "services.gateway"),
+]
 MAX_UPWARD = 3  # the most imports allowed from a lower layer up (issue 32)
 MAX_GATEWAY_FUNCTION_LINES = 60
 
@@ -29,6 +31,7 @@ def _modules() -> dict[str, Path]:
 
 def _imports(modules: dict[str, Path]) -> dict[str, set[str]]:
     """Module → the project modules it imports (at any depth of its code, lazily or not)."""
+
     def resolve(name: str) -> str | None:
         while name and name not in modules:
             name = name.rpartition(".")[0]
@@ -44,7 +47,7 @@ def _imports(modules: dict[str, Path]) -> dict[str, set[str]]:
                 base = node.module or ""
                 if node.level:
                     parts = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
-                    base = ".".join(parts[:len(parts) - node.level + 1] + ([node.module] if node.module else []))
+                    base = ".".join(parts[: len(parts) - node.level + 1] + ([node.module] if node.module else []))
                 targets = [f"{base}.{alias.name}" for alias in node.names]
             else:
                 continue
@@ -94,8 +97,15 @@ def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 
 
 def _layer(module: str) -> int | None:
-    return next((i for i, layer in enumerate(LAYERS) for prefix in layer
-                 if module == prefix or module.startswith(prefix + ".")), None)
+    return next(
+        (
+            i
+            for i, layer in enumerate(LAYERS)
+            for prefix in layer
+            if module == prefix or module.startswith(prefix + ".")
+        ),
+        None,
+    )
 
 
 def test_the_cycle_finder_finds_a_cycle_and_the_layers_cover_services():
@@ -111,8 +121,13 @@ def test_no_import_circle_in_the_project():
 
 def test_services_import_downwards():
     graph = _imports(_modules())
-    upward = sorted(f"{m} -> {t}" for m, targets in graph.items() if m.startswith("services.")
-                    for t in targets if t.startswith("services.") and _layer(m) < _layer(t))
+    upward = sorted(
+        f"{m} -> {t}"
+        for m, targets in graph.items()
+        if m.startswith("services.")
+        for t in targets
+        if t.startswith("services.") and _layer(m) < _layer(t)
+    )
     assert len(upward) <= MAX_UPWARD, upward
 
 

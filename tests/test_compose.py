@@ -73,7 +73,7 @@ def epdmesh_commands(command: list[str] | None) -> list[list[str]]:
         for i, token in enumerate(tokens):
             if token == "epdmesh":
                 argv = []
-                for t in tokens[i + 1:]:
+                for t in tokens[i + 1 :]:
                     if t in ("{", "}") or set(t) <= set("();<>|&"):
                         break
                     argv.append(t)
@@ -86,7 +86,9 @@ def parse(argv: list[str]):
     try:
         return build_parser().parse_args(argv)
     except SystemExit as e:
-        raise AssertionError(f"epdmesh {shlex.join(argv)} is rejected by epdmesh.cli.build_parser (exit {e.code})") from None
+        raise AssertionError(
+            f"epdmesh {shlex.join(argv)} is rejected by epdmesh.cli.build_parser (exit {e.code})"
+        ) from None
 
 
 def parsed(services: dict, name: str):
@@ -96,7 +98,9 @@ def parsed(services: dict, name: str):
 
 
 def workers(services: dict) -> list[str]:
-    return [name for name, svc in services.items() if (epdmesh_commands(svc.get("command")) or [[None]])[0][0] == "worker"]
+    return [
+        name for name, svc in services.items() if (epdmesh_commands(svc.get("command")) or [[None]])[0][0] == "worker"
+    ]
 
 
 # ---------------------------------------------------------------------------------------------- validation
@@ -110,10 +114,14 @@ def test_config_is_valid(profiles):
 
 
 @needs_compose
-@pytest.mark.parametrize("old, new, message", [
-    ("  gateway:\n    <<: *epdmesh\n", "  gateway:\n    <<: *epdmesh\n    bogus_key: true\n", "bogus_key"),
-    ('    ports:\n      - "127.0.0.1:8000:8000"\n', '    ports: "127.0.0.1:8000:8000"\n', "ports"),
-], ids=["unknown-key", "ports-not-a-list"])
+@pytest.mark.parametrize(
+    "old, new, message",
+    [
+        ("  gateway:\n    <<: *epdmesh\n", "  gateway:\n    <<: *epdmesh\n    bogus_key: true\n", "bogus_key"),
+        ('    ports:\n      - "127.0.0.1:8000:8000"\n', '    ports: "127.0.0.1:8000:8000"\n', "ports"),
+    ],
+    ids=["unknown-key", "ports-not-a-list"],
+)
 def test_broken_copy_is_rejected(tmp_path, old, new, message):
     """The validator validates: our own file with one mistake put in fails `config -q`."""
     text = COMPOSE_FILE.read_text()
@@ -155,7 +163,9 @@ def test_ports_are_published_on_loopback_only(services):
     for name, svc in services.items():
         for port in svc.get("ports", []):
             assert port.get("host_ip") == "127.0.0.1", f"{name} publishes {port} beyond 127.0.0.1"
-    assert {"target": 8000, "published": "8000", "host_ip": "127.0.0.1"}.items() <= services["gateway"]["ports"][0].items()
+    assert {"target": 8000, "published": "8000", "host_ip": "127.0.0.1"}.items() <= services["gateway"]["ports"][
+        0
+    ].items()
     assert all(not services[w].get("ports") for w in workers(services)), "workers are reached inside the network only"
 
 
@@ -166,7 +176,9 @@ def test_depends_on_waits_for_health(services):
             assert dep in services, f"{name} depends on a missing service {dep}"
             assert spec["condition"] in CONDITIONS, (name, dep, spec)
             if spec["condition"] == "service_healthy":
-                assert services[dep].get("healthcheck"), f"{name} waits for {dep} to be healthy, but it has no healthcheck"
+                assert services[dep].get("healthcheck"), (
+                    f"{name} waits for {dep} to be healthy, but it has no healthcheck"
+                )
             if spec["condition"] == "service_completed_successfully":
                 assert dep in ONE_SHOT, (name, dep)
     assert services["toggle"]["depends_on"]["redis"]["condition"] == "service_healthy"
@@ -203,7 +215,8 @@ def test_parse_rejects_unknown_flags():
     with pytest.raises(AssertionError, match="rejected"):
         parse(["no-such-command"])
     assert epdmesh_commands(["sh", "-c", "test -e x || { epdmesh make-tiny-model /m/x.partial && mv a b ; }"]) == [
-        ["make-tiny-model", "/m/x.partial"]]
+        ["make-tiny-model", "/m/x.partial"]
+    ]
 
 
 @needs_compose
@@ -214,7 +227,9 @@ def test_every_epdmesh_command_is_accepted_by_the_cli(services):
             used.add(parse(argv).command)
     assert used == {"make-tiny-model", "toggle", "worker", "gateway"}
     image_services = [n for n, s in services.items() if s.get("image") == "epdmesh:local"]
-    assert all(epdmesh_commands(services[n].get("command")) for n in image_services), "an epdmesh service runs no epdmesh command"
+    assert all(epdmesh_commands(services[n].get("command")) for n in image_services), (
+        "an epdmesh service runs no epdmesh command"
+    )
 
 
 @needs_compose
@@ -248,7 +263,9 @@ def test_mesh_wiring(services):
     gateway = parsed(services, "gateway")
     assert gateway.toggle == toggle_address and gateway.model == model and gateway.host == "0.0.0.0"
     # a gateway that routes in-process must read the toggle's registry: same Redis, same key prefix
-    assert (gateway.redis_url, gateway.prefix) == (toggle.redis_url, toggle.prefix), "gateway and toggle see different registries"
+    assert (gateway.redis_url, gateway.prefix) == (toggle.redis_url, toggle.prefix), (
+        "gateway and toggle see different registries"
+    )
     assert services["gateway"]["ports"][0]["target"] == gateway.port
     assert services["gateway"]["healthcheck"]["test"][-1] == f"http://127.0.0.1:{gateway.port}/health"
 
@@ -316,8 +333,11 @@ def test_dockerfile():
     text = (ROOT / "Dockerfile").read_text()
     lines = [line.strip() for line in text.splitlines() if line.strip() and not line.lstrip().startswith("#")]
     assert lines[0] == "FROM python:3.11-slim"
-    pins = [d for d in tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
-            if d.startswith("torch")]
+    pins = [
+        d
+        for d in tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+        if d.startswith("torch")
+    ]
     assert len(pins) == 1 and pins[0].startswith("torch==")
     torch_line = next(i for i, line in enumerate(lines) if "download.pytorch.org/whl/cpu" in line)
     assert "--index-url https://download.pytorch.org/whl/cpu" in lines[torch_line]

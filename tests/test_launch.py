@@ -11,8 +11,11 @@ from epdmesh import launch
 from epdmesh.launch import Mesh, Restarts, Stopped
 
 KILLED = [sys.executable, "-c", "import os, signal; os.kill(os.getpid(), signal.SIGKILL)"]
-INTERRUPTED = [sys.executable, "-c", "import os, signal; signal.signal(signal.SIGINT, signal.SIG_DFL); "
-               "os.kill(os.getpid(), signal.SIGINT)"]  # a Ctrl-C before the worker set its handlers
+INTERRUPTED = [
+    sys.executable,
+    "-c",
+    "import os, signal; signal.signal(signal.SIGINT, signal.SIG_DFL); os.kill(os.getpid(), signal.SIGINT)",
+]  # a Ctrl-C before the worker set its handlers
 FAILS = [sys.executable, "-c", "raise SystemExit(3)"]
 CLEAN = [sys.executable, "-c", "pass"]
 
@@ -32,7 +35,7 @@ def test_a_worker_killed_by_a_signal_during_start_up_is_started_once_more(mesh):
     first = mesh.spawn("worker D#0", KILLED)
     _wait_exit(first)
     mesh.check_alive()  # not an error: started again
-    (name, second), = mesh.procs
+    ((name, second),) = mesh.procs
     assert name == "worker D#0" and second.pid != first.pid
     _wait_exit(second)
     with pytest.raises(RuntimeError, match="worker D#0 exited with code -9 during start-up"):
@@ -112,8 +115,11 @@ def test_a_worker_registered_long_enough_before_it_dies_starts_its_count_again(m
     monkeypatch.setattr(launch, "RESTART_BACKOFF_S", (0.0,))
     monkeypatch.setattr(launch, "STABLE_S", 0.2)
     registered = set()
-    monkeypatch.setattr(launch, "_list_workers", lambda toggle: [
-        types.SimpleNamespace(info=types.SimpleNamespace(pid=pid)) for pid in registered])
+    monkeypatch.setattr(
+        launch,
+        "_list_workers",
+        lambda toggle: [types.SimpleNamespace(info=types.SimpleNamespace(pid=pid)) for pid in registered],
+    )
     mesh.toggle = "127.0.0.1:1"
     restarts = Restarts(mesh, limit=1, poll_s=0.0)
     _wait_exit(mesh.spawn("worker P#0", [sys.executable, "-c", "import time; time.sleep(1.0); raise SystemExit(3)"]))
@@ -144,7 +150,9 @@ def test_a_crashed_service_is_started_again_and_one_that_stops_or_keeps_failing_
     assert restarts.check() == "gateway exited (code 0)"  # stopped, not crashed: the mesh stops too
 
 
-def test_while_the_gateway_starts_a_killed_toggle_is_restarted_and_a_failing_gateway_fails_the_launch(mesh, monkeypatch):
+def test_while_the_gateway_starts_a_killed_toggle_is_restarted_and_a_failing_gateway_fails_the_launch(
+    mesh, monkeypatch
+):
     """A client may see the gateway's /health before the launcher's probe does, and kill the toggle (a test) or
     the OOM killer may: that is the running mesh's restart policy's business, not a failed start-up."""
     monkeypatch.setattr(launch, "RESTART_BACKOFF_S", (0.0,))
@@ -193,7 +201,12 @@ def test_children_started_while_grpc_runs_all_reach_exec():
     2% of children aborted (-6) before they ran (grpc/grpc#43055; CI saw a gateway die so). epdmesh turns them off."""
     import subprocess
 
-    out = subprocess.run([sys.executable, "-c", FORKS_WHILE_GRPC_RUNS], capture_output=True, text=True, timeout=120,
-                         env={k: v for k, v in __import__("os").environ.items() if k != "GRPC_ENABLE_FORK_SUPPORT"})
+    out = subprocess.run(
+        [sys.executable, "-c", FORKS_WHILE_GRPC_RUNS],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={k: v for k, v in __import__("os").environ.items() if k != "GRPC_ENABLE_FORK_SUPPORT"},
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.split()[-1] == "0", out.stdout

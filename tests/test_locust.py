@@ -21,9 +21,31 @@ def test_headless_locust_smoke_run(tiny_dir, tmp_path):
         pytest.skip("locust is not installed (it comes with the dev extra)")
     with running_server(tiny_dir, "E1+P1+D1", tmp_path / "serve.log") as base:
         run = subprocess.run(
-            [locust, "-f", str(LOCUSTFILE), "--headless", "-u", "3", "-r", "3", "-t", "8s", "--host", base,
-             "--csv", str(tmp_path / "locust"), "--exit-code-on-error", "1", "--only-summary", "--stop-timeout", "20"],
-            capture_output=True, text=True, timeout=120, env={"EPDMESH_MAX_TOKENS": "8", "PATH": str(Path(sys.executable).parent)},
+            [
+                locust,
+                "-f",
+                str(LOCUSTFILE),
+                "--headless",
+                "-u",
+                "3",
+                "-r",
+                "3",
+                "-t",
+                "8s",
+                "--host",
+                base,
+                "--csv",
+                str(tmp_path / "locust"),
+                "--exit-code-on-error",
+                "1",
+                "--only-summary",
+                "--stop-timeout",
+                "20",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env={"EPDMESH_MAX_TOKENS": "8", "PATH": str(Path(sys.executable).parent)},
         )
     assert run.returncode == 0, run.stderr[-3000:]
     rows = {(r["Type"], r["Name"]): r for r in csv.DictReader(open(tmp_path / "locust_stats.csv"))}

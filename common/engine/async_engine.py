@@ -21,8 +21,8 @@ from typing import TypeVar
 
 from common.engine.engine import Engine, RequestRejected
 from common.engine.grammar import GrammarRejected
-from common.engine.threads import use_intra_op_threads
 from common.engine.outputs import RequestOutput
+from common.engine.threads import use_intra_op_threads
 from common.paged_cache import PagePayload
 from common.request import Request
 
@@ -35,8 +35,13 @@ class EngineDead(RuntimeError):
 
 
 class AsyncEngine:
-    def __init__(self, engine: Engine | None = None, on_iteration: Callable[[float], None] | None = None,
-                 build: Callable[[], Engine] | None = None, threads: int | None = None):
+    def __init__(
+        self,
+        engine: Engine | None = None,
+        on_iteration: Callable[[float], None] | None = None,
+        build: Callable[[], Engine] | None = None,
+        threads: int | None = None,
+    ):
         """`on_iteration(seconds)` is called on the engine thread after every step that did work. Instead of an
         `engine`, `build` makes one: it is called on the engine thread, and the constructor returns once it has
         (raising what it raised). `threads`: the engine thread gets that many intra-op threads and every thread
@@ -67,11 +72,14 @@ class AsyncEngine:
             use_intra_op_threads(1)  # after the engine thread fixed its own count
 
     async def generate(
-        self, request: Request, image_pages: PagePayload | None = None, kv_pages: PagePayload | None = None,
+        self,
+        request: Request,
+        image_pages: PagePayload | None = None,
+        kv_pages: PagePayload | None = None,
         preloaded: bool = False,
     ) -> AsyncIterator[RequestOutput]:
-        """Outputs of `request` until it finishes or is handed off (or back: preempted); pages of an earlier stage go in with it
-        (or are already in the blocks `PageHandover.reserve_import` gave it: `preloaded`)."""
+        """Outputs of `request` until it finishes or is handed off (or back: preempted); pages of an earlier stage go
+        in with it (or are already in the blocks `PageHandover.reserve_import` gave it: `preloaded`)."""
         await self.prepare(request)
         outputs: asyncio.Queue = asyncio.Queue()
         with self._gate:

@@ -27,8 +27,14 @@ def resolve_dtype(dtype: str, device: str) -> str:
 
 def parse_roles(text: str) -> frozenset[Stage]:
     """'encode,prefill,decode' (or 'epd', 'e,p') → the role set."""
-    names = {"e": Stage.ENCODE, "encode": Stage.ENCODE, "p": Stage.PREFILL, "prefill": Stage.PREFILL,
-             "d": Stage.DECODE, "decode": Stage.DECODE}
+    names = {
+        "e": Stage.ENCODE,
+        "encode": Stage.ENCODE,
+        "p": Stage.PREFILL,
+        "prefill": Stage.PREFILL,
+        "d": Stage.DECODE,
+        "decode": Stage.DECODE,
+    }
     parts = [p.strip().lower() for p in text.split(",") if p.strip()]
     if len(parts) == 1 and parts[0] not in names:
         parts = list(parts[0])
@@ -46,7 +52,9 @@ class EngineConfig:
     roles: frozenset[Stage] = ALL_ROLES
     block_size: int = 16
     image_block_size: int = 16
-    kv_cache_gib: float | None = 1.0  # None: what gpu_memory_utilization of the GPU leaves (common/engine/memory_profile.py)
+    kv_cache_gib: float | None = (
+        1.0  # None: what gpu_memory_utilization of the GPU leaves (common/engine/memory_profile.py)
+    )
     image_cache_gib: float = 0.25
     gpu_memory_utilization: float = 0.9  # of the GPU's memory, for this engine's weights, activations and caches
     max_model_len: int | None = None  # default: the model's max_position_embeddings

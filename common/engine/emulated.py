@@ -12,11 +12,11 @@ waits what the profile predicts for the model's real page bytes (`transfer_delay
 capacity is counted in the real model's bytes (16-bit, as served on the profiled GPU), so a worker
 holds as many tokens as that GPU's cache would.
 
-Tokens: the prefill stamps the request's first KV page with a digest of its prompt (a continuation's:
-of the original prompt) and of the stamp the encoder wrote into its first image page; every token is a
-function of the stamp read back from the KV page and of its position in the output (a continuation's
-counts the tokens sent before it), so a migrated request goes on with the tokens it would have had. A page lost or garbled in a transfer changes the
-tokens, so comparing topologies checks the bytes moved, as the real model's parity does.
+Tokens: the prefill stamps the request's first KV page with a digest of its prompt (a continuation's: of the original
+prompt) and of the stamp the encoder wrote into its first image page; every token is a function of the stamp read back
+from the KV page and of its position in the output (a continuation's counts the tokens sent before it), so a migrated
+request goes on with the tokens it would have had. A page lost or garbled in a transfer changes the tokens, so
+comparing topologies checks the bytes moved, as the real model's parity does.
 """
 
 from __future__ import annotations
@@ -43,9 +43,16 @@ STAMP_MASK = (1 << 20) - 1  # stamps stay exact in float32
 class EmulatedEngine(Engine):
     computes_logprobs = False  # it waits out predicted times and emits deterministic tokens: there are no logits
 
-    def __init__(self, config: EngineConfig, profile: LatencyProfile, detokenize: Callable[[list[int]], str] | None = None,
-                 token_pool: list[int] | None = None, kv_bytes_per_token: int = 256, image_bytes_per_token: int = 64,
-                 model_config: LlavaConfig | None = None):
+    def __init__(
+        self,
+        config: EngineConfig,
+        profile: LatencyProfile,
+        detokenize: Callable[[list[int]], str] | None = None,
+        token_pool: list[int] | None = None,
+        kv_bytes_per_token: int = 256,
+        image_bytes_per_token: int = 64,
+        model_config: LlavaConfig | None = None,
+    ):
         if config.kv_cache_gib is None:
             raise ValueError("the emulated engine's KV cache needs a size (kv_cache_gib): it has no GPU to measure")
         if kv_bytes_per_token < 8 or image_bytes_per_token < 4:
@@ -55,13 +62,24 @@ class EmulatedEngine(Engine):
         real_kv = 2 * text.num_layers * text.num_kv_heads * text.head_dim * REAL_BYTES_PER_VALUE
         real_image = text.hidden_size * REAL_BYTES_PER_VALUE
         self.real_bytes_per_token = {"kv": real_kv, "image": real_image}
-        self._build(config, model_config, (1, 1, kv_bytes_per_token // 8), image_bytes_per_token // 4, torch.float32,
-                    torch.device("cpu"), detokenize,
-                    count_as=(real_kv * config.block_size, real_image * config.image_block_size))
+        self._build(
+            config,
+            model_config,
+            (1, 1, kv_bytes_per_token // 8),
+            image_bytes_per_token // 4,
+            torch.float32,
+            torch.device("cpu"),
+            detokenize,
+            count_as=(real_kv * config.block_size, real_image * config.image_block_size),
+        )
         self.model = None
         self.profile = profile
         excluded = {model_config.image_token_id, *model_config.eos_token_ids}
-        pool = [t for t in (token_pool or range(10, min(text.vocab_size, 1000))) if t not in excluded and 0 <= t < text.vocab_size]
+        pool = [
+            t
+            for t in (token_pool or range(10, min(text.vocab_size, 1000)))
+            if t not in excluded and 0 <= t < text.vocab_size
+        ]
         if not pool:
             raise ValueError("the emulated engine has no token ids to emit")
         self.token_pool = pool
@@ -73,8 +91,12 @@ class EmulatedEngine(Engine):
     def _execute(self, plan: SchedulerOutput) -> tuple[list[Request], list[int]]:
         start = time.perf_counter()
         self.predicted_ms = iteration_ms(
-            self.profile, plan.num_images, len(plan.decodes), sum(r.num_tokens for r in plan.decodes),
-            [(c.num_tokens, c.start) for c in plan.prefills])
+            self.profile,
+            plan.num_images,
+            len(plan.decodes),
+            sum(r.num_tokens for r in plan.decodes),
+            [(c.num_tokens, c.start) for c in plan.prefills],
+        )
         for work in plan.encodes:
             request = work.request
             if work.first_image + work.num_images == len(request.images):
@@ -87,11 +109,14 @@ class EmulatedEngine(Engine):
             if not chunk.completes_prefill:
                 continue
             request = chunk.request
-            original = request.prompt_token_ids[:request.num_prompt_tokens - request.num_continued_tokens]
+            original = request.prompt_token_ids[: request.num_prompt_tokens - request.num_continued_tokens]
             seed = array.array("q", original).tobytes()  # a continuation's tokens go on from the original's
             if request.images:  # from the encoder's pages; with none (the prefix cache held its images' KV), the same
-                digest = (self._read_stamp(self.image_cache.data, request.image_block_table[0])
-                          if request.image_block_table else _images_digest(request) & STAMP_MASK)
+                digest = (
+                    self._read_stamp(self.image_cache.data, request.image_block_table[0])
+                    if request.image_block_table
+                    else _images_digest(request) & STAMP_MASK
+                )
                 seed += digest.to_bytes(4, "little")
             stamp = zlib.crc32(seed)
             self._write_stamp(self.kv_cache.data, self._stamp_block(request), stamp)

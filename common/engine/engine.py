@@ -22,12 +22,12 @@ from collections.abc import Callable, Iterable
 import torch
 
 from common.engine.config import EngineConfig
-from common.engine.model_runner import ModelRunner
 from common.engine.errors import NoRoomForPages, RequestRejected, StepFailed  # noqa: F401 (imported from here too)
-from common.engine.outputs import EngineStats, RequestOutput, TokenLogprob
-from common.engine.sampler import Sampler, logprobs_of
 from common.engine.grammar import GrammarMasks, GrammarRejected
 from common.engine.handover import PageHandover
+from common.engine.model_runner import ModelRunner
+from common.engine.outputs import EngineStats, RequestOutput, TokenLogprob
+from common.engine.sampler import Sampler, logprobs_of
 from common.engine.stopping import check_stop
 from common.kv_manager import ImageBlockManager, KVBlockManager, blocks_for
 from common.model.config import LlavaConfig
@@ -47,16 +47,23 @@ iterations_log = logging.getLogger("epdmesh.iterations")
 class Engine:
     computes_logprobs = True  # it has the model's logits to report them from
 
-    def __init__(self, config: EngineConfig, model: LlavaModel | None = None, detokenize: Callable[[list[int]], str] | None = None,
-                 memory=None):
+    def __init__(
+        self,
+        config: EngineConfig,
+        model: LlavaModel | None = None,
+        detokenize: Callable[[list[int]], str] | None = None,
+        memory=None,
+    ):
         """`config.kv_cache_gib` None: sized from the GPU's memory after one profile iteration, read by `memory`
         (default: `memory_profile.CudaMemory` of the engine's device; there is none on the CPU)."""
         dtype = getattr(torch, config.dtype)
         device = torch.device(config.device)
         if config.kv_cache_gib is None and memory is None:
             if device.type != "cuda":
-                raise ValueError("the KV cache is sized from the GPU's memory only on CUDA; give kv_cache_gib "
-                                 "(--kv-cache-gib) on the CPU")
+                raise ValueError(
+                    "the KV cache is sized from the GPU's memory only on CUDA; give kv_cache_gib "
+                    "(--kv-cache-gib) on the CPU"
+                )
             from common.engine.memory_profile import CudaMemory
 
             memory = CudaMemory(device)  # before the weights load: what is ours, what other processes hold
@@ -73,15 +80,28 @@ class Engine:
             from common.model.compiled import CompiledModel
 
             self.compiled = CompiledModel(self.model)
-            self.compile_seconds = self.compiled.warm_up(text=bool(config.roles - {Stage.ENCODE}),
-                                                         vision=Stage.ENCODE in config.roles)
+            self.compile_seconds = self.compiled.warm_up(
+                text=bool(config.roles - {Stage.ENCODE}), vision=Stage.ENCODE in config.roles
+            )
 
         def setup(c: EngineConfig) -> None:
             text = self.model.cfg.text
-            self._build(c, self.model.cfg, (text.num_layers, text.num_kv_heads, text.head_dim), text.hidden_size, dtype,
-                        device, detokenize)
-            self.runner = ModelRunner(self.model, self.kv_cache, self.image_cache,
-                                      make_attention_backend(c.attention_backend, device), self.compiled)
+            self._build(
+                c,
+                self.model.cfg,
+                (text.num_layers, text.num_kv_heads, text.head_dim),
+                text.hidden_size,
+                dtype,
+                device,
+                detokenize,
+            )
+            self.runner = ModelRunner(
+                self.model,
+                self.kv_cache,
+                self.image_cache,
+                make_attention_backend(c.attention_backend, device),
+                self.compiled,
+            )
             self.sampler = Sampler(c.seed, self.model_config.eos_token_ids)
 
         self.kv_sizing = None  # how the KV cache was sized from the device's memory (memory_profile.KvSizing)
@@ -96,8 +116,17 @@ class Engine:
         """Let go of the caches and what refers to them (before others of a new size are allocated in their place)."""
         self.kv_cache = self.image_cache = self.runner = self.scheduler = self.pages = None
 
-    def _build(self, config: EngineConfig, model_config: LlavaConfig, kv_shape: tuple[int, int, int], image_hidden: int,
-               dtype: torch.dtype, device: torch.device, detokenize, count_as: tuple[int, int] | None = None) -> None:
+    def _build(
+        self,
+        config: EngineConfig,
+        model_config: LlavaConfig,
+        kv_shape: tuple[int, int, int],
+        image_hidden: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        detokenize,
+        count_as: tuple[int, int] | None = None,
+    ) -> None:
         """Caches, block managers and the scheduler for a model of `model_config`, pages of the given shapes
         (`kv_shape` = layers, KV heads, head dim; `image_hidden` values per image token). The cache sizes of
         `config` buy blocks of these pages, or of `count_as` bytes (KV, image) per block when given."""
@@ -120,9 +149,13 @@ class Engine:
         self.image_cache = PagedImageCache(num_img, config.image_block_size, image_hidden, dtype, device)
         self.scheduler = Scheduler(
             config.scheduler,
-            KVBlockManager(num_kv, config.block_size, config.enable_prefix_caching,
-                           worst_case=config.scheduler.kv_admission == "worst-case",
-                           image_token_id=model_config.image_token_id),
+            KVBlockManager(
+                num_kv,
+                config.block_size,
+                config.enable_prefix_caching,
+                worst_case=config.scheduler.kv_admission == "worst-case",
+                image_token_id=model_config.image_token_id,
+            ),
             ImageBlockManager(num_img, config.image_block_size),
             model_config.image_token_id,
         )
@@ -134,8 +167,12 @@ class Engine:
     # ----- intake -----
 
     def add_request(
-        self, request: Request, image_pages: PagePayload | None = None, kv_pages: PagePayload | None = None,
-        capture_logits: bool = False, preloaded: bool = False,
+        self,
+        request: Request,
+        image_pages: PagePayload | None = None,
+        kv_pages: PagePayload | None = None,
+        capture_logits: bool = False,
+        preloaded: bool = False,
     ) -> None:
         """Queue a request. Pages of an earlier stage come as payloads, or were written straight into the
         blocks `reserve_import` gave (`preloaded=True`, the same request object)."""
@@ -178,8 +215,10 @@ class Engine:
         if request.sampling.logprobs is not None and not self.computes_logprobs:
             raise RequestRejected("logprobs are not available on this backend: it runs no model")
         if request.sampling.grammar is not None and not self.computes_logprobs:
-            raise RequestRejected("structured output (response_format, guided_*, tool calls) is not available on this "
-                                  "backend: it runs no model (with tools, send tool_choice \"none\")")
+            raise RequestRejected(
+                "structured output (response_format, guided_*, tool calls) is not available on this "
+                'backend: it runs no model (with tools, send tool_choice "none")'
+            )
         if request.request_id in self.requests or self.pages.holds(request.request_id):
             raise RequestRejected(f"request id {request.request_id!r} is already in use")
         cfg = self.model_config
@@ -199,7 +238,9 @@ class Engine:
         if bad:
             raise RequestRejected(f"token id {bad[0]} is outside the vocabulary (0..{cfg.text.vocab_size - 1})")
         placeholders = request.prompt_token_ids.count(cfg.image_token_id)
-        if placeholders != request.num_image_tokens or any(i.num_tokens != cfg.image_tokens_per_image for i in request.images):
+        if placeholders != request.num_image_tokens or any(
+            i.num_tokens != cfg.image_tokens_per_image for i in request.images
+        ):
             raise RequestRejected(
                 f"the prompt has {placeholders} image placeholder tokens but {len(request.images)} image(s) need "
                 f"{len(request.images) * cfg.image_tokens_per_image}"
@@ -208,8 +249,10 @@ class Engine:
         for i, img in enumerate(request.images):
             pixels = img.pixel_values
             if pixels is not None and (tuple(pixels.shape) != (3, size, size) or not pixels.is_floating_point()):
-                raise RequestRejected(f"image {i}: this model's vision tower takes float pixels [3, {size}, {size}], "
-                                      f"got {str(pixels.dtype).removeprefix('torch.')} {list(pixels.shape)}")
+                raise RequestRejected(
+                    f"image {i}: this model's vision tower takes float pixels [3, {size}, {size}], "
+                    f"got {str(pixels.dtype).removeprefix('torch.')} {list(pixels.shape)}"
+                )
         if request.sampling.stop and self.detokenize is None:
             raise RequestRejected("stop strings need a tokenizer; this engine was built without one")
 
@@ -237,9 +280,15 @@ class Engine:
         if iterations_log.isEnabledFor(logging.DEBUG):
             iterations_log.debug(
                 "decodes %d (context %d) prompt tokens %d images %d: %.1f ms, predicted %.1f, overrun %.1f / %.1f",
-                len(plan.decodes), sum(r.num_computed_tokens for r in plan.decodes),
-                sum(c.num_tokens for c in plan.prefills), plan.num_images, elapsed_ms, plan.predicted_ms,
-                self.scheduler.overrun.ms, self.scheduler.encode_overrun.ms)
+                len(plan.decodes),
+                sum(r.num_computed_tokens for r in plan.decodes),
+                sum(c.num_tokens for c in plan.prefills),
+                plan.num_images,
+                elapsed_ms,
+                plan.predicted_ms,
+                self.scheduler.overrun.ms,
+                self.scheduler.encode_overrun.ms,
+            )
         with self.lock:
             self.scheduler.observe(plan, elapsed_ms)
             try:
@@ -299,8 +348,12 @@ class Engine:
         """A preempted request this engine cannot recompute leaves it (its pages are freed already)."""
         request.done_time = time.monotonic()
         del self.requests[request.request_id]
-        log.info("request %s preempted after %d tokens: KV cache full, and its images are not here to recompute "
-                 "from; handed back", request.request_id, len(request.output_token_ids))
+        log.info(
+            "request %s preempted after %d tokens: KV cache full, and its images are not here to recompute "
+            "from; handed back",
+            request.request_id,
+            len(request.output_token_ids),
+        )
         return self._output(request, [])
 
     def _handoff(self, request: Request, new: list[int] | None = None) -> RequestOutput:
@@ -360,13 +413,21 @@ class Engine:
     def _stats(self) -> EngineStats:
         s = self.scheduler
         return EngineStats(
-            kv_blocks_total=s.kv.pool.num_blocks, kv_blocks_free=s.kv.pool.num_free,
-            image_blocks_total=s.images.pool.num_blocks, image_blocks_free=s.images.pool.num_free,
-            num_waiting=len(s.waiting) + len(s.ready) + len(s.encoding), num_running=len(s.running) + len(s.prefilling),
-            num_handed_off=len(self.pages.handed_off), running_decodes=len(s.running),
+            kv_blocks_total=s.kv.pool.num_blocks,
+            kv_blocks_free=s.kv.pool.num_free,
+            image_blocks_total=s.images.pool.num_blocks,
+            image_blocks_free=s.images.pool.num_free,
+            num_waiting=len(s.waiting) + len(s.ready) + len(s.encoding),
+            num_running=len(s.running) + len(s.prefilling),
+            num_handed_off=len(self.pages.handed_off),
+            running_decodes=len(s.running),
             unfinished_decode_tokens=sum(r.sampling.max_tokens - len(r.output_token_ids) for r in s.running),
-            queued_prefill_tokens=sum(r.prefill_remaining for q in (s.waiting, s.encoding, s.ready, s.prefilling) for r in q
-                                      if r.last_stage >= Stage.PREFILL),
+            queued_prefill_tokens=sum(
+                r.prefill_remaining
+                for q in (s.waiting, s.encoding, s.ready, s.prefilling)
+                for r in q
+                if r.last_stage >= Stage.PREFILL
+            ),
             queued_images=sum(len(r.images) - r.num_encoded_images for q in (s.waiting, s.encoding) for r in q),
             decode_context_tokens=sum(r.num_tokens for r in s.running),
             num_preemptions=s.num_preemptions,

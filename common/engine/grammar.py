@@ -92,7 +92,9 @@ class GrammarMasks:
         matcher = llguidance.LLMatcher(self.tokenizer, grammar)
         earlier = request.generated_token_ids
         if matcher.is_error() or (earlier and not matcher.consume_tokens(earlier)):
-            raise GrammarRejected(f"request {request.request_id}: {matcher.get_error() or 'its tokens break its grammar'}")
+            raise GrammarRejected(
+                f"request {request.request_id}: {matcher.get_error() or 'its tokens break its grammar'}"
+            )
         if not matcher.is_stopped() and not self._allows_any(matcher):  # e.g. [^\s\S], or a schema of only cycles
             raise GrammarRejected("no output satisfies it")
         request.grammar_matcher = matcher
@@ -129,8 +131,12 @@ class GrammarMasks:
         for request, token in zip(requests, tokens):
             matcher = request.grammar_matcher
             if matcher is not None and not matcher.consume_token(token):
-                log.error("request %s: its grammar refused the token %d it allowed: %s", request.request_id, token,
-                          matcher.get_error())
+                log.error(
+                    "request %s: its grammar refused the token %d it allowed: %s",
+                    request.request_id,
+                    token,
+                    matcher.get_error(),
+                )
 
 
 def _bitmask_ops():

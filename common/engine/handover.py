@@ -18,8 +18,14 @@ class PageHandover:
     and `handed_off` (finished here, pages kept for the next stage). `admit` checks a request as the engine's
     intake does (roles, limits, grammar) before any of its blocks are taken."""
 
-    def __init__(self, scheduler: Scheduler, kv_cache: PagedKVCache, image_cache: PagedImageCache, block_size: int,
-                 admit: Callable[[Request], None]):
+    def __init__(
+        self,
+        scheduler: Scheduler,
+        kv_cache: PagedKVCache,
+        image_cache: PagedImageCache,
+        block_size: int,
+        admit: Callable[[Request], None],
+    ):
         self.scheduler, self.kv_cache, self.image_cache = scheduler, kv_cache, image_cache
         self.block_size = block_size
         self._admit = admit
@@ -46,7 +52,9 @@ class PageHandover:
             self._allocate_image_import(request)
             kind, n, blocks = "image", request.num_image_tokens, request.image_block_table
         else:
-            raise RequestRejected(f"request {request.request_id} starts at {request.first_stage.name}: no pages to import")
+            raise RequestRejected(
+                f"request {request.request_id} starts at {request.first_stage.name}: no pages to import"
+            )
         self.importing[request.request_id] = request
         return kind, list(blocks), n
 
@@ -60,8 +68,12 @@ class PageHandover:
         if request.request_id in self.importing:
             raise RequestRejected(f"request id {request.request_id!r} is already in use")
         scheduler = self.scheduler
-        if (request.first_stage != Stage.PREFILL or not scheduler.covers_images(request)
-                or scheduler.preempted_waiting or not scheduler.kv.can_allocate(request)):
+        if (
+            request.first_stage != Stage.PREFILL
+            or not scheduler.covers_images(request)
+            or scheduler.preempted_waiting
+            or not scheduler.kv.can_allocate(request)
+        ):
             return False
         request.num_computed_tokens = scheduler.kv.allocate(request)
         scheduler.num_encodes_skipped += 1
@@ -91,7 +103,9 @@ class PageHandover:
 
     def import_image_pages(self, request: Request, pages: PagePayload | None) -> None:
         if pages is None or pages.num_tokens != request.num_image_tokens:
-            raise RequestRejected(f"request {request.request_id} starts at prefill with images but no matching image pages")
+            raise RequestRejected(
+                f"request {request.request_id} starts at prefill with images but no matching image pages"
+            )
         self._allocate_image_import(request)
         try:
             self.image_cache.write_blocks(request.image_block_table, pages)

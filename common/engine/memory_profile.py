@@ -67,8 +67,13 @@ class CudaMemory:
         torch.cuda.empty_cache()
 
 
-def kv_cache_bytes(memory: DeviceMemory, utilization: float, profile_cache_bytes: int, image_cache_bytes: int,
-                   margin: int = FREE_MARGIN_BYTES) -> int:
+def kv_cache_bytes(
+    memory: DeviceMemory,
+    utilization: float,
+    profile_cache_bytes: int,
+    image_cache_bytes: int,
+    margin: int = FREE_MARGIN_BYTES,
+) -> int:
     """Bytes for the KV cache; KvCacheTooSmall when nothing is left (the message says what to change)."""
     # weights, activations and context: what stays when the caches are replaced
     in_use = memory.peak - profile_cache_bytes + memory.outside
@@ -81,7 +86,8 @@ def kv_cache_bytes(memory: DeviceMemory, utilization: float, profile_cache_bytes
             f"no room for a KV cache: the weights and one iteration's activations take {in_use / gib:.2f} GiB and the "
             f"image cache {image_cache_bytes / gib:.2f} GiB of {utilization:.0%} of {memory.total / gib:.1f} GiB "
             f"({memory.free / gib:.2f} GiB free); raise --gpu-memory-utilization, lower --token-budget, or give "
-            "--kv-cache-gib")
+            "--kv-cache-gib"
+        )
     return size
 
 
@@ -103,7 +109,9 @@ def profile_kv_cache(config: EngineConfig, setup: Callable[[EngineConfig], objec
     before this returns."""
     text = engine.model.cfg.text
     dtype = getattr(torch, config.dtype)
-    per_block = PagedKVCache.bytes_per_block(config.block_size, text.num_layers, text.num_kv_heads, text.head_dim, dtype)
+    per_block = PagedKVCache.bytes_per_block(
+        config.block_size, text.num_layers, text.num_kv_heads, text.head_dim, dtype
+    )
     images_here = Stage.ENCODE in config.roles or Stage.PREFILL in config.roles
     image_bytes = int(config.image_cache_gib * 2**30) if images_here else 0  # else its image cache is one block
     if not {Stage.PREFILL, Stage.DECODE} & config.roles:  # an encoder: its KV cache is never used
@@ -112,9 +120,12 @@ def profile_kv_cache(config: EngineConfig, setup: Callable[[EngineConfig], objec
     requests = _profile_requests(engine.model.cfg, config)
     tokens = sum(r.num_prompt_tokens for r in requests)
     profile_blocks = sum(blocks_for(r.num_prompt_tokens + 1, config.block_size) for r in requests) + 1
-    profile = dataclasses.replace(config, roles=ALL_ROLES, kv_cache_gib=profile_blocks * per_block / 2**30,
-                                  scheduler=dataclasses.replace(config.scheduler, max_num_seqs=max(
-                                      config.scheduler.max_num_seqs, len(requests))))
+    profile = dataclasses.replace(
+        config,
+        roles=ALL_ROLES,
+        kv_cache_gib=profile_blocks * per_block / 2**30,
+        scheduler=dataclasses.replace(config.scheduler, max_num_seqs=max(config.scheduler.max_num_seqs, len(requests))),
+    )
     setup(profile)
     profile_bytes = engine.kv_cache.data.nbytes + engine.image_cache.data.nbytes
     engine.generate(requests)
@@ -122,9 +133,16 @@ def profile_kv_cache(config: EngineConfig, setup: Callable[[EngineConfig], objec
     engine.release_caches()
     probe.release()
     size = kv_cache_bytes(memory, config.gpu_memory_utilization, profile_bytes, image_bytes)
-    log.info("KV cache %.2f GiB: %.0f%% of %.1f GiB, less %.2f GiB of weights, activations (an iteration of %d tokens) "
-             "and context, and the %.2f GiB image cache", size / 2**30, 100 * config.gpu_memory_utilization,
-             memory.total / 2**30, (memory.peak - profile_bytes + memory.outside) / 2**30, tokens, image_bytes / 2**30)
+    log.info(
+        "KV cache %.2f GiB: %.0f%% of %.1f GiB, less %.2f GiB of weights, activations (an iteration of %d tokens) "
+        "and context, and the %.2f GiB image cache",
+        size / 2**30,
+        100 * config.gpu_memory_utilization,
+        memory.total / 2**30,
+        (memory.peak - profile_bytes + memory.outside) / 2**30,
+        tokens,
+        image_bytes / 2**30,
+    )
     return KvSizing(memory, config.gpu_memory_utilization, tokens, profile_bytes, image_bytes, size)
 
 
@@ -134,13 +152,16 @@ def _profile_requests(cfg, config: EngineConfig) -> list[Request]:
     token_budget, image_budget = config.scheduler.token_budget, config.scheduler.image_budget
     positions = cfg.text.max_position_embeddings
     per_image, longest = cfg.image_tokens_per_image, min(config.max_model_len or positions, positions) - 1
-    image_block = PagedImageCache.bytes_per_block(config.image_block_size, cfg.text.hidden_size, getattr(torch, config.dtype))
+    image_block = PagedImageCache.bytes_per_block(
+        config.image_block_size, cfg.text.hidden_size, getattr(torch, config.dtype)
+    )
     fit = int(config.image_cache_gib * 2**30) // image_block * config.image_block_size // per_image
     num_images = min(image_budget, longest // per_image, fit)
     size = cfg.vision.image_size
     generator = torch.Generator().manual_seed(0)
-    images = [ImageInput(torch.rand(3, size, size, generator=generator), per_image, f"profile-{i}")
-              for i in range(num_images)]
+    images = [
+        ImageInput(torch.rand(3, size, size, generator=generator), per_image, f"profile-{i}") for i in range(num_images)
+    ]
     text_ids = [t for t in range(5, 1005) if t != cfg.image_token_id and t < cfg.text.vocab_size]
     sampling = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
     requests, left = [], max(token_budget, num_images * per_image)

@@ -18,8 +18,14 @@ from kernels import AttentionMetadata
 
 
 class ModelRunner:
-    def __init__(self, model: LlavaModel, kv_cache: PagedKVCache, image_cache: PagedImageCache, attention,
-                 compiled: CompiledModel | None = None):
+    def __init__(
+        self,
+        model: LlavaModel,
+        kv_cache: PagedKVCache,
+        image_cache: PagedImageCache,
+        attention,
+        compiled: CompiledModel | None = None,
+    ):
         self.model = model
         self.compiled = compiled  # the dense path compiled (None: eager)
         self.kv_cache = kv_cache
@@ -38,14 +44,20 @@ class ModelRunner:
         ids, positions, meta, sample_rows, sampling = self._prepare(plan)
         embeds = self.model.embed(ids)
         self._insert_image_embeddings(plan, ids, embeds, len(plan.decodes))
-        hidden = self.model.text(embeds, positions, self.kv_cache.layers, meta, self.attention,
-                                 self.compiled.text if self.compiled else None)
+        hidden = self.model.text(
+            embeds, positions, self.kv_cache.layers, meta, self.attention, self.compiled.text if self.compiled else None
+        )
         return sampling, self.model.text.logits(hidden[sample_rows])
 
     def _encode(self, plan: SchedulerOutput) -> None:
-        pixels = [w.request.images[i].pixel_values for w in plan.encodes for i in range(w.first_image, w.first_image + w.num_images)]
-        features = self.model.encode_images(torch.stack(pixels).to(self.device),
-                                            self.compiled.vision_layer if self.compiled else None)
+        pixels = [
+            w.request.images[i].pixel_values
+            for w in plan.encodes
+            for i in range(w.first_image, w.first_image + w.num_images)
+        ]
+        features = self.model.encode_images(
+            torch.stack(pixels).to(self.device), self.compiled.vision_layer if self.compiled else None
+        )
         rows, block_size = [], self.image_cache.layout.block_size
         for work in plan.encodes:
             images = work.request.images
@@ -53,7 +65,9 @@ class ModelRunner:
             count = sum(img.num_tokens for img in images[work.first_image : work.first_image + work.num_images])
             table = work.request.image_block_table
             rows.extend(table[k // block_size] * block_size + k % block_size for k in range(first, first + count))
-        self.image_cache.flat[torch.tensor(rows, device=self.device)] = features.flatten(0, 1).to(self.image_cache.data.dtype)
+        self.image_cache.flat[torch.tensor(rows, device=self.device)] = features.flatten(0, 1).to(
+            self.image_cache.data.dtype
+        )
 
     def _prepare(self, plan: SchedulerOutput):
         block_size = self.kv_cache.layout.block_size
@@ -106,7 +120,9 @@ class ModelRunner:
             sampling,
         )
 
-    def _insert_image_embeddings(self, plan: SchedulerOutput, ids: torch.Tensor, embeds: torch.Tensor, offset: int) -> None:
+    def _insert_image_embeddings(
+        self, plan: SchedulerOutput, ids: torch.Tensor, embeds: torch.Tensor, offset: int
+    ) -> None:
         block_size = self.image_cache.layout.block_size
         rows_out, rows_in = [], []
         row = offset

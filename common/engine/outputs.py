@@ -29,7 +29,9 @@ class RequestOutput:
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
     logprobs: list[TokenLogprob] | None = None  # one per new token, when the request asked for them
-    pages: tuple[str, list[int], int] | None = None  # handed off: (cache kind, block ids, tokens) kept for the next stage
+    pages: tuple[str, list[int], int] | None = (
+        None  # handed off: (cache kind, block ids, tokens) kept for the next stage
+    )
 
     @property
     def finished(self) -> bool:

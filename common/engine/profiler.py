@@ -51,7 +51,9 @@ class Profiler:
         self.points: dict[str, list[tuple]] = {"encode": [], "prefill": [], "decode": []}
         self._ids = 0
 
-    def _request(self, ids: list[int], images: list[ImageInput], first: Stage, last: Stage, max_tokens: int = 1) -> Request:
+    def _request(
+        self, ids: list[int], images: list[ImageInput], first: Stage, last: Stage, max_tokens: int = 1
+    ) -> Request:
         self._ids += 1
         sampling = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
         return Request(f"profile-{self._ids}", ids, sampling, images, first_stage=first, last_stage=last)
@@ -85,9 +87,13 @@ class Profiler:
         pixels = torch.rand(v.num_channels, v.image_size, v.image_size)
         prompt = [1] + [cfg.image_token_id] * n_img + [5, 6]
         for n in counts:
+
             def add(n=n):
                 for _ in range(n):
-                    self.engine.add_request(self._request(list(prompt), [ImageInput(pixels, n_img)], Stage.ENCODE, Stage.ENCODE))
+                    self.engine.add_request(
+                        self._request(list(prompt), [ImageInput(pixels, n_img)], Stage.ENCODE, Stage.ENCODE)
+                    )
+
             self.points["encode"].append((n, self._median_first_step(add)))
             self.progress(f"encode {n}")
 
@@ -95,7 +101,13 @@ class Profiler:
         for t in lengths:
             ids = [1] + [7 + i % 1000 for i in range(t - 1)]
             self.points["prefill"].append(
-                (t, self._median_first_step(lambda: self.engine.add_request(self._request(list(ids), [], Stage.PREFILL, Stage.PREFILL)))))
+                (
+                    t,
+                    self._median_first_step(
+                        lambda: self.engine.add_request(self._request(list(ids), [], Stage.PREFILL, Stage.PREFILL))
+                    ),
+                )
+            )
             self.progress(f"prefill {t}")
 
     def decode(self, batches: list[int], contexts: list[int]) -> None:
@@ -128,14 +140,23 @@ class Profiler:
 
     def profile(self, name: str, hardware: str, model: str, transfer: tuple[float, float]) -> LatencyProfile:
         a_e, b_e = _fit([[1, n] for n, _ in self.points["encode"]], [t for _, t in self.points["encode"]])
-        a_p, b_p, c_p = _fit([[1, t, t * t / 2] for t, _ in self.points["prefill"]], [ms for _, ms in self.points["prefill"]])
-        a_d, b_d, k_d = _fit([[1, b, ctx] for b, ctx, _ in self.points["decode"]], [ms for *_, ms in self.points["decode"]])
+        a_p, b_p, c_p = _fit(
+            [[1, t, t * t / 2] for t, _ in self.points["prefill"]], [ms for _, ms in self.points["prefill"]]
+        )
+        a_d, b_d, k_d = _fit(
+            [[1, b, ctx] for b, ctx, _ in self.points["decode"]], [ms for *_, ms in self.points["decode"]]
+        )
         points = {k: [list(p) for p in v] for k, v in self.points.items()}
         return LatencyProfile(
-            name=name, source="measured", hardware=hardware, model=model,
-            encode=StageCost(overhead_ms=a_e, per_unit_ms=b_e), prefill=StageCost(overhead_ms=a_p, per_unit_ms=b_p, quadratic_ms=c_p),
+            name=name,
+            source="measured",
+            hardware=hardware,
+            model=model,
+            encode=StageCost(overhead_ms=a_e, per_unit_ms=b_e),
+            prefill=StageCost(overhead_ms=a_p, per_unit_ms=b_p, quadratic_ms=c_p),
             decode=StageCost(overhead_ms=a_d, per_unit_ms=b_d, quadratic_ms=k_d),
-            transfer_latency_ms=transfer[0], transfer_gbps=transfer[1],
+            transfer_latency_ms=transfer[0],
+            transfer_gbps=transfer[1],
             image_tokens=self.engine.model_config.image_tokens_per_image,
             notes=f"measured points (x, ms) / (batch, context tokens, ms): {points}",
         )

@@ -16,7 +16,6 @@ import torch
 from common.engine.outputs import TokenLogprob
 from common.request import Request
 
-
 FLOAT32_MAX = torch.finfo(torch.float32).max
 NUCLEUS_FIRST_K = 256  # top-p alone: look for the nucleus among this many most likely tokens first (×4 until found)
 
@@ -114,18 +113,26 @@ def apply_penalties(logits: torch.Tensor, requests: list[Request], eos_token_ids
     biased = [(row, token, bias) for row in rows for token, bias in requests[row].sampling.logit_bias]
     if biased:
         at_rows, tokens, biases = zip(*biased)
-        logits.index_put_((torch.tensor(at_rows, device=device), torch.tensor(tokens, device=device)),
-                          torch.tensor(biases, dtype=logits.dtype, device=device), accumulate=True)
+        logits.index_put_(
+            (torch.tensor(at_rows, device=device), torch.tensor(tokens, device=device)),
+            torch.tensor(biases, dtype=logits.dtype, device=device),
+            accumulate=True,
+        )
     repeat = [row for row in rows if requests[row].sampling.repetition_penalty != 1]
     if repeat:  # only the tokens seen are read and written: never a whole [rows, vocab] temporary
         at = torch.tensor(repeat, device=device).unsqueeze(1)
         ids = _present(padded([requests[row].prompt_token_ids + requests[row].generated_token_ids for row in repeat]))
-        factor = torch.tensor([requests[row].sampling.repetition_penalty for row in repeat],
-                              dtype=logits.dtype, device=device).unsqueeze(1)
+        factor = torch.tensor(
+            [requests[row].sampling.repetition_penalty for row in repeat], dtype=logits.dtype, device=device
+        ).unsqueeze(1)
         values = logits[at, ids]  # a token seen twice is read twice and written twice with the same value
         logits[at, ids] = torch.where(values > 0, values / factor, values * factor)
-    counted = [row for row in rows if requests[row].generated_token_ids
-               and (requests[row].sampling.frequency_penalty or requests[row].sampling.presence_penalty)]
+    counted = [
+        row
+        for row in rows
+        if requests[row].generated_token_ids
+        and (requests[row].sampling.frequency_penalty or requests[row].sampling.presence_penalty)
+    ]
     if counted:
         at = torch.tensor(counted, device=device).unsqueeze(1)
         ids = padded([requests[row].generated_token_ids for row in counted])
@@ -133,13 +140,20 @@ def apply_penalties(logits: torch.Tensor, requests: list[Request], eos_token_ids
         counts = counts.scatter_add_(1, ids, torch.ones_like(ids, dtype=logits.dtype))
         ids = _present(ids)
         times = counts.gather(1, ids)
-        frequency, presence = (torch.tensor([getattr(requests[row].sampling, name) for row in counted],
-                                            dtype=logits.dtype, device=device).unsqueeze(1)
-                               for name in ("frequency_penalty", "presence_penalty"))
+        frequency, presence = (
+            torch.tensor(
+                [getattr(requests[row].sampling, name) for row in counted], dtype=logits.dtype, device=device
+            ).unsqueeze(1)
+            for name in ("frequency_penalty", "presence_penalty")
+        )
         logits[at, ids] = logits[at, ids] - (frequency * times + presence * (times > 0).to(logits.dtype))
-    early = [(row, token) for row in rows if len(requests[row].output_token_ids) < requests[row].sampling.min_tokens
-             and requests[row].grammar_matcher is None  # a structured answer's grammar decides where it may end
-             for token in _stop_ids(requests[row].sampling, eos_token_ids)]
+    early = [
+        (row, token)
+        for row in rows
+        if len(requests[row].output_token_ids) < requests[row].sampling.min_tokens
+        and requests[row].grammar_matcher is None  # a structured answer's grammar decides where it may end
+        for token in _stop_ids(requests[row].sampling, eos_token_ids)
+    ]
     if early:  # min_tokens (vLLM's, transformers' min_new_tokens): nothing that would end it can be drawn yet
         at_rows, tokens = zip(*early)
         logits[torch.tensor(at_rows, device=device), torch.tensor(tokens, device=device)] = float("-inf")
@@ -166,4 +180,3 @@ def logprobs_of(logits: torch.Tensor, requests: list[Request], tokens: list[int]
         top = tuple(zip(top_ids[i, :n].tolist(), top_values[i, :n].tolist())) if n else ()
         out[request.request_id] = TokenLogprob(token, float(logprobs[i, token]), top)
     return out
-

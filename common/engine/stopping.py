@@ -8,8 +8,13 @@ from common.detokenizer import IncrementalDetokenizer
 from common.request import Request, RequestStatus
 
 
-def check_stop(request: Request, token: int, eos_token_ids: Collection[int], max_model_len: int,
-               detokenize: Callable[[list[int]], str]) -> RequestStatus | None:
+def check_stop(
+    request: Request,
+    token: int,
+    eos_token_ids: Collection[int],
+    max_model_len: int,
+    detokenize: Callable[[list[int]], str],
+) -> RequestStatus | None:
     """The status `request` finishes with now that `token` (the last of its output) was sampled, else None.
 
     With stop strings, `request.output_text` follows the output (a few tokens decoded per step, not the whole
@@ -29,10 +34,14 @@ def check_stop(request: Request, token: int, eos_token_ids: Collection[int], max
     if params.stop:
         detok = _detokenizer(request, detokenize)
         before = len(detok.text)
-        detok.push(request.generated_token_ids[len(detok.token_ids):])
+        detok.push(request.generated_token_ids[len(detok.token_ids) :])
         # as vLLM: a stop string counts where it ends in the text just added (one whole in the text of the min_tokens
         # before, when nothing was checked, does not)
-        hits = [] if early else [(at, s) for s in params.stop if (at := detok.text.find(s, max(before - len(s) + 1, 0))) >= 0]
+        hits = (
+            []
+            if early
+            else [(at, s) for s in params.stop if (at := detok.text.find(s, max(before - len(s) + 1, 0))) >= 0]
+        )
         if hits:
             cut, stop = min(hits)
             request.output_text, request.stop_reason = detok.text[:cut], stop
@@ -63,12 +72,12 @@ def _detokenizer(request: Request, detokenize) -> IncrementalDetokenizer:
     if request.detokenizer is None:
         request.detokenizer = IncrementalDetokenizer(detokenize)
         if request.num_continued_tokens:
-            request.detokenizer.push(request.prompt_token_ids[-request.num_continued_tokens:])
+            request.detokenizer.push(request.prompt_token_ids[-request.num_continued_tokens :])
     return request.detokenizer
 
 
 def _finished_text(request: Request, detokenize, ids: list[int]) -> str:
     detok = _detokenizer(request, detokenize)
-    detok.push(ids[len(detok.token_ids):])
+    detok.push(ids[len(detok.token_ids) :])
     detok.finish()
     return detok.text

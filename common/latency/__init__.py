@@ -18,5 +18,16 @@ from common.latency.model import (
     transfer_ms,
 )
 
-__all__ = ["LatencyProfile", "StageCost", "decode_ms", "encode_ms", "goodput_bound", "iteration_ms", "prefill_chunk_ms",
-           "prefill_ms", "request_cost_ms", "scaled", "transfer_ms"]
+__all__ = [
+    "LatencyProfile",
+    "StageCost",
+    "decode_ms",
+    "encode_ms",
+    "goodput_bound",
+    "iteration_ms",
+    "prefill_chunk_ms",
+    "prefill_ms",
+    "request_cost_ms",
+    "scaled",
+    "transfer_ms",
+]

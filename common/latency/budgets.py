@@ -34,17 +34,24 @@ class IterationTime:
     """An iteration's time limit and the profile that predicts it. τ_t counts a decode as one token, but at long
     contexts a decode reads far more KV than a prompt token computes: `tokens_beside` is what the iteration's own
     decodes leave for a prompt chunk."""
+
     profile: LatencyProfile
     limit_ms: float
 
-    def tokens_beside(self, decodes: int, context_tokens: int, upper: int, chunk_context: int = 0,
-                      overrun_ms: float = 0.0) -> int:
+    def tokens_beside(
+        self, decodes: int, context_tokens: int, upper: int, chunk_context: int = 0, overrun_ms: float = 0.0
+    ) -> int:
         """Prompt tokens (a chunk after `chunk_context` tokens of its prompt) that fit beside `decodes` sequences
         holding `context_tokens` KV tokens, within the limit less what iterations here overrun the profile by
         (`Overrun`; never below a quarter of the limit)."""
         limit = max(self.limit_ms - overrun_ms, self.limit_ms / 4)
-        return largest_within(lambda t: iteration_ms(self.profile, decodes=decodes, decode_context=context_tokens,
-                                                     chunks=((t, chunk_context),)), limit, upper)
+        return largest_within(
+            lambda t: iteration_ms(
+                self.profile, decodes=decodes, decode_context=context_tokens, chunks=((t, chunk_context),)
+            ),
+            limit,
+            upper,
+        )
 
     def predict_ms(self, images: int, decodes: int, context_tokens: int, chunks: list[tuple[int, int]]) -> float:
         return iteration_ms(self.profile, images=images, decodes=decodes, decode_context=context_tokens, chunks=chunks)
@@ -96,9 +103,18 @@ def stage_limit_ms(has_decode: bool, ttft_ms: float, tbt_ms: float, alpha: float
     return tbt_ms / 2 if joins else tbt_ms
 
 
-def budgets_for(profile: LatencyProfile, has_decode: bool, ttft_ms: float, tbt_ms: float,
-                max_images: int = 64, max_tokens: int = 1 << 15, alpha: float = ALPHA, headroom: float = 1.0,
-                joins: bool = False, join_first: bool = False) -> Budgets:
+def budgets_for(
+    profile: LatencyProfile,
+    has_decode: bool,
+    ttft_ms: float,
+    tbt_ms: float,
+    max_images: int = 64,
+    max_tokens: int = 1 << 15,
+    alpha: float = ALPHA,
+    headroom: float = 1.0,
+    joins: bool = False,
+    join_first: bool = False,
+) -> Budgets:
     """`headroom` < 1 sizes iterations to that fraction of the limit, leaving room for what the profile does not
     predict (host overhead, delivery), so an iteration at the budget still lands within the SLO.
     `joins`: a decoder that prefills while prefill workers hand requests over to it (see `stage_limit_ms`);
@@ -113,5 +129,10 @@ def budgets_for(profile: LatencyProfile, has_decode: bool, ttft_ms: float, tbt_m
     images = largest_within(lambda n: encode_ms(profile, n), limit, max_images)
     tokens = largest_within(lambda t: prefill_chunk_ms(profile, t), limit, max_tokens)
     beside_image = largest_within(lambda t: prefill_chunk_ms(profile, t), limit - encode_ms(profile, 1), max_tokens)
-    return Budgets(max(images, 1), max(tokens, 1), limit, fits=images > 0 and tokens > 0,
-                   image_token_cost=max(tokens - beside_image, 1))
+    return Budgets(
+        max(images, 1),
+        max(tokens, 1),
+        limit,
+        fits=images > 0 and tokens > 0,
+        image_token_cost=max(tokens - beside_image, 1),
+    )

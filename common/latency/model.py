@@ -109,8 +109,13 @@ def decode_ms(p: LatencyProfile, batch: int, context_tokens: int) -> float:
     return p.decode.base_ms(batch) + p.decode.quadratic_ms * context_tokens
 
 
-def iteration_ms(p: LatencyProfile, images: int = 0, decodes: int = 0, decode_context: int = 0,
-                 chunks: tuple[tuple[int, int], ...] | list[tuple[int, int]] = ()) -> float:
+def iteration_ms(
+    p: LatencyProfile,
+    images: int = 0,
+    decodes: int = 0,
+    decode_context: int = 0,
+    chunks: tuple[tuple[int, int], ...] | list[tuple[int, int]] = (),
+) -> float:
     """One engine iteration: `images` through the vision tower, then one forward over `decodes` sequences
     (holding `decode_context` KV tokens) and the prefill `chunks` (tokens, context before the chunk)
     flattened together — a mixed batch costs what its token count costs a prefill, plus each chunk's
@@ -118,15 +123,19 @@ def iteration_ms(p: LatencyProfile, images: int = 0, decodes: int = 0, decode_co
     total = encode_ms(p, images)
     prefill_tokens = sum(n for n, _ in chunks)
     if prefill_tokens:
-        total += (p.prefill.base_ms(decodes + prefill_tokens) + p.decode.quadratic_ms * decode_context
-                  + sum(p.prefill.quadratic_ms * n * (c + n / 2) for n, c in chunks))
+        total += (
+            p.prefill.base_ms(decodes + prefill_tokens)
+            + p.decode.quadratic_ms * decode_context
+            + sum(p.prefill.quadratic_ms * n * (c + n / 2) for n, c in chunks)
+        )
     elif decodes:
         total += decode_ms(p, decodes, decode_context)
     return total
 
 
-def request_cost_ms(p: LatencyProfile, prompt_tokens: int, images: int, output_tokens: int,
-                    max_images: int = 64, cached_tokens: int = 0) -> float:
+def request_cost_ms(
+    p: LatencyProfile, prompt_tokens: int, images: int, output_tokens: int, max_images: int = 64, cached_tokens: int = 0
+) -> float:
     """The least instance time one request can take on this profile, however it is batched or placed: its
     images encoded in a full batch (`max_images`), every prompt and output token at the saturated per-token
     cost of a large mixed batch, plus its own attention (prefill) and KV reads (decode). Transfers and
@@ -156,13 +165,20 @@ def scaled(p: LatencyProfile, factor: float) -> LatencyProfile:
         return p
 
     def stage(c: StageCost) -> StageCost:
-        return StageCost(c.overhead_ms * factor, c.floor_ms * factor, c.per_unit_ms * factor, c.half_units,
-                         c.quadratic_ms * factor)
+        return StageCost(
+            c.overhead_ms * factor, c.floor_ms * factor, c.per_unit_ms * factor, c.half_units, c.quadratic_ms * factor
+        )
 
     return dataclasses.replace(
-        p, name=f"{p.name} ×{factor:g} time", encode=stage(p.encode), prefill=stage(p.prefill), decode=stage(p.decode),
-        transfer_latency_ms=p.transfer_latency_ms * factor, transfer_gbps=p.transfer_gbps / factor,
-        notes=f"{p.notes}; every time scaled by {factor:g}".lstrip("; "))
+        p,
+        name=f"{p.name} ×{factor:g} time",
+        encode=stage(p.encode),
+        prefill=stage(p.prefill),
+        decode=stage(p.decode),
+        transfer_latency_ms=p.transfer_latency_ms * factor,
+        transfer_gbps=p.transfer_gbps / factor,
+        notes=f"{p.notes}; every time scaled by {factor:g}".lstrip("; "),
+    )
 
 
 def transfer_ms(p: LatencyProfile, num_bytes: int) -> float:

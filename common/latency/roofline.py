@@ -68,7 +68,10 @@ class ModelShape:
 
     @property
     def encode_flops(self) -> float:
-        tower = 2 * self.vision_params * self.vision_tokens + 4 * self.vision_layers * self.vision_tokens ** 2 * self.vision_hidden
+        tower = (
+            2 * self.vision_params * self.vision_tokens
+            + 4 * self.vision_layers * self.vision_tokens**2 * self.vision_hidden
+        )
         return tower + 2 * self.projector_params * self.image_tokens
 
     @property
@@ -96,15 +99,25 @@ def _profile(hw: Accelerator, shape: ModelShape, half: dict[str, float]) -> Late
     per_token = 2 * shape.text_params / flops
     attention = 4 * shape.text_layers * shape.text_hidden / flops  # per token × context token
     return LatencyProfile(
-        name=f"{shape.name} on {hw.name} (analytic roofline)", source="analytic", hardware=hw.name, model=shape.name,
+        name=f"{shape.name} on {hw.name} (analytic roofline)",
+        source="analytic",
+        hardware=hw.name,
+        model=shape.name,
         encode=StageCost(ITERATION_OVERHEAD_MS, vision_weights / bandwidth, shape.encode_flops / flops, half["encode"]),
         prefill=StageCost(ITERATION_OVERHEAD_MS, text_weights / bandwidth, per_token, half["prefill"], attention),
-        decode=StageCost(ITERATION_OVERHEAD_MS, text_weights / bandwidth, per_token, half["decode"],
-                         shape.kv_bytes_per_token / bandwidth),
-        transfer_latency_ms=LINK_LATENCY_MS, transfer_gbps=hw.link_gbps * LINK_EFFICIENCY, image_tokens=shape.image_tokens,
+        decode=StageCost(
+            ITERATION_OVERHEAD_MS,
+            text_weights / bandwidth,
+            per_token,
+            half["decode"],
+            shape.kv_bytes_per_token / bandwidth,
+        ),
+        transfer_latency_ms=LINK_LATENCY_MS,
+        transfer_gbps=hw.link_gbps * LINK_EFFICIENCY,
+        image_tokens=shape.image_tokens,
         notes=f"peak {hw.bf16_tflops} TFLOP/s bf16, {hw.hbm_tbps} TB/s, {hw.sms} SMs; efficiencies flop "
-              f"{FLOP_EFFICIENCY}, memory {MEMORY_EFFICIENCY}, link {LINK_EFFICIENCY}; half_units calibrated on H20 "
-              "to TriInfer's saturation points and scaled by SM count",
+        f"{FLOP_EFFICIENCY}, memory {MEMORY_EFFICIENCY}, link {LINK_EFFICIENCY}; half_units calibrated on H20 "
+        "to TriInfer's saturation points and scaled by SM count",
     )
 
 
@@ -120,9 +133,11 @@ def saturation_points(profile: LatencyProfile, decode_context: int = TRIINFER_H2
 def _calibrated_half_units(shape: ModelShape) -> dict[str, float]:
     """Per stage, the half_units (bisection) that put the H20 profile's saturation at TriInfer's point."""
     hw = ACCELERATORS["H20"]
-    targets = {"encode": ("encode_images", TRIINFER_H20["encode_images"], 64.0),
-               "prefill": ("prefill_tokens", TRIINFER_H20["prefill_tokens"], 8192.0),
-               "decode": ("decode_sequences", TRIINFER_H20["decode_sequences"], 4096.0)}
+    targets = {
+        "encode": ("encode_images", TRIINFER_H20["encode_images"], 64.0),
+        "prefill": ("prefill_tokens", TRIINFER_H20["prefill_tokens"], 8192.0),
+        "decode": ("decode_sequences", TRIINFER_H20["decode_sequences"], 4096.0),
+    }
     half = {"encode": 0.0, "prefill": 0.0, "decode": 0.0}
     for stage, (key, target, upper) in targets.items():
         lo, hi = 0.0, upper

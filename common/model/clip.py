@@ -25,7 +25,9 @@ class VisionLayer(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, n, h = x.shape
-        q, k, v = self.qkv(self.layer_norm1(x)).view(b, n, 3, self.num_heads, h // self.num_heads).permute(2, 0, 3, 1, 4)
+        q, k, v = (
+            self.qkv(self.layer_norm1(x)).view(b, n, 3, self.num_heads, h // self.num_heads).permute(2, 0, 3, 1, 4)
+        )
         attn = F.scaled_dot_product_attention(q, k, v)
         x = x + self.out_proj(attn.transpose(1, 2).reshape(b, n, h))
         return x + self.fc2(self.act(self.fc1(self.layer_norm2(x))))

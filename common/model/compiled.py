@@ -62,8 +62,9 @@ class CompiledModel:
         if vision:
             vcfg = model.cfg.vision
             for images in (1, 2):
-                self.vision_layer(model.vision.layers[0], torch.zeros(images, vcfg.num_patches + 1, vcfg.hidden_size,
-                                                                      **like))
+                self.vision_layer(
+                    model.vision.layers[0], torch.zeros(images, vcfg.num_patches + 1, vcfg.hidden_size, **like)
+                )
         seconds = time.perf_counter() - start
         log.info("compiled model warmed up in %.1f s (cache %s)", seconds, os.environ["TORCHINDUCTOR_CACHE_DIR"])
         return seconds

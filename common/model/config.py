@@ -75,7 +75,11 @@ class LlavaConfig:
     @property
     def vision_layers_to_run(self) -> int:
         """Encoder layers whose output we need: hidden_states[feature_layer] counts the embeddings as 0."""
-        return self.vision.num_layers + 1 + self.vision_feature_layer if self.vision_feature_layer < 0 else self.vision_feature_layer
+        return (
+            self.vision.num_layers + 1 + self.vision_feature_layer
+            if self.vision_feature_layer < 0
+            else self.vision_feature_layer
+        )
 
     @classmethod
     def from_pretrained(cls, model_dir: str | Path) -> "LlavaConfig":
@@ -114,7 +118,9 @@ class LlavaConfig:
             rope_theta=float(rope_theta),
             max_position_embeddings=t.max_position_embeddings,
             hidden_act=t.hidden_act,
-            tie_word_embeddings=bool(getattr(t, "tie_word_embeddings", False) or getattr(hf, "tie_word_embeddings", False)),
+            tie_word_embeddings=bool(
+                getattr(t, "tie_word_embeddings", False) or getattr(hf, "tie_word_embeddings", False)
+            ),
         )
         vision = VisionConfig(
             hidden_size=v.hidden_size,

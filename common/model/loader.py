@@ -74,7 +74,9 @@ def _checkpoint_files(model_dir: Path) -> list[Path]:
     raise FileNotFoundError(f"no model.safetensors or model.safetensors.index.json in {model_dir}")
 
 
-def load_model(model_dir: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> LlavaModel:
+def load_model(
+    model_dir: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
+) -> LlavaModel:
     from safetensors import safe_open
 
     path = Path(model_dir)
@@ -105,6 +107,8 @@ def load_model(model_dir: str | Path, dtype: torch.dtype = torch.float32, device
         raise ValueError(f"checkpoint {path} lacks {len(missing)} tensors, e.g. {missing[:3]}")
     for name, tensor in loaded.items():
         if tuple(tensor.shape) != tuple(params[name].shape):
-            raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != model shape {tuple(params[name].shape)}")
+            raise ValueError(
+                f"{name}: checkpoint shape {tuple(tensor.shape)} != model shape {tuple(params[name].shape)}"
+            )
     model.load_state_dict({k: v.to(device) for k, v in loaded.items()}, assign=True, strict=True)
     return model.eval().requires_grad_(False)

@@ -18,8 +18,12 @@ log = logging.getLogger(__name__)
 
 def can_pack(dtype: torch.dtype, device: torch.device) -> bool:
     """Whether this host's oneDNN computes `dtype` linears natively on `device` (bf16 on AMX or AVX512-BF16 CPUs)."""
-    return (device.type == "cpu" and dtype == torch.bfloat16 and torch.backends.mkldnn.is_available()
-            and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    return (
+        device.type == "cpu"
+        and dtype == torch.bfloat16
+        and torch.backends.mkldnn.is_available()
+        and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    )
 
 
 @torch.library.custom_op("epdmesh::packed_linear", mutates_args=())
@@ -52,8 +56,12 @@ class PackedLinear(nn.Module):
 
 def pack_linears(model: nn.Module) -> int:
     """Replace every bf16 CPU `nn.Linear` of `model` by a `PackedLinear`, in place; returns how many. Idempotent."""
-    targets = [(parent, name, child) for parent in model.modules() for name, child in parent.named_children()
-               if type(child) is nn.Linear and can_pack(child.weight.dtype, child.weight.device)]
+    targets = [
+        (parent, name, child)
+        for parent in model.modules()
+        for name, child in parent.named_children()
+        if type(child) is nn.Linear and can_pack(child.weight.dtype, child.weight.device)
+    ]
     for parent, name, child in targets:
         setattr(parent, name, PackedLinear(child))
     if targets:

@@ -29,10 +29,26 @@ log = logging.getLogger(__name__)
 
 # what the processor itself passes to the template (the tokenizer's special tokens too): a request's
 # chat_template_kwargs may not set them
-RESERVED_TEMPLATE_VARIABLES = frozenset({"messages", "tools", "documents", "add_generation_prompt",
-                                         "continue_final_message", "chat_template", "tokenize", "return_dict",
-                                         "bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token",
-                                         "mask_token", "additional_special_tokens"})
+RESERVED_TEMPLATE_VARIABLES = frozenset(
+    {
+        "messages",
+        "tools",
+        "documents",
+        "add_generation_prompt",
+        "continue_final_message",
+        "chat_template",
+        "tokenize",
+        "return_dict",
+        "bos_token",
+        "eos_token",
+        "unk_token",
+        "pad_token",
+        "sep_token",
+        "cls_token",
+        "mask_token",
+        "additional_special_tokens",
+    }
+)
 
 
 @contextlib.contextmanager
@@ -53,9 +69,13 @@ class TemplateArgumentError(ValueError):
 
 def image_digests(conversation: list[dict]) -> list[str]:
     """The digests of the chat's images in prompt order ('' for one decoded without a digest)."""
-    return [part["image"].info.get(IMAGE_DIGEST_KEY, "") if hasattr(part.get("image"), "info") else ""
-            for message in conversation if isinstance(message.get("content"), list)
-            for part in message["content"] if isinstance(part, dict) and part.get("type") == "image"]
+    return [
+        part["image"].info.get(IMAGE_DIGEST_KEY, "") if hasattr(part.get("image"), "info") else ""
+        for message in conversation
+        if isinstance(message.get("content"), list)
+        for part in message["content"]
+        if isinstance(part, dict) and part.get("type") == "image"
+    ]
 
 
 class ChatProcessor:
@@ -79,28 +99,51 @@ class ChatProcessor:
             try:
                 self.count_prompt_tokens([{"role": "user", "content": [{"type": "text", "text": "Hello"}]}])
             except Exception as e:
-                raise ValueError(f"the chat template cannot render a one-message chat: {type(e).__name__}: {e}") from None
+                raise ValueError(
+                    f"the chat template cannot render a one-message chat: {type(e).__name__}: {e}"
+                ) from None
 
-    def apply(self, conversation: list[dict], finish_pixels: bool = True, add_generation_prompt: bool = True,
-              tools: list[dict] | None = None, template_kwargs: dict | None = None) -> tuple[list[int], list[ImageInput]]:
+    def apply(
+        self,
+        conversation: list[dict],
+        finish_pixels: bool = True,
+        add_generation_prompt: bool = True,
+        tools: list[dict] | None = None,
+        template_kwargs: dict | None = None,
+    ) -> tuple[list[int], list[ImageInput]]:
         """HF-format conversation (image parts as {'type': 'image', 'image': PIL.Image}) → token ids, images.
         `finish_pixels=False`: where that is exact (`deferred_scaling`), the images' pixels stop before the
         processor's rescale and normalize steps — uint8, for the worker that encodes to finish.
         `add_generation_prompt=False` (only to tokenize a chat, not to answer it): no assistant turn opened.
         `tools`: the request's tools, for a template that renders them (HF's `apply_chat_template(tools=...)`);
         `template_kwargs`: the request's `chat_template_kwargs` (`template_variables` says which the template reads)."""
-        return self._apply(conversation, None if finish_pixels else self.deferred_scaling, add_generation_prompt, tools,
-                           template_kwargs)
+        return self._apply(
+            conversation,
+            None if finish_pixels else self.deferred_scaling,
+            add_generation_prompt,
+            tools,
+            template_kwargs,
+        )
 
-    def _apply(self, conversation: list[dict], scaling: PixelScaling | None, add_generation_prompt: bool = True,
-               tools: list[dict] | None = None, template_kwargs: dict | None = None) -> tuple[list[int], list[ImageInput]]:
+    def _apply(
+        self,
+        conversation: list[dict],
+        scaling: PixelScaling | None,
+        add_generation_prompt: bool = True,
+        tools: list[dict] | None = None,
+        template_kwargs: dict | None = None,
+    ) -> tuple[list[int], list[ImageInput]]:
         kwargs = self._template_kwargs(tools, template_kwargs)
         if scaling is not None:
             kwargs["processor_kwargs"] = {"do_rescale": False, "do_normalize": False}
         with _template_refusals():
             batch = self.processor.apply_chat_template(
-                self._calls_as_text(conversation), add_generation_prompt=add_generation_prompt, tokenize=True,
-                return_dict=True, return_tensors="pt", **kwargs
+                self._calls_as_text(conversation),
+                add_generation_prompt=add_generation_prompt,
+                tokenize=True,
+                return_dict=True,
+                return_tensors="pt",
+                **kwargs,
             )
         ids = batch["input_ids"][0].tolist()
         images = []
@@ -109,8 +152,11 @@ class ChatProcessor:
             for i, pixels in enumerate(batch["pixel_values"]):
                 pixels = pixels.to(torch.float32 if scaling is None else torch.uint8).contiguous()
                 # the same file gives the same pixels: its digest identifies them (cheaper than hashing the pixels)
-                digest = (sources[i] if i < len(sources) and sources[i] else
-                          hashlib.blake2b(pixels.numpy().tobytes(), digest_size=16).hexdigest())
+                digest = (
+                    sources[i]
+                    if i < len(sources) and sources[i]
+                    else hashlib.blake2b(pixels.numpy().tobytes(), digest_size=16).hexdigest()
+                )
                 images.append(ImageInput(pixels, self.config.image_tokens_per_image, digest, scaling))
         return ids, images
 
@@ -129,7 +175,9 @@ class ChatProcessor:
                 probe = Image.fromarray(rng.integers(0, 256, (height, width, 3), dtype=np.uint8))
                 chat = [{"role": "user", "content": [{"type": "image", "image": probe}, {"type": "text", "text": "?"}]}]
                 (_, (full,)), (_, (raw,)) = self._apply(chat, None), self._apply(chat, scaling)
-                if not torch.equal(full.pixel_values.view(torch.int32), finish(raw.pixel_values, scaling).view(torch.int32)):
+                if not torch.equal(
+                    full.pixel_values.view(torch.int32), finish(raw.pixel_values, scaling).view(torch.int32)
+                ):
                     log.info("image pixels travel finished: finishing them elsewhere would not be exact")
                     return None
         except Exception as e:  # an image processor unlike CLIP's: keep to its own output
@@ -142,8 +190,10 @@ class ChatProcessor:
         token ids kept as given), and no images."""
         ids = self.tokenizer(prompt)["input_ids"] if isinstance(prompt, str) else list(prompt)
         if self.config.image_token_id in ids:
-            raise ValueError("the prompt holds the image placeholder token, and a text completion takes no images; "
-                             "send images to /v1/chat/completions")
+            raise ValueError(
+                "the prompt holds the image placeholder token, and a text completion takes no images; "
+                "send images to /v1/chat/completions"
+            )
         return ids, []
 
     def _calls_as_text(self, conversation: list[dict]) -> list[dict]:
@@ -155,7 +205,9 @@ class ChatProcessor:
         out = []
         for m in conversation:
             if m.get("tool_calls"):
-                calls = [{"name": c["function"]["name"], "parameters": c["function"]["arguments"]} for c in m["tool_calls"]]
+                calls = [
+                    {"name": c["function"]["name"], "parameters": c["function"]["arguments"]} for c in m["tool_calls"]
+                ]
                 text = json.dumps(calls, ensure_ascii=False, separators=(",", ":"))
                 m = {k: v for k, v in m.items() if k != "tool_calls"}
                 m["content"] = [*m["content"], {"type": "text", "text": text}]
@@ -175,8 +227,11 @@ class ChatProcessor:
             environment = _compile_jinja_template(template).environment
             return frozenset(meta.find_undeclared_variables(environment.parse(template))) - RESERVED_TEMPLATE_VARIABLES
         except Exception as e:  # a template this cannot read: it takes no request variables
-            log.warning("the chat template's variables could not be read (%s: %s): chat_template_kwargs are ignored",
-                        type(e).__name__, e)
+            log.warning(
+                "the chat template's variables could not be read (%s: %s): chat_template_kwargs are ignored",
+                type(e).__name__,
+                e,
+            )
             return frozenset()
 
     def _template_kwargs(self, tools: list[dict] | None, given: dict | None) -> dict:
@@ -189,19 +244,25 @@ class ChatProcessor:
         kwargs.update({k: v for k, v in (given or {}).items() if k in self.template_variables})
         return kwargs
 
-    def count_prompt_tokens(self, conversation: list[dict], tools: list[dict] | None = None,
-                            template_kwargs: dict | None = None) -> int:
+    def count_prompt_tokens(
+        self, conversation: list[dict], tools: list[dict] | None = None, template_kwargs: dict | None = None
+    ) -> int:
         """The prompt's length without preprocessing any image (a fraction of `apply`'s time, so a route can
         be asked for while the pixels are made)."""
         return len(self.prompt_ids(conversation, tools, template_kwargs))
 
-    def prompt_ids(self, conversation: list[dict], tools: list[dict] | None = None,
-                   template_kwargs: dict | None = None) -> list[int]:
+    def prompt_ids(
+        self, conversation: list[dict], tools: list[dict] | None = None, template_kwargs: dict | None = None
+    ) -> list[int]:
         """The prompt's token ids without preprocessing any image: the chat template's text tokenized as `apply`
         does, each image placeholder expanded to the tokens it stands for — `apply`'s ids (a test keeps them so)."""
         with _template_refusals():
-            text = self.processor.apply_chat_template(self._calls_as_text(conversation), add_generation_prompt=True,
-                                                      tokenize=False, **self._template_kwargs(tools, template_kwargs))
+            text = self.processor.apply_chat_template(
+                self._calls_as_text(conversation),
+                add_generation_prompt=True,
+                tokenize=False,
+                **self._template_kwargs(tools, template_kwargs),
+            )
         bos = self.tokenizer.bos_token
         ids = self.tokenizer(text, add_special_tokens=not (bos is not None and text.startswith(bos)))["input_ids"]
         image_token, per_image = self.config.image_token_id, self.config.image_tokens_per_image

@@ -87,7 +87,7 @@ def share(model: torch.nn.Module, model_dir: str, dtype: torch.dtype, directory:
         buffer = torch.frombuffer(region, dtype=torch.uint8)
     offset = 0
     for p, size in zip(params, sizes):
-        view = buffer[offset:offset + p.numel() * p.element_size()].view(p.dtype).view(p.shape)
+        view = buffer[offset : offset + p.numel() * p.element_size()].view(p.dtype).view(p.shape)
         if not torch.equal(view, p.data):  # the file is not this checkpoint's (a stale or torn one): stay private
             log.warning("weights stay private: %s does not hold this checkpoint's parameters", path)
             SharedWeights(path, region, users_fd).close()
@@ -95,7 +95,7 @@ def share(model: torch.nn.Module, model_dir: str, dtype: torch.dtype, directory:
         offset += size
     offset = 0
     for p, size in zip(params, sizes):
-        p.data = buffer[offset:offset + p.numel() * p.element_size()].view(p.dtype).view(p.shape)
+        p.data = buffer[offset : offset + p.numel() * p.element_size()].view(p.dtype).view(p.shape)
         offset += size
     log.info("weights shared: %s (%.0f MB)", path, total / 2**20)
     shared = SharedWeights(path, region, users_fd)

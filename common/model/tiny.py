@@ -135,10 +135,17 @@ def _write_tokenizer_and_processor(out: Path, spec: TinySpec, state: dict) -> No
     )
     tok.train_from_iterator(_corpus(spec.seed), trainer)
     tok.add_special_tokens(["<image>"])
-    tok.post_processor = processors.TemplateProcessing(single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", 1)])
+    tok.post_processor = processors.TemplateProcessing(
+        single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", 1)]
+    )
     hf_tok = PreTrainedTokenizerFast(
-        tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>", pad_token="<pad>",
-        model_max_length=4096, padding_side="left",
+        tokenizer_object=tok,
+        bos_token="<s>",
+        eos_token="</s>",
+        unk_token="<unk>",
+        pad_token="<pad>",
+        model_max_length=4096,
+        padding_side="left",
     )
     vision = preset["vision"]
     image_processor = CLIPImageProcessor(
@@ -167,19 +174,37 @@ def _write_config(out: Path, spec: TinySpec, state: dict) -> None:
     preset = PRESETS[spec.preset]
     t, v = preset["text"], preset["vision"]
     text = LlamaConfig(
-        vocab_size=preset["vocab"], hidden_size=t["hidden"], intermediate_size=t["intermediate"],
-        num_hidden_layers=t["layers"], num_attention_heads=t["heads"], num_key_value_heads=t["kv_heads"],
-        rms_norm_eps=t["eps"], rope_theta=t["rope_theta"], max_position_embeddings=4096,
-        bos_token_id=1, eos_token_id=2, pad_token_id=state["pad_token_id"], tie_word_embeddings=False,
+        vocab_size=preset["vocab"],
+        hidden_size=t["hidden"],
+        intermediate_size=t["intermediate"],
+        num_hidden_layers=t["layers"],
+        num_attention_heads=t["heads"],
+        num_key_value_heads=t["kv_heads"],
+        rms_norm_eps=t["eps"],
+        rope_theta=t["rope_theta"],
+        max_position_embeddings=4096,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=state["pad_token_id"],
+        tie_word_embeddings=False,
     )
     vision = CLIPVisionConfig(
-        hidden_size=v["hidden"], intermediate_size=v["intermediate"], num_hidden_layers=v["layers"],
-        num_attention_heads=v["heads"], image_size=v["image"], patch_size=v["patch"], projection_dim=v["hidden"],
+        hidden_size=v["hidden"],
+        intermediate_size=v["intermediate"],
+        num_hidden_layers=v["layers"],
+        num_attention_heads=v["heads"],
+        image_size=v["image"],
+        patch_size=v["patch"],
+        projection_dim=v["hidden"],
         hidden_act="quick_gelu",
     )
     config = LlavaConfig(
-        vision_config=vision, text_config=text, image_token_index=state["image_token_id"],
-        projector_hidden_act="gelu", vision_feature_layer=-2, vision_feature_select_strategy="default",
+        vision_config=vision,
+        text_config=text,
+        image_token_index=state["image_token_id"],
+        projector_hidden_act="gelu",
+        vision_feature_layer=-2,
+        vision_feature_select_strategy="default",
         tie_word_embeddings=False,
     )
     config.save_pretrained(str(out))
@@ -209,7 +234,9 @@ def _write_weights(out: Path, spec: TinySpec, state: dict) -> None:
     vp = "vision_tower.vision_model"
     vh = v["hidden"]
     normal(f"{vp}.embeddings.class_embedding", (vh,), 1.0)
-    normal(f"{vp}.embeddings.patch_embedding.weight", (vh, 3, v["patch"], v["patch"]), 1.0 / math.sqrt(3 * v["patch"] ** 2))
+    normal(
+        f"{vp}.embeddings.patch_embedding.weight", (vh, 3, v["patch"], v["patch"]), 1.0 / math.sqrt(3 * v["patch"] ** 2)
+    )
     normal(f"{vp}.embeddings.position_embedding.weight", ((v["image"] // v["patch"]) ** 2 + 1, vh), 0.5)
     for ln in ("pre_layrnorm", "post_layernorm"):
         const(f"{vp}.{ln}.weight", (vh,), 1.0)
@@ -249,6 +276,8 @@ def _write_weights(out: Path, spec: TinySpec, state: dict) -> None:
     # row, so they are (almost) never the argmax: random rows made them 30 of a 40-token demo answer, which decoded
     # to nothing or to U+FFFD.
     head = tensors["language_model.lm_head.weight"]
-    head[state["tokenizer_size"]:] = 0.0
+    head[state["tokenizer_size"] :] = 0.0
     head[[state["image_token_id"], *state["partial_ids"]]] = 0.0
-    save_file({k: t.contiguous() for k, t in tensors.items()}, str(out / "model.safetensors"), metadata={"format": "pt"})
+    save_file(
+        {k: t.contiguous() for k, t in tensors.items()}, str(out / "model.safetensors"), metadata={"format": "pt"}
+    )

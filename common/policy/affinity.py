@@ -29,12 +29,19 @@ def summary_fields(token_ids: list[int], image_keys: list[str], model, salt: str
     prompt alike — mixed in where it begins) and where its images end. `model`: its config (`image_token_id`, and
     `image_tokens_per_image`, which every image of it fills); `salt`: the request's `cache_salt`."""
     images = [(key, model.image_tokens_per_image) for key in image_keys]
-    return {"prefix_hashes": prompt_hashes(token_ids, images, model.image_token_id, salt=salt),
-            "image_end": image_end(token_ids, model.image_token_id)}
+    return {
+        "prefix_hashes": prompt_hashes(token_ids, images, model.image_token_id, salt=salt),
+        "image_end": image_end(token_ids, model.image_token_id),
+    }
 
 
-def prompt_hashes(token_ids: list[int], images: list[tuple[str, int]], image_token_id: int | None = None,
-                  block_tokens: int = BLOCK_TOKENS, salt: str = "") -> tuple[int, ...]:
+def prompt_hashes(
+    token_ids: list[int],
+    images: list[tuple[str, int]],
+    image_token_id: int | None = None,
+    block_tokens: int = BLOCK_TOKENS,
+    salt: str = "",
+) -> tuple[int, ...]:
     """The chained hashes of the prompt's full blocks, as the engine's cache keys them (`request.image_marks`), cut to
     63 bits for the route's wire (int64): a prediction's key, which the engine checks against its own whole ones."""
     hashes = chain_hashes(token_ids, block_tokens, image_marks(token_ids, image_token_id, images), salt)
@@ -100,16 +107,23 @@ class PrefixAffinity:
     def predicted(self, workers: list[WorkerSnapshot], summary: RouteSummary) -> RouteSummary:
         """`summary` with what each prefill worker that caches prefixes is predicted to hold of its prompt."""
         reusable = self._reusable(summary)
-        hits = ((w.info.registration, min(reusable, self.routed.matched_tokens(w.info.registration, summary.prefix_hashes)))
-                for w in workers if w.has(Stage.PREFILL) and w.info.prefix_caching)
+        hits = (
+            (w.info.registration, min(reusable, self.routed.matched_tokens(w.info.registration, summary.prefix_hashes)))
+            for w in workers
+            if w.has(Stage.PREFILL) and w.info.prefix_caching
+        )
         return dataclasses.replace(summary, cached_tokens=tuple((reg, n) for reg, n in hits if n))
 
     def needs_no_encode(self, plan: RoutePlan, summary: RouteSummary) -> bool:
         """The plan's prefill worker, not its encoder, has *finished* a prefill covering the request's images (routed
         is not yet cached: a burst of one image would all be told so, and each then encode after a refusal)."""
         p = plan.prefill
-        if not summary.num_images or plan.encoder is None or plan.encoder.worker_id == p.worker_id \
-                or not p.info.prefix_caching:
+        if (
+            not summary.num_images
+            or plan.encoder is None
+            or plan.encoder.worker_id == p.worker_id
+            or not p.info.prefix_caching
+        ):
             return False
         done = self.prefilled.matched_tokens(p.info.registration, summary.prefix_hashes)
         return min(self._reusable(summary), done) >= summary.image_end > 0

@@ -34,8 +34,15 @@ from __future__ import annotations
 
 import dataclasses
 
-from common.latency.model import (LatencyProfile, decode_ms, encode_ms, iteration_ms, prefill_chunk_ms, prefill_ms,
-                                  transfer_ms)
+from common.latency.model import (
+    LatencyProfile,
+    decode_ms,
+    encode_ms,
+    iteration_ms,
+    prefill_chunk_ms,
+    prefill_ms,
+    transfer_ms,
+)
 from common.policy.routing import PrefillPath, RoutePlan, RouteSummary
 from common.request import Stage
 from common.workers import WorkerSnapshot
@@ -68,15 +75,21 @@ class _Option:
     violation: float  # 0 when the option meets every target; else how far off, relative to the target
 
 
-def route_slo(workers: list[WorkerSnapshot], request: RouteSummary, ttft_ms: float, tbt_ms: float, elapsed_ms: float,
-              profile: LatencyProfile, config: MultiplexConfig = MultiplexConfig()) -> Decision:
+def route_slo(
+    workers: list[WorkerSnapshot],
+    request: RouteSummary,
+    ttft_ms: float,
+    tbt_ms: float,
+    elapsed_ms: float,
+    profile: LatencyProfile,
+    config: MultiplexConfig = MultiplexConfig(),
+) -> Decision:
     live = [w for w in workers if w.age_s <= config.max_heartbeat_age_s and not w.excluded_by(request.exclude)]
     decoders = [w for w in live if w.has(Stage.DECODE)]
     if not decoders:
         return Decision(None, 0.0, 0.0, "no live decoder", False)
     # each encoder's predicted finish, once: it picks the encoder and prices a prefill on a worker that encodes
-    finishes = {w.worker_id: _encode_finish(w, request, profile, config)
-                for w in live if _encodes_here(w, request)}
+    finishes = {w.worker_id: _encode_finish(w, request, profile, config) for w in live if _encodes_here(w, request)}
     encoder, encode_pred = _encoder(live, finishes, request, profile, config)
     if request.num_images and encoder is None:
         return Decision(None, 0.0, 0.0, "no live encoder", False)
@@ -90,19 +103,27 @@ def route_slo(workers: list[WorkerSnapshot], request: RouteSummary, ttft_ms: flo
         return finishes[w.worker_id] if _encodes_here(w, request) else encode_pred
 
     left = ttft_ms - elapsed_ms  # the TTFT still to spend: encode, prefill queue, the prefill, the KV pull
-    options = [_dedicated(p, request, encode_wait(p), left, ttft_ms, profile, config)
-               for p in live if p.has(Stage.PREFILL) and not p.has(Stage.DECODE)]
+    options = [
+        _dedicated(p, request, encode_wait(p), left, ttft_ms, profile, config)
+        for p in live
+        if p.has(Stage.PREFILL) and not p.has(Stage.DECODE)
+    ]
     handoffs = bool(options)  # dedicated prefill workers exist: they hand requests over to the decoders
-    options += [_multiplexed(d, request, encode_wait(d), left, ttft_ms, tbt_ms, profile, handoffs)
-                for d in decoders if d.has(Stage.PREFILL)]
+    options += [
+        _multiplexed(d, request, encode_wait(d), left, ttft_ms, tbt_ms, profile, handoffs)
+        for d in decoders
+        if d.has(Stage.PREFILL)
+    ]
     if not options:
         return Decision(None, 0.0, left - encode_pred, "no live prefill worker", False)
     chosen, reason = _choose(options, request, config)
     if chosen is None:
         return Decision(None, min(o.ttft_ms for o in options), left - encode_pred, reason, False, refused=True)
     if chosen.path == PrefillPath.DEDICATED:
-        decoder = min(decoders, key=lambda w: (_join_gap_ms(w, profile), w.load.unfinished_decode_tokens,
-                                               w.load.queue_length, w.worker_id))
+        decoder = min(
+            decoders,
+            key=lambda w: (_join_gap_ms(w, profile), w.load.unfinished_decode_tokens, w.load.queue_length, w.worker_id),
+        )
     else:
         decoder = chosen.worker
     path = PrefillPath.COLOCATED if chosen.path == PrefillPath.MULTIPLEXED and not handoffs else chosen.path
@@ -131,8 +152,11 @@ def _encode_finish(w: WorkerSnapshot, request: RouteSummary, profile: LatencyPro
     A prefill there then waits for w's whole queue, that chunk included: it is counted twice, which stands in for
     the iteration carrying the prompt's last tokens being filled to τ_t by arrivals. Counting it once measured worse
     (bench/README.md, "Path ① predictions and the double-counted chunk")."""
-    beside = (prefill_chunk_ms(profile, min(w.load.queued_prefill_tokens, w.info.token_budget))
-              if w.has(Stage.PREFILL) else 0.0)
+    beside = (
+        prefill_chunk_ms(profile, min(w.load.queued_prefill_tokens, w.info.token_budget))
+        if w.has(Stage.PREFILL)
+        else 0.0
+    )
     return _in_flight_ms(w) + encode_ms(profile, w.load.queued_images + request.num_images) + beside
 
 
@@ -154,7 +178,11 @@ def _encoder(live, finishes: dict[str, float], request, profile, config) -> tupl
 def _dedicated(p, request, encode_wait, left, ttft_ms, profile, config) -> _Option:
     """`encode_wait`: when the image pages are ready; `left`: the TTFT still to spend."""
     queue = (0.0 if _encodes_here(p, request) else _in_flight_ms(p)) + prefill_ms(profile, p.load.queued_prefill_tokens)
-    pull = transfer_ms(profile, config.kv_bytes_per_token * request.num_prompt_tokens) if config.kv_bytes_per_token else 0.0
+    pull = (
+        transfer_ms(profile, config.kv_bytes_per_token * request.num_prompt_tokens)
+        if config.kv_bytes_per_token
+        else 0.0
+    )
     cached = min(request.cached_on(p), request.num_prompt_tokens - 1)  # the prefix p is predicted to hold
     predicted = encode_wait + queue + prefill_chunk_ms(profile, request.num_prompt_tokens - cached, cached) + pull
     return _Option(PrefillPath.DEDICATED, p, predicted, max(0.0, (predicted - left) / ttft_ms))
@@ -179,10 +207,14 @@ def _multiplexed(d, request, encode_wait, left, ttft_ms, tbt_ms, profile, handof
         if chunk <= 0:  # no room beside the decodes: no prefill runs here until (as if) the batch has drained
             in_flight += iteration * -(-d.load.unfinished_decode_tokens // max(batch, 1))
             batch, context, chunk = 0, 0, max(budget, 1)
-        queue = sum(iteration_ms(profile, decodes=batch, decode_context=context, chunks=[(min(chunk, queued - start), start)])
-                    for start in range(0, queued, chunk))
-        steps = [iteration_ms(profile, decodes=batch, decode_context=context, chunks=[(min(chunk, total - start), start)])
-                 for start in range(cached, total, chunk)]
+        queue = sum(
+            iteration_ms(profile, decodes=batch, decode_context=context, chunks=[(min(chunk, queued - start), start)])
+            for start in range(0, queued, chunk)
+        )
+        steps = [
+            iteration_ms(profile, decodes=batch, decode_context=context, chunks=[(min(chunk, total - start), start)])
+            for start in range(cached, total, chunk)
+        ]
     joiner_only = decode_ms(profile, batch + 1, context) if handoffs and join_first else 0.0
     if joiner_only and budget is not None:  # requests handed over meanwhile: each chunk iteration before the
         # prompt's last may be followed by a decode-only one for a joiner's first decode (at most one between two)
@@ -191,8 +223,9 @@ def _multiplexed(d, request, encode_wait, left, ttft_ms, tbt_ms, profile, handof
     predicted = encode_wait + in_flight + queue + sum(steps)
     joiner = (joiner_only if join_first else max(steps)) if handoffs else 0.0
     # where d encodes the images too, one of these iterations runs the vision tower first: the decodes wait for it
-    longest = max(steps) + (encode_ms(profile, d.load.queued_images + request.num_images)
-                            if _encodes_here(d, request) else 0.0)
+    longest = max(steps) + (
+        encode_ms(profile, d.load.queued_images + request.num_images) if _encodes_here(d, request) else 0.0
+    )
     tbt_over = (longest + joiner - tbt_ms) / tbt_ms if batch or handoffs else 0.0
     return _Option(PrefillPath.MULTIPLEXED, d, predicted, max(0.0, tbt_over, (predicted - left) / ttft_ms))
 
@@ -205,9 +238,9 @@ def _join_gap_ms(d: WorkerSnapshot, profile: LatencyProfile) -> float:
     budget = _budget(d)
     chunk = queued if budget is None else min(queued, max(0, budget - batch - 1))
     chunks = [(chunk, 0)] if chunk else []
-    return (iteration_ms(profile, decodes=batch, decode_context=context, chunks=chunks)
-            + iteration_ms(profile, decodes=batch + 1, decode_context=context,
-                           chunks=[] if d.info.join_first else chunks))
+    return iteration_ms(profile, decodes=batch, decode_context=context, chunks=chunks) + iteration_ms(
+        profile, decodes=batch + 1, decode_context=context, chunks=[] if d.info.join_first else chunks
+    )
 
 
 def _budget(w: WorkerSnapshot) -> int | None:
@@ -217,15 +250,22 @@ def _budget(w: WorkerSnapshot) -> int | None:
 
 def _choose(options: list[_Option], request: RouteSummary, config: MultiplexConfig) -> tuple[_Option | None, str]:
     ok = [o for o in options if o.violation == 0]
-    by_path = {path: min((o for o in ok if o.path == path), key=lambda o: (o.ttft_ms, o.worker.worker_id), default=None)
-               for path in (PrefillPath.DEDICATED, PrefillPath.MULTIPLEXED)}
+    by_path = {
+        path: min((o for o in ok if o.path == path), key=lambda o: (o.ttft_ms, o.worker.worker_id), default=None)
+        for path in (PrefillPath.DEDICATED, PrefillPath.MULTIPLEXED)
+    }
     dedicated, multiplexed = by_path[PrefillPath.DEDICATED], by_path[PrefillPath.MULTIPLEXED]
     if dedicated and multiplexed:  # short: what the decoder would compute of it (less what it is predicted to hold)
         short = request.num_prompt_tokens - request.cached_on(multiplexed.worker) <= config.short_prompt_tokens
-        return (multiplexed, "both paths fit; short prompt on the decoder") if short else \
-            (dedicated, "both paths fit; long prompt on a prefill worker")
+        return (
+            (multiplexed, "both paths fit; short prompt on the decoder")
+            if short
+            else (dedicated, "both paths fit; long prompt on a prefill worker")
+        )
     if dedicated or multiplexed:
         return dedicated or multiplexed, "the only path that fits the SLO"
     if config.admission_control:
         return None, "no path meets the SLO (admission control)"
-    return min(options, key=lambda o: (o.violation, o.ttft_ms, o.worker.worker_id)), "no path meets the SLO; least violating"
+    return min(
+        options, key=lambda o: (o.violation, o.ttft_ms, o.worker.worker_id)
+    ), "no path meets the SLO; least violating"

@@ -127,8 +127,9 @@ def _choose_prefill(decoder, decoders, dedicated, request, config) -> tuple[Work
     return _with_affinity(dedicated, _least_queued(dedicated), request, config), PrefillPath.DEDICATED
 
 
-def _with_affinity(workers: list[WorkerSnapshot], least_loaded: WorkerSnapshot, request: RouteSummary,
-                   config: RoutingConfig) -> WorkerSnapshot:
+def _with_affinity(
+    workers: list[WorkerSnapshot], least_loaded: WorkerSnapshot, request: RouteSummary, config: RoutingConfig
+) -> WorkerSnapshot:
     """The worker predicted to hold the most of the prompt (the less loaded of equals), unless its queue is more
     than `affinity_max_imbalance` requests longer than the least loaded one's; with no predicted hit, that one."""
     if not request.cached_tokens:

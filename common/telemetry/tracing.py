@@ -48,18 +48,23 @@ class Tracing:
         GrpcAioInstrumentorClient(filter_=per_call).instrument()
         self._tracer = trace.get_tracer("epdmesh")
         self.enabled = True
-        log.info("tracing on: service %s → %s", name, os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")
-                 or os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT"))
+        log.info(
+            "tracing on: service %s → %s",
+            name,
+            os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT") or os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT"),
+        )
 
     @contextlib.contextmanager
-    def span(self, name: str, attributes: Mapping | None = None, kind: str = "internal",
-             context=None) -> Iterator[object | None]:
+    def span(
+        self, name: str, attributes: Mapping | None = None, kind: str = "internal", context=None
+    ) -> Iterator[object | None]:
         """A child of the current span (or of `context`); yields the span, or None when tracing is off."""
         if not self.enabled:
             yield None
             return
-        with self._tracer.start_as_current_span(name, context=context, kind=_span_kind(kind),
-                                                attributes=dict(attributes or {})) as span:
+        with self._tracer.start_as_current_span(
+            name, context=context, kind=_span_kind(kind), attributes=dict(attributes or {})
+        ) as span:
             yield span
 
     def start_span(self, name: str, attributes: Mapping | None = None, kind: str = "internal", context=None):

@@ -62,7 +62,9 @@ def make_transfer(backend: str, engine, channels: ChannelPool, worker_id: str) -
             from common.transfer.nixl_backend import NixlTransfer
         except ImportError as e:
             if backend == "nixl":
-                raise RuntimeError(f"transfer backend nixl asked for but unavailable: {e}; pip install 'epdmesh[ucx]'") from None
+                raise RuntimeError(
+                    f"transfer backend nixl asked for but unavailable: {e}; pip install 'epdmesh[ucx]'"
+                ) from None
             log.info("UCX transfer unavailable (%s); pages move over the gRPC stream fallback", e)
         else:
             try:
@@ -70,9 +72,14 @@ def make_transfer(backend: str, engine, channels: ChannelPool, worker_id: str) -
             except Exception as e:  # UCX could not start here
                 if backend == "nixl":
                     raise RuntimeError(f"transfer backend nixl asked for but it failed to start: {e}") from e
-                log.warning("NIXL/UCX failed to start (%s: %s); pages move over the gRPC stream fallback",
-                            type(e).__name__, e)
+                log.warning(
+                    "NIXL/UCX failed to start (%s: %s); pages move over the gRPC stream fallback", type(e).__name__, e
+                )
             else:
-                return Transfer(DispatchingPuller({"nixl": nixl, "grpc": grpc_puller}, grpc_puller), "nixl", nixl.metadata,
-                                nixl.serving)
+                return Transfer(
+                    DispatchingPuller({"nixl": nixl, "grpc": grpc_puller}, grpc_puller),
+                    "nixl",
+                    nixl.metadata,
+                    nixl.serving,
+                )
     return Transfer(DispatchingPuller({"grpc": grpc_puller}, grpc_puller), "grpc")

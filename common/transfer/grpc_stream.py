@@ -29,8 +29,9 @@ class GrpcStreamPuller:
         buffer = bytearray(handle.num_bytes)
         offset = 0
         try:
-            call = stub.PullPages(pb.PullPagesRequest(lease_id=handle.lease_id, chunk_bytes=self.chunk_bytes),
-                                  timeout=self.timeout_s)
+            call = stub.PullPages(
+                pb.PullPagesRequest(lease_id=handle.lease_id, chunk_bytes=self.chunk_bytes), timeout=self.timeout_s
+            )
             async for chunk in call:
                 end = offset + len(chunk.data)
                 if end > len(buffer):
@@ -38,8 +39,9 @@ class GrpcStreamPuller:
                 buffer[offset:end] = chunk.data
                 offset = end
         except grpc.aio.AioRpcError as e:
-            raise PullFailed(f"pulling {handle.lease_id} from {handle.worker_id} at {handle.address}: "
-                             f"{e.code().name}: {e.details()}") from None
+            raise PullFailed(
+                f"pulling {handle.lease_id} from {handle.worker_id} at {handle.address}: {e.code().name}: {e.details()}"
+            ) from None
         if offset != len(buffer):
             raise PullFailed(f"source {handle.worker_id} sent {offset} of {len(buffer)} bytes")
         return PagePayload(handle.layout, handle.num_tokens, bytes(buffer))
@@ -50,19 +52,25 @@ class GrpcStreamPuller:
         stub = pb_grpc.WorkerStub(self.channels.get(handle.address))
         block_bytes, written = cache.layout.bytes_per_block, 0
         try:
-            call = stub.PullPages(pb.PullPagesRequest(lease_id=handle.lease_id, chunk_bytes=self.chunk_bytes),
-                                  timeout=self.timeout_s)
+            call = stub.PullPages(
+                pb.PullPagesRequest(lease_id=handle.lease_id, chunk_bytes=self.chunk_bytes), timeout=self.timeout_s
+            )
             async for chunk in call:
                 count, rest = divmod(len(chunk.data), block_bytes)
                 if rest or written + count > len(block_ids):
-                    raise PullFailed(f"source {handle.worker_id} sent a chunk of {len(chunk.data)} B that is not "
-                                     f"whole blocks of the {len(block_ids) - written} still expected")
-                target = block_ids[written:written + count]
-                await finish_even_if_cancelled(asyncio.ensure_future(asyncio.to_thread(cache.write_raw, target, chunk.data)))
+                    raise PullFailed(
+                        f"source {handle.worker_id} sent a chunk of {len(chunk.data)} B that is not "
+                        f"whole blocks of the {len(block_ids) - written} still expected"
+                    )
+                target = block_ids[written : written + count]
+                await finish_even_if_cancelled(
+                    asyncio.ensure_future(asyncio.to_thread(cache.write_raw, target, chunk.data))
+                )
                 written += count
         except grpc.aio.AioRpcError as e:
-            raise PullFailed(f"pulling {handle.lease_id} from {handle.worker_id} at {handle.address}: "
-                             f"{e.code().name}: {e.details()}") from None
+            raise PullFailed(
+                f"pulling {handle.lease_id} from {handle.worker_id} at {handle.address}: {e.code().name}: {e.details()}"
+            ) from None
         if written != len(block_ids):
             raise PullFailed(f"source {handle.worker_id} sent {written} of {len(block_ids)} blocks")
 

@@ -24,7 +24,9 @@ class PageHandle:
             raise ValueError(f"unknown cache kind {self.layout.kind!r}")
         needed = -(-self.num_tokens // self.layout.block_size)
         if self.num_tokens < 1 or needed != len(self.block_ids):
-            raise ValueError(f"{len(self.block_ids)} block ids for {self.num_tokens} tokens of block size {self.layout.block_size}")
+            raise ValueError(
+                f"{len(self.block_ids)} block ids for {self.num_tokens} tokens of block size {self.layout.block_size}"
+            )
 
     @property
     def kind(self) -> str:

@@ -23,8 +23,14 @@ class Lease:
 class LeaseTable:
     """Leases by id. The caller frees a lease's pages when `take` (ack) or `expired` returns it."""
 
-    def __init__(self, worker_id: str, address: str, ttl_s: float, clock: Callable[[], float] = time.time,
-                 on_change: Callable[[int], None] | None = None):
+    def __init__(
+        self,
+        worker_id: str,
+        address: str,
+        ttl_s: float,
+        clock: Callable[[], float] = time.time,
+        on_change: Callable[[int], None] | None = None,
+    ):
         """`on_change(n)`: called with the number of leases now (0), then whenever a lease is granted or removed."""
         if ttl_s <= 0:
             raise ValueError("lease ttl must be positive")
@@ -37,13 +43,27 @@ class LeaseTable:
         self._changed()
 
     def grant(
-        self, engine_request_id: str, block_ids: list[int], num_tokens: int, layout: PageLayout,
-        backend: str = "grpc", backend_info: bytes = b"",
+        self,
+        engine_request_id: str,
+        block_ids: list[int],
+        num_tokens: int,
+        layout: PageLayout,
+        backend: str = "grpc",
+        backend_info: bytes = b"",
     ) -> PageHandle:
         if engine_request_id in self._leases:
             raise ValueError(f"pages of {engine_request_id!r} are already leased")
-        handle = PageHandle(self.worker_id, self.address, engine_request_id, tuple(block_ids), num_tokens, layout,
-                            self.clock() + self.ttl_s, backend, backend_info)
+        handle = PageHandle(
+            self.worker_id,
+            self.address,
+            engine_request_id,
+            tuple(block_ids),
+            num_tokens,
+            layout,
+            self.clock() + self.ttl_s,
+            backend,
+            backend_info,
+        )
         self._leases[engine_request_id] = Lease(engine_request_id, handle)
         self._changed()
         return handle

@@ -81,8 +81,13 @@ def _region_of(tensor: torch.Tensor) -> CacheRegion:
     if not tensor.is_contiguous():
         raise ValueError("page caches must be contiguous to be registered with NIXL")
     on_cpu = tensor.device.type == "cpu"
-    return CacheRegion(tensor.data_ptr(), tensor[0].numel() * tensor.element_size(), tensor.shape[0],
-                       "DRAM" if on_cpu else "VRAM", 0 if on_cpu else (tensor.device.index or 0))
+    return CacheRegion(
+        tensor.data_ptr(),
+        tensor[0].numel() * tensor.element_size(),
+        tensor.shape[0],
+        "DRAM" if on_cpu else "VRAM",
+        0 if on_cpu else (tensor.device.index or 0),
+    )
 
 
 class NixlTransfer:
@@ -90,9 +95,18 @@ class NixlTransfer:
 
     name = "nixl"
 
-    def __init__(self, worker_id: str, engine, channels: ChannelPool, *, timeout_s: float = 30.0,
-                 progress_interval_s: float = 0.002, staging_keep_bytes: int = 256 << 20, max_concurrent: int = 4,
-                 caches: dict[str, torch.Tensor] | None = None):
+    def __init__(
+        self,
+        worker_id: str,
+        engine,
+        channels: ChannelPool,
+        *,
+        timeout_s: float = 30.0,
+        progress_interval_s: float = 0.002,
+        staging_keep_bytes: int = 256 << 20,
+        max_concurrent: int = 4,
+        caches: dict[str, torch.Tensor] | None = None,
+    ):
         """`engine.pages.cache(kind).data` for kind in ('kv', 'image') are the tensors to serve (or pass `caches`)."""
         self.worker_id = worker_id
         self.channels = channels
@@ -104,8 +118,9 @@ class NixlTransfer:
         self._peers: OrderedDict[bytes, PeerInfo] = OrderedDict()  # parsed metadata, bounded
         self._closed = False
 
-        config = _nixl.nixl_agent_config(enable_prog_thread=False, backends=["UCX"],
-                                         sync_mode=_nixl.nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT)
+        config = _nixl.nixl_agent_config(
+            enable_prog_thread=False, backends=["UCX"], sync_mode=_nixl.nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT
+        )
         self.agent = _nixl.nixl_agent(worker_id, config)
         self._staging = StagingPool(self.agent, self._lock, staging_keep_bytes)
         if "UCX" not in self.agent.backends:
@@ -130,8 +145,11 @@ class NixlTransfer:
         self._progress_interval_s = progress_interval_s
         self._ticker = threading.Thread(target=self._tick, name=f"nixl-progress-{worker_id}", daemon=True)
         self._ticker.start()
-        log.info("NIXL agent %s: registered %s", worker_id,
-                 ", ".join(f"{k} {r.num_blocks}×{r.block_bytes} B" for k, r in regions.items()) or "nothing")
+        log.info(
+            "NIXL agent %s: registered %s",
+            worker_id,
+            ", ".join(f"{k} {r.num_blocks}×{r.block_bytes} B" for k, r in regions.items()) or "nothing",
+        )
 
     # ----- the puller -----
 
@@ -152,8 +170,9 @@ class NixlTransfer:
             await pull_then_write(self, handle, cache, block_ids)  # not our registered cache: via bytes
             return
         loop = asyncio.get_running_loop()
-        await finish_even_if_cancelled(loop.run_in_executor(self._executor, self._pull_into_blocking, handle,
-                                                            cache.data, list(block_ids)))
+        await finish_even_if_cancelled(
+            loop.run_in_executor(self._executor, self._pull_into_blocking, handle, cache.data, list(block_ids))
+        )
 
     async def release(self, handle: PageHandle) -> bool:
         return await release_over_grpc(self.channels, handle)
@@ -235,11 +254,15 @@ class NixlTransfer:
         if region is None:
             raise PullFailed(f"source {peer.agent} registered no {handle.kind} cache with NIXL")
         if region.block_bytes != handle.layout.bytes_per_block:
-            raise PullFailed(f"source {peer.agent} has {region.block_bytes} B {handle.kind} blocks, "
-                             f"the handle {handle.layout.bytes_per_block} B")
+            raise PullFailed(
+                f"source {peer.agent} has {region.block_bytes} B {handle.kind} blocks, "
+                f"the handle {handle.layout.bytes_per_block} B"
+            )
         bad = [b for b in handle.block_ids if not 0 <= b < region.num_blocks]
         if bad:
-            raise PullFailed(f"block ids {bad[:4]} out of range for {peer.agent}'s {region.num_blocks} {handle.kind} blocks")
+            raise PullFailed(
+                f"block ids {bad[:4]} out of range for {peer.agent}'s {region.num_blocks} {handle.kind} blocks"
+            )
         return peer, region
 
     def _check_still_leased(self, handle: PageHandle) -> None:
@@ -275,8 +298,10 @@ class NixlTransfer:
             raise
         finally:
             if not self._finish(xfer):
-                log.error("NIXL READ of %s into cache blocks could not be aborted; those blocks may still change",
-                          handle.lease_id)
+                log.error(
+                    "NIXL READ of %s into cache blocks could not be aborted; those blocks may still change",
+                    handle.lease_id,
+                )
         self._check_still_leased(handle)
 
     def _read(self, handle: PageHandle, peer: PeerInfo, region: CacheRegion, local, remote):
@@ -337,8 +362,12 @@ class NixlTransfer:
         except BaseException:
             if not self._finish(xfer):  # still in flight: its buffer must never be reused or freed
                 self._abandoned.append((xfer, staging))
-                log.warning("NIXL READ of %s from %s could not be aborted; its %d B buffer is retired",
-                            handle.lease_id, peer.agent, staging.nbytes)
+                log.warning(
+                    "NIXL READ of %s from %s could not be aborted; its %d B buffer is retired",
+                    handle.lease_id,
+                    peer.agent,
+                    staging.nbytes,
+                )
                 raise
             self._staging.give(staging, self._closed)
             raise

@@ -30,8 +30,9 @@ class PeerInfo:
 
 
 def pack_metadata(agent: str, caches: dict[str, CacheRegion], agent_metadata: bytes) -> bytes:
-    header = json.dumps({"v": 1, "agent": agent, "caches": {k: dataclasses.asdict(c) for k, c in caches.items()}},
-                        separators=(",", ":")).encode()
+    header = json.dumps(
+        {"v": 1, "agent": agent, "caches": {k: dataclasses.asdict(c) for k, c in caches.items()}}, separators=(",", ":")
+    ).encode()
     return MAGIC + struct.pack("<I", len(header)) + header + agent_metadata
 
 
@@ -42,9 +43,9 @@ def parse_metadata(blob: bytes) -> PeerInfo:
     (n,) = struct.unpack_from("<I", blob, len(MAGIC))
     start = len(MAGIC) + 4
     try:
-        header = json.loads(blob[start:start + n])
+        header = json.loads(blob[start : start + n])
         caches = {k: CacheRegion(**c) for k, c in header["caches"].items()}
         agent = header["agent"]
     except (ValueError, KeyError, TypeError) as e:
         raise ValueError(f"bad epdmesh NIXL metadata header: {e}") from None
-    return PeerInfo(agent, caches, bytes(blob[start + n:]))
+    return PeerInfo(agent, caches, bytes(blob[start + n :]))

@@ -31,8 +31,7 @@ class PagePuller(Protocol):
         """Ack: the source may free the pages. False if the source no longer held them."""
         ...
 
-    async def close(self) -> None:
-        ...
+    async def close(self) -> None: ...
 
 
 def check_destination(handle: PageHandle, cache: PagedBuffer, block_ids: list[int]) -> None:

@@ -47,5 +47,13 @@ class DecoderServicer(pb_grpc.DecoderServicer):
             first = Stage.DECODE if kv is not None else wire.first_stage_for(spec, images is not None)
             engine_request = wire.request_from_pb(spec, first, Stage.DECODE, engine_request_id)
         async for out in self.runtime.decode(engine_request, kv, images, pinned=pinned):
-            yield wire.chunk_to_pb(out.new_token_ids, out.finish_reason, out.stop_reason, out.text, out.num_prompt_tokens,
-                                   out.logprobs, handed_back=out.handed_back, num_cached_tokens=out.num_cached_tokens)
+            yield wire.chunk_to_pb(
+                out.new_token_ids,
+                out.finish_reason,
+                out.stop_reason,
+                out.text,
+                out.num_prompt_tokens,
+                out.logprobs,
+                handed_back=out.handed_back,
+                num_cached_tokens=out.num_cached_tokens,
+            )

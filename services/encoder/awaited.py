@@ -104,8 +104,9 @@ async def fetch_awaited(calls: StageCalls, pending: pb.PendingImages) -> PageHan
     try:
         reply = await calls.call(pending.address, "await_encode", pb.AwaitEncodeRequest(request_id=pending.request_id))
     except grpc.aio.AioRpcError as e:
-        raise PullFailed(f"encoder {pending.worker_id} gave no image pages for {pending.request_id}: "
-                         f"{e.code().name}: {e.details()}") from None
+        raise PullFailed(
+            f"encoder {pending.worker_id} gave no image pages for {pending.request_id}: {e.code().name}: {e.details()}"
+        ) from None
     return wire.handle_from_pb(reply.image_pages)
 
 

@@ -48,13 +48,24 @@ INLINE_GRAMMAR_BYTES = 2 * 2**10
 GRAMMAR_KEYS = (b'"tools"', b'"json_schema"', b'"guided_json"', b'"guided_regex"', b'"structured_outputs"')
 
 
-def build_app(backend, model_name: str, allow_remote_images: bool = False, metrics: GatewayMetrics | None = None,
-              tracing: Tracing | None = None, allowed_image_domains: tuple[str, ...] = ()) -> Starlette:
+def build_app(
+    backend,
+    model_name: str,
+    allow_remote_images: bool = False,
+    metrics: GatewayMetrics | None = None,
+    tracing: Tracing | None = None,
+    allowed_image_domains: tuple[str, ...] = (),
+) -> Starlette:
     """`metrics` default: a fresh registry with SLO targets of 2 s TTFT / 200 ms TBT; `tracing` default: from the env.
     `allow_remote_images`: fetch http(s) image URLs (from `allowed_image_domains` only, when given)."""
     fetcher = ImageFetcher(allowed_image_domains) if allow_remote_images else None
-    api = Api(backend, model_name, fetcher, metrics or GatewayMetrics(model_name, ttft_slo_s=2.0, tbt_slo_s=0.2),
-              tracing or Tracing("epdmesh-gateway"))
+    api = Api(
+        backend,
+        model_name,
+        fetcher,
+        metrics or GatewayMetrics(model_name, ttft_slo_s=2.0, tbt_slo_s=0.2),
+        tracing or Tracing("epdmesh-gateway"),
+    )
     routes = [
         Route("/health", api.health),
         Route("/v1/models", api.models),
@@ -67,13 +78,17 @@ def build_app(backend, model_name: str, allow_remote_images: bool = False, metri
         Route("/v1/completions", api.text_completions, methods=["POST"]),
         Route("/v1/responses", api.responses, methods=["POST"]),
     ]
-    return Starlette(routes=routes, lifespan=_lifespan(backend, fetcher),
-                     exception_handlers={404: _not_found(routes), 405: _wrong_method(routes)})
+    return Starlette(
+        routes=routes,
+        lifespan=_lifespan(backend, fetcher),
+        exception_handlers={404: _not_found(routes), 405: _wrong_method(routes)},
+    )
 
 
 @dataclasses.dataclass(slots=True)
 class _Started:
     """A request under way: its first outputs came."""
+
     chat: ChatRequest
     request_id: str
     num_prompt: int
@@ -83,8 +98,9 @@ class _Started:
 class Api:
     """The endpoints, over one backend serving one model."""
 
-    def __init__(self, backend, model_name: str, fetcher: ImageFetcher | None, metrics: GatewayMetrics,
-                 tracing: Tracing):
+    def __init__(
+        self, backend, model_name: str, fetcher: ImageFetcher | None, metrics: GatewayMetrics, tracing: Tracing
+    ):
         self.backend = backend
         self.model_name = model_name
         self.fetcher = fetcher
@@ -97,8 +113,13 @@ class Api:
         return JSONResponse(body, status_code=200 if body["status"] in ("ok", "degraded") else 503)
 
     def _card(self) -> dict:
-        return {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "epdmesh",
-                "max_model_len": self.backend.max_model_len}
+        return {
+            "id": self.model_name,
+            "object": "model",
+            "created": self.created,
+            "owned_by": "epdmesh",
+            "max_model_len": self.backend.max_model_len,
+        }
 
     async def models(self, _: HttpRequest) -> Response:
         return JSONResponse({"object": "list", "data": [self._card()]})
@@ -106,19 +127,25 @@ class Api:
     async def model(self, http: HttpRequest) -> Response:
         name = http.path_params["model"]
         if name != self.model_name:
-            error = ApiError(404, f"the model '{name}' does not exist; this server serves ['{self.model_name}']",
-                             "model")
+            error = ApiError(
+                404, f"the model '{name}' does not exist; this server serves ['{self.model_name}']", "model"
+            )
             return JSONResponse(error.body(), status_code=404)
         return JSONResponse(self._card())
 
     async def tokenize(self, http: HttpRequest) -> Response:
         backend = self.backend
-        return await _answer(http, lambda body: tokenize(body, backend.processor, self.model_name,
-                                                         backend.max_model_len, _max_text_chars(backend), self.fetcher))
+        return await _answer(
+            http,
+            lambda body: tokenize(
+                body, backend.processor, self.model_name, backend.max_model_len, _max_text_chars(backend), self.fetcher
+            ),
+        )
 
     async def detokenize(self, http: HttpRequest) -> Response:
         async def work(body):
             return detokenize(body, self.backend.processor, self.model_name)
+
         return await _answer(http, work)
 
     async def stats(self, _: HttpRequest) -> Response:
@@ -129,22 +156,39 @@ class Api:
         return Response(body, media_type=content_type)
 
     async def chat_completions(self, http: HttpRequest) -> Response:
-        return await self._completions(http, lambda body: parse_chat_request(body, [self.model_name],
-                                                                             self.fetcher is not None),
-                                       "chatcmpl", "chat")
+        return await self._completions(
+            http, lambda body: parse_chat_request(body, [self.model_name], self.fetcher is not None), "chatcmpl", "chat"
+        )
 
     async def text_completions(self, http: HttpRequest) -> Response:
-        return await self._completions(http, lambda body: parse_completion_request(body, [self.model_name]),
-                                       "cmpl", "text_completion")
+        return await self._completions(
+            http, lambda body: parse_completion_request(body, [self.model_name]), "cmpl", "text_completion"
+        )
 
     async def responses(self, http: HttpRequest) -> Response:
         def parse(body: bytes) -> ChatRequest:
             return openai_responses.parse_responses_request(body, [self.model_name], self.fetcher is not None)
-        return await self._completions(http, parse, "resp", "chat", openai_responses.stream, openai_responses.whole,
-                                       openai_responses.in_responses_terms)
 
-    async def _completions(self, http: HttpRequest, parse, id_prefix: str, operation: str, stream=sse,
-                           whole=completion, terms=lambda error: error) -> Response:
+        return await self._completions(
+            http,
+            parse,
+            "resp",
+            "chat",
+            openai_responses.stream,
+            openai_responses.whole,
+            openai_responses.in_responses_terms,
+        )
+
+    async def _completions(
+        self,
+        http: HttpRequest,
+        parse,
+        id_prefix: str,
+        operation: str,
+        stream=sse,
+        whole=completion,
+        terms=lambda error: error,
+    ) -> Response:
         """Any kind: a chat (messages, images), a text completion (a prompt as it is), or a chat asked for by the
         Responses API; the same stages. `stream` and `whole` shape the answer (`responses.py`, `openai_responses.py`);
         `terms` words an error the way the request's API names its fields."""
@@ -155,8 +199,17 @@ class Api:
         chat, streams = started.chat, [observer.observe(s, started.num_prompt) for s in started.streams]
         logprobs = Logprobs(self.backend.processor.token_text) if chat.sampling.logprobs is not None else None
         if chat.stream:
-            return EventStream(stream(chat, started.request_id, self.model_name, started.num_prompt, streams,
-                                      self.backend.detokenize, logprobs))
+            return EventStream(
+                stream(
+                    chat,
+                    started.request_id,
+                    self.model_name,
+                    started.num_prompt,
+                    streams,
+                    self.backend.detokenize,
+                    logprobs,
+                )
+            )
         try:
             results = await _unless_client_leaves(http, collect(streams, logprobs))
         except ClientDisconnect:  # its requests were cancelled with it
@@ -166,11 +219,21 @@ class Api:
         except Exception as e:
             log.exception("request failed")
             return JSONResponse(internal_error(e).body(), status_code=500)
-        return JSONResponse(whole(chat, started.request_id, self.model_name, started.num_prompt, results,
-                                  self.backend.detokenize, logprobs is not None))
+        return JSONResponse(
+            whole(
+                chat,
+                started.request_id,
+                self.model_name,
+                started.num_prompt,
+                results,
+                self.backend.detokenize,
+                logprobs is not None,
+            )
+        )
 
-    async def _start(self, http: HttpRequest, parse, id_prefix: str, observer: RequestObserver,
-                     terms) -> _Started | Response:
+    async def _start(
+        self, http: HttpRequest, parse, id_prefix: str, observer: RequestObserver, terms
+    ) -> _Started | Response:
         """Body → request → its first outputs; or the response that says why not (an error, a client gone)."""
         tracing = self.tracing
         try:
@@ -186,8 +249,9 @@ class Api:
                     await _unless_client_leaves(http, self.fetcher.fetch(chat.conversation))
             request_id = f"{id_prefix}-{uuid.uuid4().hex}"
             observer.request(chat, request_id)
-            num_prompt, streams = await _unless_client_leaves(http, _start(self.backend, chat, request_id,
-                                                                           observer.span))
+            num_prompt, streams = await _unless_client_leaves(
+                http, _start(self.backend, chat, request_id, observer.span)
+            )
             return _Started(chat, request_id, num_prompt, streams)
         except ApiError as e:
             e = terms(e)
@@ -213,19 +277,26 @@ def _parse_in_thread(body: bytes) -> bool:
 def _not_found(routes: list[Route]):
     async def handler(http: HttpRequest, exc) -> Response:
         served = ", ".join(route.path for route in routes)
-        error = ApiError(404, f"no such endpoint {http.method} {http.url.path}; this server serves {served}",
-                         kind="NotFoundError")
+        error = ApiError(
+            404, f"no such endpoint {http.method} {http.url.path}; this server serves {served}", kind="NotFoundError"
+        )
         return JSONResponse(error.body(), status_code=404)
+
     return handler
 
 
 def _wrong_method(routes: list[Route]):
     async def handler(http: HttpRequest, exc) -> Response:
-        allowed = sorted({m for route in routes if route.matches(http.scope)[0].value for m in route.methods or ()}
-                         - {"HEAD"})
-        error = ApiError(405, f"{http.url.path} takes {' or '.join(allowed) or 'another method'}, not {http.method}",
-                         kind="MethodNotAllowedError")
+        allowed = sorted(
+            {m for route in routes if route.matches(http.scope)[0].value for m in route.methods or ()} - {"HEAD"}
+        )
+        error = ApiError(
+            405,
+            f"{http.url.path} takes {' or '.join(allowed) or 'another method'}, not {http.method}",
+            kind="MethodNotAllowedError",
+        )
         return JSONResponse(error.body(), status_code=405, headers={"Allow": ", ".join(allowed)})
+
     return handler
 
 
@@ -244,13 +315,21 @@ def _check_fits(chat: ChatRequest, backend) -> None:
     n = chat.num_text_chars
     if n > _max_text_chars(backend):
         where = "prompt" if chat.is_text_completion else "messages"
-        raise ApiError(400, f"the {where} hold{'s' if chat.is_text_completion else ''} {n} characters of text, more "
-                            f"than the model's limit of {backend.max_model_len} tokens can hold; shorten "
-                            f"{'it' if chat.is_text_completion else 'them'}", where)
+        raise ApiError(
+            400,
+            f"the {where} hold{'s' if chat.is_text_completion else ''} {n} characters of text, more "
+            f"than the model's limit of {backend.max_model_len} tokens can hold; shorten "
+            f"{'it' if chat.is_text_completion else 'them'}",
+            where,
+        )
     config = getattr(backend.processor, "config", None)
     if config is not None and chat.num_images * config.image_tokens_per_image > backend.max_model_len:
-        raise ApiError(400, f"{chat.num_images} images take {chat.num_images * config.image_tokens_per_image} tokens, "
-                            f"over the model's limit of {backend.max_model_len}; send fewer", "messages")
+        raise ApiError(
+            400,
+            f"{chat.num_images} images take {chat.num_images * config.image_tokens_per_image} tokens, "
+            f"over the model's limit of {backend.max_model_len}; send fewer",
+            "messages",
+        )
 
 
 async def _answer(http: HttpRequest, work) -> Response:
@@ -343,4 +422,5 @@ def _lifespan(backend, fetcher: ImageFetcher | None):
             await fetcher.close()
         if hasattr(backend, "close"):
             await backend.close()
+
     return lifespan

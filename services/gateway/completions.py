@@ -19,8 +19,9 @@ def parse_completion_request(raw: bytes, served_models: list[str]) -> ChatReques
     body = json_body(raw, served_models)
     prompt = _prompt(body.get("prompt"))
     if body.get("tools"):
-        raise ApiError(400, "'tools' are for /v1/chat/completions; a text completion continues its prompt as it is",
-                       "tools")
+        raise ApiError(
+            400, "'tools' are for /v1/chat/completions; a text completion continues its prompt as it is", "tools"
+        )
     if body.get("suffix"):
         raise ApiError(400, "'suffix' (insertion) is not supported by this server; leave it out", "suffix")
     sampling_body = {k: v for k, v in body.items() if k not in ("prompt", "suffix")}  # the rest is a chat's
@@ -30,8 +31,12 @@ def parse_completion_request(raw: bytes, served_models: list[str]) -> ChatReques
     logprobs = body.get("logprobs")
     if logprobs is not None:
         if isinstance(logprobs, bool) or not isinstance(logprobs, int) or not 0 <= logprobs <= MAX_LEGACY_LOGPROBS:
-            raise ApiError(400, f"'logprobs' must be an integer from 0 to {MAX_LEGACY_LOGPROBS} (alternatives per "
-                                "token) for completions", "logprobs")
+            raise ApiError(
+                400,
+                f"'logprobs' must be an integer from 0 to {MAX_LEGACY_LOGPROBS} (alternatives per "
+                "token) for completions",
+                "logprobs",
+            )
         sampling_body.update(logprobs=True, top_logprobs=logprobs)
     if body.get("top_logprobs") is not None:
         raise ApiError(400, "completions take 'logprobs': <number of alternatives>, not 'top_logprobs'", "top_logprobs")
@@ -47,8 +52,12 @@ def _prompt(value) -> str | list[int]:
     if isinstance(value, list) and value and all(is_token_id(t) for t in value):
         return list(value)
     if isinstance(value, list) and len(value) > 1 and all(isinstance(p, (str, list)) for p in value):
-        raise ApiError(400, f"'prompt' holds {len(value)} prompts; this server takes one per request (send them as "
-                            "separate requests, which it batches)", "prompt")
+        raise ApiError(
+            400,
+            f"'prompt' holds {len(value)} prompts; this server takes one per request (send them as "
+            "separate requests, which it batches)",
+            "prompt",
+        )
     raise ApiError(400, "'prompt' must be a non-empty string or a non-empty list of token ids", "prompt")
 
 
@@ -59,7 +68,9 @@ def legacy_logprobs(entries: list[dict], offset: int = 0) -> tuple[dict, int]:
     for entry in entries:  # each position's alternatives and the sampled token, as vLLM gives up to logprobs + 1
         tokens.append(entry["token"])
         values.append(entry["logprob"])
-        tops.append({**{alt["token"]: alt["logprob"] for alt in entry["top_logprobs"]}, entry["token"]: entry["logprob"]})
+        tops.append(
+            {**{alt["token"]: alt["logprob"] for alt in entry["top_logprobs"]}, entry["token"]: entry["logprob"]}
+        )
         offsets.append(offset)
         offset += len(entry["token"])
     return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops, "text_offset": offsets}, offset

@@ -60,22 +60,39 @@ def require_api_key(app, keys: tuple[str, ...]):
         scheme, _, token = given.partition(b" ")
         if scheme.lower() == b"bearer" and any(hmac.compare_digest(token.strip(), key) for key in expected):
             return await app(scope, receive, send)
-        message = ("this server needs an API key: send it as 'Authorization: Bearer <key>' (the openai client's api_key)"
-                   if not given else "the API key sent is not one this server takes")
-        body = json.dumps({"error": {"message": message, "type": "AuthenticationError", "param": None,
-                                     "code": 401}}).encode()
-        await send({"type": "http.response.start", "status": 401,
-                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
-                                (b"www-authenticate", b"Bearer")]})
+        message = (
+            "this server needs an API key: send it as 'Authorization: Bearer <key>' (the openai client's api_key)"
+            if not given
+            else "the API key sent is not one this server takes"
+        )
+        body = json.dumps(
+            {"error": {"message": message, "type": "AuthenticationError", "param": None, "code": 401}}
+        ).encode()
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 401,
+                "headers": [
+                    (b"content-type", b"application/json"),
+                    (b"content-length", str(len(body)).encode()),
+                    (b"www-authenticate", b"Bearer"),
+                ],
+            }
+        )
         await send({"type": "http.response.body", "body": body})
 
     return guarded
 
 
 def add_api_key_arg(p) -> None:
-    p.add_argument("--api-key", action="append", default=None, metavar="KEY",
-                   help=f"require 'Authorization: Bearer KEY' on every endpoint but /health and /metrics (repeat for "
-                        f"more keys; default: ${ENV}, comma-separated; none: open)")
+    p.add_argument(
+        "--api-key",
+        action="append",
+        default=None,
+        metavar="KEY",
+        help=f"require 'Authorization: Bearer KEY' on every endpoint but /health and /metrics (repeat for "
+        f"more keys; default: ${ENV}, comma-separated; none: open)",
+    )
 
 
 def api_keys(args, environ) -> tuple[str, ...]:

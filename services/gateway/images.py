@@ -40,8 +40,12 @@ def image_part(url, where: str, allow_remote: bool) -> dict:
         raise ApiError(400, f"{where}.image_url.url must be a string", "messages")
     if url[:8].lower().startswith(("http://", "https://")):
         if not allow_remote:
-            raise ApiError(400, f"{where}: remote image URLs are disabled on this server; send the image inline as a "
-                                f"base64 data URI (data:image/png;base64,...)", "messages")
+            raise ApiError(
+                400,
+                f"{where}: remote image URLs are disabled on this server; send the image inline as a "
+                f"base64 data URI (data:image/png;base64,...)",
+                "messages",
+            )
         try:
             host = urlsplit(url).hostname
         except ValueError as e:  # e.g. an unclosed IPv6 bracket
@@ -50,8 +54,12 @@ def image_part(url, where: str, allow_remote: bool) -> dict:
             raise ApiError(400, f"{where}: the image URL {url[:200]!r} names no host", "messages")
         return {"type": "image", "url": url, "where": where}
     if not url.startswith("data:") or ";base64," not in url:
-        raise ApiError(400, f"{where}: image URL must be a base64 data URI like data:image/png;base64,..."
-                            + (" or an http(s) URL" if allow_remote else ""), "messages")
+        raise ApiError(
+            400,
+            f"{where}: image URL must be a base64 data URI like data:image/png;base64,..."
+            + (" or an http(s) URL" if allow_remote else ""),
+            "messages",
+        )
     encoded = url.split(";base64,", 1)[1]
     if len(encoded) * 3 // 4 > MAX_IMAGE_BYTES:
         raise ApiError(413, f"{where}: image is larger than {MAX_IMAGE_BYTES // 2**20} MiB", "messages")
@@ -68,24 +76,32 @@ def decode_image(data: bytes, where: str) -> Image.Image:
     try:
         with Image.open(io.BytesIO(data)) as probe:
             if probe.width * probe.height > MAX_IMAGE_PIXELS:
-                raise ApiError(413, f"{where}: image is {probe.width}x{probe.height}, over {MAX_IMAGE_PIXELS} pixels", "messages")
+                raise ApiError(
+                    413, f"{where}: image is {probe.width}x{probe.height}, over {MAX_IMAGE_PIXELS} pixels", "messages"
+                )
             if max(probe.size) > MAX_ASPECT_RATIO * min(probe.size):  # a 1x16000 PNG of 149 bytes resized to
                 # 224 pixels on its short side is 3.6 billion values: gigabytes and seconds in the processor
-                raise ApiError(400, f"{where}: image is {probe.width}x{probe.height}, longer than {MAX_ASPECT_RATIO}:1; "
-                                    "crop or pad it", "messages")
+                raise ApiError(
+                    400,
+                    f"{where}: image is {probe.width}x{probe.height}, longer than {MAX_ASPECT_RATIO}:1; crop or pad it",
+                    "messages",
+                )
             probe.verify()
         image = Image.open(io.BytesIO(data))
         image.load()
         rgb = image.convert("RGB")
-        rgb.info[IMAGE_DIGEST_KEY] = hashlib.blake2b(data, digest_size=16).hexdigest()  # the image's identity in the caches
+        rgb.info[IMAGE_DIGEST_KEY] = hashlib.blake2b(
+            data, digest_size=16
+        ).hexdigest()  # the image's identity in the caches
         return rgb
     except ApiError:
         raise
     except Image.DecompressionBombError as e:  # PIL refuses past twice its own limit, before we see the size
         raise ApiError(413, f"{where}: image is over {MAX_IMAGE_PIXELS} pixels ({e})", "messages") from None
     except UnidentifiedImageError:
-        raise ApiError(400, f"{where}: not an image this server can read (PNG, JPEG, WebP, GIF, BMP, ...)",
-                       "messages") from None
+        raise ApiError(
+            400, f"{where}: not an image this server can read (PNG, JPEG, WebP, GIF, BMP, ...)", "messages"
+        ) from None
     except (OSError, SyntaxError, ValueError) as e:
         raise ApiError(400, f"{where}: could not decode the image ({e.__class__.__name__}: {e})", "messages") from None
 
@@ -97,8 +113,12 @@ class _HostRefused(Exception):
 class ImageFetcher:
     """The gateway's client for remote images (one connection pool, made in the serving loop at first use)."""
 
-    def __init__(self, allowed_domains: tuple[str, ...] = (), timeout_s: float = FETCH_TIMEOUT_S,
-                 max_bytes: int = MAX_IMAGE_BYTES):
+    def __init__(
+        self,
+        allowed_domains: tuple[str, ...] = (),
+        timeout_s: float = FETCH_TIMEOUT_S,
+        max_bytes: int = MAX_IMAGE_BYTES,
+    ):
         """`allowed_domains`: hosts images may come from (a domain allows its subdomains); empty: any."""
         self.allowed_domains = tuple(d.lower().strip(".") for d in allowed_domains if d)
         self.timeout_s = timeout_s
@@ -135,8 +155,12 @@ class ImageFetcher:
 
     async def _one(self, url: str, where: str) -> Image.Image:
         if not self.allowed(urlsplit(url).hostname):
-            raise ApiError(400, f"{where}: images from {urlsplit(url).hostname} are not allowed on this server "
-                                f"(allowed: {', '.join(self.allowed_domains)})", "messages")
+            raise ApiError(
+                400,
+                f"{where}: images from {urlsplit(url).hostname} are not allowed on this server "
+                f"(allowed: {', '.join(self.allowed_domains)})",
+                "messages",
+            )
         import httpx
 
         try:
@@ -145,13 +169,18 @@ class ImageFetcher:
         except TimeoutError:
             raise ApiError(400, f"{where}: fetching {url} took over {self.timeout_s:g} s", "messages") from None
         except _HostRefused as e:
-            raise ApiError(400, f"{where}: {url} redirects to {e}, which this server does not fetch from (allowed: "
-                                f"{', '.join(self.allowed_domains)})", "messages") from None
+            raise ApiError(
+                400,
+                f"{where}: {url} redirects to {e}, which this server does not fetch from (allowed: "
+                f"{', '.join(self.allowed_domains)})",
+                "messages",
+            ) from None
         except httpx.TooManyRedirects:
             raise ApiError(400, f"{where}: {url} redirects more than {MAX_REDIRECTS} times", "messages") from None
         except (httpx.HTTPError, httpx.InvalidURL, OSError, ValueError) as e:  # ValueError: e.g. a host idna refuses
-            raise ApiError(400, f"{where}: could not fetch {url} ({type(e).__name__}: {str(e) or 'no detail'})",
-                           "messages") from None
+            raise ApiError(
+                400, f"{where}: could not fetch {url} ({type(e).__name__}: {str(e) or 'no detail'})", "messages"
+            ) from None
         return await asyncio.to_thread(decode_image, data, f"{where} ({url})")
 
     async def _read(self, url: str, where: str) -> bytes:
@@ -179,13 +208,17 @@ class ImageFetcher:
                 if not self.allowed(request.url.host):
                     raise _HostRefused(request.url.host)
 
-            self._client = httpx.AsyncClient(follow_redirects=True, max_redirects=MAX_REDIRECTS, trust_env=False,
-                                             timeout=self.timeout_s, event_hooks={"request": [check_host]},
-                                             headers={"User-Agent": "epdmesh-gateway"})
+            self._client = httpx.AsyncClient(
+                follow_redirects=True,
+                max_redirects=MAX_REDIRECTS,
+                trust_env=False,
+                timeout=self.timeout_s,
+                event_hooks={"request": [check_host]},
+                headers={"User-Agent": "epdmesh-gateway"},
+            )
         return self._client
 
     async def close(self) -> None:
         if self._client is not None:
             await self._client.aclose()
             self._client = None
-

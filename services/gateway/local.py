@@ -54,7 +54,9 @@ class LocalBackend:
     def _inputs(self, chat: ChatRequest):
         if chat.is_text_completion:
             return self.processor.encode_prompt(chat.prompt)
-        return self.processor.apply(chat.conversation, tools=chat.tool_definitions, template_kwargs=chat.template_kwargs)
+        return self.processor.apply(
+            chat.conversation, tools=chat.tool_definitions, template_kwargs=chat.template_kwargs
+        )
 
     def detokenize(self, ids: list[int]) -> str:
         return self.processor.detokenize(ids)

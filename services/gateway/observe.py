@@ -35,8 +35,9 @@ class _Stream:
 
 
 class RequestObserver:
-    def __init__(self, metrics: GatewayMetrics, tracing: Tracing, headers: Mapping[str, str], model: str,
-                 operation: str = "chat"):
+    def __init__(
+        self, metrics: GatewayMetrics, tracing: Tracing, headers: Mapping[str, str], model: str, operation: str = "chat"
+    ):
         """`operation`: OpenTelemetry GenAI's name for it, "chat" or "text_completion" (`/v1/completions`)."""
         self.metrics = metrics
         self.tracing = tracing
@@ -50,20 +51,33 @@ class RequestObserver:
         self.slo: tuple[float | None, float | None] = (None, None)  # the request's own targets, seconds
         self._open = True
         name = "chat.completions" if operation == "chat" else "completions"
-        self.span = tracing.start_span(name, {"gen_ai.operation.name": operation, "gen_ai.system": "epdmesh",
-                                                            "gen_ai.request.model": model}, kind="server",
-                                       context=tracing.extract(headers))
+        self.span = tracing.start_span(
+            name,
+            {"gen_ai.operation.name": operation, "gen_ai.system": "epdmesh", "gen_ai.request.model": model},
+            kind="server",
+            context=tracing.extract(headers),
+        )
         if headers.get("x-request-id"):  # the client's own id for it (echoed in the answer's headers: `edge.py`)
             set_attributes(self.span, {"http.request.header.x-request-id": [headers["x-request-id"][:256]]})
         metrics.running.labels(model).inc()
 
     def request(self, chat: ChatRequest, request_id: str) -> None:
-        self.slo = (chat.slo_ttft_ms / 1e3 if chat.slo_ttft_ms else None, chat.slo_tbt_ms / 1e3 if chat.slo_tbt_ms else None)
+        self.slo = (
+            chat.slo_ttft_ms / 1e3 if chat.slo_ttft_ms else None,
+            chat.slo_tbt_ms / 1e3 if chat.slo_tbt_ms else None,
+        )
         s = chat.sampling
-        set_attributes(self.span, {"gen_ai.request.max_tokens": s.max_tokens if chat.max_tokens_given else None,
-                                   "gen_ai.request.temperature": s.temperature,
-                                   "gen_ai.request.top_p": s.top_p, "gen_ai.request.seed": s.seed,
-                                   "gen_ai.response.id": request_id, "epdmesh.stream": chat.stream})
+        set_attributes(
+            self.span,
+            {
+                "gen_ai.request.max_tokens": s.max_tokens if chat.max_tokens_given else None,
+                "gen_ai.request.temperature": s.temperature,
+                "gen_ai.request.top_p": s.top_p,
+                "gen_ai.request.seed": s.seed,
+                "gen_ai.response.id": request_id,
+                "epdmesh.stream": chat.stream,
+            },
+        )
 
     def abandoned(self) -> None:
         """The request ended before an answer because its client left (or the server stopped): not an error."""
@@ -126,15 +140,23 @@ class RequestObserver:
         reason = final.finish_reason if final is not None and final.finished else "abort"  # abort: the client left
         generated = len(final.output_token_ids) if final is not None else 0
         ttft = (stream.first_at or time.monotonic()) - self.arrival
-        self.metrics.finished(reason, self.num_prompt, generated, time.monotonic() - self.arrival, ttft, stream.gaps,
-                              *self.slo)
+        self.metrics.finished(
+            reason, self.num_prompt, generated, time.monotonic() - self.arrival, ttft, stream.gaps, *self.slo
+        )
         self._reasons.append(reason)
         self._generated += generated
         self._ttft = min(self._ttft, ttft)
         if self._streams:
             return
-        set_attributes(self.span, {"gen_ai.usage.input_tokens": self.num_prompt, "gen_ai.usage.output_tokens": self._generated,
-                                   "gen_ai.response.finish_reasons": self._reasons, "epdmesh.ttft_ms": self._ttft * 1e3})
+        set_attributes(
+            self.span,
+            {
+                "gen_ai.usage.input_tokens": self.num_prompt,
+                "gen_ai.usage.output_tokens": self._generated,
+                "gen_ai.response.finish_reasons": self._reasons,
+                "epdmesh.ttft_ms": self._ttft * 1e3,
+            },
+        )
         self._close()
 
     def _close(self) -> None:

@@ -76,9 +76,14 @@ class ChatRequest:
         (as JSON), which the template may render."""
         if self.prompt is not None:
             return len(self.prompt) if isinstance(self.prompt, str) else 0
-        n = sum(len(part["text"]) for message in self.conversation for part in message["content"] if part["type"] == "text")
-        n += sum(len(json.dumps(call["function"]["arguments"])) for message in self.conversation
-                 for call in message.get("tool_calls") or ())
+        n = sum(
+            len(part["text"]) for message in self.conversation for part in message["content"] if part["type"] == "text"
+        )
+        n += sum(
+            len(json.dumps(call["function"]["arguments"]))
+            for message in self.conversation
+            for call in message.get("tool_calls") or ()
+        )
         return n + (self.tools.text_chars if self.tools is not None else 0)
 
     @property
@@ -94,12 +99,19 @@ class ChatRequest:
 def check_length(num_tokens: int, max_tokens: int, max_model_len: int, max_tokens_given: bool = True) -> None:
     """A 400 when the prompt and what it may generate do not fit the model."""
     if not max_tokens_given and num_tokens >= max_model_len:
-        raise ApiError(400, f"the prompt ({num_tokens} tokens) leaves no room to generate within the model's limit of "
-                            f"{max_model_len} tokens; shorten it", "messages")
+        raise ApiError(
+            400,
+            f"the prompt ({num_tokens} tokens) leaves no room to generate within the model's limit of "
+            f"{max_model_len} tokens; shorten it",
+            "messages",
+        )
     total = num_tokens + max_tokens
     if total > max_model_len:
-        raise ApiError(400, f"prompt ({num_tokens} tokens) plus max_tokens ({max_tokens}) is {total}, "
-                            f"over the model's limit of {max_model_len}; shorten the prompt or lower max_tokens")
+        raise ApiError(
+            400,
+            f"prompt ({num_tokens} tokens) plus max_tokens ({max_tokens}) is {total}, "
+            f"over the model's limit of {max_model_len}; shorten the prompt or lower max_tokens",
+        )
 
 
 def parse_chat_request(raw: bytes, served_models: list[str], allow_remote_images: bool = False) -> ChatRequest:
@@ -110,8 +122,14 @@ def parse_chat_body(body: dict, allow_remote_images: bool = False) -> ChatReques
     """A chat-completions body (a JSON object naming a served model) as the request it asks for."""
     conversation = parse_conversation(body.get("messages"), allow_remote_images)
     tools = parse_tools(body)
-    return ChatRequest(conversation=conversation, sampling=parse_sampling(body, tool_grammar(tools)), tools=tools,
-                       template_kwargs=parse_template_kwargs(body), **common_fields(body), max_tokens_given=body.get("max_completion_tokens") is not None or body.get("max_tokens") is not None)
+    return ChatRequest(
+        conversation=conversation,
+        sampling=parse_sampling(body, tool_grammar(tools)),
+        tools=tools,
+        template_kwargs=parse_template_kwargs(body),
+        **common_fields(body),
+        max_tokens_given=body.get("max_completion_tokens") is not None or body.get("max_tokens") is not None,
+    )
 
 
 def parse_template_kwargs(body: dict) -> dict | None:
@@ -123,13 +141,17 @@ def parse_template_kwargs(body: dict) -> dict | None:
     if value is None or value == {}:
         return None
     if not isinstance(value, dict):
-        raise ApiError(400, "'chat_template_kwargs' must be an object of the chat template's variables",
-                       "chat_template_kwargs")
+        raise ApiError(
+            400, "'chat_template_kwargs' must be an object of the chat template's variables", "chat_template_kwargs"
+        )
     reserved = sorted(set(value) & RESERVED_TEMPLATE_VARIABLES)
     if reserved:
-        raise ApiError(400, f"chat_template_kwargs may not set {', '.join(reserved)}: the server sets "
-                            f"{'them' if len(reserved) > 1 else 'it'} (send it as its own field where there is one)",
-                       "chat_template_kwargs")
+        raise ApiError(
+            400,
+            f"chat_template_kwargs may not set {', '.join(reserved)}: the server sets "
+            f"{'them' if len(reserved) > 1 else 'it'} (send it as its own field where there is one)",
+            "chat_template_kwargs",
+        )
     return value
 
 
@@ -159,8 +181,9 @@ def json_body(raw: bytes, served_models: list[str], default_model: str | None = 
         body["model"] = default_model
     model = body.get("model")
     if model is not None and not isinstance(model, str):
-        raise ApiError(400, f"'model' must be a string, got {type(model).__name__}; this server serves {served_models}",
-                       "model")
+        raise ApiError(
+            400, f"'model' must be a string, got {type(model).__name__}; this server serves {served_models}", "model"
+        )
     if not model:
         raise ApiError(400, f"'model' is required; this server serves {served_models}", "model")
     if model not in served_models:
@@ -182,12 +205,22 @@ def common_fields(body: dict) -> dict:
     continuous = _typed(stream_options, "continuous_usage_stats", bool, False)
     salt = body.get("cache_salt")
     if salt is not None and not (isinstance(salt, str) and salt):
-        raise ApiError(400, "'cache_salt' must be a non-empty string (a secret of the tenant's, e.g. 43 characters of "
-                            "base64: 256 random bits)", "cache_salt")
-    return dict(model=body["model"], stream=_typed(body, "stream", bool, False), n=n,
-                include_usage=include_usage, continuous_usage=include_usage and continuous,
-                return_token_ids=_typed(body, "return_token_ids", bool, False), cache_salt=salt or "",
-                **_parse_slo(body.get("slo")))
+        raise ApiError(
+            400,
+            "'cache_salt' must be a non-empty string (a secret of the tenant's, e.g. 43 characters of "
+            "base64: 256 random bits)",
+            "cache_salt",
+        )
+    return dict(
+        model=body["model"],
+        stream=_typed(body, "stream", bool, False),
+        n=n,
+        include_usage=include_usage,
+        continuous_usage=include_usage and continuous,
+        return_token_ids=_typed(body, "return_token_ids", bool, False),
+        cache_salt=salt or "",
+        **_parse_slo(body.get("slo")),
+    )
 
 
 def _typed(body: dict, key: str, kind, default):
@@ -228,7 +261,9 @@ def parse_sampling(body: dict, tools_grammar: str | None = None) -> SamplingPara
         raise ApiError(400, f"'stop' must be a non-empty string or a list of up to {MAX_STOP_STRINGS} of them", "stop")
     stop_ids = body.get("stop_token_ids") or []
     if not isinstance(stop_ids, list) or not all(is_token_id(t) for t in stop_ids):
-        raise ApiError(400, f"'stop_token_ids' must be a list of token ids (integers 0 to {MAX_TOKEN_ID})", "stop_token_ids")
+        raise ApiError(
+            400, f"'stop_token_ids' must be a list of token ids (integers 0 to {MAX_TOKEN_ID})", "stop_token_ids"
+        )
     refuse_unsupported(body)
     grammar = parse_grammar(body, tools_grammar)
     logprobs = _typed(body, "logprobs", bool, False)
@@ -271,15 +306,20 @@ def _parse_logit_bias(value: Any) -> tuple[tuple[int, float], ...]:
     if value is None:
         return ()
     try:
-        if not isinstance(value, dict) or any(isinstance(b, bool) or not isinstance(b, (int, float)) for b in value.values()):
+        if not isinstance(value, dict) or any(
+            isinstance(b, bool) or not isinstance(b, (int, float)) for b in value.values()
+        ):
             raise ValueError
         bias = tuple(sorted((int(token), float(bias)) for token, bias in value.items()))
         if not all(is_token_id(token) for token, _ in bias):
             raise ValueError
         return bias
     except ValueError:
-        raise ApiError(400, f"'logit_bias' must map token ids (as strings, 0 to {MAX_TOKEN_ID}) to numbers between "
-                            "-100 and 100", "logit_bias") from None
+        raise ApiError(
+            400,
+            f"'logit_bias' must map token ids (as strings, 0 to {MAX_TOKEN_ID}) to numbers between -100 and 100",
+            "logit_bias",
+        ) from None
 
 
 def is_token_id(value: Any) -> bool:
@@ -295,8 +335,9 @@ def _parse_message(message: Any, index: int, allow_remote: bool) -> dict:
     if role == "developer":  # OpenAI's newer name for the system role; chat templates know "system"
         role = "system"
     if role not in ("system", "user", "assistant", "tool"):
-        raise ApiError(400, f"{where}.role must be 'system', 'developer', 'user', 'assistant' or 'tool', got {role!r}",
-                       "messages")
+        raise ApiError(
+            400, f"{where}.role must be 'system', 'developer', 'user', 'assistant' or 'tool', got {role!r}", "messages"
+        )
     content = message.get("content")
     extra = {}
     if role == "assistant" and message.get("tool_calls") is not None:  # a call it made earlier in the chat
@@ -322,7 +363,11 @@ def _parse_message(message: Any, index: int, allow_remote: bool) -> dict:
                 raise ApiError(400, f"{where}: images are accepted in user messages only", "messages")
             parts.append(image_part(url, f"{where}.content[{j}]", allow_remote))
         else:
-            raise ApiError(400, f"{where}.content[{j}] must be {{type: text, text}} or {{type: image_url, image_url: {{url}}}}", "messages")
+            raise ApiError(
+                400,
+                f"{where}.content[{j}] must be {{type: text, text}} or {{type: image_url, image_url: {{url}}}}",
+                "messages",
+            )
     return {"role": role, "content": parts, **extra}
 
 
@@ -331,8 +376,12 @@ def _unicode(text: str, where: str) -> str:
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as e:
-        raise ApiError(400, f"{where} holds a lone UTF-16 surrogate ({text[e.start]!r} at {e.start}), which is not "
-                            "text; send valid Unicode", "messages") from None
+        raise ApiError(
+            400,
+            f"{where} holds a lone UTF-16 surrogate ({text[e.start]!r} at {e.start}), which is not "
+            "text; send valid Unicode",
+            "messages",
+        ) from None
     return text
 
 
@@ -340,22 +389,32 @@ def _earlier_calls(calls: Any, where: str) -> list[dict]:
     """An assistant message's `tool_calls` in the form chat templates take (arguments as an object, as vLLM hands
     them to Hugging Face templates)."""
     if not isinstance(calls, list):
-        raise ApiError(400, f"{where}.tool_calls must be a list of {{id, type: function, function: {{name, "
-                            "arguments}}}}", "messages")
+        raise ApiError(
+            400,
+            f"{where}.tool_calls must be a list of {{id, type: function, function: {{name, arguments}}}}}}}}",
+            "messages",
+        )
     out = []
     for j, call in enumerate(calls):
         function = call.get("function") if isinstance(call, dict) else None
         if not isinstance(function, dict) or not isinstance(function.get("name"), str):
-            raise ApiError(400, f"{where}.tool_calls[{j}] must be {{id, type: function, function: {{name, arguments}}}}",
-                           "messages")
+            raise ApiError(
+                400,
+                f"{where}.tool_calls[{j}] must be {{id, type: function, function: {{name, arguments}}}}",
+                "messages",
+            )
         arguments = function.get("arguments", "{}")
         try:
             arguments = json.loads(arguments) if isinstance(arguments, str) else arguments
         except json.JSONDecodeError:
             arguments = None
         if not isinstance(arguments, dict):
-            raise ApiError(400, f"{where}.tool_calls[{j}].function.arguments must be the arguments as a JSON object "
-                                "(its text)", "messages")
-        out.append({"id": call.get("id"), "type": "function",
-                    "function": {"name": function["name"], "arguments": arguments}})
+            raise ApiError(
+                400,
+                f"{where}.tool_calls[{j}].function.arguments must be the arguments as a JSON object (its text)",
+                "messages",
+            )
+        out.append(
+            {"id": call.get("id"), "type": "function", "function": {"name": function["name"], "arguments": arguments}}
+        )
     return out

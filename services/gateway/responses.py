@@ -20,7 +20,6 @@ from services.gateway.protocol import ChatRequest
 from services.gateway.tools import AnswerDeltas, finish_reason
 from services.gateway.tools import message as tool_message
 
-
 log = logging.getLogger(__name__)
 
 
@@ -63,8 +62,10 @@ class Logprobs:
         return {"token": text, "logprob": logprob, "bytes": list(raw)}
 
     def entries(self, out: RequestOutput) -> list[dict]:
-        return [{**self._entry(lp.token_id, lp.logprob), "top_logprobs": [self._entry(t, v) for t, v in lp.top]}
-                for lp in out.logprobs or ()]
+        return [
+            {**self._entry(lp.token_id, lp.logprob), "top_logprobs": [self._entry(t, v) for t, v in lp.top]}
+            for lp in out.logprobs or ()
+        ]
 
 
 def usage(num_prompt: int, finals: list[RequestOutput | None]) -> dict:
@@ -73,14 +74,20 @@ def usage(num_prompt: int, finals: list[RequestOutput | None]) -> dict:
     most any of them found)."""
     n = sum(len(out.output_token_ids) for out in finals if out is not None)
     cached = max((out.num_cached_tokens for out in finals if out is not None), default=0)
-    return {"prompt_tokens": num_prompt, "completion_tokens": n, "total_tokens": num_prompt + n,
-            "prompt_tokens_details": {"cached_tokens": cached}}
+    return {
+        "prompt_tokens": num_prompt,
+        "completion_tokens": n,
+        "total_tokens": num_prompt + n,
+        "prompt_tokens_details": {"cached_tokens": cached},
+    }
 
 
-async def collect(streams: list[AsyncIterator[RequestOutput]], logprobs: Logprobs | None
-                  ) -> list[tuple[RequestOutput, list[dict]]]:
+async def collect(
+    streams: list[AsyncIterator[RequestOutput]], logprobs: Logprobs | None
+) -> list[tuple[RequestOutput, list[dict]]]:
     """Each stream's last output and logprobs entries, the streams read concurrently; the first failure cancels
     the rest (their requests end) and is raised."""
+
     async def one(stream):
         final, entries = None, []
         async with contextlib.aclosing(stream):  # cancelled (a failed choice, the client gone): its request ends now
@@ -100,8 +107,15 @@ async def collect(streams: list[AsyncIterator[RequestOutput]], logprobs: Logprob
             task.cancel()
 
 
-def completion(chat: ChatRequest, request_id: str, model: str, num_prompt: int,
-               results: list[tuple[RequestOutput, list[dict]]], detokenize, with_logprobs: bool) -> dict:
+def completion(
+    chat: ChatRequest,
+    request_id: str,
+    model: str,
+    num_prompt: int,
+    results: list[tuple[RequestOutput, list[dict]]],
+    detokenize,
+    with_logprobs: bool,
+) -> dict:
     choices = []
     for index, (out, entries) in enumerate(results):
         text = _final_text(out, detokenize)
@@ -110,14 +124,21 @@ def completion(chat: ChatRequest, request_id: str, model: str, num_prompt: int,
         else:
             message = tool_message(chat.tools, text) if _calls_tools(chat) else {"role": "assistant", "content": text}
             choice = {"index": index, "message": message, "logprobs": {"content": entries} if with_logprobs else None}
-        choice.update(finish_reason=finish_reason(chat.tools, out.finish_reason, out.stop_reason, text),
-                      stop_reason=out.stop_reason)
+        choice.update(
+            finish_reason=finish_reason(chat.tools, out.finish_reason, out.stop_reason, text),
+            stop_reason=out.stop_reason,
+        )
         if chat.return_token_ids:
             choice["token_ids"] = out.output_token_ids
         choices.append(choice)
-    return {"id": request_id, "object": "text_completion" if chat.is_text_completion else "chat.completion",
-            "created": int(time.time()), "model": model, "choices": choices,
-            "usage": usage(num_prompt, [out for out, _ in results])}
+    return {
+        "id": request_id,
+        "object": "text_completion" if chat.is_text_completion else "chat.completion",
+        "created": int(time.time()),
+        "model": model,
+        "choices": choices,
+        "usage": usage(num_prompt, [out for out, _ in results]),
+    }
 
 
 def _calls_tools(chat: ChatRequest) -> bool:
@@ -131,8 +152,15 @@ def _final_text(out: RequestOutput, detokenize) -> str:
 GENERATED = "_generated"  # a choice's tokens so far, riding with it from its generator to its frame
 
 
-async def sse(chat: ChatRequest, request_id: str, model: str, num_prompt: int, streams: list[AsyncIterator[RequestOutput]],
-              detokenize, logprobs: Logprobs | None = None) -> AsyncIterator[str]:
+async def sse(
+    chat: ChatRequest,
+    request_id: str,
+    model: str,
+    num_prompt: int,
+    streams: list[AsyncIterator[RequestOutput]],
+    detokenize,
+    logprobs: Logprobs | None = None,
+) -> AsyncIterator[str]:
     created = int(time.time())
 
     kind = "text_completion" if chat.is_text_completion else "chat.completion.chunk"
@@ -180,8 +208,13 @@ class _ChoiceEntry:
         self.index, self.chat, self.logprobs = index, chat, logprobs
         self.offset = 0  # text completions: where the next logprobs entry's token starts in the text
 
-    def __call__(self, delta: dict, finish: str | None = None, token_ids: list[int] | None = None,
-                 out: RequestOutput | None = None) -> dict:
+    def __call__(
+        self,
+        delta: dict,
+        finish: str | None = None,
+        token_ids: list[int] | None = None,
+        out: RequestOutput | None = None,
+    ) -> dict:
         chat, index = self.chat, self.index
         entries = self.logprobs.entries(out) if self.logprobs is not None and out is not None else None
         if chat.is_text_completion:
@@ -190,8 +223,12 @@ class _ChoiceEntry:
                 legacy, self.offset = legacy_logprobs(entries, self.offset)
             entry = {"index": index, "text": delta.get("content", ""), "logprobs": legacy, "finish_reason": finish}
         else:
-            entry = {"index": index, "delta": delta, "logprobs": {"content": entries} if entries else None,
-                     "finish_reason": finish}
+            entry = {
+                "index": index,
+                "delta": delta,
+                "logprobs": {"content": entries} if entries else None,
+                "finish_reason": finish,
+            }
         if finish is not None:  # as in the whole answer (and vLLM's stream): the stop string or token that ended it
             entry["stop_reason"] = out.stop_reason
         if chat.return_token_ids and token_ids is not None:
@@ -201,8 +238,14 @@ class _ChoiceEntry:
         return entry
 
 
-async def choice_deltas(index: int, chat: ChatRequest, outputs: AsyncIterator[RequestOutput], detokenize,
-                         logprobs: Logprobs | None, finals: list) -> AsyncIterator[dict]:
+async def choice_deltas(
+    index: int,
+    chat: ChatRequest,
+    outputs: AsyncIterator[RequestOutput],
+    detokenize,
+    logprobs: Logprobs | None,
+    finals: list,
+) -> AsyncIterator[dict]:
     """One choice's `choices` entries: its role (a chat's), then text deltas as tokens come (held back by the longest
     stop string's length but one, so a stop string is never half sent), then the rest with its finish reason. An
     answer that calls tools sends `tool_calls` deltas instead of text (a token that adds nothing to them, such as
@@ -226,10 +269,10 @@ async def choice_deltas(index: int, chat: ChatRequest, outputs: AsyncIterator[Re
             last = out
             if out.finished:
                 break
-            text.push(out.output_token_ids[len(text.token_ids):])
+            text.push(out.output_token_ids[len(text.token_ids) :])
             safe = text.text[: len(text.text) - holdback] if holdback else text.text
             if len(safe) > len(sent) or out.new_token_ids:
-                delta = content(safe[len(sent):])
+                delta = content(safe[len(sent) :])
                 if delta or every_token:
                     yield choice(delta, token_ids=out.new_token_ids, out=out)
                 sent = safe
@@ -237,12 +280,16 @@ async def choice_deltas(index: int, chat: ChatRequest, outputs: AsyncIterator[Re
     if last.text is not None:  # the engine's own text: cut at a stop string
         final = last.text
     else:
-        text.push(last.output_token_ids[len(text.token_ids):])
+        text.push(last.output_token_ids[len(text.token_ids) :])
         text.finish()
         final = text.text
-    delta = content(final[len(sent):]) if calls is None else calls.last(final[len(sent):], final)
-    yield choice(delta, finish=finish_reason(chat.tools, last.finish_reason, last.stop_reason, final),
-                 token_ids=last.new_token_ids, out=last)
+    delta = content(final[len(sent) :]) if calls is None else calls.last(final[len(sent) :], final)
+    yield choice(
+        delta,
+        finish=finish_reason(chat.tools, last.finish_reason, last.stop_reason, final),
+        token_ids=last.new_token_ids,
+        out=last,
+    )
 
 
 async def _chain(first: RequestOutput | None, rest: AsyncIterator[RequestOutput]) -> AsyncIterator[RequestOutput]:

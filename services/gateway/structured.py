@@ -28,8 +28,11 @@ def parse_grammar(body: dict, tools_grammar: str | None = None) -> str | None:
     if tools_grammar is not None:
         found.insert(0, ("tool_choice", tools_grammar))
     if len(found) > 1:
-        raise ApiError(400, f"a request takes one structured-output constraint; it has {', '.join(n for n, _ in found)}",
-                       found[1][0])
+        raise ApiError(
+            400,
+            f"a request takes one structured-output constraint; it has {', '.join(n for n, _ in found)}",
+            found[1][0],
+        )
     if not found:
         return None
     name, value = found[0]
@@ -62,8 +65,11 @@ def _constraints(body: dict):
         raise ApiError(400, "'structured_outputs' must be an object (json, regex or choice)", "structured_outputs")
     unknown = sorted(set(outputs or {}) - {"json", "regex", "choice"})
     if unknown:
-        raise ApiError(400, f"structured_outputs.{unknown[0]} is not supported by this server (json, regex or choice)",
-                       "structured_outputs")
+        raise ApiError(
+            400,
+            f"structured_outputs.{unknown[0]} is not supported by this server (json, regex or choice)",
+            "structured_outputs",
+        )
     for kind in ("json", "regex", "choice"):
         yield f"structured_outputs.{kind}", (outputs or {}).get(kind)
 
@@ -77,12 +83,14 @@ def _response_format(value) -> str:
     if kind == "json_schema":
         spec = value.get("json_schema")
         if not isinstance(spec, dict):
-            raise ApiError(400, "response_format.json_schema must be an object with the schema in 'schema'",
-                           "response_format")
+            raise ApiError(
+                400, "response_format.json_schema must be an object with the schema in 'schema'", "response_format"
+            )
         schema = _schema(spec.get("schema", {}), "response_format.json_schema.schema")
         return json_schema_grammar(strict_schema(schema) if spec.get("strict") is True else schema)
-    raise ApiError(400, f"response_format type {kind!r} is not supported: send text, json_object or json_schema",
-                   "response_format")
+    raise ApiError(
+        400, f"response_format type {kind!r} is not supported: send text, json_object or json_schema", "response_format"
+    )
 
 
 def _schema(value, name: str) -> dict:
@@ -101,7 +109,9 @@ def strict_schema(node):
     (`"additionalProperties": false`), as OpenAI's strict mode asks."""
     if isinstance(node, dict):
         out = {key: strict_schema(value) for key, value in node.items()}
-        if (out.get("type") == "object" or isinstance(out.get("properties"), dict)) and "additionalProperties" not in out:
+        if (
+            out.get("type") == "object" or isinstance(out.get("properties"), dict)
+        ) and "additionalProperties" not in out:
             out["additionalProperties"] = False
         return out
     if isinstance(node, list):

@@ -81,14 +81,23 @@ def parse_tools(body: dict) -> ToolChoice | None:
     names = [t["function"]["name"] for t in tools]
     if choice is None or choice in ("none", "required", "auto"):  # left out: "auto", as OpenAI defaults it
         return ToolChoice(tools, choice or "auto", parallel=parallel is not False, text_chars=len(json.dumps(tools)))
-    name = choice.get("function", {}).get("name") if isinstance(choice, dict) and choice.get("type") == "function" \
-        and isinstance(choice.get("function"), dict) else None
+    name = (
+        choice.get("function", {}).get("name")
+        if isinstance(choice, dict) and choice.get("type") == "function" and isinstance(choice.get("function"), dict)
+        else None
+    )
     if not isinstance(name, str):
-        raise ApiError(400, "'tool_choice' must be \"none\", \"required\", \"auto\" or {\"type\": \"function\", "
-                            "\"function\": {\"name\": ...}}", "tool_choice")
+        raise ApiError(
+            400,
+            '\'tool_choice\' must be "none", "required", "auto" or {"type": "function", "function": {"name": ...}}',
+            "tool_choice",
+        )
     if name not in names:
-        raise ApiError(400, f"tool_choice names the function {name!r}, which is not among 'tools' ({', '.join(names)})",
-                       "tool_choice")
+        raise ApiError(
+            400,
+            f"tool_choice names the function {name!r}, which is not among 'tools' ({', '.join(names)})",
+            "tool_choice",
+        )
     return ToolChoice(tools, "named", name=name, text_chars=len(json.dumps(tools)))
 
 
@@ -100,11 +109,14 @@ def _checked_tools(tools) -> tuple[dict, ...]:
         where = f"tools[{i}]"
         function = tool.get("function") if isinstance(tool, dict) else None
         if not isinstance(tool, dict) or tool.get("type", "function") != "function" or not isinstance(function, dict):
-            raise ApiError(400, f"{where} must be {{type: function, function: {{name, description, parameters}}}}",
-                           "tools")
+            raise ApiError(
+                400, f"{where} must be {{type: function, function: {{name, description, parameters}}}}", "tools"
+            )
         name = function.get("name")
         if not isinstance(name, str) or not NAME.fullmatch(name):
-            raise ApiError(400, f"{where}.function.name must be 1 to 64 letters, digits, '_' or '-', got {name!r}", "tools")
+            raise ApiError(
+                400, f"{where}.function.name must be 1 to 64 letters, digits, '_' or '-', got {name!r}", "tools"
+            )
         if name in seen:
             raise ApiError(400, f"{where}: two tools are named {name!r}", "tools")
         seen.add(name)
@@ -113,8 +125,12 @@ def _checked_tools(tools) -> tuple[dict, ...]:
             raise ApiError(400, f"{where}.function.parameters must be a JSON schema (an object)", "tools")
         if not isinstance(function.get("description") or "", str):
             raise ApiError(400, f"{where}.function.description must be a string", "tools")
-        out.append({"type": "function", "function": {k: v for k, v in function.items()
-                                                     if k in ("name", "description", "parameters", "strict")}})
+        out.append(
+            {
+                "type": "function",
+                "function": {k: v for k, v in function.items() if k in ("name", "description", "parameters", "strict")},
+            }
+        )
     return tuple(out)
 
 
@@ -133,8 +149,9 @@ def tool_grammar(choice: ToolChoice | None) -> str | None:
             for tool in choice.tools:  # say which tool's schema it is
                 name = tool["function"]["name"]
                 _compiled(choice.parameters(name), f"the parameters of {name!r}")
-            raise ApiError(400, f"the tools' parameters cannot be followed together as a JSON schema: {e}",
-                           "tools") from None
+            raise ApiError(
+                400, f"the tools' parameters cannot be followed together as a JSON schema: {e}", "tools"
+            ) from None
     except RecursionError:
         raise ApiError(400, "a tool's parameters nest too deeply to follow", "tools") from None
 
@@ -152,7 +169,8 @@ def _text_or_calls(schema: dict) -> str:
     schema = {**schema, "x-guidance": {"whitespace_flexible": False}}
     try:
         grammar = llguidance.LLMatcher.grammar_from_lark(
-            f'start: calls | TEXT | ""\ncalls: %json {json.dumps(schema)}\nTEXT: {TEXT}\n')
+            f'start: calls | TEXT | ""\ncalls: %json {json.dumps(schema)}\nTEXT: {TEXT}\n'
+        )
     except (ValueError, TypeError, RuntimeError) as e:
         raise GrammarRejected(str(e)) from None
     error = llguidance.LLMatcher.validate_grammar(grammar)
@@ -188,8 +206,14 @@ def _calls_schema(choice: ToolChoice) -> dict:
         parameters.pop("$id", None)  # its references now resolve against the top
         parameters.pop("$schema", None)
         defs[f"tool_{i}"] = parameters
-        calls.append({"type": "object", "properties": {"name": {"const": name}, "parameters": {"$ref": base}},
-                      "required": ["name", "parameters"], "additionalProperties": False})
+        calls.append(
+            {
+                "type": "object",
+                "properties": {"name": {"const": name}, "parameters": {"$ref": base}},
+                "required": ["name", "parameters"],
+                "additionalProperties": False,
+            }
+        )
     schema: dict = {"type": "array", "items": {"anyOf": calls}, "minItems": 1, "$defs": defs}
     if not choice.parallel:
         schema["maxItems"] = 1
@@ -199,8 +223,12 @@ def _calls_schema(choice: ToolChoice) -> dict:
 def _rebased(node, base: str):
     """A copy of a schema whose local references (`"$ref": "#..."`) point under `base` instead of at its root."""
     if isinstance(node, dict):
-        return {key: base + value[1:] if key == "$ref" and isinstance(value, str) and value.startswith("#")
-                else _rebased(value, base) for key, value in node.items()}
+        return {
+            key: base + value[1:]
+            if key == "$ref" and isinstance(value, str) and value.startswith("#")
+            else _rebased(value, base)
+            for key, value in node.items()
+        }
     if isinstance(node, list):
         return [_rebased(value, base) for value in node]
     return node
@@ -210,8 +238,13 @@ def finish_reason(choice: ToolChoice | None, reason: str | None, stop_reason=Non
     """As OpenAI and vLLM answer: "tool_calls" for calls of a "required" or "auto" answer (`text`) that its grammar
     ended (not a stop string or token of the request's, `stop_reason`, which can cut a call short), "stop" for a
     named one (the caller asked for that call), else the engine's reason."""
-    if choice is not None and choice.mode in ("required", "auto") and answered_calls(choice, text) \
-            and reason == "stop" and stop_reason is None:
+    if (
+        choice is not None
+        and choice.mode in ("required", "auto")
+        and answered_calls(choice, text)
+        and reason == "stop"
+        and stop_reason is None
+    ):
         return "tool_calls"
     return reason
 
@@ -270,8 +303,11 @@ class ToolCallStream:
 
     def calls(self) -> list[dict]:
         """Every call with a name so far, in OpenAI's `message.tool_calls` form."""
-        return [{"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
-                for c in self._calls if c.name is not None]
+        return [
+            {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+            for c in self._calls
+            if c.name is not None
+        ]
 
     def _deltas(self) -> list[dict]:
         out = []
@@ -279,10 +315,16 @@ class ToolCallStream:
             if call.name is None:
                 continue
             if call.sent < 0:
-                out.append({"index": index, "id": call.id, "type": "function",
-                            "function": {"name": call.name, "arguments": call.arguments}})
+                out.append(
+                    {
+                        "index": index,
+                        "id": call.id,
+                        "type": "function",
+                        "function": {"name": call.name, "arguments": call.arguments},
+                    }
+                )
             elif len(call.arguments) > call.sent:
-                out.append({"index": index, "function": {"arguments": call.arguments[call.sent:]}})
+                out.append({"index": index, "function": {"arguments": call.arguments[call.sent :]}})
             call.sent = len(call.arguments)
         return out
 

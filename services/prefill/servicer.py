@@ -51,6 +51,13 @@ class PrefillServicer(pb_grpc.PrefillerServicer):
 
     @staticmethod
     def _reply(out, kv) -> pb.PrefillResponse:
-        chunk = wire.chunk_to_pb(out.new_token_ids or out.output_token_ids[-1:], out.finish_reason, out.stop_reason,
-                                 out.text, out.num_prompt_tokens, out.logprobs, num_cached_tokens=out.num_cached_tokens)
+        chunk = wire.chunk_to_pb(
+            out.new_token_ids or out.output_token_ids[-1:],
+            out.finish_reason,
+            out.stop_reason,
+            out.text,
+            out.num_prompt_tokens,
+            out.logprobs,
+            num_cached_tokens=out.num_cached_tokens,
+        )
         return pb.PrefillResponse(first=chunk, kv_pages=wire.handle_to_pb(kv) if kv is not None else None)

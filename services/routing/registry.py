@@ -57,7 +57,9 @@ class RedisRegistry:
         key = self._key(info.worker_id)
         async with self.redis.pipeline(transaction=True) as pipe:
             pipe.delete(key)
-            pipe.hset(key, mapping={"info": _info_json(info), "load": json.dumps(dataclasses.asdict(load)), "ts": time.time()})
+            pipe.hset(
+                key, mapping={"info": _info_json(info), "load": json.dumps(dataclasses.asdict(load)), "ts": time.time()}
+            )
             pipe.pexpire(key, self.ttl_ms)
             pipe.sadd(f"{self.prefix}workers", info.worker_id)
             pipe.pexpire(f"{self.prefix}workers", self.ttl_ms * SET_TTL_FACTOR)
@@ -65,9 +67,10 @@ class RedisRegistry:
 
     async def heartbeat(self, worker_id: str, load: WorkerLoad) -> bool:
         """False when the registry no longer knows the worker (its TTL passed): it must register again."""
-        known = await self._heartbeat(keys=[self._key(worker_id), f"{self.prefix}workers"],
-                                      args=[json.dumps(dataclasses.asdict(load)), time.time(), self.ttl_ms,
-                                            self.ttl_ms * SET_TTL_FACTOR])
+        known = await self._heartbeat(
+            keys=[self._key(worker_id), f"{self.prefix}workers"],
+            args=[json.dumps(dataclasses.asdict(load)), time.time(), self.ttl_ms, self.ttl_ms * SET_TTL_FACTOR],
+        )
         return bool(known)
 
     async def deregister(self, worker_id: str) -> None:

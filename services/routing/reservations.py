@@ -5,8 +5,8 @@ Keys, under the mesh's prefix:
 A route reserves, atomically across its workers (one Lua script), the KV tokens the request will take on
 each: on the decoder its prompt and first `output_tokens` output tokens (`RoutingConfig.reserved_output_tokens`;
 decoders allocate KV as a request grows and preempt when they run out, so booking a whole `max_tokens` — the rest
-of the context by default — would refuse requests that fit), the prompt on a dedicated prefill worker. It succeeds only if
-every worker's free KV tokens (its last report) minus what is already reserved there still hold it.
+of the context by default — would refuse requests that fit), the prompt on a dedicated prefill worker. It succeeds
+only if every worker's free KV tokens (its last report) minus what is already reserved there still hold it.
 A reservation ends when the worker reports the request admitted (its heartbeat), when the router that made it
 is done with the request (it may end before its decoder sees it), or at its expiry.
 """
@@ -51,8 +51,10 @@ def needs(plan: RoutePlan, request: RouteSummary, output_tokens: int) -> dict[st
     """worker id → (KV tokens this request takes there, that worker's reported free KV tokens)."""
     out: dict[str, tuple[int, int]] = {}
     decoder = plan.decoder
-    out[decoder.worker_id] = (request.num_prompt_tokens + min(request.max_tokens, output_tokens),
-                              decoder.load.kv_tokens_free)
+    out[decoder.worker_id] = (
+        request.num_prompt_tokens + min(request.max_tokens, output_tokens),
+        decoder.load.kv_tokens_free,
+    )
     if plan.path == PrefillPath.DEDICATED:
         out[plan.prefill.worker_id] = (request.num_prompt_tokens, plan.prefill.load.kv_tokens_free)
     return out

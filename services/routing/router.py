@@ -31,8 +31,8 @@ import redis.exceptions
 from common.latency import LatencyProfile
 from common.policy.affinity import PrefixAffinity
 from common.policy.multiplex import MultiplexConfig, route_slo
-from common.request import Stage
 from common.policy.routing import PrefillPath, RoutePlan, RouteSummary, RoutingConfig, route
+from common.request import Stage
 from common.telemetry.tracing import Tracing
 from common.workers import WorkerSnapshot
 from services.failure import Reason
@@ -77,10 +77,17 @@ class _Pending:
 
 
 class Router:
-    def __init__(self, registry: RedisRegistry, routing: RoutingConfig = RoutingConfig(), refresh_s: float = 0.05,
-                 tracing: Tracing | None = None, slo: SloRouting | None = None,
-                 reservations: Reservations | None = None, reports_delivery: bool = False,
-                 idle_refresh_s: float = 0.5):
+    def __init__(
+        self,
+        registry: RedisRegistry,
+        routing: RoutingConfig = RoutingConfig(),
+        refresh_s: float = 0.05,
+        tracing: Tracing | None = None,
+        slo: SloRouting | None = None,
+        reservations: Reservations | None = None,
+        reports_delivery: bool = False,
+        idle_refresh_s: float = 0.5,
+    ):
         """`slo`: route by the SLO-aware multiplexing policy over this latency profile; None: least loaded.
         `reservations`: book each route's KV tokens in Redis so concurrent routers never overbook a worker.
         `reports_delivery`: the caller says (`sent`) when each chosen worker is handed the request, and until
@@ -107,11 +114,25 @@ class Router:
         self._releases: set[asyncio.Task] = set()
 
     @classmethod
-    def over_redis(cls, client, prefix: str, routing: RoutingConfig = RoutingConfig(), tracing: Tracing | None = None,
-                   slo: SloRouting | None = None, ttl_s: float = 3.0, reports_delivery: bool = False) -> Router:
+    def over_redis(
+        cls,
+        client,
+        prefix: str,
+        routing: RoutingConfig = RoutingConfig(),
+        tracing: Tracing | None = None,
+        slo: SloRouting | None = None,
+        ttl_s: float = 3.0,
+        reports_delivery: bool = False,
+    ) -> Router:
         """A router over the mesh's registry and reservations under `prefix` in this Redis."""
-        return cls(RedisRegistry(client, prefix, ttl_s), routing, tracing=tracing, slo=slo,
-                   reservations=Reservations(client, prefix), reports_delivery=reports_delivery)
+        return cls(
+            RedisRegistry(client, prefix, ttl_s),
+            routing,
+            tracing=tracing,
+            slo=slo,
+            reservations=Reservations(client, prefix),
+            reports_delivery=reports_delivery,
+        )
 
     def invalidate(self) -> None:
         """The registry changed (a worker came or went): the next read goes to Redis."""
@@ -131,7 +152,9 @@ class Router:
                 self.affinity.keep_only({w.info.registration for w in self._snapshot})
             except (redis.exceptions.RedisError, OSError) as e:
                 log.warning("registry unreachable (%s); routing on the last snapshot", e)
-                self._snapshot = [dataclasses.replace(w, age_s=w.age_s + now - self._snapshot_at) for w in self._snapshot]
+                self._snapshot = [
+                    dataclasses.replace(w, age_s=w.age_s + now - self._snapshot_at) for w in self._snapshot
+                ]
             self._snapshot_at = now
 
     async def refresh_forever(self) -> None:
@@ -169,7 +192,9 @@ class Router:
                 raise NoRoute(_why_no_route(workers, summary, self._max_heartbeat_age_s), Reason.NO_WORKER)
             amounts = needs(plan, summary, self.routing.reserved_output_tokens)
             try:
-                full = None if self.reservations is None else await self.reservations.reserve(summary.request_id, amounts)
+                full = (
+                    None if self.reservations is None else await self.reservations.reserve(summary.request_id, amounts)
+                )
             except asyncio.CancelledError:  # its client left: the script may have run in Redis all the same
                 self._reserve_noted(summary.request_id, tuple(amounts))
                 self.forget(summary.request_id)
@@ -190,13 +215,19 @@ class Router:
         self._bump(plan, summary)
         self.affinity.chosen(plan, summary)
         self.decisions[plan.path] += 1
-        self.tracing.annotate({"epdmesh.path": plan.path.value, "epdmesh.decoder": plan.decoder.worker_id,
-                               "epdmesh.prefill": plan.prefill.worker_id,
-                               "epdmesh.encoder": plan.encoder.worker_id if plan.encoder else None,
-                               "epdmesh.live_workers": len(workers)})
+        self.tracing.annotate(
+            {
+                "epdmesh.path": plan.path.value,
+                "epdmesh.decoder": plan.decoder.worker_id,
+                "epdmesh.prefill": plan.prefill.worker_id,
+                "epdmesh.encoder": plan.encoder.worker_id if plan.encoder else None,
+                "epdmesh.live_workers": len(workers),
+            }
+        )
 
-    async def route_ahead(self, summary: RouteSummary,
-                          after: asyncio.Event | None = None) -> tuple[RoutePlan, asyncio.Future]:
+    async def route_ahead(
+        self, summary: RouteSummary, after: asyncio.Event | None = None
+    ) -> tuple[RoutePlan, asyncio.Future]:
         """The plan at once and its KV reservation under way: the caller sends the first stage's call without
         waiting on Redis, and awaits `reserved` before anything that needs the reservation (the decoder's KV).
         `reserved` gives None, or raises NoRoute with `full` set when a planned worker had no room after all (the
@@ -219,8 +250,9 @@ class Router:
         reserved = asyncio.ensure_future(self._reserve_ahead(summary.request_id, amounts, after))
         return plan, reserved
 
-    async def _reserve_ahead(self, request_id: str, amounts: dict[str, tuple[int, int]],
-                             after: asyncio.Event | None) -> None:
+    async def _reserve_ahead(
+        self, request_id: str, amounts: dict[str, tuple[int, int]], after: asyncio.Event | None
+    ) -> None:
         try:
             if after is None:
                 await asyncio.sleep(0)  # one loop turn: a stage call made next goes out first
@@ -234,8 +266,9 @@ class Router:
             raise
         if full is not None:
             self.forget(request_id)  # all or nothing: none was made, and its work no longer loads the workers
-            raise NoRoute(f"worker {full} has no KV room left for this request (reserved meanwhile)", Reason.NO_ROOM,
-                          full=full)
+            raise NoRoute(
+                f"worker {full} has no KV room left for this request (reserved meanwhile)", Reason.NO_ROOM, full=full
+            )
         self._reserve_noted(request_id, tuple(amounts))
 
     @property
@@ -257,11 +290,20 @@ class Router:
         s = self.slo
         ttft, tbt = summary.ttft_slo_ms or s.ttft_ms, summary.tbt_slo_ms or s.tbt_ms
         decision = route_slo(workers, summary, ttft, tbt, summary.elapsed_ms, s.profile, s.config)
-        self.tracing.annotate({"epdmesh.slack_ms": decision.slack_ms, "epdmesh.predicted_ttft_ms": decision.predicted_ttft_ms,
-                               "epdmesh.route_reason": decision.reason, "epdmesh.meets_slo": decision.meets_slo})
+        self.tracing.annotate(
+            {
+                "epdmesh.slack_ms": decision.slack_ms,
+                "epdmesh.predicted_ttft_ms": decision.predicted_ttft_ms,
+                "epdmesh.route_reason": decision.reason,
+                "epdmesh.meets_slo": decision.meets_slo,
+            }
+        )
         if decision.refused:  # else no live worker set serves it: route() says which roles are missing
-            raise NoRoute(f"no worker can serve this request within its SLO (TTFT {ttft:.0f} ms, TBT {tbt:.0f} ms, "
-                          f"predicted TTFT {decision.predicted_ttft_ms:.0f} ms); retry later", Reason.REFUSED)
+            raise NoRoute(
+                f"no worker can serve this request within its SLO (TTFT {ttft:.0f} ms, TBT {tbt:.0f} ms, "
+                f"predicted TTFT {decision.predicted_ttft_ms:.0f} ms); retry later",
+                Reason.REFUSED,
+            )
         return decision.plan
 
     def prefilled(self, request_id: str) -> None:
@@ -356,9 +398,16 @@ def _plus(w: WorkerSnapshot, pending: list[_Pending]) -> WorkerSnapshot:
             waiting += plan.prefill.worker_id != wid
     if not (decode_tokens or waiting or images):
         return w
-    return dataclasses.replace(w, load=dataclasses.replace(
-        load, unfinished_decode_tokens=load.unfinished_decode_tokens + decode_tokens, num_waiting=load.num_waiting + waiting,
-        queued_prefill_tokens=load.queued_prefill_tokens + prefill_tokens, queued_images=load.queued_images + images))
+    return dataclasses.replace(
+        w,
+        load=dataclasses.replace(
+            load,
+            unfinished_decode_tokens=load.unfinished_decode_tokens + decode_tokens,
+            num_waiting=load.num_waiting + waiting,
+            queued_prefill_tokens=load.queued_prefill_tokens + prefill_tokens,
+            queued_images=load.queued_images + images,
+        ),
+    )
 
 
 def largest_decoder_cache(workers: list[WorkerSnapshot], max_age_s: float) -> int:
@@ -370,12 +419,18 @@ def _check_fits(workers: list[WorkerSnapshot], summary: RouteSummary, max_age_s:
     """NoRoute(TOO_LARGE) when no live decoder's whole KV cache holds the request's prompt + max_tokens: it could
     wait for room forever (admission reserves the worst case). Workers whose size is unknown let it through."""
     need = summary.num_prompt_tokens + summary.max_tokens
-    sizes = [w.load.kv_tokens_total for w in workers
-             if w.has(Stage.DECODE) and w.age_s <= max_age_s and not w.excluded_by(summary.exclude)]
+    sizes = [
+        w.load.kv_tokens_total
+        for w in workers
+        if w.has(Stage.DECODE) and w.age_s <= max_age_s and not w.excluded_by(summary.exclude)
+    ]
     if sizes and all(0 < size < need for size in sizes):
-        raise NoRoute(f"this request needs {need} tokens of KV (prompt {summary.num_prompt_tokens} + max_tokens "
-                      f"{summary.max_tokens}), more than any decoder's whole cache holds ({max(sizes)}); lower "
-                      "max_tokens", Reason.TOO_LARGE)
+        raise NoRoute(
+            f"this request needs {need} tokens of KV (prompt {summary.num_prompt_tokens} + max_tokens "
+            f"{summary.max_tokens}), more than any decoder's whole cache holds ({max(sizes)}); lower "
+            "max_tokens",
+            Reason.TOO_LARGE,
+        )
 
 
 def _why_no_route(workers: list[WorkerSnapshot], summary: RouteSummary, max_age_s: float) -> str:

@@ -30,8 +30,11 @@ log = logging.getLogger(__name__)
 
 MODES = ("stream", "unary")
 _CODES = {code.value[0]: code for code in grpc.StatusCode}
-_UNARY = {"encode": ("EncoderStub", "Encode"), "await_encode": ("EncoderStub", "AwaitEncode"),
-          "prefill": ("PrefillerStub", "Prefill")}
+_UNARY = {
+    "encode": ("EncoderStub", "Encode"),
+    "await_encode": ("EncoderStub", "AwaitEncode"),
+    "prefill": ("PrefillerStub", "Prefill"),
+}
 
 
 def rpc_error(code: grpc.StatusCode, details: str, reason: str = "") -> grpc.aio.AioRpcError:
@@ -169,8 +172,11 @@ class _Stream:
         except grpc.aio.AioRpcError as e:
             # the worker is gone or going (a write into an ended stream fails it as INTERNAL): as a unary call to a
             # dead worker would, its calls fail UNAVAILABLE, so the gateway routes around it
-            code = e.code() if e.code() in (grpc.StatusCode.UNIMPLEMENTED, grpc.StatusCode.CANCELLED) else \
-                grpc.StatusCode.UNAVAILABLE
+            code = (
+                e.code()
+                if e.code() in (grpc.StatusCode.UNIMPLEMENTED, grpc.StatusCode.CANCELLED)
+                else grpc.StatusCode.UNAVAILABLE
+            )
             self.failure = code, f"the stage-call stream of {self.address} ended: {e.code().name}: {e.details()}"
         except asyncio.CancelledError:
             self.failure = grpc.StatusCode.CANCELLED, "the stage-call stream was closed"

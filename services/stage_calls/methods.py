@@ -1,8 +1,10 @@
 """The stage calls a `StageCalls` stream carries: a call's body → (the unary rpc it stands for, its reply's body)."""
 
-METHODS = {"encode": ("/epdmesh.v1.Encoder/Encode", "encode"),
-           "await_encode": ("/epdmesh.v1.Encoder/AwaitEncode", "encode"),
-           "prefill": ("/epdmesh.v1.Prefiller/Prefill", "prefill")}
+METHODS = {
+    "encode": ("/epdmesh.v1.Encoder/Encode", "encode"),
+    "await_encode": ("/epdmesh.v1.Encoder/AwaitEncode", "encode"),
+    "prefill": ("/epdmesh.v1.Prefiller/Prefill", "prefill"),
+}
 
 
 def span_attributes(method: str) -> dict[str, str]:

@@ -104,10 +104,13 @@ class _Served:
             return
         handler = self.servicer.handlers.get(kind)
         if handler is None:
-            self._reply_error(call.call_id, grpc.StatusCode.UNIMPLEMENTED,
-                              f"this worker does not serve {kind or 'an empty call'}")
+            self._reply_error(
+                call.call_id, grpc.StatusCode.UNIMPLEMENTED, f"this worker does not serve {kind or 'an empty call'}"
+            )
             return
-        task = asyncio.create_task(self._run(call.call_id, kind, handler, getattr(call, kind), dict(call.trace_context)))
+        task = asyncio.create_task(
+            self._run(call.call_id, kind, handler, getattr(call, kind), dict(call.trace_context))
+        )
         self.calls[call.call_id] = task
         task.add_done_callback(lambda _, call_id=call.call_id: self.calls.pop(call_id, None))
 
@@ -115,8 +118,12 @@ class _Served:
         method, reply_body = METHODS[kind]
         tracing = self.servicer.tracing
         try:
-            with tracing.span(method, span_attributes(method), kind="server",
-                              context=tracing.extract(trace_context) if trace_context else None):
+            with tracing.span(
+                method,
+                span_attributes(method),
+                kind="server",
+                context=tracing.extract(trace_context) if trace_context else None,
+            ):
                 response = await handler(message)
         except Exception as exc:
             reason, code = reason_for(exc)

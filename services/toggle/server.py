@@ -1,4 +1,4 @@
-"""The toggle: worker registry (Redis) and per-request routing (`router.Router`, a pure policy over a registry snapshot).
+"""The toggle: worker registry (Redis) and per-request routing (`router.Router`, a policy over a registry snapshot).
 
 Workers `Register` once and `Heartbeat` their load; the TTL drops those that stop; a heartbeat also ends the
 reservations of the requests the worker reports admitted. `Route(summary)` runs the router (snapshot, policy,
@@ -22,9 +22,8 @@ from common.policy.routing import RoutingConfig
 from common.telemetry.tracing import Tracing
 from epdmesh.v1 import mesh_pb2 as pb
 from epdmesh.v1 import mesh_pb2_grpc as pb_grpc
-from services import wire
+from services import failure, wire
 from services.errors import grpc_errors
-from services import failure
 from services.routing.router import NoRoute, Router, SloRouting
 
 __all__ = ["SloRouting", "ToggleOptions", "ToggleServicer", "run_toggle"]
@@ -55,7 +54,9 @@ class ToggleServicer(pb_grpc.ToggleServicer):
     async def Heartbeat(self, request: pb.HeartbeatRequest, context) -> pb.HeartbeatResponse:
         if self.reservations is not None:
             await self.reservations.release(request.worker_id, list(request.admitted_request_ids))
-        return pb.HeartbeatResponse(known=await self.registry.heartbeat(request.worker_id, wire.load_from_pb(request.load)))
+        return pb.HeartbeatResponse(
+            known=await self.registry.heartbeat(request.worker_id, wire.load_from_pb(request.load))
+        )
 
     @grpc_errors
     async def Deregister(self, request: pb.DeregisterRequest, context) -> pb.DeregisterResponse:
@@ -89,8 +90,12 @@ class ToggleOptions:
     slo: SloRouting | None = None
 
 
-async def run_toggle(options: ToggleOptions, ready: asyncio.Event | None = None, stop: asyncio.Event | None = None,
-                     bound: list | None = None) -> None:
+async def run_toggle(
+    options: ToggleOptions,
+    ready: asyncio.Event | None = None,
+    stop: asyncio.Event | None = None,
+    bound: list | None = None,
+) -> None:
     tracing = Tracing("epdmesh-toggle")  # before the server: its Route spans join the gateway's traces
     client = aioredis.from_url(options.redis_url)
     try:

@@ -39,10 +39,19 @@ log = logging.getLogger(__name__)
 
 
 class WorkerRuntime:
-    def __init__(self, worker_id: str, address: str, engine: AsyncEngine, puller: PagePuller,
-                 lease_ttl_s: float = 30.0, offer_backend: str = "grpc", backend_info: bytes = b"",
-                 metrics: WorkerMetrics | None = None, tracing: Tracing | None = None,
-                 on_leases: Callable[[int], None] | None = None):
+    def __init__(
+        self,
+        worker_id: str,
+        address: str,
+        engine: AsyncEngine,
+        puller: PagePuller,
+        lease_ttl_s: float = 30.0,
+        offer_backend: str = "grpc",
+        backend_info: bytes = b"",
+        metrics: WorkerMetrics | None = None,
+        tracing: Tracing | None = None,
+        on_leases: Callable[[int], None] | None = None,
+    ):
         """`on_leases(n)`: told the number of this worker's leases when it changes (the transfer's source side)."""
         self.worker_id = worker_id
         self.metrics = metrics
@@ -75,8 +84,9 @@ class WorkerRuntime:
             self._observe_stage("encode", request)
             return handle
 
-    async def prefill(self, request: Request, image_pages: PageHandle | None,
-                      pinned: bool = False) -> tuple[RequestOutput, PageHandle | None]:
+    async def prefill(
+        self, request: Request, image_pages: PageHandle | None, pinned: bool = False
+    ) -> tuple[RequestOutput, PageHandle | None]:
         """The first token, and a lease on the KV pages (None when the first token finished the request).
         `pinned`: its images' KV is cached here and its blocks taken (`pin_cached_images`); no pages come."""
         try:
@@ -91,8 +101,9 @@ class WorkerRuntime:
                 self._unpin(request)
             raise
 
-    async def decode(self, request: Request, kv_pages: PageHandle | None,
-                     image_pages: PageHandle | None, pinned: bool = False) -> AsyncIterator[RequestOutput]:
+    async def decode(
+        self, request: Request, kv_pages: PageHandle | None, image_pages: PageHandle | None, pinned: bool = False
+    ) -> AsyncIterator[RequestOutput]:
         try:
             async with contextlib.aclosing(self._decode(request, kv_pages, image_pages, pinned)) as outputs:
                 async for out in outputs:  # (closed with this one: a caller gone aborts the request at once)
@@ -102,8 +113,9 @@ class WorkerRuntime:
                 self._unpin(request)
             raise
 
-    async def _decode(self, request: Request, kv_pages: PageHandle | None,
-                      image_pages: PageHandle | None, pinned: bool) -> AsyncIterator[RequestOutput]:
+    async def _decode(
+        self, request: Request, kv_pages: PageHandle | None, image_pages: PageHandle | None, pinned: bool
+    ) -> AsyncIterator[RequestOutput]:
         with self._admitted(request):
             try:
                 try:
@@ -160,14 +172,20 @@ class WorkerRuntime:
             self._spawn(self.puller.release(handle))  # we will never pull them: let the source free them now
             raise
         done = False
-        attributes = {"epdmesh.transfer.backend": handle.backend, "epdmesh.transfer.kind": handle.kind,
-                      "epdmesh.transfer.bytes": handle.num_bytes, "epdmesh.transfer.blocks": len(handle.block_ids),
-                      "epdmesh.transfer.source": handle.worker_id}
+        attributes = {
+            "epdmesh.transfer.backend": handle.backend,
+            "epdmesh.transfer.kind": handle.kind,
+            "epdmesh.transfer.bytes": handle.num_bytes,
+            "epdmesh.transfer.blocks": len(handle.block_ids),
+            "epdmesh.transfer.source": handle.worker_id,
+        }
         start = time.perf_counter()
         try:
             if kind != handle.kind or num_tokens != handle.num_tokens:
-                raise ValueError(f"the {handle.kind} pages of {handle.lease_id} hold {handle.num_tokens} tokens; "
-                                 f"request {request.request_id} needs {num_tokens} tokens of {kind} pages")
+                raise ValueError(
+                    f"the {handle.kind} pages of {handle.lease_id} hold {handle.num_tokens} tokens; "
+                    f"request {request.request_id} needs {num_tokens} tokens of {kind} pages"
+                )
             with self.tracing.span("page_pull", attributes):
                 await self.puller.pull_into(handle, self.engine.engine.pages.cache(kind), block_ids)
                 emulated = self.engine.engine.transfer_delay_s(kind, num_tokens) - (time.perf_counter() - start)
@@ -176,8 +194,9 @@ class WorkerRuntime:
             done = True
         finally:
             if self.metrics is not None:
-                self.metrics.transfer(handle.backend, handle.kind, handle.num_bytes,
-                                      time.perf_counter() - start if done else None)  # we have the pages, or gave up on them: either way the source may free them
+                self.metrics.transfer(
+                    handle.backend, handle.kind, handle.num_bytes, time.perf_counter() - start if done else None
+                )  # we have the pages, or gave up on them: either way the source may free them
             # the ack a moment later: its client side (~0.3 ms of this loop, holding the GIL) would otherwise delay
             # the engine thread's taking the request in (seen: 0.26-0.36 ms from generate() to the engine's add)
             asyncio.get_running_loop().call_later(ACK_DELAY_S, lambda: self._spawn(self.puller.release(handle)))
@@ -216,7 +235,9 @@ class WorkerRuntime:
         try:
             kind, block_ids, num_tokens = pages
             layout = self.engine.engine.pages.cache(kind).layout
-            return self.leases.grant(engine_request_id, block_ids, num_tokens, layout, self.offer_backend, self.backend_info)
+            return self.leases.grant(
+                engine_request_id, block_ids, num_tokens, layout, self.offer_backend, self.backend_info
+            )
         except BaseException:
             self._post_release(engine_request_id)
             raise
@@ -237,7 +258,9 @@ class WorkerRuntime:
     async def read_lease(self, lease_id: str) -> PagePayload:
         handle = self._live_lease(lease_id).handle
         cache = self.engine.engine.pages.cache(handle.kind)
-        return PagePayload(cache.layout, handle.num_tokens, await asyncio.to_thread(cache.gather_bytes, list(handle.block_ids)))
+        return PagePayload(
+            cache.layout, handle.num_tokens, await asyncio.to_thread(cache.gather_bytes, list(handle.block_ids))
+        )
 
     async def release_lease(self, lease_id: str) -> bool:
         lease = self.leases.take(lease_id)
@@ -264,8 +287,12 @@ class WorkerRuntime:
         for lease in self.leases.expired():
             if self.metrics is not None:
                 self.metrics.leases_expired.labels(**self.metrics.labels).inc()
-            log.warning("lease %s expired unacked; freeing its %d %s blocks", lease.lease_id,
-                        len(lease.handle.block_ids), lease.handle.kind)
+            log.warning(
+                "lease %s expired unacked; freeing its %d %s blocks",
+                lease.lease_id,
+                len(lease.handle.block_ids),
+                lease.handle.kind,
+            )
             self.engine.now(lambda e, rid=lease.engine_request_id: e.pages.release(rid))
 
     # ----- bookkeeping -----
@@ -279,8 +306,11 @@ class WorkerRuntime:
         if self.metrics is not None:
             self.metrics.stage(stage, queue_s, execute_s)
         if self.tracing.enabled:
-            attributes = {"epdmesh.worker_id": self.worker_id, "epdmesh.stage": stage,
-                          "gen_ai.usage.input_tokens": request.num_prompt_tokens}
+            attributes = {
+                "epdmesh.worker_id": self.worker_id,
+                "epdmesh.stage": stage,
+                "gen_ai.usage.input_tokens": request.num_prompt_tokens,
+            }
             self.tracing.record_span(f"{stage}.queue", wall_ns(request.arrival_time), wall_ns(scheduled), attributes)
             self.tracing.record_span(f"{stage}.execute", wall_ns(scheduled), wall_ns(done), attributes)
 
@@ -288,16 +318,24 @@ class WorkerRuntime:
         s = self.engine.stats()
         self._pressed = s.kv_blocks_free < KV_PRESSURE * s.kv_blocks_total
         return WorkerLoad(
-            num_waiting=s.num_waiting, num_running=s.num_running, running_decode_batch=s.running_decodes,
-            unfinished_decode_tokens=s.unfinished_decode_tokens, last_iteration_ms=self.engine.last_iteration_ms,
-            kv_blocks_free=s.kv_blocks_free, kv_blocks_total=s.kv_blocks_total,
-            image_blocks_free=s.image_blocks_free, image_blocks_total=s.image_blocks_total,
-            num_leases=len(self.leases), iterations=self.engine.iterations,
-            queued_prefill_tokens=s.queued_prefill_tokens, queued_images=s.queued_images,
+            num_waiting=s.num_waiting,
+            num_running=s.num_running,
+            running_decode_batch=s.running_decodes,
+            unfinished_decode_tokens=s.unfinished_decode_tokens,
+            last_iteration_ms=self.engine.last_iteration_ms,
+            kv_blocks_free=s.kv_blocks_free,
+            kv_blocks_total=s.kv_blocks_total,
+            image_blocks_free=s.image_blocks_free,
+            image_blocks_total=s.image_blocks_total,
+            num_leases=len(self.leases),
+            iterations=self.engine.iterations,
+            queued_prefill_tokens=s.queued_prefill_tokens,
+            queued_images=s.queued_images,
             decode_context_tokens=s.decode_context_tokens,
             kv_tokens_free=s.kv_blocks_free * self.engine.engine.config.block_size,
             kv_block_size=self.engine.engine.config.block_size,
-            iteration_elapsed_ms=self.engine.iteration_elapsed_ms, num_preemptions=s.num_preemptions,
+            iteration_elapsed_ms=self.engine.iteration_elapsed_ms,
+            num_preemptions=s.num_preemptions,
         )
 
     def take_admitted(self) -> list[str]:
@@ -324,7 +362,9 @@ class WorkerRuntime:
         while (self.in_flight or len(self.leases)) and loop.time() < deadline:
             await asyncio.sleep(0.05)
         if self.in_flight or len(self.leases):
-            log.warning("drain timed out with %d requests in flight and %d leases held", self.in_flight, len(self.leases))
+            log.warning(
+                "drain timed out with %d requests in flight and %d leases held", self.in_flight, len(self.leases)
+            )
 
     def _post_release(self, engine_request_id: str) -> None:
         self._spawn(self.engine.call(lambda e: e.abort(engine_request_id)))

@@ -24,9 +24,9 @@ from prometheus_client import start_http_server
 
 from common.engine.async_engine import AsyncEngine
 from common.engine.config import EngineConfig
-from common.scheduler import SchedulerConfig
 from common.engine.engine import Engine
 from common.request import Stage
+from common.scheduler import SchedulerConfig
 from common.telemetry.metrics import WorkerMetrics
 from common.telemetry.tracing import Tracing
 from common.transfer.channels import CHANNEL_OPTIONS, ChannelPool
@@ -71,8 +71,9 @@ class EmulationOptions:
 def registered_budgets(scheduling: SchedulerConfig) -> dict:
     """The stage budgets a worker registers (`WorkerInfo`): what its scheduler runs, which the SLO-aware router
     predicts its iterations from."""
-    return dict(token_budget=scheduling.token_budget, image_budget=scheduling.image_budget,
-                join_first=scheduling.join_first)
+    return dict(
+        token_budget=scheduling.token_budget, image_budget=scheduling.image_budget, join_first=scheduling.join_first
+    )
 
 
 def build_engine(config: EngineConfig, emulation: EmulationOptions | None = None) -> Engine:
@@ -82,8 +83,14 @@ def build_engine(config: EngineConfig, emulation: EmulationOptions | None = None
         from common.latency.roofline import load_profile
 
         e = emulation
-        return EmulatedEngine(config, load_profile(e.profile), light_detokenizer(config.model),
-                              word_token_pool(config.model), e.kv_bytes_per_token, e.image_bytes_per_token)
+        return EmulatedEngine(
+            config,
+            load_profile(e.profile),
+            light_detokenizer(config.model),
+            word_token_pool(config.model),
+            e.kv_bytes_per_token,
+            e.image_bytes_per_token,
+        )
     from common.model.processor import ChatProcessor
 
     engine = Engine(config, None, ChatProcessor(config.model).detokenize)
@@ -92,8 +99,9 @@ def build_engine(config: EngineConfig, emulation: EmulationOptions | None = None
     return engine
 
 
-def _mount_roles(server: grpc.aio.Server, runtime: WorkerRuntime, roles: frozenset[Stage],
-                 calls: StageCalls) -> tuple[list[str], StageCallsServicer]:
+def _mount_roles(
+    server: grpc.aio.Server, runtime: WorkerRuntime, roles: frozenset[Stage], calls: StageCalls
+) -> tuple[list[str], StageCallsServicer]:
     """The servicers of the worker's roles, and the StageCalls stream that carries their unary stage methods."""
     from services.decoder.servicer import DecoderServicer
     from services.encoder.servicer import EncoderServicer
@@ -119,8 +127,13 @@ def _mount_roles(server: grpc.aio.Server, runtime: WorkerRuntime, roles: frozens
     return [*names, "epdmesh.v1.StageCalls"], stage_calls
 
 
-async def run_worker(options: WorkerOptions, engine: Engine | None = None, ready: asyncio.Event | None = None,
-                     stop: asyncio.Event | None = None, bound: list | None = None) -> None:
+async def run_worker(
+    options: WorkerOptions,
+    engine: Engine | None = None,
+    ready: asyncio.Event | None = None,
+    stop: asyncio.Event | None = None,
+    bound: list | None = None,
+) -> None:
     """Serve until `stop` is set (or SIGTERM/SIGINT); `bound` gets the address, then `ready` is set."""
     from common.transfer.factory import make_transfer
 
@@ -134,21 +147,41 @@ async def run_worker(options: WorkerOptions, engine: Engine | None = None, ready
     metrics = WorkerMetrics(worker_id, label.upper())
     on_iteration = metrics.iteration.labels(**metrics.labels).observe
     if engine is None:  # built on the thread that steps it (common/engine/threads.py)
-        async_engine = await asyncio.to_thread(AsyncEngine, on_iteration=on_iteration, threads=options.threads,
-                                               build=lambda: build_engine(config, options.emulation))
+        async_engine = await asyncio.to_thread(
+            AsyncEngine,
+            on_iteration=on_iteration,
+            threads=options.threads,
+            build=lambda: build_engine(config, options.emulation),
+        )
         engine = async_engine.engine
     else:
         async_engine = AsyncEngine(engine, on_iteration=on_iteration)
     channels = ChannelPool()
     transfer = make_transfer(options.transfer, engine, channels, worker_id)
-    runtime = WorkerRuntime(worker_id, address, async_engine, transfer.puller, options.lease_ttl_s,
-                            transfer.offer, transfer.backend_info, metrics, tracing, on_leases=transfer.serving)
+    runtime = WorkerRuntime(
+        worker_id,
+        address,
+        async_engine,
+        transfer.puller,
+        options.lease_ttl_s,
+        transfer.offer,
+        transfer.backend_info,
+        metrics,
+        tracing,
+        on_leases=transfer.serving,
+    )
     pool = engine.scheduler.kv.pool
-    metrics.gauges(running=lambda: engine.stats().num_running, waiting=lambda: engine.stats().num_waiting,
-                   kv_usage=lambda: 1 - pool.num_free / pool.num_blocks,
-                   preemptions=lambda: engine.scheduler.num_preemptions,
-                   prefix_cache=lambda: (engine.scheduler.kv.num_queried_tokens, engine.scheduler.kv.num_hit_tokens,
-                                         engine.scheduler.num_encodes_skipped))
+    metrics.gauges(
+        running=lambda: engine.stats().num_running,
+        waiting=lambda: engine.stats().num_waiting,
+        kv_usage=lambda: 1 - pool.num_free / pool.num_blocks,
+        preemptions=lambda: engine.scheduler.num_preemptions,
+        prefix_cache=lambda: (
+            engine.scheduler.kv.num_queried_tokens,
+            engine.scheduler.kv.num_hit_tokens,
+            engine.scheduler.num_encodes_skipped,
+        ),
+    )
     metrics_server, metrics_port = None, 0
     if options.metrics_port is not None:
         metrics_server, _ = start_http_server(options.metrics_port, options.host, registry=metrics.registry)
@@ -161,12 +194,28 @@ async def run_worker(options: WorkerOptions, engine: Engine | None = None, ready
     await server.start()
     for name in ["", "epdmesh.v1.Worker", *services]:
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-    info = WorkerInfo(worker_id, address, config.roles, config.model, engine.max_model_len, transfer.offer, os.getpid(),
-                      metrics_port, instance=uuid.uuid4().hex[:12], prefix_caching=config.enable_prefix_caching,
-                      **registered_budgets(engine.scheduler.config))
-    log.info("worker %s (%s) serving on %s, transfer %s, metrics on port %s%s", worker_id, label.upper(), address,
-             transfer.offer, metrics_port or "-",
-             f", emulated by {options.emulation.profile}" if options.emulation is not None else "")
+    info = WorkerInfo(
+        worker_id,
+        address,
+        config.roles,
+        config.model,
+        engine.max_model_len,
+        transfer.offer,
+        os.getpid(),
+        metrics_port,
+        instance=uuid.uuid4().hex[:12],
+        prefix_caching=config.enable_prefix_caching,
+        **registered_budgets(engine.scheduler.config),
+    )
+    log.info(
+        "worker %s (%s) serving on %s, transfer %s, metrics on port %s%s",
+        worker_id,
+        label.upper(),
+        address,
+        transfer.offer,
+        metrics_port or "-",
+        f", emulated by {options.emulation.profile}" if options.emulation is not None else "",
+    )
 
     stop = stop or asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -214,12 +263,17 @@ async def _heartbeat(toggle, info: WorkerInfo, runtime: WorkerRuntime) -> None:
     while True:
         try:
             if not registered:
-                reply = await toggle.Register(pb.RegisterRequest(info=wire.info_to_pb(info), load=wire.load_to_pb(runtime.load())), timeout=5)
+                reply = await toggle.Register(
+                    pb.RegisterRequest(info=wire.info_to_pb(info), load=wire.load_to_pb(runtime.load())), timeout=5
+                )
                 interval, registered, warned = reply.heartbeat_interval_s or interval, True, False
                 log.info("registered %s with the toggle", info.worker_id)
             else:
-                beat = pb.HeartbeatRequest(worker_id=info.worker_id, load=wire.load_to_pb(runtime.load()),
-                                           admitted_request_ids=runtime.take_admitted())
+                beat = pb.HeartbeatRequest(
+                    worker_id=info.worker_id,
+                    load=wire.load_to_pb(runtime.load()),
+                    admitted_request_ids=runtime.take_admitted(),
+                )
                 reply = await toggle.Heartbeat(beat, timeout=5)
                 registered = reply.known
         except grpc.aio.AioRpcError as e:
@@ -242,4 +296,3 @@ async def _until_next_beat(freed: asyncio.Event, interval: float) -> None:
     with contextlib.suppress(asyncio.TimeoutError):
         await asyncio.wait_for(freed.wait(), max(0.0, interval - EARLY_BEAT_S))
     freed.clear()
-

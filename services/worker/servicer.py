@@ -25,7 +25,7 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         size = min(request.chunk_bytes or DEFAULT_CHUNK_BYTES, MAX_CHUNK_BYTES)
         per_chunk = max(1, size // cache.layout.bytes_per_block)
         for start in range(0, len(block_ids), per_chunk):
-            yield pb.PageChunk(data=await asyncio.to_thread(cache.gather_bytes, block_ids[start:start + per_chunk]))
+            yield pb.PageChunk(data=await asyncio.to_thread(cache.gather_bytes, block_ids[start : start + per_chunk]))
 
     @grpc_errors
     async def ReleasePages(self, request: pb.ReleasePagesRequest, context) -> pb.ReleasePagesResponse:

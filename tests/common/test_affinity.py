@@ -12,9 +12,18 @@ from common.request import Stage
 from common.workers import WorkerInfo, WorkerLoad, WorkerSnapshot
 
 E, P, D = Stage.ENCODE, Stage.PREFILL, Stage.DECODE
-PROFILE = LatencyProfile("t", "analytic", "hw", "m", encode=StageCost(per_unit_ms=10.0),
-                         prefill=StageCost(per_unit_ms=0.1), decode=StageCost(overhead_ms=5.0, per_unit_ms=1.0),
-                         transfer_latency_ms=0.0, transfer_gbps=1.0, image_tokens=576)
+PROFILE = LatencyProfile(
+    "t",
+    "analytic",
+    "hw",
+    "m",
+    encode=StageCost(per_unit_ms=10.0),
+    prefill=StageCost(per_unit_ms=0.1),
+    decode=StageCost(overhead_ms=5.0, per_unit_ms=1.0),
+    transfer_latency_ms=0.0,
+    transfer_gbps=1.0,
+    image_tokens=576,
+)
 
 
 def w(wid, roles, **load):
@@ -77,8 +86,12 @@ def test_a_colocated_mesh_sends_a_prompt_back_to_the_worker_holding_it():
     mesh = [w("epd1", {E, P, D}, unfinished_decode_tokens=100, num_running=1), w("epd2", {E, P, D})]
     assert route(mesh, ask(images=1), RoutingConfig()).prefill.worker_id == "epd2"
     plan = route(mesh, ask(images=1, cached=[("epd1", 592)], image_end=581), RoutingConfig())
-    assert (plan.encoder.worker_id, plan.prefill.worker_id, plan.decoder.worker_id, plan.path) == \
-        ("epd1", "epd1", "epd1", PrefillPath.COLOCATED)
+    assert (plan.encoder.worker_id, plan.prefill.worker_id, plan.decoder.worker_id, plan.path) == (
+        "epd1",
+        "epd1",
+        "epd1",
+        PrefillPath.COLOCATED,
+    )
 
 
 def test_the_slo_policy_prices_a_predicted_hit_as_the_rest_of_the_prompt_and_no_encode_wait():

@@ -159,7 +159,11 @@ def test_with_threads_only_the_engine_thread_computes_in_parallel(tiny_dir):
     from pathlib import Path
 
     root = str(Path(__file__).resolve().parents[2])
-    out = subprocess.run([sys.executable, "-c", CHILD.format(root=root, model=str(tiny_dir))], capture_output=True,
-                         text=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-c", CHILD.format(root=root, model=str(tiny_dir))],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.split() == ["2", "1"]  # the engine thread's count, the caller's

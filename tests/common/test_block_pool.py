@@ -104,7 +104,9 @@ def test_block_hashes_are_a_blake2b_chain_not_pythons_hash():
 
     tokens, key = list(range(100, 132)), 2**127 + 5
     first = hashlib.blake2b(bytes(16) + array("q", tokens[:16]).tobytes(), digest_size=16).digest()
-    second = hashlib.blake2b(first + array("q", tokens[16:]).tobytes() + key.to_bytes(16, "little"), digest_size=16).digest()
+    second = hashlib.blake2b(
+        first + array("q", tokens[16:]).tobytes() + key.to_bytes(16, "little"), digest_size=16
+    ).digest()
     assert chain_hashes(tokens, 16, [(20, key)]) == [int.from_bytes(first, "little"), int.from_bytes(second, "little")]
     assert max(chain_hashes(list(range(4000)), 16)) >= 2**64  # the whole 128 bits are the key
 

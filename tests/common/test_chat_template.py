@@ -12,19 +12,28 @@ from epdmesh.options import add_chat_template_arg, chat_template
 from services.gateway.app import build_app
 
 TOOLS_TEMPLATE = (
-    "{%- if tools %}SYSTEM: You may call: {{ tools | map(attribute='function') | map(attribute='name') | join(', ') }}\n"
+    "{%- if tools %}SYSTEM: You may call: "
+    "{{ tools | map(attribute='function') | map(attribute='name') | join(', ') }}\n"
     "{% endif -%}"
     "{%- for message in messages -%}{{ message['role'] | upper }}: "
     "{%- for part in message['content'] -%}{%- if part['type'] == 'image' %}<image>\n{% else %}{{ part['text'] }}"
     "{% endif -%}{%- endfor -%}"
     "{%- for call in message.get('tool_calls') or [] %}<call>{{ call['function']['name'] }}"
     "{{ call['function']['arguments'] | tojson }}</call>{% endfor %}\n"
-    "{%- endfor -%}{%- if add_generation_prompt %}ASSISTANT:{% if brief %} (briefly){% endif %}{% endif -%}")
+    "{%- endfor -%}{%- if add_generation_prompt %}ASSISTANT:{% if brief %} (briefly){% endif %}{% endif -%}"
+)
 WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}
-CHAT = [{"role": "user", "content": [{"type": "text", "text": "Weather in Oslo?"}]},
-        {"role": "assistant", "content": [], "tool_calls": [
-            {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Oslo"}}}]},
-        {"role": "tool", "content": [{"type": "text", "text": "sunny"}]}]
+CHAT = [
+    {"role": "user", "content": [{"type": "text", "text": "Weather in Oslo?"}]},
+    {
+        "role": "assistant",
+        "content": [],
+        "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Oslo"}}}
+        ],
+    },
+    {"role": "tool", "content": [{"type": "text", "text": "sunny"}]},
+]
 
 
 @pytest.fixture(scope="module")
@@ -33,8 +42,9 @@ def templated(tiny_dir):
 
 
 def _reference(processor, **kwargs) -> list[int]:
-    return processor.processor.apply_chat_template(CHAT, add_generation_prompt=True, tokenize=True, return_dict=True,
-                                                   chat_template=TOOLS_TEMPLATE, **kwargs)["input_ids"][0]
+    return processor.processor.apply_chat_template(
+        CHAT, add_generation_prompt=True, tokenize=True, return_dict=True, chat_template=TOOLS_TEMPLATE, **kwargs
+    )["input_ids"][0]
 
 
 def test_the_servers_template_renders_tools_and_earlier_calls_as_transformers_does(templated, processors):
@@ -86,8 +96,9 @@ def test_tokenize_and_a_request_take_chat_template_kwargs_and_refuse_what_the_se
     client = TestClient(build_app(Backend(templated), "m"))
     messages = [{"role": "user", "content": "Weather in Oslo?"}]
     counted = client.post("/tokenize", json={"messages": messages, "chat_template_kwargs": {"brief": True}}).json()
-    ids, _ = templated.apply([{"role": "user", "content": [{"type": "text", "text": "Weather in Oslo?"}]}],
-                             template_kwargs={"brief": True})
+    ids, _ = templated.apply(
+        [{"role": "user", "content": [{"type": "text", "text": "Weather in Oslo?"}]}], template_kwargs={"brief": True}
+    )
     assert counted["tokens"] == ids
     for body in ({"chat_template_kwargs": {"messages": []}}, {"chat_template_kwargs": [1]}):
         refused = client.post("/v1/chat/completions", content=json.dumps({"model": "m", "messages": messages, **body}))
@@ -95,17 +106,25 @@ def test_tokenize_and_a_request_take_chat_template_kwargs_and_refuse_what_the_se
 
 
 def test_a_template_that_refuses_a_chat_is_the_clients_400_with_its_words(tiny_dir):
-    strict = ChatProcessor(tiny_dir, chat_template=(
-        "{% for m in messages %}{% if m['role'] == 'tool' %}{{ raise_exception('tool turns are not taken') }}"
-        "{% endif %}{{ m['role'] }}{% endfor %}"))
-    chat = [{"role": "user", "content": [{"type": "text", "text": "x"}]},
-            {"role": "tool", "content": [{"type": "text", "text": "y"}]}]
+    strict = ChatProcessor(
+        tiny_dir,
+        chat_template=(
+            "{% for m in messages %}{% if m['role'] == 'tool' %}{{ raise_exception('tool turns are not taken') }}"
+            "{% endif %}{{ m['role'] }}{% endfor %}"
+        ),
+    )
+    chat = [
+        {"role": "user", "content": [{"type": "text", "text": "x"}]},
+        {"role": "tool", "content": [{"type": "text", "text": "y"}]},
+    ]
     with pytest.raises(ValueError, match="the chat template refused the chat: tool turns are not taken"):
         strict.apply(chat)
     with pytest.raises(ValueError, match="tool turns are not taken"):
         strict.count_prompt_tokens(chat)
     client = TestClient(build_app(Backend(strict), "m"))
-    refused = client.post("/tokenize", json={"messages": [{"role": "user", "content": "x"}, {"role": "tool", "content": "y"}]})
+    refused = client.post(
+        "/tokenize", json={"messages": [{"role": "user", "content": "x"}, {"role": "tool", "content": "y"}]}
+    )
     assert refused.status_code == 400 and "tool turns are not taken" in refused.json()["error"]["message"]
 
 

@@ -15,13 +15,15 @@ def _llama_style():
 
     tok = Tokenizer(models.BPE(unk_token="<unk>", byte_fallback=True))
     tok.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
-    tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
-                                     decoders.Strip(" ", 1, 0)])
+    tok.decoder = decoders.Sequence(
+        [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)]
+    )
     rng = random.Random(0)
     words = ["the", "kitchen", "naïve", "café", "über", "日本語", "smile 😀", "a", "tiny", "model", "."]
     corpus = [" ".join(rng.choice(words) for _ in range(rng.randint(3, 9))) for _ in range(300)]
-    tok.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=300, special_tokens=["<unk>", "<s>", "</s>"],
-                                                        show_progress=False))
+    tok.train_from_iterator(
+        corpus, trainers.BpeTrainer(vocab_size=300, special_tokens=["<unk>", "<s>", "</s>"], show_progress=False)
+    )
     spec = json.loads(tok.to_str())  # byte pieces in the model's own vocabulary, as Llama's has them
     vocab = spec["model"]["vocab"]
     for b in range(256):
@@ -63,7 +65,7 @@ def test_the_text_put_out_is_always_the_whole_decode(which, tiny_dir):
         whole = decode(ids)
         while i < len(ids):
             step = rng.choice([1, 1, 1, 2, 5])
-            out += detok.push(ids[i:i + step])
+            out += detok.push(ids[i : i + step])
             i += step
             assert whole.startswith(out), (seed, i)
             held += len(decode(ids[:i])) - len(out)

@@ -21,10 +21,16 @@ def cfg(emulated_dir):
 
 
 def make(emulated_dir, cfg, roles="epd", **config):
-    engine_config = EngineConfig(model=str(emulated_dir), roles=parse_roles(roles), kv_cache_gib=config.pop("kv_cache_gib", 8.0),
-                                 image_cache_gib=0.05, **config)
-    return EmulatedEngine(engine_config, PROFILE, light_detokenizer(emulated_dir), word_token_pool(emulated_dir),
-                          model_config=cfg)
+    engine_config = EngineConfig(
+        model=str(emulated_dir),
+        roles=parse_roles(roles),
+        kv_cache_gib=config.pop("kv_cache_gib", 8.0),
+        image_cache_gib=0.05,
+        **config,
+    )
+    return EmulatedEngine(
+        engine_config, PROFILE, light_detokenizer(emulated_dir), word_token_pool(emulated_dir), model_config=cfg
+    )
 
 
 def requests(cfg, max_tokens=6):
@@ -134,8 +140,10 @@ def test_what_needs_logits_is_refused_with_a_reason(emulated_dir, cfg):
     from common.engine.engine import RequestRejected
 
     engine = make(emulated_dir, cfg)
-    for sampling, what in ((SamplingParams(max_tokens=4, logprobs=2), "logprobs"),
-                           (SamplingParams(max_tokens=4, grammar='{"grammars": []}'), "structured output")):
+    for sampling, what in (
+        (SamplingParams(max_tokens=4, logprobs=2), "logprobs"),
+        (SamplingParams(max_tokens=4, grammar='{"grammars": []}'), "structured output"),
+    ):
         with pytest.raises(RequestRejected, match=what):
             engine.add_request(Request(what, [1, 2, 3], sampling))
     assert not engine.requests

@@ -24,7 +24,9 @@ def model(tiny_dir):
 
 @pytest.fixture
 def engine(tiny_dir, model, processors):
-    config = EngineConfig(model=str(tiny_dir), kv_cache_gib=0.02, image_cache_gib=0.01, scheduler=SchedulerConfig(token_budget=64))
+    config = EngineConfig(
+        model=str(tiny_dir), kv_cache_gib=0.02, image_cache_gib=0.01, scheduler=SchedulerConfig(token_budget=64)
+    )
     yield Engine(config, model=model, detokenize=processors["tiny"].detokenize)
 
 
@@ -35,12 +37,18 @@ def run(engine, *requests):
 def test_seeded_sampling_is_reproducible_and_independent_of_the_batch(engine):
     params = SamplingParams(max_tokens=12, temperature=0.9, top_p=0.9, top_k=50, seed=7, ignore_eos=True)
     alone = run(engine, Request("a", PROMPT, params))["a"].output_token_ids
-    batch = run(engine, Request("b", PROMPT, params), Request("c", PROMPT[:5], params),
-                Request("d", PROMPT, SamplingParams(max_tokens=12, temperature=1.0, seed=8, ignore_eos=True)))
+    batch = run(
+        engine,
+        Request("b", PROMPT, params),
+        Request("c", PROMPT[:5], params),
+        Request("d", PROMPT, SamplingParams(max_tokens=12, temperature=1.0, seed=8, ignore_eos=True)),
+    )
     assert batch["b"].output_token_ids == alone
     assert batch["d"].output_token_ids != alone
     greedy = run(engine, Request("g", PROMPT, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)))["g"]
-    top1 = run(engine, Request("k", PROMPT, SamplingParams(max_tokens=12, temperature=1.5, top_k=1, ignore_eos=True)))["k"]
+    top1 = run(engine, Request("k", PROMPT, SamplingParams(max_tokens=12, temperature=1.5, top_k=1, ignore_eos=True)))[
+        "k"
+    ]
     assert top1.output_token_ids == greedy.output_token_ids != alone
     assert_pools_full(engine)
 
@@ -48,6 +56,7 @@ def test_seeded_sampling_is_reproducible_and_independent_of_the_batch(engine):
 def test_every_64_bit_seed_draws_its_own_stream(engine):
     """torch's CPU generator keeps 32 bits of its seed: seeds 2^32 apart drew the same tokens, and the widest
     seeds overflowed the generator's seed (a 500 through the API)."""
+
     def sampled(seed):
         params = SamplingParams(max_tokens=12, temperature=1.5, seed=seed, ignore_eos=True)
         return run(engine, Request(f"s{seed}", PROMPT, params))[f"s{seed}"].output_token_ids
@@ -61,7 +70,9 @@ def test_finish_reasons_length_stop_token_and_stop_string(engine, processors):
     greedy = run(engine, Request("x", PROMPT, SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)))["x"]
     assert greedy.finish_reason == "length" and len(greedy.output_token_ids) == 10
     tokens = greedy.output_token_ids
-    by_id = run(engine, Request("y", PROMPT, SamplingParams(max_tokens=10, temperature=0, stop_token_ids=(tokens[3],))))["y"]
+    by_id = run(
+        engine, Request("y", PROMPT, SamplingParams(max_tokens=10, temperature=0, stop_token_ids=(tokens[3],)))
+    )["y"]
     assert by_id.output_token_ids == tokens[: tokens.index(tokens[3]) + 1]
     assert (by_id.finish_reason, by_id.stop_reason) == ("stop", tokens[3])
     text = processors["tiny"].detokenize(tokens)
@@ -104,50 +115,77 @@ def test_bad_requests_are_rejected_with_a_reason_and_leave_nothing_behind(engine
 
 
 def test_an_image_whose_pixels_the_vision_tower_cannot_take_is_refused_and_the_rest_of_the_batch_is_not_touched(
-        engine, processors):
+    engine, processors
+):
     """Pixels of another size or a non-float dtype (a worker's Encode built by another client, say) failed inside the
     step, where the error ends every request the step holds: they are refused when the request is added."""
-    conversation = [{"role": "user", "content": [{"type": "image", "image": image(3, 64, 48)}, {"type": "text", "text": "Hi"}]}]
+    conversation = [
+        {"role": "user", "content": [{"type": "image", "image": image(3, 64, 48)}, {"type": "text", "text": "Hi"}]}
+    ]
     ids, (img,) = processors["tiny"].apply(conversation)
     size = engine.model_config.vision.image_size
     good = Request("good", ids, SamplingParams(max_tokens=4, temperature=0), [img])
     engine.add_request(good)
-    for pixels in (torch.zeros(3, size // 2, size), torch.zeros(size, size, 3), torch.zeros(3, size, size, dtype=torch.int64),
-                   torch.zeros(1, 3, size, size)):
-        bad = Request(f"bad-{tuple(pixels.shape)}-{pixels.dtype}", ids, SamplingParams(max_tokens=4),
-                      [dataclasses.replace(img, pixel_values=pixels)])
+    for pixels in (
+        torch.zeros(3, size // 2, size),
+        torch.zeros(size, size, 3),
+        torch.zeros(3, size, size, dtype=torch.int64),
+        torch.zeros(1, 3, size, size),
+    ):
+        bad = Request(
+            f"bad-{tuple(pixels.shape)}-{pixels.dtype}",
+            ids,
+            SamplingParams(max_tokens=4),
+            [dataclasses.replace(img, pixel_values=pixels)],
+        )
         with pytest.raises(RequestRejected, match=rf"\[3, {size}, {size}\]"):
             engine.add_request(bad)
     finals = engine.generate([])
-    assert finals["good"].output_token_ids == run(engine, Request("again", ids, SamplingParams(max_tokens=4, temperature=0),
-                                                                  [img]))["again"].output_token_ids
+    assert (
+        finals["good"].output_token_ids
+        == run(engine, Request("again", ids, SamplingParams(max_tokens=4, temperature=0), [img]))[
+            "again"
+        ].output_token_ids
+    )
     assert_pools_full(engine)
 
 
 def test_an_engine_refuses_only_what_its_own_stages_cannot_hold(tiny_dir, model, processors):
     """An encoder sized from a GPU's memory keeps one KV block (it never uses them): it refused every image request of
     more than 16 tokens, as if it had to hold their KV. A prefill engine holds a prompt, not what a decoder adds."""
-    conversation = [{"role": "user", "content": [{"type": "image", "image": image(4, 64, 48)}, {"type": "text", "text": "Hi"}]}]
+    conversation = [
+        {"role": "user", "content": [{"type": "image", "image": image(4, 64, 48)}, {"type": "text", "text": "Hi"}]}
+    ]
     ids, images = processors["tiny"].apply(conversation)
     sampling = SamplingParams(max_tokens=200, temperature=0)
-    encoder = Engine(EngineConfig(model=str(tiny_dir), roles=frozenset({Stage.ENCODE}), kv_cache_gib=1e-9,
-                                  image_cache_gib=0.01), model=model)
+    encoder = Engine(
+        EngineConfig(model=str(tiny_dir), roles=frozenset({Stage.ENCODE}), kv_cache_gib=1e-9, image_cache_gib=0.01),
+        model=model,
+    )
     assert encoder.stats().kv_blocks_total == 1
     encoded = run(encoder, Request("e", ids, sampling, images, last_stage=Stage.ENCODE))["e"]
     assert encoded.handed_off and encoder.pages.export_image_pages("e").num_tokens == len(images) * images[0].num_tokens
     encoder.pages.release("e")
     prompt_blocks = -(-len(ids) // 16)
-    prefiller = Engine(EngineConfig(model=str(tiny_dir), roles=frozenset({Stage.ENCODE, Stage.PREFILL}),
-                                    kv_cache_gib=prompt_blocks * encoder.kv_cache.layout.bytes_per_block / 2**30,
-                                    image_cache_gib=0.01), model=model)
+    prefiller = Engine(
+        EngineConfig(
+            model=str(tiny_dir),
+            roles=frozenset({Stage.ENCODE, Stage.PREFILL}),
+            kv_cache_gib=prompt_blocks * encoder.kv_cache.layout.bytes_per_block / 2**30,
+            image_cache_gib=0.01,
+        ),
+        model=model,
+    )
     assert prefiller.stats().kv_blocks_total == prompt_blocks
     assert run(prefiller, Request("p", ids, sampling, images, last_stage=Stage.PREFILL))["p"].handed_off
     prefiller.pages.release("p")
     with pytest.raises(RequestRejected, match="shorten the prompt"):
         prefiller.add_request(Request("long", ids + PROMPT * 3, sampling, images, last_stage=Stage.PREFILL))
     with pytest.raises(RequestRejected, match="lower max_tokens"):
-        Engine(EngineConfig(model=str(tiny_dir), kv_cache_gib=prefiller.config.kv_cache_gib, image_cache_gib=0.01),
-               model=model).add_request(Request("whole", ids, sampling, images))
+        Engine(
+            EngineConfig(model=str(tiny_dir), kv_cache_gib=prefiller.config.kv_cache_gib, image_cache_gib=0.01),
+            model=model,
+        ).add_request(Request("whole", ids, sampling, images))
     assert_pools_full(encoder, prefiller)
 
 
@@ -156,7 +194,8 @@ def test_abort_mid_decode_frees_pages_and_others_continue(engine):
     drop = Request("drop", PROMPT, SamplingParams(max_tokens=50, temperature=0, ignore_eos=True))
     engine.add_request(keep)
     engine.add_request(drop)
-    engine.step(); engine.step()
+    engine.step()
+    engine.step()
     assert engine.abort("drop") and not engine.abort("drop")
     final = None
     while engine.has_unfinished:
@@ -167,12 +206,18 @@ def test_abort_mid_decode_frees_pages_and_others_continue(engine):
 
 
 def test_roles_are_enforced_and_page_layouts_checked(tiny_dir, model):
-    encoder = Engine(EngineConfig(model=str(tiny_dir), roles=parse_roles("encode"), kv_cache_gib=0.01,
-                                  image_cache_gib=0.01), model=model)
+    encoder = Engine(
+        EngineConfig(model=str(tiny_dir), roles=parse_roles("encode"), kv_cache_gib=0.01, image_cache_gib=0.01),
+        model=model,
+    )
     with pytest.raises(RequestRejected, match="lacks the role"):
         encoder.add_request(Request("t", PROMPT, SamplingParams()))
-    decoder = Engine(EngineConfig(model=str(tiny_dir), roles=parse_roles("d"), kv_cache_gib=0.01, block_size=8), model=model)
-    foreign = PagePayload(decoder.kv_cache.layout.__class__("kv", "float32", 16, (6, 2, 16, 2, 32)), 9, bytes(16 * 6 * 2 * 2 * 32 * 4))
+    decoder = Engine(
+        EngineConfig(model=str(tiny_dir), roles=parse_roles("d"), kv_cache_gib=0.01, block_size=8), model=model
+    )
+    foreign = PagePayload(
+        decoder.kv_cache.layout.__class__("kv", "float32", 16, (6, 2, 16, 2, 32)), 9, bytes(16 * 6 * 2 * 2 * 32 * 4)
+    )
     request = Request("d", PROMPT, SamplingParams(), first_stage=Stage.DECODE, output_token_ids=[5])
     with pytest.raises(PageLayoutMismatch):
         decoder.add_request(request, kv_pages=foreign)
@@ -287,8 +332,10 @@ def test_a_step_that_fails_after_a_handoff_fails_that_request_too_and_frees_its_
 
     from common.engine.async_engine import AsyncEngine
 
-    engine = Engine(EngineConfig(model=str(tiny_dir), roles=frozenset({Stage.PREFILL}), kv_cache_gib=0.02,
-                                 image_cache_gib=0.01), model=model)
+    engine = Engine(
+        EngineConfig(model=str(tiny_dir), roles=frozenset({Stage.PREFILL}), kv_cache_gib=0.02, image_cache_gib=0.01),
+        model=model,
+    )
     handoff = engine._handoff
     calls = []
 
@@ -329,7 +376,9 @@ def test_the_tiny_checkpoint_answers_in_words_its_tokenizer_makes(engine, proces
     """Its vocabulary is bigger than its small tokenizer: ids past the tokenizer, <image> and lone UTF-8 bytes have
     zero logit rows, so a greedy answer decodes to text (30 of 40 tokens decoded to nothing when they did not)."""
     tokenizer = processors["tiny"].tokenizer
-    ids, _ = processors["tiny"].apply([{"role": "user", "content": [{"type": "text", "text": "What is in the picture?"}]}])
+    ids, _ = processors["tiny"].apply(
+        [{"role": "user", "content": [{"type": "text", "text": "What is in the picture?"}]}]
+    )
     out = run(engine, Request("demo", ids, SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)))["demo"]
     assert all(t < len(tokenizer) and t != engine.model_config.image_token_id for t in out.output_token_ids)
     text = processors["tiny"].detokenize(out.output_token_ids)

@@ -1,7 +1,8 @@
 """The engine under generated schedules (hypothesis): requests added, stepped and aborted in any order, on small caches
 that preempt, with prefix caching on or off, whole or chunked prefills, on-demand or worst-case KV admission. Every
 request that finishes has exactly the greedy tokens it has alone on a roomy engine (which the parity tests hold to
-transformers'); one aborted part-way has a prefix of them; every page comes back. Sampled requests with a seed likewise: a seeded stream does not depend on the batch.
+transformers'); one aborted part-way has a prefix of them; every page comes back. Sampled requests with a seed
+likewise: a seeded stream does not depend on the batch.
 The same across three engines (encode → image page bytes → prefill → KV page bytes → decode), driven as the mesh
 drives them: imports that wait for room, sources released when the next stage has the pages, a full decoder's
 requests handed back and continued from their tokens.
@@ -18,7 +19,8 @@ import os
 
 import pytest
 import torch
-from hypothesis import HealthCheck, example, given, settings, strategies as st
+from hypothesis import HealthCheck, example, given, settings
+from hypothesis import strategies as st
 
 from common.engine.config import EngineConfig
 from common.engine.engine import Engine, NoRoomForPages, RequestRejected
@@ -35,8 +37,12 @@ EXAMPLES = int(os.environ.get("EPDMESH_FUZZ_EXAMPLES", "100"))
 MAX_TOKENS = 40
 MAX_STEPS = 2000  # to finish what a program left running: far more than any needs (a hang fails, not times out)
 SHARED = [1, *range(300, 340)]  # 41 tokens: two full blocks and a bit, shared by the text prompts below
-TEXT_PROMPTS = [SHARED + [500 + i] * (i + 1) for i in range(4)] + [SHARED[:20] + [900, 901]] + [[1, 77, 78]] + \
-               [SHARED + list(range(1000, 1040)), SHARED[:32], SHARED + list(range(600, 607))]  # the last two: whole blocks
+TEXT_PROMPTS = (
+    [SHARED + [500 + i] * (i + 1) for i in range(4)]
+    + [SHARED[:20] + [900, 901]]
+    + [[1, 77, 78]]
+    + [SHARED + list(range(1000, 1040)), SHARED[:32], SHARED + list(range(600, 607))]
+)  # the last two: whole blocks
 
 
 @pytest.fixture(scope="module")
@@ -54,8 +60,16 @@ def prompts(processors):
 def engine_for(tiny_dir, model, kv_blocks: int, prefix_caching: bool = False, **scheduler) -> Engine:
     text = model.cfg.text
     per_block = PagedKVCache.bytes_per_block(16, text.num_layers, text.num_kv_heads, text.head_dim, torch.float32)
-    return Engine(EngineConfig(model=str(tiny_dir), kv_cache_gib=kv_blocks * per_block / 2**30, image_cache_gib=0.02,
-                               enable_prefix_caching=prefix_caching, scheduler=SchedulerConfig(**scheduler)), model=model)
+    return Engine(
+        EngineConfig(
+            model=str(tiny_dir),
+            kv_cache_gib=kv_blocks * per_block / 2**30,
+            image_cache_gib=0.02,
+            enable_prefix_caching=prefix_caching,
+            scheduler=SchedulerConfig(**scheduler),
+        ),
+        model=model,
+    )
 
 
 def sampling(index: int, sampled: bool, max_tokens: int) -> SamplingParams:
@@ -78,20 +92,33 @@ def alone(tiny_dir, model, prompts):
     return out
 
 
-configs = st.fixed_dictionaries({
-    "kv_blocks": st.sampled_from([12, 24, 24, 40, 256]),
-    "prefix_caching": st.booleans(),
-    "token_budget": st.sampled_from([16, 64, 2048]),
-    "max_num_seqs": st.sampled_from([1, 2, 8]),
-    "kv_admission": st.sampled_from(["on-demand", "on-demand", "worst-case"]),
-})
+configs = st.fixed_dictionaries(
+    {
+        "kv_blocks": st.sampled_from([12, 24, 24, 40, 256]),
+        "prefix_caching": st.booleans(),
+        "token_budget": st.sampled_from([16, 64, 2048]),
+        "max_num_seqs": st.sampled_from([1, 2, 8]),
+        "kv_admission": st.sampled_from(["on-demand", "on-demand", "worst-case"]),
+    }
+)
 add = st.tuples(st.just("add"), st.integers(0, len(TEXT_PROMPTS) + 1), st.integers(1, MAX_TOKENS), st.booleans())
-ops = st.lists(st.one_of(add, add, add, st.tuples(st.just("step"), st.integers(1, 6)),
-                         st.tuples(st.just("abort"), st.integers(0, 20))), min_size=4, max_size=30)
+ops = st.lists(
+    st.one_of(
+        add, add, add, st.tuples(st.just("step"), st.integers(1, 6)), st.tuples(st.just("abort"), st.integers(0, 20))
+    ),
+    min_size=4,
+    max_size=30,
+)
 
 
-FUZZ = settings(max_examples=EXAMPLES, deadline=None, database=None, suppress_health_check=list(HealthCheck),
-                derandomize=not os.environ.get("EPDMESH_FUZZ_RANDOM"), print_blob=True)
+FUZZ = settings(
+    max_examples=EXAMPLES,
+    deadline=None,
+    database=None,
+    suppress_health_check=list(HealthCheck),
+    derandomize=not os.environ.get("EPDMESH_FUZZ_RANDOM"),
+    print_blob=True,
+)
 
 
 def run(engine: Engine, prompts, program) -> tuple[dict, set, dict]:
@@ -137,10 +164,27 @@ def test_any_schedule_gives_each_request_its_tokens_alone_and_returns_every_page
 
     @FUZZ
     @given(config=configs, program=ops)
-    @example(config={"kv_blocks": 12, "prefix_caching": True, "token_budget": 64, "max_num_seqs": 8,  # preempts twice
-                     "kv_admission": "on-demand"},
-             program=[("add", 0, 40, False), ("add", 1, 40, True), ("add", 2, 40, False), ("step", 3), ("add", 3, 40, True),
-                      ("add", 6, 40, False), ("step", 6), ("abort", 1), ("add", 7, 12, False), ("add", 0, 30, True)])
+    @example(
+        config={
+            "kv_blocks": 12,
+            "prefix_caching": True,
+            "token_budget": 64,
+            "max_num_seqs": 8,  # preempts twice
+            "kv_admission": "on-demand",
+        },
+        program=[
+            ("add", 0, 40, False),
+            ("add", 1, 40, True),
+            ("add", 2, 40, False),
+            ("step", 3),
+            ("add", 3, 40, True),
+            ("add", 6, 40, False),
+            ("step", 6),
+            ("abort", 1),
+            ("add", 7, 12, False),
+            ("add", 0, 30, True),
+        ],
+    )
     def schedule(config, program):
         engine = engine_for(tiny_dir, model, **config)
         added, aborted, finished = run(engine, prompts, program)
@@ -164,13 +208,19 @@ def test_any_schedule_gives_each_request_its_tokens_alone_and_returns_every_page
 
 # ----- the same across three engines: encode → (image page bytes) → prefill → (KV page bytes) → decode -----
 
+
 def split_engines(tiny_dir, model, prefill_kv: int, decode_kv: int, prefix_caching: bool, token_budget: int):
     def one(roles, kv_blocks):
         text = model.cfg.text
         per_block = PagedKVCache.bytes_per_block(16, text.num_layers, text.num_kv_heads, text.head_dim, torch.float32)
-        config = EngineConfig(model=str(tiny_dir), roles=frozenset(roles), kv_cache_gib=kv_blocks * per_block / 2**30,
-                              image_cache_gib=0.005, enable_prefix_caching=prefix_caching,
-                              scheduler=SchedulerConfig(token_budget=token_budget, image_budget=1))
+        config = EngineConfig(
+            model=str(tiny_dir),
+            roles=frozenset(roles),
+            kv_cache_gib=kv_blocks * per_block / 2**30,
+            image_cache_gib=0.005,
+            enable_prefix_caching=prefix_caching,
+            scheduler=SchedulerConfig(token_budget=token_budget, image_budget=1),
+        )
         return Engine(config, model=model)
 
     return {"E": one({Stage.ENCODE}, 1), "P": one({Stage.PREFILL}, prefill_kv), "D": one({Stage.DECODE}, decode_kv)}
@@ -227,12 +277,24 @@ class Pipeline:
                 request = engine.pages.handed_off[out.request_id]
                 self.unacked[out.request_id] = name
                 if name == "E":
-                    self._next("P", request, through_bytes(engine.pages.export_image_pages(out.request_id)),
-                               first_stage=Stage.PREFILL, last_stage=Stage.PREFILL)
+                    self._next(
+                        "P",
+                        request,
+                        through_bytes(engine.pages.export_image_pages(out.request_id)),
+                        first_stage=Stage.PREFILL,
+                        last_stage=Stage.PREFILL,
+                    )
                 else:
                     self.emitted[rid] += out.new_token_ids
-                    self._next("D", request, through_bytes(engine.pages.export_kv_pages(out.request_id)), first_stage=Stage.DECODE,
-                               last_stage=Stage.DECODE, output_token_ids=list(out.output_token_ids), status=RequestStatus.WAITING)
+                    self._next(
+                        "D",
+                        request,
+                        through_bytes(engine.pages.export_kv_pages(out.request_id)),
+                        first_stage=Stage.DECODE,
+                        last_stage=Stage.DECODE,
+                        output_token_ids=list(out.output_token_ids),
+                        status=RequestStatus.WAITING,
+                    )
 
     def _continue(self, rid: str) -> None:
         (index, sampled), max_tokens = self.origin[rid]
@@ -279,22 +341,47 @@ def through_bytes(pages: PagePayload) -> PagePayload:
     return PagePayload(pages.layout, pages.num_tokens, bytes(bytearray(pages.data)))
 
 
-split_configs = st.fixed_dictionaries({
-    "prefill_kv": st.sampled_from([24, 64]), "decode_kv": st.sampled_from([10, 16, 24, 64]),
-    "prefix_caching": st.booleans(), "token_budget": st.sampled_from([32, 2048]),
-})
-split_ops = st.lists(st.one_of(add, add, add, st.tuples(st.just("step"), st.sampled_from(["E", "P", "D"]), st.integers(1, 6)),
-                               st.tuples(st.just("abort"), st.integers(0, 20))), min_size=4, max_size=30)
+split_configs = st.fixed_dictionaries(
+    {
+        "prefill_kv": st.sampled_from([24, 64]),
+        "decode_kv": st.sampled_from([10, 16, 24, 64]),
+        "prefix_caching": st.booleans(),
+        "token_budget": st.sampled_from([32, 2048]),
+    }
+)
+split_ops = st.lists(
+    st.one_of(
+        add,
+        add,
+        add,
+        st.tuples(st.just("step"), st.sampled_from(["E", "P", "D"]), st.integers(1, 6)),
+        st.tuples(st.just("abort"), st.integers(0, 20)),
+    ),
+    min_size=4,
+    max_size=30,
+)
 
 
-def test_across_three_engines_any_schedule_gives_the_tokens_alone_and_returns_every_page(tiny_dir, model, prompts, alone):
+def test_across_three_engines_any_schedule_gives_the_tokens_alone_and_returns_every_page(
+    tiny_dir, model, prompts, alone
+):
     reached = {"handed back": 0, "waited for room": 0, "aborted": 0, "finished": 0}
 
     @FUZZ
     @given(config=split_configs, program=split_ops)
-    @example(config={"prefill_kv": 64, "decode_kv": 10, "prefix_caching": True, "token_budget": 32},  # hands back
-             program=[("add", 0, 40, False), ("add", 1, 40, True), ("add", 7, 40, False), ("add", 8, 40, False),
-                      ("step", "P", 6), ("step", "D", 5), ("abort", 3), ("add", 3, 30, True)])
+    @example(
+        config={"prefill_kv": 64, "decode_kv": 10, "prefix_caching": True, "token_budget": 32},  # hands back
+        program=[
+            ("add", 0, 40, False),
+            ("add", 1, 40, True),
+            ("add", 7, 40, False),
+            ("add", 8, 40, False),
+            ("step", "P", 6),
+            ("step", "D", 5),
+            ("abort", 3),
+            ("add", 3, 30, True),
+        ],
+    )
     def schedule(config, program):
         pipeline = Pipeline(split_engines(tiny_dir, model, **config), prompts)
         for op in program:

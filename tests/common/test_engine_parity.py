@@ -12,8 +12,16 @@ from common.model.loader import load_model
 from common.request import Request, Stage
 from common.scheduler import SchedulerConfig
 from tests.conftest import SHAPES
-from tests.support import (Case, _through_bytes, assert_pools_full, build_requests, hf_reference, image, mixed_cases,
-                           run_disaggregated, text_of)
+from tests.support import (
+    Case,
+    assert_pools_full,
+    build_requests,
+    hf_reference,
+    image,
+    mixed_cases,
+    run_disaggregated,
+    text_of,
+)
 
 CASES = mixed_cases()
 
@@ -35,11 +43,19 @@ def fp32_models(model_dirs):
     return {shape: load_model(model_dirs[shape], torch.float32) for shape in SHAPES}
 
 
-def make_engine(model_dirs, models, shape, dtype="float32", roles=frozenset(Stage), prefix_caching=False,
-                compile=False, **scheduler):
-    config = EngineConfig(model=str(model_dirs[shape]), dtype=dtype, roles=roles, kv_cache_gib=0.05,
-                          image_cache_gib=0.02, scheduler=SchedulerConfig(**scheduler),
-                          enable_prefix_caching=prefix_caching, compile=compile)
+def make_engine(
+    model_dirs, models, shape, dtype="float32", roles=frozenset(Stage), prefix_caching=False, compile=False, **scheduler
+):
+    config = EngineConfig(
+        model=str(model_dirs[shape]),
+        dtype=dtype,
+        roles=roles,
+        kv_cache_gib=0.05,
+        image_cache_gib=0.02,
+        scheduler=SchedulerConfig(**scheduler),
+        enable_prefix_caching=prefix_caching,
+        compile=compile,
+    )
     return Engine(config, model=models[shape] if models else None)
 
 
@@ -63,8 +79,9 @@ def test_reference_workload_is_mixed(references, processors):
 @pytest.mark.parametrize("compile", [False, True], ids=["eager", "compiled"])
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("chunked", [False, True], ids=["whole-prefill", "chunked-64"])
-def test_concurrent_batch_matches_transformers(shape, chunked, compile, model_dirs, processors, fp32_models,
-                                               references):
+def test_concurrent_batch_matches_transformers(
+    shape, chunked, compile, model_dirs, processors, fp32_models, references
+):
     scheduler = dict(token_budget=64, enable_chunked_prefill=True) if chunked else dict(enable_chunked_prefill=False)
     engine = make_engine(model_dirs, fp32_models, shape, compile=compile, **scheduler)
     assert (engine.compiled is not None) == compile
@@ -79,12 +96,15 @@ def test_concurrent_batch_matches_transformers(shape, chunked, compile, model_di
 
 @pytest.mark.parametrize("compile", [False, True], ids=["eager", "compiled"])
 @pytest.mark.parametrize("shape", SHAPES)
-def test_encode_prefill_decode_on_three_engines_matches_transformers(shape, compile, model_dirs, processors,
-                                                                     fp32_models, references):
-    encoder = make_engine(model_dirs, fp32_models, shape, roles=frozenset({Stage.ENCODE}), image_budget=2,
-                          compile=compile)
-    prefiller = make_engine(model_dirs, fp32_models, shape, roles=frozenset({Stage.PREFILL}), token_budget=128,
-                            compile=compile)
+def test_encode_prefill_decode_on_three_engines_matches_transformers(
+    shape, compile, model_dirs, processors, fp32_models, references
+):
+    encoder = make_engine(
+        model_dirs, fp32_models, shape, roles=frozenset({Stage.ENCODE}), image_budget=2, compile=compile
+    )
+    prefiller = make_engine(
+        model_dirs, fp32_models, shape, roles=frozenset({Stage.PREFILL}), token_budget=128, compile=compile
+    )
     decoder = make_engine(model_dirs, fp32_models, shape, roles=frozenset({Stage.DECODE}), compile=compile)
     outputs = run_disaggregated(encoder, prefiller, decoder, build_requests(processors[shape], CASES))
     assert_matches_reference(outputs, prefiller.captured_logits, references(shape, torch.float32))
@@ -92,14 +112,17 @@ def test_encode_prefill_decode_on_three_engines_matches_transformers(shape, comp
 
 
 @pytest.mark.parametrize("shape", SHAPES)
-def test_prefix_cache_hits_give_the_reference_tokens_and_skip_cached_images(shape, model_dirs, processors, fp32_models,
-                                                                            references):
+def test_prefix_cache_hits_give_the_reference_tokens_and_skip_cached_images(
+    shape, model_dirs, processors, fp32_models, references
+):
     """The same ten requests twice on one engine with prefix caching, chunked: the second pass computes only what
     its cached prefix lacks — images whose placeholders' KV is all cached are not encoded again — and every token
     and first-step logit is still transformers'."""
     engine = make_engine(model_dirs, fp32_models, shape, prefix_caching=True, token_budget=64)
     refs = references(shape, torch.float32)
-    image_ends = {r.request_id: r.image_end(engine.model_config.image_token_id) for r in build_requests(processors[shape], CASES)}
+    image_ends = {
+        r.request_id: r.image_end(engine.model_config.image_token_id) for r in build_requests(processors[shape], CASES)
+    }
     encoded = []
     run_plan = engine.runner.run
     engine.runner.run = lambda plan: (encoded.extend(w.request.request_id for w in plan.encodes), run_plan(plan))[1]
@@ -121,25 +144,31 @@ def test_prefix_cache_hits_give_the_reference_tokens_and_skip_cached_images(shap
 
 
 @pytest.mark.parametrize("shape", SHAPES)
-def test_a_prefill_engine_with_the_images_kv_cached_needs_no_image_pages(shape, model_dirs, processors, fp32_models,
-                                                                         references):
+def test_a_prefill_engine_with_the_images_kv_cached_needs_no_image_pages(
+    shape, model_dirs, processors, fp32_models, references
+):
     """encode → prefill → decode on three engines, twice: the second time the prefill engine pins its cached
     prefix for the image requests it covers (`pin_cached`) and prefills them without their image pages, as a
     prefill worker does while the encoder's pages are still on their way. Tokens: transformers'."""
     encoder = make_engine(model_dirs, fp32_models, shape, roles=frozenset({Stage.ENCODE}), image_budget=2)
-    prefiller = make_engine(model_dirs, fp32_models, shape, roles=frozenset({Stage.PREFILL}), token_budget=128,
-                            prefix_caching=True)
+    prefiller = make_engine(
+        model_dirs, fp32_models, shape, roles=frozenset({Stage.PREFILL}), token_budget=128, prefix_caching=True
+    )
     decoder = make_engine(model_dirs, fp32_models, shape, roles=frozenset({Stage.DECODE}))
     refs = references(shape, torch.float32)
-    assert_matches_reference(run_disaggregated(encoder, prefiller, decoder, build_requests(processors[shape], CASES)),
-                             prefiller.captured_logits, refs)
+    assert_matches_reference(
+        run_disaggregated(encoder, prefiller, decoder, build_requests(processors[shape], CASES)),
+        prefiller.captured_logits,
+        refs,
+    )
     prefiller.captured_logits.clear()
     pinned = []
     for r in build_requests(processors[shape], CASES):
         if not r.images:
             continue
-        again = Request(r.request_id, r.prompt_token_ids, r.sampling, r.images, first_stage=Stage.PREFILL,
-                        last_stage=Stage.PREFILL)
+        again = Request(
+            r.request_id, r.prompt_token_ids, r.sampling, r.images, first_stage=Stage.PREFILL, last_stage=Stage.PREFILL
+        )
         if prefiller.pages.pin_cached(again):
             prefiller.add_request(again, capture_logits=True, preloaded=True)
             pinned.append(r.request_id)
@@ -151,20 +180,26 @@ def test_a_prefill_engine_with_the_images_kv_cached_needs_no_image_pages(shape, 
     assert_pools_full(encoder, prefiller, decoder)
 
 
-def test_a_decoder_that_prefills_too_serves_later_prompts_from_the_kv_pages_it_imported(model_dirs, processors,
-                                                                                       fp32_models, references):
+def test_a_decoder_that_prefills_too_serves_later_prompts_from_the_kv_pages_it_imported(
+    model_dirs, processors, fp32_models, references
+):
     """A PD decoder with prefix caching keeps the prompt KV it was handed (path ①) for prompts it prefills itself
     later (path ②): the same text chats again on it compute only what the imported pages lack — transformers' tokens."""
     encoder = make_engine(model_dirs, fp32_models, "tiny", roles=frozenset({Stage.ENCODE}), image_budget=2)
     prefiller = make_engine(model_dirs, fp32_models, "tiny", roles=frozenset({Stage.PREFILL}), token_budget=128)
-    decoder = make_engine(model_dirs, fp32_models, "tiny", roles=frozenset({Stage.PREFILL, Stage.DECODE}),
-                          prefix_caching=True)
+    decoder = make_engine(
+        model_dirs, fp32_models, "tiny", roles=frozenset({Stage.PREFILL, Stage.DECODE}), prefix_caching=True
+    )
     refs = references("tiny", torch.float32)
-    assert_matches_reference(run_disaggregated(encoder, prefiller, decoder, build_requests(processors["tiny"], CASES)),
-                             prefiller.captured_logits, refs)
+    assert_matches_reference(
+        run_disaggregated(encoder, prefiller, decoder, build_requests(processors["tiny"], CASES)),
+        prefiller.captured_logits,
+        refs,
+    )
     texts = [r for r in build_requests(processors["tiny"], CASES) if not r.images]
-    again = decoder.generate([Request(r.request_id, r.prompt_token_ids, r.sampling, first_stage=Stage.PREFILL)
-                              for r in texts])
+    again = decoder.generate(
+        [Request(r.request_id, r.prompt_token_ids, r.sampling, first_stage=Stage.PREFILL) for r in texts]
+    )
     for r in texts:
         assert again[r.request_id].output_token_ids == refs[r.request_id].tokens, r.request_id
         assert again[r.request_id].num_cached_tokens == (r.num_prompt_tokens - 1) // 16 * 16, r.request_id
@@ -178,8 +213,11 @@ def test_a_system_prompt_before_an_image_is_cached_for_chats_with_other_images(m
     computes from the image's block on, the first picture again from the last block only — and all give
     transformers' tokens."""
     system = [{"role": "system", "content": [{"type": "text", "text": text_of(70, 12)}]}]
-    chat = lambda seed: system + [{"role": "user", "content": [  # noqa: E731
-        {"type": "image", "image": image(seed, 240, 200)}, {"type": "text", "text": text_of(30, 13)}]}]
+
+    def chat(seed):
+        picture = [{"type": "image", "image": image(seed, 240, 200)}, {"type": "text", "text": text_of(30, 13)}]
+        return system + [{"role": "user", "content": picture}]
+
     cases = [Case("first", chat(21), 10), Case("other-image", chat(22), 10)]
     refs = hf_reference(model_dirs["tiny"], processors["tiny"], cases, torch.float32)
     engine = make_engine(model_dirs, fp32_models, "tiny", prefix_caching=True)
@@ -192,8 +230,11 @@ def test_a_system_prompt_before_an_image_is_cached_for_chats_with_other_images(m
     for request in (first, other, again):
         out = engine.generate([request])[request.request_id]
         outputs.append((out.output_token_ids, out.num_cached_tokens))
-    assert outputs == [(refs["first"].tokens, 0), (refs["other-image"].tokens, start // 16 * 16),
-                       (refs["first"].tokens, (len(refs["first"].prompt_ids) - 1) // 16 * 16)]
+    assert outputs == [
+        (refs["first"].tokens, 0),
+        (refs["other-image"].tokens, start // 16 * 16),
+        (refs["first"].tokens, (len(refs["first"].prompt_ids) - 1) // 16 * 16),
+    ]
     assert engine.scheduler.num_encodes_skipped == 1
     assert_pools_full(engine)
 

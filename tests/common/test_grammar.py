@@ -13,9 +13,16 @@ from common.request import Request, RequestStatus
 from common.sampling import SamplingParams
 from tests.support import assert_pools_full, run_disaggregated
 
-SCHEMA = {"type": "object", "properties": {"answer": {"type": "string", "maxLength": 12}, "ok": {"type": "boolean"},
-                                           "n": {"type": "integer", "minimum": 0, "maximum": 99}},
-          "required": ["answer", "ok", "n"], "additionalProperties": False}
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "answer": {"type": "string", "maxLength": 12},
+        "ok": {"type": "boolean"},
+        "n": {"type": "integer", "minimum": 0, "maximum": 99},
+    },
+    "required": ["answer", "ok", "n"],
+    "additionalProperties": False,
+}
 
 
 @pytest.fixture(scope="module")
@@ -46,22 +53,40 @@ def test_a_json_schema_request_gives_json_of_that_schema_and_stops_where_it_clos
     assert free.status == RequestStatus.FINISHED_LENGTH  # the tiny model, left alone, writes no JSON
     with pytest.raises(ValueError):
         json.loads(processors["tiny"].detokenize(free.output_token_ids))
-    r = run(e, Request("json", prompt(processors), SamplingParams(max_tokens=80, temperature=0,
-                                                                  grammar=json_schema_grammar(SCHEMA))))
+    r = run(
+        e,
+        Request(
+            "json",
+            prompt(processors),
+            SamplingParams(max_tokens=80, temperature=0, grammar=json_schema_grammar(SCHEMA)),
+        ),
+    )
     value = json.loads(processors["tiny"].detokenize(r.output_token_ids))
     assert r.status == RequestStatus.FINISHED_STOPPED and len(r.output_token_ids) < 80
     assert set(value) == {"answer", "ok", "n"} and isinstance(value["answer"], str) and len(value["answer"]) <= 12
     assert isinstance(value["ok"], bool) and isinstance(value["n"], int) and 0 <= value["n"] <= 99
-    sampled = run(e, Request("seeded", prompt(processors), SamplingParams(max_tokens=80, temperature=1.0, seed=3,
-                                                                        grammar=json_schema_grammar(SCHEMA))))
+    sampled = run(
+        e,
+        Request(
+            "seeded",
+            prompt(processors),
+            SamplingParams(max_tokens=80, temperature=1.0, seed=3, grammar=json_schema_grammar(SCHEMA)),
+        ),
+    )
     assert set(json.loads(processors["tiny"].detokenize(sampled.output_token_ids))) == {"answer", "ok", "n"}
     assert_pools_full(e)
 
 
 def test_a_regex_request_matches_the_whole_pattern(tiny_dir, model, processors):
     e = engine(tiny_dir, model)
-    r = run(e, Request("rx", prompt(processors, "Answer"), SamplingParams(max_tokens=30, temperature=0,
-                                                                        grammar=regex_grammar(r"(yes|no), [0-9]{3}"))))
+    r = run(
+        e,
+        Request(
+            "rx",
+            prompt(processors, "Answer"),
+            SamplingParams(max_tokens=30, temperature=0, grammar=regex_grammar(r"(yes|no), [0-9]{3}")),
+        ),
+    )
     assert re.fullmatch(r"(yes|no), [0-9]{3}", processors["tiny"].detokenize(r.output_token_ids))
     assert r.status == RequestStatus.FINISHED_STOPPED
 
@@ -69,11 +94,17 @@ def test_a_regex_request_matches_the_whole_pattern(tiny_dir, model, processors):
 def test_prefill_here_and_decode_there_give_the_tokens_of_one_engine(tiny_dir, model, processors):
     """The decoder's matcher goes on from the prefill worker's first token (and the first token was masked too)."""
     grammar = json_schema_grammar(SCHEMA)
-    whole = run(engine(tiny_dir, model), Request("a", prompt(processors), SamplingParams(max_tokens=80, temperature=0,
-                                                                                         grammar=grammar)))
+    whole = run(
+        engine(tiny_dir, model),
+        Request("a", prompt(processors), SamplingParams(max_tokens=80, temperature=0, grammar=grammar)),
+    )
     prefill, decode = engine(tiny_dir, model, "p"), engine(tiny_dir, model, "d")
-    split = run_disaggregated(engine(tiny_dir, model, "e"), prefill, decode,
-                              [Request("a", prompt(processors), SamplingParams(max_tokens=80, temperature=0, grammar=grammar))])
+    split = run_disaggregated(
+        engine(tiny_dir, model, "e"),
+        prefill,
+        decode,
+        [Request("a", prompt(processors), SamplingParams(max_tokens=80, temperature=0, grammar=grammar))],
+    )
     assert split["a"] == whole.output_token_ids
     assert_pools_full(prefill, decode)
 
@@ -82,11 +113,19 @@ def test_a_continuation_goes_on_where_the_grammar_was(tiny_dir, model, processor
     """A migrated request: its earlier output is the end of its prompt, and its grammar has seen it."""
     grammar = json_schema_grammar(SCHEMA)
     ids = prompt(processors)
-    whole = run(engine(tiny_dir, model), Request("w", ids, SamplingParams(max_tokens=80, temperature=0, grammar=grammar)))
+    whole = run(
+        engine(tiny_dir, model), Request("w", ids, SamplingParams(max_tokens=80, temperature=0, grammar=grammar))
+    )
     k = 5
-    rest = run(engine(tiny_dir, model), Request("c", ids + whole.output_token_ids[:k],
-                                                SamplingParams(max_tokens=80 - k, temperature=0, grammar=grammar),
-                                                num_continued_tokens=k))
+    rest = run(
+        engine(tiny_dir, model),
+        Request(
+            "c",
+            ids + whole.output_token_ids[:k],
+            SamplingParams(max_tokens=80 - k, temperature=0, grammar=grammar),
+            num_continued_tokens=k,
+        ),
+    )
     assert whole.output_token_ids[:k] + rest.output_token_ids == whole.output_token_ids
 
 
@@ -99,8 +138,14 @@ def test_what_a_grammar_cannot_follow_is_refused(tiny_dir, model, processors):
     off = processors["tiny"].tokenizer(" not json", add_special_tokens=False)["input_ids"]
     ids = prompt(processors)
     with pytest.raises(RequestRejected, match="response_format"):  # its earlier output already breaks the grammar
-        e.add_request(Request("bad", ids + off, SamplingParams(max_tokens=8, grammar=json_schema_grammar(SCHEMA)),
-                              num_continued_tokens=len(off)))
+        e.add_request(
+            Request(
+                "bad",
+                ids + off,
+                SamplingParams(max_tokens=8, grammar=json_schema_grammar(SCHEMA)),
+                num_continued_tokens=len(off),
+            )
+        )
     assert_pools_full(e)
 
 
@@ -110,8 +155,16 @@ def test_min_tokens_does_not_hold_a_structured_answer_open_past_its_grammar(tiny
     drew token 0, a sampled draw failed the whole step). The grammar decides where it ends."""
     e = engine(tiny_dir, model)
     plain = run(e, Request("plain", prompt(processors), SamplingParams(max_tokens=12, temperature=temperature, seed=1)))
-    r = run(e, Request("short", prompt(processors), SamplingParams(
-        max_tokens=12, min_tokens=6, temperature=temperature, seed=1, grammar=regex_grammar("yes|no"))))
+    r = run(
+        e,
+        Request(
+            "short",
+            prompt(processors),
+            SamplingParams(
+                max_tokens=12, min_tokens=6, temperature=temperature, seed=1, grammar=regex_grammar("yes|no")
+            ),
+        ),
+    )
     assert processors["tiny"].detokenize(r.output_token_ids) in ("yes", "no")
     assert r.status == RequestStatus.FINISHED_STOPPED and plain.status == RequestStatus.FINISHED_LENGTH
     assert_pools_full(e)
@@ -126,8 +179,12 @@ def test_structured_requests_preempted_and_recomputed_keep_their_grammar_and_the
     ids = prompt(processors)
 
     def requests():
-        return [Request(f"r{i}", ids + [5 + i], SamplingParams(max_tokens=60, temperature=0, ignore_eos=True,
-                                                               grammar=grammar)) for i in range(6)]
+        return [
+            Request(
+                f"r{i}", ids + [5 + i], SamplingParams(max_tokens=60, temperature=0, ignore_eos=True, grammar=grammar)
+            )
+            for i in range(6)
+        ]
 
     roomy = make_engine(tiny_dir, model, kv_blocks=256).generate(requests())
     tight = make_engine(tiny_dir, model, kv_blocks=14)  # six requests of 2 blocks growing to 5: they take turns
@@ -139,22 +196,30 @@ def test_structured_requests_preempted_and_recomputed_keep_their_grammar_and_the
     assert_pools_full(tight)
 
 
-def test_a_constraint_nothing_satisfies_is_refused_and_one_the_matcher_gives_up_on_ends_as_abort(tiny_dir, model,
-                                                                                                 processors):
+def test_a_constraint_nothing_satisfies_is_refused_and_one_the_matcher_gives_up_on_ends_as_abort(
+    tiny_dir, model, processors
+):
     """Not an empty answer reported as a clean stop: refused at admission when no token can start it; ended as
     "abort" when llguidance gives up part-way (a lexer limit), since what came out does not hold to it."""
     e = engine(tiny_dir, model)
     for grammar in (regex_grammar(r"[^\s\S]"), json_schema_grammar({"$ref": "#"})):
         with pytest.raises(RequestRejected, match="no output satisfies"):
             e.add_request(Request("none", prompt(processors), SamplingParams(max_tokens=8, grammar=grammar)))
-    r = run(e, Request("huge", prompt(processors), SamplingParams(max_tokens=20, temperature=0,
-                                                                  grammar=regex_grammar("a{1000000}"))))
+    r = run(
+        e,
+        Request(
+            "huge",
+            prompt(processors),
+            SamplingParams(max_tokens=20, temperature=0, grammar=regex_grammar("a{1000000}")),
+        ),
+    )
     assert r.status == RequestStatus.FINISHED_ABORTED and len(r.output_token_ids) < 20
     assert_pools_full(e)
 
 
-def test_the_async_engine_builds_a_matcher_off_the_engine_thread_and_refuses_a_bad_one(tiny_dir, model, processors,
-                                                                                        monkeypatch):
+def test_the_async_engine_builds_a_matcher_off_the_engine_thread_and_refuses_a_bad_one(
+    tiny_dir, model, processors, monkeypatch
+):
     import asyncio
     import threading
 
@@ -174,13 +239,17 @@ def test_the_async_engine_builds_a_matcher_off_the_engine_thread_and_refuses_a_b
     async def main():
         e = AsyncEngine(engine(tiny_dir, model))
         try:
-            r = Request("ok", prompt(processors), SamplingParams(max_tokens=40, temperature=0,
-                                                                 grammar=json_schema_grammar(SCHEMA)))
+            r = Request(
+                "ok",
+                prompt(processors),
+                SamplingParams(max_tokens=40, temperature=0, grammar=json_schema_grammar(SCHEMA)),
+            )
             outs = [out async for out in e.generate(r)]
             assert outs[-1].finish_reason == "stop"
             with pytest.raises(RequestRejected, match="no output satisfies"):
-                async for _ in e.generate(Request("bad", prompt(processors), SamplingParams(
-                        max_tokens=4, grammar=regex_grammar(r"[^\s\S]")))):
+                async for _ in e.generate(
+                    Request("bad", prompt(processors), SamplingParams(max_tokens=4, grammar=regex_grammar(r"[^\s\S]")))
+                ):
                     pass
         finally:
             e.shutdown()

@@ -41,8 +41,10 @@ def test_a_buffer_outlives_every_name_but_its_views():
     assert int(view.sum()) == 5 * (HUGE_PAGE // 8)
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux") or not hasattr(mmap, "MADV_HUGEPAGE"),
-                    reason="transparent huge pages are a Linux feature")
+@pytest.mark.skipif(
+    not sys.platform.startswith("linux") or not hasattr(mmap, "MADV_HUGEPAGE"),
+    reason="transparent huge pages are a Linux feature",
+)
 def test_a_written_cache_is_backed_by_huge_pages_where_the_kernel_offers_them():
     try:
         mode = open("/sys/kernel/mm/transparent_hugepage/enabled").read()
@@ -78,7 +80,9 @@ def test_kept_freed_memory_is_reused_without_page_faults():
     import os
     import subprocess
 
-    env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_") and k not in ("LD_PRELOAD", "GLIBC_TUNABLES")}
+    env = {
+        k: v for k, v in os.environ.items() if not k.startswith("MALLOC_") and k not in ("LD_PRELOAD", "GLIBC_TUNABLES")
+    }
     runs = {}
     for mode in ("default", "keep"):
         out = subprocess.run([sys.executable, "-c", _FAULTS, mode], capture_output=True, text=True, env=env, check=True)

@@ -14,11 +14,18 @@ from common.latency.roofline import LLAVA_15_7B, TRIINFER_H20, analytic_profile,
 
 
 def profile(**overrides) -> LatencyProfile:
-    base = dict(name="t", source="measured", hardware="cpu", model="m",
-                encode=StageCost(overhead_ms=1.0, floor_ms=5.0, per_unit_ms=2.0, half_units=0.5),
-                prefill=StageCost(overhead_ms=0.5, floor_ms=3.0, per_unit_ms=0.1, half_units=10.0, quadratic_ms=0.001),
-                decode=StageCost(overhead_ms=0.5, floor_ms=4.0, per_unit_ms=0.2, half_units=5.0, quadratic_ms=0.01),
-                transfer_latency_ms=0.1, transfer_gbps=2.0, image_tokens=256)
+    base = dict(
+        name="t",
+        source="measured",
+        hardware="cpu",
+        model="m",
+        encode=StageCost(overhead_ms=1.0, floor_ms=5.0, per_unit_ms=2.0, half_units=0.5),
+        prefill=StageCost(overhead_ms=0.5, floor_ms=3.0, per_unit_ms=0.1, half_units=10.0, quadratic_ms=0.001),
+        decode=StageCost(overhead_ms=0.5, floor_ms=4.0, per_unit_ms=0.2, half_units=5.0, quadratic_ms=0.01),
+        transfer_latency_ms=0.1,
+        transfer_gbps=2.0,
+        image_tokens=256,
+    )
     return LatencyProfile(**{**base, **overrides})
 
 
@@ -30,8 +37,9 @@ def test_stage_times_follow_the_formula():
     assert prefill_chunk_ms(p, 100) == pytest.approx(0.5 + 0.1 * 110 + 0.001 * 100 * 50)
     assert prefill_chunk_ms(p, 50, context=100) == pytest.approx(0.5 + 0.1 * 60 + 0.001 * 50 * 125)
     assert prefill_ms(p, 100, chunk=50) == pytest.approx(prefill_chunk_ms(p, 50) + prefill_chunk_ms(p, 50, 50))
-    assert prefill_ms(p, 120, chunk=50) == pytest.approx(prefill_chunk_ms(p, 50) + prefill_chunk_ms(p, 50, 50)
-                                                         + prefill_chunk_ms(p, 20, 100))
+    assert prefill_ms(p, 120, chunk=50) == pytest.approx(
+        prefill_chunk_ms(p, 50) + prefill_chunk_ms(p, 50, 50) + prefill_chunk_ms(p, 20, 100)
+    )
     assert prefill_ms(p, 100) == prefill_ms(p, 100, chunk=500) == prefill_chunk_ms(p, 100)
     assert decode_ms(p, 8, 800) == pytest.approx(0.5 + 4.0 + 0.01 * 800)  # floor: max(4, 0.2·13)
     assert decode_ms(p, 40, 0) == pytest.approx(0.5 + 0.2 * 45)
@@ -89,9 +97,11 @@ def test_an_iterations_decodes_leave_fewer_prompt_tokens_the_longer_their_contex
 
 def test_h20_roofline_saturates_where_triinfer_measured():
     points = saturation_points(analytic_profile("H20"))
-    for key, measured in (("encode_images", TRIINFER_H20["encode_images"]),
-                          ("prefill_tokens", TRIINFER_H20["prefill_tokens"]),
-                          ("decode_sequences", TRIINFER_H20["decode_sequences"])):
+    for key, measured in (
+        ("encode_images", TRIINFER_H20["encode_images"]),
+        ("prefill_tokens", TRIINFER_H20["prefill_tokens"]),
+        ("decode_sequences", TRIINFER_H20["decode_sequences"]),
+    ):
         assert abs(points[key] - measured) <= 0.2 * measured, (key, points[key], measured)
 
 
@@ -110,9 +120,11 @@ def test_roofline_agrees_with_what_was_not_calibrated():
 
 
 def test_latency_code_imports_no_torch():
-    code = ("import sys, common.latency, common.latency.budgets, common.latency.roofline; "
-            "print('torch' in sys.modules)")
-    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip() == "False"
+    code = "import sys, common.latency, common.latency.budgets, common.latency.roofline; print('torch' in sys.modules)"
+    assert (
+        subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
+        == "False"
+    )
 
 
 def test_shipped_profiles_are_what_the_roofline_gives():
@@ -121,7 +133,9 @@ def test_shipped_profiles_are_what_the_roofline_gives():
     root = Path(__file__).resolve().parents[2] / "profiles"
     for hw in ("H20", "H100", "H200"):
         shipped = LatencyProfile.load(root / f"llava-1.5-7b-{hw.lower()}.json")
-        assert shipped == analytic_profile(hw), f"profiles/llava-1.5-7b-{hw.lower()}.json is stale: epdmesh profile --analytic {hw}"
+        assert shipped == analytic_profile(hw), (
+            f"profiles/llava-1.5-7b-{hw.lower()}.json is stale: epdmesh profile --analytic {hw}"
+        )
 
 
 def test_iteration_time_composes_the_stages_and_scaling_dilates_every_time():
@@ -134,8 +148,12 @@ def test_iteration_time_composes_the_stages_and_scaling_dilates_every_time():
     assert iteration_ms(p, chunks=[(512, 0)]) == pytest.approx(prefill_chunk_ms(p, 512))
     assert iteration_ms(p, chunks=[(256, 256)]) == pytest.approx(prefill_chunk_ms(p, 256, 256))
     mixed = iteration_ms(p, images=1, decodes=4, decode_context=2000, chunks=[(300, 0), (200, 100)])
-    assert mixed == pytest.approx(encode_ms(p, 1) + p.prefill.base_ms(504) + p.decode.quadratic_ms * 2000
-                                  + p.prefill.quadratic_ms * (300 * 150 + 200 * 200))
+    assert mixed == pytest.approx(
+        encode_ms(p, 1)
+        + p.prefill.base_ms(504)
+        + p.decode.quadratic_ms * 2000
+        + p.prefill.quadratic_ms * (300 * 150 + 200 * 200)
+    )
     slow = scaled(p, 10)
     for args in ((3, 0, 0, ()), (0, 8, 4000, ()), (1, 4, 2000, ((300, 0), (200, 100)))):
         assert iteration_ms(slow, *args) == pytest.approx(10 * iteration_ms(p, *args))
@@ -147,7 +165,9 @@ def test_iteration_time_composes_the_stages_and_scaling_dilates_every_time():
 
 def test_budget_headroom_sizes_iterations_to_a_fraction_of_the_limit():
     p = analytic_profile("H20")
-    assert budgets_for(p, True, 1000, 50, headroom=0.8) == dataclasses.replace(budgets_for(p, True, 1000, 40), limit_ms=40)
+    assert budgets_for(p, True, 1000, 50, headroom=0.8) == dataclasses.replace(
+        budgets_for(p, True, 1000, 40), limit_ms=40
+    )
     assert budgets_for(p, True, 1000, 50, headroom=0.8).token_budget < budgets_for(p, True, 1000, 50).token_budget
     with pytest.raises(ValueError):
         budgets_for(p, True, 1000, 50, headroom=0)
@@ -169,7 +189,9 @@ def test_decoders_that_give_joiners_a_decode_only_iteration_get_tbt_less_one():
     first = budgets_for(p, True, 1000, 150, headroom=0.8, joins=True, join_first=True)
     join = decode_ms(p, 64, 64 * 1024)
     assert 20 < join < 60 and first.limit_ms == pytest.approx(150 * 0.8 - join)
-    assert first.token_budget > 1.9 * budgets_for(p, True, 1000, 150, headroom=0.8, joins=True).token_budget  # 417 vs 211
+    assert (
+        first.token_budget > 1.9 * budgets_for(p, True, 1000, 150, headroom=0.8, joins=True).token_budget
+    )  # 417 vs 211
     assert prefill_chunk_ms(p, first.token_budget) + join <= 150 * 0.8
     tight = budgets_for(p, True, 1000, 50, joins=True, join_first=True)  # one decode-only iteration > TBT/2
     assert tight == budgets_for(p, True, 1000, 50, joins=True)
@@ -202,8 +224,11 @@ def test_request_cost_is_a_lower_bound_of_every_schedule_and_a_tight_one(hardwar
             for t in range(out):  # then their decodes, one token each per iteration
                 total += iteration_ms(p, decodes=members, decode_context=members * (prompt + t))
         assert total >= n * per_request * (1 - 1e-9)
-    packed = encode_ms(p, 64) + iteration_ms(p, chunks=[(prompt, 0)] * 64) + sum(
-        iteration_ms(p, decodes=4096, decode_context=4096 * (prompt + t)) / 64 for t in range(out))
+    packed = (
+        encode_ms(p, 64)
+        + iteration_ms(p, chunks=[(prompt, 0)] * 64)
+        + sum(iteration_ms(p, decodes=4096, decode_context=4096 * (prompt + t)) / 64 for t in range(out))
+    )
     assert packed <= n * per_request * 1.1
     assert goodput_bound(p, 8, prompt, 1, out) == pytest.approx(2 * goodput_bound(p, 4, prompt, 1, out))
 
@@ -222,5 +247,9 @@ def test_the_overrun_is_a_high_quantile_of_recent_differences_and_never_negative
     with pytest.raises(ValueError):
         Overrun(quantile=0)
     time = IterationTime(profile(), 100.0)
-    assert time.tokens_beside(0, 0, 1 << 15, overrun_ms=20) == IterationTime(profile(), 80.0).tokens_beside(0, 0, 1 << 15)
-    assert time.tokens_beside(0, 0, 1 << 15, overrun_ms=500) == IterationTime(profile(), 25.0).tokens_beside(0, 0, 1 << 15)
+    assert time.tokens_beside(0, 0, 1 << 15, overrun_ms=20) == IterationTime(profile(), 80.0).tokens_beside(
+        0, 0, 1 << 15
+    )
+    assert time.tokens_beside(0, 0, 1 << 15, overrun_ms=500) == IterationTime(profile(), 25.0).tokens_beside(
+        0, 0, 1 << 15
+    )

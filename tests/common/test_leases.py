@@ -21,7 +21,13 @@ def test_grant_take_once_and_expire():
     table = LeaseTable("p-1", "127.0.0.1:9", ttl_s=5, clock=clock)
     a = table.grant("r1@prefill", [7, 3], 20, LAYOUT)
     b = table.grant("r2@prefill", [4], 16, LAYOUT)
-    assert (a.worker_id, a.address, a.block_ids, a.num_tokens, a.lease_expiry) == ("p-1", "127.0.0.1:9", (7, 3), 20, 1005.0)
+    assert (a.worker_id, a.address, a.block_ids, a.num_tokens, a.lease_expiry) == (
+        "p-1",
+        "127.0.0.1:9",
+        (7, 3),
+        20,
+        1005.0,
+    )
     assert a.num_bytes == 2 * LAYOUT.bytes_per_block
     with pytest.raises(ValueError, match="already leased"):
         table.grant("r1@prefill", [1, 2], 20, LAYOUT)

@@ -37,8 +37,15 @@ def _run(engine: Engine, requests: list[Request]) -> dict[str, list]:
 
 def test_logprobs_and_top_logprobs_are_those_of_transformers_logits(tiny_dir, processors):
     refs = hf_reference(tiny_dir, processors["tiny"], CASES, torch.float32)
-    engine = Engine(EngineConfig(model=str(tiny_dir), dtype="float32", kv_cache_gib=0.05, image_cache_gib=0.02,
-                                 scheduler=SchedulerConfig(token_budget=64, enable_chunked_prefill=True)))
+    engine = Engine(
+        EngineConfig(
+            model=str(tiny_dir),
+            dtype="float32",
+            kv_cache_gib=0.05,
+            image_cache_gib=0.02,
+            scheduler=SchedulerConfig(token_budget=64, enable_chunked_prefill=True),
+        )
+    )
     requests = build_requests(processors["tiny"], CASES)
     for r in requests:
         r.sampling = dataclasses.replace(r.sampling, logprobs=TOP)
@@ -54,7 +61,9 @@ def test_logprobs_and_top_logprobs_are_those_of_transformers_logits(tiny_dir, pr
             values, ids = want.topk(TOP + 1)
             for rank, (token, value) in enumerate(lp.top):
                 assert abs(value - values[rank].item()) <= TOLERANCE, (case.name, step, rank)
-                if values[rank] - values[rank + 1] > 2 * TOLERANCE and (rank == 0 or values[rank - 1] - values[rank] > 2 * TOLERANCE):
+                if values[rank] - values[rank + 1] > 2 * TOLERANCE and (
+                    rank == 0 or values[rank - 1] - values[rank] > 2 * TOLERANCE
+                ):
                     assert token == ids[rank].item(), (case.name, step, rank)  # unambiguous ranks: same token
                     checked_top += 1
             assert [v for _, v in lp.top] == sorted((v for _, v in lp.top), reverse=True)
@@ -81,8 +90,9 @@ def test_logprobs_are_refused_where_they_cannot_be_given(emulated_dir):
     with pytest.raises(ValueError, match="top_logprobs must be between 0 and 20"):
         SamplingParams(logprobs=MAX_LOGPROBS + 1)
     profile = LatencyProfile.load(Path(__file__).resolve().parents[2] / "profiles" / "llava-1.5-7b-h20.json")
-    engine = EmulatedEngine(EngineConfig(model=str(emulated_dir), dtype="float32", kv_cache_gib=0.05,
-                                         image_cache_gib=0.02), profile)
+    engine = EmulatedEngine(
+        EngineConfig(model=str(emulated_dir), dtype="float32", kv_cache_gib=0.05, image_cache_gib=0.02), profile
+    )
     with pytest.raises(RequestRejected, match="logprobs are not available on this backend"):
         engine.add_request(Request("r", [1, 2, 3], SamplingParams(max_tokens=2, logprobs=1)))
 

@@ -18,8 +18,13 @@ GIB, MIB = 2**30, 2**20
 
 
 def test_the_budget_is_the_utilization_less_weights_activations_and_the_image_cache_and_never_more_than_is_free():
-    memory = DeviceMemory(total=80 * GIB, free=60 * GIB, peak=16 * GIB + 1 * GIB)  # 16 GiB weights + activations, 1 GiB profile caches
-    assert kv_cache_bytes(memory, 0.9, profile_cache_bytes=1 * GIB, image_cache_bytes=GIB // 4) == int(72 * GIB) - 16 * GIB - GIB // 4
+    memory = DeviceMemory(
+        total=80 * GIB, free=60 * GIB, peak=16 * GIB + 1 * GIB
+    )  # 16 GiB weights + activations, 1 GiB profile caches
+    assert (
+        kv_cache_bytes(memory, 0.9, profile_cache_bytes=1 * GIB, image_cache_bytes=GIB // 4)
+        == int(72 * GIB) - 16 * GIB - GIB // 4
+    )
     crowded = DeviceMemory(total=80 * GIB, free=20 * GIB, peak=17 * GIB)  # other processes hold the rest
     assert kv_cache_bytes(crowded, 0.9, GIB, GIB // 4) == 21 * GIB - GIB // 4 - FREE_MARGIN_BYTES
     with pytest.raises(KvCacheTooSmall, match="raise --gpu-memory-utilization"):
@@ -50,8 +55,13 @@ def model(tiny_dir):
 
 
 def _sized(tiny_dir, model, gpu: FakeGpu) -> Engine:
-    config = EngineConfig(model=str(tiny_dir), kv_cache_gib=None, gpu_memory_utilization=0.5, image_cache_gib=0.01,
-                          scheduler=SchedulerConfig(token_budget=512, image_budget=2))
+    config = EngineConfig(
+        model=str(tiny_dir),
+        kv_cache_gib=None,
+        gpu_memory_utilization=0.5,
+        image_cache_gib=0.01,
+        scheduler=SchedulerConfig(token_budget=512, image_budget=2),
+    )
     return Engine(config, model=model, memory=gpu)
 
 
@@ -75,8 +85,13 @@ def test_the_engine_runs_one_profile_iteration_and_takes_the_kv_cache_the_budget
 def test_a_budget_longer_than_the_model_takes_several_profile_requests_and_images_fit_the_image_cache(tiny_dir, model):
     """τ_t 8192 on a model of 4,096 positions (and a max_model_len over it, which the engine clamps): the profile step
     still prefills 8192 tokens, in three requests; an image cache that holds no image gets none (it waited forever)."""
-    config = EngineConfig(model=str(tiny_dir), kv_cache_gib=None, max_model_len=10_000, image_cache_gib=1e-5,
-                          scheduler=SchedulerConfig(token_budget=8192, image_budget=4))
+    config = EngineConfig(
+        model=str(tiny_dir),
+        kv_cache_gib=None,
+        max_model_len=10_000,
+        image_cache_gib=1e-5,
+        scheduler=SchedulerConfig(token_budget=8192, image_budget=4),
+    )
     engine = Engine(config, model=model, memory=FakeGpu(total=8 * GIB, free=8 * GIB, peak=600 * MIB))
     assert engine.kv_sizing.profile_tokens == 8192 and engine.stats().kv_blocks_total > 10_000
 

@@ -24,7 +24,9 @@ def digest(path):
 
 def greedy(model_dir, model=None, n=12):
     engine = Engine(EngineConfig(model=str(model_dir), kv_cache_gib=0.01), model=model)
-    return engine.generate([Request("r", PROMPT, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True))])["r"].output_token_ids
+    return engine.generate([Request("r", PROMPT, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True))])[
+        "r"
+    ].output_token_ids
 
 
 def test_checkpoint_is_deterministic_in_its_seed(tmp_path, tiny_dir):
@@ -37,7 +39,9 @@ def test_checkpoint_is_deterministic_in_its_seed(tmp_path, tiny_dir):
 def test_checkpoint_has_clear_margins_and_varied_greedy_output(tiny_dir):
     model = load_model(tiny_dir)
     engine = Engine(EngineConfig(model=str(tiny_dir), kv_cache_gib=0.01), model=model)
-    engine.generate([Request("r", PROMPT, SamplingParams(max_tokens=40, temperature=0, ignore_eos=True))], capture_logits=True)
+    engine.generate(
+        [Request("r", PROMPT, SamplingParams(max_tokens=40, temperature=0, ignore_eos=True))], capture_logits=True
+    )
     logits = torch.stack(engine.captured_logits["r"])
     top2 = logits.topk(2, dim=-1).values
     margins = top2[:, 0] - top2[:, 1]
@@ -50,16 +54,40 @@ def test_config_of_a_real_llava_7b_directory_parses():
     """llava-hf/llava-1.5-7b-hf's config.json as published (defaults omitted, as on the hub)."""
     from transformers import LlavaConfig as HFConfig
 
-    hf = HFConfig.from_dict({
-        "architectures": ["LlavaForConditionalGeneration"], "ignore_index": -100, "image_token_index": 32000,
-        "model_type": "llava", "pad_token_id": 32001, "projector_hidden_act": "gelu",
-        "text_config": {"architectures": ["LlamaForCausalLM"], "max_position_embeddings": 4096, "model_type": "llama",
-                        "rms_norm_eps": 1e-05, "torch_dtype": "float16", "vocab_size": 32064},
-        "tie_word_embeddings": False, "torch_dtype": "float16", "vision_config": {
-            "hidden_size": 1024, "image_size": 336, "intermediate_size": 4096, "model_type": "clip_vision_model",
-            "num_attention_heads": 16, "num_hidden_layers": 24, "patch_size": 14, "projection_dim": 768, "vocab_size": 32000},
-        "vision_feature_layer": -2, "vision_feature_select_strategy": "default", "vocab_size": 32064,
-    })
+    hf = HFConfig.from_dict(
+        {
+            "architectures": ["LlavaForConditionalGeneration"],
+            "ignore_index": -100,
+            "image_token_index": 32000,
+            "model_type": "llava",
+            "pad_token_id": 32001,
+            "projector_hidden_act": "gelu",
+            "text_config": {
+                "architectures": ["LlamaForCausalLM"],
+                "max_position_embeddings": 4096,
+                "model_type": "llama",
+                "rms_norm_eps": 1e-05,
+                "torch_dtype": "float16",
+                "vocab_size": 32064,
+            },
+            "tie_word_embeddings": False,
+            "torch_dtype": "float16",
+            "vision_config": {
+                "hidden_size": 1024,
+                "image_size": 336,
+                "intermediate_size": 4096,
+                "model_type": "clip_vision_model",
+                "num_attention_heads": 16,
+                "num_hidden_layers": 24,
+                "patch_size": 14,
+                "projection_dim": 768,
+                "vocab_size": 32000,
+            },
+            "vision_feature_layer": -2,
+            "vision_feature_select_strategy": "default",
+            "vocab_size": 32064,
+        }
+    )
     cfg = LlavaConfig.from_hf(hf, (2,))
     assert (cfg.text.hidden_size, cfg.text.num_layers, cfg.text.num_heads, cfg.text.num_kv_heads) == (4096, 32, 32, 32)
     assert (cfg.text.intermediate_size, cfg.text.head_dim, cfg.text.rope_theta) == (11008, 128, 10000.0)
@@ -77,16 +105,19 @@ def test_unsupported_models_are_refused_clearly(tiny_dir, tmp_path):
         LlavaConfig.from_pretrained(tmp_path / "missing")
 
 
-@pytest.mark.parametrize("name,ours", [
-    ("language_model.model.layers.3.self_attn.k_proj.weight", "text.layers.3.qkv_proj.weight#k"),
-    ("model.language_model.layers.3.mlp.up_proj.weight", "text.layers.3.gate_up_proj.weight#up"),
-    ("language_model.lm_head.weight", "text.lm_head.weight"),
-    ("lm_head.weight", "text.lm_head.weight"),
-    ("vision_tower.vision_model.encoder.layers.0.self_attn.q_proj.bias", "vision.layers.0.qkv.bias#q"),
-    ("model.vision_tower.encoder.layers.0.mlp.fc2.weight", "vision.layers.0.fc2.weight"),
-    ("model.multi_modal_projector.linear_2.bias", "projector.linear_2.bias"),
-    ("vision_tower.vision_model.post_layernorm.weight", None),
-])
+@pytest.mark.parametrize(
+    "name,ours",
+    [
+        ("language_model.model.layers.3.self_attn.k_proj.weight", "text.layers.3.qkv_proj.weight#k"),
+        ("model.language_model.layers.3.mlp.up_proj.weight", "text.layers.3.gate_up_proj.weight#up"),
+        ("language_model.lm_head.weight", "text.lm_head.weight"),
+        ("lm_head.weight", "text.lm_head.weight"),
+        ("vision_tower.vision_model.encoder.layers.0.self_attn.q_proj.bias", "vision.layers.0.qkv.bias#q"),
+        ("model.vision_tower.encoder.layers.0.mlp.fc2.weight", "vision.layers.0.fc2.weight"),
+        ("model.multi_modal_projector.linear_2.bias", "projector.linear_2.bias"),
+        ("vision_tower.vision_model.post_layernorm.weight", None),
+    ],
+)
 def test_both_naming_schemes_map_onto_ours(name, ours):
     assert our_name(name) == ours
 

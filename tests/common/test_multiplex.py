@@ -12,9 +12,18 @@ from common.workers import WorkerInfo, WorkerLoad, WorkerSnapshot
 
 E, P, D = Stage.ENCODE, Stage.PREFILL, Stage.DECODE
 # encode 10 ms per image; prefill 0.1 ms per token; decode 5 ms + 1 ms per running sequence
-PROFILE = LatencyProfile("t", "analytic", "hw", "m", encode=StageCost(per_unit_ms=10.0),
-                         prefill=StageCost(per_unit_ms=0.1), decode=StageCost(overhead_ms=5.0, per_unit_ms=1.0),
-                         transfer_latency_ms=0.0, transfer_gbps=1.0, image_tokens=576)
+PROFILE = LatencyProfile(
+    "t",
+    "analytic",
+    "hw",
+    "m",
+    encode=StageCost(per_unit_ms=10.0),
+    prefill=StageCost(per_unit_ms=0.1),
+    decode=StageCost(overhead_ms=5.0, per_unit_ms=1.0),
+    transfer_latency_ms=0.0,
+    transfer_gbps=1.0,
+    image_tokens=576,
+)
 
 
 def w(wid, roles, age=0.0, **load):
@@ -28,16 +37,31 @@ def ask(tokens, images=0, exclude=()):
 def registered(workers, decoder_token_budget=0, prefill_token_budget=0, join_first=False):
     """The workers as they register the stage budgets they run: decoders τ_t = `decoder_token_budget` (and
     `join_first`), workers without the decode role `prefill_token_budget` (0: none reported)."""
+
     def budgets(s):
         decodes = s.has(D)
-        info = dataclasses.replace(s.info, token_budget=decoder_token_budget if decodes else prefill_token_budget,
-                                   join_first=join_first and decodes)
+        info = dataclasses.replace(
+            s.info,
+            token_budget=decoder_token_budget if decodes else prefill_token_budget,
+            join_first=join_first and decodes,
+        )
         return dataclasses.replace(s, info=info)
+
     return [budgets(s) for s in workers]
 
 
-def decide(workers, tokens, images=0, ttft=500.0, tbt=50.0, elapsed=0.0, decoder_token_budget=0, prefill_token_budget=0,
-           join_first=False, **config):
+def decide(
+    workers,
+    tokens,
+    images=0,
+    ttft=500.0,
+    tbt=50.0,
+    elapsed=0.0,
+    decoder_token_budget=0,
+    prefill_token_budget=0,
+    join_first=False,
+    **config,
+):
     workers = registered(workers, decoder_token_budget, prefill_token_budget, join_first)
     return route_slo(workers, ask(tokens, images), ttft, tbt, elapsed, PROFILE, MultiplexConfig(**config))
 
@@ -47,7 +71,11 @@ MESH = [w("e", {E}), w("p", {P}), w("pd", {P, D}, running_decode_batch=10)]
 
 def test_both_paths_fit_short_prompts_go_to_the_decoder_long_ones_to_prefill_workers():
     short = decide(MESH, 100)
-    assert (short.plan.path, short.plan.prefill.worker_id, short.plan.decoder.worker_id) == (PrefillPath.MULTIPLEXED, "pd", "pd")
+    assert (short.plan.path, short.plan.prefill.worker_id, short.plan.decoder.worker_id) == (
+        PrefillPath.MULTIPLEXED,
+        "pd",
+        "pd",
+    )
     # the decode iteration running now (15), then one iteration of its 10 decodes and these 100 tokens (11)
     assert short.meets_slo and short.predicted_ttft_ms == pytest.approx(15 + 11)
     # the plan carries the prediction from the request's arrival: time already spent plus what is to come
@@ -77,8 +105,11 @@ def test_where_prefill_workers_hand_requests_over_two_multiplexed_iterations_mus
     d = decide(busy, 300)  # PD: a 30 ms iteration suits its decodes, but a joiner's gap is 60 ms (20% over 50)
     assert d.plan.path == PrefillPath.DEDICATED and not d.meets_slo  # P: 550 ms, 10% over the 500 ms TTFT
     assert "least violating" in d.reason
-    decoders_only = [w("e", {E}), w("pd1", {P, D}, running_decode_batch=2), w("pd2", {P, D}, running_decode_batch=2,
-                                                                               queued_prefill_tokens=6000)]
+    decoders_only = [
+        w("e", {E}),
+        w("pd1", {P, D}, running_decode_batch=2),
+        w("pd2", {P, D}, running_decode_batch=2, queued_prefill_tokens=6000),
+    ]
     d = decide(decoders_only, 300)
     assert (d.plan.path, d.plan.prefill.worker_id) == (PrefillPath.COLOCATED, "pd1") and d.meets_slo
 
@@ -110,9 +141,14 @@ def test_with_stage_budgets_a_long_prefill_is_chunked_onto_a_decoder_within_tbt(
     chunked = decide(busy, 1000, decoder_token_budget=410, tbt=100)
     assert (chunked.plan.path, chunked.plan.prefill.worker_id) == (PrefillPath.MULTIPLEXED, "pd") and chunked.meets_slo
     assert chunked.predicted_ttft_ms == pytest.approx(15 + 41 + 41 + 21)
-    queued = [w("e", {E}), w("p", {P}, queued_prefill_tokens=6000),
-              w("pd", {P, D}, running_decode_batch=10, queued_prefill_tokens=800)]
-    assert decide(queued, 1000, decoder_token_budget=410, tbt=100).predicted_ttft_ms == pytest.approx(15 + 2 * 41 + 41 + 41 + 21)
+    queued = [
+        w("e", {E}),
+        w("p", {P}, queued_prefill_tokens=6000),
+        w("pd", {P, D}, running_decode_batch=10, queued_prefill_tokens=800),
+    ]
+    assert decide(queued, 1000, decoder_token_budget=410, tbt=100).predicted_ttft_ms == pytest.approx(
+        15 + 2 * 41 + 41 + 41 + 21
+    )
     tight = decide(busy, 1000, decoder_token_budget=410, tbt=30)  # the budget's iterations (41 ms) break a 30 ms TBT
     assert not tight.meets_slo
 
@@ -141,20 +177,30 @@ def test_policy_imports_no_torch():
     import subprocess
     import sys
 
-    out = subprocess.run([sys.executable, "-c", "import sys, common.policy.multiplex; print('torch' in sys.modules)"],
-                         capture_output=True, text=True, check=True).stdout
+    out = subprocess.run(
+        [sys.executable, "-c", "import sys, common.policy.multiplex; print('torch' in sys.modules)"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
     assert out.strip() == "False"
 
 
 def test_a_handed_over_request_goes_to_the_decoder_whose_next_iterations_are_short():
     """A decoder busy with multiplexed prefill chunks runs long iterations; a request joining it waits for
     the one in flight and then its own, and on a 4-token answer that gap is its P90 TBT."""
-    mesh = [w("p", {P}), w("pd1", {P, D}, running_decode_batch=4, unfinished_decode_tokens=40, queued_prefill_tokens=2000),
-            w("pd2", {P, D}, running_decode_batch=10, unfinished_decode_tokens=400)]
+    mesh = [
+        w("p", {P}),
+        w("pd1", {P, D}, running_decode_batch=4, unfinished_decode_tokens=40, queued_prefill_tokens=2000),
+        w("pd2", {P, D}, running_decode_batch=10, unfinished_decode_tokens=400),
+    ]
     d = decide(mesh, 1000, decoder_token_budget=410)  # prefill fits only on P (PD chunks: 3 × ~41 ms + queue)
     assert d.plan.path == PrefillPath.DEDICATED and d.plan.decoder.worker_id == "pd2"
-    quiet = [w("p", {P}), w("pd1", {P, D}, running_decode_batch=4, unfinished_decode_tokens=40),
-             w("pd2", {P, D}, running_decode_batch=10, unfinished_decode_tokens=400)]
+    quiet = [
+        w("p", {P}),
+        w("pd1", {P, D}, running_decode_batch=4, unfinished_decode_tokens=40),
+        w("pd2", {P, D}, running_decode_batch=10, unfinished_decode_tokens=400),
+    ]
     assert decide(quiet, 1000, decoder_token_budget=410).plan.decoder.worker_id == "pd1"  # no chunks: the lighter one
 
 
@@ -163,16 +209,23 @@ def test_a_busy_prefill_worker_first_finishes_its_iteration_under_way():
     long prompt to the decoder when the dedicated worker is mid-iteration, and not when it is idle."""
     idle = [w("e", {E}), w("p", {P}), w("pd", {P, D}, running_decode_batch=2)]
     assert decide(idle, 600, tbt=200).plan.path == PrefillPath.DEDICATED  # 60 ms on P; long prompts prefer ①
-    busy = [w("e", {E}), w("p", {P}, num_running=1, last_iteration_ms=480, iteration_elapsed_ms=30),
-            w("pd", {P, D}, running_decode_batch=2)]
+    busy = [
+        w("e", {E}),
+        w("p", {P}, num_running=1, last_iteration_ms=480, iteration_elapsed_ms=30),
+        w("pd", {P, D}, running_decode_batch=2),
+    ]
     d = decide(busy, 600, tbt=200)  # P: 450 left + 60 > 500; PD: its decode step under way, then one with 600 tokens
     assert (d.plan.path, d.plan.prefill.worker_id) == (PrefillPath.MULTIPLEXED, "pd") and d.meets_slo
     from common.latency.model import decode_ms, iteration_ms
 
-    assert d.predicted_ttft_ms == pytest.approx(decode_ms(PROFILE, 2, 0)
-                                                + iteration_ms(PROFILE, decodes=2, decode_context=0, chunks=[(600, 0)]))
-    ep = [w("ep1", {E, P}, num_running=1, last_iteration_ms=300, iteration_elapsed_ms=1e-3), w("ep2", {E, P}, queued_images=2),
-          w("d", {D})]
+    assert d.predicted_ttft_ms == pytest.approx(
+        decode_ms(PROFILE, 2, 0) + iteration_ms(PROFILE, decodes=2, decode_context=0, chunks=[(600, 0)])
+    )
+    ep = [
+        w("ep1", {E, P}, num_running=1, last_iteration_ms=300, iteration_elapsed_ms=1e-3),
+        w("ep2", {E, P}, queued_images=2),
+        w("d", {D}),
+    ]
     d = decide(ep, 200, images=1)  # ep1: 300 under way + 10 to encode; ep2: its 3 images, 30 ms: ep2 encodes
     assert (d.plan.encoder.worker_id, d.plan.prefill.worker_id) == ("ep2", "ep2")
     assert d.predicted_ttft_ms == pytest.approx(30 + 20) and d.slack_ms == pytest.approx(500 - 30)
@@ -190,6 +243,7 @@ def test_a_decoder_that_encodes_the_images_itself_delays_its_decodes_by_the_enco
 def test_what_is_left_of_the_iteration_under_way_counts_from_the_report_and_its_age():
     """P reported 100 ms into an iteration as long as its last (400 ms), 0.1 s ago: 200 ms are left. A report
     older than the iteration says another began at an unknown point: half of one. None under way: nothing."""
+
     def ttft(age, elapsed):
         p = w("p", {P}, age=age, num_running=1, last_iteration_ms=400, iteration_elapsed_ms=elapsed)
         return decide([p, w("d", {D})], 100, ttft=2000).predicted_ttft_ms - 10  # less the prefill's own 10 ms
@@ -208,8 +262,12 @@ def test_with_join_first_a_joiners_gap_is_one_multiplexed_iteration_plus_a_decod
     d = decide(busy, 300, join_first=True)  # 30.2 + a decode-only iteration of 3 (8 ms) ≤ 50
     assert (d.plan.path, d.plan.prefill.worker_id) == (PrefillPath.MULTIPLEXED, "pd") and d.meets_slo
     # path ①: pd1 is busy with a multiplexed prefill (200 queued tokens), pd2 decodes 10 sequences
-    mesh = [w("e", {E}), w("p", {P}), w("pd1", {P, D}, running_decode_batch=2, queued_prefill_tokens=200),
-            w("pd2", {P, D}, running_decode_batch=10)]
+    mesh = [
+        w("e", {E}),
+        w("p", {P}),
+        w("pd1", {P, D}, running_decode_batch=2, queued_prefill_tokens=200),
+        w("pd2", {P, D}, running_decode_batch=10),
+    ]
     # pd1: 20.2 + 20.3 ms (two chunk iterations) against pd2's 15 + 16: pd2
     assert decide(mesh, 1000).plan.decoder.worker_id == "pd2"
     # join_first: pd1's second is decode-only, 20.2 + 8 ms: pd1
@@ -220,8 +278,11 @@ def test_join_first_decoders_may_run_a_decode_only_iteration_after_each_chunk_be
     """Requests handed over meanwhile each get a decode-only iteration after the chunk iteration in which they
     arrived (at most one between two chunk iterations), so a multiplexed prefill of n chunks behind q queued
     chunks may wait n + q − 1 of them before its first token."""
-    mesh = [w("e", {E}), w("p", {P}, queued_prefill_tokens=100_000),
-            w("pd", {P, D}, running_decode_batch=2, queued_prefill_tokens=250)]
+    mesh = [
+        w("e", {E}),
+        w("p", {P}, queued_prefill_tokens=100_000),
+        w("pd", {P, D}, running_decode_batch=2, queued_prefill_tokens=250),
+    ]
     # chunks of 100 beside the 2 decodes: queued 100 + 100 + 50 (25.6 ms), this prompt 3 × 100 (30.6 ms), after
     # the decode iteration in flight (7 ms); five decode-only iterations of 3 sequences (8 ms each) between them
     d = decide(mesh, 300, decoder_token_budget=102, join_first=True)

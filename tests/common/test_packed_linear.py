@@ -7,8 +7,10 @@ from torch import nn
 from common.model.loader import load_model
 from common.model.packed_linear import PackedLinear, can_pack, pack_linears
 
-needs_bf16 = pytest.mark.skipif(not can_pack(torch.bfloat16, torch.device("cpu")),
-                                reason="this CPU has no native bf16 (AMX / AVX512-BF16) for oneDNN")
+needs_bf16 = pytest.mark.skipif(
+    not can_pack(torch.bfloat16, torch.device("cpu")),
+    reason="this CPU has no native bf16 (AMX / AVX512-BF16) for oneDNN",
+)
 
 
 @needs_bf16

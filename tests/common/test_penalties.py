@@ -17,8 +17,10 @@ PENALTIES = {  # name: (our sampling parameters, transformers' generate argument
     "repetition": (dict(repetition_penalty=1.3), dict(repetition_penalty=1.3)),
     "presence+frequency": (dict(presence_penalty=0.8, frequency_penalty=0.6),) * 2,
     "all three": (dict(presence_penalty=-0.5, frequency_penalty=1.2, repetition_penalty=0.9),) * 2,
-    "logit bias": (dict(logit_bias=((500, 6.0), (1002, -50.0), (3339, 4.5))),
-                   dict(sequence_bias={(500,): 6.0, (1002,): -50.0, (3339,): 4.5})),
+    "logit bias": (
+        dict(logit_bias=((500, 6.0), (1002, -50.0), (3339, 4.5))),
+        dict(sequence_bias={(500,): 6.0, (1002,): -50.0, (3339,): 4.5}),
+    ),
 }
 
 
@@ -50,7 +52,9 @@ def test_a_continuation_goes_on_with_the_same_penalties_and_random_stream(tiny_d
     (`num_continued_tokens`), those tokens keep their penalties and the seeded stream's position: the
     continuation's tokens are the original's."""
     (original,) = build_requests(processors["tiny"], CASES[4:5])
-    original.sampling = SamplingParams(max_tokens=12, temperature=1.0, seed=11, frequency_penalty=1.5, presence_penalty=0.5)
+    original.sampling = SamplingParams(
+        max_tokens=12, temperature=1.0, seed=11, frequency_penalty=1.5, presence_penalty=0.5
+    )
     whole = _engine(tiny_dir).generate([original])[original.request_id].output_token_ids
     sent = whole[:5]
     rest = dataclasses.replace(original.sampling, max_tokens=7)
@@ -61,8 +65,13 @@ def test_a_continuation_goes_on_with_the_same_penalties_and_random_stream(tiny_d
 
 
 def test_penalty_ranges_are_checked(tiny_dir):
-    for bad in (dict(presence_penalty=2.5), dict(frequency_penalty=-3), dict(repetition_penalty=0),
-                dict(logit_bias=((5, 101.0),)), dict(logit_bias=((-1, 1.0),))):
+    for bad in (
+        dict(presence_penalty=2.5),
+        dict(frequency_penalty=-3),
+        dict(repetition_penalty=0),
+        dict(logit_bias=((5, 101.0),)),
+        dict(logit_bias=((-1, 1.0),)),
+    ):
         with pytest.raises(ValueError):
             SamplingParams(**bad)
     with pytest.raises(ValueError, match="continued tokens"):
@@ -71,10 +80,19 @@ def test_penalty_ranges_are_checked(tiny_dir):
         _engine(tiny_dir).add_request(Request("r", [1, 2], SamplingParams(logit_bias=((10**6, 1.0),))))
 
 
-@pytest.mark.parametrize("params", [dict(temperature=0.7), dict(temperature=1.0, top_k=40), dict(temperature=0.9, top_p=0.9),
-                                    dict(temperature=1.3, top_k=300, top_p=0.8), dict(temperature=2.0, top_p=0.999),
-                                    dict(temperature=1.5, min_p=0.05), dict(temperature=1.2, min_p=0.01, top_k=100, top_p=0.9)],
-                         ids=["temperature", "top-k", "top-p", "top-k+top-p", "wide top-p", "min-p", "min-p+top-k+top-p"])
+@pytest.mark.parametrize(
+    "params",
+    [
+        dict(temperature=0.7),
+        dict(temperature=1.0, top_k=40),
+        dict(temperature=0.9, top_p=0.9),
+        dict(temperature=1.3, top_k=300, top_p=0.8),
+        dict(temperature=2.0, top_p=0.999),
+        dict(temperature=1.5, min_p=0.05),
+        dict(temperature=1.2, min_p=0.01, top_k=100, top_p=0.9),
+    ],
+    ids=["temperature", "top-k", "top-p", "top-k+top-p", "wide top-p", "min-p", "min-p+top-k+top-p"],
+)
 def test_sampling_among_candidates_draws_from_the_masked_full_distribution(params):
     """The sampler draws among the candidates top-k / top-p leave rather than sorting the whole vocabulary; the
     distribution is the one masking the full vocabulary gives (the step-by-step definition)."""
@@ -126,6 +144,7 @@ def test_min_tokens_holds_off_eos_and_stop_tokens_as_transformers_min_new_tokens
         (request,) = build_requests(processors["tiny"], [case])
         request.sampling = dataclasses.replace(request.sampling, stop_token_ids=(stop,), min_tokens=8)
         held = _engine(tiny_dir).generate([request])[case.name].output_token_ids
-        ref = hf_reference(tiny_dir, processors["tiny"], [case], torch.float32, min_new_tokens=8,
-                           eos_token_id=eos + [stop])[case.name].tokens
+        ref = hf_reference(
+            tiny_dir, processors["tiny"], [case], torch.float32, min_new_tokens=8, eos_token_id=eos + [stop]
+        )[case.name].tokens
         assert held == ref and len(held) >= 8 and stop not in held[:8], (case.name, held, ref)

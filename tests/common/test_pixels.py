@@ -29,8 +29,10 @@ def test_unfinished_pixels_cross_the_wire_in_a_quarter_of_the_bytes_and_come_out
     ids, (finished,) = processor.apply(_chat(image))
     raw_ids, (raw,) = processor.apply(_chat(image), finish_pixels=False)
     assert raw_ids == ids and raw.pixel_values.dtype == torch.uint8 and raw.scaling == processor.deferred_scaling
-    sent = {name: wire.spec_to_pb(Request("r", ids, SamplingParams(), [img]), with_pixels=True)
-            for name, img in (("finished", finished), ("raw", raw))}
+    sent = {
+        name: wire.spec_to_pb(Request("r", ids, SamplingParams(), [img]), with_pixels=True)
+        for name, img in (("finished", finished), ("raw", raw))
+    }
     assert len(sent["raw"].images[0].pixel_values) * 4 == len(sent["finished"].images[0].pixel_values)
     for msg in sent.values():
         got = wire.request_from_pb(msg, Stage.ENCODE, Stage.ENCODE).images[0]
@@ -63,8 +65,11 @@ def test_finish_refuses_what_it_cannot_finish():
         finish(torch.zeros(1, 4, 4, dtype=torch.uint8), scaling)
     assert finish(torch.full((3, 2, 2), 255, dtype=torch.uint8), scaling).eq(2.0).all()
     # what no image processor has (sent straight to a worker, they made NaN pixels the request was answered from)
-    for odd in (PixelScaling(float("nan"), (0.5,) * 3, (0.25,) * 3), PixelScaling(1 / 255, (float("inf"),) * 3, (0.25,) * 3),
-                PixelScaling(1 / 255, (0.5,) * 3, (0.25, 0.0, 0.25))):
+    for odd in (
+        PixelScaling(float("nan"), (0.5,) * 3, (0.25,) * 3),
+        PixelScaling(1 / 255, (float("inf"),) * 3, (0.25,) * 3),
+        PixelScaling(1 / 255, (0.5,) * 3, (0.25, 0.0, 0.25)),
+    ):
         with pytest.raises(ValueError, match="finite"):
             finish(torch.zeros(3, 2, 2, dtype=torch.uint8), odd)
 

@@ -31,8 +31,13 @@ def model(tiny_dir):
 def make_engine(tiny_dir, model, kv_blocks: int, roles=frozenset(Stage), **scheduler) -> Engine:
     text = model.cfg.text
     per_block = PagedKVCache.bytes_per_block(16, text.num_layers, text.num_kv_heads, text.head_dim, torch.float32)
-    config = EngineConfig(model=str(tiny_dir), roles=roles, kv_cache_gib=kv_blocks * per_block / 2**30,
-                          image_cache_gib=0.02, scheduler=SchedulerConfig(**scheduler))
+    config = EngineConfig(
+        model=str(tiny_dir),
+        roles=roles,
+        kv_cache_gib=kv_blocks * per_block / 2**30,
+        image_cache_gib=0.02,
+        scheduler=SchedulerConfig(**scheduler),
+    )
     engine = Engine(config, model=model)
     assert engine.stats().kv_blocks_total == kv_blocks
     return engine
@@ -43,7 +48,8 @@ SMALL = ("hi", "img-short", "img-tall", "text-200", "system", "multi-turn")  # 8
 
 @pytest.mark.parametrize("token_budget", [2048, 64], ids=["whole-prefill", "chunked-64"])
 def test_a_cache_too_small_for_all_at_once_preempts_and_still_gives_the_transformers_tokens(
-        token_budget, tiny_dir, model, processors, chat_reference):
+    token_budget, tiny_dir, model, processors, chat_reference
+):
     cases, refs = chat_reference
     cases = [c for c in cases if c.name in SMALL]
     engine = make_engine(tiny_dir, model, kv_blocks=24, token_budget=token_budget)  # the longest needs 21 blocks
@@ -54,7 +60,9 @@ def test_a_cache_too_small_for_all_at_once_preempts_and_still_gives_the_transfor
     assert_pools_full(engine)
 
 
-def test_a_preempted_image_request_is_encoded_again_and_goes_on_with_the_same_tokens(tiny_dir, model, processors, chat_reference):
+def test_a_preempted_image_request_is_encoded_again_and_goes_on_with_the_same_tokens(
+    tiny_dir, model, processors, chat_reference
+):
     cases, _ = chat_reference
     cases = [dataclasses.replace(c, max_tokens=64) for c in cases if c.name in ("img-short", "img-tall")]
     roomy = make_engine(tiny_dir, model, kv_blocks=512).generate(build_requests(processors["tiny"], cases))
@@ -77,10 +85,19 @@ def test_worst_case_admission_gives_the_same_tokens_without_preempting(tiny_dir,
 
 def test_a_seeded_sampled_stream_with_penalties_is_the_same_when_preempted(tiny_dir, model):
     def requests():
-        sampling = SamplingParams(max_tokens=60, temperature=0.9, top_p=0.95, seed=11, presence_penalty=0.5,
-                                  repetition_penalty=1.2, ignore_eos=True)
-        return [Request(f"r{i}", [1, 405 + i, 77, 1290, 33] * 6, dataclasses.replace(sampling, seed=11 + i))
-                for i in range(6)]
+        sampling = SamplingParams(
+            max_tokens=60,
+            temperature=0.9,
+            top_p=0.95,
+            seed=11,
+            presence_penalty=0.5,
+            repetition_penalty=1.2,
+            ignore_eos=True,
+        )
+        return [
+            Request(f"r{i}", [1, 405 + i, 77, 1290, 33] * 6, dataclasses.replace(sampling, seed=11 + i))
+            for i in range(6)
+        ]
 
     roomy = make_engine(tiny_dir, model, kv_blocks=512).generate(requests())
     small = make_engine(tiny_dir, model, kv_blocks=20)  # 6 × 90 tokens need 36 blocks at the end
@@ -91,7 +108,8 @@ def test_a_seeded_sampled_stream_with_penalties_is_the_same_when_preempted(tiny_
 
 
 def test_a_decoder_hands_back_what_it_cannot_recompute_and_the_continuation_finishes_the_answer(
-        tiny_dir, model, processors, chat_reference):
+    tiny_dir, model, processors, chat_reference
+):
     """A decode-only engine gets requests as KV pages, their images' pixels left behind (as a decoder in the mesh
     does): one it preempts leaves it with the tokens it has, and no pages held; its continuation on another engine
     (prompt + those tokens prefilled) ends with transformers' answer."""
@@ -112,9 +130,17 @@ def test_a_decoder_hands_back_what_it_cannot_recompute_and_the_continuation_fini
             r = requests[out.request_id]
             no_pixels = [dataclasses.replace(image, pixel_values=None) for image in r.images]
             try:
-                decoder.add_request(Request(r.request_id, r.prompt_token_ids, r.sampling, no_pixels,
-                                            first_stage=Stage.DECODE, output_token_ids=list(out.output_token_ids)),
-                                    kv_pages=pages)
+                decoder.add_request(
+                    Request(
+                        r.request_id,
+                        r.prompt_token_ids,
+                        r.sampling,
+                        no_pixels,
+                        first_stage=Stage.DECODE,
+                        output_token_ids=list(out.output_token_ids),
+                    ),
+                    kv_pages=pages,
+                )
             except NoRoomForPages:
                 continue
             arriving.remove((out, pages))
@@ -140,15 +166,25 @@ def _handed_over(tiny_dir, model, requests: list[Request]) -> dict[str, tuple[Re
     """Each request prefilled on an encode+prefill engine, as a decoder gets it: its first token, its KV pages, and
     its images without their pixels."""
     prefiller = make_engine(tiny_dir, model, kv_blocks=512, roles=frozenset({Stage.ENCODE, Stage.PREFILL}))
-    finals = prefiller.generate([Request(r.request_id, r.prompt_token_ids, r.sampling, r.images, last_stage=Stage.PREFILL)
-                                 for r in requests])
+    finals = prefiller.generate(
+        [Request(r.request_id, r.prompt_token_ids, r.sampling, r.images, last_stage=Stage.PREFILL) for r in requests]
+    )
     out = {}
     for r in requests:
         pages = prefiller.pages.export_kv_pages(r.request_id)
         prefiller.pages.release(r.request_id)
         no_pixels = [dataclasses.replace(image, pixel_values=None) for image in r.images]
-        out[r.request_id] = (Request(r.request_id, r.prompt_token_ids, r.sampling, no_pixels, first_stage=Stage.DECODE,
-                                     output_token_ids=list(finals[r.request_id].output_token_ids)), pages)
+        out[r.request_id] = (
+            Request(
+                r.request_id,
+                r.prompt_token_ids,
+                r.sampling,
+                no_pixels,
+                first_stage=Stage.DECODE,
+                output_token_ids=list(finals[r.request_id].output_token_ids),
+            ),
+            pages,
+        )
     return out
 
 
@@ -198,8 +234,9 @@ def test_a_request_handed_back_in_a_step_whose_model_fails_is_still_told(tiny_di
 
 def test_no_kv_pages_come_in_while_a_preempted_request_waits_for_blocks(tiny_dir, model, processors, chat_reference):
     cases, _ = chat_reference
-    [(request, pages)] = _handed_over(tiny_dir, model, build_requests(processors["tiny"], [
-        c for c in cases if c.name == "system"])).values()  # 37 prompt tokens: 3 blocks
+    [(request, pages)] = _handed_over(
+        tiny_dir, model, build_requests(processors["tiny"], [c for c in cases if c.name == "system"])
+    ).values()  # 37 prompt tokens: 3 blocks
     engine = make_engine(tiny_dir, model, kv_blocks=40)
     sampling = SamplingParams(max_tokens=400, ignore_eos=True)
     older, newer = Request("older", list(range(5, 205)), sampling), Request("newer", list(range(5, 155)), sampling)

@@ -14,8 +14,12 @@ def test_fit_is_least_squares_without_negative_terms():
 
 
 def test_profiler_sweeps_the_engine(tiny_dir, tmp_path):
-    config = EngineConfig(model=str(tiny_dir), kv_cache_gib=0.02, image_cache_gib=0.02,
-                          scheduler=SchedulerConfig(token_budget=1 << 12, image_budget=8, max_num_seqs=32))
+    config = EngineConfig(
+        model=str(tiny_dir),
+        kv_cache_gib=0.02,
+        image_cache_gib=0.02,
+        scheduler=SchedulerConfig(token_budget=1 << 12, image_budget=8, max_num_seqs=32),
+    )
     steps = []
     profiler = Profiler(Engine(config), repeats=1, progress=steps.append)
     profiler.encode([1, 2])

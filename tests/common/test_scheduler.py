@@ -5,9 +5,9 @@ import sys
 import pytest
 
 from common.kv_manager import ImageBlockManager, KVBlockManager
+from common.latency.budgets import IterationTime
 from common.request import ImageInput, Request, RequestStatus, Stage
 from common.sampling import SamplingParams
-from common.latency.budgets import IterationTime
 from common.scheduler import Scheduler, SchedulerConfig
 
 TORCH_FREE = ["common.scheduler", "common.block_pool", "common.kv_manager", "common.request", "common.sampling"]
@@ -24,10 +24,16 @@ def req(rid, prompt=10, max_tokens=4, images=0, **kw):
     return Request(rid, list(range(prompt)), SamplingParams(max_tokens=max_tokens), imgs, **kw)
 
 
-def make(token_budget=16, image_budget=2, max_num_seqs=8, chunked=True, kv_blocks=64, image_blocks=16,
-         image_token_cost=0):
-    config = SchedulerConfig(token_budget=token_budget, image_budget=image_budget, max_num_seqs=max_num_seqs,
-                             enable_chunked_prefill=chunked, image_token_cost=image_token_cost)
+def make(
+    token_budget=16, image_budget=2, max_num_seqs=8, chunked=True, kv_blocks=64, image_blocks=16, image_token_cost=0
+):
+    config = SchedulerConfig(
+        token_budget=token_budget,
+        image_budget=image_budget,
+        max_num_seqs=max_num_seqs,
+        enable_chunked_prefill=chunked,
+        image_token_cost=image_token_cost,
+    )
     return Scheduler(config, KVBlockManager(kv_blocks, 4), ImageBlockManager(image_blocks, 4))
 
 
@@ -170,6 +176,7 @@ def test_every_running_decode_runs_whatever_the_token_budget_and_a_full_batch_ta
 def test_join_first_gives_a_joining_requests_first_decode_a_decode_only_iteration_every_other_time():
     """A decoder that prefills while requests are handed over to it: a joiner waits for the iteration in flight,
     then decodes in one without prefill chunks; a joiner every iteration still leaves every other one to them."""
+
     def run(join_first: bool) -> list[tuple[list[str], int]]:
         config = SchedulerConfig(token_budget=16, image_budget=2, max_num_seqs=8, join_first=join_first)
         s = Scheduler(config, KVBlockManager(64, 4), ImageBlockManager(16, 4))
@@ -219,9 +226,14 @@ def test_with_an_iteration_time_the_decodes_context_shrinks_the_prompt_chunk_bes
     from common.latency import LatencyProfile, StageCost
 
     flat = StageCost(per_unit_ms=1.0)  # 1 ms per token; a decode also reads its context at 0.1 ms per KV token
-    p = LatencyProfile("t", "measured", "cpu", "m", flat, flat, StageCost(per_unit_ms=1.0, quadratic_ms=0.1), 0.0, 1.0, 4)
-    s = Scheduler(SchedulerConfig(token_budget=40, iteration_time=IterationTime(p, 40.0)), KVBlockManager(64, 4),
-                  ImageBlockManager(16, 4))
+    p = LatencyProfile(
+        "t", "measured", "cpu", "m", flat, flat, StageCost(per_unit_ms=1.0, quadratic_ms=0.1), 0.0, 1.0, 4
+    )
+    s = Scheduler(
+        SchedulerConfig(token_budget=40, iteration_time=IterationTime(p, 40.0)),
+        KVBlockManager(64, 4),
+        ImageBlockManager(16, 4),
+    )
     first = req("first", prompt=50, max_tokens=8)
     s.add(first)
     assert [c.num_tokens for c in step(s).prefills] == [40]  # no decodes: τ_t
@@ -242,8 +254,11 @@ def test_iterations_that_encode_and_overrun_more_than_the_others_make_an_image_c
 
     flat = StageCost(per_unit_ms=1.0)
     p = LatencyProfile("t", "measured", "cpu", "m", flat, flat, flat, 0.0, 1.0, 4)
-    s = Scheduler(SchedulerConfig(token_budget=40, image_token_cost=6, iteration_time=IterationTime(p, 40.0)),
-                  KVBlockManager(64, 4), ImageBlockManager(16, 4))
+    s = Scheduler(
+        SchedulerConfig(token_budget=40, image_token_cost=6, iteration_time=IterationTime(p, 40.0)),
+        KVBlockManager(64, 4),
+        ImageBlockManager(16, 4),
+    )
     assert s.image_token_cost == 6
     s.add(req("img", prompt=60, images=1))
     plan = step(s)

@@ -17,8 +17,9 @@ def tokens(tiny_dir, model, ids):
     return engine.generate([Request("r", ids, SamplingParams(max_tokens=12, temperature=0))])["r"].output_token_ids
 
 
-def test_two_models_map_one_file_give_the_private_tokens_and_the_last_to_close_removes_it(tiny_dir, processors,
-                                                                                          tmp_path):
+def test_two_models_map_one_file_give_the_private_tokens_and_the_last_to_close_removes_it(
+    tiny_dir, processors, tmp_path
+):
     ids = processors["tiny"].apply([{"role": "user", "content": [{"type": "text", "text": "Tell me"}]}])[0]
     private = tokens(tiny_dir, load_model(tiny_dir), ids)
     a, b = load_model(tiny_dir), load_model(tiny_dir)
@@ -35,8 +36,9 @@ def test_two_models_map_one_file_give_the_private_tokens_and_the_last_to_close_r
     assert not path.exists() and [p.suffix for p in tmp_path.iterdir()] == [".lock"]  # an empty lock file stays
 
 
-def test_weights_stay_private_without_room_or_with_a_file_that_is_not_this_checkpoints(tiny_dir, tmp_path,
-                                                                                       monkeypatch, caplog):
+def test_weights_stay_private_without_room_or_with_a_file_that_is_not_this_checkpoints(
+    tiny_dir, tmp_path, monkeypatch, caplog
+):
     model = load_model(tiny_dir)
     before = [p.data_ptr() for p in model.parameters()]
     with monkeypatch.context() as m:

@@ -30,7 +30,9 @@ def _run(tok, text: str, sampling: SamplingParams, first: list[int] = (), then: 
 
 
 def test_a_stop_string_cuts_the_text_and_is_found_across_tokens(tok):
-    status, text, reason = _run(tok, "the kitchen is warm and the table", SamplingParams(stop=("warm a",), max_tokens=50))
+    status, text, reason = _run(
+        tok, "the kitchen is warm and the table", SamplingParams(stop=("warm a",), max_tokens=50)
+    )
     assert (status, text, reason) == (RequestStatus.FINISHED_STOPPED, "the kitchen is ", "warm a")
 
 
@@ -42,29 +44,39 @@ def test_eos_ends_with_the_text_before_it_also_on_a_worker_that_got_the_request_
 
 def test_a_stop_token_is_the_reason_and_its_text_is_left_out(tok):
     stop_token = tok.tokenizer(" table", add_special_tokens=False)["input_ids"][-1]
-    status, text, reason = _run(tok, "the kitchen", SamplingParams(stop=("zzz",), stop_token_ids=(stop_token,)),
-                                then=[stop_token])
+    status, text, reason = _run(
+        tok, "the kitchen", SamplingParams(stop=("zzz",), stop_token_ids=(stop_token,)), then=[stop_token]
+    )
     assert (status, text, reason) == (RequestStatus.FINISHED_STOPPED, "the kitchen", stop_token)
 
 
 def test_the_length_limit_ends_with_the_whole_text(tok):
     ids = tok.tokenizer("the kitchen is warm and the table is set", add_special_tokens=False)["input_ids"]
-    status, text, reason = _run(tok, "the kitchen is warm and the table is set",
-                                SamplingParams(stop=("zzz",), max_tokens=len(ids)))
+    status, text, reason = _run(
+        tok, "the kitchen is warm and the table is set", SamplingParams(stop=("zzz",), max_tokens=len(ids))
+    )
     assert (status, text, reason) == (RequestStatus.FINISHED_LENGTH, tok.detokenize(ids), None)
-    assert _run(tok, "the kitchen", SamplingParams(max_tokens=50), then=[EOS])[:2] == (RequestStatus.FINISHED_STOPPED, "")
+    assert _run(tok, "the kitchen", SamplingParams(max_tokens=50), then=[EOS])[:2] == (
+        RequestStatus.FINISHED_STOPPED,
+        "",
+    )
 
 
 def test_min_tokens_leaves_stops_unchecked_until_that_many_tokens_as_vllm_does(tok):
     """Before min_tokens, neither EOS nor a stop token nor a stop string ends the request; a stop string that
     completed before then is not found afterwards either (vLLM looks only at the text new since its last check)."""
     n = len(tok.tokenizer("the kitchen is warm", add_special_tokens=False)["input_ids"])
-    status, text, reason = _run(tok, "the kitchen is warm and the kitchen is cold",
-                                SamplingParams(stop=("kitchen",), max_tokens=50, min_tokens=n))
+    status, text, reason = _run(
+        tok,
+        "the kitchen is warm and the kitchen is cold",
+        SamplingParams(stop=("kitchen",), max_tokens=50, min_tokens=n),
+    )
     assert (status, reason) == (RequestStatus.FINISHED_STOPPED, "kitchen") and text == "the kitchen is warm and the "
     status, text, _ = _run(tok, "", SamplingParams(max_tokens=50, min_tokens=3, stop_token_ids=(7,)), then=[EOS, 7, 9])
     assert status is None  # three tokens out, none of them a stop (in the engine they are masked)
-    status, _, reason = _run(tok, "", SamplingParams(max_tokens=50, min_tokens=3, stop_token_ids=(7,)), then=[9, 9, 9, 7])
+    status, _, reason = _run(
+        tok, "", SamplingParams(max_tokens=50, min_tokens=3, stop_token_ids=(7,)), then=[9, 9, 9, 7]
+    )
     assert (status, reason) == (RequestStatus.FINISHED_STOPPED, 7)
 
 
@@ -81,8 +93,9 @@ def test_a_continuation_finds_a_stop_string_that_began_in_the_output_before_it_a
         if status is not None:
             break
     assert (status, rest.stop_reason) == (RequestStatus.FINISHED_STOPPED, "warm a")
-    out = RequestOutput(rest.request_id, [token], list(rest.output_token_ids), status, "stop", rest.stop_reason,
-                        text=rest.output_text)
+    out = RequestOutput(
+        rest.request_id, [token], list(rest.output_token_ids), status, "stop", rest.stop_reason, text=rest.output_text
+    )
     assert rebased(out, "r", sent, tok.detokenize).text == whole[1] == "the kitchen is "
 
 
@@ -90,7 +103,8 @@ def test_generated_outputs_stop_where_a_rescan_of_the_whole_text_would(tok):
     """Random outputs (any token ids, EOS among them), stop strings taken from their own text and others, min_tokens:
     the check stops at the token, with the text and reason, that a plain scan after every token gives. (It found the
     check taking a short stop string that was whole before min_tokens ended, within the longest one's length.)"""
-    from hypothesis import HealthCheck, example, given, settings, strategies as st
+    from hypothesis import HealthCheck, example, given, settings
+    from hypothesis import strategies as st
 
     from common.detokenizer import IncrementalDetokenizer
 
@@ -107,24 +121,37 @@ def test_generated_outputs_stop_where_a_rescan_of_the_whole_text_would(tok):
             detok.push([token])
             # a stop string counts where it ends in the text this token added (vLLM's rule: one that was whole during
             # min_tokens, unchecked, does not count later)
-            hits = [] if early else sorted((at, s) for s in params.stop
-                                           if (at := detok.text.find(s, max(before - len(s) + 1, 0))) >= 0)
+            hits = (
+                []
+                if early
+                else sorted(
+                    (at, s) for s in params.stop if (at := detok.text.find(s, max(before - len(s) + 1, 0))) >= 0
+                )
+            )
             if hits:
-                return RequestStatus.FINISHED_STOPPED, detok.text[:hits[0][0]], hits[0][1]
+                return RequestStatus.FINISHED_STOPPED, detok.text[: hits[0][0]], hits[0][1]
             if n >= params.max_tokens:
                 return RequestStatus.FINISHED_LENGTH, detok.text + detok.finish(), None
         return None, detok.text, None
 
     @settings(max_examples=150, deadline=None, database=None, derandomize=True, suppress_health_check=list(HealthCheck))
-    @given(st.lists(st.one_of(st.integers(0, vocab - 1), st.just(EOS), st.integers(3, 300)), min_size=1, max_size=40),
-           st.lists(st.tuples(st.integers(0, 40), st.integers(1, 6)), max_size=3), st.lists(st.text(min_size=1, max_size=3), max_size=2),
-           st.integers(0, 10), st.integers(1, 50), st.lists(st.integers(3, 300), max_size=2))
-    @example(ids=[2, 469, 0], cuts=[(0, 2), (4, 1)], others=[], min_tokens=3, max_tokens=3, stop_ids=[])  # the one found
+    @given(
+        st.lists(st.one_of(st.integers(0, vocab - 1), st.just(EOS), st.integers(3, 300)), min_size=1, max_size=40),
+        st.lists(st.tuples(st.integers(0, 40), st.integers(1, 6)), max_size=3),
+        st.lists(st.text(min_size=1, max_size=3), max_size=2),
+        st.integers(0, 10),
+        st.integers(1, 50),
+        st.lists(st.integers(3, 300), max_size=2),
+    )
+    @example(
+        ids=[2, 469, 0], cuts=[(0, 2), (4, 1)], others=[], min_tokens=3, max_tokens=3, stop_ids=[]
+    )  # the one found
     def check(ids, cuts, others, min_tokens, max_tokens, stop_ids):
         whole = tok.detokenize(ids)
-        stop = tuple(dict.fromkeys([whole[a:a + n] for a, n in cuts if whole[a:a + n]] + others))[:4]
-        params = SamplingParams(stop=stop, max_tokens=max_tokens, min_tokens=min(min_tokens, max_tokens),
-                                stop_token_ids=tuple(stop_ids))
+        stop = tuple(dict.fromkeys([whole[a : a + n] for a, n in cuts if whole[a : a + n]] + others))[:4]
+        params = SamplingParams(
+            stop=stop, max_tokens=max_tokens, min_tokens=min(min_tokens, max_tokens), stop_token_ids=tuple(stop_ids)
+        )
         request = Request("r", [1, 5, 6], params)
         status = None
         for token in ids:

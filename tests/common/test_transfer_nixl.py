@@ -60,8 +60,14 @@ def make_cache(seed: int) -> torch.Tensor:
 class Source:
     def __init__(self, worker_id: str, seed: int):
         env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-        self.proc = subprocess.Popen([sys.executable, "-c", SOURCE, worker_id, str(seed)], cwd=ROOT, env=env,
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", SOURCE, worker_id, str(seed)],
+            cwd=ROOT,
+            env=env,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
         deadline = time.monotonic() + 60
         for line in self.proc.stdout:
             if line.startswith("READY "):
@@ -81,11 +87,18 @@ class Source:
             self.proc.wait()
 
 
-def handle(worker_id: str, metadata: bytes, block_ids, ttl_s: float = 60.0, layout: PageLayout = LAYOUT,
-           lease_id: str = "req-1") -> PageHandle:
+def handle(
+    worker_id: str,
+    metadata: bytes,
+    block_ids,
+    ttl_s: float = 60.0,
+    layout: PageLayout = LAYOUT,
+    lease_id: str = "req-1",
+) -> PageHandle:
     num_tokens = len(block_ids) * layout.block_size - 3  # the last block partly filled
-    return PageHandle(worker_id, "127.0.0.1:9", lease_id, tuple(block_ids), num_tokens, layout,
-                      time.time() + ttl_s, "nixl", metadata)
+    return PageHandle(
+        worker_id, "127.0.0.1:9", lease_id, tuple(block_ids), num_tokens, layout, time.time() + ttl_s, "nixl", metadata
+    )
 
 
 def expected(seed: int, block_ids) -> bytes:
@@ -128,6 +141,7 @@ def test_pull_exact_bytes_concurrently_and_from_itself(source):
 
 def test_the_source_ticker_runs_often_only_while_its_pages_are_leased():
     """Progress every 2 ms takes the GIL from the engine thread; a worker with nothing leased needs little."""
+
     async def main():
         transfer = nixl_backend.NixlTransfer("nixl-tick", None, ChannelPool(), caches={})
         agent, ticks = transfer.agent, []
@@ -169,8 +183,9 @@ def test_pull_failures_are_pull_failed(source):
             with pytest.raises(PullFailed, match="B kv blocks"):
                 await puller.pull(handle("nixl-src", source.metadata, (1, 2), layout=other))
             with pytest.raises(PullFailed, match="registered no image cache"):
-                await puller.pull(handle("nixl-src", source.metadata, (1,),
-                                         layout=PageLayout("image", "float32", 4, (4, 8))))
+                await puller.pull(
+                    handle("nixl-src", source.metadata, (1,), layout=PageLayout("image", "float32", 4, (4, 8)))
+                )
             with pytest.raises(PullFailed, match="expired"):
                 await puller.pull(handle("nixl-src", source.metadata, (1, 2), ttl_s=-1))
             with pytest.raises(PullFailed, match="metadata"):
@@ -190,6 +205,7 @@ def test_pull_failures_are_pull_failed(source):
 
 def test_restarted_source_is_reloaded():
     """The same worker id with new metadata (a restarted worker): the puller drops the old agent."""
+
     async def main():
         puller = nixl_backend.NixlTransfer("nixl-dst3", None, ChannelPool(), caches={})
         try:
@@ -217,7 +233,13 @@ def test_importing_the_backend_leaves_ucx_network_choice_to_the_environment():
     """A deployment across hosts names its interface; an import must not pin UCX to loopback behind its back."""
     env = {k: v for k, v in os.environ.items() if k != "UCX_NET_DEVICES"}
     code = "import os, common.transfer.nixl_backend; print(os.environ.get('UCX_NET_DEVICES'))"
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120,
-                         cwd=Path(__file__).resolve().parents[2])
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=Path(__file__).resolve().parents[2],
+    )
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "None"

@@ -12,7 +12,7 @@ CUDA = torch.cuda.is_available()
 def dense_reference(q, k, v, query_lens, seq_lens, scale):
     out, start, kv_start = [], 0, 0
     for qlen, slen in zip(query_lens, seq_lens):
-        qi, ki, vi = q[start:start + qlen], k[kv_start:kv_start + slen], v[kv_start:kv_start + slen]
+        qi, ki, vi = q[start : start + qlen], k[kv_start : kv_start + slen], v[kv_start : kv_start + slen]
         groups = qi.shape[1] // ki.shape[1]
         ki, vi = ki.repeat_interleave(groups, 1), vi.repeat_interleave(groups, 1)
         scores = torch.einsum("qhd,khd->hqk", qi.float(), ki.float()) * scale
@@ -32,30 +32,38 @@ def build_case(device, dtype, heads=8, kv_heads=2, dim=32, block_size=16, seed=0
     tables, next_free = [], 0
     for slen in seq_lens:
         n = -(-slen // block_size)
-        tables.append(perm[next_free:next_free + n])
+        tables.append(perm[next_free : next_free + n])
         next_free += n
     k_all = torch.randn(sum(seq_lens), kv_heads, dim, generator=g)
     v_all = torch.randn(sum(seq_lens), kv_heads, dim, generator=g)
     q = torch.randn(sum(query_lens), heads, dim, generator=g)
-    cache = torch.zeros(num_blocks, 3, 2, block_size, kv_heads, dim)  # [blocks, layers, k/v, ...] as the engine lays it out
+    cache = torch.zeros(
+        num_blocks, 3, 2, block_size, kv_heads, dim
+    )  # [blocks, layers, k/v, ...] as the engine lays it out
     k_cache, v_cache = cache[:, 1, 0], cache[:, 1, 1]
     new_k, new_v, slot_b, slot_o, kv_start = [], [], [], [], 0
     for table, qlen, slen in zip(tables, query_lens, seq_lens):
         for p in range(slen):
             target = (table[p // block_size], p % block_size)
             if p >= slen - qlen:
-                new_k.append(k_all[kv_start + p]); new_v.append(v_all[kv_start + p])
-                slot_b.append(target[0]); slot_o.append(target[1])
+                new_k.append(k_all[kv_start + p])
+                new_v.append(v_all[kv_start + p])
+                slot_b.append(target[0])
+                slot_o.append(target[1])
             else:
-                k_cache[target] = k_all[kv_start + p]; v_cache[target] = v_all[kv_start + p]
+                k_cache[target] = k_all[kv_start + p]
+                v_cache[target] = v_all[kv_start + p]
         kv_start += slen
     width = max(len(t) for t in tables)
     meta = AttentionMetadata(
-        num_decodes=3, query_lens=query_lens, seq_lens=seq_lens,
+        num_decodes=3,
+        query_lens=query_lens,
+        seq_lens=seq_lens,
         block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32, device=device),
         seq_lens_t=torch.tensor(seq_lens, dtype=torch.int32, device=device),
         query_start_loc=torch.tensor([0] + query_lens, device=device).cumsum(0, dtype=torch.int32),
-        slot_blocks=torch.tensor(slot_b, device=device), slot_offsets=torch.tensor(slot_o, device=device),
+        slot_blocks=torch.tensor(slot_b, device=device),
+        slot_offsets=torch.tensor(slot_o, device=device),
     )
     cache = cache.to(device, dtype)
     k_cache, v_cache = cache[:, 1, 0], cache[:, 1, 1]

@@ -57,10 +57,19 @@ class OtlpReceiver(trace_service_pb2_grpc.TraceServiceServicer):
             attrs = {a.key: _value(a.value) for a in resource_spans.resource.attributes}
             for scope in resource_spans.scope_spans:
                 for s in scope.spans:
-                    received.append(Span(attrs.get("service.name", ""), s.name, s.trace_id.hex(), s.span_id.hex(),
-                                         s.parent_span_id.hex(), s.kind,
-                                         {a.key: _value(a.value) for a in s.attributes},
-                                         s.start_time_unix_nano, s.end_time_unix_nano))
+                    received.append(
+                        Span(
+                            attrs.get("service.name", ""),
+                            s.name,
+                            s.trace_id.hex(),
+                            s.span_id.hex(),
+                            s.parent_span_id.hex(),
+                            s.kind,
+                            {a.key: _value(a.value) for a in s.attributes},
+                            s.start_time_unix_nano,
+                            s.end_time_unix_nano,
+                        )
+                    )
         with self._lock:
             self.spans.extend(received)
         return trace_service_pb2.ExportTraceServiceResponse()

@@ -20,24 +20,52 @@ REDIS_URL = os.environ.get("EPDMESH_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
 
 
 @contextlib.contextmanager
-def running_server(model_dir, topology: str, log_path, *extra: str, redis_url: str | None = REDIS_URL,
-                   env: dict | None = None, source: str | None = None):
+def running_server(
+    model_dir,
+    topology: str,
+    log_path,
+    *extra: str,
+    redis_url: str | None = REDIS_URL,
+    env: dict | None = None,
+    source: str | None = None,
+):
     """`epdmesh serve --topology T` on a free loopback port; yields its base URL; stops it (SIGTERM) at the end.
     `redis_url=None`: no --redis-url and no REDIS_URL, so serve starts its own private redis-server.
     `source`: serve the code of another checkout of this repository (e.g. a `git worktree` of an older commit),
     with this environment's packages."""
     port = free_port()
-    cmd = [sys.executable, "-m", "epdmesh.cli", "serve", "--model", str(model_dir), "--served-model-name", MODEL,
-           "--topology", topology, "--dtype", "float32", "--port", str(port), "--kv-cache-gib", "0.05",
-           "--token-budget", "256", "--threads", "1", *extra]
+    cmd = [
+        sys.executable,
+        "-m",
+        "epdmesh.cli",
+        "serve",
+        "--model",
+        str(model_dir),
+        "--served-model-name",
+        MODEL,
+        "--topology",
+        topology,
+        "--dtype",
+        "float32",
+        "--port",
+        str(port),
+        "--kv-cache-gib",
+        "0.05",
+        "--token-budget",
+        "256",
+        "--threads",
+        "1",
+        *extra,
+    ]
     env = {**{k: v for k, v in os.environ.items() if k not in ("REDIS_URL", "EPDMESH_API_KEY")}, **(env or {})}
     if source is not None:
         env["PYTHONPATH"] = os.pathsep.join([str(source), env.get("PYTHONPATH", "")])
     if redis_url is not None:
         cmd += ["--redis-url", redis_url]
     with open(log_path, "w") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env={**env, "PYTHONUNBUFFERED": "1"},
-                                cwd=source)
+        proc = subprocess.Popen(
+            cmd, stdout=out, stderr=subprocess.STDOUT, env={**env, "PYTHONUNBUFFERED": "1"}, cwd=source
+        )
     base = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 240
     try:
@@ -65,8 +93,11 @@ def pools(base, headers: dict | None = None) -> list[dict]:
 
 def pool_full(p: dict) -> bool:
     """One worker's (or the one engine's) stats: every KV and image block free, no lease held."""
-    return (p["kv_blocks_free"] == p["kv_blocks_total"] and p["image_blocks_free"] == p["image_blocks_total"]
-            and not p.get("num_leases", 0))
+    return (
+        p["kv_blocks_free"] == p["kv_blocks_total"]
+        and p["image_blocks_free"] == p["image_blocks_total"]
+        and not p.get("num_leases", 0)
+    )
 
 
 def assert_pools_full(base, timeout: float = 15.0, headers: dict | None = None) -> None:

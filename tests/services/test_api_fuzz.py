@@ -1,7 +1,7 @@
 """The HTTP API under generated bodies (hypothesis, `api_strategies.py`), on one process and on an `E1+P1+D1` mesh at
-once: any body is served or refused with an OpenAI-shaped 4xx, never a 5xx (the tokenizer endpoints too); a request sent over and over beside them
-keeps getting the same answer; every page comes back; and the two topologies answer a served chat with the same tokens.
-Stage calls sent straight to workers get an answer or a precise gRPC status.
+once: any body is served or refused with an OpenAI-shaped 4xx, never a 5xx (the tokenizer endpoints too); a request
+sent over and over beside them keeps getting the same answer; every page comes back; and the two topologies answer a
+served chat with the same tokens. Stage calls sent straight to workers get an answer or a precise gRPC status.
 
 What it found when it was written: a repetition_penalty of 1e-224 overflowed the sampler and failed the engine's whole
 step (every request in it got a 500), and temperature / top_p rounded to float32 on the mesh's wire.
@@ -22,28 +22,42 @@ import threading
 import grpc
 import httpx
 import pytest
-from hypothesis import HealthCheck, given, settings, strategies as st
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from common.model.config import LlavaConfig
-from epdmesh.v1 import mesh_pb2 as pb, mesh_pb2_grpc as rpc
+from epdmesh.v1 import mesh_pb2 as pb
+from epdmesh.v1 import mesh_pb2_grpc as rpc
 from tests.services.api_strategies import ENDPOINTS, capped, chat_bodies, stage_call_specs
 from tests.services.servers import MODEL, assert_pools_full, running_server
 
 EXAMPLES = int(os.environ.get("EPDMESH_FUZZ_EXAMPLES", "40"))
 TOPOLOGIES = ("local", "E1+P1+D1")
-FUZZ = settings(max_examples=EXAMPLES, deadline=None, database=None, suppress_health_check=list(HealthCheck),
-                derandomize=not os.environ.get("EPDMESH_FUZZ_RANDOM"), print_blob=True)
-CANARY = {"model": MODEL, "messages": [{"role": "user", "content": "Tell me about the kitchen window"}],
-          "max_tokens": 12, "temperature": 0}
+FUZZ = settings(
+    max_examples=EXAMPLES,
+    deadline=None,
+    database=None,
+    suppress_health_check=list(HealthCheck),
+    derandomize=not os.environ.get("EPDMESH_FUZZ_RANDOM"),
+    print_blob=True,
+)
+CANARY = {
+    "model": MODEL,
+    "messages": [{"role": "user", "content": "Tell me about the kitchen window"}],
+    "max_tokens": 12,
+    "temperature": 0,
+}
 
 
 @pytest.fixture(scope="module")
 def servers(tiny_dir, tmp_path_factory):
     logs = tmp_path_factory.mktemp("fuzz")
-    with running_server(tiny_dir, "local", logs / "local.log") as local, \
-            running_server(tiny_dir, "E1+P1+D1", logs / "mesh.log") as mesh, \
-            running_server(tiny_dir, "EPD1", logs / "epd.log") as colocated, \
-            running_server(tiny_dir, "E1+P1+PD1", logs / "multiplexed.log", "--multiplex-max-tokens", "40") as multiplexed:
+    with (
+        running_server(tiny_dir, "local", logs / "local.log") as local,
+        running_server(tiny_dir, "E1+P1+D1", logs / "mesh.log") as mesh,
+        running_server(tiny_dir, "EPD1", logs / "epd.log") as colocated,
+        running_server(tiny_dir, "E1+P1+PD1", logs / "multiplexed.log", "--multiplex-max-tokens", "40") as multiplexed,
+    ):
         # EPD1: a worker every stage call fits; E1+P1+PD1: prompts up to 40 tokens prefilled on the decoder (path 2)
         yield {"local": local, "E1+P1+D1": mesh, "EPD1": colocated, "E1+P1+PD1": multiplexed}
 
@@ -58,7 +72,9 @@ def canary(base: str):
         with httpx.Client(base_url=base, timeout=120) as client:
             while not stop.is_set():
                 r = client.post("/v1/chat/completions", json=CANARY)
-                answers[(r.status_code, r.json()["choices"][0]["message"]["content"] if r.status_code == 200 else r.text)] += 1
+                answers[
+                    (r.status_code, r.json()["choices"][0]["message"]["content"] if r.status_code == 200 else r.text)
+                ] += 1
 
     thread = threading.Thread(target=loop, daemon=True)
     thread.start()
@@ -107,6 +123,7 @@ def test_any_body_is_served_or_refused_with_an_openai_4xx_and_nobody_else_notice
     base = servers[topology]
     statuses, refusals = collections.Counter(), collections.Counter()
     with httpx.Client(base_url=base, timeout=120) as client, canary(base) as answers:
+
         @FUZZ
         @given(ENDPOINTS[path])
         def send(body):
@@ -118,8 +135,11 @@ def test_any_body_is_served_or_refused_with_an_openai_4xx_and_nobody_else_notice
                 refusals[json.loads(text)["error"]["message"][:60]] += 1
 
         send()
-    assert statuses[200] >= EXAMPLES // 10, ("too few bodies reached the engine to show anything", dict(statuses),
-                                            refusals.most_common(8))
+    assert statuses[200] >= EXAMPLES // 10, (
+        "too few bodies reached the engine to show anything",
+        dict(statuses),
+        refusals.most_common(8),
+    )
     assert len(answers) == 1 and next(iter(answers))[0] == 200, dict(answers)
     assert httpx.get(f"{base}/health", timeout=10).status_code == 200
     assert_pools_full(base)
@@ -154,7 +174,9 @@ def test_one_process_and_a_mesh_answer_the_same(servers, mesh):
         body = capped({k: v for k, v in body.items() if k not in ("stream", "stream_options")})
         body.setdefault("seed", 1234)
         raw, headers = json.dumps(body), {"content-type": "application/json"}  # Infinity, as Python's json writes it
-        one, split = (answer_of(client.post("/v1/chat/completions", content=raw, headers=headers)) for client in clients.values())
+        one, split = (
+            answer_of(client.post("/v1/chat/completions", content=raw, headers=headers)) for client in clients.values()
+        )
         seen[one[0]] += 1
         assert one == split, json.dumps(body)[:2000]
 
@@ -169,7 +191,9 @@ def test_one_process_and_a_mesh_answer_the_same(servers, mesh):
         assert paths["multiplexed"] and paths["dedicated"], paths
 
 
-def test_stage_calls_straight_to_each_worker_are_answered_with_a_precise_status_and_leave_nothing_behind(servers, tiny_dir):
+def test_stage_calls_straight_to_each_worker_are_answered_with_a_precise_status_and_leave_nothing_behind(
+    servers, tiny_dir
+):
     """Encode, Prefill and Decode of generated requests sent straight to a worker of all three roles, and to the mesh's
     E, P and D whatever their roles: an answer or a precise status (never INTERNAL or UNKNOWN: a bug of ours), the
     workers still serving, and their pools full once the leases the calls made are released."""
@@ -184,7 +208,9 @@ def test_stage_calls_straight_to_each_worker_are_answered_with_a_precise_status_
     calls = iter(range(10**9))
 
     @FUZZ
-    @given(specs, st.sampled_from(["encode", "prefill", "decode"]), st.sampled_from(["EPD", "EPD", "EPD", "E", "P", "D"]))
+    @given(
+        specs, st.sampled_from(["encode", "prefill", "decode"]), st.sampled_from(["EPD", "EPD", "EPD", "E", "P", "D"])
+    )
     def call(spec, stage, to):
         channel = channels[to]
         spec.request_id = f"{spec.request_id}-{next(calls)}"  # one in use (its pages leased) is refused, rightly
@@ -198,10 +224,18 @@ def test_stage_calls_straight_to_each_worker_are_answered_with_a_precise_status_
                 for _ in rpc.DecoderStub(channel).Decode(pb.DecodeRequest(request=spec), timeout=60):
                     pass
             if handle is not None and handle.lease_id:  # as the next stage would once it has the pages
-                assert rpc.WorkerStub(channel).ReleasePages(pb.ReleasePagesRequest(lease_id=handle.lease_id), timeout=10).released
+                assert (
+                    rpc.WorkerStub(channel)
+                    .ReleasePages(pb.ReleasePagesRequest(lease_id=handle.lease_id), timeout=10)
+                    .released
+                )
             codes["OK"] += 1
         except grpc.RpcError as e:
-            assert e.code() not in (grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN), (stage, e.details(), str(spec)[:1500])
+            assert e.code() not in (grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN), (
+                stage,
+                e.details(),
+                str(spec)[:1500],
+            )
             codes[e.code().name] += 1
             details[e.details()[:50]] += 1
 
@@ -212,6 +246,9 @@ def test_stage_calls_straight_to_each_worker_are_answered_with_a_precise_status_
     finally:
         for channel in channels.values():
             channel.close()
-    assert codes["OK"] >= EXAMPLES // 10 and codes["INVALID_ARGUMENT"] >= EXAMPLES // 10, (dict(codes), details.most_common(10))
+    assert codes["OK"] >= EXAMPLES // 10 and codes["INVALID_ARGUMENT"] >= EXAMPLES // 10, (
+        dict(codes),
+        details.most_common(10),
+    )
     for topology in ("EPD1", "E1+P1+D1"):
         assert_pools_full(servers[topology])

@@ -79,9 +79,10 @@ def test_slots_expire_unless_their_encode_is_running_and_a_cancelled_waiter_leav
 
 
 def test_a_prefill_sent_before_its_encode_gets_the_pages_from_the_encoder(tiny_dir, processors):
-    """Two workers over real gRPC (E and P): the Prefill with pending images arrives first and waits; the pages
-    move E → P; the first token is the one of the same request with the handle passed through the caller; every pool is full afterwards. An
-    awaited Encode that fails fails the waiting Prefill with ABORTED (its source failed), not a hang."""
+    """Two workers over real gRPC (E and P): the Prefill with pending images arrives first and waits; the pages move E
+    → P; the first token is the one of the same request with the handle passed through the caller; every pool is full
+    afterwards. An awaited Encode that fails fails the waiting Prefill with ABORTED (its source failed), not a
+    hang."""
     processor = processors["tiny"]
 
     async def main():
@@ -94,8 +95,9 @@ def test_a_prefill_sent_before_its_encode_gets_the_pages_from_the_encoder(tiny_d
                 full = [await e_stats.Stats(pb.StatsRequest()), await p_stats.Stats(pb.StatsRequest())]
                 # the reference: one step after the other (the handle comes back, then goes to the Prefill)
                 handed = await encoder.Encode(pb.EncodeRequest(request=image_spec(processor, "ref")))
-                reference = await prefiller.Prefill(pb.PrefillRequest(request=image_spec(processor, "ref"),
-                                                                      image_pages=handed.image_pages))
+                reference = await prefiller.Prefill(
+                    pb.PrefillRequest(request=image_spec(processor, "ref"), image_pages=handed.image_pages)
+                )
                 await p_stats.ReleasePages(pb.ReleasePagesRequest(lease_id=reference.kv_pages.lease_id))
 
                 spec = image_spec(processor, "r1")
@@ -110,8 +112,9 @@ def test_a_prefill_sent_before_its_encode_gets_the_pages_from_the_encoder(tiny_d
                 reply = await prefill
                 assert list(reply.first.token_ids) == list(reference.first.token_ids)
                 assert reply.kv_pages.num_tokens == reference.kv_pages.num_tokens
-                assert not (await e_stats.ReleasePages(pb.ReleasePagesRequest(
-                    lease_id=encoded.image_pages.lease_id))).released  # P pulled and acked them already
+                assert not (
+                    await e_stats.ReleasePages(pb.ReleasePagesRequest(lease_id=encoded.image_pages.lease_id))
+                ).released  # P pulled and acked them already
                 await p_stats.ReleasePages(pb.ReleasePagesRequest(lease_id=reply.kv_pages.lease_id))
 
                 broken = image_spec(processor, "r2")
@@ -128,8 +131,11 @@ def test_a_prefill_sent_before_its_encode_gets_the_pages_from_the_encoder(tiny_d
 
                 after = [await e_stats.Stats(pb.StatsRequest()), await p_stats.Stats(pb.StatsRequest())]
                 for before, now in zip(full, after):
-                    assert (now.num_leases, now.image_blocks_free, now.kv_blocks_free) == \
-                        (0, before.image_blocks_free, before.kv_blocks_free)
+                    assert (now.num_leases, now.image_blocks_free, now.kv_blocks_free) == (
+                        0,
+                        before.image_blocks_free,
+                        before.kv_blocks_free,
+                    )
         finally:
             e_stop.set()
             p_stop.set()
@@ -141,23 +147,30 @@ def test_a_prefill_sent_before_its_encode_gets_the_pages_from_the_encoder(tiny_d
 @pytest.mark.parametrize("path", ["dedicated", "colocated"])
 def test_a_stage_sent_without_its_images_encodes_them_when_they_are_not_cached_after_all(path, tiny_dir, processors):
     """The router predicted the prefill worker holds the images' KV, so the gateway sends no Encode: where that
-    worker's cache does not hold them (FAILED_PRECONDITION, reason IMAGES_NOT_CACHED) the gateway encodes them and calls it
-    again — the same tokens either way; once they are cached the encoder is not called at all. Real workers over
-    gRPC (E + P + D, or E + PD), the gateway's own stage driver."""
+    worker's cache does not hold them (FAILED_PRECONDITION, reason IMAGES_NOT_CACHED) the gateway encodes them and
+    calls it again — the same tokens either way; once they are cached the encoder is not called at all. Real workers
+    over gRPC (E + P + D, or E + PD), the gateway's own stage driver."""
     from common.policy.routing import PrefillPath, RoutePlan
     from common.request import Request, Stage
-    from common.workers import WorkerInfo, WorkerLoad, WorkerSnapshot
     from common.sampling import SamplingParams
     from common.telemetry.tracing import Tracing
     from common.transfer.channels import ChannelPool
+    from common.workers import WorkerInfo, WorkerLoad, WorkerSnapshot
     from services.gateway.mesh.route_client import Route
     from services.gateway.mesh.stages import Stages
     from services.stage_calls.client import StageCalls
     from tests.support import image
 
     processor = processors["tiny"]
-    conversation = [{"role": "user", "content": [{"type": "image", "image": image(3, 96, 64)},
-                                                 {"type": "text", "text": "Tell me at length what you see " * 4}]}]
+    conversation = [
+        {
+            "role": "user",
+            "content": [
+                {"type": "image", "image": image(3, 96, 64)},
+                {"type": "text", "text": "Tell me at length what you see " * 4},
+            ],
+        }
+    ]
     ids, images = processor.apply(conversation, finish_pixels=False)
 
     async def main():
@@ -179,8 +192,14 @@ def test_a_stage_sent_without_its_images_encodes_them_when_they_are_not_cached_a
             async def drive(rid, prompt, images_cached):
                 def worker(worker_id, address, *roles):
                     return WorkerSnapshot(WorkerInfo(worker_id, address, frozenset(roles)), WorkerLoad(), 0.0)
-                plan = RoutePlan(worker("e", e_addr, Stage.ENCODE), worker("p", p_addr, Stage.PREFILL),
-                                 worker(decoder, d_addr, Stage.DECODE), PrefillPath(path), images_cached=images_cached)
+
+                plan = RoutePlan(
+                    worker("e", e_addr, Stage.ENCODE),
+                    worker("p", p_addr, Stage.PREFILL),
+                    worker(decoder, d_addr, Stage.DECODE),
+                    PrefillPath(path),
+                    images_cached=images_cached,
+                )
                 request = Request(rid, prompt[0], SamplingParams(max_tokens=6, temperature=0), prompt[1])
                 outs = [out async for out in stages.drive(request, Route(plan, rid))]
                 return outs[-1].output_token_ids, outs[-1].num_cached_tokens
@@ -197,8 +216,15 @@ def test_a_stage_sent_without_its_images_encodes_them_when_they_are_not_cached_a
             assert await encoder_iterations() == before  # the encoder was not called
             # predicted cached, but it is not (another image before the same text): the worker says so, and the
             # gateway encodes it after all
-            other = processor.apply([{"role": "user", "content": [{"type": "image", "image": image(4, 96, 64)},
-                                                                  conversation[0]["content"][1]]}], finish_pixels=False)
+            other = processor.apply(
+                [
+                    {
+                        "role": "user",
+                        "content": [{"type": "image", "image": image(4, 96, 64)}, conversation[0]["content"][1]],
+                    }
+                ],
+                finish_pixels=False,
+            )
             missed, cached = await drive("miss", other, images_cached=True)
             assert await encoder_iterations() > before and cached == 0
             assert missed == (await drive("miss-again", other, images_cached=False))[0] != reference

@@ -17,11 +17,19 @@ async def _ok(_):
 async def _stream(_):
     async def events():
         yield "data: 1\n\n"
+
     return StreamingResponse(events(), media_type="text/event-stream")
 
 
-APP = Starlette(routes=[Route("/health", _ok), Route("/metrics", _ok), Route("/v1/models", _ok),
-                        Route("/v1/chat/completions", _stream, methods=["POST", "OPTIONS"]), Route("/stats", _ok)])
+APP = Starlette(
+    routes=[
+        Route("/health", _ok),
+        Route("/metrics", _ok),
+        Route("/v1/models", _ok),
+        Route("/v1/chat/completions", _stream, methods=["POST", "OPTIONS"]),
+        Route("/stats", _ok),
+    ]
+)
 
 
 def test_with_keys_every_path_but_health_and_metrics_needs_one_of_them_as_a_bearer_token():

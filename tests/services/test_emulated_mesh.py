@@ -16,16 +16,36 @@ H20 = str(Path(__file__).resolve().parents[2] / "profiles" / "llava-1.5-7b-h20.j
 
 
 def test_emulated_meshes_agree_and_the_goodput_benchmark_measures_one(emulated_dir, tmp_path):
-    bodies = [{k: v for k, v in b.items() if k not in ("stream", "stream_options")}
-              for b in request_bodies(SHAPES["textcaps"], 4, MODEL, seed=3)]
+    bodies = [
+        {k: v for k, v in b.items() if k not in ("stream", "stream_options")}
+        for b in request_bodies(SHAPES["textcaps"], 4, MODEL, seed=3)
+    ]
     answers = {}
     for topology in ("EPD1", "E1+P1+D1"):
         log = tmp_path / f"{topology.replace('+', '_')}.log"
-        with running_server(emulated_dir, topology, log, "--backend", "emulated", "--profile", H20, "--kv-cache-gib", "4",
-                            "--transfer", "grpc", "--latency-profile", H20, "--slo-ttft-ms", "2000",
-                            "--slo-tbt-ms", "150") as base:
+        with running_server(
+            emulated_dir,
+            topology,
+            log,
+            "--backend",
+            "emulated",
+            "--profile",
+            H20,
+            "--kv-cache-gib",
+            "4",
+            "--transfer",
+            "grpc",
+            "--latency-profile",
+            H20,
+            "--slo-ttft-ms",
+            "2000",
+            "--slo-tbt-ms",
+            "150",
+        ) as base:
             replies = [httpx.post(f"{base}/v1/chat/completions", json=b, timeout=60).json() for b in bodies]
-            answers[topology] = [(r["choices"][0]["message"]["content"], r["usage"]["completion_tokens"]) for r in replies]
+            answers[topology] = [
+                (r["choices"][0]["message"]["content"], r["usage"]["completion_tokens"]) for r in replies
+            ]
             assert all(r["usage"]["prompt_tokens"] > 576 for r in replies)  # 576 image tokens of LLaVA-1.5-7B
             if topology == "E1+P1+D1":
                 # each worker registered the budgets it runs (routers read them there): τ_t as given (running_server's
@@ -33,12 +53,37 @@ def test_emulated_meshes_agree_and_the_goodput_benchmark_measures_one(emulated_d
                 workers = httpx.get(f"{base}/stats", timeout=30).json()["workers"].values()
                 for has_decode, roles in ((False, "E"), (False, "P"), (True, "D")):
                     expected = budgets_for(load_profile(H20), has_decode, 2000, 150).image_budget
-                    assert [(w["token_budget"], w["image_budget"], w["join_first"]) for w in workers
-                            if w["roles"] == roles] == [(256, expected, False)]
+                    assert [
+                        (w["token_budget"], w["image_budget"], w["join_first"]) for w in workers if w["roles"] == roles
+                    ] == [(256, expected, False)]
                 out = tmp_path / "goodput.json"
-                assert goodput.main(["--url", base, "--backend", "emulated", "--workload", "pope,conversation", "--rates", "2,50",
-                                     "--num-prompts", "6", "--warmup", "1", "--pause", "0", "--slo-ttft-ms", "60000",
-                                     "--slo-tbt-ms", "60000", "--out", str(out)]) == 0
+                assert (
+                    goodput.main(
+                        [
+                            "--url",
+                            base,
+                            "--backend",
+                            "emulated",
+                            "--workload",
+                            "pope,conversation",
+                            "--rates",
+                            "2,50",
+                            "--num-prompts",
+                            "6",
+                            "--warmup",
+                            "1",
+                            "--pause",
+                            "0",
+                            "--slo-ttft-ms",
+                            "60000",
+                            "--slo-tbt-ms",
+                            "60000",
+                            "--out",
+                            str(out),
+                        ]
+                    )
+                    == 0
+                )
                 report = json.loads(out.read_text())
                 run = report["configs"]["mesh"]["pope"]
                 assert [p["request_rate"] for p in run["points"]] == [2.0, 50.0]

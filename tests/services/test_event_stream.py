@@ -59,8 +59,13 @@ def test_the_headers_and_the_first_event_go_out_together_once_it_is_there_then_t
         return conn
 
     conn = asyncio.run(main())
-    assert log == ["first asked", "http.response.start", "http.response.body", "http.response.body",
-                   "http.response.body"]
+    assert log == [
+        "first asked",
+        "http.response.start",
+        "http.response.body",
+        "http.response.body",
+        "http.response.body",
+    ]
     start = conn.sent[0]
     assert start["status"] == 200
     headers = dict(start["headers"])

@@ -55,11 +55,19 @@ def test_the_gateway_blames_the_callee_or_the_pages_source_and_tells_the_client_
 
 def test_a_route_plan_crosses_the_toggles_rpc_whole():
     def worker(worker_id, *roles, free=0):
-        info = WorkerInfo(worker_id, f"127.0.0.1:{len(worker_id)}", frozenset(roles), "m", 64, instance="run1",
-                          prefix_caching=True)
+        info = WorkerInfo(
+            worker_id, f"127.0.0.1:{len(worker_id)}", frozenset(roles), "m", 64, instance="run1", prefix_caching=True
+        )
         return WorkerSnapshot(info, WorkerLoad(num_waiting=2, kv_blocks_free=free // 16, last_iteration_ms=7.5), 0.25)
-    plan = RoutePlan(worker("e", Stage.ENCODE), worker("p", Stage.PREFILL), worker("dd", Stage.DECODE, free=96),
-                     PrefillPath.DEDICATED, predicted_ttft_ms=123.5, images_cached=True)
+
+    plan = RoutePlan(
+        worker("e", Stage.ENCODE),
+        worker("p", Stage.PREFILL),
+        worker("dd", Stage.DECODE, free=96),
+        PrefillPath.DEDICATED,
+        predicted_ttft_ms=123.5,
+        images_cached=True,
+    )
     assert wire.plan_from_pb(wire.plan_to_pb(plan)) == plan
     text = RoutePlan(None, plan.decoder, plan.decoder, PrefillPath.COLOCATED)
     assert wire.plan_from_pb(wire.plan_to_pb(text)) == text

@@ -22,8 +22,12 @@ def _spawned(logs: list, name: str, tmp_path, *argv: str):
     log = tmp_path / f"{name}.log"
     logs.append(log)
     with open(log, "w") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "epdmesh.cli", *argv], stdout=out, stderr=subprocess.STDOUT,
-                                env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "epdmesh.cli", *argv],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )
     try:
         yield proc
     finally:
@@ -47,21 +51,75 @@ def _healthy(base: str) -> bool:
 
 def test_a_stream_goes_on_from_its_only_decoder_restarted_under_the_same_id(tiny_dir, tmp_path):
     prefix, toggle, http_port = f"epdmesh:test-{uuid.uuid4().hex[:8]}:", f"127.0.0.1:{free_port()}", free_port()
-    engine = ["--model", str(tiny_dir), "--dtype", "float32", "--kv-cache-gib", "0.05", "--token-budget", "256",
-              "--threads", "1", "--transfer", "grpc", "--toggle", toggle]
+    engine = [
+        "--model",
+        str(tiny_dir),
+        "--dtype",
+        "float32",
+        "--kv-cache-gib",
+        "0.05",
+        "--token-budget",
+        "256",
+        "--threads",
+        "1",
+        "--transfer",
+        "grpc",
+        "--toggle",
+        toggle,
+    ]
     decoder_argv = ["worker", "--roles", "decode", "--worker-id", "decoder", "--port", str(free_port()), *engine]
     base, logs = f"http://127.0.0.1:{http_port}", []
-    body = {"model": MODEL, "messages": [{"role": "user", "content": "Tell a long story about the kitchen"}],
-            "max_tokens": 120, "temperature": 0, "ignore_eos": True, "return_token_ids": True}
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "Tell a long story about the kitchen"}],
+        "max_tokens": 120,
+        "temperature": 0,
+        "ignore_eos": True,
+        "return_token_ids": True,
+    }
     with contextlib.ExitStack() as stack:
-        stack.enter_context(_spawned(logs, "toggle", tmp_path, "toggle", "--redis-url", REDIS_URL, "--prefix", prefix,
-                                     "--port", toggle.rsplit(":", 1)[1]))
-        stack.enter_context(_spawned(logs, "prefill", tmp_path, "worker", "--roles", "encode,prefill", "--worker-id",
-                                     "prefill", *engine))
+        stack.enter_context(
+            _spawned(
+                logs,
+                "toggle",
+                tmp_path,
+                "toggle",
+                "--redis-url",
+                REDIS_URL,
+                "--prefix",
+                prefix,
+                "--port",
+                toggle.rsplit(":", 1)[1],
+            )
+        )
+        stack.enter_context(
+            _spawned(
+                logs, "prefill", tmp_path, "worker", "--roles", "encode,prefill", "--worker-id", "prefill", *engine
+            )
+        )
         decoder = stack.enter_context(_spawned(logs, "decoder", tmp_path, *decoder_argv))
-        stack.enter_context(_spawned(logs, "gateway", tmp_path, "gateway", "--model", str(tiny_dir), "--toggle", toggle,
-                                     "--port", str(http_port), "--served-model-name", MODEL, "--redis-url", REDIS_URL,
-                                     "--prefix", prefix, "--prefill-mode", "dedicated"))
+        stack.enter_context(
+            _spawned(
+                logs,
+                "gateway",
+                tmp_path,
+                "gateway",
+                "--model",
+                str(tiny_dir),
+                "--toggle",
+                toggle,
+                "--port",
+                str(http_port),
+                "--served-model-name",
+                MODEL,
+                "--redis-url",
+                REDIS_URL,
+                "--prefix",
+                prefix,
+                "--prefill-mode",
+                "dedicated",
+            )
+        )
         _wait(lambda: _healthy(base), "the mesh coming up", logs)
         whole = httpx.post(f"{base}/v1/chat/completions", json=body, timeout=120).json()["choices"][0]["token_ids"]
 

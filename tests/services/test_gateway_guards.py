@@ -13,10 +13,10 @@ from PIL import Image
 from starlette.testclient import TestClient
 
 from common.policy.routing import PrefillPath, RoutePlan, RouteSummary, RoutingConfig
+from common.request import Stage
 from common.sampling import SamplingParams
 from common.telemetry.metrics import GatewayMetrics
 from common.workers import WorkerInfo, WorkerLoad, WorkerSnapshot
-from common.request import Stage
 from epdmesh.v1 import mesh_pb2 as pb
 from services import wire
 from services.failure import Reason
@@ -128,17 +128,31 @@ def test_an_image_of_too_many_pixels_is_a_413_naming_the_limit_however_far_over_
     for img in (Image.new("1", (20000, 20000)), Image.new("L", (10000, 6000))):
         buf = io.BytesIO()
         img.save(buf, "PNG")
-        content = [{"type": "image_url", "image_url": {"url": "data:image/png;base64," + pybase64.b64encode(buf.getvalue()).decode()}}]
+        content = [
+            {
+                "type": "image_url",
+                "image_url": {"url": "data:image/png;base64," + pybase64.b64encode(buf.getvalue()).decode()},
+            }
+        ]
         with pytest.raises(ApiError) as err:
-            parse_chat_request(json.dumps({"model": MODEL, "messages": [{"role": "user", "content": content}]}).encode(), [MODEL])
+            parse_chat_request(
+                json.dumps({"model": MODEL, "messages": [{"role": "user", "content": content}]}).encode(), [MODEL]
+            )
         assert err.value.status == 413 and "over 50000000 pixels" in err.value.message, err.value.message
 
 
 def test_seeds_beyond_64_bits_and_negative_top_k_are_400s_naming_the_parameter():
     assert _parse(seed=2**63 - 1).sampling.seed == 2**63 - 1 and _parse(seed=-(2**63)).sampling.seed == -(2**63)
-    for extra, param in (({"seed": 2**63}, "seed"), ({"seed": -(2**63) - 1}, "seed"), ({"seed": 2**70}, "seed"),
-                         ({"top_k": -5}, "top_k"), ({"top_p": 0}, "top_p"), ({"temperature": -1}, "temperature"),
-                         ({"max_tokens": 0}, "max_tokens"), ({"presence_penalty": 3}, "presence_penalty")):
+    for extra, param in (
+        ({"seed": 2**63}, "seed"),
+        ({"seed": -(2**63) - 1}, "seed"),
+        ({"seed": 2**70}, "seed"),
+        ({"top_k": -5}, "top_k"),
+        ({"top_p": 0}, "top_p"),
+        ({"temperature": -1}, "temperature"),
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"presence_penalty": 3}, "presence_penalty"),
+    ):
         with pytest.raises(ApiError) as err:
             _parse(**extra)
         assert err.value.status == 400 and err.value.param == param, extra
@@ -146,16 +160,22 @@ def test_seeds_beyond_64_bits_and_negative_top_k_are_400s_naming_the_parameter()
 
 
 def test_the_widest_seeds_min_tokens_and_min_p_cross_the_wire():
-    for params in (SamplingParams(seed=2**63 - 1), SamplingParams(seed=-(2**63)),
-                   SamplingParams(max_tokens=20, min_tokens=7, min_p=0.125, stop_token_ids=(9,))):
+    for params in (
+        SamplingParams(seed=2**63 - 1),
+        SamplingParams(seed=-(2**63)),
+        SamplingParams(max_tokens=20, min_tokens=7, min_p=0.125, stop_token_ids=(9,)),
+    ):
         assert wire.sampling_from_pb(wire.sampling_to_pb(params)) == params
 
 
 def test_the_values_a_client_sent_cross_the_wire_unrounded():
     """temperature and top_p were float32 on the wire: 0.9 sampled as 0.8999999762 in a mesh and as 0.9 in one process,
     and a top_p of 1e-300, which the gateway accepts, arrived as 0 and was refused by the worker (fuzzing found it)."""
-    for params in (SamplingParams(temperature=0.7, top_p=0.9), SamplingParams(top_p=1e-300, temperature=5e-324),
-                   SamplingParams(temperature=1.0000001, top_p=0.30000000000000004)):
+    for params in (
+        SamplingParams(temperature=0.7, top_p=0.9),
+        SamplingParams(top_p=1e-300, temperature=5e-324),
+        SamplingParams(temperature=1.0000001, top_p=0.30000000000000004),
+    ):
         assert wire.sampling_from_pb(wire.sampling_to_pb(params)) == params
     summary = RouteSummary("r", 10, 0, 4, ttft_slo_ms=1e-300, tbt_slo_ms=0.1)
     back = wire.summary_from_pb(wire.summary_to_pb(summary))
@@ -166,14 +186,20 @@ def test_min_tokens_and_min_p_are_vllms_and_checked():
     sampling = _parse(max_tokens=20, min_tokens=5, min_p=0.1).sampling
     assert (sampling.min_tokens, sampling.min_p) == (5, 0.1) and sampling.adjusts_logits
     assert _parse().sampling.min_tokens == 0 and _parse().sampling.min_p == 0.0
-    for extra, param in (({"max_tokens": 4, "min_tokens": 5}, "min_tokens"), ({"min_tokens": -1}, "min_tokens"),
-                         ({"min_p": 1.5}, "min_p"), ({"min_p": -0.1}, "min_p"), ({"min_p": "a"}, "min_p")):
+    for extra, param in (
+        ({"max_tokens": 4, "min_tokens": 5}, "min_tokens"),
+        ({"min_tokens": -1}, "min_tokens"),
+        ({"min_p": 1.5}, "min_p"),
+        ({"min_p": -0.1}, "min_p"),
+        ({"min_p": "a"}, "min_p"),
+    ):
         with pytest.raises(ApiError) as err:
             _parse(**extra)
         assert err.value.status == 400 and err.value.param == param, extra
 
 
 # ----- /health over the registry -----
+
 
 class Toggle:
     def __init__(self, entries):
@@ -202,7 +228,11 @@ def test_health_needs_live_workers_covering_prefill_and_decode_and_says_which_ro
     assert _health(e, p, d) == {"status": "ok", "workers": 3, "silent_workers": 0}
     dead_d = _entry("d", {Stage.DECODE}, age_s=3.5)  # killed 3.5 s ago: still registered, routing gave up on it
     body = _health(e, p, dead_d)
-    assert body["status"] == "error" and body["reason"] == "no live worker has the decode role" and body["silent_workers"] == 1
+    assert (
+        body["status"] == "error"
+        and body["reason"] == "no live worker has the decode role"
+        and body["silent_workers"] == 1
+    )
     assert _health(p)["reason"] == "no live worker has the decode role" and "prefill or decode" in _health(e)["reason"]
     assert _health(p, d)["status"] == "degraded" and "images fail" in _health(p, d)["reason"]
     assert _health(_entry("epd", {Stage.ENCODE, Stage.PREFILL, Stage.DECODE}))["status"] == "ok"
@@ -212,14 +242,19 @@ def test_no_route_message_lists_only_workers_the_request_could_use():
     def snap(worker_id, roles, age_s=0.1):
         return WorkerSnapshot(WorkerInfo(worker_id, "a", frozenset(roles), MODEL, 100), WorkerLoad(), age_s)
 
-    workers = [snap("e", {Stage.ENCODE}), snap("p", {Stage.PREFILL}), snap("d-1", {Stage.DECODE}),
-               snap("d-2", {Stage.DECODE}, age_s=9)]
+    workers = [
+        snap("e", {Stage.ENCODE}),
+        snap("p", {Stage.PREFILL}),
+        snap("d-1", {Stage.DECODE}),
+        snap("d-2", {Stage.DECODE}, age_s=9),
+    ]
     summary = RouteSummary("r", 5, 1, 4, frozenset({"d-1"}))
     why = _why_no_route(workers, summary, RoutingConfig().max_heartbeat_age_s)
     assert "live workers have roles ['E', 'P']" in why and "left out: d-1, d-2" in why, why
 
 
 # ----- failover waits for a replacement -----
+
 
 class Router:
     """Routes nowhere until `ready_after` routes were asked for (a worker registering meanwhile)."""
@@ -263,6 +298,7 @@ def _reroute(router, wait_s: float, monkeypatch, wait_for_worker: bool = True):
             raise e.api_error() from None
         finally:
             backend.routes._refresher.cancel()
+
     return asyncio.run(go())
 
 
@@ -314,9 +350,16 @@ def test_a_body_that_is_not_utf8_and_a_model_that_is_not_a_string_are_named_as_s
 def test_parameters_this_server_does_not_implement_are_refused_unless_neutral_and_unknown_ones_logged_once(caplog):
     from services.gateway import fields
 
-    for extra in ({"use_beam_search": True}, {"best_of": 3}, {"guided_grammar": "root ::= \"a\""},
-                  {"skip_special_tokens": False}, {"include_stop_str_in_output": True}, {"prompt_logprobs": 1},
-                  {"functions": [{"name": "f"}]}, {"modalities": ["text", "audio"]}):
+    for extra in (
+        {"use_beam_search": True},
+        {"best_of": 3},
+        {"guided_grammar": 'root ::= "a"'},
+        {"skip_special_tokens": False},
+        {"include_stop_str_in_output": True},
+        {"prompt_logprobs": 1},
+        {"functions": [{"name": "f"}]},
+        {"modalities": ["text", "audio"]},
+    ):
         with pytest.raises(ApiError) as err:
             _parse(**extra)
         (key,) = extra
@@ -350,11 +393,16 @@ class Streaming(Backend):
                 for n in range(1, self.tokens + 1):
                     await asyncio.sleep(0.001)
                     done = n == self.tokens
-                    yield RequestOutput(request_id, [n], list(range(1, n + 1)),
-                                        RequestStatus.FINISHED_LENGTH if done else RequestStatus.DECODING,
-                                        "length" if done else None)
+                    yield RequestOutput(
+                        request_id,
+                        [n],
+                        list(range(1, n + 1)),
+                        RequestStatus.FINISHED_LENGTH if done else RequestStatus.DECODING,
+                        "length" if done else None,
+                    )
             finally:
                 self.closed.append(request_id)
+
         return 7, outputs()
 
 
@@ -363,17 +411,37 @@ def test_n_choices_count_as_sequences_in_the_metrics_and_the_request_ends_once()
     backend = Streaming()
     with TestClient(build_app(backend, MODEL, metrics=metrics)) as client:
         whole = _post(client, "hi", n=3, max_tokens=4).json()
-        events = [line for line in _post(client, "hi", n=3, max_tokens=4, stream=True,
-                                         stream_options={"include_usage": True}).text.splitlines() if line]
+        events = [
+            line
+            for line in _post(
+                client, "hi", n=3, max_tokens=4, stream=True, stream_options={"include_usage": True}
+            ).text.splitlines()
+            if line
+        ]
     assert [c["index"] for c in whole["choices"]] == [0, 1, 2]
-    assert whole["usage"] == {"prompt_tokens": 7, "completion_tokens": 12, "total_tokens": 19,
-                              "prompt_tokens_details": {"cached_tokens": 0}}
+    assert whole["usage"] == {
+        "prompt_tokens": 7,
+        "completion_tokens": 12,
+        "total_tokens": 19,
+        "prompt_tokens_details": {"cached_tokens": 0},
+    }
     chunks = [json.loads(e[6:]) for e in events if e != "data: [DONE]"]
-    assert sorted(c["choices"][0]["index"] for c in chunks if c["choices"] and c["choices"][0]["finish_reason"]) == [0, 1, 2]
+    assert sorted(c["choices"][0]["index"] for c in chunks if c["choices"] and c["choices"][0]["finish_reason"]) == [
+        0,
+        1,
+        2,
+    ]
     assert chunks[-1]["usage"]["completion_tokens"] == 12 and events[-1] == "data: [DONE]"
     assert _sample(metrics, "request_success_total", finished_reason="length") == 6  # one per choice
     assert _sample(metrics, "generation_tokens_total") == 24 and _sample(metrics, "num_requests_running") == 0
-    assert sorted(rid.rsplit("-", 1)[1] for rid in backend.closed) == ["0", "0", "1", "1", "2", "2"]  # every choice ran out
+    assert sorted(rid.rsplit("-", 1)[1] for rid in backend.closed) == [
+        "0",
+        "0",
+        "1",
+        "1",
+        "2",
+        "2",
+    ]  # every choice ran out
 
 
 def test_a_request_routes_around_the_run_of_a_worker_that_failed_it_not_a_restart_under_the_same_id():
@@ -382,8 +450,9 @@ def test_a_request_routes_around_the_run_of_a_worker_that_failed_it_not_a_restar
     from common.policy.routing import route
 
     def snap(worker_id, roles, instance):
-        return WorkerSnapshot(WorkerInfo(worker_id, "127.0.0.1:1", frozenset(roles), MODEL, 100, instance=instance),
-                              WorkerLoad(), 0.1)
+        return WorkerSnapshot(
+            WorkerInfo(worker_id, "127.0.0.1:1", frozenset(roles), MODEL, 100, instance=instance), WorkerLoad(), 0.1
+        )
 
     prefill = snap("prefill", {Stage.PREFILL}, "p1")
     dead, restarted = snap("decoder", {Stage.DECODE}, "run1"), snap("decoder", {Stage.DECODE}, "run2")
@@ -395,7 +464,10 @@ def test_a_request_routes_around_the_run_of_a_worker_that_failed_it_not_a_restar
     full = RouteSummary("r", 5, 0, 4, frozenset({"decoder"}))  # no KV room there (a reservation): any run of it
     assert route([prefill, restarted], full, RoutingConfig()) is None
     decoder = wire.plan_from_pb(wire.plan_to_pb(plan)).decoder  # as the gateway gets it from the toggle
-    assert decoder.info.registration == "decoder#run2" and wire.info_from_pb(wire.info_to_pb(restarted.info)) == restarted.info
+    assert (
+        decoder.info.registration == "decoder#run2"
+        and wire.info_from_pb(wire.info_to_pb(restarted.info)) == restarted.info
+    )
 
 
 def test_body_guards_bom_content_length_and_a_chunked_body_over_the_limit(app, monkeypatch):
@@ -403,7 +475,9 @@ def test_body_guards_bom_content_length_and_a_chunked_body_over_the_limit(app, m
 
     client, metrics, _ = app
     body = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}).encode()
-    assert client.post("/v1/chat/completions", content=b"\xef\xbb\xbf" + body).status_code == 500  # parsed: on to the backend
+    assert (
+        client.post("/v1/chat/completions", content=b"\xef\xbb\xbf" + body).status_code == 500
+    )  # parsed: on to the backend
     resp = client.post("/v1/chat/completions", content=body, headers={"content-length": "many"})
     assert resp.status_code == 400 and "Content-Length" in resp.json()["error"]["message"]
     monkeypatch.setattr(app_module, "MAX_BODY_BYTES", 1000)
@@ -429,7 +503,9 @@ def test_a_left_out_max_tokens_is_the_rest_of_the_context_and_images_that_cannot
         resp = client.post("/v1/chat/completions", content=json.dumps(body))
         assert resp.status_code == 400 and "3 images take 1728 tokens" in resp.json()["error"]["message"]
         body["messages"][0]["content"] = [part] * 2
-        assert client.post("/v1/chat/completions", content=json.dumps(body)).status_code == 500  # fits: on to the backend
+        assert (
+            client.post("/v1/chat/completions", content=json.dumps(body)).status_code == 500
+        )  # fits: on to the backend
 
 
 class FailsMidStream(Streaming):
@@ -440,6 +516,7 @@ class FailsMidStream(Streaming):
             async for out in outputs:
                 yield out
                 raise KeyError("a bug of ours")
+
         return num_prompt, broken()
 
 
@@ -460,24 +537,42 @@ def test_a_request_no_decoder_could_ever_hold_is_a_400_not_a_retry_later():
         load = WorkerLoad(kv_blocks_total=blocks_total, kv_blocks_free=blocks_free, kv_tokens_free=blocks_free * 16)
         return WorkerSnapshot(WorkerInfo(worker_id, "a", frozenset(roles), MODEL, 4096), load, age_s)
 
-    workers = [snap("p", {Stage.PREFILL}, 1000, 1000), snap("d1", {Stage.DECODE}, 65, 10), snap("d2", {Stage.DECODE}, 50, 50)]
+    workers = [
+        snap("p", {Stage.PREFILL}, 1000, 1000),
+        snap("d1", {Stage.DECODE}, 65, 10),
+        snap("d2", {Stage.DECODE}, 50, 50),
+    ]
     assert workers[1].load.kv_tokens_total == 1040
     _check_fits(workers, RouteSummary("r", 21, 0, 1019, frozenset()), 3.0)  # 1040 tokens: fits d1 when it is empty
     with pytest.raises(NoRoute) as err:
         _check_fits(workers, RouteSummary("r", 21, 0, 1100, frozenset()), 3.0)
-    assert err.value.reason == Reason.TOO_LARGE and "needs 1121 tokens of KV" in err.value.message and "(1040)" in err.value.message
-    _check_fits(workers + [snap("d3", {Stage.DECODE}, 100, 0)], RouteSummary("r", 21, 0, 1100, frozenset()), 3.0)  # d3's size unknown
+    assert (
+        err.value.reason == Reason.TOO_LARGE
+        and "needs 1121 tokens of KV" in err.value.message
+        and "(1040)" in err.value.message
+    )
+    _check_fits(
+        workers + [snap("d3", {Stage.DECODE}, 100, 0)], RouteSummary("r", 21, 0, 1100, frozenset()), 3.0
+    )  # d3's size unknown
     with pytest.raises(NoRoute):  # a dead or excluded decoder's size does not count
-        _check_fits(workers + [snap("d4", {Stage.DECODE}, 999, 999, age_s=9)], RouteSummary("r", 21, 0, 1100, frozenset()), 3.0)
+        _check_fits(
+            workers + [snap("d4", {Stage.DECODE}, 999, 999, age_s=9)], RouteSummary("r", 21, 0, 1100, frozenset()), 3.0
+        )
 
 
 def test_stop_and_stream_options_are_checked_as_vllm_does():
-    for extra, param in (({"stop": ""}, "stop"), ({"stop": [""]}, "stop"),
-                         ({"stream_options": {"include_usage": True}}, "stream_options")):
+    for extra, param in (
+        ({"stop": ""}, "stop"),
+        ({"stop": [""]}, "stop"),
+        ({"stream_options": {"include_usage": True}}, "stream_options"),
+    ):
         with pytest.raises(ApiError) as err:
             _parse(**extra)
         assert err.value.status == 400 and err.value.param == param, extra
-    assert _parse(stream=True, stream_options={"include_usage": True}).include_usage and _parse(stop=None).sampling.stop == ()
+    assert (
+        _parse(stream=True, stream_options={"include_usage": True}).include_usage
+        and _parse(stop=None).sampling.stop == ()
+    )
 
 
 class StopsAt(Streaming):
@@ -490,14 +585,18 @@ class StopsAt(Streaming):
         async def outputs():
             yield RequestOutput(request_id, [5], [5], RequestStatus.DECODING, None)
             yield RequestOutput(request_id, [6], [5, 6], RequestStatus.FINISHED_STOPPED, "stop", " where", text="5")
+
         return 7, outputs()
 
 
 def test_the_streamed_finish_chunk_names_the_stop_reason_as_the_whole_answer_does():
     with TestClient(build_app(StopsAt(), MODEL, metrics=GatewayMetrics(MODEL, ttft_slo_s=1, tbt_slo_s=1))) as client:
         whole = _post(client, "hi").json()["choices"][0]
-        lines = [json.loads(line[6:]) for line in _post(client, "hi", stream=True).text.splitlines()
-                 if line.startswith("data: {")]
+        lines = [
+            json.loads(line[6:])
+            for line in _post(client, "hi", stream=True).text.splitlines()
+            if line.startswith("data: {")
+        ]
     last = [c["choices"][0] for c in lines if c["choices"]][-1]
     assert (whole["finish_reason"], whole["stop_reason"]) == ("stop", " where")
     assert (last["finish_reason"], last["stop_reason"]) == ("stop", " where")

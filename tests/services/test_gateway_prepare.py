@@ -8,8 +8,8 @@ import threading
 import pytest
 
 from common.sampling import SamplingParams
-from services.gateway.mesh import MeshBackend
 from services.gateway.errors import ApiError
+from services.gateway.mesh import MeshBackend
 from services.gateway.protocol import ChatRequest
 
 WAIT_S = 5.0
@@ -63,9 +63,11 @@ class Routed(Exception):
 
 
 def _chat(max_tokens=8):
-    return ChatRequest("tiny", [{"role": "user", "content": [{"type": "image", "image": None},
-                                                             {"type": "text", "text": "what is it?"}]}],
-                       SamplingParams(max_tokens=max_tokens, temperature=0.0))
+    return ChatRequest(
+        "tiny",
+        [{"role": "user", "content": [{"type": "image", "image": None}, {"type": "text", "text": "what is it?"}]}],
+        SamplingParams(max_tokens=max_tokens, temperature=0.0),
+    )
 
 
 def _backend(processor, router, max_model_len=64):

@@ -38,11 +38,20 @@ TOPOLOGIES = {
 async def _ask_all(base, cases):
     client = openai.AsyncOpenAI(base_url=f"{base}/v1", api_key="none")
     try:
-        return await asyncio.gather(*(
-            client.chat.completions.create(model=MODEL, messages=to_openai(c.conversation), max_tokens=c.max_tokens,
-                                           temperature=0, logprobs=True, top_logprobs=TOP_LOGPROBS,
-                                           extra_body={"return_token_ids": True})
-            for c in cases))
+        return await asyncio.gather(
+            *(
+                client.chat.completions.create(
+                    model=MODEL,
+                    messages=to_openai(c.conversation),
+                    max_tokens=c.max_tokens,
+                    temperature=0,
+                    logprobs=True,
+                    top_logprobs=TOP_LOGPROBS,
+                    extra_body={"return_token_ids": True},
+                )
+                for c in cases
+            )
+        )
     finally:
         await client.close()
 
@@ -61,12 +70,21 @@ async def _ask_penalized(base, cases):
     client = openai.AsyncOpenAI(base_url=f"{base}/v1", api_key="none")
     extra = {"return_token_ids": True, "repetition_penalty": PENALTIES["repetition_penalty"]}
     try:
-        return await asyncio.gather(*(
-            client.chat.completions.create(model=MODEL, messages=to_openai(c.conversation), max_tokens=c.max_tokens,
-                                           temperature=0, presence_penalty=PENALTIES["presence_penalty"],
-                                           frequency_penalty=PENALTIES["frequency_penalty"],
-                                           logit_bias={str(t): v for t, v in LOGIT_BIAS.items()}, extra_body=extra)
-            for c in cases))
+        return await asyncio.gather(
+            *(
+                client.chat.completions.create(
+                    model=MODEL,
+                    messages=to_openai(c.conversation),
+                    max_tokens=c.max_tokens,
+                    temperature=0,
+                    presence_penalty=PENALTIES["presence_penalty"],
+                    frequency_penalty=PENALTIES["frequency_penalty"],
+                    logit_bias={str(t): v for t, v in LOGIT_BIAS.items()},
+                    extra_body=extra,
+                )
+                for c in cases
+            )
+        )
     finally:
         await client.close()
 
@@ -76,10 +94,20 @@ async def _stream_logprobs(base, case) -> list:
     client = openai.AsyncOpenAI(base_url=f"{base}/v1", api_key="none")
     try:
         stream = await client.chat.completions.create(
-            model=MODEL, messages=to_openai(case.conversation), max_tokens=case.max_tokens, temperature=0, stream=True,
-            logprobs=True, top_logprobs=TOP_LOGPROBS)
-        return [entry async for chunk in stream if chunk.choices and chunk.choices[0].logprobs
-                for entry in chunk.choices[0].logprobs.content]
+            model=MODEL,
+            messages=to_openai(case.conversation),
+            max_tokens=case.max_tokens,
+            temperature=0,
+            stream=True,
+            logprobs=True,
+            top_logprobs=TOP_LOGPROBS,
+        )
+        return [
+            entry
+            async for chunk in stream
+            if chunk.choices and chunk.choices[0].logprobs
+            for entry in chunk.choices[0].logprobs.content
+        ]
     finally:
         await client.close()
 
@@ -96,7 +124,10 @@ def _assert_logprobs_of_reference(entries, ref, label) -> None:
         assert len(entry.top_logprobs) == TOP_LOGPROBS, (label, step)
         assert entry.top_logprobs[0].token == entry.token and abs(entry.top_logprobs[0].logprob - entry.logprob) <= 1e-6
         values = [t.logprob for t in entry.top_logprobs]
-        assert values == sorted(values, reverse=True) and abs(values[-1] - want.topk(TOP_LOGPROBS).values[-1].item()) <= 1e-3
+        assert (
+            values == sorted(values, reverse=True)
+            and abs(values[-1] - want.topk(TOP_LOGPROBS).values[-1].item()) <= 1e-3
+        )
 
 
 @pytest.mark.parametrize("name", list(TOPOLOGIES))
@@ -116,14 +147,20 @@ def test_topology_gives_the_transformers_tokens(name, tiny_dir, chat_reference, 
             assert resp.usage.prompt_tokens == len(refs[case.name].prompt_ids)
             _assert_logprobs_of_reference(resp.choices[0].logprobs.content, refs[case.name], (name, case.name))
         streamed = cases[1]  # an image request: its first token comes from the prefill stage
-        _assert_logprobs_of_reference(asyncio.run(_stream_logprobs(base, streamed)), refs[streamed.name], (name, "stream"))
+        _assert_logprobs_of_reference(
+            asyncio.run(_stream_logprobs(base, streamed)), refs[streamed.name], (name, "stream")
+        )
         penalized, penalized_refs = penalized_reference  # the penalties reach the prefill stage and the decoder
         for case, resp in zip(penalized, asyncio.run(_ask_penalized(base, penalized))):
             assert resp.choices[0].model_extra["token_ids"] == penalized_refs[case.name].tokens, (name, case.name)
         assert all(penalized_refs[c.name].tokens != refs[c.name].tokens for c in penalized)  # they changed the answers
         paths = collections.Counter({k: v for k, v in httpx.get(f"{base}/stats").json()["paths"].items() if v})
-        expected = {"EPD1": {"colocated"}, "EP1+D1": {"dedicated"}, "ED1+P1": {"dedicated"},
-                    "multiplexed": {"multiplexed", "dedicated"}}[name]
+        expected = {
+            "EPD1": {"colocated"},
+            "EP1+D1": {"dedicated"},
+            "ED1+P1": {"dedicated"},
+            "multiplexed": {"multiplexed", "dedicated"},
+        }[name]
         assert set(paths) == expected, paths
         assert sum(paths.values()) == len(cases) + 1 + len(penalized)  # and the streamed and penalized ones
         assert_pools_full(base)
@@ -157,7 +194,9 @@ def test_a_killed_decoder_is_routed_around_then_started_again(tiny_dir, chat_ref
             assert time.monotonic() < deadline, "the registry still lists the dead decoder"
             time.sleep(0.1)
         deadline = time.monotonic() + 120  # serve starts it again after a 1 s backoff
-        while len(decoders := [w for w in httpx.get(f"{base}/stats").json()["workers"].values() if w["roles"] == "D"]) < 2:
+        while (
+            len(decoders := [w for w in httpx.get(f"{base}/stats").json()["workers"].values() if w["roles"] == "D"]) < 2
+        ):
             assert time.monotonic() < deadline, "the dead decoder was not started again"
             time.sleep(0.3)
         assert victim["pid"] not in {w["pid"] for w in decoders}
@@ -204,8 +243,14 @@ def test_a_killed_toggle_and_gateway_are_started_again(tiny_dir, chat_reference,
 
 @pytest.mark.parametrize("topology", ["E1+P1+D2", "E1+P1+D1"])  # D1: the stream waits for the restarted decoder
 def test_a_decoder_killed_mid_stream_is_replaced_without_duplicates(topology, tiny_dir, tmp_path):
-    body = {"model": MODEL, "messages": [{"role": "user", "content": "Tell a long story about the kitchen"}],
-            "max_tokens": 150, "temperature": 0, "ignore_eos": True, "return_token_ids": True}
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "Tell a long story about the kitchen"}],
+        "max_tokens": 150,
+        "temperature": 0,
+        "ignore_eos": True,
+        "return_token_ids": True,
+    }
     with running_server(tiny_dir, topology, tmp_path / "serve.log", "--prefill-mode", "dedicated") as base:
         whole = httpx.post(f"{base}/v1/chat/completions", json=body, timeout=120).json()["choices"][0]["token_ids"]
         killed = []
@@ -223,8 +268,13 @@ def test_a_decoder_killed_mid_stream_is_replaced_without_duplicates(topology, ti
 def test_serve_without_redis_says_what_to_install(tiny_dir, tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "REDIS_URL"}
     env["PATH"] = str(Path(sys.executable).parent)  # no redis-server on it
-    out = subprocess.run([sys.executable, "-m", "epdmesh.cli", "serve", "--model", str(tiny_dir), "--topology", "EPD1",
-                          "--port", "0"], env=env, capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-m", "epdmesh.cli", "serve", "--model", str(tiny_dir), "--topology", "EPD1", "--port", "0"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode != 0
     assert "REDIS_URL" in out.stderr and "apt-get install redis-server" in out.stderr
 
@@ -232,15 +282,21 @@ def test_serve_without_redis_says_what_to_install(tiny_dir, tmp_path):
 def test_slo_routing_with_admission_control_refuses_with_retry_after(tiny_dir, chat_reference, tmp_path):
     cases, refs = chat_reference
     profile = Path(__file__).resolve().parents[2] / "profiles" / "llava-1.5-7b-h20.json"
-    with running_server(tiny_dir, "E1+P1+PD1", tmp_path / "serve.log", "--latency-profile", str(profile),
-                        "--admission-control") as base:
+    with running_server(
+        tiny_dir, "E1+P1+PD1", tmp_path / "serve.log", "--latency-profile", str(profile), "--admission-control"
+    ) as base:
         case = next(c for c in cases if c.name == "img-short")
-        body = {"model": MODEL, "messages": to_openai(case.conversation), "max_tokens": case.max_tokens, "temperature": 0,
-                "return_token_ids": True}
+        body = {
+            "model": MODEL,
+            "messages": to_openai(case.conversation),
+            "max_tokens": case.max_tokens,
+            "temperature": 0,
+            "return_token_ids": True,
+        }
         ok = httpx.post(f"{base}/v1/chat/completions", json=body, timeout=60)
         assert ok.status_code == 200 and ok.json()["choices"][0]["token_ids"] == refs[case.name].tokens
         # the policy's predicted TTFT is kept beside the measured one (/stats) and their difference is exported
-        (seq, path, predicted, actual, request_id), = httpx.get(f"{base}/stats").json()["ttft_predictions"]["recent"]
+        ((seq, path, predicted, actual, request_id),) = httpx.get(f"{base}/stats").json()["ttft_predictions"]["recent"]
         assert seq == 1 and path in ("dedicated", "multiplexed") and predicted > 0 and actual > 0
         assert request_id == ok.json()["id"]  # a client's request can be matched to its route
         metrics = httpx.get(f"{base}/metrics").text

@@ -33,8 +33,16 @@ def test_the_text_after_a_migration_is_the_whole_decode_cut_like_the_engine_cuts
     out = _finished(tok, 'naïve {"a":1}', "stop", None, cut='naïve {"a":1}')
     assert rebased(out, "r", before, decode).text == 'the kitchen naïve {"a":1}'
     eos = tok.token_to_id("</s>")
-    out = RequestOutput("r-m2", [eos], tok.encode("naïve café").ids + [eos], RequestStatus.FINISHED_STOPPED, "stop",
-                        None, text="naïve café", num_prompt_tokens=10)
+    out = RequestOutput(
+        "r-m2",
+        [eos],
+        tok.encode("naïve café").ids + [eos],
+        RequestStatus.FINISHED_STOPPED,
+        "stop",
+        None,
+        text="naïve café",
+        num_prompt_tokens=10,
+    )
     assert rebased(out, "r", before, decode, eos_token_ids=(eos,)).text == "the kitchen naïve café"
 
 
@@ -46,7 +54,9 @@ def test_a_continuation_counts_the_tokens_already_sent_as_generated_across_the_w
     from services import wire
     from services.gateway.mesh.migration import continuation
 
-    original = Request("r", [1, 2, 3], SamplingParams(max_tokens=9, seed=4, frequency_penalty=0.5, repetition_penalty=1.1))
+    original = Request(
+        "r", [1, 2, 3], SamplingParams(max_tokens=9, seed=4, frequency_penalty=0.5, repetition_penalty=1.1)
+    )
     moved = continuation(original, [7, 8, 7], attempt=2)
     assert moved.prompt_token_ids == [1, 2, 3, 7, 8, 7] and moved.sampling.max_tokens == 6
     assert moved.generated_token_ids == [7, 8, 7]

@@ -17,7 +17,6 @@ from common.engine.engine import Engine
 from common.model.loader import load_model
 from common.paged_cache import PagedKVCache
 from common.request import Request
-from common.sampling import SamplingParams
 from tests.services.servers import MODEL, assert_pools_full, pools, running_server
 from tests.services.test_gateway import to_openai
 from tests.support import build_requests, mixed_cases
@@ -33,18 +32,28 @@ def long_cases(tiny_dir, processors):
 
     cases = [dataclasses.replace(c, max_tokens=LONG[c.name]) for c in mixed_cases() if c.name in LONG]
     engine = Engine(EngineConfig(model=str(tiny_dir), kv_cache_gib=0.05), model=load_model(tiny_dir, torch.float32))
-    requests = [Request(r.request_id, r.prompt_token_ids, dataclasses.replace(r.sampling, ignore_eos=True), r.images)
-                for r in build_requests(processors["tiny"], cases)]
+    requests = [
+        Request(r.request_id, r.prompt_token_ids, dataclasses.replace(r.sampling, ignore_eos=True), r.images)
+        for r in build_requests(processors["tiny"], cases)
+    ]
     return cases, {rid: out.output_token_ids for rid, out in engine.generate(requests).items()}
 
 
 async def _ask(base, cases):
     client = openai.AsyncOpenAI(base_url=f"{base}/v1", api_key="none")
     try:
-        return await asyncio.gather(*(
-            client.chat.completions.create(model=MODEL, messages=to_openai(c.conversation), max_tokens=c.max_tokens,
-                                           temperature=0, extra_body={"return_token_ids": True, "ignore_eos": True})
-            for c in cases))
+        return await asyncio.gather(
+            *(
+                client.chat.completions.create(
+                    model=MODEL,
+                    messages=to_openai(c.conversation),
+                    max_tokens=c.max_tokens,
+                    temperature=0,
+                    extra_body={"return_token_ids": True, "ignore_eos": True},
+                )
+                for c in cases
+            )
+        )
     finally:
         await client.close()
 
@@ -53,8 +62,15 @@ def test_a_decoder_out_of_kv_hands_back_the_image_request_and_both_answers_are_w
     cases, answers = long_cases
     per_block = PagedKVCache.bytes_per_block(16, 6, 2, 32, torch.float32)  # the tiny checkpoint's KV pages
     log = tmp_path / "serve.log"
-    with running_server(tiny_dir, "E1+P1+D1", log, "--kv-cache-gib", repr(KV_BLOCKS * per_block / 2**30),
-                        "--reserved-output-tokens", "0") as base:
+    with running_server(
+        tiny_dir,
+        "E1+P1+D1",
+        log,
+        "--kv-cache-gib",
+        repr(KV_BLOCKS * per_block / 2**30),
+        "--reserved-output-tokens",
+        "0",
+    ) as base:
         assert {p["roles"]: p["kv_blocks_total"] for p in pools(base)}["D"] == KV_BLOCKS
         responses = asyncio.run(_ask(base, cases))
         for case, resp in zip(cases, responses):

@@ -20,9 +20,13 @@ COVERED = ("img-long", "img-tall")  # their cached prefix holds every image plac
 async def _ask(base, case):
     client = openai.AsyncOpenAI(base_url=f"{base}/v1", api_key="none")
     try:
-        return await client.chat.completions.create(model=MODEL, messages=to_openai(case.conversation),
-                                                    max_tokens=case.max_tokens, temperature=0,
-                                                    extra_body={"return_token_ids": True})
+        return await client.chat.completions.create(
+            model=MODEL,
+            messages=to_openai(case.conversation),
+            max_tokens=case.max_tokens,
+            temperature=0,
+            extra_body={"return_token_ids": True},
+        )
     finally:
         await client.close()
 
@@ -45,7 +49,11 @@ def test_a_chat_sent_again_is_answered_from_its_cached_prefix(topology, prefills
                 assert resp.choices[0].model_extra["token_ids"] == ref.tokens, (topology, round_, case.name)
                 cached = resp.usage.prompt_tokens_details.cached_tokens
                 # every full block but the one holding the last prompt token, the second time
-                assert cached == (0 if round_ == 1 else (len(ref.prompt_ids) - 1) // 16 * 16), (topology, round_, case.name)
+                assert cached == (0 if round_ == 1 else (len(ref.prompt_ids) - 1) // 16 * 16), (
+                    topology,
+                    round_,
+                    case.name,
+                )
         assert_pools_full(base)
         if not prefills:
             return
@@ -56,16 +64,22 @@ def test_a_chat_sent_again_is_answered_from_its_cached_prefix(topology, prefills
 
         hits = sum((len(refs[c.name].prompt_ids) - 1) // 16 * 16 for c in cases)
         assert delta(prefills, "epdmesh:prefix_cache_hits_total") == hits
-        assert delta(prefills, "epdmesh:prefix_cache_queries_total") == 2 * sum(len(refs[c.name].prompt_ids) for c in cases)
+        assert delta(prefills, "epdmesh:prefix_cache_queries_total") == 2 * sum(
+            len(refs[c.name].prompt_ids) for c in cases
+        )
         assert delta(prefills, "epdmesh:image_encodes_skipped_total") == len(COVERED)
         image_bytes = 256 * 256 * 4  # one image's pages: 256 tokens × hidden 256 × fp32
-        assert delta(prefills, "epdmesh:transfer_bytes_total", kind="image") == len(COVERED) * image_bytes  # round 1 only
+        assert (
+            delta(prefills, "epdmesh:transfer_bytes_total", kind="image") == len(COVERED) * image_bytes
+        )  # round 1 only
         # the second time the router predicted the images' KV cached there: no Encode was sent at all
         assert delta("E", "epdmesh:encode_time_seconds_count") == len(COVERED)
 
 
 @pytest.mark.parametrize("topology", ["local", "E1+P1+D1"])
-def test_a_cache_salt_shares_cached_blocks_only_among_requests_that_carry_it(topology, tiny_dir, chat_reference, tmp_path):
+def test_a_cache_salt_shares_cached_blocks_only_among_requests_that_carry_it(
+    topology, tiny_dir, chat_reference, tmp_path
+):
     """vLLM's `cache_salt`: a tenant's requests share prefix-cache blocks with each other and with nobody else (another
     tenant cannot learn from a quicker first token that a prompt was seen). The answers stay transformers' tokens."""
     cases, refs = chat_reference
@@ -74,8 +88,13 @@ def test_a_cache_salt_shares_cached_blocks_only_among_requests_that_carry_it(top
     full = (len(ref.prompt_ids) - 1) // 16 * 16  # every block but the one holding the last prompt token
     with running_server(tiny_dir, topology, tmp_path / "serve.log") as base:
         client = httpx.Client(base_url=base, timeout=120)
-        body = {"model": MODEL, "messages": to_openai(case.conversation), "max_tokens": case.max_tokens, "temperature": 0,
-                "return_token_ids": True}
+        body = {
+            "model": MODEL,
+            "messages": to_openai(case.conversation),
+            "max_tokens": case.max_tokens,
+            "temperature": 0,
+            "return_token_ids": True,
+        }
         seen = []
         for salt in ("tenant-a", "tenant-a", "tenant-b", None, None, "tenant-b"):
             resp = client.post("/v1/chat/completions", json={**body, **({"cache_salt": salt} if salt else {})}).json()

@@ -85,8 +85,15 @@ def images():
 
 
 def _chat(url: str, allow: bool = True) -> list[dict]:
-    body = {"model": MODEL, "messages": [{"role": "user", "content": [
-        {"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": "What is it?"}]}]}
+    body = {
+        "model": MODEL,
+        "messages": [
+            {
+                "role": "user",
+                "content": [{"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": "What is it?"}],
+            }
+        ],
+    }
     return parse_chat_request(json.dumps(body).encode(), [MODEL], allow).conversation
 
 
@@ -99,6 +106,7 @@ def _fetch(url: str, **kwargs) -> list[dict]:
         finally:
             await fetcher.close()
         return conversation
+
     return asyncio.run(main())
 
 
@@ -111,16 +119,19 @@ def test_a_remote_image_is_fetched_and_decoded_to_the_pixels_it_holds_redirects_
         _chat(images + "/ok.png", allow=False)
 
 
-@pytest.mark.parametrize("path, kwargs, status, fragment", [
-    ("/missing.png", {}, 400, "answered HTTP 404"),
-    ("/text", {}, 400, "not an image this server can read"),
-    ("/big", {}, 413, "larger than 20 MiB"),
-    ("/endless", {"max_bytes": 2**20}, 413, "larger than 1 MiB"),
-    ("/slow", {"timeout_s": 0.3}, 400, "took over 0.3 s"),
-    ("/loop", {}, 400, "redirects more than 5 times"),
-    ("/away", {"allowed_domains": ("127.0.0.1",)}, 400, "redirects to localhost"),
-    ("/ok.png", {"allowed_domains": ("example.com",)}, 400, "images from 127.0.0.1 are not allowed"),
-])
+@pytest.mark.parametrize(
+    "path, kwargs, status, fragment",
+    [
+        ("/missing.png", {}, 400, "answered HTTP 404"),
+        ("/text", {}, 400, "not an image this server can read"),
+        ("/big", {}, 413, "larger than 20 MiB"),
+        ("/endless", {"max_bytes": 2**20}, 413, "larger than 1 MiB"),
+        ("/slow", {"timeout_s": 0.3}, 400, "took over 0.3 s"),
+        ("/loop", {}, 400, "redirects more than 5 times"),
+        ("/away", {"allowed_domains": ("127.0.0.1",)}, 400, "redirects to localhost"),
+        ("/ok.png", {"allowed_domains": ("example.com",)}, 400, "images from 127.0.0.1 are not allowed"),
+    ],
+)
 def test_a_fetch_that_fails_is_a_4xx_that_names_the_url_and_why(images, path, kwargs, status, fragment):
     with pytest.raises(ApiError) as err:
         _fetch(images + path, **kwargs)
@@ -132,7 +143,9 @@ def test_an_unreachable_host_is_a_400_and_an_allowed_domain_admits_its_subdomain
     with pytest.raises(ApiError, match="could not fetch http://127.0.0.1:9/x.png"):
         _fetch("http://127.0.0.1:9/x.png")  # the discard port: nothing listens
     fetcher = ImageFetcher(("example.com",))
-    assert fetcher.allowed("img.example.com") and fetcher.allowed("EXAMPLE.com.") and not fetcher.allowed("badexample.com")
+    assert (
+        fetcher.allowed("img.example.com") and fetcher.allowed("EXAMPLE.com.") and not fetcher.allowed("badexample.com")
+    )
 
 
 class Seen:
@@ -153,9 +166,14 @@ def test_the_gateway_fetches_before_the_backend_sees_the_chat_and_a_failed_fetch
     backend = Seen()
     metrics = GatewayMetrics(MODEL, ttft_slo_s=1, tbt_slo_s=1)
     with TestClient(build_app(backend, MODEL, allow_remote_images=True, metrics=metrics)) as client:
+
         def post(url):
-            body = {"model": MODEL, "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}}]}]}
+            body = {
+                "model": MODEL,
+                "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}}]}],
+            }
             return client.post("/v1/chat/completions", content=json.dumps(body))
+
         assert post(images + "/ok.png").json()["error"]["message"] == "seen by the backend"
         (part,) = backend.chats[0].conversation[0]["content"]
         assert np.array_equal(np.asarray(part["image"]), PIXELS)
@@ -163,8 +181,12 @@ def test_the_gateway_fetches_before_the_backend_sees_the_chat_and_a_failed_fetch
         assert failed.status_code == 400 and "answered HTTP 404" in failed.json()["error"]["message"]
         assert len(backend.chats) == 1
     with TestClient(build_app(Seen(), MODEL, metrics=GatewayMetrics(MODEL, ttft_slo_s=1, tbt_slo_s=1))) as client:
-        body = {"model": MODEL, "messages": [{"role": "user", "content": [
-            {"type": "image_url", "image_url": {"url": images + "/ok.png"}}]}]}
+        body = {
+            "model": MODEL,
+            "messages": [
+                {"role": "user", "content": [{"type": "image_url", "image_url": {"url": images + "/ok.png"}}]}
+            ],
+        }
         refused = client.post("/v1/chat/completions", content=json.dumps(body))
         assert refused.status_code == 400 and "disabled on this server" in refused.json()["error"]["message"]
 
@@ -172,14 +194,25 @@ def test_the_gateway_fetches_before_the_backend_sees_the_chat_and_a_failed_fetch
 def test_one_image_that_fails_stops_the_others_fetches_and_odd_urls_are_a_400(images):
     async def main():
         fetcher = ImageFetcher()
-        body = {"model": MODEL, "messages": [{"role": "user", "content": [
-            {"type": "image_url", "image_url": {"url": images + path}} for path in ("/endless-slowly", "/missing.png")]}]}
+        body = {
+            "model": MODEL,
+            "messages": [
+                {
+                    "role": "user",
+                    "content": [
+                        {"type": "image_url", "image_url": {"url": images + path}}
+                        for path in ("/endless-slowly", "/missing.png")
+                    ],
+                }
+            ],
+        }
         conversation = parse_chat_request(json.dumps(body).encode(), [MODEL], True).conversation
         try:
             with pytest.raises(ApiError, match="answered HTTP 404"):
                 await fetcher.fetch(conversation)
         finally:
             await fetcher.close()
+
     DROPPED.clear()
     asyncio.run(main())
     assert DROPPED.wait(30)  # the endless one was dropped, not read to its end (~50 s at this pace)
@@ -194,11 +227,21 @@ def test_one_image_that_fails_stops_the_others_fetches_and_odd_urls_are_a_400(im
 def test_a_chat_with_more_images_than_fit_is_refused_before_any_is_fetched(images):
     backend = Seen()
     backend.processor.config = type("Config", (), {"image_tokens_per_image": 60})()
-    with TestClient(build_app(backend, MODEL, allow_remote_images=True,
-                              metrics=GatewayMetrics(MODEL, ttft_slo_s=1, tbt_slo_s=1))) as client:
+    with TestClient(
+        build_app(backend, MODEL, allow_remote_images=True, metrics=GatewayMetrics(MODEL, ttft_slo_s=1, tbt_slo_s=1))
+    ) as client:
         DROPPED.clear()
-        body = {"model": MODEL, "messages": [{"role": "user", "content": [
-            {"type": "image_url", "image_url": {"url": images + "/endless-slowly"}} for _ in range(2)]}]}
+        body = {
+            "model": MODEL,
+            "messages": [
+                {
+                    "role": "user",
+                    "content": [
+                        {"type": "image_url", "image_url": {"url": images + "/endless-slowly"}} for _ in range(2)
+                    ],
+                }
+            ],
+        }
         refused = client.post("/v1/chat/completions", content=json.dumps(body))
         assert refused.status_code == 400 and "2 images take 120 tokens" in refused.json()["error"]["message"]
     assert not DROPPED.is_set() and not backend.chats  # nothing was fetched: no connection was made to be dropped

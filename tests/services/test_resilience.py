@@ -26,9 +26,14 @@ WAIT_S = 10
 
 class Prefiller(pb_grpc.PrefillerServicer):
     async def Prefill(self, request, context):
-        handle = pb.PageHandle(worker_id="p-1", address=self.address, lease_id="lease-kv-1", block_ids=[3, 4],
-                               num_tokens=20, layout=pb.PageLayout(kind=pb.CACHE_KIND_KV, dtype="float32", block_size=16,
-                                                                   block_shape=[1]))
+        handle = pb.PageHandle(
+            worker_id="p-1",
+            address=self.address,
+            lease_id="lease-kv-1",
+            block_ids=[3, 4],
+            num_tokens=20,
+            layout=pb.PageLayout(kind=pb.CACHE_KIND_KV, dtype="float32", block_size=16, block_shape=[1]),
+        )
         return pb.PrefillResponse(first=pb.TokenChunk(token_ids=[42], num_prompt_tokens=3), kv_pages=handle)
 
 

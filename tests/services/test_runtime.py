@@ -17,16 +17,29 @@ from tests.support import build_requests, image
 
 
 def runtime(name, roles, tiny_dir, processor, fabric, image_cache_gib=0.02, prefix_caching=False) -> WorkerRuntime:
-    config = EngineConfig(model=str(tiny_dir), roles=parse_roles(roles), kv_cache_gib=0.02, image_cache_gib=image_cache_gib,
-                          enable_prefix_caching=prefix_caching)
-    rt = WorkerRuntime(name, f"fake://{name}", AsyncEngine(Engine(config, detokenize=processor.detokenize)),
-                       FakePuller(fabric), lease_ttl_s=30, offer_backend="fake")
+    config = EngineConfig(
+        model=str(tiny_dir),
+        roles=parse_roles(roles),
+        kv_cache_gib=0.02,
+        image_cache_gib=image_cache_gib,
+        enable_prefix_caching=prefix_caching,
+    )
+    rt = WorkerRuntime(
+        name,
+        f"fake://{name}",
+        AsyncEngine(Engine(config, detokenize=processor.detokenize)),
+        FakePuller(fabric),
+        lease_ttl_s=30,
+        offer_backend="fake",
+    )
     fabric.attach(f"fake://{name}", rt.read_lease, rt.release_lease)
     return rt
 
 
 def stage_copy(r: Request, first: Stage, last: Stage, suffix: str, output=()) -> Request:
-    copy = Request(f"{r.request_id}@{suffix}", r.prompt_token_ids, r.sampling, r.images, first_stage=first, last_stage=last)
+    copy = Request(
+        f"{r.request_id}@{suffix}", r.prompt_token_ids, r.sampling, r.images, first_stage=first, last_stage=last
+    )
     copy.output_token_ids = list(output)
     return copy
 
@@ -68,7 +81,11 @@ def test_e_p_d_runtimes_move_pages_through_the_fake_backend(tiny_dir, processors
     with_images = sum(1 for r in requests if r.images)
     assert fabric.pulls == with_images + len(requests)  # image pages once per image request, KV once per request
     for load in loads:
-        assert (load.num_leases, load.kv_blocks_free, load.image_blocks_free) == (0, load.kv_blocks_total, load.image_blocks_total)
+        assert (load.num_leases, load.kv_blocks_free, load.image_blocks_free) == (
+            0,
+            load.kv_blocks_total,
+            load.image_blocks_total,
+        )
 
 
 def test_pulling_from_a_vanished_source_fails_cleanly(tiny_dir, processors):
@@ -113,8 +130,12 @@ def test_handed_over_pages_wait_for_cache_room_and_give_up_cleanly(tiny_dir, pro
         try:
             assert p.load().image_blocks_total < 2 * per_image  # room for one image at a time
             handles = [await e.encode(stage_copy(r, Stage.ENCODE, Stage.ENCODE, "encode")) for r in requests]
-            firsts = await asyncio.gather(*(p.prefill(stage_copy(r, Stage.PREFILL, Stage.PREFILL, "prefill"), h)
-                                            for r, h in zip(requests, handles)))
+            firsts = await asyncio.gather(
+                *(
+                    p.prefill(stage_copy(r, Stage.PREFILL, Stage.PREFILL, "prefill"), h)
+                    for r, h in zip(requests, handles)
+                )
+            )
             for r, (out, kv) in zip(requests, firsts):
                 assert out.output_token_ids[:1] == refs[r.request_id].tokens[:1]
                 await p.puller.release(kv)
@@ -127,7 +148,7 @@ def test_handed_over_pages_wait_for_cache_room_and_give_up_cleanly(tiny_dir, pro
             await p.engine.call(lambda eng: eng.pages.cancel_import(filler.request_id))
             for _ in range(250):  # the release of the lease, then of its blocks, is fire-and-forget
                 loads = [rt.load() for rt in (e, p)]
-                if all(not l.num_leases and l.image_blocks_free == l.image_blocks_total for l in loads):
+                if all(not x.num_leases and x.image_blocks_free == x.image_blocks_total for x in loads):
                     break
                 await asyncio.sleep(0.02)
             return loads
@@ -136,7 +157,11 @@ def test_handed_over_pages_wait_for_cache_room_and_give_up_cleanly(tiny_dir, pro
                 rt.engine.shutdown()
 
     for load in asyncio.run(main()):
-        assert (load.num_leases, load.kv_blocks_free, load.image_blocks_free) == (0, load.kv_blocks_total, load.image_blocks_total)
+        assert (load.num_leases, load.kv_blocks_free, load.image_blocks_free) == (
+            0,
+            load.kv_blocks_total,
+            load.image_blocks_total,
+        )
 
 
 def test_a_pinned_prefix_goes_back_when_its_stage_never_starts_and_the_encoders_pages_are_let_go(tiny_dir, processors):
@@ -146,8 +171,15 @@ def test_a_pinned_prefix_goes_back_when_its_stage_never_starts_and_the_encoders_
     from services.worker.runtime import ShuttingDown
 
     processor = processors["tiny"]
-    conversation = [{"role": "user", "content": [{"type": "image", "image": image(5, 64, 64)},
-                                                 {"type": "text", "text": "Tell me at length what you see " * 4}]}]
+    conversation = [
+        {
+            "role": "user",
+            "content": [
+                {"type": "image", "image": image(5, 64, 64)},
+                {"type": "text", "text": "Tell me at length what you see " * 4},
+            ],
+        }
+    ]
     ids, images = processor.apply(conversation)
     request = Request("r", ids, SamplingParams(max_tokens=4, temperature=0), images)
 

@@ -14,21 +14,46 @@ def _outputs(tokens: list[int]):
     async def gen():
         for i, token in enumerate(tokens):
             last = i == len(tokens) - 1
-            yield RequestOutput("r", [token], tokens[:i + 1], RequestStatus.FINISHED_LENGTH if last else RequestStatus.DECODING,
-                                "length" if last else None, num_prompt_tokens=5)
+            yield RequestOutput(
+                "r",
+                [token],
+                tokens[: i + 1],
+                RequestStatus.FINISHED_LENGTH if last else RequestStatus.DECODING,
+                "length" if last else None,
+                num_prompt_tokens=5,
+            )
+
     return gen()
 
 
 def _writes(n: int, tokens: list[int]) -> list[list[dict | str]]:
-    chat = ChatRequest("tiny", [{"role": "user", "content": [{"type": "text", "text": "hi"}]}],
-                       SamplingParams(max_tokens=len(tokens)), stream=True, include_usage=True, return_token_ids=True, n=n)
+    chat = ChatRequest(
+        "tiny",
+        [{"role": "user", "content": [{"type": "text", "text": "hi"}]}],
+        SamplingParams(max_tokens=len(tokens)),
+        stream=True,
+        include_usage=True,
+        return_token_ids=True,
+        n=n,
+    )
 
     async def main():
-        return [w async for w in sse(chat, "chatcmpl-1", "tiny", 5, [_outputs(tokens) for _ in range(n)],
-                                     lambda ids: "".join(chr(97 + i) for i in ids))]
+        return [
+            w
+            async for w in sse(
+                chat,
+                "chatcmpl-1",
+                "tiny",
+                5,
+                [_outputs(tokens) for _ in range(n)],
+                lambda ids: "".join(chr(97 + i) for i in ids),
+            )
+        ]
 
-    return [[line[6:] if line == "data: [DONE]" else json.loads(line[6:]) for line in w.split("\n\n") if line]
-            for w in asyncio.run(main())]
+    return [
+        [line[6:] if line == "data: [DONE]" else json.loads(line[6:]) for line in w.split("\n\n") if line]
+        for w in asyncio.run(main())
+    ]
 
 
 def test_the_role_chunk_goes_out_in_the_same_write_as_the_first_token():

@@ -1,4 +1,4 @@
-"""Stage calls on a stream kept open to a worker: the same replies, errors, cancellation and failure a unary call has."""
+"""Stage calls on a stream kept open to a worker: the replies, errors, cancellation and failure a unary call has."""
 
 import asyncio
 import contextlib
@@ -111,9 +111,11 @@ def test_replies_reach_their_calls_in_whatever_order_they_finish(mode):
 def test_an_error_is_the_status_code_the_unary_rpc_ends_with_and_the_stream_goes_on(mode):
     async def main():
         async with _calling(mode) as (handlers, server, servicer, address, calls):
-            for rid, code, details in (("bad-1", grpc.StatusCode.INVALID_ARGUMENT, "no good: bad-1"),
-                                       ("gone-1", grpc.StatusCode.NOT_FOUND, "no such thing as gone-1"),
-                                       ("bug-1", grpc.StatusCode.INTERNAL, "a bug of ours")):
+            for rid, code, details in (
+                ("bad-1", grpc.StatusCode.INVALID_ARGUMENT, "no good: bad-1"),
+                ("gone-1", grpc.StatusCode.NOT_FOUND, "no such thing as gone-1"),
+                ("bug-1", grpc.StatusCode.INTERNAL, "a bug of ours"),
+            ):
                 with pytest.raises(grpc.aio.AioRpcError) as failed:
                     await calls.call(address, "prefill", _prefill(rid))
                 assert failed.value.code() == code
@@ -268,6 +270,7 @@ def test_a_call_cancelled_while_its_message_is_being_written_leaves_the_stream_a
 def test_written_is_set_once_the_calls_message_is_out_while_its_reply_is_still_to_come(mode):
     """What a reservation made ahead waits for (`Router.route_ahead(after=)`): set when the message is handed to
     grpc — the worker gets it, the reply has not come — and set too when the call fails before any write."""
+
     async def main():
         async with _calling(mode, gated=("slow",)) as (handlers, server, servicer, address, calls):
             written = asyncio.Event()

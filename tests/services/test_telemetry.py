@@ -26,10 +26,18 @@ def traced_mesh(tiny_dir, tmp_path_factory):
 
 def ask_with_image(base, max_tokens=6, **extra):
     client = openai.OpenAI(base_url=f"{base}/v1", api_key="none", default_headers={"X-Request-Id": "traced-1"})
-    messages = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": data_uri(image(4, 96, 80))}},
-                                             {"type": "text", "text": "What is here?"}]}]
-    return client.chat.completions.create(model=MODEL, messages=messages, max_tokens=max_tokens, temperature=0,
-                                          extra_body={"ignore_eos": True, **extra})
+    messages = [
+        {
+            "role": "user",
+            "content": [
+                {"type": "image_url", "image_url": {"url": data_uri(image(4, 96, 80))}},
+                {"type": "text", "text": "What is here?"},
+            ],
+        }
+    ]
+    return client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=max_tokens, temperature=0, extra_body={"ignore_eos": True, **extra}
+    )
 
 
 def test_one_trace_spans_gateway_router_encoder_prefill_pull_and_decoder(traced_mesh):
@@ -46,8 +54,9 @@ def test_one_trace_spans_gateway_router_encoder_prefill_pull_and_decoder(traced_
         if not found:
             return False
         names = {s.name for s in spans if s.trace_id == found[0].trace_id}
-        return {"decode.execute", "page_pull", "route"} <= names and \
-            {s.service for s in spans if s.trace_id == found[0].trace_id} >= services
+        return {"decode.execute", "page_pull", "route"} <= names and {
+            s.service for s in spans if s.trace_id == found[0].trace_id
+        } >= services
 
     spans = receiver.wait_for(complete)
     [root] = roots(spans)
@@ -75,9 +84,11 @@ def test_one_trace_spans_gateway_router_encoder_prefill_pull_and_decoder(traced_
     assert parent(route) is root and not [s for s in trace if s.parent_id == route.span_id]
     assert route.attributes["epdmesh.path"] == "dedicated" and route.attributes["epdmesh.live_workers"] == 3
     # each stage: the gateway's client span → the worker's server span → its queue/execute (and pull) spans
-    for service, rpc, stage in (("epdmesh-worker-e", "/epdmesh.v1.Encoder/Encode", "encode"),
-                                ("epdmesh-worker-p", "/epdmesh.v1.Prefiller/Prefill", "prefill"),
-                                ("epdmesh-worker-d", "/epdmesh.v1.Decoder/Decode", "decode")):
+    for service, rpc, stage in (
+        ("epdmesh-worker-e", "/epdmesh.v1.Encoder/Encode", "encode"),
+        ("epdmesh-worker-p", "/epdmesh.v1.Prefiller/Prefill", "prefill"),
+        ("epdmesh-worker-d", "/epdmesh.v1.Decoder/Decode", "decode"),
+    ):
         server = one(service, rpc, SERVER)
         client = parent(server)
         assert client.service == "epdmesh-gateway" and client.kind == CLIENT and parent(client) is root
@@ -87,7 +98,10 @@ def test_one_trace_spans_gateway_router_encoder_prefill_pull_and_decoder(traced_
     kv_pull = one("epdmesh-worker-d", "page_pull")
     assert parent(image_pull).name == "/epdmesh.v1.Prefiller/Prefill"
     assert parent(kv_pull).name == "/epdmesh.v1.Decoder/Decode"
-    assert image_pull.attributes["epdmesh.transfer.kind"] == "image" and kv_pull.attributes["epdmesh.transfer.kind"] == "kv"
+    assert (
+        image_pull.attributes["epdmesh.transfer.kind"] == "image"
+        and kv_pull.attributes["epdmesh.transfer.kind"] == "kv"
+    )
     assert image_pull.attributes["epdmesh.transfer.bytes"] > 0 and kv_pull.attributes["epdmesh.transfer.bytes"] > 0
     assert image_pull.attributes["epdmesh.transfer.source"].startswith("e-")
     assert kv_pull.attributes["epdmesh.transfer.backend"] in ("nixl", "grpc")
@@ -165,14 +179,16 @@ def test_tracing_is_off_and_not_even_imported_without_an_endpoint():
     import subprocess
     import sys
 
-    code = ("import os, sys; [os.environ.pop(k, None) for k in list(os.environ) if k.startswith('OTEL_')]\n"
-            "from common.telemetry.tracing import Tracing\n"
-            "import services.gateway.app, services.worker.server, services.toggle.server\n"
-            "t = Tracing('x')\n"
-            "with t.span('s') as s: assert s is None\n"
-            # (redis-py itself imports opentelemetry's API when it is installed; ours stays out)
-            "print(t.enabled, any(m.startswith(('opentelemetry.instrumentation', 'opentelemetry.exporter'))"
-            " for m in sys.modules))")
+    code = (
+        "import os, sys; [os.environ.pop(k, None) for k in list(os.environ) if k.startswith('OTEL_')]\n"
+        "from common.telemetry.tracing import Tracing\n"
+        "import services.gateway.app, services.worker.server, services.toggle.server\n"
+        "t = Tracing('x')\n"
+        "with t.span('s') as s: assert s is None\n"
+        # (redis-py itself imports opentelemetry's API when it is installed; ours stays out)
+        "print(t.enabled, any(m.startswith(('opentelemetry.instrumentation', 'opentelemetry.exporter'))"
+        " for m in sys.modules))"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
     assert out == ["False", "False"]
 

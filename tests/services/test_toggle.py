@@ -27,9 +27,18 @@ def _profile():
     """encode 10 ms per image; prefill 0.1 ms per token; decode 5 ms + 1 ms per running sequence"""
     from common.latency import LatencyProfile, StageCost
 
-    return LatencyProfile("t", "analytic", "hw", "m", encode=StageCost(per_unit_ms=10.0),
-                          prefill=StageCost(per_unit_ms=0.1), decode=StageCost(overhead_ms=5.0, per_unit_ms=1.0),
-                          transfer_latency_ms=0.0, transfer_gbps=1.0, image_tokens=576)
+    return LatencyProfile(
+        "t",
+        "analytic",
+        "hw",
+        "m",
+        encode=StageCost(per_unit_ms=10.0),
+        prefill=StageCost(per_unit_ms=0.1),
+        decode=StageCost(overhead_ms=5.0, per_unit_ms=1.0),
+        transfer_latency_ms=0.0,
+        transfer_gbps=1.0,
+        image_tokens=576,
+    )
 
 
 def info(wid, roles):
@@ -84,10 +93,17 @@ def test_route_over_grpc_and_unavailable_without_workers():
             assert err.value.code() == grpc.StatusCode.UNAVAILABLE and "no live workers" in err.value.details()
             assert reason_of(err.value) == Reason.NO_WORKER  # in the call's trailing metadata
             for wid, roles in [("e-1", {E}), ("p-1", {P}), ("d-1", {D}), ("d-2", {D})]:
-                await toggle.Register(pb.RegisterRequest(info=wire.info_to_pb(info(wid, roles)),
-                                                         load=pb.WorkerLoad(kv_tokens_free=100_000)))
+                await toggle.Register(
+                    pb.RegisterRequest(
+                        info=wire.info_to_pb(info(wid, roles)), load=pb.WorkerLoad(kv_tokens_free=100_000)
+                    )
+                )
             plan = await toggle.Route(ask)
-            assert (plan.encoder.info.worker_id, plan.prefill.info.worker_id, plan.path) == ("e-1", "p-1", pb.PREFILL_PATH_DEDICATED)
+            assert (plan.encoder.info.worker_id, plan.prefill.info.worker_id, plan.path) == (
+                "e-1",
+                "p-1",
+                pb.PREFILL_PATH_DEDICATED,
+            )
             # the first decoder got the request's tokens booked locally, so the next one goes to the other
             second = await toggle.Route(ask)
             assert {plan.decoder.info.worker_id, second.decoder.info.worker_id} == {"d-1", "d-2"}
@@ -113,8 +129,9 @@ def test_slo_routing_over_grpc_chooses_paths_and_refuses_what_cannot_fit():
 
     async def main():
         stop, bound = asyncio.Event(), []
-        slo = SloRouting(profile, ttft_ms=500, tbt_ms=50, config=MultiplexConfig(short_prompt_tokens=256,
-                                                                                   admission_control=True))
+        slo = SloRouting(
+            profile, ttft_ms=500, tbt_ms=50, config=MultiplexConfig(short_prompt_tokens=256, admission_control=True)
+        )
         options = ToggleOptions(REDIS_URL, f"epdmesh-test:{uuid.uuid4().hex}:", slo=slo)
         task = asyncio.create_task(run_toggle(options, stop=stop, bound=bound))
         while not bound:
@@ -122,18 +139,28 @@ def test_slo_routing_over_grpc_chooses_paths_and_refuses_what_cannot_fit():
         async with grpc.aio.insecure_channel(bound[0]) as channel:
             toggle = pb_grpc.ToggleStub(channel)
             room = 100_000
-            loads = {"e-1": ({E}, WorkerLoad(kv_tokens_free=room)), "p-1": ({P}, WorkerLoad(kv_tokens_free=room)),
-                     "pd-1": ({P, D}, WorkerLoad(running_decode_batch=10, kv_tokens_free=room))}
+            loads = {
+                "e-1": ({E}, WorkerLoad(kv_tokens_free=room)),
+                "p-1": ({P}, WorkerLoad(kv_tokens_free=room)),
+                "pd-1": ({P, D}, WorkerLoad(running_decode_batch=10, kv_tokens_free=room)),
+            }
             for wid, (roles, load) in loads.items():
-                await toggle.Register(pb.RegisterRequest(info=wire.info_to_pb(info(wid, roles)), load=wire.load_to_pb(load)))
+                await toggle.Register(
+                    pb.RegisterRequest(info=wire.info_to_pb(info(wid, roles)), load=wire.load_to_pb(load))
+                )
 
             async def route(tokens, **slo_fields):
-                return await toggle.Route(pb.RouteRequest(request_id="r", num_prompt_tokens=tokens, num_images=1,
-                                                          max_tokens=8, **slo_fields))
+                return await toggle.Route(
+                    pb.RouteRequest(request_id="r", num_prompt_tokens=tokens, num_images=1, max_tokens=8, **slo_fields)
+                )
 
             short, long = await route(100), await route(1000)
             assert (short.path, short.prefill.info.worker_id) == (pb.PREFILL_PATH_MULTIPLEXED, "pd-1")
-            assert (long.path, long.prefill.info.worker_id, long.decoder.info.worker_id) == (pb.PREFILL_PATH_DEDICATED, "p-1", "pd-1")
+            assert (long.path, long.prefill.info.worker_id, long.decoder.info.worker_id) == (
+                pb.PREFILL_PATH_DEDICATED,
+                "p-1",
+                "pd-1",
+            )
             with pytest.raises(grpc.aio.AioRpcError) as err:
                 await route(1000, ttft_slo_ms=20)  # its own target: no path can reach it
             assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "within its SLO" in err.value.details()
@@ -149,6 +176,7 @@ def test_two_toggles_routing_at_once_never_overbook_a_decoder():
     """Two toggles share one Redis; 30 concurrent requests of 100 KV tokens each meet two decoders with
     room for 1,000 tokens each: exactly 20 are routed, no decoder gets more than it holds, the rest are
     refused (503 upstream); an admission reported by a heartbeat frees its reservation."""
+
     async def main():
         prefix = f"epdmesh-test:{uuid.uuid4().hex}:"
         stops, bounds, tasks = [], [], []
@@ -167,7 +195,9 @@ def test_two_toggles_routing_at_once_never_overbook_a_decoder():
 
         async def ask(i):
             try:
-                plan = await toggles[i % 2].Route(pb.RouteRequest(request_id=f"r{i}", num_prompt_tokens=60, max_tokens=40))
+                plan = await toggles[i % 2].Route(
+                    pb.RouteRequest(request_id=f"r{i}", num_prompt_tokens=60, max_tokens=40)
+                )
                 return plan.decoder.info.worker_id
             except grpc.aio.AioRpcError as e:
                 assert e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and reason_of(e) == Reason.NO_ROOM, e.details()
@@ -178,8 +208,9 @@ def test_two_toggles_routing_at_once_never_overbook_a_decoder():
         assert per_decoder == {"d-1": 10, "d-2": 10} and routed.count(None) == 10
         # d-1 reports five of its requests admitted: their reservations end and five more fit
         admitted = [f"r{i}" for i, d in enumerate(routed) if d == "d-1"][:5]
-        await toggles[1].Heartbeat(pb.HeartbeatRequest(worker_id="d-1", load=pb.WorkerLoad(kv_tokens_free=1000),
-                                                       admitted_request_ids=admitted))
+        await toggles[1].Heartbeat(
+            pb.HeartbeatRequest(worker_id="d-1", load=pb.WorkerLoad(kv_tokens_free=1000), admitted_request_ids=admitted)
+        )
         again = await asyncio.gather(*(ask(100 + i) for i in range(6)))
         assert again.count("d-1") == 5 and again.count(None) == 1
         for wid in ("p-1", "d-1", "d-2"):
@@ -221,8 +252,9 @@ def test_a_gateway_routing_in_process_and_a_toggle_share_one_view_of_capacity():
             try:
                 if i % 2:
                     return (await router.route(RouteSummary(f"r{i}", 60, 0, 40))).decoder.info.worker_id
-                return (await toggle.Route(pb.RouteRequest(request_id=f"r{i}", num_prompt_tokens=60,
-                                                           max_tokens=40))).decoder.info.worker_id
+                return (
+                    await toggle.Route(pb.RouteRequest(request_id=f"r{i}", num_prompt_tokens=60, max_tokens=40))
+                ).decoder.info.worker_id
             except NoRoute as e:
                 assert e.reason == Reason.NO_ROOM, e.message
             except grpc.aio.AioRpcError as e:
@@ -263,8 +295,10 @@ def test_routes_made_since_a_workers_last_heartbeat_stay_in_its_load_until_prefi
 
             async def loads():
                 await router.refresh()
-                return {w.worker_id: (w.load.num_waiting, w.load.queued_prefill_tokens, w.load.unfinished_decode_tokens)
-                        for w in router._snapshot}
+                return {
+                    w.worker_id: (w.load.num_waiting, w.load.queued_prefill_tokens, w.load.unfinished_decode_tokens)
+                    for w in router._snapshot
+                }
 
             first = await router.route(RouteSummary("r1", 600, 0, 40))
             second = await router.route(RouteSummary("r2", 300, 0, 20))
@@ -350,8 +384,10 @@ def test_a_route_loads_a_worker_until_the_gateway_has_handed_it_the_request():
 
             async def loads():
                 await router.refresh()
-                return {w.worker_id: (w.load.num_waiting, w.load.queued_prefill_tokens, w.load.unfinished_decode_tokens)
-                        for w in router._snapshot}
+                return {
+                    w.worker_id: (w.load.num_waiting, w.load.queued_prefill_tokens, w.load.unfinished_decode_tokens)
+                    for w in router._snapshot
+                }
 
             await router.route(RouteSummary("r1", 600, 0, 40))
             assert await loads() == {"p-1": (1, 600, 0), "d-1": (0, 0, 40)}
@@ -468,9 +504,15 @@ async def _register_caching(registry, workers, instance="", by_id_length=False):
     """Workers that cache prefixes, each with room for 16,000 tokens in 16-token blocks (`by_id_length`: as many
     unfinished decode tokens as its id has characters, so the shorter id decodes less)."""
     for wid, roles in workers:
-        await registry.register(dataclasses.replace(info(wid, roles), prefix_caching=True, instance=instance), WorkerLoad(
-            kv_tokens_free=100_000, kv_blocks_total=1000, kv_block_size=16,
-            unfinished_decode_tokens=len(wid) if by_id_length else 0))
+        await registry.register(
+            dataclasses.replace(info(wid, roles), prefix_caching=True, instance=instance),
+            WorkerLoad(
+                kv_tokens_free=100_000,
+                kv_blocks_total=1000,
+                kv_block_size=16,
+                unfinished_decode_tokens=len(wid) if by_id_length else 0,
+            ),
+        )
 
 
 def test_a_router_sends_a_prompt_it_routed_before_back_to_the_worker_it_sent_it_to():
@@ -500,8 +542,12 @@ def test_a_router_sends_a_prompt_it_routed_before_back_to_the_worker_it_sent_it_
             assert (await router.route(summary("c", chat + list(range(900, 950))))).prefill.info.worker_id == first
             router.prefilled("c")
             registration = info(first, {P}).registration
-            assert router.affinity.routed.matched_tokens(registration, prompt_hashes(chat, [])) == 288  # 18 whole blocks
-            assert router.affinity.routed.matched_tokens(registration, prompt_hashes(chat, [("img", 576)])) == 0  # another image
+            assert (
+                router.affinity.routed.matched_tokens(registration, prompt_hashes(chat, [])) == 288
+            )  # 18 whole blocks
+            assert (
+                router.affinity.routed.matched_tokens(registration, prompt_hashes(chat, [("img", 576)])) == 0
+            )  # another image
             await _register_caching(registry, [(first, {P})], instance="restarted")
             await router.refresh()
             assert router.affinity.routed.matched_tokens(registration, prompt_hashes(chat, [])) == 0
@@ -536,7 +582,10 @@ def test_a_decoder_that_prefills_is_recorded_as_holding_the_prompts_handed_to_it
             ids = list(range(100, 400))
             hashes = prompt_hashes(ids, [])
             plan = await router.route(RouteSummary("a", len(ids), 0, 8, prefix_hashes=hashes))
-            assert (plan.prefill.info.worker_id, plan.decoder.info.worker_id) == ("p-1", "d-1")  # fewest unfinished tokens
+            assert (plan.prefill.info.worker_id, plan.decoder.info.worker_id) == (
+                "p-1",
+                "d-1",
+            )  # fewest unfinished tokens
             assert router.affinity.routed.matched_tokens(info("d-1", {D}).registration, hashes) == 0
             await registry.heartbeat("d-1", WorkerLoad(unfinished_decode_tokens=1000))
             await router.refresh()

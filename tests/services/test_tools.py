@@ -11,10 +11,18 @@ from services.gateway.errors import ApiError
 from services.gateway.protocol import parse_chat_request
 from services.gateway.tools import ToolCallStream, ToolChoice, finish_reason, message, tool_grammar
 
-WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "The weather in a city",
-                                            "parameters": {"type": "object", "properties": {
-                                                "city": {"type": "string"}, "days": {"type": "integer"}},
-                                                "required": ["city"]}}}
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
+            "required": ["city"],
+        },
+    },
+}
 CLOCK = {"type": "function", "function": {"name": "time-now"}}
 
 
@@ -46,22 +54,32 @@ def test_each_tool_choice_parses_to_its_mode_and_a_left_out_one_is_auto():
         assert auto.tools.mode == "auto" and auto.tools.calls and auto.sampling.grammar
 
 
-@pytest.mark.parametrize("extra, fragment", [
-    ({"tool_choice": "required"}, "only allowed when 'tools' are given"),
-    ({"tools": {"name": "f"}}, "must be a list"),
-    ({"tools": [{"type": "function"}]}, "must be {type: function"),
-    ({"tools": [{"type": "retrieval", "function": {"name": "f"}}]}, "must be {type: function"),
-    ({"tools": [{"type": "function", "function": {"name": "has space"}}]}, "letters, digits"),
-    ({"tools": [WEATHER, WEATHER], "tool_choice": "none"}, "two tools are named 'get_weather'"),
-    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": "x"}}]}, "must be a JSON schema"),
-    ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "other"}}}, "not among 'tools'"),
-    ({"tools": [WEATHER], "tool_choice": "sometimes"}, "'tool_choice' must be"),
-    ({"tools": [WEATHER], "tool_choice": "required", "parallel_tool_calls": "no"}, "true or false"),
-    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "objectx"}}}],
-      "tool_choice": "required"}, "cannot be followed"),
-    ({"tools": [WEATHER], "tool_choice": "required", "response_format": {"type": "json_object"}},
-     "one structured-output constraint"),
-])
+@pytest.mark.parametrize(
+    "extra, fragment",
+    [
+        ({"tool_choice": "required"}, "only allowed when 'tools' are given"),
+        ({"tools": {"name": "f"}}, "must be a list"),
+        ({"tools": [{"type": "function"}]}, "must be {type: function"),
+        ({"tools": [{"type": "retrieval", "function": {"name": "f"}}]}, "must be {type: function"),
+        ({"tools": [{"type": "function", "function": {"name": "has space"}}]}, "letters, digits"),
+        ({"tools": [WEATHER, WEATHER], "tool_choice": "none"}, "two tools are named 'get_weather'"),
+        ({"tools": [{"type": "function", "function": {"name": "f", "parameters": "x"}}]}, "must be a JSON schema"),
+        ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "other"}}}, "not among 'tools'"),
+        ({"tools": [WEATHER], "tool_choice": "sometimes"}, "'tool_choice' must be"),
+        ({"tools": [WEATHER], "tool_choice": "required", "parallel_tool_calls": "no"}, "true or false"),
+        (
+            {
+                "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "objectx"}}}],
+                "tool_choice": "required",
+            },
+            "cannot be followed",
+        ),
+        (
+            {"tools": [WEATHER], "tool_choice": "required", "response_format": {"type": "json_object"}},
+            "one structured-output constraint",
+        ),
+    ],
+)
 def test_tools_that_cannot_be_called_as_asked_are_a_400_that_says_why(extra, fragment):
     assert fragment in _refused(**extra).message
 
@@ -99,9 +117,14 @@ def test_a_required_answer_is_a_list_of_calls_each_one_tools_with_its_arguments_
     one = '[{"name":"get_weather","parameters":{"city":"Oslo","days":2}}]'
     two = '[{"name":"get_weather","parameters":{"city":"Oslo"}},{"name":"time-now","parameters":{}}]'
     assert _matches(grammar, one) and _matches(grammar, two)
-    for wrong in ('[]', '[{"name":"get_weather","parameters":{"days":2}}]',  # city is required
-                  '[{"name":"nope","parameters":{}}]', '[{"parameters":{},"name":"time-now"}]',
-                  '[{"name":"time-now","parameters":{},"extra":1}]', '{"name":"time-now","parameters":{}}'):
+    for wrong in (
+        "[]",
+        '[{"name":"get_weather","parameters":{"days":2}}]',  # city is required
+        '[{"name":"nope","parameters":{}}]',
+        '[{"parameters":{},"name":"time-now"}]',
+        '[{"name":"time-now","parameters":{},"extra":1}]',
+        '{"name":"time-now","parameters":{}}',
+    ):
         assert not _matches(grammar, wrong), wrong
     single = tool_grammar(ToolChoice(tools, "required", parallel=False))
     assert _matches(single, one) and not _matches(single, two)
@@ -109,23 +132,37 @@ def test_a_required_answer_is_a_list_of_calls_each_one_tools_with_its_arguments_
 
 def test_each_tools_definitions_stay_its_own_even_under_the_same_name():
     def tool(name, item):
-        return {"type": "function", "function": {"name": name, "parameters": {
-            "type": "object", "properties": {"x": {"$ref": "#/$defs/Item"}}, "required": ["x"],
-            "$defs": {"Item": item}}}}
+        return {
+            "type": "function",
+            "function": {
+                "name": name,
+                "parameters": {
+                    "type": "object",
+                    "properties": {"x": {"$ref": "#/$defs/Item"}},
+                    "required": ["x"],
+                    "$defs": {"Item": item},
+                },
+            },
+        }
+
     grammar = tool_grammar(ToolChoice((tool("a", {"type": "integer"}), tool("b", {"type": "string"})), "required"))
-    assert _matches(grammar, '[{"name":"a","parameters":{"x":3}}]') and _matches(grammar, '[{"name":"b","parameters":{"x":"3"}}]')
+    assert _matches(grammar, '[{"name":"a","parameters":{"x":3}}]') and _matches(
+        grammar, '[{"name":"b","parameters":{"x":"3"}}]'
+    )
     assert not _matches(grammar, '[{"name":"a","parameters":{"x":"3"}}]')
     assert not _matches(grammar, '[{"name":"b","parameters":{"x":3}}]')
 
 
-REQUIRED = ('[{"name":"get_weather","parameters":{"city":"O\\"s{l}o, [N]","days":2,"nested":{"a":[1,{"b":null}]}}},'
-            '{"name":"time-now","parameters":{}}]')
+REQUIRED = (
+    '[{"name":"get_weather","parameters":{"city":"O\\"s{l}o, [N]","days":2,"nested":{"a":[1,{"b":null}]}}},'
+    '{"name":"time-now","parameters":{}}]'
+)
 
 
 @pytest.mark.parametrize("piece", [1, 2, 3, 7, len(REQUIRED)])
 def test_a_required_answer_streams_as_each_calls_id_and_name_then_its_arguments_whatever_the_pieces(piece):
     calls = ToolCallStream(ToolChoice((WEATHER, CLOCK), "required"))
-    deltas = [d for i in range(0, len(REQUIRED), piece) for d in calls.feed(REQUIRED[i:i + piece])]
+    deltas = [d for i in range(0, len(REQUIRED), piece) for d in calls.feed(REQUIRED[i : i + piece])]
     made = calls.calls()
     assert [c["function"]["name"] for c in made] == ["get_weather", "time-now"]
     assert [json.loads(c["function"]["arguments"]) for c in made] == [p["parameters"] for p in json.loads(REQUIRED)]
@@ -142,12 +179,20 @@ def test_a_named_answer_is_the_arguments_and_a_cut_answer_keeps_its_text():
     choice = ToolChoice((WEATHER,), "named", name="get_weather")
     calls = ToolCallStream(choice)
     first, rest = calls.feed('{"city":'), calls.feed('"Rome"}')
-    assert first == [{"index": 0, "id": calls.calls()[0]["id"], "type": "function",
-                      "function": {"name": "get_weather", "arguments": '{"city":'}}]
+    assert first == [
+        {
+            "index": 0,
+            "id": calls.calls()[0]["id"],
+            "type": "function",
+            "function": {"name": "get_weather", "arguments": '{"city":'},
+        }
+    ]
     assert rest == [{"index": 0, "function": {"arguments": '"Rome"}'}}] and calls.feed("") == []
     whole = message(choice, '{"city":"Rome"}')
-    assert whole["content"] is None and whole["tool_calls"][0]["function"] == {"name": "get_weather",
-                                                                                 "arguments": '{"city":"Rome"}'}
+    assert whole["content"] is None and whole["tool_calls"][0]["function"] == {
+        "name": "get_weather",
+        "arguments": '{"city":"Rome"}',
+    }
     cut = message(ToolChoice((WEATHER,), "required"), '[{"name":"get_wea')  # max_tokens ran out inside the name
     assert cut == {"role": "assistant", "content": '[{"name":"get_wea', "tool_calls": []}
     required = ToolChoice((WEATHER,), "required")
@@ -156,16 +201,39 @@ def test_a_named_answer_is_the_arguments_and_a_cut_answer_keeps_its_text():
 
 
 def test_earlier_calls_and_tool_answers_in_the_chat_are_taken_in_the_templates_form():
-    messages = [{"role": "user", "content": "Weather in Oslo?"},
-                {"role": "assistant", "content": None, "tool_calls": [
-                    {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city":"Oslo"}'}}]},
-                {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}]
+    messages = [
+        {"role": "user", "content": "Weather in Oslo?"},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": "call_1",
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": '{"city":"Oslo"}'},
+                }
+            ],
+        },
+        {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
+    ]
     chat = _chat(messages=messages, tools=[WEATHER], tool_choice="none")
-    assert chat.conversation[1] == {"role": "assistant", "content": [], "tool_calls": [
-        {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Oslo"}}}]}
-    assert chat.conversation[2] == {"role": "tool", "content": [{"type": "text", "text": "sunny"}], "tool_call_id": "call_1"}
-    for bad in ({"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": "{oops"}}]},
-                {"role": "assistant", "tool_calls": {"function": {}}}, {"role": "tool", "content": "x", "tool_call_id": 3}):
+    assert chat.conversation[1] == {
+        "role": "assistant",
+        "content": [],
+        "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Oslo"}}}
+        ],
+    }
+    assert chat.conversation[2] == {
+        "role": "tool",
+        "content": [{"type": "text", "text": "sunny"}],
+        "tool_call_id": "call_1",
+    }
+    for bad in (
+        {"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": "{oops"}}]},
+        {"role": "assistant", "tool_calls": {"function": {}}},
+        {"role": "tool", "content": "x", "tool_call_id": 3},
+    ):
         with pytest.raises(ApiError) as err:
             _chat(messages=[bad])
         assert err.value.status == 400 and err.value.param == "messages"
@@ -173,16 +241,34 @@ def test_earlier_calls_and_tool_answers_in_the_chat_are_taken_in_the_templates_f
 
 def test_a_template_that_does_not_render_tool_calls_sees_them_as_the_json_a_required_answer_is(processors):
     processor = processors["tiny"]
-    called = [{"role": "user", "content": [{"type": "text", "text": "Weather?"}]},
-              {"role": "assistant", "content": [], "tool_calls": [
-                  {"id": "c", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Oslo"}}}]},
-              {"role": "tool", "content": [{"type": "text", "text": "sunny"}]}]
-    written = [called[0], {"role": "assistant", "content": [
-        {"type": "text", "text": '[{"name":"get_weather","parameters":{"city":"Oslo"}}]'}]}, called[2]]
+    called = [
+        {"role": "user", "content": [{"type": "text", "text": "Weather?"}]},
+        {
+            "role": "assistant",
+            "content": [],
+            "tool_calls": [
+                {"id": "c", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Oslo"}}}
+            ],
+        },
+        {"role": "tool", "content": [{"type": "text", "text": "sunny"}]},
+    ]
+    written = [
+        called[0],
+        {
+            "role": "assistant",
+            "content": [{"type": "text", "text": '[{"name":"get_weather","parameters":{"city":"Oslo"}}]'}],
+        },
+        called[2],
+    ]
     assert "tool_calls" not in processor.processor.chat_template
     ids, _ = processor.apply(called, tools=[WEATHER])
-    assert ids == processor.apply(written)[0] == processor.processor.apply_chat_template(
-        written, add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"][0]
+    assert (
+        ids
+        == processor.apply(written)[0]
+        == processor.processor.apply_chat_template(
+            written, add_generation_prompt=True, tokenize=True, return_dict=True
+        )["input_ids"][0]
+    )
     assert processor.count_prompt_tokens(called, [WEATHER]) == len(ids)
     assert "TOOL: sunny" in processor.detokenize(ids)
 
@@ -199,17 +285,31 @@ def _grammar_of(parameters: dict, mode: str = "required", strict: bool = False) 
 
 
 def test_a_tools_references_into_itself_point_where_they_did_once_it_sits_in_the_list_of_calls():
-    recursive = {"type": "object", "properties": {"c": {"anyOf": [{"type": "null"}, {"$ref": "#"}]}},
-                 "required": ["c"], "additionalProperties": False}
+    recursive = {
+        "type": "object",
+        "properties": {"c": {"anyOf": [{"type": "null"}, {"$ref": "#"}]}},
+        "required": ["c"],
+        "additionalProperties": False,
+    }
     grammar = _grammar_of(recursive)
     assert _matches(grammar, '[{"name":"f","parameters":{"c":{"c":null}}}]')
     assert not _matches(grammar, '[{"name":"f","parameters":{"c":[{"name":"f","parameters":{"c":null}}]}}]')
-    pointer = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"$ref": "#/properties/a"}},
-               "required": ["a", "b"], "additionalProperties": False}
+    pointer = {
+        "type": "object",
+        "properties": {"a": {"type": "integer"}, "b": {"$ref": "#/properties/a"}},
+        "required": ["a", "b"],
+        "additionalProperties": False,
+    }
     assert _matches(_grammar_of(pointer), '[{"name":"f","parameters":{"a":1,"b":2}}]')
     assert not _matches(_grammar_of(pointer), '[{"name":"f","parameters":{"a":1,"b":"x"}}]')
-    with_id = {"$id": "https://example.com/f.json", "type": "object", "properties": {"x": {"$ref": "#/$defs/B"}},
-               "required": ["x"], "additionalProperties": False, "$defs": {"B": {"type": "boolean"}}}
+    with_id = {
+        "$id": "https://example.com/f.json",
+        "type": "object",
+        "properties": {"x": {"$ref": "#/$defs/B"}},
+        "required": ["x"],
+        "additionalProperties": False,
+        "$defs": {"B": {"type": "boolean"}},
+    }
     assert _matches(_grammar_of(with_id), '[{"name":"f","parameters":{"x":true}}]')
 
 
@@ -220,14 +320,16 @@ def test_a_strict_tool_takes_no_keys_its_schema_leaves_out_and_a_plain_one_does(
         assert _matches(_grammar_of(open_object, mode), extra)
         assert not _matches(_grammar_of(open_object, mode, strict=True), extra)
     assert "additionalProperties" not in open_object  # the client's schema is not changed in place
-    strict_format = _chat(response_format={"type": "json_schema", "json_schema": {
-        "name": "x", "strict": True, "schema": open_object}}).sampling.grammar
+    strict_format = _chat(
+        response_format={"type": "json_schema", "json_schema": {"name": "x", "strict": True, "schema": open_object}}
+    ).sampling.grammar
     assert not _matches(strict_format, '{"x":true,"y":1}') and _matches(strict_format, '{"x":true}')
 
 
 def test_a_schema_that_cannot_be_followed_is_a_400_naming_the_tool_and_odd_definitions_are_no_500():
     def tools(parameters):
         return [CLOCK, {"type": "function", "function": {"name": "g", "parameters": parameters}}]
+
     for choice in ("required", {"type": "function", "function": {"name": "g"}}):
         error = _refused(tools=tools({"type": "objectx"}), tool_choice=choice)
         assert "the parameters of 'g'" in error.message and error.param == "tools", error.message
@@ -264,14 +366,23 @@ def test_a_streamed_answer_cut_before_any_call_has_a_name_sends_its_text_as_the_
     async def outputs():
         for i in range(len(text)):
             last = i == len(text) - 1
-            yield RequestOutput("r", [i], list(range(i + 1)), RequestStatus.FINISHED_LENGTH if last else RequestStatus.DECODING,
-                                "length" if last else None, num_prompt_tokens=3)
+            yield RequestOutput(
+                "r",
+                [i],
+                list(range(i + 1)),
+                RequestStatus.FINISHED_LENGTH if last else RequestStatus.DECODING,
+                "length" if last else None,
+                num_prompt_tokens=3,
+            )
 
     async def main():
-        return [w async for w in sse(chat, "chatcmpl-1", "m", 3, [outputs()], lambda ids: "".join(text[i] for i in ids))]
+        return [
+            w async for w in sse(chat, "chatcmpl-1", "m", 3, [outputs()], lambda ids: "".join(text[i] for i in ids))
+        ]
 
-    chunks = [json.loads(line[6:]) for w in asyncio.run(main()) for line in w.split("\n\n")
-              if line.startswith("data: {")]
+    chunks = [
+        json.loads(line[6:]) for w in asyncio.run(main()) for line in w.split("\n\n") if line.startswith("data: {")
+    ]
     deltas = [c["choices"][0]["delta"] for c in chunks]
     assert deltas[-1] == {"content": text} and chunks[-1]["choices"][0]["finish_reason"] == "length"
     assert all(not d.get("tool_calls") and not d.get("content") for d in deltas[:-1])
@@ -280,8 +391,17 @@ def test_a_streamed_answer_cut_before_any_call_has_a_name_sends_its_text_as_the_
 def test_earlier_calls_arguments_and_the_tools_count_as_the_prompts_text():
     plain = _chat(messages=[{"role": "user", "content": "hi"}])
     big = "x" * 5000
-    called = _chat(messages=[{"role": "user", "content": "hi"}, {"role": "assistant", "tool_calls": [
-        {"id": "c", "type": "function", "function": {"name": "f", "arguments": json.dumps({"a": big})}}]}])
+    called = _chat(
+        messages=[
+            {"role": "user", "content": "hi"},
+            {
+                "role": "assistant",
+                "tool_calls": [
+                    {"id": "c", "type": "function", "function": {"name": "f", "arguments": json.dumps({"a": big})}}
+                ],
+            },
+        ]
+    )
     assert called.num_text_chars >= plain.num_text_chars + 5000 and not called.short_text
     tooled = _chat(tools=[{"type": "function", "function": {"name": "f", "description": big}}], tool_choice="none")
     assert tooled.num_text_chars >= plain.num_text_chars + 5000
@@ -299,7 +419,9 @@ def test_a_body_that_builds_a_big_grammar_is_parsed_off_the_event_loop():
     many = json.dumps({"model": "m", "messages": [], "tools": [WEATHER] * 20, "tool_choice": "required"}).encode()
     assert len(many) > 2048 and _parse_in_thread(many)
     assert not _parse_in_thread(json.dumps({"model": "m", "tools": [WEATHER], "tool_choice": "required"}).encode())
-    assert not _parse_in_thread(json.dumps({"model": "m", "messages": [{"role": "user", "content": "x" * 5000}]}).encode())
+    assert not _parse_in_thread(
+        json.dumps({"model": "m", "messages": [{"role": "user", "content": "x" * 5000}]}).encode()
+    )
     assert _parse_in_thread(b"x" * (65 * 1024))
 
 
@@ -309,16 +431,24 @@ def test_an_auto_answer_is_text_unless_it_opens_as_the_calls_do_and_then_it_is_h
     grammar = tool_grammar(ToolChoice((WEATHER, CLOCK), "auto"))
     for text in ("", "Sunny.", "[1] a citation", "[", "a [{ in the middle", '[{"name":"time-now","parameters":{}}]'):
         assert _matches(grammar, text), text
-    for text in ('[{"name":"nope","parameters":{}}]', '[{"name":"time-now","parameters":{}}] and text', '[{x'):
+    for text in ('[{"name":"nope","parameters":{}}]', '[{"name":"time-now","parameters":{}}] and text', "[{x"):
         assert not _matches(grammar, text), text
     choice = ToolChoice((WEATHER, CLOCK), "auto")
     text = AnswerDeltas(choice)
     assert [text.feed(p) for p in ("[", "1] a")] == [{}, {"content": "[1] a"}] and text.last(" b", "[1] a b") == {
-        "content": " b"}
+        "content": " b"
+    }
     calls = AnswerDeltas(choice)
-    assert calls.feed("[") == {} and calls.feed('{"name":"time-now",') == {"tool_calls": [
-        {"index": 0, "id": calls.calls.calls()[0]["id"], "type": "function",
-         "function": {"name": "time-now", "arguments": ""}}]}
+    assert calls.feed("[") == {} and calls.feed('{"name":"time-now",') == {
+        "tool_calls": [
+            {
+                "index": 0,
+                "id": calls.calls.calls()[0]["id"],
+                "type": "function",
+                "function": {"name": "time-now", "arguments": ""},
+            }
+        ]
+    }
     assert AnswerDeltas(choice).last("[", "[") == {"content": "["}  # ended holding its first character
     assert message(choice, "Sunny.") == {"role": "assistant", "content": "Sunny."}
     assert message(choice, '[{"name":"time-now","parameters":{}}]')["tool_calls"][0]["function"]["name"] == "time-now"
@@ -335,15 +465,25 @@ def test_an_auto_answer_that_opened_with_the_calls_json_is_held_to_a_tools_call_
     from common.sampling import SamplingParams
 
     processor = processors["tiny"]
-    tight = {"type": "object", "properties": {"c": {"enum": ["a", "b"]}}, "required": ["c"], "additionalProperties": False}
+    tight = {
+        "type": "object",
+        "properties": {"c": {"enum": ["a", "b"]}},
+        "required": ["c"],
+        "additionalProperties": False,
+    }
     tools = tuple({"type": "function", "function": {"name": name, "parameters": tight}} for name in ("pick", "other"))
     choice = ToolChoice(tools, "auto", parallel=False)
-    prompt, _ = processor.apply([{"role": "user", "content": [{"type": "text", "text": "Weather in Oslo?"}]}],
-                                tools=list(choice.tools))
+    prompt, _ = processor.apply(
+        [{"role": "user", "content": [{"type": "text", "text": "Weather in Oslo?"}]}], tools=list(choice.tools)
+    )
     opened = processor.tokenizer.convert_tokens_to_ids(["[", "{"])
     engine = Engine(EngineConfig(model=str(tiny_dir), kv_cache_gib=0.01), detokenize=processor.detokenize)
-    request = Request("auto", prompt + opened, SamplingParams(max_tokens=150, temperature=0,
-                                                               grammar=tool_grammar(choice)), num_continued_tokens=2)
+    request = Request(
+        "auto",
+        prompt + opened,
+        SamplingParams(max_tokens=150, temperature=0, grammar=tool_grammar(choice)),
+        num_continued_tokens=2,
+    )
     engine.add_request(request)
     while engine.has_unfinished:
         engine.step()

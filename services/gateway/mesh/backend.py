@@ -1,11 +1,11 @@
 """The gateway's backend over the mesh: a chat in, its outputs out.
 
-  1. the chat is turned into prompt tokens and pixels (`prompt`), and checked against the model's length limit —
-     nothing is routed for a request that cannot run. With images, the processor runs on a thread while the prompt's
-     length is counted without the pixels and its route asked for (`route_client`): both off the critical path;
-  2. the request's attempts (`failover`): each drives its route's stages (`stages`), and a worker that fails the
-     request is routed around, the request migrating with the tokens already sent;
-  3. errors before the first token surface from `start` as the HTTP status; pages never pass through here.
+1. the chat is turned into prompt tokens and pixels (`prompt`), and checked against the model's length limit —
+   nothing is routed for a request that cannot run. With images, the processor runs on a thread while the prompt's
+   length is counted without the pixels and its route asked for (`route_client`): both off the critical path;
+2. the request's attempts (`failover`): each drives its route's stages (`stages`), and a worker that fails the
+   request is routed around, the request migrating with the tokens already sent;
+3. errors before the first token surface from `start` as the HTTP status; pages never pass through here.
 """
 
 from __future__ import annotations
@@ -36,11 +36,19 @@ from services.stage_calls.client import StageCalls
 
 
 class MeshBackend:
-    def __init__(self, processor: ChatProcessor, toggle_address: str, max_model_len: int,
-                 metrics: GatewayMetrics | None = None, tracing: Tracing | None = None, router: Router | None = None,
-                 stage_calls: str = "stream"):
+    def __init__(
+        self,
+        processor: ChatProcessor,
+        toggle_address: str,
+        max_model_len: int,
+        metrics: GatewayMetrics | None = None,
+        tracing: Tracing | None = None,
+        router: Router | None = None,
+        stage_calls: str = "stream",
+    ):
         """`router`: route in this process over the registry in Redis; None: ask the toggle (a gRPC hop).
-        `stage_calls`: Encode and Prefill on a stream kept open to each worker, or as unary rpcs (services/stage_calls)."""
+        `stage_calls`: Encode and Prefill on a stream kept open to each worker, or as unary rpcs
+        (services/stage_calls)."""
         self.processor = processor
         self.max_model_len = max_model_len
         self.tracing = tracing or Tracing()
@@ -70,8 +78,9 @@ class MeshBackend:
         first = await anext(stream)  # errors before the first token surface here, as an HTTP status
         return len(ids), Prepended(first, stream)
 
-    async def _with_images(self, chat: ChatRequest, request_id: str, arrival: float, span
-                           ) -> tuple[list[int], list, SamplingParams, Route]:
+    async def _with_images(
+        self, chat: ChatRequest, request_id: str, arrival: float, span
+    ) -> tuple[list[int], list, SamplingParams, Route]:
         """Prompt ids, images, sampling and route of a chat with images: the processor on a thread from now on, the
         length counted and the route asked for meanwhile."""
         applying = self.prompts.in_thread(self.prompts.apply, chat, span)
@@ -83,11 +92,22 @@ class MeshBackend:
             prefix = self.prompts.prefix_fields(early_ids, image_digests(chat.conversation), chat.cache_salt)
 
             def summary_of() -> RouteSummary:
-                return RouteSummary(request_id, len(early_ids), chat.num_images, sampling.max_tokens, frozenset(),
-                                    chat.slo_ttft_ms, chat.slo_tbt_ms, elapsed_ms=(time.monotonic() - arrival) * 1e3,
-                                    **prefix)
+                return RouteSummary(
+                    request_id,
+                    len(early_ids),
+                    chat.num_images,
+                    sampling.max_tokens,
+                    frozenset(),
+                    chat.slo_ttft_ms,
+                    chat.slo_tbt_ms,
+                    elapsed_ms=(time.monotonic() - arrival) * 1e3,
+                    **prefix,
+                )
+
             try:
-                route = await self.routes.reroute(summary_of, span, 1, wait_for_worker=False)  # waits while all are full
+                route = await self.routes.reroute(
+                    summary_of, span, 1, wait_for_worker=False
+                )  # waits while all are full
             except StageError as e:
                 raise e.api_error() from None
         except BaseException:

@@ -1,13 +1,13 @@
 """A request's attempts: route, drive the stages, and when a worker fails the request, go on elsewhere.
 
-  1. each attempt routes (the first may have been routed already, while the prompt was being built) and drives the
-     route's stages (`stages.Stages`);
-  2. a worker that fails the request (down, draining, or its pages' source died) is routed around: the request
-     starts again on another route — after some tokens went out, as a continuation that prefills prompt + those
-     tokens (`migration`), so the client sees no duplicates;
-  3. a worker that had no room after all is not a failure: the request routes again, waiting for room;
-  4. a decoder that preempted the request and could not recompute it (its KV cache ran out; its images came as
-     pages) hands it back: it goes on the same way, on any route with room (that decoder too).
+1. each attempt routes (the first may have been routed already, while the prompt was being built) and drives the
+   route's stages (`stages.Stages`);
+2. a worker that fails the request (down, draining, or its pages' source died) is routed around: the request
+   starts again on another route — after some tokens went out, as a continuation that prefills prompt + those
+   tokens (`migration`), so the client sees no duplicates;
+3. a worker that had no room after all is not a failure: the request routes again, waiting for room;
+4. a decoder that preempted the request and could not recompute it (its KV cache ran out; its images came as
+   pages) hands it back: it goes on the same way, on any route with room (that decoder too).
 """
 
 from __future__ import annotations
@@ -50,10 +50,18 @@ class Attempts:
         self.hand_backs = 1 if emitted > self.progress else self.hand_backs + 1  # only those without progress count
         self.progress = emitted
         if self.hand_backs > MAX_HAND_BACKS:
-            raise ApiError(503, f"the decoders preempted this request {self.hand_backs} times without a token in "
-                                "between: their KV caches are full; retry later", headers={"Retry-After": "1"})
-        log.info("request %s: decoder %s preempted it after %d tokens and handed it back; going on elsewhere",
-                 self.request_id, back.worker_id, emitted)
+            raise ApiError(
+                503,
+                f"the decoders preempted this request {self.hand_backs} times without a token in "
+                "between: their KV caches are full; retry later",
+                headers={"Retry-After": "1"},
+            )
+        log.info(
+            "request %s: decoder %s preempted it after %d tokens and handed it back; going on elsewhere",
+            self.request_id,
+            back.worker_id,
+            emitted,
+        )
 
     def failed(self, error: StageError, emitted: int) -> None:
         """Route around the worker to blame, or raise the client's error when there is none or no attempt is left."""
@@ -64,21 +72,38 @@ class Attempts:
         if error.blame is None or self.failures == MAX_ATTEMPTS:
             raise error.api_error() from None
         self.exclude.add(error.blame)
-        log.warning("request %s: %s; routing around worker %s (attempt %d, %d tokens kept)", self.request_id,
-                    error.message, error.blame, self.number + 1, emitted)
+        log.warning(
+            "request %s: %s; routing around worker %s (attempt %d, %d tokens kept)",
+            self.request_id,
+            error.message,
+            error.blame,
+            self.number + 1,
+            emitted,
+        )
 
 
 class Failover:
-    def __init__(self, routes: RouteClient, stages: Stages, stats: RouteStats, prompts: Prompts,
-                 metrics: GatewayMetrics | None = None):
+    def __init__(
+        self,
+        routes: RouteClient,
+        stages: Stages,
+        stats: RouteStats,
+        prompts: Prompts,
+        metrics: GatewayMetrics | None = None,
+    ):
         self.routes = routes
         self.stages = stages
         self.stats = stats
         self.prompts = prompts  # a continuation's prefix for routing, and its text joined to what went out before
         self.metrics = metrics
 
-    async def outputs(self, request: Request, span=None, slo: tuple[float | None, float | None] = (None, None),
-                      route: Route | None = None) -> AsyncIterator[RequestOutput]:
+    async def outputs(
+        self,
+        request: Request,
+        span=None,
+        slo: tuple[float | None, float | None] = (None, None),
+        route: Route | None = None,
+    ) -> AsyncIterator[RequestOutput]:
         """The request's outputs, going on elsewhere when a worker fails it. `route`: the first attempt's, when it
         was asked for already. Tokens already produced are never produced twice."""
         emitted: list[int] = []
@@ -89,9 +114,16 @@ class Failover:
             if route is None or attempts.number > 1:
                 route = await self._route(current, request.arrival_time, slo, attempts, span)
             plan = route.plan
-            set_attributes(span, {"epdmesh.path": plan.path.value, "epdmesh.decoder": plan.decoder.worker_id,
-                                  "epdmesh.prefill": plan.prefill.worker_id, "epdmesh.attempts": attempts.number,
-                                  "epdmesh.encoder": plan.encoder.worker_id if plan.encoder is not None else None})
+            set_attributes(
+                span,
+                {
+                    "epdmesh.path": plan.path.value,
+                    "epdmesh.decoder": plan.decoder.worker_id,
+                    "epdmesh.prefill": plan.prefill.worker_id,
+                    "epdmesh.attempts": attempts.number,
+                    "epdmesh.encoder": plan.encoder.worker_id if plan.encoder is not None else None,
+                },
+            )
             before = list(emitted)
             stream = self.stages.drive(current, route, span)
             try:
@@ -102,8 +134,9 @@ class Failover:
                         if not emitted:
                             self.stats.first_token(route.plan, request.arrival_time, request.request_id)
                         emitted.extend(out.new_token_ids)
-                        yield rebased(out, request.request_id, before, self.prompts.detokenize,
-                                      self.prompts.eos_token_ids)
+                        yield rebased(
+                            out, request.request_id, before, self.prompts.detokenize, self.prompts.eos_token_ids
+                        )
                 return
             except HandedBack as back:
                 attempts.handed_back(back, len(emitted))
@@ -117,14 +150,23 @@ class Failover:
                 await stream.aclose()
                 route.end()
 
-    async def _route(self, current: Request, arrival: float, slo: tuple[float | None, float | None],
-                     attempts: Attempts, span) -> Route:
+    async def _route(
+        self, current: Request, arrival: float, slo: tuple[float | None, float | None], attempts: Attempts, span
+    ) -> Route:
         prefix = self.prompts.prefix_of(current)
 
         def summary_of() -> RouteSummary:
-            return RouteSummary(current.request_id, current.num_prompt_tokens, len(current.images),
-                                current.sampling.max_tokens, frozenset(attempts.exclude), *slo,
-                                elapsed_ms=(time.monotonic() - arrival) * 1e3, **prefix)
+            return RouteSummary(
+                current.request_id,
+                current.num_prompt_tokens,
+                len(current.images),
+                current.sampling.max_tokens,
+                frozenset(attempts.exclude),
+                *slo,
+                elapsed_ms=(time.monotonic() - arrival) * 1e3,
+                **prefix,
+            )
+
         try:
             if attempts.number > 1:
                 route = await self.routes.reroute(summary_of, span, attempts.number)

@@ -14,21 +14,36 @@ from common.request import Request
 
 def continuation(request: Request, emitted: list[int], attempt: int) -> Request:
     """The rest of `request` after `emitted` tokens: their KV is rebuilt by prefilling them with the prompt."""
-    sampling = dataclasses.replace(request.sampling, max_tokens=request.sampling.max_tokens - len(emitted),
-                                   min_tokens=max(0, request.sampling.min_tokens - len(emitted)))
-    return Request(f"{request.request_id}-m{attempt}", request.prompt_token_ids + emitted, sampling, request.images,
-                   num_continued_tokens=len(emitted), cache_salt=request.cache_salt)  # its penalties and seeded random stream go on from there
+    sampling = dataclasses.replace(
+        request.sampling,
+        max_tokens=request.sampling.max_tokens - len(emitted),
+        min_tokens=max(0, request.sampling.min_tokens - len(emitted)),
+    )
+    return Request(
+        f"{request.request_id}-m{attempt}",
+        request.prompt_token_ids + emitted,
+        sampling,
+        request.images,
+        num_continued_tokens=len(emitted),
+        cache_salt=request.cache_salt,
+    )  # its penalties and seeded random stream go on from there
 
 
-def rebased(out: RequestOutput, request_id: str, before: list[int], detokenize,
-            eos_token_ids: tuple[int, ...] = ()) -> RequestOutput:
+def rebased(
+    out: RequestOutput, request_id: str, before: list[int], detokenize, eos_token_ids: tuple[int, ...] = ()
+) -> RequestOutput:
     """An output of a continuation as the original request's: earlier tokens (and their text) in front."""
     if not before:
         return out
     text = joined_text(before, out, detokenize, eos_token_ids) if out.text is not None else None
-    return dataclasses.replace(out, request_id=request_id, output_token_ids=before + out.output_token_ids, text=text,
-                               num_prompt_tokens=out.num_prompt_tokens - len(before),
-                               num_cached_tokens=min(out.num_cached_tokens, out.num_prompt_tokens - len(before)))
+    return dataclasses.replace(
+        out,
+        request_id=request_id,
+        output_token_ids=before + out.output_token_ids,
+        text=text,
+        num_prompt_tokens=out.num_prompt_tokens - len(before),
+        num_cached_tokens=min(out.num_cached_tokens, out.num_prompt_tokens - len(before)),
+    )
 
 
 def joined_text(before: list[int], out: RequestOutput, detokenize, eos_token_ids: tuple[int, ...] = ()) -> str:
@@ -41,5 +56,7 @@ def joined_text(before: list[int], out: RequestOutput, detokenize, eos_token_ids
         full, head = detokenize(ids), len(detokenize(before))
         at = full.find(out.stop_reason, max(head - len(out.stop_reason) + 1, 0))
         return full[:at] if at >= 0 else full
-    ended_by_token = isinstance(out.stop_reason, int) or (out.stop_reason is None and ids[-1:] and ids[-1] in eos_token_ids)
+    ended_by_token = isinstance(out.stop_reason, int) or (
+        out.stop_reason is None and ids[-1:] and ids[-1] in eos_token_ids
+    )
     return detokenize(ids[:-1] if out.finish_reason == "stop" and ended_by_token else ids)

@@ -25,8 +25,9 @@ class Prompts:
         them where that is exact: a quarter of the bytes to send (`common.model.pixels`)."""
         if chat.is_text_completion:
             return self.processor.encode_prompt(chat.prompt)
-        return self.processor.apply(chat.conversation, finish_pixels=False, tools=chat.tool_definitions,
-                                    template_kwargs=chat.template_kwargs)
+        return self.processor.apply(
+            chat.conversation, finish_pixels=False, tools=chat.tool_definitions, template_kwargs=chat.template_kwargs
+        )
 
     def prompt_ids(self, chat: ChatRequest) -> list[int]:
         """The prompt's ids without the pixels: its length, and its prefix, while the images are still processed."""
@@ -36,8 +37,9 @@ class Prompts:
         return summary_fields(token_ids, image_keys, self.processor.config, salt)
 
     def prefix_of(self, request: Request) -> dict:
-        return self.prefix_fields(request.prompt_token_ids, [image.content_hash for image in request.images],
-                                  request.cache_salt)
+        return self.prefix_fields(
+            request.prompt_token_ids, [image.content_hash for image in request.images], request.cache_salt
+        )
 
     def detokenize(self, ids: list[int]) -> str:
         return self.processor.detokenize(ids)
@@ -56,8 +58,9 @@ class Prompts:
     def in_thread(self, fn, chat: ChatRequest, span=None) -> asyncio.Future:
         """`run` on a thread that starts now, not at the caller's next await: the loop can do other work (count
         tokens, route) while it runs."""
-        return asyncio.get_running_loop().run_in_executor(None, contextvars.copy_context().run, self._traced, fn,
-                                                          chat, span)
+        return asyncio.get_running_loop().run_in_executor(
+            None, contextvars.copy_context().run, self._traced, fn, chat, span
+        )
 
     def _traced(self, fn, chat: ChatRequest, span):
         with _refused_prompt(), self.tracing.activate(span), self.tracing.span(fn.__name__.lstrip("_")):

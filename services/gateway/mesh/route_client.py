@@ -1,13 +1,13 @@
 """Routes for the gateway's requests: in-process over the registry, or from the toggle; waiting for room.
 
-  1. `route`: the plan, from the router in this process (`services.routing`, one Redis round trip for the
-     reservation) when the gateway was given the registry, else from the toggle's `Route` rpc (protobuf ends here:
-     the router's own `RoutePlan` travels on). With `ahead`, the plan comes before its reservation is made: the
-     first stage call goes out meanwhile (`Router.route_ahead`).
-  2. `reroute`: a request no worker has room for waits for room (up to ROOM_WAIT_S), as a queued request would; one
-     that was under way also waits (up to FAILOVER_WAIT_S) for a worker of a role none is left of — a restarted one.
-  3. Each attempt's `Route` carries the router's record of the request: which worker the request reaches when
-     (`reached`), its first token (`prefilled`), its end (`end`): until then its route loads those workers.
+1. `route`: the plan, from the router in this process (`services.routing`, one Redis round trip for the
+   reservation) when the gateway was given the registry, else from the toggle's `Route` rpc (protobuf ends here:
+   the router's own `RoutePlan` travels on). With `ahead`, the plan comes before its reservation is made: the
+   first stage call goes out meanwhile (`Router.route_ahead`).
+2. `reroute`: a request no worker has room for waits for room (up to ROOM_WAIT_S), as a queued request would; one
+   that was under way also waits (up to FAILOVER_WAIT_S) for a worker of a role none is left of — a restarted one.
+3. Each attempt's `Route` carries the router's record of the request: which worker the request reaches when
+   (`reached`), its first token (`prefilled`), its end (`end`): until then its route loads those workers.
 """
 
 from __future__ import annotations
@@ -77,8 +77,9 @@ class Route:
             await self.reserved
         except NoRoute as e:
             full = next((w for w in (self.plan.decoder, self.plan.prefill) if w.worker_id == e.full), None)
-            raise StageError(Reason.NO_ROOM, "routing", e.message,
-                             full.info.registration if full is not None else None) from None
+            raise StageError(
+                Reason.NO_ROOM, "routing", e.message, full.info.registration if full is not None else None
+            ) from None
 
     def end(self) -> None:
         """The attempt is over (finished, failed, or routed again): its reservation and record end with it."""
@@ -90,8 +91,14 @@ class Route:
 
 
 class RouteClient:
-    def __init__(self, channels: ChannelPool, toggle_address: str, router: Router | None = None,
-                 tracing: Tracing | None = None, metrics: GatewayMetrics | None = None):
+    def __init__(
+        self,
+        channels: ChannelPool,
+        toggle_address: str,
+        router: Router | None = None,
+        tracing: Tracing | None = None,
+        metrics: GatewayMetrics | None = None,
+    ):
         """`router`: route in this process over the registry in Redis; None: ask the toggle (a gRPC hop)."""
         self.channels = channels
         self.toggle_address = toggle_address
@@ -126,8 +133,9 @@ class RouteClient:
         except NoRoute as e:
             raise StageError(e.reason, "routing", e.message) from None
 
-    async def reroute(self, summary_of: Callable[[], RouteSummary], span, attempt: int,
-                      wait_for_worker: bool = True) -> Route:
+    async def reroute(
+        self, summary_of: Callable[[], RouteSummary], span, attempt: int, wait_for_worker: bool = True
+    ) -> Route:
         """The route of a request a worker failed or handed back, or of one no worker had room for: while every
         worker is full, wait up to ROOM_WAIT_S for room (a refusal by admission control is not waited out); with
         `wait_for_worker` (a request that was under way), also wait up to FAILOVER_WAIT_S for a worker of a role
@@ -146,8 +154,13 @@ class RouteClient:
                     if wait_s is None or time.monotonic() >= start + wait_s:
                         raise
                     if not said:  # once per request, not once per poll
-                        log.info("request %s waits up to %.0f s for %s (%s)", summary_of().request_id, wait_s,
-                                 "room" if e.no_room else "a worker to take over", e.message)
+                        log.info(
+                            "request %s waits up to %.0f s for %s (%s)",
+                            summary_of().request_id,
+                            wait_s,
+                            "room" if e.no_room else "a worker to take over",
+                            e.message,
+                        )
                         said = True
                     if e.no_room and waiting is not None and not counted:
                         waiting.inc()

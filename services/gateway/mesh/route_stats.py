@@ -19,7 +19,8 @@ class RouteStats:
         self.retries = 0
         # (seq, path, predicted, actual TTFT ms from arrival, request id) of the last requests the SLO policy routed
         self.predictions: collections.deque[tuple[int, str, float, float, str]] = collections.deque(
-            maxlen=RECENT_PREDICTIONS)
+            maxlen=RECENT_PREDICTIONS
+        )
         self.num_predictions = 0
 
     def first_token(self, plan: RoutePlan, arrival: float, request_id: str) -> None:
@@ -32,13 +33,20 @@ class RouteStats:
             return
         actual = (time.monotonic() - arrival) * 1e3
         self.num_predictions += 1
-        self.predictions.append((self.num_predictions, path.value, round(plan.predicted_ttft_ms, 3), round(actual, 3),
-                                 request_id))
+        self.predictions.append(
+            (self.num_predictions, path.value, round(plan.predicted_ttft_ms, 3), round(actual, 3), request_id)
+        )
         if self.metrics is not None:
             self.metrics.prediction_error.labels(self.metrics.model, path.value).observe(
-                (actual - plan.predicted_ttft_ms) / 1e3)
+                (actual - plan.predicted_ttft_ms) / 1e3
+            )
 
     def as_dict(self) -> dict:
-        return {"paths": {p.value: n for p, n in self.paths.items()}, "retries": self.retries,
-                "ttft_predictions": {"fields": ["seq", "path", "predicted_ms", "actual_ms", "id"],
-                                     "recent": list(self.predictions)}}
+        return {
+            "paths": {p.value: n for p, n in self.paths.items()},
+            "retries": self.retries,
+            "ttft_predictions": {
+                "fields": ["seq", "path", "predicted_ms", "actual_ms", "id"],
+                "recent": list(self.predictions),
+            },
+        }

@@ -80,8 +80,9 @@ class _Run:
         """Colocated and multiplexed paths: the decoder prefills too."""
         self.route.written.set()  # nothing goes out before the reservation on this path
         await self.route.confirmed()
-        async for out in self._decode(lambda pending, cached: pb.DecodeRequest(
-                request=self.spec, pending_images=pending, images_cached=cached)):
+        async for out in self._decode(
+            lambda pending, cached: pb.DecodeRequest(request=self.spec, pending_images=pending, images_cached=cached)
+        ):
             yield out
 
     async def dedicated(self) -> AsyncIterator[RequestOutput]:
@@ -114,8 +115,9 @@ class _Run:
         async for out in self._decode(lambda pending, cached: pb.DecodeRequest(request=spec, kv_pages=reply.kv_pages)):
             yield out
 
-    async def _decode(self, message: Callable[[pb.PendingImages | None, bool], pb.DecodeRequest]
-                      ) -> AsyncIterator[RequestOutput]:
+    async def _decode(
+        self, message: Callable[[pb.PendingImages | None, bool], pb.DecodeRequest]
+    ) -> AsyncIterator[RequestOutput]:
         """The decoder's stream of tokens (`message(pending, cached)`: the Decode to send)."""
         decoder, call = self.plan.decoder, None
 
@@ -125,7 +127,8 @@ class _Run:
                 call.cancel()
             with self.stages.tracing.activate(self.span):  # the call's client span, under the request's span
                 call = pb_grpc.DecoderStub(self.stages.channels.get(decoder.info.address)).Decode(
-                    message(pending, cached))
+                    message(pending, cached)
+                )
             return asyncio.ensure_future(call.read())  # (read(), not `async for`: grpc allows one style a call)
 
         self.route.reached(decoder)
@@ -183,8 +186,9 @@ class _Run:
         self.encoding = asyncio.ensure_future(answer_of("encode", call, encoder.info.registration))
         self.encoding.add_done_callback(consume)  # its outcome is awaited, unless the request failed before that
         self.encoding.add_done_callback(lambda _: call.cancel())  # cancelled before it ran: not to go on alone
-        self.pending = pb.PendingImages(worker_id=encoder.worker_id, address=encoder.info.address,
-                                        request_id=self.request.request_id)
+        self.pending = pb.PendingImages(
+            worker_id=encoder.worker_id, address=encoder.info.address, request_id=self.request.request_id
+        )
         self.source = encoder.info.registration
 
     def close(self) -> None:
@@ -208,11 +212,18 @@ async def _uncached(answer: asyncio.Future) -> bool:
 
 def _output(request_id: str, chunk: pb.TokenChunk, output: list[int], cached: int = 0) -> RequestOutput:
     """`cached`: the prompt tokens the prefilling worker had cached (a decoder that got the KV reports none)."""
-    status = _STATUS_OF.get(chunk.finish_reason, RequestStatus.DECODING) if chunk.finish_reason else RequestStatus.DECODING
+    status = (
+        _STATUS_OF.get(chunk.finish_reason, RequestStatus.DECODING) if chunk.finish_reason else RequestStatus.DECODING
+    )
     return RequestOutput(
-        request_id=request_id, new_token_ids=list(chunk.token_ids), output_token_ids=list(output), status=status,
-        finish_reason=chunk.finish_reason or None, stop_reason=wire.chunk_stop_reason(chunk),
-        text=chunk.text if chunk.HasField("text") else None, num_prompt_tokens=chunk.num_prompt_tokens,
+        request_id=request_id,
+        new_token_ids=list(chunk.token_ids),
+        output_token_ids=list(output),
+        status=status,
+        finish_reason=chunk.finish_reason or None,
+        stop_reason=wire.chunk_stop_reason(chunk),
+        text=chunk.text if chunk.HasField("text") else None,
+        num_prompt_tokens=chunk.num_prompt_tokens,
         num_cached_tokens=max(cached, chunk.num_cached_tokens),
         logprobs=wire.chunk_logprobs(chunk),
     )

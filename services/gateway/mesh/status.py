@@ -28,16 +28,25 @@ class MeshStatus:
         stats = {}
         for entry in reply.workers:
             info = wire.info_from_pb(entry.info)
-            registered = {"roles": info.role_label, "address": info.address, "pid": info.pid,
-                          "heartbeat_age_s": entry.age_s, "token_budget": info.token_budget,
-                          "image_budget": info.image_budget, "join_first": info.join_first}
+            registered = {
+                "roles": info.role_label,
+                "address": info.address,
+                "pid": info.pid,
+                "heartbeat_age_s": entry.age_s,
+                "token_budget": info.token_budget,
+                "image_budget": info.image_budget,
+                "join_first": info.join_first,
+            }
             try:
                 load = await pb_grpc.WorkerStub(self.channels.get(info.address)).Stats(pb.StatsRequest(), timeout=5)
             except grpc.aio.AioRpcError as e:
                 stats[info.worker_id] = {**registered, "error": e.code().name}
                 continue
-            stats[info.worker_id] = {**registered, "metrics_port": info.metrics_port,
-                                     **{f.name: getattr(load, f.name) for f in pb.WorkerLoad.DESCRIPTOR.fields}}
+            stats[info.worker_id] = {
+                **registered,
+                "metrics_port": info.metrics_port,
+                **{f.name: getattr(load, f.name) for f in pb.WorkerLoad.DESCRIPTOR.fields},
+            }
         return stats
 
     async def health(self) -> dict:
@@ -54,7 +63,9 @@ class MeshStatus:
         if missing:
             return {"status": "error", "reason": f"no live worker has the {' or '.join(missing)} role", **body}
         if Stage.ENCODE not in roles:
-            return {"status": "degraded", "reason": "no live worker has the encode role: requests with images fail",
-                    **body}
+            return {
+                "status": "degraded",
+                "reason": "no live worker has the encode role: requests with images fail",
+                **body,
+            }
         return {"status": "ok", **body}
-
