@@ -187,6 +187,11 @@ def calibrate(base: str, client=None) -> Vocabulary:
         response.raise_for_status()
         return response.json()
 
+    return calibrate_with(count)
+
+
+def calibrate_with(count) -> Vocabulary:
+    """The vocabulary from `count(body)`: a `/tokenize` answer (`count`, `max_model_len`) to a body."""
     words = tuple(w for w in CANDIDATES if count({"prompt": " " + w, "add_special_tokens": False})["count"] == 1)
     if not words:
         raise ValueError("the server's tokenizer makes no candidate word one token")

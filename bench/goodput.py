@@ -241,9 +241,10 @@ def path_attainment(rows: list[list], results: list[Result], ttft_ms: float, tbt
     return out
 
 
-def workload_of(workload: str, base: str, model: str, args) -> tuple:
+def workload_of(workload: str, calibrate, model: str, args) -> tuple:
     """(variant → the workload's `--num-prompts` request bodies, what the report keeps of its shape). A
-    `conversation` is planned on the server's own tokenizer (`bench/conversation.py`)."""
+    `conversation` is planned on the server's own tokenizer (`bench/conversation.py`): `calibrate()` gives its
+    `Vocabulary`."""
     scale = trace_scale_of(workload, args.trace_scale)
     if scale is None:
         shape = SHAPES[workload]
@@ -251,7 +252,7 @@ def workload_of(workload: str, base: str, model: str, args) -> tuple:
             lambda variant: request_bodies(shape, args.num_prompts, model, seed=args.seed, variant=variant),
             {"output_tokens": shape.output_tokens},
         )
-    vocab = conversation.calibrate(base)
+    vocab = calibrate()
     planned = conversation.plan(args.num_prompts, args.seed, vocab, scale)
     shared = conversation.ideal_shared_tokens(planned, vocab)
     prompts = [p.text_tokens + vocab.chat_tokens for p in planned]
@@ -271,7 +272,7 @@ def workload_of(workload: str, base: str, model: str, args) -> tuple:
 def sweep(base: str, model: str, workload: str, rates: list[float], args, label: str, gaps) -> dict:
     from tqdm import tqdm
 
-    bodies_of, shape = workload_of(workload, base, model, args)
+    bodies_of, shape = workload_of(workload, lambda: conversation.calibrate(base), model, args)
     bodies = bodies_of(0)
     asyncio.run(run_rate(base, bodies[: args.warmup], [0.0] * args.warmup, args.time_scale))  # warm every path once
     points, below = [], 0
@@ -321,16 +322,21 @@ def sweep(base: str, model: str, workload: str, rates: list[float], args, label:
         if below >= 2:
             break
         time.sleep(args.pause)
-    good = [p["request_rate"] for p in points if p["slo_attainment"] >= args.attainment]
-    return {"workload": workload, **shape, "goodput": max(good) if good else 0.0, "points": points}
+    return {"workload": workload, **shape, "goodput": goodput_of(points, args.attainment), "points": points}
+
+
+def goodput_of(points: list[dict], attainment: float) -> float:
+    """The highest rate swept whose SLO attainment is at least `attainment` (0: none)."""
+    return max((p["request_rate"] for p in points if p["slo_attainment"] >= attainment), default=0.0)
 
 
 # ----- main -----
 
 
-def parse_args(argv=None):
+def parse_args(argv=None, prog: str = "epdmesh bench goodput", description: str = __doc__):
+    """The benchmark's arguments (`epdmesh sim goodput` takes the same)."""
     p = argparse.ArgumentParser(
-        prog="epdmesh bench goodput", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog=prog, description=description, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     p.add_argument("--url", help="a running mesh's base URL (instead of --config)")
     p.add_argument(

@@ -6,6 +6,8 @@ import dataclasses
 
 from common.request import Stage
 
+HEARTBEAT_INTERVAL_S = 0.5  # a worker reports its load this often (the toggle may ask for another interval)
+
 
 def registration(worker_id: str, instance: str) -> str:
     return f"{worker_id}#{instance}" if instance else worker_id
@@ -95,3 +97,38 @@ class WorkerSnapshot:
     def excluded_by(self, exclude: frozenset[str]) -> bool:
         """`exclude` names it: by this registration (it failed the request) or by id (no KV room there)."""
         return self.worker_id in exclude or self.info.registration in exclude
+
+
+def registered_budgets(scheduling) -> dict:
+    """The stage budgets a worker registers (`WorkerInfo`) from its scheduler's configuration
+    (`common.scheduler.SchedulerConfig`): what it runs, which the SLO-aware router predicts its iterations from."""
+    return dict(
+        token_budget=scheduling.token_budget, image_budget=scheduling.image_budget, join_first=scheduling.join_first
+    )
+
+
+def load_of(
+    stats, block_size: int, last_iteration_ms: float, iterations: int, iteration_elapsed_ms: float, num_leases: int = 0
+) -> WorkerLoad:
+    """The load a worker reports from its engine's statistics (`common.engine.outputs.EngineStats`) and its
+    iterations: the last one's length, how many so far, how long the one under way has run (0: none)."""
+    return WorkerLoad(
+        num_waiting=stats.num_waiting,
+        num_running=stats.num_running,
+        running_decode_batch=stats.running_decodes,
+        unfinished_decode_tokens=stats.unfinished_decode_tokens,
+        last_iteration_ms=last_iteration_ms,
+        kv_blocks_free=stats.kv_blocks_free,
+        kv_blocks_total=stats.kv_blocks_total,
+        image_blocks_free=stats.image_blocks_free,
+        image_blocks_total=stats.image_blocks_total,
+        num_leases=num_leases,
+        iterations=iterations,
+        queued_prefill_tokens=stats.queued_prefill_tokens,
+        queued_images=stats.queued_images,
+        decode_context_tokens=stats.decode_context_tokens,
+        kv_tokens_free=stats.kv_blocks_free * block_size,
+        kv_block_size=block_size,
+        iteration_elapsed_ms=iteration_elapsed_ms,
+        num_preemptions=stats.num_preemptions,
+    )

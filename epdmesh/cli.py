@@ -380,6 +380,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="epdmesh", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("bench", help="benchmarks against a running or launched mesh: epdmesh bench goodput --help")
+    sub.add_parser(
+        "sim", help="the goodput benchmark on simulated time, over the live policies: epdmesh sim goodput --help"
+    )
 
     make = sub.add_parser("make-tiny-model", help="write a small random LLaVA-1.5 checkpoint in Hugging Face format")
     make.add_argument("dir")
@@ -507,6 +510,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 BENCHMARKS = {"goodput": "bench.goodput"}
+SIMULATIONS = {"goodput": "sim.goodput"}  # `epdmesh sim goodput`: the benchmark on simulated time
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -514,16 +518,15 @@ def main(argv: list[str] | None = None) -> int:
     for name in filter(None, (n.strip() for n in os.environ.get("EPDMESH_DEBUG", "").split(","))):
         logging.getLogger(name).setLevel(logging.DEBUG)  # e.g. EPDMESH_DEBUG=epdmesh.iterations
     argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["bench"]:  # `epdmesh bench NAME ARGS`: the benchmark's own parser takes ARGS
-        if len(argv) < 2 or argv[1] not in BENCHMARKS:
-            print(
-                f"usage: epdmesh bench {{{','.join(BENCHMARKS)}}} [ARGS] (--help for a benchmark's own)",
-                file=sys.stderr,
-            )
+    commands = {"bench": BENCHMARKS, "sim": SIMULATIONS}
+    if argv[:1] and argv[0] in commands:  # `epdmesh bench NAME ARGS`: the benchmark's own parser takes ARGS
+        names = commands[argv[0]]
+        if len(argv) < 2 or argv[1] not in names:
+            print(f"usage: epdmesh {argv[0]} {{{','.join(names)}}} [ARGS] (--help for its own)", file=sys.stderr)
             return 2
         import importlib
 
-        return importlib.import_module(BENCHMARKS[argv[1]]).main(argv[2:])
+        return importlib.import_module(names[argv[1]]).main(argv[2:])
     args = build_parser().parse_args(argv)
     return args.func(args)
 

@@ -101,7 +101,7 @@ def test_serve_passes_its_routing_policy_to_toggle_and_gateway_alike():
 
 
 def test_a_worker_registers_the_stage_budgets_it_runs():
-    from services.worker.server import registered_budgets
+    from common.workers import registered_budgets
 
     for joins in ("first", "on"):
         args = build_parser().parse_args(

@@ -6,7 +6,7 @@ import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("common", "services", "epdmesh", "kernels", "bench")
+PACKAGES = ("common", "services", "epdmesh", "kernels", "bench", "sim")
 # services' layers, lowest first: a module may import its own layer and those below
 LAYERS = [
     ("services.wire", "services.failure", "services.errors"),

@@ -84,6 +84,7 @@ class EmulatedEngine(Engine):
             raise ValueError("the emulated engine has no token ids to emit")
         self.token_pool = pool
         self.predicted_ms = 0.0  # of the last iteration
+        self.sleeps = True  # an iteration takes its predicted time; False: the caller keeps time (the simulator)
 
     def transfer_delay_s(self, kind: str, num_tokens: int) -> float:
         return transfer_ms(self.profile, self.real_bytes_per_token[kind] * num_tokens) / 1e3
@@ -123,7 +124,7 @@ class EmulatedEngine(Engine):
             sampling.append(request)
             tokens.append(self._token(stamp & STAMP_MASK, request))
         remaining = start + self.predicted_ms / 1e3 - time.perf_counter()
-        if remaining > 0:
+        if remaining > 0 and self.sleeps:
             time.sleep(remaining)
         return sampling, tokens
 

@@ -263,19 +263,11 @@ class Engine:
         return self.scheduler.has_work
 
     def step(self) -> list[RequestOutput]:
-        with self.lock:
-            plan = self.scheduler.schedule()
-            handed_back = [self._hand_back(request) for request in plan.handed_back]
-            if plan.is_empty:
-                return handed_back
-            now, started = time.monotonic(), time.perf_counter()
-            for request in plan.requests:
-                if request.first_scheduled_time is None:
-                    request.first_scheduled_time = now
-        try:
-            sampling, tokens = self._execute(plan)  # without the lock: it touches only the plan's requests and pages
-        except Exception as e:  # the model failed (out of memory, say): the caller fails the plan and what else runs
-            raise StepFailed([request.request_id for request in plan.requests], e, handed_back) from e
+        plan, handed_back = self.begin_step()
+        if plan is None:
+            return handed_back
+        started = time.perf_counter()
+        sampling, tokens = self.execute_step(plan, handed_back)  # without the lock: the plan's requests and pages
         elapsed_ms = (time.perf_counter() - started) * 1e3
         if iterations_log.isEnabledFor(logging.DEBUG):
             iterations_log.debug(
@@ -289,15 +281,52 @@ class Engine:
                 self.scheduler.overrun.ms,
                 self.scheduler.encode_overrun.ms,
             )
+        return self.end_step(plan, sampling, tokens, elapsed_ms, handed_back)
+
+    # `step` in three parts, for a caller that times the iteration itself (the simulator, `sim/worker.py`)
+
+    def begin_step(self) -> tuple[SchedulerOutput | None, list[RequestOutput]]:
+        """The next iteration's plan (None: nothing to run now), and the requests handed back meanwhile."""
+        with self.lock:
+            plan = self.scheduler.schedule()
+            handed_back = [self._hand_back(request) for request in plan.handed_back]
+            if plan.is_empty:
+                return None, handed_back
+            now = time.monotonic()
+            for request in plan.requests:
+                if request.first_scheduled_time is None:
+                    request.first_scheduled_time = now
+        return plan, handed_back
+
+    def execute_step(
+        self, plan: SchedulerOutput, handed_back: list[RequestOutput] = ()
+    ) -> tuple[list[Request], list[int]]:
+        """Run the plan on the model: the requests that sample and their tokens. StepFailed when the model fails
+        (out of memory, say): the caller fails the plan and what else runs."""
+        try:
+            return self._execute(plan)
+        except Exception as e:
+            raise StepFailed([request.request_id for request in plan.requests], e, list(handed_back)) from e
+
+    def end_step(
+        self,
+        plan: SchedulerOutput,
+        sampling: list[Request],
+        tokens: list[int],
+        elapsed_ms: float,
+        handed_back: list[RequestOutput] = (),
+    ) -> list[RequestOutput]:
+        """The iteration's results in the requests: tokens appended, stages finished, pages kept for the next one;
+        `elapsed_ms` (what it took) teaches the scheduler its overrun."""
         with self.lock:
             self.scheduler.observe(plan, elapsed_ms)
             try:
-                return handed_back + self._postprocess(plan, sampling, tokens)
+                return list(handed_back) + self._postprocess(plan, sampling, tokens)
             except Exception as e:  # a bug of ours, part-way through the plan: drop all of it, pages freed
                 request_ids = [request.request_id for request in plan.requests]
                 for request_id in request_ids:
                     self.abort(request_id)  # aborted, or its handed-off pages freed; a no-op if it finished
-                raise StepFailed(request_ids, e, handed_back) from e
+                raise StepFailed(request_ids, e, list(handed_back)) from e
 
     def _postprocess(self, plan: SchedulerOutput, sampling: list[Request], tokens: list[int]) -> list[RequestOutput]:
         outputs: dict[str, RequestOutput] = {}

@@ -20,6 +20,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from common.policy.routing import RoutingConfig
 from common.telemetry.tracing import Tracing
+from common.workers import HEARTBEAT_INTERVAL_S
 from epdmesh.v1 import mesh_pb2 as pb
 from epdmesh.v1 import mesh_pb2_grpc as pb_grpc
 from services import failure, wire
@@ -32,7 +33,7 @@ log = logging.getLogger(__name__)
 
 
 class ToggleServicer(pb_grpc.ToggleServicer):
-    def __init__(self, router: Router, heartbeat_interval_s: float = 0.5):
+    def __init__(self, router: Router, heartbeat_interval_s: float = HEARTBEAT_INTERVAL_S):
         self.router = router
         self.registry = router.registry
         self.reservations = router.reservations

@@ -27,7 +27,7 @@ from common.request import Request, Stage
 from common.telemetry.metrics import WorkerMetrics
 from common.telemetry.tracing import Tracing
 from common.transfer import LeaseTable, PageHandle, PagePuller, PullFailed
-from common.workers import WorkerLoad
+from common.workers import WorkerLoad, load_of
 from services.encoder.awaited import AwaitedEncodes
 from services.errors import ShuttingDown
 
@@ -317,25 +317,14 @@ class WorkerRuntime:
     def load(self) -> WorkerLoad:
         s = self.engine.stats()
         self._pressed = s.kv_blocks_free < KV_PRESSURE * s.kv_blocks_total
-        return WorkerLoad(
-            num_waiting=s.num_waiting,
-            num_running=s.num_running,
-            running_decode_batch=s.running_decodes,
-            unfinished_decode_tokens=s.unfinished_decode_tokens,
-            last_iteration_ms=self.engine.last_iteration_ms,
-            kv_blocks_free=s.kv_blocks_free,
-            kv_blocks_total=s.kv_blocks_total,
-            image_blocks_free=s.image_blocks_free,
-            image_blocks_total=s.image_blocks_total,
-            num_leases=len(self.leases),
-            iterations=self.engine.iterations,
-            queued_prefill_tokens=s.queued_prefill_tokens,
-            queued_images=s.queued_images,
-            decode_context_tokens=s.decode_context_tokens,
-            kv_tokens_free=s.kv_blocks_free * self.engine.engine.config.block_size,
-            kv_block_size=self.engine.engine.config.block_size,
-            iteration_elapsed_ms=self.engine.iteration_elapsed_ms,
-            num_preemptions=s.num_preemptions,
+        block_size = self.engine.engine.config.block_size
+        return load_of(
+            s,
+            block_size,
+            self.engine.last_iteration_ms,
+            self.engine.iterations,
+            self.engine.iteration_elapsed_ms,
+            len(self.leases),
         )
 
     def take_admitted(self) -> list[str]:

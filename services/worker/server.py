@@ -26,11 +26,10 @@ from common.engine.async_engine import AsyncEngine
 from common.engine.config import EngineConfig
 from common.engine.engine import Engine
 from common.request import Stage
-from common.scheduler import SchedulerConfig
 from common.telemetry.metrics import WorkerMetrics
 from common.telemetry.tracing import Tracing
 from common.transfer.channels import CHANNEL_OPTIONS, ChannelPool
-from common.workers import WorkerInfo
+from common.workers import HEARTBEAT_INTERVAL_S, WorkerInfo, registered_budgets
 from epdmesh.v1 import mesh_pb2 as pb
 from epdmesh.v1 import mesh_pb2_grpc as pb_grpc
 from services import wire
@@ -66,14 +65,6 @@ class EmulationOptions:
     profile: str  # latency profile file (epdmesh-latency/1), or H20 / H100 / H200 for the analytic LLaVA-1.5-7B one
     kv_bytes_per_token: int = 256  # real bytes moved per token, standing in for the model's
     image_bytes_per_token: int = 64
-
-
-def registered_budgets(scheduling: SchedulerConfig) -> dict:
-    """The stage budgets a worker registers (`WorkerInfo`): what its scheduler runs, which the SLO-aware router
-    predicts its iterations from."""
-    return dict(
-        token_budget=scheduling.token_budget, image_budget=scheduling.image_budget, join_first=scheduling.join_first
-    )
 
 
 def build_engine(config: EngineConfig, emulation: EmulationOptions | None = None) -> Engine:
@@ -259,7 +250,7 @@ async def run_worker(
 
 
 async def _heartbeat(toggle, info: WorkerInfo, runtime: WorkerRuntime) -> None:
-    interval, registered, warned = 0.5, False, False
+    interval, registered, warned = HEARTBEAT_INTERVAL_S, False, False
     while True:
         try:
             if not registered:

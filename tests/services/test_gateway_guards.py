@@ -27,7 +27,7 @@ from services.gateway.mesh import route_client as route_module
 from services.gateway.mesh.outcome import StageError
 from services.gateway.mesh.status import MeshStatus
 from services.gateway.protocol import parse_chat_request
-from services.routing.router import NoRoute, _why_no_route
+from services.routing.book import NoRoute, why_no_route
 
 MODEL = "m"
 
@@ -249,7 +249,7 @@ def test_no_route_message_lists_only_workers_the_request_could_use():
         snap("d-2", {Stage.DECODE}, age_s=9),
     ]
     summary = RouteSummary("r", 5, 1, 4, frozenset({"d-1"}))
-    why = _why_no_route(workers, summary, RoutingConfig().max_heartbeat_age_s)
+    why = why_no_route(workers, summary, RoutingConfig().max_heartbeat_age_s)
     assert "live workers have roles ['E', 'P']" in why and "left out: d-1, d-2" in why, why
 
 
@@ -531,7 +531,7 @@ def test_a_bug_of_ours_mid_stream_ends_the_stream_with_an_error_event_and_done()
 def test_a_request_no_decoder_could_ever_hold_is_a_400_not_a_retry_later():
     """Admission reserves prompt + max_tokens: a request over every decoder's whole KV cache would get 'retry
     later' 503s forever."""
-    from services.routing.router import _check_fits
+    from services.routing.book import check_fits
 
     def snap(worker_id, roles, blocks_total, blocks_free, age_s=0.1):
         load = WorkerLoad(kv_blocks_total=blocks_total, kv_blocks_free=blocks_free, kv_tokens_free=blocks_free * 16)
@@ -543,19 +543,19 @@ def test_a_request_no_decoder_could_ever_hold_is_a_400_not_a_retry_later():
         snap("d2", {Stage.DECODE}, 50, 50),
     ]
     assert workers[1].load.kv_tokens_total == 1040
-    _check_fits(workers, RouteSummary("r", 21, 0, 1019, frozenset()), 3.0)  # 1040 tokens: fits d1 when it is empty
+    check_fits(workers, RouteSummary("r", 21, 0, 1019, frozenset()), 3.0)  # 1040 tokens: fits d1 when it is empty
     with pytest.raises(NoRoute) as err:
-        _check_fits(workers, RouteSummary("r", 21, 0, 1100, frozenset()), 3.0)
+        check_fits(workers, RouteSummary("r", 21, 0, 1100, frozenset()), 3.0)
     assert (
         err.value.reason == Reason.TOO_LARGE
         and "needs 1121 tokens of KV" in err.value.message
         and "(1040)" in err.value.message
     )
-    _check_fits(
+    check_fits(
         workers + [snap("d3", {Stage.DECODE}, 100, 0)], RouteSummary("r", 21, 0, 1100, frozenset()), 3.0
     )  # d3's size unknown
     with pytest.raises(NoRoute):  # a dead or excluded decoder's size does not count
-        _check_fits(
+        check_fits(
             workers + [snap("d4", {Stage.DECODE}, 999, 999, age_s=9)], RouteSummary("r", 21, 0, 1100, frozenset()), 3.0
         )
 

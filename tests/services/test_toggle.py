@@ -297,7 +297,7 @@ def test_routes_made_since_a_workers_last_heartbeat_stay_in_its_load_until_prefi
                 await router.refresh()
                 return {
                     w.worker_id: (w.load.num_waiting, w.load.queued_prefill_tokens, w.load.unfinished_decode_tokens)
-                    for w in router._snapshot
+                    for w in router.book.snapshot
                 }
 
             first = await router.route(RouteSummary("r1", 600, 0, 40))
@@ -313,7 +313,7 @@ def test_routes_made_since_a_workers_last_heartbeat_stay_in_its_load_until_prefi
             router.forget("r1")
             router.forget("r2")
             await registry.heartbeat(p1, WorkerLoad())
-            assert await loads() == {p1: (0, 0, 0), p2: (1, 300, 0), "d-1": (0, 0, 55)} and not router._pending
+            assert await loads() == {p1: (0, 0, 0), p2: (1, 300, 0), "d-1": (0, 0, 55)} and not router.book.pending
         finally:
             await registry.clear()
             await client.aclose()
@@ -386,7 +386,7 @@ def test_a_route_loads_a_worker_until_the_gateway_has_handed_it_the_request():
                 await router.refresh()
                 return {
                     w.worker_id: (w.load.num_waiting, w.load.queued_prefill_tokens, w.load.unfinished_decode_tokens)
-                    for w in router._snapshot
+                    for w in router.book.snapshot
                 }
 
             await router.route(RouteSummary("r1", 600, 0, 40))
@@ -397,7 +397,7 @@ def test_a_route_loads_a_worker_until_the_gateway_has_handed_it_the_request():
             assert await loads() == {"p-1": (1, 600, 0), "d-1": (0, 0, 40)}
             router.sent("r1", "d-1")
             await registry.heartbeat("d-1", WorkerLoad(unfinished_decode_tokens=39))
-            assert await loads() == {"p-1": (1, 600, 0), "d-1": (0, 0, 39)} and not router._pending
+            assert await loads() == {"p-1": (1, 600, 0), "d-1": (0, 0, 39)} and not router.book.pending
         finally:
             await registry.clear()
             await client.aclose()
@@ -436,7 +436,7 @@ def test_routing_ahead_gives_the_plan_before_its_reservation_and_a_worker_full_m
                 await reserved
             assert refused.value.reason == Reason.NO_ROOM and refused.value.full == "d-1"
             assert (await reservations.held("p-1"), await reservations.held("d-1")) == (600, 940)  # all or nothing
-            assert "r2" not in router._pending
+            assert "r2" not in router.book.pending
             _, again = await router.route_ahead(RouteSummary("r3", 100, 0, 20))
             with pytest.raises(StageError) as failed:  # the gateway's side
                 await Route(plan, "r3", reserved=again).confirmed()
@@ -543,20 +543,20 @@ def test_a_router_sends_a_prompt_it_routed_before_back_to_the_worker_it_sent_it_
             router.prefilled("c")
             registration = info(first, {P}).registration
             assert (
-                router.affinity.routed.matched_tokens(registration, prompt_hashes(chat, [])) == 288
+                router.book.affinity.routed.matched_tokens(registration, prompt_hashes(chat, [])) == 288
             )  # 18 whole blocks
             assert (
-                router.affinity.routed.matched_tokens(registration, prompt_hashes(chat, [("img", 576)])) == 0
+                router.book.affinity.routed.matched_tokens(registration, prompt_hashes(chat, [("img", 576)])) == 0
             )  # another image
             await _register_caching(registry, [(first, {P})], instance="restarted")
             await router.refresh()
-            assert router.affinity.routed.matched_tokens(registration, prompt_hashes(chat, [])) == 0
+            assert router.book.affinity.routed.matched_tokens(registration, prompt_hashes(chat, [])) == 0
             # a worker that caches no prefix is predicted to hold nothing, whatever was sent to it
             await registry.register(info(first, {P}), WorkerLoad(kv_tokens_free=100_000))
             await router.refresh()
-            router.affinity.routed.record(registration, prompt_hashes(chat, []), 0)
-            seen, plan_of = [], router._policy_plan
-            router._policy_plan = lambda workers, s: (seen.append(s.cached_tokens), plan_of(workers, s))[1]
+            router.book.affinity.routed.record(registration, prompt_hashes(chat, []), 0)
+            seen, plan_of = [], router.book.policy_plan
+            router.book.policy_plan = lambda workers, s: (seen.append(s.cached_tokens), plan_of(workers, s))[1]
             await router.route(summary("e", chat))
             assert seen == [()]
         finally:
@@ -586,12 +586,12 @@ def test_a_decoder_that_prefills_is_recorded_as_holding_the_prompts_handed_to_it
                 "p-1",
                 "d-1",
             )  # fewest unfinished tokens
-            assert router.affinity.routed.matched_tokens(info("d-1", {D}).registration, hashes) == 0
+            assert router.book.affinity.routed.matched_tokens(info("d-1", {D}).registration, hashes) == 0
             await registry.heartbeat("d-1", WorkerLoad(unfinished_decode_tokens=1000))
             await router.refresh()
             plan = await router.route(RouteSummary("b", len(ids), 0, 8, prefix_hashes=hashes))
             assert (plan.prefill.info.worker_id, plan.decoder.info.worker_id) == ("p-1", "pd-1")
-            assert router.affinity.routed.matched_tokens(info("pd-1", {P, D}).registration, hashes) == 288
+            assert router.book.affinity.routed.matched_tokens(info("pd-1", {P, D}).registration, hashes) == 288
         finally:
             await registry.clear()
             await client.aclose()
@@ -626,7 +626,7 @@ def test_no_encode_is_skipped_before_a_prefill_covering_the_images_has_finished_
             assert not (await router.route(summary("d", n=368))).images_cached
             assert (await router.route(summary("e", n=369))).images_cached  # 369: that block is whole before it
             router.forget("b")
-            assert "b" not in router.affinity._awaiting
+            assert "b" not in router.book.affinity._awaiting
         finally:
             await registry.clear()
             await client.aclose()

@@ -1,0 +1,108 @@
+"""A simulated mesh from `epdmesh serve`'s arguments, built by the code `serve` runs: its parser, the model it
+resolves, each worker's engine configuration (`_engine_config`: stage budgets from the profile and the SLOs), the
+launcher's join mode, the routing policy (`routing_policy`), and each worker's registration. Requests become prompts
+as the gateway makes them: the checkpoint's chat processor and the route summary's prefix fields."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+
+from common.engine.emulated import EmulatedEngine, word_token_pool
+from common.model.config import LlavaConfig
+from common.model.processor import ChatProcessor, image_digests
+from common.policy.affinity import summary_fields
+from common.topology import decoders_join, parse_topology
+from common.workers import WorkerInfo, registered_budgets
+from epdmesh.cli import _engine_config, _resolve_model, build_parser
+from epdmesh.options import routing_policy
+from services.gateway.protocol import parse_conversation
+from services.gateway.tokenize import tokenize
+from services.routing.book import RouteBook
+from sim.events import Loop
+from sim.mesh import Prompt, SimMesh
+from sim.worker import SimWorker
+
+
+@dataclasses.dataclass
+class Setup:
+    args: object  # `epdmesh serve`'s parsed arguments
+    processor: ChatProcessor
+    model_config: LlavaConfig
+    token_pool: list[int] | None
+
+    @classmethod
+    def of(cls, serve_args: list[str]) -> Setup:
+        args = build_parser().parse_args(["serve", *serve_args])
+        if args.backend != "emulated":
+            raise SystemExit("the simulator runs the emulated backend: give --backend emulated --profile P")
+        if args.topology == "local":
+            raise SystemExit("the simulator runs meshes: give --topology (e.g. EPD1)")
+        _resolve_model(args)
+        groups = parse_topology(args.topology)
+        if args.decoder_joins == "auto":  # as `serve` resolves it (epdmesh/launch.py)
+            args.decoder_joins = "first" if decoders_join(groups) else "off"
+        model_config = LlavaConfig.from_pretrained(args.model)
+        return cls(args, ChatProcessor(args.model, model_config), model_config, word_token_pool(args.model))
+
+    @property
+    def model(self) -> str:
+        return self.args.served_model_name
+
+    def mesh(self, loop: Loop) -> SimMesh:
+        args = self.args
+        routing, slo = routing_policy(args)
+        workers = []
+        for group in parse_topology(args.topology):
+            config = _engine_config(args, group.label)
+            for i in range(group.count):
+                engine = EmulatedEngine(
+                    config,
+                    _profile(args.profile),
+                    None,
+                    self.token_pool,
+                    args.emulated_kv_bytes_per_token,
+                    args.emulated_image_bytes_per_token,
+                    self.model_config,
+                )
+                worker_id = f"{group.label.lower()}-{i}"
+                info = WorkerInfo(
+                    worker_id,
+                    f"sim:{worker_id}",
+                    config.roles,
+                    self.model,
+                    engine.max_model_len,
+                    "sim",
+                    instance="sim",
+                    prefix_caching=config.enable_prefix_caching,
+                    **registered_budgets(engine.scheduler.config),
+                )
+                workers.append(SimWorker(loop, info, engine, deliver=None))
+        book = RouteBook(routing, slo, reports_delivery=True)  # as the gateway's router
+        return SimMesh(loop, workers, book, self.model_config.image_tokens_per_image)
+
+    def prompt(self, body: dict) -> Prompt:
+        """A chat body as the gateway hands it on: token ids, image digests, prefix fields."""
+        conversation = parse_conversation(body["messages"])
+        ids = self.processor.prompt_ids(conversation)
+        digests = image_digests(conversation)
+        return Prompt(ids, digests, body["max_tokens"], summary_fields(ids, digests, self.model_config))
+
+    def count_tokens(self, body: dict) -> dict:
+        """`POST /tokenize` as the gateway answers it (what `bench/conversation.py` calibrates its words on)."""
+        max_len = self.model_config.text.max_position_embeddings
+        raw = json.dumps(body).encode()
+        return asyncio.run(tokenize(raw, self.processor, self.model, max_len, max_len * self.processor.max_token_chars))
+
+
+_PROFILES: dict[str, object] = {}
+
+
+def _profile(path: str):
+    """Each profile file read once (every worker of every point runs the same)."""
+    from common.latency.roofline import load_profile
+
+    if path not in _PROFILES:
+        _PROFILES[path] = load_profile(path)
+    return _PROFILES[path]

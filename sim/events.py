@@ -1,0 +1,31 @@
+"""Simulated time: a heap of timed callbacks, run in time order (ties in the order they were scheduled)."""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections.abc import Callable
+
+
+class Loop:
+    def __init__(self) -> None:
+        self.now = 0.0  # seconds of the simulated hardware's time
+        self._heap: list[tuple[float, int, Callable, tuple]] = []
+        self._order = itertools.count()
+        self.events = 0  # callbacks run so far
+
+    def at(self, when: float, fn: Callable, *args) -> None:
+        heapq.heappush(self._heap, (max(when, self.now), next(self._order), fn, args))
+
+    def after(self, delay: float, fn: Callable, *args) -> None:
+        self.at(self.now + delay, fn, *args)
+
+    def run(self, until: Callable[[], bool] | None = None) -> None:
+        """Run callbacks until none is left, or `until()` says so (checked after each)."""
+        while self._heap:
+            when, _, fn, args = heapq.heappop(self._heap)
+            self.now = when
+            self.events += 1
+            fn(*args)
+            if until is not None and until():
+                return

@@ -1,0 +1,146 @@
+"""`epdmesh sim goodput`: the goodput benchmark on simulated time, with the arguments of `epdmesh bench goodput`.
+
+    epdmesh sim goodput --workload textcaps,conversation --rates 10,20,30,40 \\
+        --config 'EPD8=--topology EPD8 --latency-profile {profile} --routing slo --budget-headroom 0.8' \\
+        --config 'E2+P2+D4=--topology E2+P2+D4'
+
+Each `--config` is parsed by `epdmesh serve`'s own parser and turned into workers and a router by the code `serve`
+runs (`_engine_config`, `routing_policy`, the launcher's join mode); each worker runs the emulated engine on
+`--profile` (`sim/worker.py`), the requests are the benchmark's own bodies tokenized by the checkpoint's processor,
+sent at the benchmark's arrival times, and driven as the gateway drives them (`sim/mesh.py`). The metrics, the JSON
+and the plot are the benchmark's (`bench/goodput.py`, `bench/goodput_report.py`); each rate point runs on a fresh
+mesh. The report's backend says `simulated`; every point carries the wall time it took. `--time-scale` is accepted
+and ignored (simulated time is the hardware's); `--warmup` and `--pause` do nothing here.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from bench import conversation
+from bench.goodput import Result, goodput_of, parse_args, summarize, workload_of
+from bench.goodput_launch import serve_args_of
+from bench.goodput_report import add_bound, finish, instances_of
+from bench.workloads import arrivals, trace_times
+from common.latency.roofline import load_profile
+from sim.build import Setup
+from sim.events import Loop
+
+
+def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parse_args([*argv, "--backend", "emulated"], prog="epdmesh sim goodput", description=__doc__)
+    if args.url:
+        print("epdmesh sim goodput: the simulator launches nothing; give --config NAME=SERVE_ARGS", file=sys.stderr)
+        return 2
+    args.backend, args.time_scale = "emulated", 1.0  # every simulated worker runs the emulated engine, unscaled
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    gaps = trace_times(seed=args.seed) if args.arrival == "mooncake" else None
+    hardware = load_profile(args.profile)
+    report = {
+        "backend": f"simulated: emulated engine on {Path(args.profile).stem}, simulated time",
+        "arrival": args.arrival,
+        "slo_ttft_ms": args.slo_ttft_ms,
+        "slo_tbt_ms": args.slo_tbt_ms,
+        "attainment": args.attainment,
+        "num_prompts": args.num_prompts,
+        "time_scale": 1.0,
+        "workloads": args.workloads,
+        "configs": {},
+        "serve_args": {},
+        "profile": args.profile,
+    }
+    with tempfile.TemporaryDirectory(prefix="epdmesh-sim-") as tmp:
+        profile = Path(tmp) / "profile.json"
+        hardware.save(profile)
+        for spec in args.config:
+            name, _, config_args = spec.partition("=")
+            serve_args = serve_args_of(config_args, args, profile)
+            report["serve_args"][name] = serve_args
+            setup = Setup.of(serve_args)
+            print(f"{name}: simulating `epdmesh serve {' '.join(serve_args)}`", file=sys.stderr, flush=True)
+            rates = args.rates_of.get(name, args.rate_list)
+            report["configs"][name] = {w: sweep(setup, w, rates, args, name, gaps) for w in args.workloads}
+            for result in report["configs"][name].values():
+                add_bound(result, hardware, instances_of(serve_args))
+            out.write_text(json.dumps(report, indent=2) + "\n")
+    finish(report, out, args)
+    return 0
+
+
+def sweep(setup: Setup, workload: str, rates: list[float], args, label: str, gaps) -> dict:
+    """The benchmark's sweep (ascending rates, stopping after two points below the target), each point on a fresh
+    simulated mesh."""
+    from tqdm import tqdm
+
+    bodies_of, shape = workload_of(workload, lambda: conversation.calibrate_with(setup.count_tokens), setup.model, args)
+    points, below = [], 0
+    for k, rate in enumerate(sorted(rates)):
+        prompts = [setup.prompt(body) for body in bodies_of(k + 1)]  # each point its own images, as the bench's
+        times = arrivals(args.num_prompts, rate, args.arrival, args.seed, gaps)
+        with tqdm(total=len(prompts), desc=f"{label} {workload} @ {rate:g} req/s", unit="req", leave=False) as bar:
+            point = run_point(setup, prompts, times, rate, args, bar)
+        points.append(point)
+        print(
+            f"  {label:>12} {workload:<9} rate {rate:6.2f}  attainment {point['slo_attainment']:5.1%} "
+            f"(TTFT {point['ttft_attainment']:5.1%}, TBT {point['tbt_attainment']:5.1%})  p90 TTFT "
+            f"{point['p90_ttft_ms']:7.1f} ms  p90 ITL {point['p90_itl_ms']:6.1f} ms  failed {point['failed']}  "
+            f"paths: {' '.join(f'{p} {n}' for p, n in point['prefill_paths'].items() if n)}  "
+            f"({point['sim_wall_s']:.1f} s wall, {point['sim_speed']:.0f}x the hardware's time)",
+            file=sys.stderr,
+            flush=True,
+        )
+        below = below + 1 if point["slo_attainment"] < args.attainment else 0
+        if below >= 2:
+            break
+    return {"workload": workload, **shape, "goodput": goodput_of(points, args.attainment), "points": points}
+
+
+def run_point(setup: Setup, prompts, times: list[float], rate: float, args, bar=None) -> dict:
+    start = time.perf_counter()
+    loop = Loop()
+    mesh = setup.mesh(loop)
+    timelines = [mesh.submit(at, prompt) for at, prompt in zip(times, prompts)]
+    done = 0
+
+    def finished() -> bool:
+        nonlocal done
+        if bar is not None and len(timelines) - mesh.unfinished > done:
+            bar.update(len(timelines) - mesh.unfinished - done)
+            done = len(timelines) - mesh.unfinished
+        return mesh.unfinished == 0
+
+    loop.run(until=finished)
+    wall = time.perf_counter() - start
+    results = [_result(t) for t in timelines]
+    duration = max((t.token_times[-1] for t in timelines if t.token_times), default=loop.now)
+    point = summarize(results, duration, rate, args.slo_ttft_ms, args.slo_tbt_ms)
+    paths: dict[str, int] = {}
+    for t in timelines:
+        if t.path is not None:
+            paths[t.path.value] = paths.get(t.path.value, 0) + 1
+    point["prefill_paths"] = paths
+    point["sim_wall_s"] = wall
+    point["sim_speed"] = duration / wall if wall else float("inf")
+    point["sim_events"] = loop.events
+    return point
+
+
+def _result(t) -> Result:
+    if t.error or not t.token_times:
+        return Result(False, error=t.error or "no tokens")
+    times = t.token_times
+    return Result(
+        True,
+        times[0] - t.arrival,
+        [b - a for a, b in zip(times, times[1:])],
+        times[-1] - t.arrival,
+        t.num_prompt_tokens,
+        len(times),
+        t.cached_tokens,
+    )

@@ -1,0 +1,285 @@
+"""A mesh on simulated time: the workers of a topology (`sim/worker.py`), the router's own decisions
+(`services/routing/book.py`: the policy, cache-aware prediction, the routes not yet in a report) over the loads the
+workers report every heartbeat, and each request driven through its stages as the gateway drives it
+(`services/gateway/mesh/stages.py`): an awaited encode beside the next stage, a prefill worker that finds the
+images' KV in its prefix cache starting without their pages, pages pulled into blocks reserved for them (waiting
+for room as a worker does), a request a decoder hands back going on elsewhere as a continuation.
+
+What it leaves out, and so does not predict: the host's own costs (HTTP, gRPC, tokenizing, image decoding — zero
+here), KV reservations in Redis (the book's local accounting and the workers' own admission remain), failed
+workers, and the gateway's wait for room (a route the policy refuses fails the request, as a 503 would)."""
+
+from __future__ import annotations
+
+import dataclasses
+import uuid
+
+from common.engine.errors import NoRoomForPages, RequestRejected
+from common.engine.outputs import RequestOutput
+from common.policy.routing import PrefillPath, RoutePlan, RouteSummary
+from common.request import ImageInput, Request, SamplingParams, Stage
+from common.workers import HEARTBEAT_INTERVAL_S, WorkerSnapshot
+from services.failure import Reason
+from services.gateway.mesh.failover import MAX_HAND_BACKS
+from services.gateway.mesh.migration import continuation
+from services.routing.book import NoRoute, RouteBook
+from services.routing.router import REFRESH_S
+from services.worker.runtime import IMPORT_WAIT_S
+from sim.events import Loop
+from sim.worker import SimWorker
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Prompt:
+    """A request as the gateway hands it to the router and the workers: token ids, its images (digests), its
+    route summary's prefix fields."""
+
+    token_ids: list[int]
+    image_digests: list[str]
+    max_tokens: int
+    prefix: dict  # `common.policy.affinity.summary_fields`
+
+
+@dataclasses.dataclass(slots=True)
+class Timeline:
+    """What a client would have seen of one request, in simulated seconds."""
+
+    arrival: float
+    token_times: list[float] = dataclasses.field(default_factory=list)
+    num_prompt_tokens: int = 0
+    cached_tokens: int = 0
+    path: PrefillPath | None = None
+    error: str = ""
+    done: bool = False
+
+
+@dataclasses.dataclass(slots=True)
+class _Flight:
+    """One request under way: the engine request of its current route, where its stages run, what it emitted."""
+
+    original: Request
+    timeline: Timeline
+    prompt: Prompt
+    plan: RoutePlan | None = None
+    current: Request | None = None  # the original, or a continuation after a hand-back
+    emitted: list[int] = dataclasses.field(default_factory=list)
+    waiting_images: tuple[SimWorker, Request] | None = None  # a stage sent with its images pending on the encoder
+    hand_backs: int = 0
+
+
+class SimMesh:
+    def __init__(self, loop: Loop, workers: list[SimWorker], book: RouteBook, image_tokens: int):
+        self.loop, self.book, self.image_tokens = loop, book, image_tokens
+        self.workers = {w.worker_id: w for w in workers}
+        for w in workers:
+            w.deliver = self._delivered
+        self.reports: dict[str, tuple[object, float]] = {}
+        self._snapshot_at = float("-inf")
+        self.flights: dict[str, _Flight] = {}  # by the engine request id of the current route
+        self.timelines: list[Timeline] = []
+        self.unfinished = 0
+        for i, w in enumerate(workers):  # heartbeats spread over the interval, as independent processes' are
+            self.reports[w.worker_id] = (w.load(), 0.0)
+            loop.at(HEARTBEAT_INTERVAL_S * (i + 1) / len(workers), self._beat, w)
+
+    # ----- the registry -----
+
+    def _beat(self, w: SimWorker) -> None:
+        self.reports[w.worker_id] = (w.load(), self.loop.now)
+        self.loop.after(HEARTBEAT_INTERVAL_S, self._beat, w)
+
+    def _registry(self) -> list[WorkerSnapshot]:
+        now = self.loop.now
+        return [
+            WorkerSnapshot(w.info, load, now - at)
+            for w in self.workers.values()
+            for load, at in [self.reports[w.worker_id]]
+        ]
+
+    # ----- requests -----
+
+    def submit(self, at: float, prompt: Prompt) -> Timeline:
+        timeline = Timeline(at, num_prompt_tokens=len(prompt.token_ids))
+        self.timelines.append(timeline)
+        self.unfinished += 1
+        self.loop.at(at, self._arrive, timeline, prompt)
+        return timeline
+
+    def _arrive(self, timeline: Timeline, prompt: Prompt) -> None:
+        images = [ImageInput(None, self.image_tokens, digest) for digest in prompt.image_digests]
+        sampling = SamplingParams(max_tokens=prompt.max_tokens, temperature=0.0, ignore_eos=True)
+        request = Request(f"chatcmpl-{uuid.uuid4().hex[:16]}", prompt.token_ids, sampling, images)
+        self._route(_Flight(request, timeline, prompt, current=request), frozenset())
+
+    def _route(self, flight: _Flight, exclude: frozenset[str]) -> None:
+        now, request = self.loop.now, flight.current
+        if now - self._snapshot_at >= REFRESH_S:
+            self.book.refreshed(self._registry(), now)
+            self._snapshot_at = now
+        fields = flight.prompt.prefix if request is flight.original else {}
+        summary = RouteSummary(
+            request.request_id,
+            request.num_prompt_tokens,
+            len(request.images),
+            request.sampling.max_tokens,
+            exclude,
+            elapsed_ms=(now - flight.timeline.arrival) * 1e3,
+            **fields,
+        )
+        try:
+            self.book.check_fits(summary)
+            plan = self.book.plan(summary)
+            if plan is None:
+                raise NoRoute(self.book.why_no_route(summary), Reason.NO_WORKER)
+        except NoRoute as e:
+            self._end(flight, e.message)
+            return
+        self.book.chosen(plan, summary, now)
+        flight.plan, flight.waiting_images = plan, None
+        flight.timeline.path = flight.timeline.path or plan.path
+        self.flights[request.request_id] = flight
+        self._drive(flight)
+
+    def _drive(self, flight: _Flight) -> None:
+        """The stages of `flight.plan`: the encode (elsewhere: awaited beside the next stage), then the prefill on
+        its worker (dedicated: a prefill worker, handing the KV over; else the decoder, which decodes on)."""
+        plan, request = flight.plan, flight.current
+        dedicated = plan.path == PrefillPath.DEDICATED
+        target = self.workers[(plan.prefill if dedicated else plan.decoder).worker_id]
+        last = Stage.PREFILL if dedicated else Stage.DECODE
+        separate = bool(request.images) and plan.encoder.worker_id != target.worker_id
+        first = Stage.ENCODE if request.images and not separate else Stage.PREFILL  # it encodes them itself
+        staged = _staged(request, first, last)
+        self.book.sent(request.request_id, target.worker_id, self.loop.now)
+        if not separate:
+            self._add(flight, target, staged)
+            return
+        if target.engine.config.enable_prefix_caching and self._pinned(flight, target, staged):
+            return
+        flight.waiting_images = (target, staged)
+        self._encode(flight)
+
+    def _pinned(self, flight: _Flight, target: SimWorker, staged: Request) -> bool:
+        """The worker's prefix cache holds the images' KV: it starts at once, without their pages."""
+        try:
+            if not target.engine.pages.pin_cached(staged):
+                return False
+        except RequestRejected as e:
+            self._end(flight, str(e))
+            return True
+        target.add(staged, preloaded=True)
+        return True
+
+    def _encode(self, flight: _Flight) -> None:
+        encoder = self.workers[flight.plan.encoder.worker_id]
+        request = _staged(flight.current, Stage.ENCODE, Stage.ENCODE)
+        self.book.sent(request.request_id, encoder.worker_id, self.loop.now)
+        self._add(flight, encoder, request)
+
+    def _add(self, flight: _Flight, worker: SimWorker, request: Request) -> None:
+        try:
+            worker.add(request)
+        except RequestRejected as e:
+            self._end(flight, str(e))
+
+    # ----- what the workers give -----
+
+    def _delivered(self, worker: SimWorker, outputs: list[RequestOutput]) -> None:
+        for out in outputs:
+            flight = self.flights.get(out.request_id)
+            if flight is None:  # it ended meanwhile: its pages go back
+                worker.engine.pages.release(out.request_id)
+                continue
+            if out.handed_back:
+                self._handed_back(flight, worker)
+            elif out.handed_off and out.pages[0] == "image":
+                self._encoded(flight, worker)
+            else:
+                self._tokens(flight, worker, out)
+
+    def _encoded(self, flight: _Flight, encoder: SimWorker) -> None:
+        if flight.waiting_images is None:  # the stage started without them (its cache held their KV)
+            encoder.engine.pages.release(flight.current.request_id)
+            encoder.kick()
+            return
+        target, staged = flight.waiting_images
+        flight.waiting_images = None
+        self._pull(flight, encoder, target, staged, "image", self.loop.now, 0.005)
+
+    def _tokens(self, flight: _Flight, worker: SimWorker, out: RequestOutput) -> None:
+        now, timeline = self.loop.now, flight.timeline
+        timeline.token_times += [now] * len(out.new_token_ids)
+        flight.emitted += out.new_token_ids
+        if not timeline.cached_tokens:
+            timeline.cached_tokens = out.num_cached_tokens
+        self.book.prefilled(out.request_id)  # its first token came: nothing of it is queued to prefill
+        if out.finished:
+            self._end(flight)
+        elif out.handed_off:  # the prefill worker's first token: the KV goes to the decoder
+            decoder = self.workers[flight.plan.decoder.worker_id]
+            request = _staged(flight.current, Stage.DECODE, Stage.DECODE, out.output_token_ids)
+            self.book.sent(out.request_id, decoder.worker_id, now)
+            self._pull(flight, worker, decoder, request, "kv", now, 0.005)
+
+    def _pull(self, flight, source: SimWorker, dest: SimWorker, request: Request, kind: str, since: float, delay):
+        """Blocks reserved at `dest` for the pages (waiting for room as a worker does), then the transfer's time,
+        then the request goes on there; the source frees its copy."""
+        try:
+            _, blocks, tokens = dest.engine.pages.reserve_import(request)
+        except NoRoomForPages:
+            if self.loop.now + delay > since + IMPORT_WAIT_S:
+                source.engine.pages.release(request.request_id)
+                source.kick()
+                self._end(flight, f"no room for the {kind} pages on {dest.worker_id}")
+                return
+            self.loop.after(delay, self._pull, flight, source, dest, request, kind, since, min(2 * delay, 0.1))
+            return
+        except RequestRejected as e:
+            self._end(flight, str(e))
+            return
+        self.loop.after(dest.engine.transfer_delay_s(kind, tokens), self._pulled, source, dest, request, kind, blocks)
+
+    def _pulled(self, source: SimWorker, dest: SimWorker, request: Request, kind: str, blocks: list[int]) -> None:
+        pages = source.engine.pages
+        payload = (pages.export_image_pages if kind == "image" else pages.export_kv_pages)(request.request_id)
+        dest.engine.pages.cache(kind).write_blocks(blocks, payload)
+        pages.release(request.request_id)
+        source.kick()
+        dest.add(request, preloaded=True)
+
+    def _handed_back(self, flight: _Flight, decoder: SimWorker) -> None:
+        """Preempted where it cannot be recomputed: it goes on elsewhere as a continuation (the gateway's
+        migration), routed around that decoder."""
+        self.flights.pop(flight.current.request_id, None)
+        self.book.forget(flight.current.request_id)
+        flight.hand_backs += 1
+        if flight.hand_backs > MAX_HAND_BACKS:
+            self._end(flight, "handed back too often")
+            return
+        flight.current = continuation(flight.original, flight.emitted, flight.hand_backs)
+        self._route(flight, frozenset({decoder.info.registration}))
+
+    def _end(self, flight: _Flight, error: str = "") -> None:
+        if flight.timeline.done:
+            return
+        flight.timeline.done, flight.timeline.error = True, error
+        if flight.current is not None:
+            self.flights.pop(flight.current.request_id, None)
+            self.book.forget(flight.current.request_id)
+        self.unfinished -= 1
+
+
+def _staged(request: Request, first: Stage, last: Stage, output: list[int] = ()) -> Request:
+    """The engine request one stage of `request` runs as on its worker (a fresh one per worker, as a stage call's
+    spec makes it there: nothing of another worker's blocks)."""
+    return Request(
+        request.request_id,
+        request.prompt_token_ids,
+        request.sampling,
+        request.images,
+        first_stage=first,
+        last_stage=last,
+        num_continued_tokens=request.num_continued_tokens,
+        cache_salt=request.cache_salt,
+        output_token_ids=list(output),
+    )

@@ -1,0 +1,127 @@
+"""The simulator (`sim/`): a request's times are the latency profile's, as the emulated engine would take them; the
+routing is the live router's; the goodput command writes the benchmark's report."""
+
+import json
+import types
+from pathlib import Path
+
+import pytest
+
+from bench.workloads import SHAPES, request_bodies
+from common.latency.model import iteration_ms
+from common.latency.roofline import load_profile
+from sim.build import Setup
+from sim.events import Loop
+from sim.goodput import main as sim_goodput
+from sim.goodput import run_point
+
+H20 = str(Path(__file__).resolve().parents[2] / "profiles" / "llava-1.5-7b-h20.json")
+SLO = types.SimpleNamespace(slo_ttft_ms=1000.0, slo_tbt_ms=100.0)
+
+
+def setup_of(emulated_dir, topology: str, *extra: str) -> Setup:
+    return Setup.of(
+        [
+            "--model",
+            str(emulated_dir),
+            "--topology",
+            topology,
+            "--backend",
+            "emulated",
+            "--profile",
+            H20,
+            "--slo-ttft-ms",
+            "1000",
+            "--slo-tbt-ms",
+            "100",
+            *extra,
+        ]
+    )
+
+
+def prompts_of(setup: Setup, n: int, variant: int = 1):
+    return [setup.prompt(b) for b in request_bodies(SHAPES["textcaps"], n, setup.model, seed=0, variant=variant)]
+
+
+def test_a_request_alone_takes_the_profiles_times_through_encode_prefill_and_decode(emulated_dir):
+    """E1+P1+D1, one request: its encode iteration, the image pages' transfer, its prefill iteration (the first
+    token), the KV pages' transfer, then one decode iteration per token — each as long as the profile predicts."""
+    setup = setup_of(emulated_dir, "E1+P1+D1")
+    [prompt] = prompts_of(setup, 1)
+    loop = Loop()
+    mesh = setup.mesh(loop)
+    timeline = mesh.submit(0.25, prompt)
+    loop.run(until=lambda: mesh.unfinished == 0)
+    profile, n = load_profile(H20), len(prompt.token_ids)
+    engine = next(iter(mesh.workers.values())).engine
+    first = (
+        iteration_ms(profile, images=1) / 1e3
+        + engine.transfer_delay_s("image", 576)
+        + iteration_ms(profile, chunks=[(n, 0)]) / 1e3
+    )
+    assert timeline.error == "" and timeline.path.value == "dedicated"
+    assert timeline.token_times[0] - timeline.arrival == pytest.approx(first)
+    expected, at = [first], first + engine.transfer_delay_s("kv", n)
+    for k in range(1, prompt.max_tokens):
+        at += iteration_ms(profile, decodes=1, decode_context=n + k) / 1e3
+        expected.append(at)
+    assert [t - timeline.arrival for t in timeline.token_times] == pytest.approx(expected)
+    assert all(w.engine.stats().kv_blocks_free == w.engine.stats().kv_blocks_total for w in mesh.workers.values())
+
+
+def test_the_same_inputs_give_the_same_run_and_more_load_meets_fewer_slos(emulated_dir):
+    setup = setup_of(emulated_dir, "EPD2", "--latency-profile", H20, "--routing", "slo")
+    prompts = prompts_of(setup, 40)
+    burst = [i * 0.01 for i in range(40)]  # 100 req/s on two instances: far past what they serve within SLO
+    calm = [i * 1.0 for i in range(40)]
+    a, b = run_point(setup, prompts, burst, 100.0, SLO), run_point(setup, prompts, burst, 100.0, SLO)
+    keys = ("slo_attainment", "p90_ttft_ms", "p90_itl_ms", "prefill_paths", "sim_events")
+    assert [a[k] for k in keys] == [b[k] for k in keys]
+    quiet = run_point(setup, prompts, calm, 1.0, SLO)
+    assert quiet["slo_attainment"] == 1.0 and quiet["failed"] == 0
+    assert a["slo_attainment"] < 0.9 and a["completed"] == 40  # late, not lost
+    assert quiet["prefill_paths"] == {"colocated": 40}
+
+
+def test_a_burst_spreads_over_the_workers_before_any_heartbeat_reports_it(emulated_dir):
+    """The router books each route on its workers at once (the live `RouteBook`): ten requests within one
+    millisecond, long before a heartbeat, go to both instances."""
+    setup = setup_of(emulated_dir, "EPD2")
+    loop = Loop()
+    mesh = setup.mesh(loop)
+    for i, prompt in enumerate(prompts_of(setup, 10)):
+        mesh.submit(1e-4 * i, prompt)
+    loop.run(until=lambda: mesh.unfinished == 0)
+    assert [w.iterations > 0 for w in mesh.workers.values()] == [True, True]
+    assert sum(w.engine.scheduler.kv.num_queried_tokens > 0 for w in mesh.workers.values()) == 2
+
+
+def test_sim_goodput_writes_the_benchmarks_report_and_plot(emulated_dir, tmp_path):
+    out = tmp_path / "sim.json"
+    assert (
+        sim_goodput(
+            [
+                "--model",
+                str(emulated_dir),
+                "--config",
+                "E1+P1+D1=--topology E1+P1+D1",
+                "--workload",
+                "textcaps",
+                "--rates",
+                "1,200",
+                "--num-prompts",
+                "12",
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
+    report = json.loads(out.read_text())
+    assert report["backend"].startswith("simulated")
+    run = report["configs"]["E1+P1+D1"]["textcaps"]
+    assert [p["request_rate"] for p in run["points"]] == [1.0, 200.0]
+    assert run["points"][0]["slo_attainment"] == 1.0 and run["goodput"] >= 1.0
+    assert run["points"][1]["slo_attainment"] < run["points"][0]["slo_attainment"]
+    assert {"request_goodput", "p90_ttft_ms", "median_itl_ms", "sim_wall_s", "sim_speed"} <= set(run["points"][0])
+    assert run["goodput_bound"] > 0 and out.with_suffix(".png").stat().st_size > 10_000
