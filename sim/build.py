@@ -50,7 +50,7 @@ class Setup:
     def model(self) -> str:
         return self.args.served_model_name
 
-    def mesh(self, loop: Loop) -> SimMesh:
+    def mesh(self, loop: Loop, control_scale: float = 1.0) -> SimMesh:
         args = self.args
         routing, slo = routing_policy(args)
         workers = []
@@ -80,7 +80,7 @@ class Setup:
                 )
                 workers.append(SimWorker(loop, info, engine, deliver=None))
         book = RouteBook(routing, slo, reports_delivery=True)  # as the gateway's router
-        return SimMesh(loop, workers, book, self.model_config.image_tokens_per_image)
+        return SimMesh(loop, workers, book, self.model_config.image_tokens_per_image, control_scale)
 
     def prompt(self, body: dict) -> Prompt:
         """A chat body as the gateway hands it on: token ids, image digests, prefix fields."""

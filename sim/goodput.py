@@ -9,8 +9,10 @@ runs (`_engine_config`, `routing_policy`, the launcher's join mode); each worker
 `--profile` (`sim/worker.py`), the requests are the benchmark's own bodies tokenized by the checkpoint's processor,
 sent at the benchmark's arrival times, and driven as the gateway drives them (`sim/mesh.py`). The metrics, the JSON
 and the plot are the benchmark's (`bench/goodput.py`, `bench/goodput_report.py`); each rate point runs on a fresh
-mesh. The report's backend says `simulated`; every point carries the wall time it took. `--time-scale` is accepted
-and ignored (simulated time is the hardware's); `--warmup` and `--pause` do nothing here.
+mesh. The report's backend says `simulated`; every point carries the wall time it took. Simulated time is the
+hardware's; `--time-scale K` makes only the control plane's intervals (heartbeats, the router's snapshot refresh) K×
+shorter in it, as they are on an emulated mesh run at time ×K — to compare with one (`bench/sim_fidelity.py`); the
+default 1 is a deployment's. `--warmup` and `--pause` do nothing here.
 """
 
 from __future__ import annotations
@@ -37,19 +39,21 @@ def main(argv=None) -> int:
     if args.url:
         print("epdmesh sim goodput: the simulator launches nothing; give --config NAME=SERVE_ARGS", file=sys.stderr)
         return 2
-    args.backend, args.time_scale = "emulated", 1.0  # every simulated worker runs the emulated engine, unscaled
+    control_scale, args.time_scale = args.time_scale, 1.0  # the model's time is never scaled here
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     gaps = trace_times(seed=args.seed) if args.arrival == "mooncake" else None
     hardware = load_profile(args.profile)
     report = {
-        "backend": f"simulated: emulated engine on {Path(args.profile).stem}, simulated time",
+        "backend": f"simulated: emulated engine on {Path(args.profile).stem}, simulated time"
+        + (f", control plane as at time ×{control_scale:g}" if control_scale != 1 else ""),
         "arrival": args.arrival,
         "slo_ttft_ms": args.slo_ttft_ms,
         "slo_tbt_ms": args.slo_tbt_ms,
         "attainment": args.attainment,
         "num_prompts": args.num_prompts,
         "time_scale": 1.0,
+        "control_scale": control_scale,
         "workloads": args.workloads,
         "configs": {},
         "serve_args": {},
@@ -65,7 +69,9 @@ def main(argv=None) -> int:
             setup = Setup.of(serve_args)
             print(f"{name}: simulating `epdmesh serve {' '.join(serve_args)}`", file=sys.stderr, flush=True)
             rates = args.rates_of.get(name, args.rate_list)
-            report["configs"][name] = {w: sweep(setup, w, rates, args, name, gaps) for w in args.workloads}
+            report["configs"][name] = {
+                w: sweep(setup, w, rates, args, name, gaps, control_scale) for w in args.workloads
+            }
             for result in report["configs"][name].values():
                 add_bound(result, hardware, instances_of(serve_args))
             out.write_text(json.dumps(report, indent=2) + "\n")
@@ -73,7 +79,7 @@ def main(argv=None) -> int:
     return 0
 
 
-def sweep(setup: Setup, workload: str, rates: list[float], args, label: str, gaps) -> dict:
+def sweep(setup: Setup, workload: str, rates: list[float], args, label: str, gaps, control_scale: float = 1.0) -> dict:
     """The benchmark's sweep (ascending rates, stopping after two points below the target), each point on a fresh
     simulated mesh."""
     from tqdm import tqdm
@@ -84,7 +90,7 @@ def sweep(setup: Setup, workload: str, rates: list[float], args, label: str, gap
         prompts = [setup.prompt(body) for body in bodies_of(k + 1)]  # each point its own images, as the bench's
         times = arrivals(args.num_prompts, rate, args.arrival, args.seed, gaps)
         with tqdm(total=len(prompts), desc=f"{label} {workload} @ {rate:g} req/s", unit="req", leave=False) as bar:
-            point = run_point(setup, prompts, times, rate, args, bar)
+            point = run_point(setup, prompts, times, rate, args, bar, control_scale)
         points.append(point)
         print(
             f"  {label:>12} {workload:<9} rate {rate:6.2f}  attainment {point['slo_attainment']:5.1%} "
@@ -101,10 +107,10 @@ def sweep(setup: Setup, workload: str, rates: list[float], args, label: str, gap
     return {"workload": workload, **shape, "goodput": goodput_of(points, args.attainment), "points": points}
 
 
-def run_point(setup: Setup, prompts, times: list[float], rate: float, args, bar=None) -> dict:
+def run_point(setup: Setup, prompts, times: list[float], rate: float, args, bar=None, control_scale=1.0) -> dict:
     start = time.perf_counter()
     loop = Loop()
-    mesh = setup.mesh(loop)
+    mesh = setup.mesh(loop, control_scale)
     timelines = [mesh.submit(at, prompt) for at, prompt in zip(times, prompts)]
     done = 0
 

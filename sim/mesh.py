@@ -68,8 +68,14 @@ class _Flight:
 
 
 class SimMesh:
-    def __init__(self, loop: Loop, workers: list[SimWorker], book: RouteBook, image_tokens: int):
+    def __init__(
+        self, loop: Loop, workers: list[SimWorker], book: RouteBook, image_tokens: int, control_scale: float = 1.0
+    ):
+        """`control_scale` K: heartbeats and the router's snapshot refresh K× more often in the hardware's time than
+        a deployment's, as on an emulated mesh run at time ×K (whose host keeps its own pace while the model's
+        time slows K-fold); 1: a deployment's."""
         self.loop, self.book, self.image_tokens = loop, book, image_tokens
+        self.heartbeat_s, self.refresh_s = HEARTBEAT_INTERVAL_S / control_scale, REFRESH_S / control_scale
         self.workers = {w.worker_id: w for w in workers}
         for w in workers:
             w.deliver = self._delivered
@@ -80,13 +86,13 @@ class SimMesh:
         self.unfinished = 0
         for i, w in enumerate(workers):  # heartbeats spread over the interval, as independent processes' are
             self.reports[w.worker_id] = (w.load(), 0.0)
-            loop.at(HEARTBEAT_INTERVAL_S * (i + 1) / len(workers), self._beat, w)
+            loop.at(self.heartbeat_s * (i + 1) / len(workers), self._beat, w)
 
     # ----- the registry -----
 
     def _beat(self, w: SimWorker) -> None:
         self.reports[w.worker_id] = (w.load(), self.loop.now)
-        self.loop.after(HEARTBEAT_INTERVAL_S, self._beat, w)
+        self.loop.after(self.heartbeat_s, self._beat, w)
 
     def _registry(self) -> list[WorkerSnapshot]:
         now = self.loop.now
@@ -113,7 +119,7 @@ class SimMesh:
 
     def _route(self, flight: _Flight, exclude: frozenset[str]) -> None:
         now, request = self.loop.now, flight.current
-        if now - self._snapshot_at >= REFRESH_S:
+        if now - self._snapshot_at >= self.refresh_s:
             self.book.refreshed(self._registry(), now)
             self._snapshot_at = now
         fields = flight.prompt.prefix if request is flight.original else {}
