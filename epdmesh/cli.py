@@ -10,9 +10,9 @@ import sys
 from pathlib import Path
 
 from common.model.tiny import PRESETS
-from epdmesh.checkpoints import DEFAULT_MODEL_NAME, ensure_default_model, ensure_emulated_model, make_model
+from epdmesh import engine_setup as setup
+from epdmesh.checkpoints import make_model
 from epdmesh.options import (
-    DEFAULT_EMULATED_PROFILE,
     add_budget_args,
     add_chat_template_arg,
     add_engine_args,
@@ -24,7 +24,6 @@ from epdmesh.options import (
     add_stage_calls_arg,
     allowed_image_domains,
     chat_template,
-    decoder_joins,
     routing_policy,
 )
 from services.gateway.edge import add_api_key_arg, api_keys, edge
@@ -34,105 +33,6 @@ def _cmd_make_tiny_model(args) -> int:
     make_model(Path(args.dir), args.preset, args.seed)
     print(args.dir)
     return 0
-
-
-def _engine_config(args, roles: str = "encode,prefill,decode"):
-    from common.engine.config import EngineConfig, parse_roles, resolve_dtype
-    from common.scheduler import SchedulerConfig
-
-    return EngineConfig(
-        model=args.model,
-        dtype=resolve_dtype(args.dtype, args.device),
-        device=args.device,
-        roles=parse_roles(roles),
-        kv_cache_gib=_kv_cache_gib(args),
-        gpu_memory_utilization=args.gpu_memory_utilization,
-        max_model_len=args.max_model_len,
-        attention_backend=args.attention_backend,
-        enable_prefix_caching=args.enable_prefix_caching,
-        share_weights=getattr(args, "share_weights", False),
-        compile=_compiles(args),
-        scheduler=SchedulerConfig(
-            **_budgets(args, parse_roles(roles)),
-            max_num_seqs=args.max_num_seqs,
-            join_first=_decoder_joins(args)[1],
-            kv_admission=args.kv_admission,
-        ),
-    )
-
-
-def _compiles(args) -> bool:
-    """The model runs compiled unless --enforce-eager, on the CPU (on CUDA eager until a GPU has run it), with torch."""
-    return (
-        not getattr(args, "enforce_eager", True)
-        and getattr(args, "device", "cpu") == "cpu"
-        and getattr(args, "backend", "torch") == "torch"
-    )
-
-
-def _kv_cache_gib(args) -> float | None:
-    """--kv-cache-gib, else 64 GiB of the real model's pages on the emulated backend (an H20-sized cache), else on a
-    GPU None (what --gpu-memory-utilization of it leaves, measured), else 1 GiB."""
-    if getattr(args, "kv_cache_gib", None) is not None:
-        return args.kv_cache_gib
-    if getattr(args, "backend", "torch") == "emulated":
-        return 64.0
-    return None if getattr(args, "device", "cpu").startswith("cuda") else 1.0
-
-
-def _decoder_joins(args) -> tuple[bool, bool]:
-    """(joins, join_first) of this command's --decoder-joins (commands without it: neither)."""
-    return decoder_joins(getattr(args, "decoder_joins", "auto"))
-
-
-def _budgets(args, roles) -> dict[str, int]:
-    """SchedulerConfig's budgets: τ_t and τ_e given explicitly, else derived from --latency-profile and the SLOs
-    (with an image's token cost and the iteration's time limit, which come only with a derived τ_t), else 2048
-    tokens and 4 images, apart."""
-    token, image = getattr(args, "token_budget", None), getattr(args, "image_budget", None)
-    profile_path = getattr(args, "latency_profile", None)
-    if profile_path and (token is None or image is None):
-        from common.latency.budgets import IterationTime, budgets_for
-        from common.latency.roofline import load_profile
-        from common.request import Stage
-
-        joins, join_first = _decoder_joins(args)
-        profile = load_profile(profile_path)
-        derived = budgets_for(
-            profile,
-            Stage.DECODE in roles,
-            args.slo_ttft_ms,
-            args.slo_tbt_ms,
-            headroom=args.budget_headroom,
-            alpha=args.budget_alpha,
-            joins=joins,
-            join_first=join_first,
-        )
-        log = logging.getLogger("epdmesh")
-        log.info(
-            "budgets from %s for a %.0f ms iteration limit: %d tokens, %d images per iteration, an image "
-            "taking %d of the tokens",
-            profile_path,
-            derived.limit_ms,
-            derived.token_budget,
-            derived.image_budget,
-            derived.image_token_cost,
-        )
-        if not derived.fits:
-            log.warning(
-                "even a batch of one exceeds the %.0f ms limit on this profile: the SLOs cannot be met",
-                derived.limit_ms,
-            )
-        derived_tokens = token is None
-        token = derived.token_budget if token is None else token
-        image = derived.image_budget if image is None else image
-        return dict(
-            token_budget=token,
-            image_budget=image,
-            image_token_cost=derived.image_token_cost if derived_tokens else 0,
-            iteration_time=IterationTime(profile, derived.limit_ms) if derived_tokens else None,
-        )
-    return dict(token_budget=2048 if token is None else token, image_budget=4 if image is None else image)
 
 
 def _serving_process(args) -> None:
@@ -160,21 +60,8 @@ def _set_threads(args) -> None:
         torch.set_num_threads(args.threads)
 
 
-def _resolve_model(args) -> None:
-    emulated = getattr(args, "backend", "torch") == "emulated"
-    if emulated and not args.profile:
-        args.profile = DEFAULT_EMULATED_PROFILE
-    args.kv_cache_gib = _kv_cache_gib(args)
-    model_dir = (
-        Path(args.model) if args.model else ensure_emulated_model(args.profile) if emulated else ensure_default_model()
-    )
-    default_name = model_dir.name.removesuffix("-config") if emulated else DEFAULT_MODEL_NAME
-    args.served_model_name = args.served_model_name or (default_name if not args.model else model_dir.name)
-    args.model = str(model_dir)
-
-
 def _cmd_serve(args) -> int:
-    _resolve_model(args)
+    setup.resolve_model(args)
     from epdmesh.auto_profile import ensure_profile, wants_auto_profile
 
     if args.topology == "local" and wants_auto_profile(args):
@@ -192,7 +79,7 @@ def _cmd_serve(args) -> int:
     _serving_process(args)
     metrics, tracing = _gateway_telemetry(args)
     processor = _chat_processor(args)
-    config, emulation = _engine_config(args), _emulation(args)
+    config, emulation = setup.engine_config(args), setup.emulation(args)
     engine = AsyncEngine(build=lambda: build_engine(config, emulation), threads=_engine_threads(args))
     logging.getLogger("epdmesh").info(
         "serving %s (%s) in one process on http://%s:%d/v1", args.served_model_name, args.model, args.host, args.port
@@ -209,10 +96,10 @@ def _cmd_worker(args) -> int:
 
     from services.worker.server import WorkerOptions, run_worker
 
-    _resolve_model(args)
+    setup.resolve_model(args)
     _serving_process(args)
     options = WorkerOptions(
-        engine=_engine_config(args, args.roles),
+        engine=setup.engine_config(args, args.roles),
         host=args.host,
         port=args.port,
         advertise_host=args.advertise_host,
@@ -222,20 +109,12 @@ def _cmd_worker(args) -> int:
         lease_ttl_s=args.lease_ttl,
         grace_s=args.grace,
         metrics_port=None if args.metrics_port < 0 else args.metrics_port,
-        emulation=_emulation(args),
+        emulation=setup.emulation(args),
         stage_calls=args.stage_calls,
         threads=_engine_threads(args),
     )
     uvloop.run(run_worker(options))
     return 0
-
-
-def _emulation(args):
-    if args.backend != "emulated":
-        return None
-    from services.worker.server import EmulationOptions
-
-    return EmulationOptions(args.profile, args.emulated_kv_bytes_per_token, args.emulated_image_bytes_per_token)
 
 
 def _cmd_toggle(args) -> int:
@@ -290,7 +169,7 @@ def _cmd_gateway(args) -> int:
     from common.model.config import LlavaConfig
     from services.gateway.mesh import MeshBackend
 
-    _resolve_model(args)
+    setup.resolve_model(args)
     keep_freed_memory()  # images: megabytes of pixels parsed and freed per request
     metrics, tracing = _gateway_telemetry(args)
     config = LlavaConfig.from_pretrained(args.model)
@@ -348,10 +227,10 @@ def _cmd_profile(args) -> int:
         from common.engine.profiler import Profiler
         from common.scheduler import SchedulerConfig
 
-        _resolve_model(args)
+        setup.resolve_model(args)
         _set_threads(args)
         config = dataclasses.replace(
-            _engine_config(args),
+            setup.engine_config(args),
             kv_cache_gib=args.kv_cache_gib,
             scheduler=SchedulerConfig(token_budget=1 << 15, image_budget=64, max_num_seqs=256),
         )

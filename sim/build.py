@@ -1,5 +1,5 @@
 """A simulated mesh from `epdmesh serve`'s arguments, built by the code `serve` runs: its parser, the model it
-resolves, each worker's engine configuration (`_engine_config`: stage budgets from the profile and the SLOs), the
+resolves, each worker's engine configuration (`engine_config`: stage budgets from the profile and the SLOs), the
 launcher's join mode, the routing policy (`routing_policy`), and each worker's registration. Requests become prompts
 as the gateway makes them: the checkpoint's chat processor and the route summary's prefix fields."""
 
@@ -15,7 +15,8 @@ from common.model.processor import ChatProcessor, image_digests
 from common.policy.affinity import summary_fields
 from common.topology import decoders_join, parse_topology
 from common.workers import WorkerInfo, registered_budgets
-from epdmesh.cli import _engine_config, _resolve_model, build_parser
+from epdmesh.cli import build_parser
+from epdmesh.engine_setup import engine_config, resolve_model
 from epdmesh.options import routing_policy
 from services.gateway.protocol import parse_conversation
 from services.gateway.tokenize import tokenize
@@ -39,7 +40,7 @@ class Setup:
             raise SystemExit("the simulator runs the emulated backend: give --backend emulated --profile P")
         if args.topology == "local":
             raise SystemExit("the simulator runs meshes: give --topology (e.g. EPD1)")
-        _resolve_model(args)
+        resolve_model(args)
         groups = parse_topology(args.topology)
         if args.decoder_joins == "auto":  # as `serve` resolves it (epdmesh/launch.py)
             args.decoder_joins = "first" if decoders_join(groups) else "off"
@@ -55,7 +56,7 @@ class Setup:
         routing, slo = routing_policy(args)
         workers = []
         for group in parse_topology(args.topology):
-            config = _engine_config(args, group.label)
+            config = engine_config(args, group.label)
             for i in range(group.count):
                 engine = EmulatedEngine(
                     config,

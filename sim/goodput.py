@@ -5,7 +5,7 @@
         --config 'E2+P2+D4=--topology E2+P2+D4'
 
 Each `--config` is parsed by `epdmesh serve`'s own parser and turned into workers and a router by the code `serve`
-runs (`_engine_config`, `routing_policy`, the launcher's join mode); each worker runs the emulated engine on
+runs (`engine_config`, `routing_policy`, the launcher's join mode); each worker runs the emulated engine on
 `--profile` (`sim/worker.py`), the requests are the benchmark's own bodies tokenized by the checkpoint's processor,
 sent at the benchmark's arrival times, and driven as the gateway drives them (`sim/mesh.py`). The metrics, the JSON
 and the plot are the benchmark's (`bench/goodput.py`, `bench/goodput_report.py`); each rate point runs on a fresh

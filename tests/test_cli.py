@@ -4,12 +4,13 @@ import pytest
 
 from common.latency.budgets import budgets_for
 from common.latency.roofline import analytic_profile
-from epdmesh.cli import _engine_config, build_parser
+from epdmesh.cli import build_parser
+from epdmesh.engine_setup import engine_config
 
 
 def config_for(*argv):
     args = build_parser().parse_args(["worker", "--model", "/nowhere", *argv])
-    return _engine_config(args, args.roles).scheduler
+    return engine_config(args, args.roles).scheduler
 
 
 def test_budgets_come_from_the_profile_and_the_slos(tmp_path):
@@ -119,7 +120,7 @@ def test_a_worker_registers_the_stage_budgets_it_runs():
                 joins,
             ]
         )
-        info = registered_budgets(_engine_config(args, args.roles).scheduler)
+        info = registered_budgets(engine_config(args, args.roles).scheduler)
         expected = budgets_for(analytic_profile("H20"), True, 2000, 150, joins=True, join_first=joins == "first")
         assert (info["token_budget"], info["image_budget"], info["join_first"]) == (
             expected.token_budget,
@@ -129,12 +130,12 @@ def test_a_worker_registers_the_stage_budgets_it_runs():
 
 
 def test_emulated_defaults_and_routing_choice(tmp_path):
-    from epdmesh.cli import _kv_cache_gib
+    from epdmesh.engine_setup import kv_cache_gib
 
     args = build_parser().parse_args(["worker", "--backend", "emulated"])
-    assert _kv_cache_gib(args) == 64.0  # an H20-sized cache, counted in the model's real page bytes
-    assert _kv_cache_gib(build_parser().parse_args(["worker"])) == 1.0
-    assert _kv_cache_gib(build_parser().parse_args(["worker", "--kv-cache-gib", "3"])) == 3.0
+    assert kv_cache_gib(args) == 64.0  # an H20-sized cache, counted in the model's real page bytes
+    assert kv_cache_gib(build_parser().parse_args(["worker"])) == 1.0
+    assert kv_cache_gib(build_parser().parse_args(["worker", "--kv-cache-gib", "3"])) == 3.0
     toggle = build_parser().parse_args(["toggle", "--routing", "slo"])
     with pytest.raises(SystemExit, match="--latency-profile"):  # SLO routing without a profile refuses to start
         toggle.func(toggle)

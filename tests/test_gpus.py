@@ -47,12 +47,13 @@ def test_on_a_gpu_workers_size_their_own_kv_cache_from_their_share_of_its_memory
     """serve --device cuda: no --kv-cache-gib goes to the workers (each measures what its share of the GPU leaves);
     an explicit one still does; on the CPU the default 1 GiB does."""
     from common.topology import parse_topology
-    from epdmesh.cli import _kv_cache_gib, build_parser
+    from epdmesh.cli import build_parser
+    from epdmesh.engine_setup import kv_cache_gib
     from epdmesh.launch import worker_argv
 
     def kv_flag(*flags):
         args = build_parser().parse_args(["serve", "--model", "m", *flags])
-        args.kv_cache_gib = _kv_cache_gib(args)
+        args.kv_cache_gib = kv_cache_gib(args)
         argv = worker_argv(parse_topology("EPD1")[0], "127.0.0.1:1", args, 1)
         return argv[argv.index("--kv-cache-gib") + 1] if "--kv-cache-gib" in argv else None
 
