@@ -330,6 +330,19 @@ def goodput_of(points: list[dict], attainment: float) -> float:
     return max((p["request_rate"] for p in points if p["slo_attainment"] >= attainment), default=0.0)
 
 
+def crossing(points: list[dict], attainment: float = 0.9) -> float:
+    """The rate at which attainment falls through `attainment`, linear between the swept rates around it: the last
+    rate at or above it when the next one is below; the highest rate when none is below; 0 when the first is."""
+    ordered = sorted(points, key=lambda p: p["request_rate"])
+    if not ordered or ordered[0]["slo_attainment"] < attainment:
+        return 0.0
+    for lo, hi in zip(ordered, ordered[1:]):
+        if hi["slo_attainment"] < attainment <= lo["slo_attainment"]:
+            a, b = lo["slo_attainment"], hi["slo_attainment"]
+            return lo["request_rate"] + (a - attainment) / (a - b) * (hi["request_rate"] - lo["request_rate"])
+    return ordered[-1]["request_rate"]
+
+
 # ----- main -----
 
 

@@ -39,6 +39,7 @@ if not __package__:
 
 import httpx  # noqa: E402
 
+from bench.goodput import crossing  # noqa: E402
 from bench.workloads import SHAPES, request_bodies  # noqa: E402
 from common.ports import free_port  # noqa: E402
 
@@ -191,18 +192,6 @@ def probe(url: str, model_name: str, n: int, seed: int) -> dict:
                 ttfts.append((times[0] - start) * 1e3)
                 tpots.append((times[-1] - times[0]) / (len(times) - 1) * 1e3)
     return dict(requests=len(ttfts), ttft_p50_ms=statistics.median(ttfts), tpot_p50_ms=statistics.median(tpots))
-
-
-def crossing(points: list[dict], target: float = 0.9) -> float:
-    """The rate where attainment falls through `target`, linear between the swept rates (the last rate if never)."""
-    points = sorted(points, key=lambda p: p["request_rate"])
-    if not points or points[0]["slo_attainment"] < target:
-        return 0.0
-    for a, b in zip(points, points[1:]):
-        if b["slo_attainment"] < target <= a["slo_attainment"]:
-            frac = (a["slo_attainment"] - target) / (a["slo_attainment"] - b["slo_attainment"])
-            return a["request_rate"] + frac * (b["request_rate"] - a["request_rate"])
-    return points[-1]["request_rate"]
 
 
 def goodput(args, url: str, work: Path, name: str) -> dict:

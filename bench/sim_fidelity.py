@@ -24,19 +24,6 @@ if not __package__:
 from bench import goodput  # noqa: E402
 
 
-def crossing(points: list[dict], attainment: float) -> float:
-    """The rate at which attainment falls through `attainment`, linear between the swept rates around it: the last
-    rate at or above it when the next one is below; the highest rate when none is below; 0 when the first is."""
-    ordered = sorted(points, key=lambda p: p["request_rate"])
-    if not ordered or ordered[0]["slo_attainment"] < attainment:
-        return 0.0
-    for lo, hi in zip(ordered, ordered[1:]):
-        if hi["slo_attainment"] < attainment <= lo["slo_attainment"]:
-            a, b = lo["slo_attainment"], hi["slo_attainment"]
-            return lo["request_rate"] + (a - attainment) / (a - b) * (hi["request_rate"] - lo["request_rate"])
-    return ordered[-1]["request_rate"]
-
-
 def compare(emulated: dict, simulated: dict) -> list[dict]:
     rows = []
     target = emulated["attainment"]
@@ -54,7 +41,7 @@ def compare(emulated: dict, simulated: dict) -> list[dict]:
                 for p in real["points"]
                 if p["request_rate"] in sim_at
             ]
-            real_x, sim_x = crossing(real["points"], target), crossing(sim["points"], target)
+            real_x, sim_x = goodput.crossing(real["points"], target), goodput.crossing(sim["points"], target)
             rows.append(
                 {
                     "config": name,

@@ -6,6 +6,7 @@ Each `+`-separated group is a role set (letters E, P, D, any order) and how many
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import re
 
 from common.request import Stage
@@ -49,3 +50,48 @@ def decoders_join(groups: list[WorkerGroup]) -> bool:
     then such a decoder's iterations must fit TBT twice (a joining request waits for the one in flight)."""
     handoffs = any(Stage.PREFILL in g.roles and Stage.DECODE not in g.roles for g in groups)
     return handoffs and any({Stage.PREFILL, Stage.DECODE} <= g.roles for g in groups)
+
+
+# the role sets a worker can hold, in the order a deployment names them (E1+P1+D1, EP4+EPD4, ED2+P1)
+ROLE_SETS = ("E", "EP", "ED", "EPD", "P", "PD", "D")
+# each stage on exactly one pool: the ways to split {E, P, D} into role sets
+_POOLS = (("EPD",), ("E", "PD"), ("P", "ED"), ("EP", "D"), ("E", "P", "D"))
+SPACES = {
+    "pools": "each stage on exactly one pool of workers: EPD·N, E+PD, ED+P, EP+D and E+P+D splits (TriInfer's three "
+    "workflows, colocation and E+PD)",
+    "pairs": "the pools, and every deployment of two role sets that together hold every stage (e.g. EP4+EPD4)",
+    "all": "every deployment of N workers over the seven role sets that holds every stage",
+}
+
+
+def deployments(n: int, space: str = "all") -> list[str]:
+    """The topologies of `n` workers in `space` (see SPACES), each once, in a fixed order."""
+    if n < 1:
+        raise ValueError("a deployment needs at least one worker")
+    if space not in SPACES:
+        raise ValueError(f"unknown space {space!r}; one of {', '.join(SPACES)}")
+    if space == "pools":
+        kinds_of = _POOLS
+    else:
+        sizes = (1, 2) if space == "pairs" else range(1, len(ROLE_SETS) + 1)
+        kinds_of = [
+            kinds
+            for size in sizes
+            for kinds in itertools.combinations(ROLE_SETS, size)
+            if set("".join(kinds)) == set("EPD")
+        ]
+        if space == "pairs":
+            kinds_of = [*kinds_of, ("E", "P", "D")]
+    out = []
+    for kinds in kinds_of:
+        for counts in _compositions(n, len(kinds)):
+            named = sorted(zip(kinds, counts), key=lambda kc: ROLE_SETS.index(kc[0]))
+            out.append("+".join(f"{kind}{count}" for kind, count in named))
+    return out
+
+
+def _compositions(n: int, parts: int):
+    """Every way to write n as an ordered sum of `parts` positive counts."""
+    for cuts in itertools.combinations(range(1, n), parts - 1):
+        bounds = (0, *cuts, n)
+        yield tuple(b - a for a, b in zip(bounds, bounds[1:]))

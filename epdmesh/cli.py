@@ -262,6 +262,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser(
         "sim", help="the goodput benchmark on simulated time, over the live policies: epdmesh sim goodput --help"
     )
+    sub.add_parser("plan", help="rank the deployments of N instances by simulated goodput: epdmesh plan --help")
 
     make = sub.add_parser("make-tiny-model", help="write a small random LLaVA-1.5 checkpoint in Hugging Face format")
     make.add_argument("dir")
@@ -397,6 +398,10 @@ def main(argv: list[str] | None = None) -> int:
     for name in filter(None, (n.strip() for n in os.environ.get("EPDMESH_DEBUG", "").split(","))):
         logging.getLogger(name).setLevel(logging.DEBUG)  # e.g. EPDMESH_DEBUG=epdmesh.iterations
     argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["plan"]:  # its own parser takes the rest
+        from sim import plan
+
+        return plan.main(argv[1:])
     commands = {"bench": BENCHMARKS, "sim": SIMULATIONS}
     if argv[:1] and argv[0] in commands:  # `epdmesh bench NAME ARGS`: the benchmark's own parser takes ARGS
         names = commands[argv[0]]

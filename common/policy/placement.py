@@ -1,0 +1,83 @@
+"""TriInfer's topology heuristic (Algorithm 2): a workload's stage loads → each stage's capacity per instance at its
+SLO budget → N instances split across the stages by the time each needs → the E+P+D split and the EP+D and ED+P
+deployments derived from it. The caller replays the workload on the candidates (`epdmesh plan` simulates them) and
+keeps the best.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+
+from common.latency.budgets import ALPHA, largest_within
+from common.latency.model import LatencyProfile, decode_ms, encode_ms, prefill_chunk_ms
+
+KV_FRACTION = 0.9  # TriInfer's γ: of a decoder's KV capacity, the part a full batch may hold
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class StageLoad:
+    """A workload's mean work per request: images encoded, prompt tokens prefilled (image tokens included, a
+    cached prefix not), output tokens decoded, and the KV a decoding request holds on average."""
+
+    images: float
+    prompt_tokens: float
+    output_tokens: float
+    context_tokens: float
+
+    @classmethod
+    def of(cls, requests: list[tuple[int, int, int]]) -> StageLoad:
+        """From (prompt tokens, images, output tokens) per request."""
+        prompts = [p for p, _, _ in requests]
+        outputs = [o for _, _, o in requests]
+        return cls(
+            statistics.fmean(i for _, i, _ in requests),
+            statistics.fmean(prompts),
+            statistics.fmean(outputs),
+            statistics.fmean(p + o / 2 for p, o in zip(prompts, outputs)),
+        )
+
+
+def stage_seconds(
+    profile: LatencyProfile,
+    load: StageLoad,
+    ttft_ms: float,
+    tbt_ms: float,
+    kv_tokens: int,
+    alpha: float = ALPHA,
+) -> dict[str, float]:
+    """Instance-seconds per request of each stage, at the throughput of its largest batch within its limit: encode
+    and prefill within α·TTFT, decode within TBT and within γ of a decoder's KV (`kv_tokens`)."""
+    limit = alpha * ttft_ms
+    images = max(largest_within(lambda n: encode_ms(profile, n), limit, 256), 1)
+    tokens = max(largest_within(lambda t: prefill_chunk_ms(profile, t), limit, 1 << 15), 1)
+    context = max(load.context_tokens, 1.0)
+    fits_kv = max(int(KV_FRACTION * kv_tokens / context), 1)
+    batch = max(largest_within(lambda b: decode_ms(profile, b, round(b * context)), tbt_ms, fits_kv), 1)
+    return {
+        "encode": load.images * encode_ms(profile, images) / images / 1e3,
+        "prefill": load.prompt_tokens * prefill_chunk_ms(profile, tokens) / tokens / 1e3,
+        "decode": load.output_tokens * decode_ms(profile, batch, round(batch * context)) / batch / 1e3,
+    }
+
+
+def partition(n: int, seconds: dict[str, float]) -> tuple[int, int, int]:
+    """(N_e, N_p, N_d): `n` ≥ 3 instances in proportion to each stage's time, each stage at least one; the largest
+    remainders get what rounding down leaves, the largest counts give up what the minimum of one takes."""
+    if n < 3:
+        raise ValueError("an E+P+D split needs at least 3 instances")
+    times = [max(seconds[s], 0.0) for s in ("encode", "prefill", "decode")]
+    total = sum(times) or 1.0
+    shares = [n * t / total for t in times]
+    counts = [max(1, int(s)) for s in shares]
+    while sum(counts) < n:
+        counts[max(range(3), key=lambda i: shares[i] - counts[i])] += 1
+    while sum(counts) > n:
+        counts[max((i for i in range(3) if counts[i] > 1), key=lambda i: counts[i] - shares[i])] -= 1
+    return counts[0], counts[1], counts[2]
+
+
+def candidates(n: int, seconds: dict[str, float]) -> list[str]:
+    """TriInfer's three deployments of `n` instances: E+P+D from the partition, then EP+D and ED+P from it."""
+    e, p, d = partition(n, seconds)
+    return [f"E{e}+P{p}+D{d}", f"EP{e + p}+D{d}", f"ED{e + d}+P{p}"]

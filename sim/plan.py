@@ -1,0 +1,327 @@
+"""`epdmesh plan`: the deployments of N instances ranked by goodput, each simulated on the workload and its SLOs.
+
+    epdmesh plan --instances 8 --profile profiles/llava-1.5-7b-h20.json --workload textcaps,pope,conversation \\
+        --slo-ttft-ms 1000 --slo-tbt-ms 100
+
+1. enumerates the deployments of `--space` (`common.topology.deployments`; `pools` by default: each stage on one
+   pool — 43 deployments at N = 8; `pairs` adds every two-role-set deployment such as EP4+EPD4 — 106; `all`: every
+   deployment over the seven role sets — 2,871), each under every routing of `--routing` (default: `slo`, the
+   SLO-aware toggle, and `least-loaded`); every worker gets the stage budgets `serve` derives from the profile and
+   the SLOs (`--latency-profile`), and `--serve-args` go to all;
+2. finds each one's goodput on the simulator (`sim/`): the workload's requests (`--num-prompts`, the same requests
+   and arrival times for every deployment) at rates chosen by bisection between 0 and the workload's goodput bound
+   on N instances (`--steps` simulations), goodput being the 90% crossing interpolated between the two closest;
+3. runs TriInfer's heuristic (Algorithm 2, `common.policy.placement`): stage loads → stage capacities at the SLO
+   budgets → an E+P+D split of N and the EP+D and ED+P deployments derived from it; of those three the one the
+   simulator finds best is its pick, and its rank among every deployment simulated is reported (TriInfer's Table 3);
+4. writes the ranking (JSON, with every point simulated) and a plot, and prints the top of each workload's ranking.
+
+The backend is the simulator over the emulated engine of `--profile`: hardware time, not this host's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import dataclasses
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+from bench import conversation
+from bench.goodput import crossing, workload_of
+from bench.workloads import arrivals, trace_times
+from common.latency.model import request_cost_ms
+from common.latency.roofline import load_profile
+from common.policy import placement
+from common.topology import SPACES, deployments
+from sim.build import Setup
+from sim.goodput import run_point
+
+ROUTINGS = ("slo", "least-loaded")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog="epdmesh plan", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("--instances", type=int, required=True, help="N: the workers of every deployment")
+    p.add_argument("--profile", required=True, help="latency profile (a JSON file, or h20 / h100 / h200)")
+    p.add_argument("--workload", default="textcaps", help="comma-separated: bench goodput's workloads")
+    p.add_argument("--slo-ttft-ms", type=float, default=1000.0)
+    p.add_argument("--slo-tbt-ms", type=float, default=100.0)
+    p.add_argument("--attainment", type=float, default=0.9)
+    p.add_argument("--space", default="pools", choices=sorted(SPACES), help="which deployments (see above)")
+    p.add_argument("--routing", default=",".join(ROUTINGS), help="comma-separated routing policies to try")
+    p.add_argument("--serve-args", default="", help="more `epdmesh serve` arguments for every deployment")
+    p.add_argument("--num-prompts", type=int, default=200, help="requests per simulated point")
+    p.add_argument("--steps", type=int, default=6, help="simulated rates per deployment (bisection)")
+    p.add_argument("--arrival", default="mooncake", choices=["mooncake", "poisson"])
+    p.add_argument("--trace-scale", help="conversation: scale of the trace's lengths (bench goodput's)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--model", help="checkpoint whose processor makes the prompts (default: serve's)")
+    p.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="deployments simulated at once")
+    p.add_argument("--top", type=int, default=10, help="rows of each ranking printed")
+    p.add_argument("--out", default="bench/results/plan.json")
+    args = p.parse_args(argv)
+    args.workloads = [w.strip() for w in args.workload.split(",") if w.strip()]
+    args.routings = [r.strip() for r in args.routing.split(",") if r.strip()]
+    for r in args.routings:
+        if r not in ROUTINGS:
+            p.error(f"--routing: {r!r} is not one of {', '.join(ROUTINGS)}")
+    if args.instances < 1 or args.steps < 1 or args.num_prompts < 1:
+        p.error("--instances, --steps and --num-prompts must be at least 1")
+    return args
+
+
+def serve_args(topology: str, routing: str, args) -> list[str]:
+    """What `epdmesh serve` would be given for this deployment (the profile's path filled in by the caller)."""
+    extra = args.serve_args.split() if args.serve_args else []
+    model = ["--model", args.model] if args.model else []
+    return [
+        *("--topology", topology, "--routing", routing, "--latency-profile", "{profile}"),
+        *("--backend", "emulated", "--profile", "{profile}"),
+        *("--slo-ttft-ms", str(args.slo_ttft_ms), "--slo-tbt-ms", str(args.slo_tbt_ms)),
+        *model,
+        *extra,
+    ]
+
+
+# ----- one deployment, in a worker process -----
+
+_PROMPTS: dict[str, list] = {}  # workload → its prompts (set in each process by `_init`)
+
+
+def _init(prompts: dict[str, list]) -> None:
+    _PROMPTS.update(prompts)
+
+
+def goodput_search(job: dict) -> dict:
+    """One deployment's goodput on one workload: bisection over the rate between 0 and the bound."""
+    start = time.perf_counter()
+    setup = Setup.of(job["serve_args"])
+    prompts = _PROMPTS[job["workload"]]
+    target, ns = (
+        job["attainment"],
+        argparse.Namespace(
+            slo_ttft_ms=job["slo_ttft_ms"], slo_tbt_ms=job["slo_tbt_ms"], arrival=job["arrival"], seed=job["seed"]
+        ),
+    )
+    gaps = trace_times(seed=job["seed"]) if job["arrival"] == "mooncake" else None
+    points = []
+
+    def attained(rate: float) -> float:
+        times = arrivals(len(prompts), rate, job["arrival"], job["seed"], gaps)
+        point = run_point(setup, prompts, times, rate, ns)
+        points.append({k: point[k] for k in _KEPT})
+        return point["slo_attainment"]
+
+    lo, hi = 0.0, job["bound"]
+    if attained(hi) >= target:
+        lo = hi  # meets the SLOs at the bound: its goodput is the bound (no deployment can do more)
+    else:
+        for _ in range(job["steps"] - 1):
+            mid = (lo + hi) / 2
+            if attained(mid) >= target:
+                lo = mid
+            else:
+                hi = mid
+    with_zero = [{"request_rate": 0.0, "slo_attainment": 1.0}, *points]
+    return {
+        "topology": job["topology"],
+        "routing": job["routing"],
+        "workload": job["workload"],
+        "goodput": crossing(with_zero, target),
+        "points": sorted(points, key=lambda p: p["request_rate"]),
+        "wall_s": time.perf_counter() - start,
+    }
+
+
+_KEPT = (
+    "request_rate",
+    "slo_attainment",
+    "ttft_attainment",
+    "tbt_attainment",
+    "p90_ttft_ms",
+    "p90_itl_ms",
+    "failed",
+    "prefill_paths",
+    "sim_speed",
+)
+
+
+# ----- the command -----
+
+
+def main(argv=None) -> int:
+    from tqdm import tqdm
+
+    args = parse_args(list(sys.argv[1:] if argv is None else argv))
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    profile_path = out.with_suffix(".profile.json")
+    hardware = load_profile(args.profile)
+    hardware.save(profile_path)
+    fill = lambda argv: [a.replace("{profile}", str(profile_path)) for a in argv]  # noqa: E731
+    topologies = deployments(args.instances, args.space)
+    probe = Setup.of(fill(serve_args("EPD1", args.routings[0], args)))
+    prompts, loads, bounds = {}, {}, {}
+    for workload in args.workloads:
+        bodies_of, _ = workload_of(workload, lambda: conversation.calibrate_with(probe.count_tokens), probe.model, args)
+        prompts[workload] = [probe.prompt(body) for body in bodies_of(0)]
+        requests = [(len(p.token_ids), len(p.image_digests), p.max_tokens) for p in prompts[workload]]
+        loads[workload] = placement.StageLoad.of(requests)
+        cost_ms = sum(request_cost_ms(hardware, *r) for r in requests) / len(requests)
+        bounds[workload] = args.instances * 1e3 / cost_ms
+    jobs = [
+        {
+            "topology": t,
+            "routing": r,
+            "workload": w,
+            "serve_args": fill(serve_args(t, r, args)),
+            "bound": bounds[w],
+            "steps": args.steps,
+            "attainment": args.attainment,
+            "slo_ttft_ms": args.slo_ttft_ms,
+            "slo_tbt_ms": args.slo_tbt_ms,
+            "arrival": args.arrival,
+            "seed": args.seed,
+        }
+        for w in args.workloads
+        for t in topologies
+        for r in args.routings
+    ]
+    print(
+        f"epdmesh plan: {len(topologies)} deployments of {args.instances} ({args.space}: {SPACES[args.space]}) × "
+        f"{len(args.routings)} routings × {len(args.workloads)} workloads = {len(jobs)} searches of {args.steps} "
+        f"simulated rates, {args.jobs} at a time",
+        file=sys.stderr,
+    )
+    results: dict[str, list[dict]] = {w: [] for w in args.workloads}
+    with (
+        concurrent.futures.ProcessPoolExecutor(args.jobs, initializer=_init, initargs=(prompts,)) as pool,
+        tqdm(total=len(jobs), desc="plan", unit="deployment") as bar,
+    ):
+        for result in pool.map(goodput_search, jobs, chunksize=1):
+            results[result["workload"]].append(result)
+            bar.update(1)
+    kv_tokens = _decoder_kv_tokens(probe)
+    report = {
+        "backend": f"simulated: emulated engine on {Path(args.profile).stem}, simulated time",
+        "instances": args.instances,
+        "space": args.space,
+        "space_means": SPACES[args.space],
+        "deployments": len(topologies),
+        "routings": args.routings,
+        "slo_ttft_ms": args.slo_ttft_ms,
+        "slo_tbt_ms": args.slo_tbt_ms,
+        "attainment": args.attainment,
+        "num_prompts": args.num_prompts,
+        "steps": args.steps,
+        "seed": args.seed,
+        "profile": args.profile,
+        "serve_args": serve_args("{topology}", "{routing}", args),
+        "workloads": {},
+    }
+    for workload in args.workloads:
+        ranked = sorted(results[workload], key=lambda r: (-r["goodput"], r["topology"], r["routing"]))
+        for row in ranked:
+            row["rank"] = 1 + sum(other["goodput"] > row["goodput"] for other in ranked)
+        seconds = placement.stage_seconds(hardware, loads[workload], args.slo_ttft_ms, args.slo_tbt_ms, kv_tokens)
+        heuristic = _heuristic(args.instances, seconds, ranked)
+        report["workloads"][workload] = {
+            "goodput_bound": bounds[workload],
+            "stage_load": dataclasses.asdict(loads[workload]),
+            "heuristic": heuristic,
+            "ranking": ranked,
+        }
+    out.write_text(json.dumps(report, indent=2) + "\n")
+    _print(report, args.top)
+    _plot(report, out.with_suffix(".png"))
+    print(f"wrote {out} and {out.with_suffix('.png')}", file=sys.stderr)
+    return 0
+
+
+def _decoder_kv_tokens(setup: Setup) -> int:
+    """The KV tokens one worker's cache holds (every worker of a simulated mesh has the same)."""
+    from sim.events import Loop
+
+    kv = next(iter(setup.mesh(Loop()).workers.values())).engine.scheduler.kv
+    return kv.pool.num_blocks * kv.block_size
+
+
+def _heuristic(n: int, seconds: dict[str, float], ranked: list[dict]) -> dict:
+    """TriInfer's three candidates, the best of them by simulation (its pick), and the pick's rank."""
+    if n < 3:
+        return {"stage_seconds": seconds, "candidates": [], "note": "an E+P+D split needs 3 instances"}
+    names = placement.candidates(n, seconds)
+    found = [r for r in ranked if r["topology"] in names]
+    pick = max(found, key=lambda r: r["goodput"], default=None)
+    return {
+        "stage_seconds": seconds,
+        "candidates": names,
+        "pick": None if pick is None else {k: pick[k] for k in ("topology", "routing", "goodput", "rank")},
+        "of": len(ranked),
+        "note": "" if pick is not None else "its candidates are not in the space simulated",
+    }
+
+
+def _print(report: dict, top: int) -> None:
+    for workload, entry in report["workloads"].items():
+        ranked = entry["ranking"]
+        print(
+            f"\n{workload}: {len(ranked)} (deployment, routing) on {report['instances']} instances, TTFT "
+            f"{report['slo_ttft_ms']:g} ms, P90 TBT {report['slo_tbt_ms']:g} ms; bound {entry['goodput_bound']:.2f} "
+            "req/s"
+        )
+        print(f"  {'rank':>4}  {'deployment':<16} {'routing':<13} {'goodput':>8}  paths at the crossing")
+        for row in ranked[:top]:
+            name, routing = row["topology"], row["routing"]
+            print(f"  {row['rank']:>4}  {name:<16} {routing:<13} {row['goodput']:8.2f}  {_paths(row)}")
+        pick = entry["heuristic"].get("pick")
+        if pick:
+            print(
+                f"  TriInfer's heuristic: {', '.join(entry['heuristic']['candidates'])} → {pick['topology']} "
+                f"({pick['routing']}) {pick['goodput']:.2f} req/s, rank {pick['rank']} of {entry['heuristic']['of']}"
+            )
+
+
+def _paths(row: dict) -> str:
+    met = [p for p in row["points"] if p["request_rate"] <= row["goodput"]]
+    if not met:
+        return ""
+    return " ".join(f"{k} {v}" for k, v in met[-1]["prefill_paths"].items() if v)
+
+
+def _plot(report: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    workloads = list(report["workloads"])
+    fig, axes = plt.subplots(len(workloads), 1, figsize=(11, 3.6 * len(workloads)), squeeze=False)
+    for ax, workload in zip(axes[:, 0], workloads):
+        entry = report["workloads"][workload]
+        shown = entry["ranking"][:30]
+        candidates = set(entry["heuristic"].get("candidates", []))
+        colors = ["tab:orange" if r["topology"] in candidates else "tab:blue" for r in shown]
+        ax.bar(range(len(shown)), [r["goodput"] for r in shown], color=colors)
+        ax.set_xticks(range(len(shown)))
+        ax.set_xticklabels(
+            [f"{r['topology']}\n{'slo' if r['routing'] == 'slo' else 'l-l'}" for r in shown], rotation=90, fontsize=7
+        )
+        ax.axhline(entry["goodput_bound"], color="gray", linestyle=":", label="bound (no scheduler exceeds)")
+        ax.set_ylabel("goodput (req/s)")
+        ax.set_title(
+            f"{workload}: top {len(shown)} of {len(entry['ranking'])}, {report['instances']} instances "
+            "(orange: TriInfer's candidates)",
+            fontsize=9,
+        )
+        ax.legend(fontsize=7)
+    fig.suptitle(f"epdmesh plan — {report['backend']}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
