@@ -8,9 +8,11 @@
    deployment over the seven role sets — 2,871), each under every routing of `--routing` (default: `slo`, the
    SLO-aware toggle, and `least-loaded`); every worker gets the stage budgets `serve` derives from the profile and
    the SLOs (`--latency-profile`), and `--serve-args` go to all;
-2. finds each one's goodput on the simulator (`sim/`): the workload's requests (`--num-prompts`, the same requests
-   and arrival times for every deployment) at rates chosen by bisection between 0 and the workload's goodput bound
-   on N instances (`--steps` simulations), goodput being the 90% crossing interpolated between the two closest;
+2. finds each one's goodput on the simulator (`sim/`): `--duration` seconds of the workload's requests at rates
+   chosen by bisection between 0 and the workload's goodput bound on N instances (`--steps` simulations; the same
+   requests and arrival times for every deployment), goodput being the 90% crossing interpolated between the two
+   closest. A run that overloads the mesh misses its SLOs only once its queue has grown past them: a longer
+   `--duration` finds a crossing closer to the load the mesh sustains;
 3. runs TriInfer's heuristic (Algorithm 2, `common.policy.placement`): stage loads → stage capacities at the SLO
    budgets → an E+P+D split of N and the EP+D and ED+P deployments derived from it; of those three the one the
    simulator finds best is its pick, and its rank among every deployment simulated is reported (TriInfer's Table 3);
@@ -25,6 +27,8 @@ import argparse
 import concurrent.futures
 import dataclasses
 import json
+import logging
+import math
 import os
 import sys
 import time
@@ -32,7 +36,7 @@ from pathlib import Path
 
 from bench import conversation
 from bench.goodput import crossing, workload_of
-from bench.workloads import arrivals, trace_times
+from bench.workloads import arrivals, trace_scale_of, trace_times
 from common.latency.model import request_cost_ms
 from common.latency.roofline import load_profile
 from common.policy import placement
@@ -41,6 +45,10 @@ from sim.build import Setup
 from sim.goodput import run_point
 
 ROUTINGS = ("slo", "least-loaded")
+SAMPLE = 200  # requests the workload's loads and bound are taken from
+MIN_REQUESTS = 20  # a simulated point sends at least this many
+# colocated as vLLM ships it: chunked prefill at a fixed token budget (its encoder budget the same tokens), least-loaded
+VLLM_STYLE = (("vLLM-style 2048", 2048), ("vLLM-style 8192", 8192))
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -56,32 +64,49 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--space", default="pools", choices=sorted(SPACES), help="which deployments (see above)")
     p.add_argument("--routing", default=",".join(ROUTINGS), help="comma-separated routing policies to try")
     p.add_argument("--serve-args", default="", help="more `epdmesh serve` arguments for every deployment")
-    p.add_argument("--num-prompts", type=int, default=200, help="requests per simulated point")
+    p.add_argument(
+        "--duration", type=float, default=10.0, help="seconds of arrivals per simulated point (rate × this requests)"
+    )
     p.add_argument("--steps", type=int, default=6, help="simulated rates per deployment (bisection)")
     p.add_argument("--arrival", default="mooncake", choices=["mooncake", "poisson"])
-    p.add_argument("--trace-scale", help="conversation: scale of the trace's lengths (bench goodput's)")
+    p.add_argument(
+        "--trace-scale", type=int, default=16, help="conversation: the trace's lengths ÷ this (bench goodput's)"
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--model", help="checkpoint whose processor makes the prompts (default: serve's)")
     p.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="deployments simulated at once")
+    p.add_argument(
+        "--baselines",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="also colocated as vLLM ships it (EPD·N, least-loaded, 2048- and 8192-token chunks)",
+    )
     p.add_argument("--top", type=int, default=10, help="rows of each ranking printed")
     p.add_argument("--out", default="bench/results/plan.json")
     args = p.parse_args(argv)
     args.workloads = [w.strip() for w in args.workload.split(",") if w.strip()]
     args.routings = [r.strip() for r in args.routing.split(",") if r.strip()]
+    for w in args.workloads:
+        try:
+            trace_scale_of(w, args.trace_scale)
+        except ValueError as e:
+            p.error(f"--workload: {e}")
     for r in args.routings:
         if r not in ROUTINGS:
             p.error(f"--routing: {r!r} is not one of {', '.join(ROUTINGS)}")
-    if args.instances < 1 or args.steps < 1 or args.num_prompts < 1:
-        p.error("--instances, --steps and --num-prompts must be at least 1")
+    if args.instances < 1 or args.steps < 1 or args.duration <= 0:
+        p.error("--instances and --steps must be at least 1, --duration positive")
     return args
 
 
-def serve_args(topology: str, routing: str, args) -> list[str]:
-    """What `epdmesh serve` would be given for this deployment (the profile's path filled in by the caller)."""
+def serve_args(topology: str, routing: str, args, profile: bool = True) -> list[str]:
+    """What `epdmesh serve` would be given for this deployment (the profile's path filled in by the caller);
+    `profile`: stage budgets sized from it and the SLOs (else serve's fixed ones, or those given)."""
     extra = args.serve_args.split() if args.serve_args else []
     model = ["--model", args.model] if args.model else []
     return [
-        *("--topology", topology, "--routing", routing, "--latency-profile", "{profile}"),
+        *("--topology", topology, "--routing", routing),
+        *(("--latency-profile", "{profile}") if profile else ()),
         *("--backend", "emulated", "--profile", "{profile}"),
         *("--slo-ttft-ms", str(args.slo_ttft_ms), "--slo-tbt-ms", str(args.slo_tbt_ms)),
         *model,
@@ -95,6 +120,7 @@ _PROMPTS: dict[str, list] = {}  # workload → its prompts (set in each process 
 
 
 def _init(prompts: dict[str, list]) -> None:
+    logging.getLogger("epdmesh").setLevel(logging.WARNING)  # each deployment's budgets: in the report, not the log
     _PROMPTS.update(prompts)
 
 
@@ -113,8 +139,9 @@ def goodput_search(job: dict) -> dict:
     points = []
 
     def attained(rate: float) -> float:
-        times = arrivals(len(prompts), rate, job["arrival"], job["seed"], gaps)
-        point = run_point(setup, prompts, times, rate, ns)
+        sent = prompts[: max(MIN_REQUESTS, math.ceil(rate * job["duration"]))]
+        times = arrivals(len(sent), rate, job["arrival"], job["seed"], gaps)
+        point = run_point(setup, sent, times, rate, ns)
         points.append({k: point[k] for k in _KEPT})
         return point["slo_attainment"]
 
@@ -136,6 +163,7 @@ def goodput_search(job: dict) -> dict:
         "goodput": crossing(with_zero, target),
         "points": sorted(points, key=lambda p: p["request_rate"]),
         "wall_s": time.perf_counter() - start,
+        **({"baseline": job["baseline"]} if "baseline" in job else {}),
     }
 
 
@@ -166,33 +194,41 @@ def main(argv=None) -> int:
     hardware.save(profile_path)
     fill = lambda argv: [a.replace("{profile}", str(profile_path)) for a in argv]  # noqa: E731
     topologies = deployments(args.instances, args.space)
+    logging.getLogger("epdmesh").setLevel(logging.WARNING)
     probe = Setup.of(fill(serve_args("EPD1", args.routings[0], args)))
     prompts, loads, bounds = {}, {}, {}
     for workload in args.workloads:
+        args.num_prompts = SAMPLE  # the bound from a sample, then as many requests as a run at the bound sends
+        loads[workload], bounds[workload] = _load_and_bound(workload, probe, hardware, args)
+        args.num_prompts = max(SAMPLE, math.ceil(bounds[workload] * args.duration))
         bodies_of, _ = workload_of(workload, lambda: conversation.calibrate_with(probe.count_tokens), probe.model, args)
         prompts[workload] = [probe.prompt(body) for body in bodies_of(0)]
-        requests = [(len(p.token_ids), len(p.image_digests), p.max_tokens) for p in prompts[workload]]
-        loads[workload] = placement.StageLoad.of(requests)
-        cost_ms = sum(request_cost_ms(hardware, *r) for r in requests) / len(requests)
-        bounds[workload] = args.instances * 1e3 / cost_ms
+    common = {
+        "steps": args.steps,
+        "attainment": args.attainment,
+        "slo_ttft_ms": args.slo_ttft_ms,
+        "slo_tbt_ms": args.slo_tbt_ms,
+        "arrival": args.arrival,
+        "seed": args.seed,
+        "duration": args.duration,
+    }
     jobs = [
-        {
-            "topology": t,
-            "routing": r,
-            "workload": w,
-            "serve_args": fill(serve_args(t, r, args)),
-            "bound": bounds[w],
-            "steps": args.steps,
-            "attainment": args.attainment,
-            "slo_ttft_ms": args.slo_ttft_ms,
-            "slo_tbt_ms": args.slo_tbt_ms,
-            "arrival": args.arrival,
-            "seed": args.seed,
-        }
+        {"topology": t, "routing": r, "workload": w, "serve_args": fill(serve_args(t, r, args)), "bound": bounds[w]}
+        | common
         for w in args.workloads
         for t in topologies
         for r in args.routings
     ]
+    colocated = f"EPD{args.instances}"
+    for label, tokens in VLLM_STYLE if args.baselines else ():
+        vllm_args = serve_args(colocated, "least-loaded", args, profile=False)
+        vllm_args += ["--token-budget", str(tokens), "--image-budget", str(max(tokens // hardware.image_tokens, 1))]
+        jobs += [
+            {"topology": colocated, "routing": "least-loaded", "workload": w, "serve_args": fill(vllm_args)}
+            | {"bound": bounds[w], "baseline": label}
+            | common
+            for w in args.workloads
+        ]
     print(
         f"epdmesh plan: {len(topologies)} deployments of {args.instances} ({args.space}: {SPACES[args.space]}) × "
         f"{len(args.routings)} routings × {len(args.workloads)} workloads = {len(jobs)} searches of {args.steps} "
@@ -200,12 +236,13 @@ def main(argv=None) -> int:
         file=sys.stderr,
     )
     results: dict[str, list[dict]] = {w: [] for w in args.workloads}
+    baselines: dict[str, list[dict]] = {w: [] for w in args.workloads}
     with (
         concurrent.futures.ProcessPoolExecutor(args.jobs, initializer=_init, initargs=(prompts,)) as pool,
         tqdm(total=len(jobs), desc="plan", unit="deployment") as bar,
     ):
         for result in pool.map(goodput_search, jobs, chunksize=1):
-            results[result["workload"]].append(result)
+            (baselines if "baseline" in result else results)[result["workload"]].append(result)
             bar.update(1)
     kv_tokens = _decoder_kv_tokens(probe)
     report = {
@@ -218,7 +255,7 @@ def main(argv=None) -> int:
         "slo_ttft_ms": args.slo_ttft_ms,
         "slo_tbt_ms": args.slo_tbt_ms,
         "attainment": args.attainment,
-        "num_prompts": args.num_prompts,
+        "duration_s": args.duration,
         "steps": args.steps,
         "seed": args.seed,
         "profile": args.profile,
@@ -235,6 +272,7 @@ def main(argv=None) -> int:
             "goodput_bound": bounds[workload],
             "stage_load": dataclasses.asdict(loads[workload]),
             "heuristic": heuristic,
+            "baselines": _against_best(baselines[workload], ranked),
             "ranking": ranked,
         }
     out.write_text(json.dumps(report, indent=2) + "\n")
@@ -250,6 +288,28 @@ def _decoder_kv_tokens(setup: Setup) -> int:
 
     kv = next(iter(setup.mesh(Loop()).workers.values())).engine.scheduler.kv
     return kv.pool.num_blocks * kv.block_size
+
+
+def _load_and_bound(workload: str, probe: Setup, hardware, args) -> tuple[placement.StageLoad, float]:
+    """The workload's stage loads, and its goodput bound on N instances: a conversation's requests each without
+    the prefix an earlier one shares with it (nor its image then), as `bench goodput` bounds them."""
+    bodies_of, meta = workload_of(workload, lambda: conversation.calibrate_with(probe.count_tokens), probe.model, args)
+    if "requests" in meta:
+        requests = [(n - shared, image, output) for n, shared, output, image in meta["requests"]]
+    else:
+        prompts = [probe.prompt(body) for body in bodies_of(0)]
+        requests = [(len(p.token_ids), len(p.image_digests), p.max_tokens) for p in prompts]
+    cost_ms = sum(request_cost_ms(hardware, *r) for r in requests) / len(requests)
+    return placement.StageLoad.of(requests), args.instances * 1e3 / cost_ms
+
+
+def _against_best(baselines: list[dict], ranked: list[dict]) -> list[dict]:
+    """Each baseline, and the best deployment's goodput over its own; tuned colocation (EPD·N with the SLO-aware
+    routing) and the best static split come from the ranking itself."""
+    best = ranked[0]["goodput"] if ranked else 0.0
+    for row in baselines:
+        row["best_over_this"] = best / row["goodput"] if row["goodput"] else None
+    return sorted(baselines, key=lambda r: r["baseline"])
 
 
 def _heuristic(n: int, seconds: dict[str, float], ranked: list[dict]) -> dict:
@@ -280,12 +340,32 @@ def _print(report: dict, top: int) -> None:
         for row in ranked[:top]:
             name, routing = row["topology"], row["routing"]
             print(f"  {row['rank']:>4}  {name:<16} {routing:<13} {row['goodput']:8.2f}  {_paths(row)}")
+        best = ranked[0]["goodput"] if ranked else 0.0
+        named = [(row["baseline"], row["goodput"]) for row in entry["baselines"]]
+        named += [(f"{r['topology']} {r['routing']}", r["goodput"]) for r in _references(ranked, report["instances"])]
+        for name, goodput in named:
+            ratio = f"{best / goodput:.2f}×" if goodput else "∞"
+            print(f"  {name:<30} {goodput:8.2f}  (best: {ratio})")
         pick = entry["heuristic"].get("pick")
         if pick:
+            stage_s = ", ".join(f"{k} {v * 1e3:.1f}" for k, v in entry["heuristic"]["stage_seconds"].items())
             print(
-                f"  TriInfer's heuristic: {', '.join(entry['heuristic']['candidates'])} → {pick['topology']} "
+                f"  TriInfer's heuristic (instance-ms per request: {stage_s}): "
+                f"{', '.join(entry['heuristic']['candidates'])} → {pick['topology']} "
                 f"({pick['routing']}) {pick['goodput']:.2f} req/s, rank {pick['rank']} of {entry['heuristic']['of']}"
             )
+
+
+def _references(ranked: list[dict], n: int) -> list[dict]:
+    """The rows a reader compares against: colocated (EPD·N) with each routing, and the best static split (prefill
+    and decode on separate workers: no worker does both)."""
+    rows = [r for r in ranked if r["topology"] == f"EPD{n}"]
+    split = next((r for r in ranked if not any({"P", "D"} <= set(g) for g in _groups(r["topology"]))), None)
+    return rows + ([split] if split else [])
+
+
+def _groups(topology: str) -> list[str]:
+    return [group.rstrip("0123456789") for group in topology.split("+")]
 
 
 def _paths(row: dict) -> str:

@@ -65,7 +65,7 @@ def test_stage_times_grow_with_the_work_of_their_stage():
 def test_plan_ranks_every_deployment_and_reports_the_heuristics_pick(emulated_dir, tmp_path):
     out = tmp_path / "plan.json"
     argv = ["--instances", "3", "--profile", H20, "--model", str(emulated_dir), "--workload", "textcaps"]
-    argv += ["--num-prompts", "16", "--steps", "3", "--jobs", "1", "--out", str(out)]
+    argv += ["--duration", "0.5", "--steps", "3", "--jobs", "1", "--out", str(out)]
     assert plan(argv) == 0
     report = json.loads(out.read_text())
     entry = report["workloads"]["textcaps"]
@@ -82,4 +82,7 @@ def test_plan_ranks_every_deployment_and_reports_the_heuristics_pick(emulated_di
     assert heuristic["candidates"] == ["E1+P1+D1", "EP2+D1", "ED2+P1"]
     pick = heuristic["pick"]
     assert pick["topology"] in heuristic["candidates"] and 1 <= pick["rank"] <= 16
+    baselines = entry["baselines"]
+    assert [b["baseline"] for b in baselines] == ["vLLM-style 2048", "vLLM-style 8192"]
+    assert all(b["topology"] == "EPD3" and b["goodput"] <= entry["goodput_bound"] for b in baselines)
     assert out.with_suffix(".png").stat().st_size > 10_000
