@@ -40,7 +40,7 @@ from bench.workloads import arrivals, trace_scale_of, trace_times
 from common.latency.model import request_cost_ms
 from common.latency.roofline import load_profile
 from common.policy import placement
-from common.topology import SPACES, deployments
+from common.topology import SPACES, deployments, parse_topology
 from sim.build import Setup
 from sim.goodput import run_point
 
@@ -62,7 +62,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--slo-tbt-ms", type=float, default=100.0)
     p.add_argument("--attainment", type=float, default=0.9)
     p.add_argument("--space", default="pools", choices=sorted(SPACES), help="which deployments (see above)")
+    p.add_argument("--topologies", help="comma-separated deployments to rank instead of a --space (e.g. E3+P3+D2,EPD8)")
     p.add_argument("--routing", default=",".join(ROUTINGS), help="comma-separated routing policies to try")
+    p.add_argument(
+        "--budgets",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="stage budgets sized from the profile and the SLOs (--latency-profile); --no-budgets: serve's fixed "
+        "2048 tokens and 4 images (TriInfer's ablation without stage-level scheduling)",
+    )
     p.add_argument("--serve-args", default="", help="more `epdmesh serve` arguments for every deployment")
     p.add_argument(
         "--duration", type=float, default=10.0, help="seconds of arrivals per simulated point (rate × this requests)"
@@ -86,6 +94,17 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = p.parse_args(argv)
     args.workloads = [w.strip() for w in args.workload.split(",") if w.strip()]
     args.routings = [r.strip() for r in args.routing.split(",") if r.strip()]
+    if not args.budgets and "slo" in args.routings:
+        p.error("--no-budgets: the SLO-aware routing needs the profile's budgets; give --routing least-loaded")
+    if args.topologies:
+        args.topologies = [t.strip() for t in args.topologies.split(",") if t.strip()]
+        for t in args.topologies:
+            try:
+                groups = parse_topology(t)
+            except ValueError as e:
+                p.error(f"--topologies: {e}")
+            if sum(g.count for g in groups) != args.instances:
+                p.error(f"--topologies: {t} has {sum(g.count for g in groups)} workers, not --instances")
     for w in args.workloads:
         try:
             trace_scale_of(w, args.trace_scale)
@@ -193,7 +212,7 @@ def main(argv=None) -> int:
     hardware = load_profile(args.profile)
     hardware.save(profile_path)
     fill = lambda argv: [a.replace("{profile}", str(profile_path)) for a in argv]  # noqa: E731
-    topologies = deployments(args.instances, args.space)
+    topologies = args.topologies or deployments(args.instances, args.space)
     logging.getLogger("epdmesh").setLevel(logging.WARNING)
     probe = Setup.of(fill(serve_args("EPD1", args.routings[0], args)))
     prompts, loads, bounds = {}, {}, {}
@@ -213,7 +232,8 @@ def main(argv=None) -> int:
         "duration": args.duration,
     }
     jobs = [
-        {"topology": t, "routing": r, "workload": w, "serve_args": fill(serve_args(t, r, args)), "bound": bounds[w]}
+        {"topology": t, "routing": r, "workload": w, "bound": bounds[w]}
+        | {"serve_args": fill(serve_args(t, r, args, profile=args.budgets))}
         | common
         for w in args.workloads
         for t in topologies
@@ -230,7 +250,8 @@ def main(argv=None) -> int:
             for w in args.workloads
         ]
     print(
-        f"epdmesh plan: {len(topologies)} deployments of {args.instances} ({args.space}: {SPACES[args.space]}) × "
+        f"epdmesh plan: {len(topologies)} deployments of {args.instances} "
+        f"({'given' if args.topologies else f'{args.space}: {SPACES[args.space]}'}) × "
         f"{len(args.routings)} routings × {len(args.workloads)} workloads = {len(jobs)} searches of {args.steps} "
         f"simulated rates, {args.jobs} at a time",
         file=sys.stderr,
@@ -248,8 +269,9 @@ def main(argv=None) -> int:
     report = {
         "backend": f"simulated: emulated engine on {Path(args.profile).stem}, simulated time",
         "instances": args.instances,
-        "space": args.space,
-        "space_means": SPACES[args.space],
+        "space": "given" if args.topologies else args.space,
+        "space_means": "--topologies" if args.topologies else SPACES[args.space],
+        "budgets": "from the profile and the SLOs" if args.budgets else "serve's fixed (2048 tokens, 4 images)",
         "deployments": len(topologies),
         "routings": args.routings,
         "slo_ttft_ms": args.slo_ttft_ms,
@@ -259,7 +281,7 @@ def main(argv=None) -> int:
         "steps": args.steps,
         "seed": args.seed,
         "profile": args.profile,
-        "serve_args": serve_args("{topology}", "{routing}", args),
+        "serve_args": serve_args("{topology}", "{routing}", args, profile=args.budgets),
         "workloads": {},
     }
     for workload in args.workloads:

@@ -86,3 +86,19 @@ def test_plan_ranks_every_deployment_and_reports_the_heuristics_pick(emulated_di
     assert [b["baseline"] for b in baselines] == ["vLLM-style 2048", "vLLM-style 8192"]
     assert all(b["topology"] == "EPD3" and b["goodput"] <= entry["goodput_bound"] for b in baselines)
     assert out.with_suffix(".png").stat().st_size > 10_000
+
+
+def test_given_deployments_without_budgets_are_ranked_as_given(emulated_dir, tmp_path):
+    out = tmp_path / "plan.json"
+    argv = ["--instances", "3", "--profile", H20, "--model", str(emulated_dir), "--topologies", "E1+P1+D1,EPD3"]
+    argv += ["--no-budgets", "--routing", "least-loaded", "--no-baselines", "--duration", "0.5", "--steps", "2"]
+    assert plan([*argv, "--jobs", "1", "--out", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["deployments"] == 2 and report["space"] == "given"
+    ranking = report["workloads"]["textcaps"]["ranking"]
+    assert sorted(r["topology"] for r in ranking) == ["E1+P1+D1", "EPD3"]
+    assert "--latency-profile" not in report["serve_args"] and report["workloads"]["textcaps"]["baselines"] == []
+    with pytest.raises(SystemExit):
+        plan([*argv[:-6], "--routing", "slo", "--no-budgets"])
+    with pytest.raises(SystemExit):
+        plan(["--instances", "3", "--profile", H20, "--topologies", "E1+P1+D2"])
