@@ -391,6 +391,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 BENCHMARKS = {"goodput": "bench.goodput"}
 SIMULATIONS = {"goodput": "sim.goodput"}  # `epdmesh sim goodput`: the benchmark on simulated time
+PLAN = "sim.plan"  # `epdmesh plan`: the topology search
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -398,10 +399,10 @@ def main(argv: list[str] | None = None) -> int:
     for name in filter(None, (n.strip() for n in os.environ.get("EPDMESH_DEBUG", "").split(","))):
         logging.getLogger(name).setLevel(logging.DEBUG)  # e.g. EPDMESH_DEBUG=epdmesh.iterations
     argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["plan"]:  # its own parser takes the rest
-        from sim import plan
+    if argv[:1] == ["plan"]:  # its own parser takes the rest (loaded by name, as the simulations are)
+        import importlib
 
-        return plan.main(argv[1:])
+        return importlib.import_module(PLAN).main(argv[1:])
     commands = {"bench": BENCHMARKS, "sim": SIMULATIONS}
     if argv[:1] and argv[0] in commands:  # `epdmesh bench NAME ARGS`: the benchmark's own parser takes ARGS
         names = commands[argv[0]]

@@ -10,6 +10,7 @@ from common.latency.roofline import load_profile
 from common.policy import placement
 from common.request import Stage
 from common.topology import ROLE_SETS, deployments, parse_topology
+from epdmesh.cli import main as cli_main
 from sim.plan import main as plan
 
 H20 = str(Path(__file__).resolve().parents[2] / "profiles" / "llava-1.5-7b-h20.json")
@@ -100,5 +101,5 @@ def test_given_deployments_without_budgets_are_ranked_as_given(emulated_dir, tmp
     assert "--latency-profile" not in report["serve_args"] and report["workloads"]["textcaps"]["baselines"] == []
     with pytest.raises(SystemExit):
         plan([*argv[:-6], "--routing", "slo", "--no-budgets"])
-    with pytest.raises(SystemExit):
-        plan(["--instances", "3", "--profile", H20, "--topologies", "E1+P1+D2"])
+    with pytest.raises(SystemExit):  # through the CLI, as a user types it: 4 workers are not --instances 3
+        cli_main(["plan", "--instances", "3", "--profile", H20, "--topologies", "E1+P1+D2"])
