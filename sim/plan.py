@@ -29,6 +29,7 @@ import dataclasses
 import json
 import logging
 import math
+import multiprocessing
 import os
 import sys
 import time
@@ -258,11 +259,8 @@ def main(argv=None) -> int:
     )
     results: dict[str, list[dict]] = {w: [] for w in args.workloads}
     baselines: dict[str, list[dict]] = {w: [] for w in args.workloads}
-    with (
-        concurrent.futures.ProcessPoolExecutor(args.jobs, initializer=_init, initargs=(prompts,)) as pool,
-        tqdm(total=len(jobs), desc="plan", unit="deployment") as bar,
-    ):
-        for result in pool.map(goodput_search, jobs, chunksize=1):
+    with tqdm(total=len(jobs), desc="plan", unit="deployment") as bar:
+        for result in _searched(jobs, prompts, args.jobs):
             (baselines if "baseline" in result else results)[result["workload"]].append(result)
             bar.update(1)
     kv_tokens = _decoder_kv_tokens(probe)
@@ -310,6 +308,18 @@ def _decoder_kv_tokens(setup: Setup) -> int:
 
     kv = next(iter(setup.mesh(Loop()).workers.values())).engine.scheduler.kv
     return kv.pool.num_blocks * kv.block_size
+
+
+def _searched(jobs: list[dict], prompts: dict[str, list], processes: int):
+    """Each job's search, in this process or in `processes` fresh ones (spawned: a process forked from one with
+    threads, as grpc's, may inherit a lock held and hang)."""
+    if processes <= 1:
+        _init(prompts)
+        yield from map(goodput_search, jobs)
+        return
+    context = multiprocessing.get_context("spawn")
+    with concurrent.futures.ProcessPoolExecutor(processes, context, _init, (prompts,)) as pool:
+        yield from pool.map(goodput_search, jobs, chunksize=1)
 
 
 def _load_and_bound(workload: str, probe: Setup, hardware, args) -> tuple[placement.StageLoad, float]:

@@ -93,7 +93,7 @@ def test_given_deployments_without_budgets_are_ranked_as_given(emulated_dir, tmp
     out = tmp_path / "plan.json"
     argv = ["--instances", "3", "--profile", H20, "--model", str(emulated_dir), "--topologies", "E1+P1+D1,EPD3"]
     argv += ["--no-budgets", "--routing", "least-loaded", "--no-baselines", "--duration", "0.5", "--steps", "2"]
-    assert plan([*argv, "--jobs", "1", "--out", str(out)]) == 0
+    assert plan([*argv, "--jobs", "2", "--out", str(out)]) == 0  # two processes, spawned
     report = json.loads(out.read_text())
     assert report["deployments"] == 2 and report["space"] == "given"
     ranking = report["workloads"]["textcaps"]["ranking"]
