@@ -41,6 +41,7 @@ from bench.workloads import arrivals, trace_scale_of, trace_times
 from common.latency.model import request_cost_ms
 from common.latency.roofline import load_profile
 from common.policy import placement
+from common.request import Stage
 from common.topology import SPACES, deployments, parse_topology
 from sim.build import Setup
 from sim.goodput import run_point
@@ -392,12 +393,12 @@ def _references(ranked: list[dict], n: int) -> list[dict]:
     """The rows a reader compares against: colocated (EPD·N) with each routing, and the best static split (prefill
     and decode on separate workers: no worker does both)."""
     rows = [r for r in ranked if r["topology"] == f"EPD{n}"]
-    split = next((r for r in ranked if not any({"P", "D"} <= set(g) for g in _groups(r["topology"]))), None)
+    split = next((r for r in ranked if not any(_prefills_and_decodes(g) for g in parse_topology(r["topology"]))), None)
     return rows + ([split] if split else [])
 
 
-def _groups(topology: str) -> list[str]:
-    return [group.rstrip("0123456789") for group in topology.split("+")]
+def _prefills_and_decodes(group) -> bool:
+    return {Stage.PREFILL, Stage.DECODE} <= group.roles
 
 
 def _paths(row: dict) -> str:
