@@ -5,7 +5,8 @@ of a configuration to the others, taken launch by launch (each launch is one see
     python -m bench.launches bench/results/emu-conversation-s1.json bench/results/emu-conversation-s2.json \\
         --versus 'EP7+EPD1 toggle'
 
-Prints a Markdown table; `--out` writes the same as JSON.
+A launch given as `A.json,B.json` is one launch swept in two runs (the same seed, more rates): each configuration's
+points are pooled. Prints a Markdown table; `--out` writes the same as JSON.
 """
 
 from __future__ import annotations
@@ -19,31 +20,63 @@ from pathlib import Path
 from bench.goodput import crossing
 
 
-def crossings(report: dict) -> dict[tuple[str, str], float]:
-    """(configuration, workload) → its interpolated goodput in one report."""
+def crossings(report: dict) -> dict[tuple[str, str], tuple[float, str]]:
+    """(configuration, workload) → its interpolated goodput in one report and what it is: `=` a crossing between two
+    swept rates, `<` below the lowest rate swept (the value is that rate), `≥` at or above the highest (ditto)."""
     target = report.get("attainment", 0.9)
-    return {
-        (name, workload): crossing(run["points"], target)
-        for name, workloads in report["configs"].items()
-        for workload, run in workloads.items()
-    }
+    out = {}
+    for name, workloads in report["configs"].items():
+        for workload, run in workloads.items():
+            rates = sorted((p["request_rate"], p["slo_attainment"]) for p in run["points"])
+            if rates and rates[0][1] < target:
+                out[(name, workload)] = (rates[0][0], "<")
+            elif rates and rates[-1][1] >= target:
+                out[(name, workload)] = (rates[-1][0], "≥")
+            else:
+                out[(name, workload)] = (crossing(run["points"], target), "=")
+    return out
+
+
+def _shown(value: float, kind: str) -> str:
+    return f"{value:.1f}" if kind == "=" else f"{kind} {value:.1f}"
 
 
 def combine(reports: list[dict], versus: str | None = None) -> list[dict]:
-    """One row per (configuration, workload) run in every report: each launch's goodput, mean, min, max, and with
-    `versus` the ratio `versus` ÷ this configuration in each launch (its mean and spread)."""
+    """One row per (configuration, workload) run in every report: each launch's goodput (`kinds`: `=` crossed
+    between two rates swept, `<` / `≥` a bound outside the grid), and where every launch crossed, the mean, min and
+    max; with `versus`, the ratio `versus` ÷ this configuration in each launch (a bound where either is one)."""
     per_launch = [crossings(r) for r in reports]
     keys = [k for k in per_launch[0] if all(k in c for c in per_launch)]
     rows = []
     for name, workload in keys:
-        values = [c[(name, workload)] for c in per_launch]
-        row = {"config": name, "workload": workload, "goodput": values, "mean": statistics.fmean(values)}
-        row |= {"min": min(values), "max": max(values)}
+        values, kinds = zip(*(c[(name, workload)] for c in per_launch))
+        row = {"config": name, "workload": workload, "goodput": list(values), "kinds": list(kinds)}
+        if all(k == "=" for k in kinds):
+            row |= {"mean": statistics.fmean(values), "min": min(values), "max": max(values)}
         if versus and name != versus and all((versus, workload) in c for c in per_launch):
-            ratios = [c[(versus, workload)] / v if v else float("inf") for c, v in zip(per_launch, values)]
-            row |= {"ratio": ratios, "ratio_mean": statistics.fmean(ratios)}
+            row["ratio"] = [_ratio(c[(versus, workload)], (v, k)) for c, v, k in zip(per_launch, values, kinds)]
         rows.append(row)
     return rows
+
+
+def _ratio(num: tuple[float, str], den: tuple[float, str]) -> tuple[float, str]:
+    """num ÷ den, and whether it is exact (`=`), a lower bound (`>`) or an upper one (`<`), or unknown (`?`)."""
+    (a, ka), (b, kb) = num, den
+    lower = ka in "=≥" and kb in "=<"  # num at least a, den at most b
+    upper = ka in "=<" and kb in "=≥"
+    kind = "=" if ka == kb == "=" else ">" if lower else "<" if upper else "?"
+    return (a / b if b else float("inf"), kind)
+
+
+def pooled(reports: list[dict]) -> dict:
+    """Several runs of one launch (the same seed) as one report: each (configuration, workload)'s points together."""
+    out = {**reports[0], "configs": {}}
+    for report in reports:
+        for name, workloads in report["configs"].items():
+            for workload, run in workloads.items():
+                mine = out["configs"].setdefault(name, {}).setdefault(workload, {**run, "points": []})
+                mine["points"] = mine["points"] + run["points"]
+    return out
 
 
 def markdown(rows: list[dict], versus: str | None = None) -> str:
@@ -54,23 +87,23 @@ def markdown(rows: list[dict], versus: str | None = None) -> str:
         rule += "---|"
     lines = [head, rule]
     for r in rows:
-        line = (
-            f"| {r['workload']} | `{r['config']}` | {' / '.join(f'{v:.1f}' for v in r['goodput'])} | "
-            f"{r['mean']:.1f} | {r['min']:.1f}–{r['max']:.1f} |"
-        )
+        shown = " / ".join(_shown(v, k) for v, k in zip(r["goodput"], r["kinds"]))
+        line = f"| {r['workload']} | `{r['config']}` | {shown} | "
+        line += f"{r['mean']:.1f} | {r['min']:.1f}–{r['max']:.1f} |" if "mean" in r else "— | — |"
         if versus:
-            line += " " + (" / ".join(f"{x:.2f}×" for x in r["ratio"]) if "ratio" in r else "—") + " |"
+            ratios = " / ".join(f"{'' if k == '=' else k + ' '}{x:.2f}×" for x, k in r.get("ratio", []))
+            line += f" {ratios or '—'} |"
         lines.append(line)
     return "\n".join(lines)
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.launches", description=__doc__.split("\n\n")[0])
-    p.add_argument("reports", nargs="+", type=Path, help="goodput JSON files, one per launch")
+    p.add_argument("reports", nargs="+", help="goodput JSON files, one per launch (A.json,B.json: pooled)")
     p.add_argument("--versus", help="the configuration whose ratio to each of the others is shown")
     p.add_argument("--out", type=Path, help="also write the rows as JSON")
     args = p.parse_args(argv)
-    reports = [json.loads(path.read_text()) for path in args.reports]
+    reports = [pooled([json.loads(Path(f).read_text()) for f in str(arg).split(",")]) for arg in args.reports]
     if args.versus and not any(args.versus == name for r in reports for name in r["configs"]):
         p.error(f"--versus {args.versus!r}: no such configuration in the reports")
     rows = combine(reports, args.versus)
