@@ -10,11 +10,15 @@ Per stage, from the model shape (no weights needed):
 Achieved compute = peak · FLOP_EFFICIENCY · x / (x + half_units): small batches do not fill the GPU.
 `half_units` is the one thing calibrated, per stage, on H20 to the saturation points TriInfer measured
 for LLaVA-1.5-7B (encode ≈ 6 images per batch, prefill ≈ one 1024-token request, decode ≈ 512
-sequences of a 1024-token context); other GPUs scale it by their SM count (more SMs need more work
-to fill — an assumption, not a measurement).
+sequences); other GPUs scale it by their SM count (more SMs need more work to fill — an assumption, not
+a measurement). Decode's point is taken for the GEMMs alone (no context): TriInfer does not give the
+context of its decode sweep, 512 sequences of more than ~420 tokens each do not fit in an H20's KV
+memory, and reading KV is a per-sequence cost that batching does not amortise (the context term).
+Calibrated with a 1024-token context instead, a batch-1 decode would take 15.8 ms against a 5.0 ms
+weights-read floor; calibrated this way it takes 7.6 ms.
 
 Hardware numbers (dense BF16, vendor datasheets): H20 148 TFLOP/s, 4.8 TB/s HBM3e (the 141 GB part
-TriInfer used), 78 SMs; H100 SXM 989 TFLOP/s, 3.35 TB/s, 132 SMs; H200 SXM 989 TFLOP/s, 4.8 TB/s,
+TriInfer ran on; the 96 GB H20 has 4.0 TB/s HBM3), 78 SMs; H100 SXM 989 TFLOP/s, 3.35 TB/s, 132 SMs; H200 SXM 989 TFLOP/s, 4.8 TB/s,
 132 SMs; NVLink 4 at 900 GB/s per GPU for all three.
 """
 
@@ -29,7 +33,7 @@ MEMORY_EFFICIENCY = 0.8  # streaming-read fraction of peak HBM bandwidth
 LINK_EFFICIENCY = 0.5  # what a page pull gets of the NVLink peak
 ITERATION_OVERHEAD_MS = 1.5  # launches and host work per iteration (eager mode, no CUDA graphs)
 LINK_LATENCY_MS = 0.05
-TRIINFER_H20 = {"encode_images": 6, "prefill_tokens": 1024, "decode_sequences": 512, "decode_context": 1024}
+TRIINFER_H20 = {"encode_images": 6, "prefill_tokens": 1024, "decode_sequences": 512, "decode_context": 0}
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
