@@ -18,8 +18,8 @@ Calibrated with a 1024-token context instead, a batch-1 decode would take 15.8 m
 weights-read floor; calibrated this way it takes 7.6 ms.
 
 Hardware numbers (dense BF16, vendor datasheets): H20 148 TFLOP/s, 4.8 TB/s HBM3e (the 141 GB part
-TriInfer ran on; the 96 GB H20 has 4.0 TB/s HBM3), 78 SMs; H100 SXM 989 TFLOP/s, 3.35 TB/s, 132 SMs; H200 SXM 989 TFLOP/s, 4.8 TB/s,
-132 SMs; NVLink 4 at 900 GB/s per GPU for all three.
+TriInfer ran on; the 96 GB H20 has 4.0 TB/s HBM3), 78 SMs; H100 SXM 989 TFLOP/s, 3.35 TB/s, 132 SMs;
+H200 SXM 989 TFLOP/s, 4.8 TB/s, 132 SMs; NVLink 4 at 900 GB/s per GPU for all three.
 """
 
 from __future__ import annotations
