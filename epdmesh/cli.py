@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import dataclasses
 import logging
 import os
@@ -112,8 +113,35 @@ def _cmd_worker(args) -> int:
         emulation=setup.emulation(args),
         stage_calls=args.stage_calls,
         threads=_engine_threads(args),
+        configure=lambda roles: setup.engine_config(args, "".join(s.name[0] for s in sorted(roles))),
     )
     uvloop.run(run_worker(options))
+    return 0
+
+
+def _cmd_switch_roles(args) -> int:
+    import grpc
+
+    from common.engine.config import parse_roles
+    from epdmesh.v1 import mesh_pb2 as pb
+    from epdmesh.v1 import mesh_pb2_grpc as pb_grpc
+    from services import wire
+
+    async def switch() -> pb.SwitchRolesResponse:
+        async with grpc.aio.insecure_channel(args.worker) as channel:
+            request = pb.SwitchRolesRequest(roles=wire.roles_to_pb(parse_roles(args.roles)), grace_s=args.grace)
+            return await pb_grpc.WorkerStub(channel).SwitchRoles(request, timeout=args.timeout)
+
+    try:
+        reply = asyncio.run(switch())
+    except grpc.aio.AioRpcError as e:
+        print(f"{args.worker}: {e.code().name}: {e.details()}", file=sys.stderr)
+        return 1
+    info = wire.info_from_pb(reply.info)
+    print(
+        f"{info.worker_id} at {info.address} is {info.role_label} ({reply.handed_back} decodes handed back, "
+        f"{reply.seconds:.2f} s; budgets {info.token_budget} tokens, {info.image_budget} images)"
+    )
     return 0
 
 
@@ -341,6 +369,18 @@ def build_parser() -> argparse.ArgumentParser:
         help="Prometheus /metrics port on --host (0: any free port, shown in the gateway's /stats; -1: off)",
     )
     worker.set_defaults(func=_cmd_worker)
+
+    switch = sub.add_parser(
+        "switch-roles",
+        help="tell a running worker to take a new role set (it drains, keeps its weights, registers again)",
+    )
+    switch.add_argument("worker", help="the worker's gRPC address host:port (the gateway's /stats lists them)")
+    switch.add_argument("roles", help="e.g. EP, D, encode,prefill")
+    switch.add_argument(
+        "--grace", type=float, default=2.0, help="seconds running decodes may finish there before they are handed back"
+    )
+    switch.add_argument("--timeout", type=float, default=120.0)
+    switch.set_defaults(func=_cmd_switch_roles)
 
     profile = sub.add_parser("profile", help="write a latency profile: measured on this machine, or analytic")
     add_model_args(profile)

@@ -23,6 +23,14 @@ class ShuttingDown(RuntimeError):
     """The worker is draining and takes no new work."""
 
 
+class NotHeld(ShuttingDown):
+    """A stage call for a role the worker does not hold now (it switched roles after the call was routed)."""
+
+
+class SwitchFailed(RuntimeError):
+    """A worker could not take the roles it was told to (its engine did not come idle): it keeps its old ones."""
+
+
 class ImagesNotCached(Exception):
     """A stage sent without the request's images (predicted cached here) found them not cached: encode them."""
 
@@ -32,6 +40,7 @@ class ImagesNotCached(Exception):
 
 _REASONS: list[tuple[type[BaseException], Reason]] = [
     (PageLayoutMismatch, Reason.MISMATCH),
+    (SwitchFailed, Reason.NOT_IDLE),
     (ImagesNotCached, Reason.IMAGES_NOT_CACHED),
     (NoRoomForPages, Reason.NO_ROOM),  # a full cache: the gateway answers 503 + Retry-After
     (RequestRejected, Reason.INVALID),

@@ -25,6 +25,7 @@ class Reason(enum.Enum):
     INVALID = "invalid"  # the client's error
     NOT_FOUND = "not-found"
     MISMATCH = "mismatch"  # the two workers' configurations differ (their page layouts): ours, not the client's
+    NOT_IDLE = "not-idle"  # a role switch found the worker's engine still busy after its grace: it keeps its roles
     INTERNAL = "internal"
 
 
@@ -39,6 +40,7 @@ CODES = {
     Reason.INVALID: grpc.StatusCode.INVALID_ARGUMENT,
     Reason.NOT_FOUND: grpc.StatusCode.NOT_FOUND,
     Reason.MISMATCH: grpc.StatusCode.FAILED_PRECONDITION,
+    Reason.NOT_IDLE: grpc.StatusCode.FAILED_PRECONDITION,
     Reason.INTERNAL: grpc.StatusCode.INTERNAL,
 }
 # a call that carries no reason: what its status code alone says

@@ -30,6 +30,18 @@ _KINDS_OF = {v: k for k, v in _KINDS.items()}
 _PATHS_OF = {v: k for k, v in _PATHS.items()}
 
 
+def roles_to_pb(roles: frozenset[Stage]) -> list[int]:
+    return [_STAGES[s] for s in sorted(roles)]
+
+
+def roles_from_pb(values) -> frozenset[Stage]:
+    """ValueError for a value that names no stage."""
+    unknown = [v for v in values if v not in _STAGES_OF]
+    if unknown:
+        raise ValueError(f"unknown stage value(s) {unknown}")
+    return frozenset(_STAGES_OF[v] for v in values)
+
+
 # ----- requests -----
 
 
@@ -250,7 +262,7 @@ def info_to_pb(info: WorkerInfo) -> pb.WorkerInfo:
     return pb.WorkerInfo(
         worker_id=info.worker_id,
         address=info.address,
-        roles=[_STAGES[s] for s in sorted(info.roles)],
+        roles=roles_to_pb(info.roles),
         model=info.model,
         max_model_len=info.max_model_len,
         transfer_backend=info.transfer_backend,

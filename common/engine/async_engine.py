@@ -123,6 +123,22 @@ class AsyncEngine:
             self._inbox.put(("call", (fn, loop, future)))
         return await future
 
+    async def hand_back_decodes(self) -> int:
+        """Between steps, hand every request that decodes here back to its caller (`Engine.hand_back_decodes`): its
+        stream ends with a handed-back output. Returns how many."""
+
+        def hand_back(engine: Engine) -> int:
+            outputs = engine.hand_back_decodes()
+            for out in outputs:
+                self._deliver(out.request_id, out)
+            return len(outputs)
+
+        return await self.call(hand_back)
+
+    async def reconfigure(self, config) -> None:
+        """`Engine.reconfigure` between steps, on the engine thread (its caches are allocated where it computes)."""
+        await self.call(lambda engine: engine.reconfigure(config))
+
     def now(self, fn: Callable[[Engine], T]) -> T:
         """Run `fn(engine)` on the caller's thread under the engine's lock: at once, even while a step's model
         runs, instead of after the step under way (`call`). Only for what a step never touches: reserving and

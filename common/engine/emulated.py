@@ -62,17 +62,23 @@ class EmulatedEngine(Engine):
         real_kv = 2 * text.num_layers * text.num_kv_heads * text.head_dim * REAL_BYTES_PER_VALUE
         real_image = text.hidden_size * REAL_BYTES_PER_VALUE
         self.real_bytes_per_token = {"kv": real_kv, "image": real_image}
-        self._build(
-            config,
-            model_config,
-            (1, 1, kv_bytes_per_token // 8),
-            image_bytes_per_token // 4,
-            torch.float32,
-            torch.device("cpu"),
-            detokenize,
-            count_as=(real_kv * config.block_size, real_image * config.image_block_size),
-        )
-        self.model = None
+
+        def setup(c: EngineConfig, reuse=None) -> None:
+            self._build(
+                c,
+                model_config,
+                (1, 1, kv_bytes_per_token // 8),
+                image_bytes_per_token // 4,
+                torch.float32,
+                torch.device("cpu"),
+                detokenize,
+                count_as=(real_kv * c.block_size, real_image * c.image_block_size),
+                reuse=reuse,
+            )
+
+        self._setup = setup
+        setup(config)
+        self.model = self.compiled = None
         self.profile = profile
         excluded = {model_config.image_token_id, *model_config.eos_token_ids}
         pool = [

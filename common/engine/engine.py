@@ -84,7 +84,7 @@ class Engine:
                 text=bool(config.roles - {Stage.ENCODE}), vision=Stage.ENCODE in config.roles
             )
 
-        def setup(c: EngineConfig) -> None:
+        def setup(c: EngineConfig, reuse=None) -> None:
             text = self.model.cfg.text
             self._build(
                 c,
@@ -94,6 +94,7 @@ class Engine:
                 dtype,
                 device,
                 detokenize,
+                reuse=reuse,
             )
             self.runner = ModelRunner(
                 self.model,
@@ -110,7 +111,49 @@ class Engine:
 
             self.kv_sizing = profile_kv_cache(config, setup, self, memory)
             config = dataclasses.replace(config, kv_cache_gib=self.kv_sizing.kv_cache_bytes / 2**30)
+        self._setup = setup
         setup(config)
+
+    def reconfigure(self, config: EngineConfig) -> None:
+        """Take a new configuration's roles and scheduler (budgets) on an idle engine: the block managers and the
+        scheduler are built again for it, the weights and the caches' memory kept (an image cache grows when a worker
+        without one takes a role that needs it). The model, the dtype, the device and the KV cache's size stay this
+        engine's (a cache sized from the GPU's memory keeps the size it was given). RuntimeError when a request is
+        still here, running or with pages between stages."""
+        with self.lock:
+            busy = len(self.requests) + len(self.pages.importing) + len(self.pages.handed_off)
+            if busy:
+                raise RuntimeError(f"the engine holds {busy} requests: it reconfigures only when idle")
+            same = ("model", "dtype", "device", "block_size", "image_block_size")
+            changed = [name for name in same if getattr(config, name) != getattr(self.config, name)]
+            if changed:
+                raise ValueError(f"a running engine cannot change its {', '.join(changed)}")
+            config = dataclasses.replace(config, kv_cache_gib=self.config.kv_cache_gib)
+            before, grammar = self.config.roles, self.grammar  # (its tokenizer, loaded once)
+            caches = (self.kv_cache, self.image_cache)
+            self.release_caches()
+            self._setup(config, caches)
+            self.grammar = grammar
+            if self.computes_logprobs and config.roles & {Stage.PREFILL, Stage.DECODE}:  # it samples now
+                grammar.load()
+        if self.compiled is not None:  # the parts it did not run before, compiled now rather than at a first request
+
+            def text(roles):
+                return bool(roles - {Stage.ENCODE})
+
+            gains_text, gains_vision = text(config.roles) > text(before), Stage.ENCODE in config.roles - before
+            if gains_text or gains_vision:
+                self.compiled.warm_up(text=gains_text, vision=gains_vision)
+
+    def hand_back_decodes(self) -> list[RequestOutput]:
+        """Every request whose last stage here is decode leaves the engine, its pages freed, as a preempted one that
+        cannot be recomputed does (`handed_back`): its caller goes on with it elsewhere. Requests that hand off to
+        another stage stay and finish."""
+        with self.lock:
+            leaving = [r for r in self.requests.values() if r.last_stage == Stage.DECODE]
+            for request in leaving:
+                self.scheduler.finish(request, RequestStatus.HANDED_BACK)
+            return [self._hand_back(request, "its worker is switching roles") for request in leaving]
 
     def release_caches(self) -> None:
         """Let go of the caches and what refers to them (before others of a new size are allocated in their place)."""
@@ -126,10 +169,13 @@ class Engine:
         device: torch.device,
         detokenize,
         count_as: tuple[int, int] | None = None,
+        reuse: tuple[PagedKVCache, PagedImageCache] | None = None,
     ) -> None:
         """Caches, block managers and the scheduler for a model of `model_config`, pages of the given shapes
         (`kv_shape` = layers, KV heads, head dim; `image_hidden` values per image token). The cache sizes of
-        `config` buy blocks of these pages, or of `count_as` bytes (KV, image) per block when given."""
+        `config` buy blocks of these pages, or of `count_as` bytes (KV, image) per block when given. `reuse`: the
+        caches of this engine before (a role switch): each is kept when it holds at least the blocks this
+        configuration buys — the memory a transfer backend registered stays the memory pages are in."""
         self._logprobs: dict[str, TokenLogprob] = {}  # of this step's sampled tokens, for the requests that asked
         self.grammar = GrammarMasks(config.model)  # structured requests' masks
         self.config = config
@@ -145,8 +191,15 @@ class Engine:
         num_kv = max(1, int(config.kv_cache_gib * 2**30) // kv_cost)
         images_here = Stage.ENCODE in config.roles or Stage.PREFILL in config.roles
         num_img = max(1, int(config.image_cache_gib * 2**30) // img_cost) if images_here else 1
-        self.kv_cache = PagedKVCache(num_kv, config.block_size, *kv_shape, dtype, device)
-        self.image_cache = PagedImageCache(num_img, config.image_block_size, image_hidden, dtype, device)
+        kept_kv, kept_image = reuse or (None, None)
+        if kept_kv is not None and kept_kv.num_blocks >= num_kv:
+            self.kv_cache, num_kv = kept_kv, kept_kv.num_blocks
+        else:
+            self.kv_cache = PagedKVCache(num_kv, config.block_size, *kv_shape, dtype, device)
+        if kept_image is not None and kept_image.num_blocks >= num_img:
+            self.image_cache, num_img = kept_image, kept_image.num_blocks
+        else:
+            self.image_cache = PagedImageCache(num_img, config.image_block_size, image_hidden, dtype, device)
         self.scheduler = Scheduler(
             config.scheduler,
             KVBlockManager(
@@ -373,16 +426,13 @@ class Engine:
         self.scheduler.finish(request, status)
         del self.requests[request.request_id]
 
-    def _hand_back(self, request: Request) -> RequestOutput:
+    def _hand_back(
+        self, request: Request, why: str = "KV cache full, and its images are not here to recompute from"
+    ) -> RequestOutput:
         """A preempted request this engine cannot recompute leaves it (its pages are freed already)."""
         request.done_time = time.monotonic()
         del self.requests[request.request_id]
-        log.info(
-            "request %s preempted after %d tokens: KV cache full, and its images are not here to recompute "
-            "from; handed back",
-            request.request_id,
-            len(request.output_token_ids),
-        )
+        log.info("request %s handed back after %d tokens: %s", request.request_id, len(request.output_token_ids), why)
         return self._output(request, [])
 
     def _handoff(self, request: Request, new: list[int] | None = None) -> RequestOutput:

@@ -48,6 +48,9 @@ class Transfer:
     offer: str  # the backend this worker's handles name
     backend_info: bytes = b""
     serving: Callable[[int], None] | None = None  # told how many of this worker's page sets are leased out
+    # the cache memory `offer` serves pages from, by kind ("kv", "image") → data pointer; empty: any (it reads
+    # the cache a lease names when pulled). Pages in other memory (a cache allocated later) go by gRPC.
+    registered: dict[str, int] = dataclasses.field(default_factory=dict)
 
     async def close(self) -> None:
         await self.puller.close()
@@ -81,5 +84,6 @@ def make_transfer(backend: str, engine, channels: ChannelPool, worker_id: str) -
                     "nixl",
                     nixl.metadata,
                     nixl.serving,
+                    {kind: tensor.data_ptr() for kind, tensor in nixl.tensors.items()},
                 )
     return Transfer(DispatchingPuller({"grpc": grpc_puller}, grpc_puller), "grpc")

@@ -151,6 +151,11 @@ class NixlTransfer:
             ", ".join(f"{k} {r.num_blocks}×{r.block_bytes} B" for k, r in regions.items()) or "nothing",
         )
 
+    @property
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """The cache tensors registered, by kind."""
+        return dict(self._tensors)
+
     # ----- the puller -----
 
     async def pull(self, handle: PageHandle) -> PagePayload:

@@ -352,6 +352,24 @@ class WorkerInfo(_message.Message):
     join_first: bool
     def __init__(self, worker_id: _Optional[str] = ..., address: _Optional[str] = ..., roles: _Optional[_Iterable[_Union[Stage, str]]] = ..., model: _Optional[str] = ..., max_model_len: _Optional[int] = ..., transfer_backend: _Optional[str] = ..., pid: _Optional[int] = ..., metrics_port: _Optional[int] = ..., instance: _Optional[str] = ..., prefix_caching: _Optional[bool] = ..., token_budget: _Optional[int] = ..., image_budget: _Optional[int] = ..., join_first: _Optional[bool] = ...) -> None: ...
 
+class SwitchRolesRequest(_message.Message):
+    __slots__ = ("roles", "grace_s")
+    ROLES_FIELD_NUMBER: _ClassVar[int]
+    GRACE_S_FIELD_NUMBER: _ClassVar[int]
+    roles: _containers.RepeatedScalarFieldContainer[Stage]
+    grace_s: float
+    def __init__(self, roles: _Optional[_Iterable[_Union[Stage, str]]] = ..., grace_s: _Optional[float] = ...) -> None: ...
+
+class SwitchRolesResponse(_message.Message):
+    __slots__ = ("info", "handed_back", "seconds")
+    INFO_FIELD_NUMBER: _ClassVar[int]
+    HANDED_BACK_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    info: WorkerInfo
+    handed_back: int
+    seconds: float
+    def __init__(self, info: _Optional[_Union[WorkerInfo, _Mapping]] = ..., handed_back: _Optional[int] = ..., seconds: _Optional[float] = ...) -> None: ...
+
 class StageCall(_message.Message):
     __slots__ = ("call_id", "encode", "await_encode", "prefill", "cancel", "trace_context")
     class TraceContextEntry(_message.Message):

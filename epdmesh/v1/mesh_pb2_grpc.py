@@ -317,6 +317,11 @@ class WorkerStub:
                 request_serializer=epdmesh_dot_v1_dot_mesh__pb2.StatsRequest.SerializeToString,
                 response_deserializer=epdmesh_dot_v1_dot_mesh__pb2.WorkerLoad.FromString,
                 _registered_method=True)
+        self.SwitchRoles = channel.unary_unary(
+                '/epdmesh.v1.Worker/SwitchRoles',
+                request_serializer=epdmesh_dot_v1_dot_mesh__pb2.SwitchRolesRequest.SerializeToString,
+                response_deserializer=epdmesh_dot_v1_dot_mesh__pb2.SwitchRolesResponse.FromString,
+                _registered_method=True)
 
 
 class WorkerServicer:
@@ -342,6 +347,17 @@ class WorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def SwitchRoles(self, request, context):
+        """Take a new role set, keeping the weights: the worker leaves the registry and takes no new stage call, lets what
+        it runs finish for up to grace_s, hands the decodes still running back to their callers (each goes on elsewhere
+        as a migration, as after a preemption), waits for its leased pages to be pulled, rebuilds its caches and
+        budgets for the new roles and registers again. Its answers do not change. FAILED_PRECONDITION when it cannot
+        (its engine did not come idle; it keeps its old roles then), INVALID_ARGUMENT for a role set it cannot take.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -359,6 +375,11 @@ def add_WorkerServicer_to_server(servicer, server):
                     servicer.Stats,
                     request_deserializer=epdmesh_dot_v1_dot_mesh__pb2.StatsRequest.FromString,
                     response_serializer=epdmesh_dot_v1_dot_mesh__pb2.WorkerLoad.SerializeToString,
+            ),
+            'SwitchRoles': grpc.unary_unary_rpc_method_handler(
+                    servicer.SwitchRoles,
+                    request_deserializer=epdmesh_dot_v1_dot_mesh__pb2.SwitchRolesRequest.FromString,
+                    response_serializer=epdmesh_dot_v1_dot_mesh__pb2.SwitchRolesResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -442,6 +463,33 @@ class Worker:
             '/epdmesh.v1.Worker/Stats',
             epdmesh_dot_v1_dot_mesh__pb2.StatsRequest.SerializeToString,
             epdmesh_dot_v1_dot_mesh__pb2.WorkerLoad.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SwitchRoles(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/epdmesh.v1.Worker/SwitchRoles',
+            epdmesh_dot_v1_dot_mesh__pb2.SwitchRolesRequest.SerializeToString,
+            epdmesh_dot_v1_dot_mesh__pb2.SwitchRolesResponse.FromString,
             options,
             channel_credentials,
             insecure,

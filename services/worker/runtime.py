@@ -29,7 +29,7 @@ from common.telemetry.tracing import Tracing
 from common.transfer import LeaseTable, PageHandle, PagePuller, PullFailed
 from common.workers import WorkerLoad, load_of
 from services.encoder.awaited import AwaitedEncodes
-from services.errors import ShuttingDown
+from services.errors import NotHeld, ShuttingDown
 
 IMPORT_WAIT_S = 10.0  # how long handed-over pages wait for cache room here (other requests free theirs as they run)
 ACK_DELAY_S = 0.002  # pulled pages are acked this long after (the source frees them then; its lease holds them)
@@ -51,8 +51,10 @@ class WorkerRuntime:
         metrics: WorkerMetrics | None = None,
         tracing: Tracing | None = None,
         on_leases: Callable[[int], None] | None = None,
+        registered: dict[str, int] | None = None,
     ):
-        """`on_leases(n)`: told the number of this worker's leases when it changes (the transfer's source side)."""
+        """`on_leases(n)`: told the number of this worker's leases when it changes (the transfer's source side).
+        `registered`: the cache memory (kind → data pointer) `offer_backend` serves; pages elsewhere go by gRPC."""
         self.worker_id = worker_id
         self.metrics = metrics
         self.tracing = tracing or Tracing()
@@ -62,6 +64,7 @@ class WorkerRuntime:
         self.awaited = AwaitedEncodes(lease_ttl_s)  # encodes whose next stage asks this worker for the handle
         self.offer_backend = offer_backend
         self.backend_info = backend_info
+        self.registered = registered or {}
         self.accepting = True
         # set when pages are freed while the KV cache was nearly full at the last report: the next heartbeat goes out
         # at once, so a request waiting in a gateway for room here is routed within a refresh, not an interval
@@ -142,8 +145,7 @@ class WorkerRuntime:
             return False
         try:
             await self.engine.prepare(request)  # before blocks are taken: nothing to cancel between the two
-            if not self.accepting:  # (the stage's `_admitted` would refuse it right after the pin)
-                raise ShuttingDown(f"worker {self.worker_id} is shutting down")
+            self._check_takes(request)  # (the stage's `_admitted` would refuse it right after the pin)
             pinned = self.engine.now(lambda e: e.pages.pin_cached(request))
         except BaseException:
             if awaited is not None:  # the stage fails here: the encoder's pages will never be pulled
@@ -234,10 +236,11 @@ class WorkerRuntime:
         """`pages`: what the handing-off output says the request keeps (kind, block ids, tokens)."""
         try:
             kind, block_ids, num_tokens = pages
-            layout = self.engine.engine.pages.cache(kind).layout
-            return self.leases.grant(
-                engine_request_id, block_ids, num_tokens, layout, self.offer_backend, self.backend_info
-            )
+            cache = self.engine.engine.pages.cache(kind)
+            offer, info = self.offer_backend, self.backend_info
+            if self.registered and self.registered.get(kind) != cache.data.data_ptr():
+                offer, info = "grpc", b""  # a cache allocated after the backend registered its memory (role switch)
+            return self.leases.grant(engine_request_id, block_ids, num_tokens, cache.layout, offer, info)
         except BaseException:
             self._post_release(engine_request_id)
             raise
@@ -332,10 +335,19 @@ class WorkerRuntime:
         admitted, self.admitted = sorted(self.admitted), set()
         return admitted
 
+    def _check_takes(self, request: Request) -> None:
+        """ShuttingDown while the worker drains or switches roles; NotHeld for stages it does not run now (a route
+        made before its roles changed): either way the caller routes around it."""
+        if not self.accepting:
+            raise ShuttingDown(f"worker {self.worker_id} is draining")
+        needed = {s for s in Stage if request.first_stage <= s <= request.last_stage}
+        if not needed <= self.roles:
+            missing = ", ".join(sorted(s.name.lower() for s in needed - self.roles))
+            raise NotHeld(f"worker {self.worker_id} does not hold the role(s) {missing} now")
+
     @contextlib.contextmanager
     def _admitted(self, request: Request):
-        if not self.accepting:
-            raise ShuttingDown(f"worker {self.worker_id} is shutting down")
+        self._check_takes(request)
         self.admitted.add(request.request_id.split("@", 1)[0])
         self.in_flight += 1
         try:
@@ -354,6 +366,24 @@ class WorkerRuntime:
             log.warning(
                 "drain timed out with %d requests in flight and %d leases held", self.in_flight, len(self.leases)
             )
+
+    async def quiesce(self, grace_s: float, settle_s: float) -> int:
+        """Stop taking work (`accepting` stays False), let what runs finish for up to `grace_s`, then hand the
+        decodes still running back to their callers; wait up to `settle_s` more for the rest (prefills, encodes,
+        hand-backs going out) to end and for leased pages to be acked. Returns the decodes handed back; the caller
+        checks the engine came idle."""
+        self.accepting = False
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + grace_s
+        while self.in_flight and loop.time() < deadline:
+            await asyncio.sleep(0.02)
+        handed_back = 0
+        if self.in_flight:
+            handed_back = await self.engine.hand_back_decodes()
+        deadline = loop.time() + settle_s
+        while (self.in_flight or len(self.leases)) and loop.time() < deadline:
+            await asyncio.sleep(0.02)
+        return handed_back
 
     def _post_release(self, engine_request_id: str) -> None:
         self._spawn(self.engine.call(lambda e: e.abort(engine_request_id)))

@@ -4,19 +4,20 @@ Life of a worker:
   1. load the model and build the engine (its own thread), the transfer backend and the runtime;
   2. bind the gRPC server (port 0 = any free port), mount Worker + Health + the role servicers, start;
   3. register with the toggle and heartbeat its load (re-registering if the toggle forgot it);
-  4. on SIGTERM/SIGINT: health NOT_SERVING, deregister, finish in-flight work and wait for
+  4. on `Worker.SwitchRoles`: leave the registry, drain, take the new roles, register again (`switch.py`);
+  5. on SIGTERM/SIGINT: health NOT_SERVING, deregister, finish in-flight work and wait for
      leases to be acked (grace period), `server.stop(grace)`, stop the engine.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import logging
 import os
 import signal
 import uuid
+from collections.abc import Callable
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -29,14 +30,13 @@ from common.request import Stage
 from common.telemetry.metrics import WorkerMetrics
 from common.telemetry.tracing import Tracing
 from common.transfer.channels import CHANNEL_OPTIONS, ChannelPool
-from common.workers import HEARTBEAT_INTERVAL_S, WorkerInfo, registered_budgets
-from epdmesh.v1 import mesh_pb2 as pb
+from common.workers import WorkerInfo, registered_budgets
 from epdmesh.v1 import mesh_pb2_grpc as pb_grpc
-from services import wire
 from services.stage_calls.client import StageCalls
 from services.stage_calls.server import StageCallsServicer
 from services.worker.runtime import WorkerRuntime
 from services.worker.servicer import WorkerServicer
+from services.worker.switch import ALL_SERVICES, Registration, RoleSwitch, services_of
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +56,9 @@ class WorkerOptions:
     stage_calls: str = "stream"  # how this worker calls others (AwaitEncode): stream | unary (services/stage_calls)
     emulation: EmulationOptions | None = None  # run the emulated backend instead of the model
     threads: int | None = None  # intra-op threads of the engine thread, the only one that computes (None: as is)
+    # the engine configuration a role switch (`Worker.SwitchRoles`) takes for a role set: its budgets from the
+    # worker's flags; None: `engine` with the roles replaced (its budgets kept)
+    configure: Callable[[frozenset[Stage]], EngineConfig] | None = None
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -90,32 +93,22 @@ def build_engine(config: EngineConfig, emulation: EmulationOptions | None = None
     return engine
 
 
-def _mount_roles(
-    server: grpc.aio.Server, runtime: WorkerRuntime, roles: frozenset[Stage], calls: StageCalls
-) -> tuple[list[str], StageCallsServicer]:
-    """The servicers of the worker's roles, and the StageCalls stream that carries their unary stage methods."""
+def _mount_stages(server: grpc.aio.Server, runtime: WorkerRuntime, calls: StageCalls) -> StageCallsServicer:
+    """Every stage's servicer, and the StageCalls stream that carries their unary stage methods: a worker's roles
+    can change while it runs (`Worker.SwitchRoles`), and a call for a stage it does not hold now is refused by its
+    runtime (DOWN: the caller routes around it). Its health says which stages it serves."""
     from services.decoder.servicer import DecoderServicer
     from services.encoder.servicer import EncoderServicer
     from services.prefill.servicer import PrefillServicer
 
-    names, handlers = [], {}
-    if Stage.ENCODE in roles:
-        encoder = EncoderServicer(runtime)
-        pb_grpc.add_EncoderServicer_to_server(encoder, server)
-        names.append("epdmesh.v1.Encoder")
-        handlers.update(encode=encoder.encode, await_encode=encoder.await_encode)
-    if Stage.PREFILL in roles:
-        prefill = PrefillServicer(runtime, calls)
-        pb_grpc.add_PrefillerServicer_to_server(prefill, server)
-        names.append("epdmesh.v1.Prefiller")
-        handlers.update(prefill=prefill.prefill)
-    if Stage.DECODE in roles or Stage.PREFILL in roles:
-        # a prefill-capable worker also serves Decode without KV pages (its prefill path for the decoder role)
-        pb_grpc.add_DecoderServicer_to_server(DecoderServicer(runtime, calls), server)
-        names.append("epdmesh.v1.Decoder")
+    encoder, prefill = EncoderServicer(runtime), PrefillServicer(runtime, calls)
+    pb_grpc.add_EncoderServicer_to_server(encoder, server)
+    pb_grpc.add_PrefillerServicer_to_server(prefill, server)
+    pb_grpc.add_DecoderServicer_to_server(DecoderServicer(runtime, calls), server)
+    handlers = dict(encode=encoder.encode, await_encode=encoder.await_encode, prefill=prefill.prefill)
     stage_calls = StageCallsServicer(handlers, runtime.tracing)
     pb_grpc.add_StageCallsServicer_to_server(stage_calls, server)
-    return [*names, "epdmesh.v1.StageCalls"], stage_calls
+    return stage_calls
 
 
 async def run_worker(
@@ -160,6 +153,7 @@ async def run_worker(
         metrics,
         tracing,
         on_leases=transfer.serving,
+        registered=transfer.registered,
     )
     pool = engine.scheduler.kv.pool
     metrics.gauges(
@@ -177,14 +171,10 @@ async def run_worker(
     if options.metrics_port is not None:
         metrics_server, _ = start_http_server(options.metrics_port, options.host, registry=metrics.registry)
         metrics_port = metrics_server.server_port
-    pb_grpc.add_WorkerServicer_to_server(WorkerServicer(runtime), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     calls = StageCalls(channels, options.stage_calls, tracing)
-    services, stage_calls = _mount_roles(server, runtime, config.roles, calls)
-    await server.start()
-    for name in ["", "epdmesh.v1.Worker", *services]:
-        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    stage_calls = _mount_stages(server, runtime, calls)
     info = WorkerInfo(
         worker_id,
         address,
@@ -198,6 +188,16 @@ async def run_worker(
         prefix_caching=config.enable_prefix_caching,
         **registered_budgets(engine.scheduler.config),
     )
+    toggle = pb_grpc.ToggleStub(channels.get(options.toggle)) if options.toggle else None
+    registration = Registration(toggle, info, runtime)
+    configure = options.configure or (lambda roles: dataclasses.replace(config, roles=roles))
+    switch = RoleSwitch(runtime, registration, health_servicer, configure)
+    pb_grpc.add_WorkerServicer_to_server(WorkerServicer(runtime, switch), server)
+    await server.start()
+    for name in ["", "epdmesh.v1.Worker", "epdmesh.v1.StageCalls", *ALL_SERVICES]:
+        await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+    for name in ["", "epdmesh.v1.Worker", "epdmesh.v1.StageCalls", *services_of(config.roles)]:
+        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     log.info(
         "worker %s (%s) serving on %s, transfer %s, metrics on port %s%s",
         worker_id,
@@ -216,9 +216,8 @@ async def run_worker(
         except (NotImplementedError, RuntimeError):  # not the main thread (tests)
             pass
     tasks = [asyncio.create_task(runtime.expire_leases())]
-    toggle = pb_grpc.ToggleStub(channels.get(options.toggle)) if options.toggle else None
     if toggle is not None:
-        tasks.append(asyncio.create_task(_heartbeat(toggle, info, runtime)))
+        tasks.append(asyncio.create_task(registration.run()))
     if bound is not None:
         bound.append(address)
     if ready is not None:
@@ -231,10 +230,7 @@ async def run_worker(
         await health_servicer.enter_graceful_shutdown()
         if toggle is not None:
             tasks[-1].cancel()
-            try:
-                await toggle.Deregister(pb.DeregisterRequest(worker_id=worker_id), timeout=2)
-            except grpc.aio.AioRpcError:
-                pass
+            await registration.leave()
         await runtime.drain(options.grace_s)
         stage_calls.end()  # its callers' open streams: they would keep server.stop waiting for the whole grace
         await server.stop(options.grace_s)
@@ -247,43 +243,3 @@ async def run_worker(
         if metrics_server is not None:
             metrics_server.shutdown()
         tracing.shutdown()
-
-
-async def _heartbeat(toggle, info: WorkerInfo, runtime: WorkerRuntime) -> None:
-    interval, registered, warned = HEARTBEAT_INTERVAL_S, False, False
-    while True:
-        try:
-            if not registered:
-                reply = await toggle.Register(
-                    pb.RegisterRequest(info=wire.info_to_pb(info), load=wire.load_to_pb(runtime.load())), timeout=5
-                )
-                interval, registered, warned = reply.heartbeat_interval_s or interval, True, False
-                log.info("registered %s with the toggle", info.worker_id)
-            else:
-                beat = pb.HeartbeatRequest(
-                    worker_id=info.worker_id,
-                    load=wire.load_to_pb(runtime.load()),
-                    admitted_request_ids=runtime.take_admitted(),
-                )
-                reply = await toggle.Heartbeat(beat, timeout=5)
-                registered = reply.known
-        except grpc.aio.AioRpcError as e:
-            registered = False
-            if not warned:
-                log.warning("toggle unreachable (%s); retrying", e.code().name)
-                warned = True
-        except Exception:  # a bug of ours must not stop the heartbeat: the registry would drop a healthy worker
-            log.exception("heartbeat failed; trying again in %.1f s", interval)
-        await _until_next_beat(runtime.freed, interval)
-
-
-EARLY_BEAT_S = 0.05  # heartbeats are never closer than this
-
-
-async def _until_next_beat(freed: asyncio.Event, interval: float) -> None:
-    """The interval, or less when the runtime freed pages while its cache was nearly full (a request waiting in a
-    gateway for room goes on sooner)."""
-    await asyncio.sleep(EARLY_BEAT_S)
-    with contextlib.suppress(asyncio.TimeoutError):
-        await asyncio.wait_for(freed.wait(), max(0.0, interval - EARLY_BEAT_S))
-    freed.clear()

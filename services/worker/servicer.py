@@ -1,4 +1,4 @@
-"""The `Worker` service every worker mounts: page pulls and acks (source side), and its stats."""
+"""The `Worker` service every worker mounts: page pulls and acks (source side), its stats, role switches."""
 
 from __future__ import annotations
 
@@ -7,16 +7,18 @@ import asyncio
 from epdmesh.v1 import mesh_pb2 as pb
 from epdmesh.v1 import mesh_pb2_grpc as pb_grpc
 from services import wire
-from services.errors import grpc_errors
+from services.errors import SwitchFailed, grpc_errors
 from services.worker.runtime import WorkerRuntime
+from services.worker.switch import RoleSwitch
 
 DEFAULT_CHUNK_BYTES = 4 * 2**20
 MAX_CHUNK_BYTES = 32 * 2**20
 
 
 class WorkerServicer(pb_grpc.WorkerServicer):
-    def __init__(self, runtime: WorkerRuntime):
+    def __init__(self, runtime: WorkerRuntime, switch: RoleSwitch | None = None):
         self.runtime = runtime
+        self.switch = switch
 
     @grpc_errors
     async def PullPages(self, request: pb.PullPagesRequest, context):
@@ -34,3 +36,13 @@ class WorkerServicer(pb_grpc.WorkerServicer):
     @grpc_errors
     async def Stats(self, request: pb.StatsRequest, context) -> pb.WorkerLoad:
         return wire.load_to_pb(self.runtime.load())
+
+    @grpc_errors
+    async def SwitchRoles(self, request: pb.SwitchRolesRequest, context) -> pb.SwitchRolesResponse:
+        if self.switch is None:
+            raise SwitchFailed("this worker cannot switch roles")
+        roles = wire.roles_from_pb(request.roles)
+        done = await self.switch.switch(roles, request.grace_s)
+        return pb.SwitchRolesResponse(
+            info=wire.info_to_pb(done.info), handed_back=done.handed_back, seconds=done.seconds
+        )

@@ -18,8 +18,8 @@ from epdmesh.v1 import mesh_pb2 as pb
 from epdmesh.v1 import mesh_pb2_grpc as pb_grpc
 from services.gateway.mesh import MeshBackend
 from services.gateway.mesh.route_client import Route
-from services.worker import server as worker_server
 from services.worker.runtime import WorkerRuntime
+from services.worker.switch import Registration
 
 WAIT_S = 10
 
@@ -102,7 +102,7 @@ def test_a_heartbeat_that_fails_once_keeps_beating():
             return []
 
     async def main():
-        task = asyncio.ensure_future(worker_server._heartbeat(Toggle(), _info(), Runtime()))
+        task = asyncio.ensure_future(Registration(Toggle(), _info(), Runtime()).run())
         for _ in range(500):
             if len(beats) >= 3:
                 break
@@ -175,7 +175,7 @@ def test_a_worker_that_frees_pages_while_nearly_full_heartbeats_at_once():
 
     async def main():
         runtime = Runtime()
-        task = asyncio.ensure_future(worker_server._heartbeat(Toggle(), _info(), runtime))
+        task = asyncio.ensure_future(Registration(Toggle(), _info(), runtime).run())
         while len(beats) < 2:
             await asyncio.sleep(0.01)
         regular = beats[1] - beats[0]

@@ -1,0 +1,120 @@
+"""Live role switching (`Worker.SwitchRoles`, `epdmesh switch-roles`) on the real tiny model, real processes, gRPC
+and Redis: a worker told to take new roles under streamed load drains, hands its running decodes back (they go on
+elsewhere), rebuilds its caches for the new roles and registers again — every greedy answer byte-identical to a run
+without the switch, the pools full afterwards."""
+
+import asyncio
+import subprocess
+import sys
+import threading
+import time
+
+import grpc
+import httpx
+import pytest
+
+from epdmesh.v1 import mesh_pb2 as pb
+from epdmesh.v1 import mesh_pb2_grpc as pb_grpc
+from tests.services.servers import MODEL, assert_pools_full, running_server, streamed_token_ids
+from tests.services.test_mesh import _check_tokens
+
+LONG = {
+    "model": MODEL,
+    "messages": [{"role": "user", "content": "Tell a long story about the kitchen"}],
+    "max_tokens": 150,
+    "temperature": 0,
+    "ignore_eos": True,
+    "return_token_ids": True,
+}
+
+
+def _workers(base) -> list[dict]:
+    workers = httpx.get(f"{base}/stats", timeout=10).json()["workers"]
+    return [{**w, "worker_id": worker_id} for worker_id, w in workers.items()]
+
+
+def _switch(address: str, roles: str, grace: float = 0.0) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "epdmesh.cli", "switch-roles", address, roles, "--grace", str(grace)]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+
+
+def _switch_now(address: str, roles: list[int], grace: float = 0.0) -> pb.SwitchRolesResponse:
+    """Over gRPC from this process: at once, mid-stream (the command takes a second or two to start)."""
+
+    async def call():
+        async with grpc.aio.insecure_channel(address) as channel:
+            request = pb.SwitchRolesRequest(roles=roles, grace_s=grace)
+            return await pb_grpc.WorkerStub(channel).SwitchRoles(request, timeout=60)
+
+    return asyncio.run(call())
+
+
+def _until_registered(base, roles: list[str], timeout: float = 30.0) -> list[dict]:
+    deadline = time.monotonic() + timeout
+    while True:
+        workers = _workers(base)
+        if sorted(w["roles"] for w in workers) == sorted(roles):
+            return workers
+        if time.monotonic() > deadline:
+            pytest.fail(f"the registry shows {[w['roles'] for w in workers]}, not {roles}")
+        time.sleep(0.1)
+
+
+def test_a_decoder_switched_mid_stream_hands_back_and_every_answer_stays_the_same(tiny_dir, chat_reference, tmp_path):
+    cases, refs = chat_reference
+    with running_server(tiny_dir, "EP1+D2", tmp_path / "serve.log", "--prefill-mode", "dedicated") as base:
+        whole = httpx.post(f"{base}/v1/chat/completions", json=LONG, timeout=120).json()["choices"][0]["token_ids"]
+        switched, others = [], []
+
+        def switch_its_decoder():
+            decoder = next(w for w in _workers(base) if w["roles"] == "D" and w["running_decode_batch"])
+            # the reference chats go out while the switch drains: they are routed around it
+            others.append(threading.Thread(target=lambda: others.append(_check_tokens(base, cases, refs))))
+            others[0].start()
+            switched.append((decoder, _switch_now(decoder["address"], [pb.STAGE_ENCODE, pb.STAGE_PREFILL])))
+
+        streamed = streamed_token_ids(base, LONG, 20, switch_its_decoder)
+        assert streamed == whole  # handed back after ≥ 20 tokens, continued on the other decoder: nothing lost or twice
+        decoder, done = switched[0]
+        assert done.handed_back == 1 and done.info.worker_id == decoder["worker_id"]
+        assert list(done.info.roles) == [pb.STAGE_ENCODE, pb.STAGE_PREFILL] and done.info.instance
+        others[0].join(180)
+        assert not others[0].is_alive() and len(others) == 2  # the chats all gave transformers' tokens
+        workers = _until_registered(base, ["EP", "EP", "D"])
+        assert {w["address"] for w in workers} >= {decoder["address"]}  # the same process, now encoding and prefilling
+        stats = httpx.get(f"{base}/stats", timeout=10).json()
+        assert stats["retries"] == 0  # a hand-back is not a failure
+        _check_tokens(base, cases, refs)  # its new roles serve: two prefill workers, one decoder
+        assert_pools_full(base)
+        log = (tmp_path / "serve.log").read_text()
+        assert "now EP (1 decodes handed back" in log
+
+
+def test_switching_back_and_forth_keeps_the_answers_and_refuses_what_it_cannot_take(tiny_dir, chat_reference, tmp_path):
+    cases, refs = chat_reference
+    with running_server(tiny_dir, "EP1+D1", tmp_path / "serve.log", "--prefill-mode", "dedicated") as base:
+        workers = _workers(base)
+        ep = next(w for w in workers if w["roles"] == "EP")
+        d = next(w for w in workers if w["roles"] == "D")
+
+        async def refused():
+            async with grpc.aio.insecure_channel(ep["address"]) as channel:
+                with pytest.raises(grpc.aio.AioRpcError) as info:
+                    await pb_grpc.WorkerStub(channel).SwitchRoles(pb.SwitchRolesRequest(roles=[]), timeout=10)
+                return info.value
+
+        error = asyncio.run(refused())
+        assert error.code() == grpc.StatusCode.INVALID_ARGUMENT and "at least one role" in error.details()
+        # the two swap roles, one at a time: for a while both are EP (no decoder), then D and EP again
+        assert _switch(d["address"], "EP", grace=2.0).returncode == 0
+        _until_registered(base, ["EP", "EP"])
+        assert _switch(ep["address"], "D").returncode == 0
+        _until_registered(base, ["EP", "D"])
+        _check_tokens(base, cases, refs)
+        assert_pools_full(base)
+        # one worker takes every role, the other is colocated too
+        assert _switch(ep["address"], "EPD").returncode == 0
+        assert _switch(d["address"], "EPD").returncode == 0
+        _until_registered(base, ["EPD", "EPD"])
+        _check_tokens(base, cases, refs)
+        assert_pools_full(base)
