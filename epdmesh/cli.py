@@ -18,6 +18,7 @@ from epdmesh.options import (
     add_chat_template_arg,
     add_engine_args,
     add_model_args,
+    add_planner_args,
     add_remote_image_args,
     add_router_args,
     add_routing_args,
@@ -25,6 +26,7 @@ from epdmesh.options import (
     add_stage_calls_arg,
     allowed_image_domains,
     chat_template,
+    planner_config,
     routing_policy,
 )
 from services.gateway.edge import add_api_key_arg, api_keys, edge
@@ -207,6 +209,22 @@ def _cmd_gateway(args) -> int:
     processor = _chat_processor(args, config)
     pixels = "uint8, finished by the encoder" if processor.deferred_scaling is not None else "float32"
     backend = MeshBackend(processor, args.toggle, max_model_len, metrics, tracing, router, args.stage_calls)
+    if args.planner:
+        if not args.latency_profile:
+            raise SystemExit("--planner needs a latency profile (--latency-profile; serve measures one by default)")
+        from common.latency.roofline import load_profile
+        from services.gateway.planner import PlannerTask
+
+        backend.planner = PlannerTask(
+            backend.status,
+            backend.channels,
+            load_profile(args.latency_profile),
+            args.slo_ttft_ms,
+            args.slo_tbt_ms,
+            planner_config(args),
+            metrics,
+            tracing,
+        )
     logging.getLogger("epdmesh").info(
         "gateway for %s on http://%s:%d/v1, toggle %s, routing %s, image pixels sent as %s",
         args.served_model_name,
@@ -345,6 +363,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_slo_args(serve)
     add_budget_args(serve)
+    add_planner_args(serve)
     serve.set_defaults(func=_cmd_serve)
 
     worker = sub.add_parser("worker", help="one worker: an engine and the gRPC services of its roles")
@@ -425,6 +444,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_routing_args(gateway)
     add_slo_args(gateway)
     add_router_args(gateway)
+    add_planner_args(gateway)
     gateway.set_defaults(func=_cmd_gateway)
     return parser
 

@@ -36,7 +36,7 @@ import uuid
 from common.ports import free_port
 from common.topology import WorkerGroup, decoders_join, parse_topology
 from epdmesh.gpus import gpu_devices, memory_shares, worker_envs
-from epdmesh.options import router_argv
+from epdmesh.options import planner_argv, router_argv
 from services.gateway.edge import ENV as API_KEY_ENV
 from services.gateway.edge import api_keys
 
@@ -458,6 +458,7 @@ def serve_mesh(args) -> int:
             "--stage-calls",
             args.stage_calls,
             *routing,
+            *planner_argv(args),
         ]
         if args.route_in == "gateway":
             gateway_argv += ["--redis-url", redis_url, "--prefix", prefix]

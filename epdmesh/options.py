@@ -125,6 +125,58 @@ def router_argv(args, latency_profile: str | None) -> list[str]:
     ]
 
 
+def add_planner_args(p: argparse.ArgumentParser) -> None:
+    """The planner (`common/policy/planner.py`), run by the gateway: it switches workers' roles as the load moves."""
+    p.add_argument(
+        "--planner",
+        action="store_true",
+        help="re-balance the workers' role sets to the load every --planner-interval seconds (needs a latency "
+        "profile; plans meshes whose role sets split the stages: EP+D, E+P+D, ED+P, E+PD)",
+    )
+    p.add_argument("--planner-interval", type=float, default=10.0, help="seconds between plans")
+    p.add_argument(
+        "--planner-margin", type=float, default=0.1, help="switch when the bottleneck's load falls by this share"
+    )
+    p.add_argument("--planner-max-switches", type=int, default=1, help="workers switched per interval")
+    p.add_argument(
+        "--planner-grace",
+        type=float,
+        default=2.0,
+        help="seconds a switching worker's running decodes may finish before they go on elsewhere",
+    )
+
+
+def planner_argv(args) -> list[str]:
+    """The planner's options, for the gateway process `serve` starts."""
+    if not args.planner:
+        return []
+    return [
+        "--planner",
+        "--planner-interval",
+        str(args.planner_interval),
+        "--planner-margin",
+        str(args.planner_margin),
+        "--planner-max-switches",
+        str(args.planner_max_switches),
+        "--planner-grace",
+        str(args.planner_grace),
+    ]
+
+
+def planner_config(args):
+    from common.policy.planner import PlannerConfig
+
+    try:
+        return PlannerConfig(
+            interval_s=args.planner_interval,
+            margin=args.planner_margin,
+            max_switches=args.planner_max_switches,
+            grace_s=args.planner_grace,
+        )
+    except ValueError as e:
+        raise SystemExit(f"--planner: {e}") from None
+
+
 def add_slo_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--slo-ttft-ms", type=float, default=2000.0, help="default TTFT target (SLO attainment metrics)")
     p.add_argument("--slo-tbt-ms", type=float, default=200.0, help="default P90 time-between-tokens target")

@@ -62,19 +62,28 @@ def stage_seconds(
 
 
 def partition(n: int, seconds: dict[str, float]) -> tuple[int, int, int]:
-    """(N_e, N_p, N_d): `n` ≥ 3 instances in proportion to each stage's time, each stage at least one; the largest
-    remainders get what rounding down leaves, the largest counts give up what the minimum of one takes."""
+    """(N_e, N_p, N_d): `n` ≥ 3 instances in proportion to each stage's time, each stage at least one."""
     if n < 3:
         raise ValueError("an E+P+D split needs at least 3 instances")
-    times = [max(seconds[s], 0.0) for s in ("encode", "prefill", "decode")]
+    e, p, d = apportion(n, [seconds[s] for s in ("encode", "prefill", "decode")])
+    return e, p, d
+
+
+def apportion(n: int, weights: list[float]) -> list[int]:
+    """`n` ≥ len(weights) instances in proportion to the weights, each at least one: the largest remainders get
+    what rounding down leaves, the largest counts over their share give up what the minimum of one takes."""
+    k = len(weights)
+    if n < k:
+        raise ValueError(f"{n} instances cannot give each of {k} pools one")
+    times = [max(w, 0.0) for w in weights]
     total = sum(times) or 1.0
     shares = [n * t / total for t in times]
     counts = [max(1, int(s)) for s in shares]
     while sum(counts) < n:
-        counts[max(range(3), key=lambda i: shares[i] - counts[i])] += 1
+        counts[max(range(k), key=lambda i: shares[i] - counts[i])] += 1
     while sum(counts) > n:
-        counts[max((i for i in range(3) if counts[i] > 1), key=lambda i: counts[i] - shares[i])] -= 1
-    return counts[0], counts[1], counts[2]
+        counts[max((i for i in range(k) if counts[i] > 1), key=lambda i: counts[i] - shares[i])] -= 1
+    return counts
 
 
 def candidates(n: int, seconds: dict[str, float]) -> list[str]:

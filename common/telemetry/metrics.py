@@ -156,6 +156,18 @@ class GatewayMetrics:
             m + ["outcome"],
             registry=r,
         )
+        self.planner_decisions = Counter(
+            P + "planner_decisions",
+            "The planner's decisions by action (switch, hold, idle, fixed).",
+            m + ["action"],
+            registry=r,
+        )
+        self.role_switches = Counter(
+            P + "role_switches",
+            "Workers the planner switched, by role set before and after.",
+            m + ["from", "to"],
+            registry=r,
+        )
         for outcome in ("attained", "ttft_violated", "tbt_violated"):
             self.slo.labels(model_name, outcome)
         self.running.labels(model_name)

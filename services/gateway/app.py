@@ -417,6 +417,8 @@ async def _start(backend, chat: ChatRequest, request_id: str, span) -> tuple[int
 def _lifespan(backend, fetcher: ImageFetcher | None):
     @contextlib.asynccontextmanager
     async def lifespan(_app):
+        if hasattr(backend, "start_background"):
+            await backend.start_background()
         yield
         if fetcher is not None:
             await fetcher.close()

@@ -339,7 +339,7 @@ class WorkerRuntime:
         """ShuttingDown while the worker drains or switches roles; NotHeld for stages it does not run now (a route
         made before its roles changed): either way the caller routes around it."""
         if not self.accepting:
-            raise ShuttingDown(f"worker {self.worker_id} is draining")
+            raise ShuttingDown(f"worker {self.worker_id} is shutting down or switching roles")
         needed = {s for s in Stage if request.first_stage <= s <= request.last_stage}
         if not needed <= self.roles:
             missing = ", ".join(sorted(s.name.lower() for s in needed - self.roles))

@@ -13,9 +13,11 @@ import grpc
 import httpx
 import pytest
 
+from bench.workloads import SHAPES, request_bodies
 from epdmesh.v1 import mesh_pb2 as pb
 from epdmesh.v1 import mesh_pb2_grpc as pb_grpc
 from tests.services.servers import MODEL, assert_pools_full, running_server, streamed_token_ids
+from tests.services.test_emulated_mesh import H20
 from tests.services.test_mesh import _check_tokens
 
 LONG = {
@@ -117,4 +119,39 @@ def test_switching_back_and_forth_keeps_the_answers_and_refuses_what_it_cannot_t
         assert _switch(d["address"], "EPD").returncode == 0
         _until_registered(base, ["EPD", "EPD"])
         _check_tokens(base, cases, refs)
+        assert_pools_full(base)
+
+
+def test_the_planner_moves_an_emulated_mesh_to_its_load_and_loses_nothing(emulated_dir, tmp_path):
+    """Captions (an image, a short answer) on EP2+D2 of the emulated LLaVA-1.5-7B on H20: the planner's rate matching
+    wants EP3+D1 and moves a decoder to EP under load, one switch an interval; every request is answered."""
+    bodies = [
+        {k: v for k, v in b.items() if k not in ("stream", "stream_options")}
+        for b in request_bodies(SHAPES["textcaps"], 60, MODEL, seed=5)
+    ]
+    args = ["--backend", "emulated", "--profile", H20, "--kv-cache-gib", "4", "--transfer", "grpc"]
+    args += ["--latency-profile", H20, "--slo-ttft-ms", "2000", "--slo-tbt-ms", "150", "--prefill-mode", "dedicated"]
+    args += ["--planner", "--planner-interval", "1", "--planner-grace", "0.5"]
+    with running_server(emulated_dir, "EP2+D2", tmp_path / "serve.log", *args) as base:
+
+        async def send_all() -> list[int]:
+            async with httpx.AsyncClient(timeout=120) as client:
+
+                async def one(i, body):
+                    await asyncio.sleep(i * 0.1)  # 10 requests a second for 6 s
+                    return (await client.post(f"{base}/v1/chat/completions", json=body)).status_code
+
+                return await asyncio.gather(*(one(i, b) for i, b in enumerate(bodies)))
+
+        assert asyncio.run(send_all()) == [200] * len(bodies)
+        _until_registered(base, ["EP", "EP", "EP", "D"])
+        planner = httpx.get(f"{base}/stats", timeout=10).json()["planner"]
+        assert planner["switches"] == 1 and planner["failed_switches"] == 0, planner
+        switched = [d for d in planner["recent"] if d["action"] == "switch"]
+        assert switched and switched[0]["target"] == {"D": 1, "EP": 3}
+        assert switched[0]["switches"][0]["from"] == "D" and switched[0]["switches"][0]["to"] == "EP"
+        assert planner["forecast"]["images"] == 1.0 and planner["forecast"]["prompt_tokens"] > 576
+        metrics = httpx.get(f"{base}/metrics", timeout=10).text
+        assert 'epdmesh:role_switches_total{from="D",model_name="tiny",to="EP"} 1.0' in metrics, metrics[-2000:]
+        assert 'epdmesh:planner_decisions_total{action="switch",model_name="tiny"} 1.0' in metrics
         assert_pools_full(base)

@@ -61,6 +61,7 @@ class MeshBackend:
         self._background: set[asyncio.Task] = set()
         self.stages = Stages(self.channels, self.calls, self.tracing, spawn=self._spawn)
         self.failover = Failover(self.routes, self.stages, self.route_stats, self.prompts, metrics)
+        self.planner = None  # the planner's task (`services/gateway/planner.py`), when it runs here
 
     async def start(self, chat: ChatRequest, request_id: str, span=None) -> tuple[int, AsyncIterator[RequestOutput]]:
         """The prompt's length and the request's outputs, its first one already come. `span`: the request's root
@@ -75,6 +76,8 @@ class MeshBackend:
             check_length(len(ids), sampling.max_tokens, self.max_model_len, chat.max_tokens_given)
         request = Request(request_id, ids, sampling, images, arrival_time=arrival, cache_salt=chat.cache_salt)
         stream = self.failover.outputs(request, span, (chat.slo_ttft_ms, chat.slo_tbt_ms), route)
+        if self.planner is not None:
+            stream = self.planner.observe(request, stream)
         first = await anext(stream)  # errors before the first token surface here, as an HTTP status
         return len(ids), Prepended(first, stream)
 
@@ -139,9 +142,16 @@ class MeshBackend:
         return await self.status.health()
 
     async def stats(self) -> dict:
-        return {**self.route_stats.as_dict(), "workers": await self.status.worker_stats()}
+        planner = {"planner": self.planner.as_dict()} if self.planner is not None else {}
+        return {**self.route_stats.as_dict(), **planner, "workers": await self.status.worker_stats()}
+
+    async def start_background(self) -> None:
+        if self.planner is not None:
+            self.planner.start()
 
     async def close(self) -> None:
+        if self.planner is not None:
+            await self.planner.stop()
         await self.routes.close()
         await self.calls.close()
         await self.channels.close()

@@ -1,0 +1,203 @@
+"""The planner: from what the gateway saw over the last interval, the role-set counts that meet the SLOs on the
+latency profile, and the role switches that move the mesh toward them. Pure: the gateway's planner task
+(`services/gateway/planner.py`) and tests call it with plain snapshots.
+
+The rule is Dynamo Planner's rate matching over TriInfer's stage loads:
+  1. forecast — the next interval's arrival rate and mean request shape: an exponentially weighted mean of the
+     intervals so far (`forecast`);
+  2. demand — each stage's instances needed = forecast rate × instance-seconds per request at the stage's SLO
+     budget (`placement.stage_seconds`), corrected by what was measured: the share of finished requests that
+     missed TTFT raises the encode and prefill demand, the share that missed TBT raises the decode demand;
+  3. target — the mesh's pools (its distinct role sets, which must split the stages among them: EP+D, E+P+D,
+     ED+P, PD+E …) share its N workers in proportion to their stages' demand, each pool at least one;
+  4. hysteresis — it switches only when the target's most loaded pool is at least `margin` less loaded than the
+     current one's, and at most `max_switches` workers an interval: each from the pool with the largest surplus to
+     the pool with the largest deficit, the least busy worker of it first.
+A mesh whose role sets overlap (EP+EPD: two pools both prefill) or that is one pool (EPD·N) is left as it is.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from common.latency.model import LatencyProfile
+from common.policy import placement
+from common.request import Stage
+
+STAGE_NAMES = {Stage.ENCODE: "encode", Stage.PREFILL: "prefill", Stage.DECODE: "decode"}
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class PlannerConfig:
+    interval_s: float = 10.0  # how often it plans
+    smoothing: float = 0.5  # the newest interval's weight in the forecast
+    margin: float = 0.1  # the bottleneck's load must fall by this share for a switch to be worth it
+    max_switches: int = 1  # workers switched per interval
+    miss_gain: float = 1.0  # demand × (1 + gain × share of requests that missed that stage's target)
+    grace_s: float = 2.0  # how long a switching worker's running decodes may finish before they are handed back
+
+    def __post_init__(self) -> None:
+        if self.interval_s <= 0 or not 0 < self.smoothing <= 1 or self.margin < 0 or self.max_switches < 0:
+            raise ValueError(
+                "the planner needs interval_s > 0, smoothing in (0, 1], margin ≥ 0 and max_switches ≥ 0, got "
+                f"{self.interval_s}, {self.smoothing}, {self.margin}, {self.max_switches}"
+            )
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Interval:
+    """What the gateway saw over one interval: arrivals, and the requests that finished with their work (prompt
+    tokens not found in a prefix cache, images, output tokens) and whether they missed TTFT or TBT."""
+
+    seconds: float
+    arrivals: int
+    finished: tuple[tuple[int, int, int], ...] = ()
+    ttft_missed: int = 0
+    tbt_missed: int = 0  # of those that met TTFT
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Forecast:
+    rate: float  # requests per second
+    load: placement.StageLoad
+    ttft_miss: float  # share of finished requests
+    tbt_miss: float
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class PoolWorker:
+    worker_id: str
+    roles: frozenset[Stage]
+    busy: float = 0.0  # what switching it now would disturb (e.g. its unfinished decode tokens)
+    kv_tokens: int = 0  # tokens its KV cache holds
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Switch:
+    worker_id: str
+    before: frozenset[Stage]
+    after: frozenset[Stage]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Decision:
+    action: str  # "switch", "hold", "idle" (nothing to forecast from yet), "fixed" (a shape it does not plan)
+    reason: str
+    demand: dict[str, float] = dataclasses.field(default_factory=dict)  # instances each stage needs
+    current: dict[str, int] = dataclasses.field(default_factory=dict)  # pool (role label) → workers
+    target: dict[str, int] = dataclasses.field(default_factory=dict)
+    switches: tuple[Switch, ...] = ()
+
+    def as_dict(self) -> dict:
+        return {
+            "action": self.action,
+            "reason": self.reason,
+            "demand": {k: round(v, 3) for k, v in self.demand.items()},
+            "current": self.current,
+            "target": self.target,
+            "switches": [
+                {"worker_id": s.worker_id, "from": label(s.before), "to": label(s.after)} for s in self.switches
+            ],
+        }
+
+
+def label(roles: frozenset[Stage]) -> str:
+    return "".join(s.name[0] for s in sorted(roles))
+
+
+def forecast(previous: Forecast | None, interval: Interval, smoothing: float) -> Forecast | None:
+    """The forecast after one more interval (None while nothing has finished yet to take the shape from)."""
+    rate = interval.arrivals / interval.seconds if interval.seconds > 0 else 0.0
+    done = len(interval.finished)
+    if done:
+        load = placement.StageLoad.of(list(interval.finished))
+        ttft_miss, tbt_miss = interval.ttft_missed / done, interval.tbt_missed / done
+    elif previous is not None:
+        load, ttft_miss, tbt_miss = previous.load, previous.ttft_miss, previous.tbt_miss
+    else:
+        return None
+    if previous is None:
+        return Forecast(rate, load, ttft_miss, tbt_miss)
+    w = smoothing
+
+    def mix(new: float, old: float) -> float:
+        return w * new + (1 - w) * old
+
+    mixed = placement.StageLoad(
+        *(mix(getattr(load, f.name), getattr(previous.load, f.name)) for f in dataclasses.fields(load))
+    )
+    return Forecast(
+        mix(rate, previous.rate), mixed, mix(ttft_miss, previous.ttft_miss), mix(tbt_miss, previous.tbt_miss)
+    )
+
+
+def stage_demand(
+    f: Forecast, profile: LatencyProfile, ttft_ms: float, tbt_ms: float, kv_tokens: int, miss_gain: float
+) -> dict[str, float]:
+    """Instances each stage needs at the forecast (step 2 of the module docstring)."""
+    seconds = placement.stage_seconds(profile, f.load, ttft_ms, tbt_ms, kv_tokens)
+    first = 1 + miss_gain * f.ttft_miss
+    return {
+        "encode": f.rate * seconds["encode"] * first,
+        "prefill": f.rate * seconds["prefill"] * first,
+        "decode": f.rate * seconds["decode"] * (1 + miss_gain * f.tbt_miss),
+    }
+
+
+def decide(
+    workers: list[PoolWorker],
+    f: Forecast | None,
+    profile: LatencyProfile,
+    ttft_ms: float,
+    tbt_ms: float,
+    config: PlannerConfig = PlannerConfig(),
+) -> Decision:
+    """The decision for the mesh of `workers` at the forecast `f` (module docstring)."""
+    pools = sorted({w.roles for w in workers}, key=label)
+    current = {label(p): sum(w.roles == p for w in workers) for p in pools}
+    if len(pools) < 2:
+        return Decision("fixed", "one role set: nothing to rebalance", current=current)
+    if any(a & b for i, a in enumerate(pools) for b in pools[i + 1 :]) or frozenset().union(*pools) != frozenset(Stage):
+        return Decision("fixed", "its role sets do not split the stages among them", current=current)
+    if f is None or f.rate <= 0:
+        return Decision("idle", "no load to plan for yet", current=current)
+    decoders = [w.kv_tokens for w in workers if Stage.DECODE in w.roles and w.kv_tokens]
+    demand = stage_demand(f, profile, ttft_ms, tbt_ms, min(decoders, default=1 << 20), config.miss_gain)
+    need = [sum(demand[STAGE_NAMES[s]] for s in p) for p in pools]
+    counts = placement.apportion(len(workers), need)
+    target = {label(p): n for p, n in zip(pools, counts)}
+    if target == current:
+        return Decision("hold", "the pools match the forecast", demand, current, target)
+    now = max(n / current[label(p)] for p, n in zip(pools, need))
+    then = max(n / c for n, c in zip(need, counts))
+    if then > (1 - config.margin) * now:
+        return Decision(
+            "hold", f"the bottleneck's load would go from {now:.2f} to {then:.2f} only", demand, current, target
+        )
+    switches = _moves(workers, pools, current, target, config.max_switches)
+    return Decision(
+        "switch" if switches else "hold",
+        f"the bottleneck's load goes from {now:.2f} to {then:.2f} (instances of work per instance)",
+        demand,
+        current,
+        target,
+        tuple(switches),
+    )
+
+
+def _moves(
+    workers: list[PoolWorker], pools: list[frozenset[Stage]], current: dict, target: dict, budget: int
+) -> list[Switch]:
+    counts, moves, moved = dict(current), [], set()
+    for _ in range(budget):
+        surplus = {p: counts[label(p)] - target[label(p)] for p in pools}
+        donor, recipient = max(pools, key=lambda p: surplus[p]), min(pools, key=lambda p: surplus[p])
+        if surplus[donor] <= 0 or surplus[recipient] >= 0:
+            break
+        candidates = [w for w in workers if w.roles == donor and w.worker_id not in moved]
+        worker = min(candidates, key=lambda w: (w.busy, w.worker_id))
+        moves.append(Switch(worker.worker_id, donor, recipient))
+        moved.add(worker.worker_id)
+        counts[label(donor)] -= 1
+        counts[label(recipient)] += 1
+    return moves

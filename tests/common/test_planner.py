@@ -1,0 +1,94 @@
+"""The planner's policy (`common/policy/planner.py`) on the analytic H20 profile: the pools follow the stage loads,
+hysteresis and the switch budget hold it still, and shapes it does not plan are left alone."""
+
+import pytest
+
+from common.latency.roofline import load_profile
+from common.policy import placement
+from common.policy.planner import Decision, Forecast, Interval, PlannerConfig, PoolWorker, decide, forecast
+from common.request import Stage
+
+E, P, D = Stage.ENCODE, Stage.PREFILL, Stage.DECODE
+H20 = load_profile("H20")
+CAPTIONS = (600, 1, 12)  # an image, a short prompt, a short answer: prefill-bound
+LONG_ANSWERS = (100, 0, 512)  # a short text prompt, a long answer: decode-bound
+
+
+def _mesh(counts: dict[frozenset, int], kv_tokens: int = 100_000) -> list[PoolWorker]:
+    workers = []
+    for roles, n in counts.items():
+        workers += [
+            PoolWorker(f"{''.join(s.name[0] for s in sorted(roles))}{i}", roles, 0, kv_tokens) for i in range(n)
+        ]
+    return workers
+
+
+def _at(rate: float, *requests) -> Forecast:
+    return Forecast(rate, placement.StageLoad.of(list(requests)), 0.0, 0.0)
+
+
+def test_the_pools_follow_the_stage_loads_one_switch_at_a_time():
+    mesh = _mesh({frozenset({E, P}): 4, frozenset({D}): 4})
+    captions = decide(mesh, _at(10, CAPTIONS), H20, 1000, 100)
+    assert captions.action == "switch" and captions.target == {"EP": 7, "D": 1}
+    assert [(s.before, s.after) for s in captions.switches] == [(frozenset({D}), frozenset({E, P}))]
+    answers = decide(mesh, _at(10, LONG_ANSWERS), H20, 1000, 100)
+    assert answers.action == "switch" and answers.target["D"] > 4 and answers.switches[0].after == frozenset({D})
+    # more switches an interval when the budget allows: straight to the target
+    config = PlannerConfig(max_switches=8)
+    assert len(decide(mesh, _at(10, CAPTIONS), H20, 1000, 100, config).switches) == 3
+
+
+def test_the_least_busy_worker_of_a_pool_is_switched_first():
+    mesh = _mesh({frozenset({E, P}): 4})
+    mesh += [PoolWorker("busy", frozenset({D}), 900, 100_000), PoolWorker("idle", frozenset({D}), 5, 100_000)]
+    mesh += [PoolWorker("half", frozenset({D}), 50, 100_000)]
+    decision = decide(mesh, _at(10, CAPTIONS), H20, 1000, 100, PlannerConfig(max_switches=2))
+    assert [s.worker_id for s in decision.switches] == ["idle", "half"]
+
+
+def test_it_holds_when_the_gain_is_under_the_margin_or_the_pools_match():
+    mesh = _mesh({frozenset({E, P}): 4, frozenset({D}): 4})
+    balanced = decide(mesh, _at(10, (600, 1, 300)), H20, 1000, 100)
+    assert balanced.action == "hold" and balanced.target == balanced.current == {"D": 4, "EP": 4}
+    near = _mesh({frozenset({E, P}): 5, frozenset({D}): 3})  # the target, EP6+D2, takes 9% off the bottleneck
+    small_gain = decide(near, _at(10, (3000, 1, 200)), H20, 1000, 100)
+    assert small_gain.action == "hold" and small_gain.target != small_gain.current and not small_gain.switches
+    assert decide(near, _at(10, (3000, 1, 200)), H20, 1000, 100, PlannerConfig(margin=0.0)).action == "switch"
+
+
+def test_measured_misses_shift_the_demand_to_the_stage_that_missed():
+    mesh = _mesh({frozenset({E, P}): 4, frozenset({D}): 4})
+    load = placement.StageLoad.of([(600, 1, 300)])
+    calm = decide(mesh, Forecast(10, load, 0.0, 0.0), H20, 1000, 100)
+    late_first = decide(mesh, Forecast(10, load, 0.8, 0.0), H20, 1000, 100)
+    slow_tokens = decide(mesh, Forecast(10, load, 0.0, 0.8), H20, 1000, 100)
+    assert late_first.demand["prefill"] > calm.demand["prefill"] and late_first.target["EP"] > 4
+    assert slow_tokens.demand["decode"] > calm.demand["decode"] and slow_tokens.target["D"] > 4
+
+
+def test_shapes_it_does_not_plan_and_no_load_are_left_alone():
+    one_pool = decide(_mesh({frozenset({E, P, D}): 8}), _at(10, CAPTIONS), H20, 1000, 100)
+    overlap = decide(_mesh({frozenset({E, P}): 7, frozenset({E, P, D}): 1}), _at(10, CAPTIONS), H20, 1000, 100)
+    missing = decide(_mesh({frozenset({E, P}): 7, frozenset({P}): 1}), _at(10, CAPTIONS), H20, 1000, 100)
+    assert (one_pool.action, overlap.action, missing.action) == ("fixed", "fixed", "fixed")
+    idle = decide(_mesh({frozenset({E, P}): 4, frozenset({D}): 4}), None, H20, 1000, 100)
+    assert idle == Decision("idle", "no load to plan for yet", current={"D": 4, "EP": 4})
+    three = decide(_mesh({frozenset({E}): 2, frozenset({P}): 3, frozenset({D}): 3}), _at(10, CAPTIONS), H20, 1000, 100)
+    assert three.action == "switch" and sum(three.target.values()) == 8 and min(three.target.values()) >= 1
+
+
+def test_the_forecast_is_a_weighted_mean_of_the_intervals():
+    assert forecast(None, Interval(10, 0), 0.5) is None  # nothing finished: no shape to plan from
+    first = forecast(None, Interval(10, 100, (CAPTIONS,) * 4, ttft_missed=1), 0.5)
+    assert first.rate == 10 and first.load.prompt_tokens == 600 and first.ttft_miss == 0.25
+    second = forecast(first, Interval(10, 300, (LONG_ANSWERS,) * 2, tbt_missed=2), 0.5)
+    assert second.rate == 20 and second.load.prompt_tokens == 350 and second.load.output_tokens == 262
+    assert second.ttft_miss == 0.125 and second.tbt_miss == 0.5
+    quiet = forecast(second, Interval(10, 0), 0.5)  # nothing finished: the shape stays, the rate falls
+    assert quiet.rate == 10 and quiet.load == second.load
+
+
+def test_a_bad_configuration_is_refused():
+    with pytest.raises(ValueError, match="interval_s > 0"):
+        PlannerConfig(interval_s=0)
