@@ -13,15 +13,19 @@ dataset's and images are synthetic JPEGs of a typical size for it (every image b
 | mme      | "<question about the image>? Please answer yes or no." | 12–20 | 2 | 512×512 |
 | textvqa  | "<question about text in the image>? Reference OCR tokens: <6–12 words>. (a)" | 25–40 | 10 | 512×384 |
 | vizwiz   | "<question>? (b) (a)" | 25–35 | 10 | 480×640 |
+| detail   | "Describe this image in detail." (+ what to cover) | 5–16 | 384 | 512×384 |
+| document | "Page text: <the page's OCR text>. <question>? (a)" | 370–430 | 16 | 512×384 |
 
 (a) "Answer the question using a single word or phrase."
 (b) "When the provided information is insufficient, respond with 'Unanswerable'."
 
 Output lengths follow each dataset's answers (TextCaps captions ≈ 12 words; POPE/MME yes/no; TextVQA and
-VizWiz a word or short phrase, padded to 10 tokens). Arrivals: the Mooncake conversation trace's
-timestamps (`bench/data/`, one hour of production traffic, recorded in 3 s slots: each slot's requests
-are spread uniformly over it), a window of `n` consecutive requests rescaled so its mean rate is the
-target rate — the trace's burstiness at any rate; or a Poisson process.
+VizWiz a word or short phrase, padded to 10 tokens). Two shapes stand at the ends of the stage mix: `detail`,
+LLaVA-Bench's detailed description, whose answers run to a few hundred tokens (decode-heavy), and `document`, a
+question about a scanned page whose OCR text comes with the prompt (~1,000 text tokens; prefill-heavy).
+Arrivals: the Mooncake conversation trace's timestamps (`bench/data/`, one hour of production traffic, recorded
+in 3 s slots: each slot's requests are spread uniformly over it), a window of `n` consecutive requests rescaled
+so its mean rate is the target rate — the trace's burstiness at any rate; or a Poisson process.
 """
 
 from __future__ import annotations
@@ -148,13 +152,34 @@ def _vizwiz(rng: random.Random) -> str:
     )
 
 
-_PROMPTS = {"textcaps": _textcaps, "pope": _pope, "mme": _mme, "textvqa": _textvqa, "vizwiz": _vizwiz}
+def _detail(rng: random.Random) -> str:
+    cover = rng.choice(["", " Include the objects, their colors and where they are.", " Mention any visible text."])
+    return "Describe this image in detail." + cover
+
+
+def _document(rng: random.Random) -> str:
+    ocr = " ".join(rng.choice(WORDS) for _ in range(rng.randint(360, 420)))
+    question = rng.choice(["What is the total", "Who signed the letter", "What is the date", "What is the title"])
+    return f"Page text: {ocr}. {question}? Answer the question using a single word or phrase."
+
+
+_PROMPTS = {
+    "detail": _detail,
+    "document": _document,
+    "textcaps": _textcaps,
+    "pope": _pope,
+    "mme": _mme,
+    "textvqa": _textvqa,
+    "vizwiz": _vizwiz,
+}
 SHAPES = {
     "textcaps": Shape("textcaps", 32, (512, 384)),
     "pope": Shape("pope", 4, (640, 480)),
     "mme": Shape("mme", 2, (512, 512)),
     "textvqa": Shape("textvqa", 10, (512, 384)),
     "vizwiz": Shape("vizwiz", 10, (480, 640)),
+    "detail": Shape("detail", 384, (512, 384)),
+    "document": Shape("document", 16, (512, 384)),
 }
 WORKLOADS = (*SHAPES, "conversation")  # conversation: bench/conversation.py
 TRACE_BLOCK_TOKENS = 512  # the Mooncake trace's hash ids each stand for this many prompt tokens

@@ -304,7 +304,7 @@ def _cmd_profile(args) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="epdmesh", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
-    sub.add_parser("bench", help="benchmarks against a running or launched mesh: epdmesh bench goodput --help")
+    sub.add_parser("bench", help="benchmarks against a running or launched mesh: epdmesh bench {goodput,shift} --help")
     sub.add_parser(
         "sim", help="the goodput benchmark on simulated time, over the live policies: epdmesh sim goodput --help"
     )
@@ -449,7 +449,7 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-BENCHMARKS = {"goodput": "bench.goodput"}
+BENCHMARKS = {"goodput": "bench.goodput", "shift": "bench.shift"}
 SIMULATIONS = {"goodput": "sim.goodput"}  # `epdmesh sim goodput`: the benchmark on simulated time
 PLAN = "sim.plan"  # `epdmesh plan`: the topology search
 

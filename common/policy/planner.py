@@ -46,22 +46,28 @@ class PlannerConfig:
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Interval:
-    """What the gateway saw over one interval: arrivals, and the requests that finished with their work (prompt
-    tokens not found in a prefix cache, images, output tokens) and whether they missed TTFT or TBT."""
+    """What the gateway saw over one interval: the requests that arrived (prompt tokens, images, max_tokens) and
+    those that finished (prompt tokens, of them found in a prefix cache, output tokens, max_tokens), with how many
+    of those missed TTFT, and how many met TTFT but missed TBT."""
 
     seconds: float
-    arrivals: int
-    finished: tuple[tuple[int, int, int], ...] = ()
+    arrivals: tuple[tuple[int, int, int], ...] = ()
+    finished: tuple[tuple[int, int, int, int], ...] = ()
     ttft_missed: int = 0
-    tbt_missed: int = 0  # of those that met TTFT
+    tbt_missed: int = 0
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Forecast:
+    """The next interval's arrival rate and mean request (prompt tokens not cached, images, output tokens expected:
+    the arrivals' max_tokens × the share of it finished requests used), and the shares that missed TTFT and TBT."""
+
     rate: float  # requests per second
     load: placement.StageLoad
-    ttft_miss: float  # share of finished requests
-    tbt_miss: float
+    ttft_miss: float = 0.0
+    tbt_miss: float = 0.0
+    cached: float = 0.0  # share of prompt tokens found in a prefix cache
+    used: float = 1.0  # share of max_tokens generated
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -106,29 +112,35 @@ def label(roles: frozenset[Stage]) -> str:
 
 
 def forecast(previous: Forecast | None, interval: Interval, smoothing: float) -> Forecast | None:
-    """The forecast after one more interval (None while nothing has finished yet to take the shape from)."""
-    rate = interval.arrivals / interval.seconds if interval.seconds > 0 else 0.0
-    done = len(interval.finished)
-    if done:
-        load = placement.StageLoad.of(list(interval.finished))
-        ttft_miss, tbt_miss = interval.ttft_missed / done, interval.tbt_missed / done
+    """The forecast after one more interval: the request shape from this interval's arrivals, corrected by what
+    the finished ones showed (cache hits, outputs shorter than max_tokens), mixed with the previous forecast
+    (weight `smoothing` on the new). None while nothing has arrived yet."""
+    rate = len(interval.arrivals) / interval.seconds if interval.seconds > 0 else 0.0
+    finished = interval.finished
+    prompts = sum(f[0] for f in finished)
+    allowed = sum(f[3] for f in finished)
+    fallback = previous or Forecast(0.0, placement.StageLoad(0, 0, 0, 0))
+    cached = sum(f[1] for f in finished) / prompts if prompts else fallback.cached
+    used = sum(f[2] for f in finished) / allowed if allowed else fallback.used
+    ttft_miss = interval.ttft_missed / len(finished) if finished else fallback.ttft_miss
+    tbt_miss = interval.tbt_missed / len(finished) if finished else fallback.tbt_miss
+    if interval.arrivals:
+        load = placement.StageLoad.of([(p * (1 - cached), i, m * used) for p, i, m in interval.arrivals])
     elif previous is not None:
-        load, ttft_miss, tbt_miss = previous.load, previous.ttft_miss, previous.tbt_miss
+        load = previous.load
     else:
         return None
+    new = Forecast(rate, load, ttft_miss, tbt_miss, cached, used)
     if previous is None:
-        return Forecast(rate, load, ttft_miss, tbt_miss)
+        return new
     w = smoothing
 
-    def mix(new: float, old: float) -> float:
-        return w * new + (1 - w) * old
+    def mix(a, b):
+        if isinstance(a, placement.StageLoad):
+            return placement.StageLoad(*(mix(getattr(a, f.name), getattr(b, f.name)) for f in dataclasses.fields(a)))
+        return w * a + (1 - w) * b
 
-    mixed = placement.StageLoad(
-        *(mix(getattr(load, f.name), getattr(previous.load, f.name)) for f in dataclasses.fields(load))
-    )
-    return Forecast(
-        mix(rate, previous.rate), mixed, mix(ttft_miss, previous.ttft_miss), mix(tbt_miss, previous.tbt_miss)
-    )
+    return Forecast(*(mix(getattr(new, f.name), getattr(previous, f.name)) for f in dataclasses.fields(new)))
 
 
 def stage_demand(

@@ -36,14 +36,14 @@ class Window:
 
     def __init__(self):
         self.started = time.monotonic()
-        self.arrivals = 0
-        self.finished: list[tuple[int, int, int]] = []
+        self.arrivals: list[tuple[int, int, int]] = []
+        self.finished: list[tuple[int, int, int, int]] = []
         self.ttft_missed = self.tbt_missed = 0
 
     def take(self) -> planner.Interval:
         now = time.monotonic()
         interval = planner.Interval(
-            now - self.started, self.arrivals, tuple(self.finished), self.ttft_missed, self.tbt_missed
+            now - self.started, tuple(self.arrivals), tuple(self.finished), self.ttft_missed, self.tbt_missed
         )
         self.__init__()
         return interval
@@ -82,7 +82,8 @@ class PlannerTask:
 
     async def observe(self, request: Request, outputs: AsyncIterator[RequestOutput]) -> AsyncIterator[RequestOutput]:
         """The request's outputs, passed through; its arrival, work and SLO outcome go into the window."""
-        self.window.arrivals += 1
+        max_tokens = request.sampling.max_tokens
+        self.window.arrivals.append((request.num_prompt_tokens, len(request.images), max_tokens))
         first_at = last_at = None
         gaps: list[float] = []
         final = None
@@ -100,8 +101,9 @@ class PlannerTask:
             return
         ttft = first_at - request.arrival_time
         outcome = slo_outcome(ttft, gaps, self.ttft_ms / 1e3, self.tbt_ms / 1e3)
-        uncached = final.num_prompt_tokens - final.num_cached_tokens
-        self.window.finished.append((uncached, len(request.images), len(final.output_token_ids)))
+        self.window.finished.append(
+            (final.num_prompt_tokens, final.num_cached_tokens, len(final.output_token_ids), max_tokens)
+        )
         self.window.ttft_missed += outcome == "ttft_violated"
         self.window.tbt_missed += outcome == "tbt_violated"
 
@@ -155,9 +157,9 @@ class PlannerTask:
         f = self.forecast
         entry = {
             "at_unix_s": round(time.time(), 3),
-            "arrivals": interval.arrivals,
+            "arrivals": len(interval.arrivals),
             "finished": len(interval.finished),
-            "rate": round(interval.arrivals / interval.seconds, 3) if interval.seconds else 0.0,
+            "rate": round(len(interval.arrivals) / interval.seconds, 3) if interval.seconds else 0.0,
             "forecast_rate": round(f.rate, 3) if f is not None else None,
             **decision.as_dict(),
         }
@@ -225,6 +227,8 @@ class PlannerTask:
                 "output_tokens": round(f.load.output_tokens, 1),
                 "ttft_miss": round(f.ttft_miss, 3),
                 "tbt_miss": round(f.tbt_miss, 3),
+                "cached": round(f.cached, 3),
+                "used": round(f.used, 3),
             },
             "switches": self.switches,
             "failed_switches": self.failed_switches,

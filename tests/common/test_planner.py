@@ -78,15 +78,18 @@ def test_shapes_it_does_not_plan_and_no_load_are_left_alone():
     assert three.action == "switch" and sum(three.target.values()) == 8 and min(three.target.values()) >= 1
 
 
-def test_the_forecast_is_a_weighted_mean_of_the_intervals():
-    assert forecast(None, Interval(10, 0), 0.5) is None  # nothing finished: no shape to plan from
-    first = forecast(None, Interval(10, 100, (CAPTIONS,) * 4, ttft_missed=1), 0.5)
-    assert first.rate == 10 and first.load.prompt_tokens == 600 and first.ttft_miss == 0.25
-    second = forecast(first, Interval(10, 300, (LONG_ANSWERS,) * 2, tbt_missed=2), 0.5)
-    assert second.rate == 20 and second.load.prompt_tokens == 350 and second.load.output_tokens == 262
-    assert second.ttft_miss == 0.125 and second.tbt_miss == 0.5
-    quiet = forecast(second, Interval(10, 0), 0.5)  # nothing finished: the shape stays, the rate falls
-    assert quiet.rate == 10 and quiet.load == second.load
+def test_the_forecast_takes_the_shape_from_arrivals_corrected_by_what_finished():
+    assert forecast(None, Interval(10), 0.5) is None  # nothing arrived: nothing to plan from
+    first = forecast(None, Interval(10, (CAPTIONS,) * 100), 0.5)
+    assert first.rate == 10 and (first.load.prompt_tokens, first.load.output_tokens) == (600, 12)
+    # half the prompt tokens were prefix-cache hits, a quarter of max_tokens was used, one in four missed TTFT
+    done = Interval(10, (LONG_ANSWERS,) * 300, ((800, 400, 128, 512),) * 4, ttft_missed=1, tbt_missed=2)
+    second = forecast(first, done, 0.5)
+    assert second.rate == 20 and second.cached == 0.25 and second.used == 0.625
+    assert second.load.prompt_tokens == (600 + 50) / 2 and second.load.output_tokens == (12 + 128) / 2
+    assert (second.ttft_miss, second.tbt_miss) == (0.125, 0.25)
+    quiet = forecast(second, Interval(10), 0.5)  # nothing arrived: the shape stays, the rate falls
+    assert quiet.rate == 10 and quiet.load == second.load and quiet.cached == second.cached
 
 
 def test_a_bad_configuration_is_refused():
