@@ -1,0 +1,64 @@
+"""`epdmesh bench shift`'s parts that need no mesh: the phases, the arrivals, the per-phase and per-window
+attainment, and the plot."""
+
+import collections
+
+import pytest
+
+from bench.goodput import Result
+from bench.shift import bodies_for, parse_phases, plot, schedule, summarize
+
+
+def test_phases_are_parsed_and_bad_ones_named():
+    assert parse_phases("document@20, detail@7.5") == [("document", 20.0), ("detail", 7.5)]
+    for bad, says in [
+        ("essay@10", "unknown shape 'essay'"),
+        ("textcaps", "NAME@SECONDS"),
+        ("textcaps@0", "NAME@SECONDS"),
+        ("textcaps@x", "NAME@SECONDS"),
+        (",", "at least one phase"),
+    ]:
+        with pytest.raises(ValueError, match=says):
+            parse_phases(bad)
+
+
+def test_arrivals_are_poisson_over_the_phases_each_taking_its_phases_shape():
+    phases = [("document", 20.0), ("detail", 10.0), ("textcaps", 30.0)]
+    sends = schedule(phases, 50.0, seed=1)
+    assert sends == schedule(phases, 50.0, seed=1) and sends != schedule(phases, 50.0, seed=2)
+    times = [t for t, _ in sends]
+    assert times == sorted(times) and 0 < times[0] and times[-1] < 60
+    counts = collections.Counter(i for _, i in sends)
+    assert abs(counts[0] - 1000) < 150 and abs(counts[1] - 500) < 110 and abs(counts[2] - 1500) < 180
+    assert all((i == 0) == (t < 20) and (i == 2) == (t >= 30) for t, i in sends)
+    bodies = bodies_for(phases, sends[:40] + sends[-3:], "m", seed=0)
+    assert [b["max_tokens"] for b in bodies] == [16] * 40 + [32] * 3  # document's answers, then textcaps'
+
+
+def test_attainment_is_counted_per_phase_and_window(tmp_path):
+    phases = [("document", 4.0), ("detail", 4.0)]
+    sends = [(0.5, 0), (1.5, 0), (3.0, 0), (4.5, 1), (7.9, 1)]
+    met, late, slow = Result(True, 0.2, [0.01] * 9), Result(True, 2.0, [0.01]), Result(True, 0.1, [0.5] * 3)
+    results = [met, late, met, slow, Result(False, error="HTTP 503: busy")]
+    out = summarize(phases, sends, results, window=3.0, ttft_ms=1000, tbt_ms=100)
+    assert out["attainment"] == 2 / 5 and out["failed"] == 1 and out["errors"] == ["HTTP 503: busy"]
+    assert [p["attainment"] for p in out["by_phase"]] == [2 / 3, 0.0]
+    assert [(w["t"], w["arrivals"], w["attainment"]) for w in out["windows"]] == [
+        (0.0, 2, 0.5),
+        (3.0, 2, 0.5),
+        (6.0, 1, 0.0),
+    ]
+    report = {
+        "backend": "emulated: H20",
+        "phases": [{"shape": n, "seconds": s} for n, s in phases],
+        "rate": 1.25,
+        "window_s": 3.0,
+        "slo_ttft_ms": 1000,
+        "slo_tbt_ms": 100,
+        "configs": {
+            "static": {**out, "roles": [{"t": 0, "roles": {"EP": 1, "D": 1}}]},
+            "planner": {**out, "roles": [{"t": 0, "roles": {"EP": 1, "D": 1}}, {"t": 5, "roles": {"D": 2}}]},
+        },
+    }
+    plot(report, tmp_path / "shift.png")
+    assert (tmp_path / "shift.png").stat().st_size > 10_000
