@@ -378,12 +378,16 @@ class Scheduler:
             request.status = RequestStatus.DECODING
             self.running.append(request)
 
-    def finish(self, request: Request, status: RequestStatus) -> None:
-        """Take a request out of every queue and free its pages (it ends here, finished or aborted)."""
+    def take_out(self, request: Request) -> None:
+        """Take a request out of every queue, its pages kept."""
         for queue in (self.waiting, self.encoding, self.ready, self.prefilling, self.running):
             if request in queue:
                 queue.remove(request)
         self.joined.discard(request.request_id)
+
+    def finish(self, request: Request, status: RequestStatus) -> None:
+        """Take a request out of every queue and free its pages (it ends here, finished or aborted)."""
+        self.take_out(request)
         if request.block_table:
             self.kv.free(request)
         if request.image_block_table:

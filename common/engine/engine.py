@@ -146,14 +146,24 @@ class Engine:
                 self.compiled.warm_up(text=gains_text, vision=gains_vision)
 
     def hand_back_decodes(self) -> list[RequestOutput]:
-        """Every request whose last stage here is decode leaves the engine, its pages freed, as a preempted one that
-        cannot be recomputed does (`handed_back`): its caller goes on with it elsewhere. Requests that hand off to
-        another stage stay and finish."""
+        """Every request whose last stage here is decode leaves the engine (`handed_back`): its caller goes on with
+        it elsewhere. One that is decoding keeps its KV for the next decoder (the output's `pages`: the prompt and
+        every output token but the last, which the next decoder decodes on from); one still before its first token
+        has its pages freed and starts again. Requests that hand off to another stage stay and finish."""
         with self.lock:
-            leaving = [r for r in self.requests.values() if r.last_stage == Stage.DECODE]
-            for request in leaving:
-                self.scheduler.finish(request, RequestStatus.HANDED_BACK)
-            return [self._hand_back(request, "its worker is switching roles") for request in leaving]
+            outputs = []
+            for request in [r for r in self.requests.values() if r.last_stage == Stage.DECODE]:
+                decoding = request.status == RequestStatus.DECODING and request.output_token_ids
+                if not decoding or request.num_computed_tokens != request.num_tokens - 1:
+                    self.scheduler.finish(request, RequestStatus.HANDED_BACK)
+                    outputs.append(self._hand_back(request, "its worker is switching roles"))
+                    continue
+                self.scheduler.take_out(request)
+                request.status = RequestStatus.HANDED_BACK
+                out = self._hand_back(request, "its worker is switching roles; its KV goes with it")
+                out.pages = self.pages.keep(request)
+                outputs.append(out)
+            return outputs
 
     def release_caches(self) -> None:
         """Let go of the caches and what refers to them (before others of a new size are allocated in their place)."""

@@ -139,7 +139,8 @@ class PageHandover:
             raise KeyError(f"request {request_id!r} holds no handed-off pages")
         if request.last_stage == Stage.ENCODE:
             return "image", list(request.image_block_table), request.num_image_tokens
-        n = request.num_prompt_tokens
+        # a prefill's KV is its prompt's; a decode handed back with its KV has computed all but its last token too
+        n = request.num_computed_tokens if request.last_stage == Stage.DECODE else request.num_prompt_tokens
         return "kv", list(request.block_table[: blocks_for(n, self.block_size)]), n
 
     def cache(self, kind: str) -> PagedKVCache | PagedImageCache:

@@ -155,7 +155,7 @@ class PageHandle(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., address: _Optional[str] = ..., lease_id: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., layout: _Optional[_Union[PageLayout, _Mapping]] = ..., lease_expiry_unix_ms: _Optional[int] = ..., backend: _Optional[str] = ..., backend_info: _Optional[bytes] = ...) -> None: ...
 
 class TokenChunk(_message.Message):
-    __slots__ = ("token_ids", "finish_reason", "stop_string", "stop_token_id", "text", "num_prompt_tokens", "logprobs", "handed_back", "num_cached_tokens")
+    __slots__ = ("token_ids", "finish_reason", "stop_string", "stop_token_id", "text", "num_prompt_tokens", "logprobs", "handed_back", "num_cached_tokens", "kv_pages")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     STOP_STRING_FIELD_NUMBER: _ClassVar[int]
@@ -165,6 +165,7 @@ class TokenChunk(_message.Message):
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     HANDED_BACK_FIELD_NUMBER: _ClassVar[int]
     NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    KV_PAGES_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     finish_reason: str
     stop_string: str
@@ -174,7 +175,8 @@ class TokenChunk(_message.Message):
     logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprob]
     handed_back: bool
     num_cached_tokens: int
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[str] = ..., stop_string: _Optional[str] = ..., stop_token_id: _Optional[int] = ..., text: _Optional[str] = ..., num_prompt_tokens: _Optional[int] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., handed_back: _Optional[bool] = ..., num_cached_tokens: _Optional[int] = ...) -> None: ...
+    kv_pages: PageHandle
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[str] = ..., stop_string: _Optional[str] = ..., stop_token_id: _Optional[int] = ..., text: _Optional[str] = ..., num_prompt_tokens: _Optional[int] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., handed_back: _Optional[bool] = ..., num_cached_tokens: _Optional[int] = ..., kv_pages: _Optional[_Union[PageHandle, _Mapping]] = ...) -> None: ...
 
 class TokenLogprob(_message.Message):
     __slots__ = ("token_id", "logprob", "top_token_ids", "top_logprobs")

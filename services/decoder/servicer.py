@@ -47,6 +47,11 @@ class DecoderServicer(pb_grpc.DecoderServicer):
             first = Stage.DECODE if kv is not None else wire.first_stage_for(spec, images is not None)
             engine_request = wire.request_from_pb(spec, first, Stage.DECODE, engine_request_id)
         async for out in self.runtime.decode(engine_request, kv, images, pinned=pinned):
+            if out.handed_back and out.pages is not None:  # its KV goes with it: leased for the next decoder
+                chunk = pb.TokenChunk(handed_back=True, num_prompt_tokens=out.num_prompt_tokens)
+                chunk.kv_pages.CopyFrom(wire.handle_to_pb(await self.runtime.lease_pages(engine_request_id, out.pages)))
+                yield chunk
+                continue
             yield wire.chunk_to_pb(
                 out.new_token_ids,
                 out.finish_reason,

@@ -232,6 +232,10 @@ class WorkerRuntime:
             raise
         return last
 
+    async def lease_pages(self, engine_request_id: str, pages: tuple[str, list[int], int]) -> PageHandle:
+        """A lease on the pages a request handed off (or back, with its KV) keeps here, for the next worker."""
+        return await self._lease(engine_request_id, pages)
+
     async def _lease(self, engine_request_id: str, pages: tuple[str, list[int], int]) -> PageHandle:
         """`pages`: what the handing-off output says the request keeps (kind, block ids, tokens)."""
         try:

@@ -7,7 +7,9 @@
    tokens (`migration`), so the client sees no duplicates;
 3. a worker that had no room after all is not a failure: the request routes again, waiting for room;
 4. a decoder that preempted the request and could not recompute it (its KV cache ran out; its images came as
-   pages) hands it back: it goes on the same way, on any route with room (that decoder too).
+   pages) hands it back: it goes on the same way, on any route with room (that decoder too);
+5. a decoder that switches roles hands its running requests back with their KV pages: each goes on on another
+   decoder from those pages, nothing prefilled again (`migration.resumed`).
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from common.request import Request
 from common.telemetry.metrics import GatewayMetrics
 from common.telemetry.tracing import set_attributes
 from services.gateway.errors import ApiError
-from services.gateway.mesh.migration import continuation, rebased
+from services.gateway.mesh.migration import continuation, rebased, resumed
 from services.gateway.mesh.outcome import HandedBack, StageError
 from services.gateway.mesh.prompt import Prompts
 from services.gateway.mesh.route_client import Route, RouteClient
@@ -108,9 +110,15 @@ class Failover:
         was asked for already. Tokens already produced are never produced twice."""
         emitted: list[int] = []
         attempts = Attempts(request.request_id)
+        back: HandedBack | None = None  # how the last attempt's decoder handed the request back
         while True:
             attempts.number += 1
-            current = request if not emitted else continuation(request, emitted, attempts.number)
+            resume = self._resumable(back, request, emitted)
+            if resume is not None:  # on from the KV pages the decoder handed back: only the last token is decoded again
+                current, before = resumed(request, emitted, attempts.number), emitted[:-1]
+            else:
+                current, before = (request if not emitted else continuation(request, emitted, attempts.number)), emitted
+            before = list(before)
             if route is None or attempts.number > 1:
                 route = await self._route(current, request.arrival_time, slo, attempts, span)
             plan = route.plan
@@ -124,13 +132,17 @@ class Failover:
                     "epdmesh.encoder": plan.encoder.worker_id if plan.encoder is not None else None,
                 },
             )
-            before = list(emitted)
-            stream = self.stages.drive(current, route, span)
+            if resume is not None:
+                stream = self.stages.resume(current, route, emitted[-1], resume.kv, resume.source, span)
+            else:
+                stream = self.stages.drive(current, route, span)
+            back, first = None, True
             try:
                 async for out in stream:
                     if out.new_token_ids or out.finished:
-                        if len(emitted) == len(before):
+                        if first:
                             route.prefilled()  # its prefill no longer loads the worker
+                            first = False
                         if not emitted:
                             self.stats.first_token(route.plan, request.arrival_time, request.request_id)
                         emitted.extend(out.new_token_ids)
@@ -138,8 +150,9 @@ class Failover:
                             out, request.request_id, before, self.prompts.detokenize, self.prompts.eos_token_ids
                         )
                 return
-            except HandedBack as back:
-                attempts.handed_back(back, len(emitted))
+            except HandedBack as handed:
+                back = handed
+                attempts.handed_back(handed, len(emitted))
                 self._count("hand_backs")
             except StageError as error:
                 attempts.failed(error, len(emitted))
@@ -149,6 +162,23 @@ class Failover:
             finally:
                 await stream.aclose()
                 route.end()
+
+    def _resumable(self, back: HandedBack | None, request: Request, emitted: list[int]) -> HandedBack | None:
+        """`back`, when its KV pages can carry the request on: they hold its prompt and every token sent but the
+        last. Pages that do not are let go of at once."""
+        if back is None or back.kv is None:
+            return None
+        if emitted and back.kv.num_tokens == request.num_prompt_tokens + len(emitted) - 1:
+            return back
+        log.warning(
+            "request %s: the %d tokens of KV handed back by %s do not match the %d sent; prefilling again",
+            request.request_id,
+            back.kv.num_tokens,
+            back.worker_id,
+            len(emitted),
+        )
+        self.stages.release(back.kv)
+        return None
 
     async def _route(
         self, current: Request, arrival: float, slo: tuple[float | None, float | None], attempts: Attempts, span

@@ -29,6 +29,12 @@ def continuation(request: Request, emitted: list[int], attempt: int) -> Request:
     )  # its penalties and seeded random stream go on from there
 
 
+def resumed(request: Request, emitted: list[int], attempt: int) -> Request:
+    """The rest of `request` on a decoder given the KV of its prompt and of all but the last of the `emitted`
+    tokens (a decoder that switched roles handed those pages back): it decodes on from the last token."""
+    return continuation(request, emitted[:-1], attempt)
+
+
 def rebased(
     out: RequestOutput, request_id: str, before: list[int], detokenize, eos_token_ids: tuple[int, ...] = ()
 ) -> RequestOutput:

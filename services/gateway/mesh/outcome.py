@@ -55,11 +55,14 @@ class StageError(Exception):
 
 
 class HandedBack(Exception):
-    """The decoder preempted the request and could not recompute it: go on with it elsewhere."""
+    """The decoder preempted the request and could not recompute it, or is switching roles: go on with it elsewhere
+    — from its KV pages (`kv`: the prompt's and every output token's but the last) when it handed those back too."""
 
-    def __init__(self, worker_id: str):
+    def __init__(self, worker_id: str, kv=None, source: str | None = None):
         super().__init__(f"worker {worker_id} handed the request back")
         self.worker_id = worker_id
+        self.kv = kv  # a pb.PageHandle, or None
+        self.source = source  # the registration of the worker that holds them
 
 
 def classify(stage: str, e: grpc.aio.AioRpcError, callee: str | None = None, source: str | None = None) -> StageError:

@@ -56,11 +56,27 @@ class Stages:
         finally:
             run.close()
 
+    def release(self, handle: pb.PageHandle) -> None:
+        """Let the source of pages nobody will pull free them now rather than at lease expiry."""
+        self.spawn(release_over_grpc(self.channels, wire.handle_from_pb(handle)))
+
+    async def resume(
+        self, request: Request, route: Route, last: int, kv: pb.PageHandle, source: str, span=None
+    ) -> AsyncIterator[RequestOutput]:
+        """A request handed back with its KV (`kv`, held by `source`), decoded on from its `last` token on the
+        route's decoder; only the decoder of the route is called."""
+        run = _Run(self, request, route, span, encode=False)
+        try:
+            async for out in run.resumed(last, kv, source):
+                yield out
+        finally:
+            run.close()
+
 
 class _Run:
     """One route's stage calls and what they hold: the encode under way, handles not passed on yet, the output."""
 
-    def __init__(self, stages: Stages, request: Request, route: Route, span):
+    def __init__(self, stages: Stages, request: Request, route: Route, span, encode: bool = True):
         self.stages, self.request, self.route, self.plan, self.span = stages, request, route, route.plan, span
         self.held: list[pb.PageHandle] = []  # handles got here and not passed on yet
         self.encoding: asyncio.Task | None = None
@@ -69,7 +85,7 @@ class _Run:
         self.source: str | None = None  # the registration of the next stage's pages' source
         self.output: list[int] = []
         self.cached = 0  # prompt tokens the prefilling worker found in its prefix cache
-        separate = bool(request.images) and self.plan.encoder.worker_id != self.plan.prefill.worker_id
+        separate = encode and bool(request.images) and self.plan.encoder.worker_id != self.plan.prefill.worker_id
         # the router predicts the prefill worker holds the images' KV: no Encode (it says so if it does not)
         self.skip_encode = separate and self.plan.images_cached
         if separate and not self.skip_encode:
@@ -115,6 +131,18 @@ class _Run:
         async for out in self._decode(lambda pending, cached: pb.DecodeRequest(request=spec, kv_pages=reply.kv_pages)):
             yield out
 
+    async def resumed(self, last: int, kv: pb.PageHandle, source: str) -> AsyncIterator[RequestOutput]:
+        """Decode on a decoder given the KV pages another decoder handed back: as the dedicated path's Decode, with
+        the last token sent before as the first."""
+        self.held.append(kv)  # released if the decoder never takes it
+        self.route.written.set()
+        await self.route.confirmed()
+        self.output, self.source = [last], source
+        spec = wire.spec_to_pb(self.request, with_pixels=False)
+        spec.output_token_ids.append(last)
+        async for out in self._decode(lambda pending, cached: pb.DecodeRequest(request=spec, kv_pages=kv)):
+            yield out
+
     async def _decode(
         self, message: Callable[[pb.PendingImages | None, bool], pb.DecodeRequest]
     ) -> AsyncIterator[RequestOutput]:
@@ -135,8 +163,9 @@ class _Run:
         try:
             chunk = await (await self._provided(send(self.pending, self.skip_encode), send))
             while chunk is not grpc.aio.EOF:
-                if chunk.handed_back:  # preempted there: no more tokens come from this call
-                    raise HandedBack(decoder.worker_id)
+                if chunk.handed_back:  # preempted there, or it switches roles: no more tokens come from this call
+                    kv = chunk.kv_pages if chunk.HasField("kv_pages") else None
+                    raise HandedBack(decoder.worker_id, kv, decoder.info.registration)
                 self.held.clear()
                 self.output.extend(chunk.token_ids)
                 self.cached = max(self.cached, chunk.num_cached_tokens)
@@ -196,8 +225,8 @@ class _Run:
         for task in (self.encoding, self.prefilling, self.route.reserved):
             if task is not None:
                 task.cancel()  # a no-op once it is done
-        for handle in self.held:  # never passed on: let the source free them now rather than at lease expiry
-            self.stages.spawn(release_over_grpc(self.stages.channels, wire.handle_from_pb(handle)))
+        for handle in self.held:  # never passed on
+            self.stages.release(handle)
 
 
 async def _uncached(answer: asyncio.Future) -> bool:
