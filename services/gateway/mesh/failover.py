@@ -113,12 +113,7 @@ class Failover:
         back: HandedBack | None = None  # how the last attempt's decoder handed the request back
         while True:
             attempts.number += 1
-            resume = self._resumable(back, request, emitted)
-            if resume is not None:  # on from the KV pages the decoder handed back: only the last token is decoded again
-                current, before = resumed(request, emitted, attempts.number), emitted[:-1]
-            else:
-                current, before = (request if not emitted else continuation(request, emitted, attempts.number)), emitted
-            before = list(before)
+            current, before, resume = self._next(request, emitted, back, attempts.number)
             if route is None or attempts.number > 1:
                 route = await self._route(current, request.arrival_time, slo, attempts, span)
             plan = route.plan
@@ -162,6 +157,17 @@ class Failover:
             finally:
                 await stream.aclose()
                 route.end()
+
+    def _next(
+        self, request: Request, emitted: list[int], back: HandedBack | None, attempt: int
+    ) -> tuple[Request, list[int], HandedBack | None]:
+        """The attempt's request, the tokens sent before its own, and the hand-back it resumes from (if any): on
+        from the KV pages a decoder handed back, only the last token decoded again; else the request, or after some
+        tokens its continuation, prefilled."""
+        resume = self._resumable(back, request, emitted)
+        if resume is not None:
+            return resumed(request, emitted, attempt), emitted[:-1], resume
+        return (continuation(request, emitted, attempt) if emitted else request), list(emitted), None
 
     def _resumable(self, back: HandedBack | None, request: Request, emitted: list[int]) -> HandedBack | None:
         """`back`, when its KV pages can carry the request on: they hold its prompt and every token sent but the
