@@ -69,20 +69,23 @@ def partition(n: int, seconds: dict[str, float]) -> tuple[int, int, int]:
     return e, p, d
 
 
-def apportion(n: int, weights: list[float]) -> list[int]:
-    """`n` ≥ len(weights) instances in proportion to the weights, each at least one: the largest remainders get
-    what rounding down leaves, the largest counts over their share give up what the minimum of one takes."""
+def apportion(n: int, weights: list[float], minimums: list[int] | None = None) -> list[int]:
+    """`n` ≥ len(weights) instances in proportion to the weights, each at least one (or its minimum, as far as `n`
+    goes): the largest remainders get what rounding down leaves, the largest counts over their share give up what
+    the minimums take."""
     k = len(weights)
     if n < k:
         raise ValueError(f"{n} instances cannot give each of {k} pools one")
+    floor = [max(1, m) for m in (minimums or [1] * k)]
     times = [max(w, 0.0) for w in weights]
     total = sum(times) or 1.0
     shares = [n * t / total for t in times]
-    counts = [max(1, int(s)) for s in shares]
+    counts = [max(f, int(s)) for f, s in zip(floor, shares)]
     while sum(counts) < n:
         counts[max(range(k), key=lambda i: shares[i] - counts[i])] += 1
     while sum(counts) > n:
-        counts[max((i for i in range(k) if counts[i] > 1), key=lambda i: counts[i] - shares[i])] -= 1
+        above = [i for i in range(k) if counts[i] > floor[i]] or [i for i in range(k) if counts[i] > 1]
+        counts[max(above, key=lambda i: counts[i] - shares[i])] -= 1
     return counts
 
 

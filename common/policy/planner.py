@@ -9,7 +9,9 @@ The rule is Dynamo Planner's rate matching over TriInfer's stage loads:
      budget (`placement.stage_seconds`), corrected by what was measured: the share of finished requests that
      missed TTFT raises the encode and prefill demand, the share that missed TBT raises the decode demand;
   3. target — the mesh's pools (its distinct role sets, which must split the stages among them: EP+D, E+P+D,
-     ED+P, PD+E …) share its N workers in proportion to their stages' demand, each pool at least one;
+     ED+P, PD+E …) share its N workers in proportion to their stages' demand, each pool at least one and the pool
+     that decodes at least the decoders the decodes under way need (their KV within γ of a cache, their batch within
+     the TBT target): fewer would make the others preempt them or miss TBT;
   4. hysteresis — it switches only when the target's most loaded pool is at least `margin` less loaded than the
      current one's, and at most `max_switches` workers an interval: each from the pool with the largest surplus to
      the pool with the largest deficit, the least busy worker of it first.
@@ -19,8 +21,10 @@ A mesh whose role sets overlap (EP+EPD: two pools both prefill) or that is one p
 from __future__ import annotations
 
 import dataclasses
+import math
 
-from common.latency.model import LatencyProfile
+from common.latency.budgets import largest_within
+from common.latency.model import LatencyProfile, decode_ms
 from common.policy import placement
 from common.request import Stage
 
@@ -76,6 +80,8 @@ class PoolWorker:
     roles: frozenset[Stage]
     busy: float = 0.0  # what switching it now would disturb (e.g. its unfinished decode tokens)
     kv_tokens: int = 0  # tokens its KV cache holds
+    decoding: int = 0  # requests it is decoding now
+    context_tokens: int = 0  # their KV tokens
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -174,9 +180,11 @@ def decide(
     if f is None or f.rate <= 0:
         return Decision("idle", "no load to plan for yet", current=current)
     decoders = [w.kv_tokens for w in workers if Stage.DECODE in w.roles and w.kv_tokens]
-    demand = stage_demand(f, profile, ttft_ms, tbt_ms, min(decoders, default=1 << 20), config.miss_gain)
+    kv_tokens = min(decoders, default=1 << 20)
+    demand = stage_demand(f, profile, ttft_ms, tbt_ms, kv_tokens, config.miss_gain)
     need = [sum(demand[STAGE_NAMES[s]] for s in p) for p in pools]
-    counts = placement.apportion(len(workers), need)
+    held = held_decoders(workers, profile, tbt_ms, kv_tokens)
+    counts = placement.apportion(len(workers), need, [held if Stage.DECODE in p else 1 for p in pools])
     target = {label(p): n for p, n in zip(pools, counts)}
     if target == current:
         return Decision("hold", "the pools match the forecast", demand, current, target)
@@ -195,6 +203,18 @@ def decide(
         target,
         tuple(switches),
     )
+
+
+def held_decoders(workers: list[PoolWorker], profile: LatencyProfile, tbt_ms: float, kv_tokens: int) -> int:
+    """Decoders the decodes under way need: their KV within γ of a decoder's cache, their batch within the TBT
+    target — a plan that leaves fewer would hand them to decoders that must preempt them or miss TBT."""
+    running = sum(w.decoding for w in workers if Stage.DECODE in w.roles)
+    if not running:
+        return 1
+    held = sum(w.context_tokens for w in workers if Stage.DECODE in w.roles)
+    context = max(held / running, 1.0)
+    batch = largest_within(lambda b: decode_ms(profile, b, round(b * context)), tbt_ms, 1 << 14) or 1
+    return max(math.ceil(held / (placement.KV_FRACTION * kv_tokens)), math.ceil(running / batch), 1)
 
 
 def _moves(

@@ -148,8 +148,11 @@ class PlannerTask:
             info, load = wire.info_from_pb(entry.info), wire.load_from_pb(entry.load)
             self._addresses[info.worker_id] = info.address
             busy = load.unfinished_decode_tokens + load.queued_prefill_tokens
+            kv_tokens = load.kv_blocks_total * load.kv_block_size
             workers.append(
-                planner.PoolWorker(info.worker_id, info.roles, busy, load.kv_blocks_total * load.kv_block_size)
+                planner.PoolWorker(
+                    info.worker_id, info.roles, busy, kv_tokens, load.running_decode_batch, load.decode_context_tokens
+                )
             )
         return workers
 

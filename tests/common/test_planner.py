@@ -1,6 +1,8 @@
 """The planner's policy (`common/policy/planner.py`) on the analytic H20 profile: the pools follow the stage loads,
 hysteresis and the switch budget hold it still, and shapes it does not plan are left alone."""
 
+import dataclasses
+
 import pytest
 
 from common.latency.roofline import load_profile
@@ -65,6 +67,17 @@ def test_measured_misses_shift_the_demand_to_the_stage_that_missed():
     slow_tokens = decide(mesh, Forecast(10, load, 0.0, 0.8), H20, 1000, 100)
     assert late_first.demand["prefill"] > calm.demand["prefill"] and late_first.target["EP"] > 4
     assert slow_tokens.demand["decode"] > calm.demand["decode"] and slow_tokens.target["D"] > 4
+
+
+def test_it_keeps_the_decoders_the_decodes_under_way_need():
+    """Back from long answers to captions: the three decoders hold 300 decodes of ~800 tokens of KV, more than one
+    decoder's cache holds; the target keeps enough of them until those finish."""
+    full = [PoolWorker(f"d{i}", frozenset({D}), 40_000, 100_000, 100, 80_000) for i in range(3)]
+    mesh = _mesh({frozenset({E, P}): 5}) + full
+    busy = decide(mesh, _at(10, CAPTIONS), H20, 1000, 100)
+    assert busy.target == {"D": 3, "EP": 5} and busy.action == "hold"  # 240k tokens of KV: 3 caches at γ = 0.9
+    done = [dataclasses.replace(w, decoding=0, context_tokens=0) for w in full]
+    assert decide(_mesh({frozenset({E, P}): 5}) + done, _at(10, CAPTIONS), H20, 1000, 100).target == {"D": 1, "EP": 7}
 
 
 def test_shapes_it_does_not_plan_and_no_load_are_left_alone():
