@@ -90,6 +90,9 @@ def test_a_decoder_switched_mid_stream_hands_back_and_every_answer_stays_the_sam
         assert_pools_full(base)
         log = (tmp_path / "serve.log").read_text()
         assert "now EP (1 decodes handed back" in log
+        assert (
+            "switching roles; its KV goes with it" in log and "prefilling again" not in log
+        )  # decoded on, from its KV
 
 
 def test_switching_back_and_forth_keeps_the_answers_and_refuses_what_it_cannot_take(tiny_dir, chat_reference, tmp_path):
