@@ -240,14 +240,11 @@ def _cmd_gateway(args) -> int:
 
 def _gateway_router(args, tracing):
     """The toggle's router run in the gateway: one Redis round trip (the reservation) instead of a gRPC hop."""
-    import redis.asyncio as aioredis
-
+    from services.routing.registry import redis_client
     from services.routing.router import Router
 
     routing, slo = routing_policy(args)
-    return Router.over_redis(
-        aioredis.from_url(args.redis_url), args.prefix, routing, tracing, slo, reports_delivery=True
-    )
+    return Router.over_redis(redis_client(args.redis_url), args.prefix, routing, tracing, slo, reports_delivery=True)
 
 
 def _gateway_telemetry(args):

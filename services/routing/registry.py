@@ -27,6 +27,15 @@ redis.call('pexpire', KEYS[2], ARGV[4])
 return 1
 """
 SET_TTL_FACTOR = 20  # the set outlives every worker key in it (each expires one TTL after its last heartbeat)
+REDIS_CONNECTIONS = 64  # per process; a call past them waits for one to be free
+
+
+def redis_client(url: str) -> aioredis.Redis:
+    """A client whose calls wait for a free connection when all of its pool's are busy. redis-py's default pool
+    fails the call instead (MaxConnectionsError past 100), which an overloaded gateway reached: every request
+    waiting there for a worker with room routes again, each a Redis call, and past 100 of them the rest got a 500."""
+    pool = aioredis.BlockingConnectionPool.from_url(url, max_connections=REDIS_CONNECTIONS, timeout=None)
+    return aioredis.Redis(connection_pool=pool)
 
 
 def _info_json(info: WorkerInfo) -> str:

@@ -14,7 +14,6 @@ import logging
 import signal
 
 import grpc
-import redis.asyncio as aioredis
 import redis.exceptions
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
@@ -25,6 +24,7 @@ from epdmesh.v1 import mesh_pb2 as pb
 from epdmesh.v1 import mesh_pb2_grpc as pb_grpc
 from services import failure, wire
 from services.errors import grpc_errors
+from services.routing.registry import redis_client
 from services.routing.router import NoRoute, Router, SloRouting
 
 __all__ = ["SloRouting", "ToggleOptions", "ToggleServicer", "run_toggle"]
@@ -98,7 +98,7 @@ async def run_toggle(
     bound: list | None = None,
 ) -> None:
     tracing = Tracing("epdmesh-toggle")  # before the server: its Route spans join the gateway's traces
-    client = aioredis.from_url(options.redis_url)
+    client = redis_client(options.redis_url)
     try:
         await client.ping()
     except (redis.exceptions.RedisError, OSError) as e:

@@ -16,7 +16,7 @@ from epdmesh.v1 import mesh_pb2 as pb
 from epdmesh.v1 import mesh_pb2_grpc as pb_grpc
 from services import wire
 from services.failure import Reason, reason_of
-from services.routing.registry import SET_TTL_FACTOR, RedisRegistry
+from services.routing.registry import REDIS_CONNECTIONS, SET_TTL_FACTOR, RedisRegistry, redis_client
 from services.toggle.server import ToggleOptions, run_toggle
 from tests.services.servers import REDIS_URL
 
@@ -43,6 +43,23 @@ def _profile():
 
 def info(wid, roles):
     return WorkerInfo(wid, f"127.0.0.1:{abs(hash(wid)) % 50000 + 10000}", frozenset(roles), "m", 4096)
+
+
+def test_more_redis_calls_at_once_than_connections_wait_for_one_instead_of_failing():
+    """An overloaded gateway routes every waiting request again, each a Redis call: past its pool's connections a
+    call waits for one (redis-py's default pool failed it with MaxConnectionsError, and the client got a 500)."""
+
+    async def main():
+        client = redis_client(REDIS_URL)
+        key = f"epdmesh-test:{uuid.uuid4().hex}:n"
+        try:
+            await asyncio.gather(*(client.incr(key) for _ in range(4 * REDIS_CONNECTIONS)))
+            assert int(await client.get(key)) == 4 * REDIS_CONNECTIONS  # (256 at once: the default pool fails)
+        finally:
+            await client.delete(key)
+            await client.aclose()
+
+    asyncio.run(main())
 
 
 def test_registry_heartbeats_expire_and_deregister():
