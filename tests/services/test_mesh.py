@@ -241,16 +241,19 @@ def test_a_killed_toggle_and_gateway_are_started_again(tiny_dir, chat_reference,
         assert_pools_full(base)
 
 
+LONG_STORY = {  # a stream long enough to act on mid-way
+    "model": MODEL,
+    "messages": [{"role": "user", "content": "Tell a long story about the kitchen"}],
+    "max_tokens": 150,
+    "temperature": 0,
+    "ignore_eos": True,
+    "return_token_ids": True,
+}
+
+
 @pytest.mark.parametrize("topology", ["E1+P1+D2", "E1+P1+D1"])  # D1: the stream waits for the restarted decoder
 def test_a_decoder_killed_mid_stream_is_replaced_without_duplicates(topology, tiny_dir, tmp_path):
-    body = {
-        "model": MODEL,
-        "messages": [{"role": "user", "content": "Tell a long story about the kitchen"}],
-        "max_tokens": 150,
-        "temperature": 0,
-        "ignore_eos": True,
-        "return_token_ids": True,
-    }
+    body = LONG_STORY
     with running_server(tiny_dir, topology, tmp_path / "serve.log", "--prefill-mode", "dedicated") as base:
         whole = httpx.post(f"{base}/v1/chat/completions", json=body, timeout=120).json()["choices"][0]["token_ids"]
         killed = []

@@ -18,16 +18,9 @@ from epdmesh.v1 import mesh_pb2 as pb
 from epdmesh.v1 import mesh_pb2_grpc as pb_grpc
 from tests.services.servers import MODEL, assert_pools_full, running_server, streamed_token_ids
 from tests.services.test_emulated_mesh import H20
-from tests.services.test_mesh import _check_tokens
+from tests.services.test_mesh import LONG_STORY, _check_tokens
 
-LONG = {
-    "model": MODEL,
-    "messages": [{"role": "user", "content": "Tell a long story about the kitchen"}],
-    "max_tokens": 150,
-    "temperature": 0,
-    "ignore_eos": True,
-    "return_token_ids": True,
-}
+LONG = LONG_STORY
 
 
 def _workers(base) -> list[dict]:
