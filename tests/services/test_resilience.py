@@ -6,6 +6,7 @@ import threading
 import time
 
 import grpc
+import pytest
 
 from common.engine.config import EngineConfig
 from common.engine.engine import Engine
@@ -214,3 +215,49 @@ def test_a_decode_that_ends_while_the_cache_is_nearly_full_asks_for_that_heartbe
             runtime.engine.shutdown()
 
     assert asyncio.run(main(pressed=True)) and not asyncio.run(main(pressed=False))
+
+
+def test_a_switch_whose_engine_does_not_come_idle_keeps_the_old_roles_and_registers_again():
+    from services.errors import SwitchFailed
+    from services.worker.switch import RoleSwitch
+
+    info = _info()
+    events = []
+
+    class Engine:
+        async def reconfigure(self, config):
+            raise RuntimeError("the engine holds 1 requests: it reconfigures only when idle")
+
+    class Runtime:
+        engine, accepting = Engine(), True
+
+        async def quiesce(self, grace_s, settle_s):
+            events.append(("quiesce", self.accepting))
+            return 0
+
+    class Registration:
+        def __init__(self):
+            self.info = info
+
+        async def leave(self):
+            events.append("leave")
+
+        def join(self, again):
+            events.append(("join", again))
+
+    class Health:
+        async def set(self, name, status):
+            pass
+
+    async def main():
+        runtime = Runtime()
+        switch = RoleSwitch(runtime, Registration(), Health(), lambda roles: None)
+        with pytest.raises(SwitchFailed, match="keeps its roles D"):
+            await switch.switch(frozenset({Stage.ENCODE, Stage.PREFILL}), 0.0)
+        assert runtime.accepting  # serving again, as it was
+        with pytest.raises(ValueError, match="at least one role"):
+            await switch.switch(frozenset(), 0.0)
+        assert (await switch.switch(info.roles, 0.0)).info is info  # its own roles: nothing to do
+
+    asyncio.run(main())
+    assert events == ["leave", ("quiesce", False), ("join", info)]
