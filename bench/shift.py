@@ -7,13 +7,13 @@ in turn, with SLO attainment and the workers' role sets over time (`epdmesh benc
         --config 'EP4+D4=--topology EP4+D4 --latency-profile {profile}'
 
 `--workload NAME@SECONDS,…`: the phases, each a shape of `bench/workloads.py` for that many seconds (the hardware's
-time); arrivals are Poisson at `--rate` over the whole run, and a request takes the shape of the phase it is sent
-in. Per request, client-side, as `epdmesh bench goodput` measures it: TTFT and every inter-token gap; it meets its
-SLO when TTFT ≤ --slo-ttft-ms and the P90 of its gaps ≤ --slo-tbt-ms; a failed request does not. Reported per
-configuration: the attainment over the whole run and per phase, the attainment of the requests sent in each
-`--window`, failures, and every `--window` the role sets its registry shows (and the planner's decisions, when it
-runs). `--time-scale` and `{profile}` as in `epdmesh bench goodput`. Writes JSON and a PNG: arrival rate,
-attainment per window and the role counts over time.
+time); arrivals are Poisson at `--rate` over the whole run — or, as `--rate A..B`, at a rate that ramps linearly
+from A to B over it — and a request takes the shape of the phase it is sent in. Per request, client-side, as
+`epdmesh bench goodput` measures it: TTFT and every inter-token gap; it meets its SLO when TTFT ≤ --slo-ttft-ms and
+the P90 of its gaps ≤ --slo-tbt-ms; a failed request does not. Reported per configuration: the attainment over the
+whole run and per phase, the attainment of the requests sent in each `--window`, failures, and every `--window` the
+role sets its registry shows (and the planner's decisions, when it runs). `--time-scale` and `{profile}` as in
+`epdmesh bench goodput`. Writes JSON and a PNG: arrival rate, attainment per window and the role counts over time.
 """
 
 from __future__ import annotations
@@ -58,12 +58,29 @@ def parse_phases(text: str) -> list[tuple[str, float]]:
     return phases
 
 
-def schedule(phases: list[tuple[str, float]], rate: float, seed: int) -> list[tuple[float, int]]:
-    """(send time, phase index) of Poisson arrivals at `rate` over the phases, in order."""
+def parse_rate(text: str) -> tuple[float, float]:
+    """`30` → (30, 30); `10..30` → (10, 30): the rate at the start and at the end of the run. ValueError unless
+    both are positive numbers."""
+    start, dots, end = text.partition("..")
+    try:
+        rates = (float(start), float(end) if dots else float(start))
+    except ValueError:
+        rates = (0.0, 0.0)
+    if min(rates) <= 0:
+        raise ValueError(f"--rate {text!r}: give a positive rate R, or A..B for one that ramps from A to B")
+    return rates
+
+
+def schedule(phases: list[tuple[str, float]], rate: tuple[float, float], seed: int) -> list[tuple[float, int]]:
+    """(send time, phase index) of Poisson arrivals over the phases, in order, at a rate going linearly from
+    `rate[0]` at the start to `rate[1]` at the end (drawn at the higher one and thinned)."""
     rng, out, t = random.Random(seed), [], 0.0
     ends = list(itertools.accumulate(length for _, length in phases))
-    while (t := t + rng.expovariate(rate)) < ends[-1]:
-        out.append((t, bisect.bisect_right(ends, t)))
+    top = max(rate)
+    while (t := t + rng.expovariate(top)) < ends[-1]:
+        steady = rate[0] == rate[1]  # (no thinning draw: a steady rate's arrivals stay those it always drew)
+        if steady or rng.random() * top <= rate[0] + (rate[1] - rate[0]) * t / ends[-1]:
+            out.append((t, bisect.bisect_right(ends, t)))
     return out
 
 
@@ -138,7 +155,7 @@ class RolePoller:
 
 
 def run_config(base: str, model: str, phases, args) -> dict:
-    sends = schedule(phases, args.rate, args.seed)
+    sends = schedule(phases, args.rates, args.seed)
     bodies = bodies_for(phases, sends, model, args.seed)
     warm = [request_bodies(SHAPES[name], 1, model, seed=args.seed + 1)[0] for name in dict(phases)]
     asyncio.run(run_rate(base, warm, [0.0] * len(warm), args.time_scale))  # every path and shape once
@@ -160,7 +177,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     p.add_argument("--config", action="append", default=[], metavar="NAME=SERVE_ARGS", required=True)
     p.add_argument("--workload", default="textcaps@30,detail@30,textcaps@30", help="phases: SHAPE@SECONDS,…")
-    p.add_argument("--rate", type=float, required=True, help="arrivals per second (the hardware's time), Poisson")
+    p.add_argument(
+        "--rate", required=True, help="arrivals per second (the hardware's time), Poisson; A..B: ramping from A to B"
+    )
     p.add_argument("--window", type=float, default=5.0, help="seconds (the hardware's time) per attainment window")
     p.add_argument("--slo-ttft-ms", type=float, default=1000.0)
     p.add_argument("--slo-tbt-ms", type=float, default=100.0)
@@ -176,8 +195,12 @@ def parse_args(argv=None) -> argparse.Namespace:
         args.phases = parse_phases(args.workload)
     except ValueError as e:
         p.error(str(e))
-    if args.rate <= 0 or args.window <= 0:
-        p.error("--rate and --window must be positive")
+    try:
+        args.rates = parse_rate(args.rate)
+    except ValueError as e:
+        p.error(str(e))
+    if args.window <= 0:
+        p.error("--window must be positive")
     if args.time_scale != 1 and args.backend != "emulated":
         p.error("--time-scale applies to meshes launched with --backend emulated")
     return args
@@ -197,7 +220,7 @@ def main(argv=None) -> int:
             else "real engine (torch CPU)"
         ),
         "phases": [{"shape": n, "seconds": s} for n, s in args.phases],
-        "rate": args.rate,
+        "rate": args.rates[0] if args.rates[0] == args.rates[1] else list(args.rates),
         "window_s": args.window,
         "slo_ttft_ms": args.slo_ttft_ms,
         "slo_tbt_ms": args.slo_tbt_ms,
@@ -238,6 +261,10 @@ def print_row(name: str, result: dict) -> None:
         file=sys.stderr,
         flush=True,
     )
+
+
+def _rate(rate) -> str:
+    return f"{rate[0]:g} → {rate[1]:g}" if isinstance(rate, list) else f"{rate:g}"
 
 
 def _pct(value: float | None) -> str:
@@ -288,7 +315,7 @@ def plot(report: dict, path: Path) -> None:
         axes[2].legend(fontsize=8, loc="upper left")
     axes[-1].set_xlabel("time (s, the hardware's)")
     fig.suptitle(
-        f"{report['backend']}; {report['rate']:g} req/s; TTFT ≤ {report['slo_ttft_ms']:g} ms, "
+        f"{report['backend']}; {_rate(report['rate'])} req/s; TTFT ≤ {report['slo_ttft_ms']:g} ms, "
         f"P90 TBT ≤ {report['slo_tbt_ms']:g} ms",
         fontsize=9,
     )

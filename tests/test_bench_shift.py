@@ -6,7 +6,7 @@ import collections
 import pytest
 
 from bench.goodput import Result
-from bench.shift import bodies_for, parse_phases, plot, schedule, summarize
+from bench.shift import bodies_for, parse_phases, parse_rate, plot, schedule, summarize
 
 
 def test_phases_are_parsed_and_bad_ones_named():
@@ -24,8 +24,8 @@ def test_phases_are_parsed_and_bad_ones_named():
 
 def test_arrivals_are_poisson_over_the_phases_each_taking_its_phases_shape():
     phases = [("document", 20.0), ("detail", 10.0), ("textcaps", 30.0)]
-    sends = schedule(phases, 50.0, seed=1)
-    assert sends == schedule(phases, 50.0, seed=1) and sends != schedule(phases, 50.0, seed=2)
+    sends = schedule(phases, (50.0, 50.0), seed=1)
+    assert sends == schedule(phases, (50.0, 50.0), seed=1) and sends != schedule(phases, (50.0, 50.0), seed=2)
     times = [t for t, _ in sends]
     assert times == sorted(times) and 0 < times[0] and times[-1] < 60
     counts = collections.Counter(i for _, i in sends)
@@ -33,6 +33,16 @@ def test_arrivals_are_poisson_over_the_phases_each_taking_its_phases_shape():
     assert all((i == 0) == (t < 20) and (i == 2) == (t >= 30) for t, i in sends)
     bodies = bodies_for(phases, sends[:40] + sends[-3:], "m", seed=0)
     assert [b["max_tokens"] for b in bodies] == [16] * 40 + [32] * 3  # document's answers, then textcaps'
+
+
+def test_a_ramping_rate_sends_more_towards_its_end():
+    assert parse_rate("30") == (30.0, 30.0) and parse_rate("10..30") == (10.0, 30.0)
+    for bad in ("0", "10..", "a..b", "-5..5"):
+        with pytest.raises(ValueError, match="positive rate"):
+            parse_rate(bad)
+    sends = schedule([("textcaps", 30.0), ("detail", 30.0)], (10.0, 50.0), seed=3)
+    first, second = (sum(i == k for _, i in sends) for k in (0, 1))
+    assert abs(first - 600) < 100 and abs(second - 1200) < 140  # ∫ 10 → 30 and ∫ 30 → 50 over 30 s each
 
 
 def test_attainment_is_counted_per_phase_and_window(tmp_path):
