@@ -39,6 +39,7 @@ class PlannerConfig:
     max_switches: int = 1  # workers switched per interval
     miss_gain: float = 1.0  # demand × (1 + gain × share of requests that missed that stage's target)
     grace_s: float = 2.0  # how long a switching worker's running decodes may finish before they are handed back
+    min_arrivals: int = 8  # an interval with fewer arrivals is too thin to switch on (a warm-up, a lull)
 
     def __post_init__(self) -> None:
         if self.interval_s <= 0 or not 0 < self.smoothing <= 1 or self.margin < 0 or self.max_switches < 0:
@@ -72,6 +73,7 @@ class Forecast:
     tbt_miss: float = 0.0
     cached: float = 0.0  # share of prompt tokens found in a prefix cache
     used: float = 1.0  # share of max_tokens generated
+    arrivals: int = 1 << 30  # in the last interval (what the rest was estimated from)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -136,7 +138,7 @@ def forecast(previous: Forecast | None, interval: Interval, smoothing: float) ->
         load = previous.load
     else:
         return None
-    new = Forecast(rate, load, ttft_miss, tbt_miss, cached, used)
+    new = Forecast(rate, load, ttft_miss, tbt_miss, cached, used, len(interval.arrivals))
     if previous is None:
         return new
     w = smoothing
@@ -146,7 +148,8 @@ def forecast(previous: Forecast | None, interval: Interval, smoothing: float) ->
             return placement.StageLoad(*(mix(getattr(a, f.name), getattr(b, f.name)) for f in dataclasses.fields(a)))
         return w * a + (1 - w) * b
 
-    return Forecast(*(mix(getattr(new, f.name), getattr(previous, f.name)) for f in dataclasses.fields(new)))
+    mixed = [mix(getattr(new, f.name), getattr(previous, f.name)) for f in dataclasses.fields(new)][:-1]
+    return Forecast(*mixed, len(interval.arrivals))
 
 
 def stage_demand(
@@ -177,8 +180,8 @@ def decide(
         return Decision("fixed", "one role set: nothing to rebalance", current=current)
     if any(a & b for i, a in enumerate(pools) for b in pools[i + 1 :]) or frozenset().union(*pools) != frozenset(Stage):
         return Decision("fixed", "its role sets do not split the stages among them", current=current)
-    if f is None or f.rate <= 0:
-        return Decision("idle", "no load to plan for yet", current=current)
+    if f is None or f.rate <= 0 or f.arrivals < config.min_arrivals:
+        return Decision("idle", "too few arrivals to plan from", current=current)
     decoders = [w.kv_tokens for w in workers if Stage.DECODE in w.roles and w.kv_tokens]
     kv_tokens = min(decoders, default=1 << 20)
     demand = stage_demand(f, profile, ttft_ms, tbt_ms, kv_tokens, config.miss_gain)

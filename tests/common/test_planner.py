@@ -86,7 +86,9 @@ def test_shapes_it_does_not_plan_and_no_load_are_left_alone():
     missing = decide(_mesh({frozenset({E, P}): 7, frozenset({P}): 1}), _at(10, CAPTIONS), H20, 1000, 100)
     assert (one_pool.action, overlap.action, missing.action) == ("fixed", "fixed", "fixed")
     idle = decide(_mesh({frozenset({E, P}): 4, frozenset({D}): 4}), None, H20, 1000, 100)
-    assert idle == Decision("idle", "no load to plan for yet", current={"D": 4, "EP": 4})
+    assert idle == Decision("idle", "too few arrivals to plan from", current={"D": 4, "EP": 4})
+    warm_up = forecast(None, Interval(10, (CAPTIONS, LONG_ANSWERS)), 0.5)  # two requests: not enough to switch on
+    assert decide(_mesh({frozenset({E, P}): 4, frozenset({D}): 4}), warm_up, H20, 1000, 100).action == "idle"
     three = decide(_mesh({frozenset({E}): 2, frozenset({P}): 3, frozenset({D}): 3}), _at(10, CAPTIONS), H20, 1000, 100)
     assert three.action == "switch" and sum(three.target.values()) == 8 and min(three.target.values()) >= 1
 
@@ -103,6 +105,7 @@ def test_the_forecast_takes_the_shape_from_arrivals_corrected_by_what_finished()
     assert (second.ttft_miss, second.tbt_miss) == (0.125, 0.25)
     quiet = forecast(second, Interval(10), 0.5)  # nothing arrived: the shape stays, the rate falls
     assert quiet.rate == 10 and quiet.load == second.load and quiet.cached == second.cached
+    assert (first.arrivals, second.arrivals, quiet.arrivals) == (100, 300, 0)
 
 
 def test_a_bad_configuration_is_refused():
