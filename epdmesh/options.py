@@ -139,6 +139,11 @@ def add_planner_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--planner-max-switches", type=int, default=1, help="workers switched per interval")
     p.add_argument(
+        "--planner-reshape",
+        action="store_true",
+        help="weigh TriInfer's shapes (E+P+D, EP+D, ED+P) beside the mesh's own and move between them",
+    )
+    p.add_argument(
         "--planner-grace",
         type=float,
         default=2.0,
@@ -160,6 +165,7 @@ def planner_argv(args) -> list[str]:
         str(args.planner_max_switches),
         "--planner-grace",
         str(args.planner_grace),
+        *(["--planner-reshape"] if args.planner_reshape else []),
     ]
 
 
@@ -172,6 +178,7 @@ def planner_config(args):
             margin=args.planner_margin,
             max_switches=args.planner_max_switches,
             grace_s=args.planner_grace,
+            reshape=args.planner_reshape,
         )
     except ValueError as e:
         raise SystemExit(f"--planner: {e}") from None

@@ -15,11 +15,14 @@ The rule is Dynamo Planner's rate matching over TriInfer's stage loads:
   4. hysteresis — it switches only when the target's most loaded pool is at least `margin` less loaded than the
      current one's, and at most `max_switches` workers an interval: each from the pool with the largest surplus to
      the pool with the largest deficit, the least busy worker of it first.
-A mesh whose role sets overlap (EP+EPD: two pools both prefill) or that is one pool (EPD·N) is left as it is.
+With `reshape`, TriInfer's three shapes (E+P+D, EP+D, ED+P) are weighed beside the mesh's own at step 3, by the same
+model, and the switches may move the mesh from one to another. A mesh whose role sets overlap (EP+EPD: two pools
+both prefill) is left as it is unless it is part-way through a reshape; one pool (EPD·N) is always left as it is.
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import math
 
@@ -40,6 +43,7 @@ class PlannerConfig:
     miss_gain: float = 1.0  # demand × (1 + gain × share of requests that missed that stage's target)
     grace_s: float = 2.0  # how long a switching worker's running decodes may finish before they are handed back
     min_arrivals: int = 8  # an interval with fewer arrivals is too thin to switch on (a warm-up, a lull)
+    reshape: bool = False  # weigh TriInfer's shapes (E+P+D, EP+D, ED+P) beside the mesh's own, and move between them
 
     def __post_init__(self) -> None:
         if self.interval_s <= 0 or not 0 < self.smoothing <= 1 or self.margin < 0 or self.max_switches < 0:
@@ -176,28 +180,33 @@ def decide(
     """The decision for the mesh of `workers` at the forecast `f` (module docstring)."""
     pools = sorted({w.roles for w in workers}, key=label)
     current = {label(p): sum(w.roles == p for w in workers) for p in pools}
-    if len(pools) < 2:
+    if len(pools) < 2:  # (its load model does not price colocation's interference: colocated stays so)
         return Decision("fixed", "one role set: nothing to rebalance", current=current)
-    if any(a & b for i, a in enumerate(pools) for b in pools[i + 1 :]) or frozenset().union(*pools) != frozenset(Stage):
+    own = [pools] if splits(pools) else []  # (a mesh part-way through a reshape does not)
+    if not own and not config.reshape:
         return Decision("fixed", "its role sets do not split the stages among them", current=current)
     if f is None or f.rate <= 0 or f.arrivals < config.min_arrivals:
         return Decision("idle", "too few arrivals to plan from", current=current)
     decoders = [w.kv_tokens for w in workers if Stage.DECODE in w.roles and w.kv_tokens]
     kv_tokens = min(decoders, default=1 << 20)
     demand = stage_demand(f, profile, ttft_ms, tbt_ms, kv_tokens, config.miss_gain)
-    need = [sum(demand[STAGE_NAMES[s]] for s in p) for p in pools]
     held = held_decoders(workers, profile, tbt_ms, kv_tokens)
-    counts = placement.apportion(len(workers), need, [held if Stage.DECODE in p else 1 for p in pools])
-    target = {label(p): n for p, n in zip(pools, counts)}
+    shapes = own + ([s for s in SHAPES if s != pools and len(s) <= len(workers)] if config.reshape else [])
+    scored = []
+    for i, shape in enumerate(shapes):
+        floors = [held if Stage.DECODE in p else 1 for p in shape]
+        counts = placement.apportion(len(workers), _needs(shape, demand), floors)
+        scored.append((bottleneck(dict(zip(shape, counts)), demand), i, shape, counts))
+    then, _, shape, counts = min(scored)  # (ties: the mesh's own shape first)
+    target = {label(p): n for p, n in zip(shape, counts) if n}
     if target == current:
         return Decision("hold", "the pools match the forecast", demand, current, target)
-    now = max(n / current[label(p)] for p, n in zip(pools, need))
-    then = max(n / c for n, c in zip(need, counts))
+    now = bottleneck({p: current[label(p)] for p in pools}, demand)
     if then > (1 - config.margin) * now:
         return Decision(
             "hold", f"the bottleneck's load would go from {now:.2f} to {then:.2f} only", demand, current, target
         )
-    switches = _moves(workers, pools, current, target, config.max_switches)
+    switches = _moves(workers, dict(zip(shape, counts)), config.max_switches)
     return Decision(
         "switch" if switches else "hold",
         f"the bottleneck's load goes from {now:.2f} to {then:.2f} (instances of work per instance)",
@@ -206,6 +215,31 @@ def decide(
         target,
         tuple(switches),
     )
+
+
+# the shapes `reshape` weighs beside the mesh's own: TriInfer's three (E+P+D, and EP+D and ED+P derived from it)
+SHAPES = [
+    [frozenset({Stage.ENCODE}), frozenset({Stage.PREFILL}), frozenset({Stage.DECODE})],
+    [frozenset({Stage.ENCODE, Stage.PREFILL}), frozenset({Stage.DECODE})],
+    [frozenset({Stage.ENCODE, Stage.DECODE}), frozenset({Stage.PREFILL})],
+]
+
+
+def splits(pools: list[frozenset[Stage]]) -> bool:
+    """The role sets share no stage and together hold every one."""
+    disjoint = not any(a & b for i, a in enumerate(pools) for b in pools[i + 1 :])
+    return disjoint and frozenset().union(*pools) == frozenset(Stage)
+
+
+def _needs(pools: list[frozenset[Stage]], demand: dict[str, float]) -> list[float]:
+    return [sum(demand[STAGE_NAMES[s]] for s in p) for p in pools]
+
+
+def bottleneck(mesh: dict[frozenset[Stage], int], demand: dict[str, float]) -> float:
+    """The most loaded worker's load (instances of work per instance) in a mesh of these role sets and counts, each
+    stage's demand shared by the workers that hold it."""
+    holders = {s: sum(n for roles, n in mesh.items() if s in roles) for s in Stage}
+    return max(sum(demand[STAGE_NAMES[s]] / holders[s] for s in roles) for roles, n in mesh.items() if n)
 
 
 def held_decoders(workers: list[PoolWorker], profile: LatencyProfile, tbt_ms: float, kv_tokens: int) -> int:
@@ -220,19 +254,40 @@ def held_decoders(workers: list[PoolWorker], profile: LatencyProfile, tbt_ms: fl
     return max(math.ceil(held / (placement.KV_FRACTION * kv_tokens)), math.ceil(running / batch), 1)
 
 
-def _moves(
-    workers: list[PoolWorker], pools: list[frozenset[Stage]], current: dict, target: dict, budget: int
-) -> list[Switch]:
-    counts, moves, moved = dict(current), [], set()
-    for _ in range(budget):
-        surplus = {p: counts[label(p)] - target[label(p)] for p in pools}
-        donor, recipient = max(pools, key=lambda p: surplus[p]), min(pools, key=lambda p: surplus[p])
-        if surplus[donor] <= 0 or surplus[recipient] >= 0:
+def _moves(workers: list[PoolWorker], target: dict[frozenset[Stage], int], budget: int) -> list[Switch]:
+    """Up to `budget` switches toward `target`, all under way at once: each takes a worker (the least busy) from a
+    role set with a surplus (the largest first) to one with a deficit — a role set the mesh has none of first, then
+    the largest deficit — as long as the workers not switching still hold every stage (a switching worker is out of
+    the registry until it is done)."""
+    counts = collections.Counter(w.roles for w in workers)
+    moves, moved = [], set()
+    while len(moves) < budget:
+        sets = sorted(set(counts) | set(target), key=label)
+        surplus = {p: counts[p] - target.get(p, 0) for p in sets}
+        donors = sorted((p for p in sets if surplus[p] > 0), key=lambda p: -surplus[p])
+        recipients = sorted((p for p in sets if surplus[p] < 0), key=lambda p: (counts[p] > 0, surplus[p]))
+        move = next(
+            (
+                (worker, donor, recipient)
+                for donor in donors
+                for recipient in recipients
+                for worker in sorted(
+                    (w for w in workers if w.roles == donor and w.worker_id not in moved),
+                    key=lambda w: (w.busy, w.worker_id),
+                )
+                if _covered([w for w in workers if w.worker_id not in moved and w is not worker])
+            ),
+            None,
+        )
+        if move is None:
             break
-        candidates = [w for w in workers if w.roles == donor and w.worker_id not in moved]
-        worker = min(candidates, key=lambda w: (w.busy, w.worker_id))
+        worker, donor, recipient = move
         moves.append(Switch(worker.worker_id, donor, recipient))
         moved.add(worker.worker_id)
-        counts[label(donor)] -= 1
-        counts[label(recipient)] += 1
+        counts[donor] -= 1
+        counts[recipient] += 1
     return moves
+
+
+def _covered(workers: list[PoolWorker]) -> bool:
+    return frozenset().union(*(w.roles for w in workers)) == frozenset(Stage)

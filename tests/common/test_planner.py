@@ -8,6 +8,7 @@ import pytest
 from common.latency.roofline import load_profile
 from common.policy import placement
 from common.policy.planner import Decision, Forecast, Interval, PlannerConfig, PoolWorker, decide, forecast
+from common.policy.planner import label as planner_label
 from common.request import Stage
 
 E, P, D = Stage.ENCODE, Stage.PREFILL, Stage.DECODE
@@ -111,3 +112,21 @@ def test_the_forecast_takes_the_shape_from_arrivals_corrected_by_what_finished()
 def test_a_bad_configuration_is_refused():
     with pytest.raises(ValueError, match="interval_s > 0"):
         PlannerConfig(interval_s=0)
+
+
+def test_reshape_moves_between_triinfers_shapes_without_leaving_a_stage_uncovered():
+    """Captions on E1+P3+D4: its own shape's best is E1+P6+D1; with `reshape` ED1+P7 (the encoder on the decoder)
+    loads its busiest pool less. Switches under way at once never take every holder of a stage out of the registry,
+    so it gets there in two intervals: a decoder becomes ED first, the last decoder and the encoder move after."""
+    mesh = _mesh({frozenset({E}): 1, frozenset({P}): 3, frozenset({D}): 4})
+    assert set(decide(mesh, _at(20, CAPTIONS), H20, 1000, 100).target) == {"E", "P", "D"}  # its own shape
+    config = PlannerConfig(reshape=True, max_switches=8)
+    for interval in range(2):
+        decision = decide(mesh, _at(20, CAPTIONS), H20, 1000, 100, config)
+        assert decision.action == "switch" and decision.target == {"ED": 1, "P": 7}
+        moving = {s.worker_id: s.after for s in decision.switches}
+        staying = [w for w in mesh if w.worker_id not in moving]
+        assert frozenset().union(*(w.roles for w in staying)) == frozenset(Stage), interval  # every stage held
+        mesh = [dataclasses.replace(w, roles=moving.get(w.worker_id, w.roles)) for w in mesh]
+    assert sorted(planner_label(w.roles) for w in mesh) == ["ED"] + ["P"] * 7
+    assert decide(mesh, _at(20, CAPTIONS), H20, 1000, 100, config).action == "hold"
