@@ -83,7 +83,7 @@ class WorkerRuntime:
     async def encode(self, request: Request) -> PageHandle:
         with self._admitted(request):
             last = await self._run_to_handoff(request)
-            handle = await self._lease(request.request_id, last.pages)  # leased first: pages never left unowned
+            handle = await self.lease_pages(request.request_id, last.pages)  # leased first: pages never left unowned
             self._observe_stage("encode", request)
             return handle
 
@@ -96,7 +96,7 @@ class WorkerRuntime:
             with self._admitted(request):
                 preloaded = pinned or await self._import(request, image_pages)
                 last = await self._run_to_handoff(request, preloaded)
-                handle = await self._lease(request.request_id, last.pages) if last.handed_off else None
+                handle = await self.lease_pages(request.request_id, last.pages) if last.handed_off else None
                 self._observe_stage("prefill", request)
                 return last, handle
         except BaseException:
@@ -233,11 +233,8 @@ class WorkerRuntime:
         return last
 
     async def lease_pages(self, engine_request_id: str, pages: tuple[str, list[int], int]) -> PageHandle:
-        """A lease on the pages a request handed off (or back, with its KV) keeps here, for the next worker."""
-        return await self._lease(engine_request_id, pages)
-
-    async def _lease(self, engine_request_id: str, pages: tuple[str, list[int], int]) -> PageHandle:
-        """`pages`: what the handing-off output says the request keeps (kind, block ids, tokens)."""
+        """A lease on the pages a request handed off (or back, with its KV) keeps here, for the next worker. `pages`:
+        what its last output says it keeps (kind, block ids, tokens)."""
         try:
             kind, block_ids, num_tokens = pages
             cache = self.engine.engine.pages.cache(kind)
