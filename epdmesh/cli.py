@@ -10,6 +10,7 @@ import os
 import sys
 from pathlib import Path
 
+from common import tls
 from common.model.tiny import PRESETS
 from epdmesh import engine_setup as setup
 from epdmesh.checkpoints import make_model
@@ -24,6 +25,7 @@ from epdmesh.options import (
     add_routing_args,
     add_slo_args,
     add_stage_calls_arg,
+    add_tls_arg,
     allowed_image_domains,
     chat_template,
     planner_config,
@@ -115,6 +117,7 @@ def _cmd_worker(args) -> int:
         emulation=setup.emulation(args),
         stage_calls=args.stage_calls,
         threads=_engine_threads(args),
+        tls=tls.load(args.tls_dir),
         configure=lambda roles: setup.engine_config(args, "".join(s.name[0] for s in sorted(roles))),
     )
     uvloop.run(run_worker(options))
@@ -130,7 +133,7 @@ def _cmd_switch_roles(args) -> int:
     from services import wire
 
     async def switch() -> pb.SwitchRolesResponse:
-        async with grpc.aio.insecure_channel(args.worker) as channel:
+        async with tls.channel(args.worker, tls.load(args.tls_dir)) as channel:
             request = pb.SwitchRolesRequest(roles=wire.roles_to_pb(parse_roles(args.roles)), grace_s=args.grace)
             return await pb_grpc.WorkerStub(channel).SwitchRoles(request, timeout=args.timeout)
 
@@ -147,13 +150,26 @@ def _cmd_switch_roles(args) -> int:
     return 0
 
 
+def _cmd_tls_init(args) -> int:
+    made = tls.init(args.dir, tuple(args.name), args.days)
+    print(f"wrote {made.directory}/{{ca.crt,ca.key,tls.crt,tls.key}} (valid {args.days} days)")
+    print(
+        f"Kubernetes: kubectl create secret generic epdmesh-tls --from-file={made.directory}/ca.crt "
+        f"--from-file={made.directory}/tls.crt --from-file={made.directory}/tls.key"
+    )
+    return 0
+
+
 def _cmd_toggle(args) -> int:
     import uvloop
 
     from services.toggle.server import ToggleOptions, run_toggle
 
     routing, slo = routing_policy(args)
-    uvloop.run(run_toggle(ToggleOptions(args.redis_url, args.prefix, args.host, args.port, args.ttl, routing, slo)))
+    options = ToggleOptions(
+        args.redis_url, args.prefix, args.host, args.port, args.ttl, routing, slo, tls.load(args.tls_dir)
+    )
+    uvloop.run(run_toggle(options))
     return 0
 
 
@@ -198,6 +214,7 @@ def _cmd_gateway(args) -> int:
     from common.memory import keep_freed_memory
     from common.model.config import LlavaConfig
     from services.gateway.mesh import MeshBackend
+    from services.routing.registry import redacted
 
     setup.resolve_model(args)
     keep_freed_memory()  # images: megabytes of pixels parsed and freed per request
@@ -205,10 +222,11 @@ def _cmd_gateway(args) -> int:
     config = LlavaConfig.from_pretrained(args.model)
     limit = config.text.max_position_embeddings
     max_model_len = min(args.max_model_len or limit, limit)
-    router = _gateway_router(args, tracing) if args.redis_url else None
+    mesh_tls = tls.load(args.tls_dir)
+    router = _gateway_router(args, tracing, mesh_tls) if args.redis_url else None
     processor = _chat_processor(args, config)
     pixels = "uint8, finished by the encoder" if processor.deferred_scaling is not None else "float32"
-    backend = MeshBackend(processor, args.toggle, max_model_len, metrics, tracing, router, args.stage_calls)
+    backend = MeshBackend(processor, args.toggle, max_model_len, metrics, tracing, router, args.stage_calls, mesh_tls)
     if args.planner:
         if not args.latency_profile:
             raise SystemExit("--planner needs a latency profile (--latency-profile; serve measures one by default)")
@@ -231,20 +249,22 @@ def _cmd_gateway(args) -> int:
         args.host,
         args.port,
         args.toggle,
-        f"in-process over {args.redis_url}" if router else "by the toggle",
+        f"in-process over {redacted(args.redis_url)}" if router else "by the toggle",
         pixels,
     )
     _serve_http(backend, args, metrics, tracing, "warning")
     return 0
 
 
-def _gateway_router(args, tracing):
+def _gateway_router(args, tracing, mesh_tls):
     """The toggle's router run in the gateway: one Redis round trip (the reservation) instead of a gRPC hop."""
     from services.routing.registry import redis_client
     from services.routing.router import Router
 
     routing, slo = routing_policy(args)
-    return Router.over_redis(redis_client(args.redis_url), args.prefix, routing, tracing, slo, reports_delivery=True)
+    return Router.over_redis(
+        redis_client(args.redis_url, mesh_tls), args.prefix, routing, tracing, slo, reports_delivery=True
+    )
 
 
 def _gateway_telemetry(args):
@@ -333,7 +353,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8000)
-    serve.add_argument("--redis-url", help="default: $REDIS_URL, else a private redis-server")
+    serve.add_argument(
+        "--redis-url", help="default: $REDIS_URL, else a private redis-server (rediss://: Redis over TLS)"
+    )
     serve.add_argument(
         "--route-in",
         default="gateway",
@@ -346,6 +368,15 @@ def build_parser() -> argparse.ArgumentParser:
     add_remote_image_args(serve)
     add_chat_template_arg(serve)
     add_api_key_arg(serve)
+    add_tls_arg(serve)
+    serve.add_argument(
+        "--internal-tls",
+        default="off",
+        choices=["off", "auto"],
+        help="auto: mutual TLS on every gRPC hop with a throwaway CA made for this launch (kept in its private "
+        "temporary directory), and the private Redis (if serve starts one) over TLS with a password; "
+        "--tls-dir: a CA of your own instead",
+    )
     serve.add_argument(
         "--gpus",
         help="with --device cuda: the GPU ids workers get one each, round-robin "
@@ -375,6 +406,7 @@ def build_parser() -> argparse.ArgumentParser:
     worker.add_argument("--worker-id")
     worker.add_argument("--toggle", help="toggle address host:port to register with")
     worker.add_argument("--transfer", default="auto", choices=["auto", "nixl", "grpc"])
+    add_tls_arg(worker)
     add_stage_calls_arg(worker)
     worker.add_argument("--lease-ttl", type=float, default=30.0, help="seconds a page lease waits for its ack")
     worker.add_argument("--grace", type=float, default=10.0, help="seconds to drain on shutdown")
@@ -396,7 +428,26 @@ def build_parser() -> argparse.ArgumentParser:
         "--grace", type=float, default=2.0, help="seconds running decodes may finish there before they are handed back"
     )
     switch.add_argument("--timeout", type=float, default=120.0)
+    add_tls_arg(switch)
     switch.set_defaults(func=_cmd_switch_roles)
+
+    certs = sub.add_parser("tls", help="certificates for a mesh's mutual TLS: epdmesh tls init DIR")
+    certs_sub = certs.add_subparsers(dest="tls_command", required=True)
+    init = certs_sub.add_parser(
+        "init",
+        help="write a new CA and one certificate for every service of a mesh (ca.crt, tls.crt, tls.key; "
+        "the CA's key as ca.key): the directory --tls-dir takes, or a Kubernetes secret's files",
+    )
+    init.add_argument("dir")
+    init.add_argument(
+        "--name",
+        action="append",
+        default=[],
+        help=f"another DNS name or IP address for the certificate (it always names {tls.MESH_NAME}, localhost, "
+        "127.0.0.1 and ::1; peers check that name, not the address they dial)",
+    )
+    init.add_argument("--days", type=int, default=365)
+    init.set_defaults(func=_cmd_tls_init)
 
     profile = sub.add_parser("profile", help="write a latency profile: measured on this machine, or analytic")
     add_model_args(profile)
@@ -413,11 +464,17 @@ def build_parser() -> argparse.ArgumentParser:
     profile.set_defaults(func=_cmd_profile)
 
     toggle = sub.add_parser("toggle", help="the toggle: worker registry in Redis and request routing")
-    toggle.add_argument("--redis-url", default=os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0"))
+    toggle.add_argument(
+        "--redis-url",
+        default=os.environ.get("EPDMESH_REDIS_URL") or os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0"),
+        help="the registry (redis://[:PASSWORD@]HOST:PORT/DB, rediss:// over TLS); default: $EPDMESH_REDIS_URL, "
+        "else $REDIS_URL, else redis://127.0.0.1:6379/0",
+    )
     toggle.add_argument("--prefix", default="epdmesh:default:", help="Redis key prefix of this mesh")
     toggle.add_argument("--host", default="127.0.0.1")
     toggle.add_argument("--port", type=int, default=50051)
     toggle.add_argument("--ttl", type=float, default=3.0, help="seconds a worker stays registered without a heartbeat")
+    add_tls_arg(toggle)
     add_routing_args(toggle)
     add_slo_args(toggle)
     add_router_args(toggle)
@@ -432,10 +489,12 @@ def build_parser() -> argparse.ArgumentParser:
     add_chat_template_arg(gateway)
     add_api_key_arg(gateway)
     add_stage_calls_arg(gateway)
+    add_tls_arg(gateway)
     gateway.add_argument(
         "--redis-url",
+        default=os.environ.get("EPDMESH_REDIS_URL"),
         help="route in the gateway over this registry (one Redis round trip per "
-        "request instead of a gRPC hop to the toggle); default: ask the toggle",
+        "request instead of a gRPC hop to the toggle); default: $EPDMESH_REDIS_URL, else ask the toggle",
     )
     gateway.add_argument("--prefix", default="epdmesh:default:", help="with --redis-url: the mesh's Redis key prefix")
     add_routing_args(gateway)

@@ -23,6 +23,7 @@ import contextlib
 import ctypes
 import logging
 import os
+import secrets
 import shutil
 import signal
 import subprocess
@@ -33,7 +34,9 @@ import urllib.parse
 import urllib.request
 import uuid
 
+from common import tls
 from common.ports import free_port
+from common.tls import MeshTls
 from common.topology import WorkerGroup, decoders_join, parse_topology
 from epdmesh.gpus import gpu_devices, memory_shares, worker_envs
 from epdmesh.options import planner_argv, router_argv
@@ -48,6 +51,8 @@ NO_REDIS = (
 )
 RESTART_BACKOFF_S = (1, 2, 4, 8, 16, 30)  # before the n-th restart in a row of one worker
 STABLE_S = 60.0  # a worker registered this long before it dies starts its count of restarts in a row again
+TLS_ENV = "EPDMESH_TLS_DIR"  # every child of a launch reads its --tls-dir default from it
+REDIS_ENV = "EPDMESH_REDIS_URL"  # a Redis URL with a password goes to the toggle and gateway here, not in argv
 ASKED_TO_STOP = (-signal.SIGINT, -signal.SIGTERM)  # exit codes of a child stopped before its handlers were set
 
 
@@ -223,8 +228,11 @@ def _port_of(url: str) -> int | None:
     return urllib.parse.urlsplit(url).port
 
 
-def start_redis(mesh: Mesh, redis_url: str | None, avoid: frozenset[int] = frozenset()) -> str:
-    """`avoid`: ports this launch will bind later (the gateway's): a private Redis must not take them first."""
+def start_redis(
+    mesh: Mesh, redis_url: str | None, avoid: frozenset[int] = frozenset(), mesh_tls: MeshTls | None = None
+) -> str:
+    """`avoid`: ports this launch will bind later (the gateway's): a private Redis must not take them first.
+    `mesh_tls`: a private Redis serves TLS only (clients need a certificate from the mesh's CA) and a password."""
     url = redis_url or os.environ.get("REDIS_URL")
     if url:
         return url
@@ -232,30 +240,42 @@ def start_redis(mesh: Mesh, redis_url: str | None, avoid: frozenset[int] = froze
     if binary is None:
         raise SystemExit(NO_REDIS)
     port = free_port(avoid=avoid)
-    mesh.spawn(
-        "redis",
-        [
-            binary,
-            "--port",
-            str(port),
-            "--bind",
-            "127.0.0.1",
-            "--save",
-            "",
-            "--appendonly",
-            "no",
-            "--dir",
-            mesh.tmp.name,
-            "--logfile",
-            os.path.join(mesh.tmp.name, "redis.log"),
-        ],
-    )
+    settings = {
+        "port": str(port),
+        "bind": "127.0.0.1",
+        "save": '""',
+        "appendonly": "no",
+        "dir": mesh.tmp.name,
+        "logfile": os.path.join(mesh.tmp.name, "redis.log"),
+    }
+    url = f"redis://127.0.0.1:{port}/0"
+    if mesh_tls is not None:
+        password = secrets.token_hex(16)
+        d = mesh_tls.directory
+        settings.update(
+            {
+                "port": "0",
+                "tls-port": str(port),
+                "tls-cert-file": str(d / "tls.crt"),
+                "tls-key-file": str(d / "tls.key"),
+                "tls-ca-cert-file": str(d / "ca.crt"),
+                "tls-auth-clients": "yes",
+                "requirepass": password,
+            }
+        )
+        # the peer is this host's own Redis: its certificate is checked against the mesh's CA, not the address
+        url = f"rediss://:{password}@127.0.0.1:{port}/0?ssl_check_hostname=false"
+    config = os.path.join(mesh.tmp.name, "redis.conf")  # a file readable by this user only: it holds the password
+    fd = os.open(config, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.writelines(f"{key} {value}\n" for key, value in settings.items())
+    mesh.spawn("redis", [binary, config])
     import redis
 
-    client = redis.Redis(host="127.0.0.1", port=port)
+    client = redis.Redis.from_url(url, **(mesh_tls.redis_kwargs(url) if mesh_tls else {}))
     _wait(lambda: client.ping(), mesh, "redis-server", 20)
-    log.info("started a private redis-server on 127.0.0.1:%d", port)
-    return f"redis://127.0.0.1:{port}/0"
+    log.info("started a private redis-server on 127.0.0.1:%d%s", port, " (TLS, password)" if mesh_tls else "")
+    return url
 
 
 def _wait(
@@ -280,13 +300,11 @@ def _wait(
 
 @contextlib.contextmanager
 def _toggle(toggle: str):
-    """(the toggle's stub, the message module) over one short-lived channel."""
-    import grpc
-
+    """(the toggle's stub, the message module) over one short-lived channel (mTLS when the mesh uses it)."""
     from epdmesh.v1 import mesh_pb2 as pb
     from epdmesh.v1 import mesh_pb2_grpc as pb_grpc
 
-    with grpc.insecure_channel(toggle) as channel:
+    with tls.channel(toggle, tls.load(os.environ.get(TLS_ENV)), aio=False) as channel:
         yield pb_grpc.ToggleStub(channel), pb
 
 
@@ -310,6 +328,28 @@ def _deregister_pid(toggle: str, pid: int) -> None:
 def _http_ok(url: str) -> bool:
     with urllib.request.urlopen(url, timeout=2) as r:
         return r.status == 200
+
+
+def _mesh_tls(args, mesh: Mesh) -> MeshTls | None:
+    """The launch's TLS: `--tls-dir`, else with `--internal-tls auto` a throwaway CA in the launch's private
+    directory. Every child finds it in its environment (`TLS_ENV`, its `--tls-dir` default)."""
+    if args.tls_dir:
+        made = tls.MeshTls.load(args.tls_dir)
+    elif getattr(args, "internal_tls", "off") == "auto":
+        made = tls.init(os.path.join(mesh.tmp.name, "tls"), days=30)
+        log.info("internal TLS: a throwaway CA for this launch in %s", made.directory)
+    else:
+        return None
+    os.environ[TLS_ENV] = str(made.directory)
+    return made
+
+
+def _redis_to_children(url: str) -> tuple[list[str], dict[str, str]]:
+    """How the toggle and gateway get the Redis URL: in argv, or in their environment when it holds a password
+    (argv is visible to every user of the host)."""
+    if urllib.parse.urlsplit(url).password is None:
+        return ["--redis-url", url], {}
+    return [], {REDIS_ENV: url}
 
 
 def worker_argv(group: WorkerGroup, toggle: str, args, threads: int) -> list[str]:
@@ -408,7 +448,9 @@ def serve_mesh(args) -> int:
     signal.signal(signal.SIGINT, on_signal)
     try:
         # the gateway binds --port last: nothing started before it may take that port (a test saw the toggle do so)
-        redis_url = start_redis(mesh, args.redis_url, avoid=frozenset({args.port}))
+        mesh_tls = _mesh_tls(args, mesh)
+        redis_url = start_redis(mesh, args.redis_url, avoid=frozenset({args.port}), mesh_tls=mesh_tls)
+        redis_argv, redis_env = _redis_to_children(redis_url)
         toggle = f"127.0.0.1:{free_port(avoid={args.port, _port_of(redis_url)})}"
         prefix = f"epdmesh:{uuid.uuid4().hex[:12]}:"
         routing = router_argv(args, args.latency_profile)
@@ -419,14 +461,14 @@ def serve_mesh(args) -> int:
                 "-m",
                 "epdmesh.cli",
                 "toggle",
-                "--redis-url",
-                redis_url,
+                *redis_argv,
                 "--prefix",
                 prefix,
                 "--port",
                 toggle.rsplit(":", 1)[1],
                 *routing,
             ],
+            env=redis_env,
         )
         _wait(lambda: _registered(toggle) >= 0, mesh, "the toggle", 60)
         mesh.toggle = toggle
@@ -460,8 +502,10 @@ def serve_mesh(args) -> int:
             *routing,
             *planner_argv(args),
         ]
+        gateway_env = {}
         if args.route_in == "gateway":
-            gateway_argv += ["--redis-url", redis_url, "--prefix", prefix]
+            gateway_argv += [*redis_argv, "--prefix", prefix]
+            gateway_env.update(redis_env)
         if args.max_model_len:
             gateway_argv += ["--max-model-len", str(args.max_model_len)]
         if args.allow_remote_images:
@@ -470,7 +514,9 @@ def serve_mesh(args) -> int:
             path = os.path.abspath(os.path.expanduser(args.chat_template))
             gateway_argv += ["--chat-template", path if os.path.isfile(path) else args.chat_template]
         keys = api_keys(args, os.environ)  # to the gateway by its environment: argv is visible to every local user
-        mesh.spawn("gateway", gateway_argv, env={API_KEY_ENV: ",".join(keys)} if keys else None)
+        if keys:
+            gateway_env[API_KEY_ENV] = ",".join(keys)
+        mesh.spawn("gateway", gateway_argv, env=gateway_env or None)
         # from here on a child may die (or be killed) without stopping the mesh: `Restarts` brings it back — even
         # while the gateway starts (its /health may answer a client before the probe here sees it) — except the
         # gateway itself, which fails the start-up if it exits before answering (a bad flag, a missing file)

@@ -217,6 +217,16 @@ def add_budget_args(p: argparse.ArgumentParser) -> None:
     )
 
 
+def add_tls_arg(p) -> None:
+    p.add_argument(
+        "--tls-dir",
+        default=os.environ.get("EPDMESH_TLS_DIR"),
+        help="mutual TLS on every gRPC hop of the mesh (and to a rediss:// Redis): a directory with ca.crt, "
+        "tls.crt and tls.key (a Kubernetes TLS secret's layout; `epdmesh tls init DIR` writes one); "
+        "default: $EPDMESH_TLS_DIR, else plaintext",
+    )
+
+
 def add_stage_calls_arg(p) -> None:
     p.add_argument(
         "--stage-calls",

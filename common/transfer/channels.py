@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import grpc
 
+from common.tls import MeshTls
+from common.tls import channel as channel_to
+
 # pages move in messages of up to a few MiB; leave headroom over the chunk size
 MAX_MESSAGE_BYTES = 64 * 2**20
 # HTTP/2 flow control: grpc's default stream window (64 KiB, grown by its bandwidth probe) makes a large
@@ -19,13 +22,15 @@ CHANNEL_OPTIONS = [
 
 
 class ChannelPool:
-    def __init__(self):
+    def __init__(self, tls: MeshTls | None = None):
+        """`tls`: every channel over mutual TLS (common/tls.py); None: plaintext."""
+        self.tls = tls
         self._channels: dict[str, grpc.aio.Channel] = {}
 
     def get(self, address: str) -> grpc.aio.Channel:
         channel = self._channels.get(address)
         if channel is None:
-            channel = self._channels[address] = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+            channel = self._channels[address] = channel_to(address, self.tls, CHANNEL_OPTIONS)
         return channel
 
     async def close(self) -> None:

@@ -57,9 +57,17 @@ class Transfer:
 
 
 def make_transfer(backend: str, engine, channels: ChannelPool, worker_id: str) -> Transfer:
+    """`auto`: NIXL/UCX where it starts, else the gRPC stream — and the gRPC stream only over mutual TLS
+    (`channels.tls`): UCX moves the pages unencrypted, so a mesh secured by configuration keeps them on gRPC
+    unless `nixl` is asked for by name."""
     if backend not in BACKENDS:
         raise ValueError(f"transfer backend {backend!r} is not one of {BACKENDS}")
     grpc_puller = GrpcStreamPuller(channels)
+    if channels.tls is not None and backend == "auto":
+        log.info("mutual TLS: pages move over the (encrypted) gRPC stream; --transfer nixl moves them over UCX")
+        backend = "grpc"
+    elif channels.tls is not None and backend == "nixl":
+        log.warning("--transfer nixl with mutual TLS: pages move over UCX unencrypted; control calls use TLS")
     if backend in ("auto", "nixl"):
         try:
             from common.transfer.nixl_backend import NixlTransfer

@@ -12,10 +12,12 @@ from __future__ import annotations
 import dataclasses
 import json
 import time
+import urllib.parse
 
 import redis.asyncio as aioredis
 
 from common.request import Stage
+from common.tls import MeshTls
 from common.workers import WorkerInfo, WorkerLoad, WorkerSnapshot
 
 # refresh load + ts and the TTL only if the worker is still known (its info is there), and the set's TTL
@@ -30,12 +32,24 @@ SET_TTL_FACTOR = 20  # the set outlives every worker key in it (each expires one
 REDIS_CONNECTIONS = 64  # per process; a call past them waits for one to be free
 
 
-def redis_client(url: str) -> aioredis.Redis:
+def redis_client(url: str, tls: MeshTls | None = None) -> aioredis.Redis:
     """A client whose calls wait for a free connection when all of its pool's are busy. redis-py's default pool
     fails the call instead (MaxConnectionsError past 100), which an overloaded gateway reached: every request
-    waiting there for a worker with room routes again, each a Redis call, and past 100 of them the rest got a 500."""
-    pool = aioredis.BlockingConnectionPool.from_url(url, max_connections=REDIS_CONNECTIONS, timeout=None)
+    waiting there for a worker with room routes again, each a Redis call, and past 100 of them the rest got a 500.
+    `tls`: a `rediss://` URL's CA and client certificate, unless the URL names its own."""
+    pool = aioredis.BlockingConnectionPool.from_url(
+        url, max_connections=REDIS_CONNECTIONS, timeout=None, **(tls.redis_kwargs(url) if tls else {})
+    )
     return aioredis.Redis(connection_pool=pool)
+
+
+def redacted(url: str) -> str:
+    """`url` without its password, for logs and errors."""
+    split = urllib.parse.urlsplit(url)
+    if split.password is None:
+        return url
+    netloc = f"{split.username or ''}:***@{split.hostname}" + (f":{split.port}" if split.port else "")
+    return urllib.parse.urlunsplit(split._replace(netloc=netloc))
 
 
 def _info_json(info: WorkerInfo) -> str:

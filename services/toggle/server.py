@@ -17,14 +17,16 @@ import grpc
 import redis.exceptions
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from common import tls
 from common.policy.routing import RoutingConfig
 from common.telemetry.tracing import Tracing
+from common.tls import MeshTls
 from common.workers import HEARTBEAT_INTERVAL_S
 from epdmesh.v1 import mesh_pb2 as pb
 from epdmesh.v1 import mesh_pb2_grpc as pb_grpc
 from services import failure, wire
 from services.errors import grpc_errors
-from services.routing.registry import redis_client
+from services.routing.registry import redacted, redis_client
 from services.routing.router import NoRoute, Router, SloRouting
 
 __all__ = ["SloRouting", "ToggleOptions", "ToggleServicer", "run_toggle"]
@@ -89,6 +91,7 @@ class ToggleOptions:
     ttl_s: float = 3.0
     routing: RoutingConfig = RoutingConfig()
     slo: SloRouting | None = None
+    tls: MeshTls | None = None  # mutual TLS on its gRPC server and, for a rediss:// URL, to Redis
 
 
 async def run_toggle(
@@ -98,15 +101,15 @@ async def run_toggle(
     bound: list | None = None,
 ) -> None:
     tracing = Tracing("epdmesh-toggle")  # before the server: its Route spans join the gateway's traces
-    client = redis_client(options.redis_url)
+    client = redis_client(options.redis_url, options.tls)
     try:
         await client.ping()
     except (redis.exceptions.RedisError, OSError) as e:
-        raise SystemExit(f"cannot reach Redis at {options.redis_url}: {e}") from None
+        raise SystemExit(f"cannot reach Redis at {redacted(options.redis_url)}: {e}") from None
     router = Router.over_redis(client, options.prefix, options.routing, tracing, options.slo, options.ttl_s)
     servicer = ToggleServicer(router)
     server = grpc.aio.server()
-    port = server.add_insecure_port(f"{options.host}:{options.port}")
+    port = tls.bind(server, f"{options.host}:{options.port}", options.tls)
     pb_grpc.add_ToggleServicer_to_server(servicer, server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -117,7 +120,7 @@ async def run_toggle(
     address = f"{options.host}:{port}"
     if bound is not None:
         bound.append(address)
-    log.info("toggle serving on %s (registry %s, prefix %s)", address, options.redis_url, options.prefix)
+    log.info("toggle serving on %s (registry %s, prefix %s)", address, redacted(options.redis_url), options.prefix)
     print(f"EPDMESH_TOGGLE_READY {address}", flush=True)
     stop = stop or asyncio.Event()
     loop = asyncio.get_running_loop()

@@ -23,12 +23,14 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from prometheus_client import start_http_server
 
+from common import tls
 from common.engine.async_engine import AsyncEngine
 from common.engine.config import EngineConfig
 from common.engine.engine import Engine
 from common.request import Stage
 from common.telemetry.metrics import WorkerMetrics
 from common.telemetry.tracing import Tracing
+from common.tls import MeshTls
 from common.transfer.channels import CHANNEL_OPTIONS, ChannelPool
 from common.workers import WorkerInfo, registered_budgets
 from epdmesh.v1 import mesh_pb2_grpc as pb_grpc
@@ -55,6 +57,7 @@ class WorkerOptions:
     metrics_port: int | None = 0  # Prometheus /metrics on host:port (0: any free port; None: off)
     stage_calls: str = "stream"  # how this worker calls others (AwaitEncode): stream | unary (services/stage_calls)
     emulation: EmulationOptions | None = None  # run the emulated backend instead of the model
+    tls: MeshTls | None = None  # mutual TLS on its server and every channel it opens (common/tls.py)
     threads: int | None = None  # intra-op threads of the engine thread, the only one that computes (None: as is)
     # the engine configuration a role switch (`Worker.SwitchRoles`) takes for a role set: its budgets from the
     # worker's flags; None: `engine` with the roles replaced (its budgets kept)
@@ -125,7 +128,7 @@ async def run_worker(
     label = "".join(s.name[0] for s in sorted(config.roles)).lower()
     tracing = Tracing(f"epdmesh-worker-{label}")  # before any server or channel: it instruments grpc.aio
     server = grpc.aio.server(options=CHANNEL_OPTIONS)
-    port = server.add_insecure_port(f"{options.host}:{options.port}")
+    port = tls.bind(server, f"{options.host}:{options.port}", options.tls)
     address = f"{options.advertise_host or options.host}:{port}"
     worker_id = options.worker_id or f"{label}-{port}"
     metrics = WorkerMetrics(worker_id, label.upper())
@@ -140,7 +143,7 @@ async def run_worker(
         engine = async_engine.engine
     else:
         async_engine = AsyncEngine(engine, on_iteration=on_iteration)
-    channels = ChannelPool()
+    channels = ChannelPool(options.tls)
     transfer = make_transfer(options.transfer, engine, channels, worker_id)
     runtime = WorkerRuntime(
         worker_id,

@@ -21,6 +21,7 @@ from common.request import Request
 from common.sampling import SamplingParams
 from common.telemetry.metrics import GatewayMetrics
 from common.telemetry.tracing import Tracing
+from common.tls import MeshTls
 from common.transfer.channels import ChannelPool
 from services.gateway.mesh.failover import Failover
 from services.gateway.mesh.outcome import StageError, consume
@@ -45,14 +46,15 @@ class MeshBackend:
         tracing: Tracing | None = None,
         router: Router | None = None,
         stage_calls: str = "stream",
+        tls: MeshTls | None = None,
     ):
         """`router`: route in this process over the registry in Redis; None: ask the toggle (a gRPC hop).
         `stage_calls`: Encode and Prefill on a stream kept open to each worker, or as unary rpcs
-        (services/stage_calls)."""
+        (services/stage_calls). `tls`: mutual TLS on every channel to the mesh (common/tls.py)."""
         self.processor = processor
         self.max_model_len = max_model_len
         self.tracing = tracing or Tracing()
-        self.channels = ChannelPool()  # channels are made on first use, inside the serving event loop
+        self.channels = ChannelPool(tls)  # channels are made on first use, inside the serving event loop
         self.calls = StageCalls(self.channels, stage_calls, self.tracing)
         self.prompts = Prompts(processor, self.tracing)
         self.routes = RouteClient(self.channels, toggle_address, router, self.tracing, metrics)
