@@ -124,23 +124,42 @@ def _cmd_worker(args) -> int:
     return 0
 
 
-def _cmd_switch_roles(args) -> int:
+def _call_worker(args, method: str, request):
+    """One call of the Worker service at `args.worker`; None (the error printed) when it fails."""
     import grpc
 
-    from common.engine.config import parse_roles
-    from epdmesh.v1 import mesh_pb2 as pb
     from epdmesh.v1 import mesh_pb2_grpc as pb_grpc
-    from services import wire
 
-    async def switch() -> pb.SwitchRolesResponse:
+    async def call():
         async with tls.channel(args.worker, tls.load(args.tls_dir)) as channel:
-            request = pb.SwitchRolesRequest(roles=wire.roles_to_pb(parse_roles(args.roles)), grace_s=args.grace)
-            return await pb_grpc.WorkerStub(channel).SwitchRoles(request, timeout=args.timeout)
+            return await getattr(pb_grpc.WorkerStub(channel), method)(request, timeout=args.timeout)
 
     try:
-        reply = asyncio.run(switch())
+        return asyncio.run(call())
     except grpc.aio.AioRpcError as e:
         print(f"{args.worker}: {e.code().name}: {e.details()}", file=sys.stderr)
+        return None
+
+
+def _cmd_drain(args) -> int:
+    from epdmesh.v1 import mesh_pb2 as pb
+
+    reply = _call_worker(args, "Drain", pb.DrainRequest(grace_s=args.grace))
+    if reply is None:
+        return 1
+    state = "idle" if reply.idle else "NOT idle: work was still in flight when the settle time ran out"
+    print(f"{args.worker} left the mesh: {reply.handed_back} decodes handed back, {reply.seconds:.2f} s, {state}")
+    return 0 if reply.idle else 1
+
+
+def _cmd_switch_roles(args) -> int:
+    from common.engine.config import parse_roles
+    from epdmesh.v1 import mesh_pb2 as pb
+    from services import wire
+
+    request = pb.SwitchRolesRequest(roles=wire.roles_to_pb(parse_roles(args.roles)), grace_s=args.grace)
+    reply = _call_worker(args, "SwitchRoles", request)
+    if reply is None:
         return 1
     info = wire.info_from_pb(reply.info)
     print(
@@ -430,6 +449,19 @@ def build_parser() -> argparse.ArgumentParser:
     switch.add_argument("--timeout", type=float, default=120.0)
     add_tls_arg(switch)
     switch.set_defaults(func=_cmd_switch_roles)
+
+    drain = sub.add_parser(
+        "drain",
+        help="tell a running worker to leave the mesh before it stops (a Kubernetes preStop hook): out of the "
+        "registry, running decodes handed back with their KV after --grace; it then waits, idle, to be stopped",
+    )
+    drain.add_argument("worker", help="the worker's gRPC address host:port")
+    drain.add_argument(
+        "--grace", type=float, default=10.0, help="seconds running decodes may finish there before they are handed back"
+    )
+    drain.add_argument("--timeout", type=float, default=120.0)
+    add_tls_arg(drain)
+    drain.set_defaults(func=_cmd_drain)
 
     certs = sub.add_parser("tls", help="certificates for a mesh's mutual TLS: epdmesh tls init DIR")
     certs_sub = certs.add_subparsers(dest="tls_command", required=True)

@@ -362,6 +362,22 @@ class SwitchRolesRequest(_message.Message):
     grace_s: float
     def __init__(self, roles: _Optional[_Iterable[_Union[Stage, str]]] = ..., grace_s: _Optional[float] = ...) -> None: ...
 
+class DrainRequest(_message.Message):
+    __slots__ = ("grace_s",)
+    GRACE_S_FIELD_NUMBER: _ClassVar[int]
+    grace_s: float
+    def __init__(self, grace_s: _Optional[float] = ...) -> None: ...
+
+class DrainResponse(_message.Message):
+    __slots__ = ("handed_back", "seconds", "idle")
+    HANDED_BACK_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    IDLE_FIELD_NUMBER: _ClassVar[int]
+    handed_back: int
+    seconds: float
+    idle: bool
+    def __init__(self, handed_back: _Optional[int] = ..., seconds: _Optional[float] = ..., idle: _Optional[bool] = ...) -> None: ...
+
 class SwitchRolesResponse(_message.Message):
     __slots__ = ("info", "handed_back", "seconds")
     INFO_FIELD_NUMBER: _ClassVar[int]

@@ -322,6 +322,11 @@ class WorkerStub:
                 request_serializer=epdmesh_dot_v1_dot_mesh__pb2.SwitchRolesRequest.SerializeToString,
                 response_deserializer=epdmesh_dot_v1_dot_mesh__pb2.SwitchRolesResponse.FromString,
                 _registered_method=True)
+        self.Drain = channel.unary_unary(
+                '/epdmesh.v1.Worker/Drain',
+                request_serializer=epdmesh_dot_v1_dot_mesh__pb2.DrainRequest.SerializeToString,
+                response_deserializer=epdmesh_dot_v1_dot_mesh__pb2.DrainResponse.FromString,
+                _registered_method=True)
 
 
 class WorkerServicer:
@@ -358,6 +363,15 @@ class WorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Drain(self, request, context):
+        """Leave the mesh before stopping (a Kubernetes preStop hook): as a switch up to its hand-back — out of the
+        registry, no new stage call, what runs finishes for up to grace_s, the decodes still running handed back with
+        their KV, leased pages pulled — and then the worker stays out, idle, until it is stopped.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -380,6 +394,11 @@ def add_WorkerServicer_to_server(servicer, server):
                     servicer.SwitchRoles,
                     request_deserializer=epdmesh_dot_v1_dot_mesh__pb2.SwitchRolesRequest.FromString,
                     response_serializer=epdmesh_dot_v1_dot_mesh__pb2.SwitchRolesResponse.SerializeToString,
+            ),
+            'Drain': grpc.unary_unary_rpc_method_handler(
+                    servicer.Drain,
+                    request_deserializer=epdmesh_dot_v1_dot_mesh__pb2.DrainRequest.FromString,
+                    response_serializer=epdmesh_dot_v1_dot_mesh__pb2.DrainResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -490,6 +509,33 @@ class Worker:
             '/epdmesh.v1.Worker/SwitchRoles',
             epdmesh_dot_v1_dot_mesh__pb2.SwitchRolesRequest.SerializeToString,
             epdmesh_dot_v1_dot_mesh__pb2.SwitchRolesResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Drain(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/epdmesh.v1.Worker/Drain',
+            epdmesh_dot_v1_dot_mesh__pb2.DrainRequest.SerializeToString,
+            epdmesh_dot_v1_dot_mesh__pb2.DrainResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -46,3 +46,10 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         return pb.SwitchRolesResponse(
             info=wire.info_to_pb(done.info), handed_back=done.handed_back, seconds=done.seconds
         )
+
+    @grpc_errors
+    async def Drain(self, request: pb.DrainRequest, context) -> pb.DrainResponse:
+        if self.switch is None:
+            raise SwitchFailed("this worker cannot drain")
+        done = await self.switch.drain(request.grace_s)
+        return pb.DrainResponse(handed_back=done.handed_back, seconds=done.seconds, idle=done.idle)

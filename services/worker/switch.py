@@ -132,6 +132,13 @@ class Switched:
     seconds: float
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class Drained:
+    handed_back: int
+    seconds: float
+    idle: bool
+
+
 class RoleSwitch:
     """Switches the worker's roles (module docstring). `configure(roles)`: the engine configuration a worker of
     those roles gets from this worker's flags (its budgets)."""
@@ -196,6 +203,27 @@ class RoleSwitch:
                 seconds,
             )
             return Switched(info, handed_back, seconds)
+
+    async def drain(self, grace_s: float) -> Drained:
+        """Leave the mesh for good (a switch up to its hand-back; `Worker.Drain`): out of the registry, no new
+        stage call, running decodes handed back with their KV after `grace_s`; the worker stays out until it
+        stops. Draining again waits for what is left."""
+        if grace_s < 0:
+            raise ValueError(f"grace_s must be ≥ 0, got {grace_s}")
+        async with self._one:
+            start = time.monotonic()
+            log.info("worker %s draining: leaving the registry", self.registration.info.worker_id)
+            self.runtime.accepting = False
+            await self.registration.leave()
+            await self._set_health(frozenset())
+            handed_back = await self.runtime.quiesce(grace_s, self.settle_s)
+            idle = not self.runtime.in_flight and not len(self.runtime.leases)
+            seconds = time.monotonic() - start
+            log.info(
+                "worker %s drained (%d decodes handed back, %.2f s, idle %s)",
+                *(self.registration.info.worker_id, handed_back, seconds, idle),
+            )
+            return Drained(handed_back, seconds, idle)
 
     async def _resume(self, info: WorkerInfo) -> None:
         await self._set_health(info.roles)

@@ -12,6 +12,7 @@ import time
 import grpc
 import httpx
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from bench.workloads import SHAPES, request_bodies
 from epdmesh.v1 import mesh_pb2 as pb
@@ -86,6 +87,46 @@ def test_a_decoder_switched_mid_stream_hands_back_and_every_answer_stays_the_sam
         assert (
             "switching roles; its KV goes with it" in log and "prefilling again" not in log
         )  # decoded on, from its KV
+
+
+def test_a_drained_decoder_hands_back_mid_stream_and_stays_out_of_the_mesh(tiny_dir, chat_reference, tmp_path):
+    """`Worker.Drain` (`epdmesh drain`, a Kubernetes preStop hook): out of the registry, its running decode handed
+    back with its KV and decoded on elsewhere, byte-identical; it stays out, idle, until stopped."""
+    cases, refs = chat_reference
+    with running_server(tiny_dir, "EP1+D2", tmp_path / "serve.log", "--prefill-mode", "dedicated") as base:
+        whole = httpx.post(f"{base}/v1/chat/completions", json=LONG, timeout=120).json()["choices"][0]["token_ids"]
+        drained = []
+
+        def drain_its_decoder():
+            decoder = next(w for w in _workers(base) if w["roles"] == "D" and w["running_decode_batch"])
+
+            async def call():
+                async with grpc.aio.insecure_channel(decoder["address"]) as channel:
+                    return await pb_grpc.WorkerStub(channel).Drain(pb.DrainRequest(grace_s=0), timeout=60)
+
+            drained.append((decoder, asyncio.run(call())))
+
+        assert streamed_token_ids(base, LONG, 20, drain_its_decoder) == whole
+        decoder, done = drained[0]
+        assert done.handed_back == 1 and done.idle
+        workers = _until_registered(base, ["EP", "D"])
+        assert decoder["address"] not in {w["address"] for w in workers}
+        with grpc.insecure_channel(decoder["address"]) as channel:  # alive, serving no stage
+            check = health_pb2_grpc.HealthStub(channel).Check
+            assert check(health_pb2.HealthCheckRequest(service="epdmesh.v1.Decoder"), timeout=5).status == (
+                health_pb2.HealthCheckResponse.NOT_SERVING
+            )
+        _check_tokens(base, cases, refs)
+        time.sleep(2.5)  # past a heartbeat: a drained worker does not register again by itself
+        assert decoder["address"] not in {w["address"] for w in _workers(base)}
+        again = subprocess.run(
+            [sys.executable, "-m", "epdmesh.cli", "drain", decoder["address"], "--grace", "0"],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert again.returncode == 0 and "0 decodes handed back" in again.stdout and "idle" in again.stdout, again
+        assert_pools_full(base)
 
 
 def test_switching_back_and_forth_keeps_the_answers_and_refuses_what_it_cannot_take(tiny_dir, chat_reference, tmp_path):
