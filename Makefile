@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 ARGS ?=
 
-.PHONY: serve test format bench-engine bench-mesh bench-transfer bench-tracing bench-timeline bench-detokenize bench-sampling bench-structured bench-soak bench-prefix-cache bench-goodput bench-peer proto clean
+.PHONY: serve test format bench-engine bench-mesh bench-transfer bench-tracing bench-timeline bench-detokenize bench-sampling bench-structured bench-soak bench-prefix-cache bench-goodput bench-peer proto k8s-examples clean
 
 $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
@@ -67,6 +67,10 @@ bench-peer: $(VENV)/.installed
 # regenerate epdmesh/v1/*_pb2*.py from proto/ (a test fails when they are stale)
 proto: $(VENV)/.installed
 	$(PY) -m epdmesh.protogen
+
+# re-render deploy/k8s/*.yaml with the command in each one's first line (a test fails when they are stale)
+k8s-examples: $(VENV)/.installed
+	for f in deploy/k8s/*.yaml; do $(PY) -m epdmesh.cli $$(head -1 $$f | cut -c10-) --out $$f || exit 1; done
 
 clean:
 	rm -rf $(VENV) *.egg-info

@@ -141,6 +141,23 @@ def _call_worker(args, method: str, request):
         return None
 
 
+def _cmd_health(args) -> int:
+    """A probe (Kubernetes exec, compose healthcheck) that speaks the mesh's TLS."""
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    try:
+        with tls.channel(args.address, tls.load(args.tls_dir), aio=False) as channel:
+            request = health_pb2.HealthCheckRequest(service=args.service)
+            status = health_pb2_grpc.HealthStub(channel).Check(request, timeout=args.timeout).status
+    except grpc.RpcError as e:
+        print(f"{args.address}: {e.code().name}: {e.details()}", file=sys.stderr)
+        return 1
+    name = health_pb2.HealthCheckResponse.ServingStatus.Name(status)
+    print(f"{args.address}{' ' + args.service if args.service else ''}: {name}")
+    return 0 if status == health_pb2.HealthCheckResponse.SERVING else 1
+
+
 def _cmd_drain(args) -> int:
     from epdmesh.v1 import mesh_pb2 as pb
 
@@ -344,6 +361,13 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser(
         "sim", help="the goodput benchmark on simulated time, over the live policies: epdmesh sim goodput --help"
     )
+    sub.add_parser("deploy", help="the Kubernetes manifests of a mesh: epdmesh deploy k8s --help")
+    health = sub.add_parser("health", help="ask a worker or toggle for its grpc.health.v1 status (exit 0: SERVING)")
+    health.add_argument("address", help="host:port")
+    health.add_argument("--service", default="", help="e.g. epdmesh.v1.Decoder (default: the process)")
+    health.add_argument("--timeout", type=float, default=3.0)
+    add_tls_arg(health)
+    health.set_defaults(func=_cmd_health)
     sub.add_parser("plan", help="rank the deployments of N instances by simulated goodput: epdmesh plan --help")
 
     make = sub.add_parser("make-tiny-model", help="write a small random LLaVA-1.5 checkpoint in Hugging Face format")
@@ -547,6 +571,10 @@ def main(argv: list[str] | None = None) -> int:
     for name in filter(None, (n.strip() for n in os.environ.get("EPDMESH_DEBUG", "").split(","))):
         logging.getLogger(name).setLevel(logging.DEBUG)  # e.g. EPDMESH_DEBUG=epdmesh.iterations
     argv = sys.argv[1:] if argv is None else argv
+    if argv[:2] == ["deploy", "k8s"]:  # its own parser, as the plan's
+        from epdmesh.deploy_k8s import main as deploy_k8s
+
+        return deploy_k8s(argv[2:])
     if argv[:1] == ["plan"]:  # its own parser takes the rest (loaded by name, as the simulations are)
         import importlib
 

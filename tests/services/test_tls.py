@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import grpc
@@ -63,6 +65,11 @@ def test_a_tls_mesh_answers_exactly_and_refuses_clients_without_its_certificate(
         assert len(workers) == 3
         for address in [toggle, *(w["address"] for w in workers.values())]:
             _grpc_clients(address, own, other)
+
+        probe = [sys.executable, "-m", "epdmesh.cli", "health", toggle]  # the probe `deploy k8s` gives a TLS pod
+        with_tls = subprocess.run([*probe, "--tls-dir", directory], capture_output=True, text=True, timeout=60)
+        assert with_tls.returncode == 0 and "SERVING" in with_tls.stdout, with_tls
+        assert subprocess.run(probe, capture_output=True, text=True, timeout=60).returncode == 1
 
         # Redis: TLS only, with a client certificate from the mesh's CA, and a password
         with pytest.raises(redis.ConnectionError):
