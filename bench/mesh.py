@@ -17,6 +17,8 @@ path with the least compute):
   mesh-unary — with `--unary`: the same mesh with `--stage-calls unary` (Encode, AwaitEncode and Prefill as
              unary rpcs, not messages on the stream kept open to each worker: what the open streams save);
   mesh-shared — with `--shared`: the same mesh with `--share-weights` (its workers map one copy of the weights);
+  mesh-tls — with `--tls`: the same mesh with `--internal-tls auto` (mutual TLS on every gRPC hop, the private
+             Redis over TLS with a password; pages on the encrypted gRPC stream unless --transfer nixl);
   mesh-against — with `--against DIR`: the same mesh served from another checkout, for an A/B of a change.
 TTFT is taken at the first streamed token, per-token gap as the mean gap after it, by a minimal HTTP client
 (bench/lean_http.py; --client httpx for httpx, whose own handling then counts as the server's). Reports p50s, the
@@ -90,6 +92,11 @@ def parse_args(argv=None):
         action="store_true",
         help="also serve the topology with `--share-weights` (the workers map one read-only copy of the "
         "weights instead of a private copy each), measured interleaved",
+    )
+    p.add_argument(
+        "--tls",
+        action="store_true",
+        help="also serve the topology with `--internal-tls auto` (mutual TLS inside the mesh), measured interleaved",
     )
     p.add_argument(
         "--against",
@@ -267,7 +274,7 @@ def main(argv=None) -> int:
 
     args = parse_args(argv)
     model_dir = args.model or str(ensure_default_model())
-    extra = ["--transfer", args.transfer] + (["--redis-url", args.redis_url] if args.redis_url else [])
+    redis = ["--redis-url", args.redis_url] if args.redis_url else []
     logs = Path(args.out).parent
     logs.mkdir(parents=True, exist_ok=True)
     configs = [("local", "local", (), None), ("mesh", args.topology, (), None)]
@@ -277,6 +284,8 @@ def main(argv=None) -> int:
         configs.append(("mesh-unary", args.topology, ("--stage-calls", "unary"), None))
     if args.shared:
         configs.append(("mesh-shared", args.topology, ("--share-weights",), None))
+    if args.tls:
+        configs.append(("mesh-tls", args.topology, ("--internal-tls", "auto"), None))
     if args.against:
         configs.append(("mesh-against", args.topology, (), args.against))
     with (
@@ -295,10 +304,14 @@ def main(argv=None) -> int:
                     model_dir,
                     topology,
                     logs / f"mesh-{name}.log",
-                    *extra,
+                    "--transfer",
+                    args.transfer,
+                    *(() if name == "mesh-tls" else redis),
                     *more,
                     *(cache if source is None else ()),
                     source=source,
+                    # the TLS mesh starts its own Redis: TLS only, with a password, as `--internal-tls auto` makes it
+                    **({"redis_url": None} if name == "mesh-tls" else {}),
                 )
             )
             for name, topology, more, source in configs
@@ -332,6 +345,7 @@ def main(argv=None) -> int:
             "mesh-against": f"mesh {args.topology}, --against",
             "mesh-unary": f"mesh {args.topology}, unary",
             "mesh-shared": f"mesh {args.topology}, shared weights",
+            "mesh-tls": f"mesh {args.topology}, mutual TLS",
         }
         for name in results:
             label, r = labels[name], results[name][workload]
@@ -367,6 +381,7 @@ def main(argv=None) -> int:
         for other, key, what in (
             ("mesh-unary", "streamed_over_unary", "stage calls on open streams over unary rpcs"),
             ("mesh-shared", "private_over_shared", "private weight copies over --share-weights"),
+            ("mesh-tls", "plaintext_over_tls", "plaintext over mutual TLS"),
             ("mesh-against", "change_over_against", "this checkout over --against"),
         ):
             if other in results:
