@@ -47,7 +47,7 @@ _REASONS: list[tuple[type[BaseException], Reason]] = [
     (ValueError, Reason.INVALID),
     (KeyError, Reason.NOT_FOUND),
     (PullFailed, Reason.SOURCE_FAILED),  # the pages' *source* failed: retry the request elsewhere
-    (ShuttingDown, Reason.DOWN),
+    (ShuttingDown, Reason.AWAY),  # and NotHeld: a route made before the worker's roles changed
     (EngineDead, Reason.DOWN),
 ]
 

@@ -15,7 +15,10 @@ REASON_KEY = "epdmesh-reason"
 
 
 class Reason(enum.Enum):
-    DOWN = "down"  # the callee is down, draining or shutting down: route around it
+    DOWN = "down"  # the callee is down (dead, unreachable, its engine failed): route around it
+    # the callee left the mesh on purpose — it drains, switches roles, or no longer holds the stage the call was
+    # routed to it for: route around it, and it is not a failure of the request (it counts against no attempt)
+    AWAY = "away"
     SOURCE_FAILED = "source-failed"  # the callee could not pull its pages: their source failed, route around that
     NO_ROOM = "no-room"  # no room now (KV full, every worker full): not a failure; route again when there is room
     REFUSED = "refused"  # admission control: no path meets the request's SLO; the client is told at once
@@ -31,6 +34,7 @@ class Reason(enum.Enum):
 
 CODES = {
     Reason.DOWN: grpc.StatusCode.UNAVAILABLE,
+    Reason.AWAY: grpc.StatusCode.UNAVAILABLE,
     Reason.SOURCE_FAILED: grpc.StatusCode.ABORTED,
     Reason.NO_ROOM: grpc.StatusCode.RESOURCE_EXHAUSTED,
     Reason.REFUSED: grpc.StatusCode.RESOURCE_EXHAUSTED,

@@ -2,6 +2,7 @@
 and what the client is told for each; the route plan crosses the toggle's rpc whole."""
 
 import grpc
+import pytest
 
 from common.engine.engine import NoRoomForPages
 from common.policy.routing import PrefillPath, RoutePlan
@@ -33,7 +34,7 @@ def test_a_servicer_names_the_reason_of_each_exception():
     assert reason_for(ImagesNotCached("r")) == (Reason.IMAGES_NOT_CACHED, grpc.StatusCode.FAILED_PRECONDITION)
     assert reason_for(NoRoomForPages("full")) == (Reason.NO_ROOM, grpc.StatusCode.RESOURCE_EXHAUSTED)
     assert reason_for(PullFailed("gone")) == (Reason.SOURCE_FAILED, grpc.StatusCode.ABORTED)
-    assert reason_for(ShuttingDown("bye")) == (Reason.DOWN, grpc.StatusCode.UNAVAILABLE)
+    assert reason_for(ShuttingDown("bye")) == (Reason.AWAY, grpc.StatusCode.UNAVAILABLE)
     assert reason_for(RuntimeError("bug")) == (Reason.INTERNAL, grpc.StatusCode.INTERNAL)
 
 
@@ -51,6 +52,26 @@ def test_the_gateway_blames_the_callee_or_the_pages_source_and_tells_the_client_
     assert classify("routing", _error(grpc.StatusCode.INTERNAL)).api_error().status == 500
     assert is_uncached(_error(grpc.StatusCode.FAILED_PRECONDITION, "images-not-cached"))
     assert not is_uncached(_error(grpc.StatusCode.FAILED_PRECONDITION, "mismatch"))
+
+
+def test_a_worker_that_left_on_purpose_is_routed_around_without_using_up_the_requests_attempts():
+    from services.gateway.errors import ApiError
+    from services.gateway.mesh.failover import MAX_ATTEMPTS, MAX_AWAY, Attempts
+
+    attempts = Attempts("r")
+    for i in range(MAX_ATTEMPTS + 2):  # more switching workers than a request has attempts: it goes on
+        away = classify("prefill", _error(grpc.StatusCode.UNAVAILABLE, "away"), f"p#{i}")
+        assert away.away and away.blame == f"p#{i}" and away.api_error().status == 503
+        attempts.failed(away, 0)
+    assert attempts.failures == 0 and attempts.exclude == {f"p#{i}" for i in range(MAX_ATTEMPTS + 2)}
+    for i in range(MAX_ATTEMPTS - 1):  # workers that are down count
+        attempts.failed(classify("decode", _error(grpc.StatusCode.UNAVAILABLE), f"d#{i}"), 3)
+    with pytest.raises(ApiError):
+        attempts.failed(classify("decode", _error(grpc.StatusCode.UNAVAILABLE), "d#last"), 3)
+    bounded = Attempts("s")  # and the routes to workers away are bounded too
+    with pytest.raises(ApiError):
+        for i in range(MAX_AWAY + MAX_ATTEMPTS):
+            bounded.failed(classify("prefill", _error(grpc.StatusCode.UNAVAILABLE, "away"), f"p#{i}"), 0)
 
 
 def test_a_route_plan_crosses_the_toggles_rpc_whole():

@@ -34,6 +34,7 @@ from services.gateway.mesh.stages import Stages
 log = logging.getLogger(__name__)
 
 MAX_ATTEMPTS = 3  # routes tried per request when workers fail it
+MAX_AWAY = 16  # workers routed to that had left the mesh on purpose (draining, switching roles): each is excluded
 MAX_HAND_BACKS = 8  # hand-backs of a request in a row without a token in between (not failures: preemptions)
 
 
@@ -45,6 +46,7 @@ class Attempts:
         self.number = 0
         self.failures = 0
         self.hand_backs = 0  # in a row without progress
+        self.away = 0  # routes to workers that had left the mesh (not failures)
         self.progress = 0  # tokens sent when the last hand-back came
         self.exclude: set[str] = set()  # registrations of the workers that failed it
 
@@ -69,6 +71,11 @@ class Attempts:
         """Route around the worker to blame, or raise the client's error when there is none or no attempt is left."""
         if error.no_room:  # no room on the worker after all: not its failure; the next route waits for room
             log.debug("request %s: %s; routing it again when there is room", self.request_id, error.message)
+            return
+        if error.away and error.blame is not None and self.away < MAX_AWAY:  # not its failure: route around it
+            self.away += 1
+            self.exclude.add(error.blame)
+            log.info("request %s: %s; routing around it (%d tokens kept)", self.request_id, error.message, emitted)
             return
         self.failures += 1
         if error.blame is None or self.failures == MAX_ATTEMPTS:
@@ -151,7 +158,7 @@ class Failover:
                 self._count("hand_backs")
             except StageError as error:
                 attempts.failed(error, len(emitted))
-                if not error.no_room:
+                if not error.no_room and not error.away:
                     self.stats.retries += 1
                     self._count("retries")
             finally:

@@ -32,6 +32,11 @@ class StageError(Exception):
         self.blame = blame
 
     @property
+    def away(self) -> bool:
+        """Not a failure: the worker left the mesh on purpose after the route chose it (route around it)."""
+        return self.reason == Reason.AWAY
+
+    @property
     def no_room(self) -> bool:
         """Not a failure: no worker has room now (it routes again when one has)."""
         return self.reason == Reason.NO_ROOM
@@ -46,7 +51,7 @@ class StageError(Exception):
                 return ApiError(400, message, "max_tokens")
             case Reason.NO_ROOM | Reason.REFUSED:
                 return ApiError(503, f"{stage}: {message}", headers=_RETRY)
-            case Reason.DOWN | Reason.NO_WORKER:
+            case Reason.DOWN | Reason.AWAY | Reason.NO_WORKER:
                 return ApiError(503, f"{stage} is unavailable: {message}", headers=_RETRY)
             case Reason.SOURCE_FAILED:
                 return ApiError(503, f"{stage} could not get its pages: {message}", headers=_RETRY)
@@ -69,7 +74,8 @@ def classify(stage: str, e: grpc.aio.AioRpcError, callee: str | None = None, sou
     """The outcome of a failed call to `callee` (a worker registration; None: the toggle), whose pages (if any)
     came from `source`: a worker down is routed around, a failed source too, a full one waited out."""
     reason = reason_of(e)
-    blame = {Reason.DOWN: callee, Reason.NO_ROOM: callee, Reason.SOURCE_FAILED: source or callee}.get(reason)
+    blame = {Reason.DOWN: callee, Reason.AWAY: callee, Reason.NO_ROOM: callee, Reason.SOURCE_FAILED: source or callee}
+    blame = blame.get(reason)
     return StageError(reason, stage, e.details() or e.code().name, blame)
 
 

@@ -143,7 +143,7 @@ class RouteClient:
         start, said, counted = time.monotonic(), False, False
         waits_for = {Reason.NO_ROOM: ROOM_WAIT_S}
         if wait_for_worker:
-            waits_for |= {Reason.NO_WORKER: FAILOVER_WAIT_S, Reason.DOWN: FAILOVER_WAIT_S}
+            waits_for |= {Reason.NO_WORKER: FAILOVER_WAIT_S, Reason.DOWN: FAILOVER_WAIT_S, Reason.AWAY: FAILOVER_WAIT_S}
         waiting = self.metrics.waiting_for_room.labels(self.metrics.model) if self.metrics is not None else None
         try:
             while True:
