@@ -221,6 +221,7 @@ class WorkerMetrics:
     def __init__(self, worker_id: str, roles: str, registry: CollectorRegistry | None = None):
         r = self.registry = registry or CollectorRegistry()
         self.labels = {"worker_id": worker_id, "roles": roles}
+        self._gauges: list[tuple[Gauge, Callable[[], float]]] = []
         w = ["worker_id", "roles"]
         self.queue_time = Histogram(
             P + "request_queue_time_seconds",
@@ -287,7 +288,9 @@ class WorkerMetrics:
             ("num_requests_waiting", "Requests waiting in this worker's queues.", waiting),
             ("kv_cache_usage_perc", "Fraction of KV-cache blocks in use (1 = full).", kv_usage),
         ):
-            Gauge(P + name, doc, list(self.labels), registry=self.registry).labels(**self.labels).set_function(fn)
+            gauge = Gauge(P + name, doc, list(self.labels), registry=self.registry)
+            gauge.labels(**self.labels).set_function(fn)
+            self._gauges.append((gauge, fn))
         self.registry.register(
             _CounterAtScrape(
                 P + "num_preemptions",
@@ -296,6 +299,15 @@ class WorkerMetrics:
                 preemptions,
             )
         )
+
+    def relabel(self, roles: str) -> None:
+        """The worker's roles changed (`Worker.SwitchRoles`): what it records from now on carries the new `roles`
+        label. The old label's counters and histograms stay as they ended; its gauges go."""
+        old = dict(self.labels)
+        self.labels["roles"] = roles  # the counters read at scrape time hold this very dict
+        for gauge, fn in self._gauges:
+            gauge.remove(*old.values())
+            gauge.labels(**self.labels).set_function(fn)
 
     def stage(self, stage: str, queue_s: float | None, execute_s: float | None) -> None:
         if queue_s is not None:

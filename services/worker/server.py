@@ -132,7 +132,10 @@ async def run_worker(
     address = f"{options.advertise_host or options.host}:{port}"
     worker_id = options.worker_id or f"{label}-{port}"
     metrics = WorkerMetrics(worker_id, label.upper())
-    on_iteration = metrics.iteration.labels(**metrics.labels).observe
+
+    def on_iteration(seconds: float) -> None:  # under the roles the worker holds now
+        metrics.iteration.labels(**metrics.labels).observe(seconds)
+
     if engine is None:  # built on the thread that steps it (common/engine/threads.py)
         async_engine = await asyncio.to_thread(
             AsyncEngine,

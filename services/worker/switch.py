@@ -193,6 +193,8 @@ class RoleSwitch:
             except BaseException:
                 await self._resume(old)
                 raise
+            if self.runtime.metrics is not None:
+                self.runtime.metrics.relabel(info.role_label)
             await self._resume(info)
             seconds = time.monotonic() - start
             log.info(
