@@ -354,6 +354,22 @@ def _cmd_profile(args) -> int:
     return 0
 
 
+def _worker_command(sub, name: str, help: str, func, grace: float) -> argparse.ArgumentParser:
+    """A command that calls one running worker's Worker service."""
+    p = sub.add_parser(name, help=help)
+    p.add_argument("worker", help="the worker's gRPC address host:port (the gateway's /stats lists them)")
+    p.add_argument(
+        "--grace",
+        type=float,
+        default=grace,
+        help="seconds running decodes may finish there before they are handed back",
+    )
+    p.add_argument("--timeout", type=float, default=120.0)
+    add_tls_arg(p)
+    p.set_defaults(func=func)
+    return p
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="epdmesh", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -461,31 +477,22 @@ def build_parser() -> argparse.ArgumentParser:
     )
     worker.set_defaults(func=_cmd_worker)
 
-    switch = sub.add_parser(
+    switch = _worker_command(
+        sub,
         "switch-roles",
-        help="tell a running worker to take a new role set (it drains, keeps its weights, registers again)",
+        "tell a running worker to take a new role set (it drains, keeps its weights, registers again)",
+        _cmd_switch_roles,
+        grace=2.0,
     )
-    switch.add_argument("worker", help="the worker's gRPC address host:port (the gateway's /stats lists them)")
     switch.add_argument("roles", help="e.g. EP, D, encode,prefill")
-    switch.add_argument(
-        "--grace", type=float, default=2.0, help="seconds running decodes may finish there before they are handed back"
-    )
-    switch.add_argument("--timeout", type=float, default=120.0)
-    add_tls_arg(switch)
-    switch.set_defaults(func=_cmd_switch_roles)
-
-    drain = sub.add_parser(
+    _worker_command(
+        sub,
         "drain",
-        help="tell a running worker to leave the mesh before it stops (a Kubernetes preStop hook): out of the "
-        "registry, running decodes handed back with their KV after --grace; it then waits, idle, to be stopped",
+        "tell a running worker to leave the mesh before it stops (a Kubernetes preStop hook): out of the registry, "
+        "running decodes handed back with their KV after --grace; it then waits, idle, to be stopped",
+        _cmd_drain,
+        grace=10.0,
     )
-    drain.add_argument("worker", help="the worker's gRPC address host:port")
-    drain.add_argument(
-        "--grace", type=float, default=10.0, help="seconds running decodes may finish there before they are handed back"
-    )
-    drain.add_argument("--timeout", type=float, default=120.0)
-    add_tls_arg(drain)
-    drain.set_defaults(func=_cmd_drain)
 
     certs = sub.add_parser("tls", help="certificates for a mesh's mutual TLS: epdmesh tls init DIR")
     certs_sub = certs.add_subparsers(dest="tls_command", required=True)
