@@ -86,10 +86,13 @@ def channel(address: str, tls: MeshTls | None, options: list | tuple = (), aio: 
     return module.secure_channel(address, tls.channel_credentials(), options=options)
 
 
-def init(directory: str | os.PathLike, names: tuple[str, ...] = (), days: int = 365) -> MeshTls:
-    """Write a new CA (`ca.crt`, and `ca.key` beside it) and one certificate for every service of a mesh (`tls.crt`,
-    `tls.key`: server and client auth; names `MESH_NAME`, localhost, 127.0.0.1, ::1 and `names`, each a DNS name or
-    an IP address). Keys are written readable by their owner only."""
+def init(
+    directory: str | os.PathLike, names: tuple[str, ...] = (), days: int = 365, keep_ca_key: bool = True
+) -> MeshTls:
+    """Write a new CA (`ca.crt`, and `ca.key` beside it unless `keep_ca_key` is False: a throwaway CA signs once)
+    and one certificate for every service of a mesh (`tls.crt`, `tls.key`: server and client auth; names
+    `MESH_NAME`, localhost, 127.0.0.1, ::1 and `names`, each a DNS name or an IP address). Keys are written
+    readable by their owner only."""
     from cryptography import x509
     from cryptography.hazmat.primitives import hashes, serialization
     from cryptography.hazmat.primitives.asymmetric import ec
@@ -110,6 +113,7 @@ def init(directory: str | os.PathLike, names: tuple[str, ...] = (), days: int = 
         .not_valid_before(start)
         .not_valid_after(end)
         .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
+        .add_extension(x509.SubjectKeyIdentifier.from_public_key(ca_key.public_key()), critical=False)
         .add_extension(
             x509.KeyUsage(True, False, False, False, False, True, True, False, False), critical=True
         )  # digital signature, certificate and CRL signing
@@ -131,6 +135,9 @@ def init(directory: str | os.PathLike, names: tuple[str, ...] = (), days: int = 
         .not_valid_after(end)
         .add_extension(x509.SubjectAlternativeName(sans), critical=False)
         .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+        # key identifiers: strict X.509 verification (Python 3.13's default TLS context) asks for them
+        .add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()), critical=False)
+        .add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(ca_key.public_key()), critical=False)
         .add_extension(
             x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]), critical=False
         )
@@ -143,13 +150,16 @@ def init(directory: str | os.PathLike, names: tuple[str, ...] = (), days: int = 
         )
 
     pem = serialization.Encoding.PEM
+    if not keep_ca_key:
+        (path / "ca.key").unlink(missing_ok=True)
     for name, data, private in (
-        ("ca.key", pem_key(ca_key), True),
+        *((("ca.key", pem_key(ca_key), True),) if keep_ca_key else ()),
         ("ca.crt", ca_cert.public_bytes(pem), False),
         ("tls.key", pem_key(key), True),
         ("tls.crt", cert.public_bytes(pem), False),
     ):
         fd = os.open(path / name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600 if private else 0o644)
+        os.fchmod(fd, 0o600 if private else 0o644)  # a file written before keeps its mode otherwise
         with os.fdopen(fd, "wb") as f:
             f.write(data)
     return MeshTls.load(path)

@@ -9,10 +9,12 @@ running decodes handed back with their KV) inside a longer `terminationGracePeri
 
 What the manifests expect to exist (made by the operator, never rendered here: they hold secrets or data):
   - PersistentVolumeClaim `--model-volume` holding the checkpoint at `--model` (ReadOnlyMany: every pod mounts it);
-  - Secret `epdmesh-redis` with key `password` (Redis requires it; the toggle and gateway log in with it);
+  - Secret `epdmesh-redis` with key `password` (Redis requires it; the toggle and gateway log in with it; it goes
+    into a Redis URL, so use URL-safe characters, e.g. `openssl rand -hex 16`);
   - with `--tls-secret S`: Secret S with `ca.crt`, `tls.crt`, `tls.key` (`epdmesh tls init DIR`, then
     `kubectl create secret generic S --from-file=DIR/ca.crt --from-file=DIR/tls.crt --from-file=DIR/tls.key`):
-    mutual TLS on every gRPC hop, Redis over TLS only;
+    mutual TLS on every gRPC hop, Redis over TLS only. Use a CA of the mesh's own: any certificate it signed is a
+    member. Certificates are read at start: after a rotation, restart the pods;
   - optionally Secret `epdmesh-api-key` with key `key`: the gateway's API key (no Secret: the API is open).
 """
 
@@ -37,7 +39,7 @@ DRAIN_GRACE_S = 20  # the preStop drain: running decodes finish for this long, t
 # own SIGTERM drain (--grace, 10 s) and a margin
 TERMINATION_GRACE_S = DRAIN_GRACE_S + 30 + 10 + 30
 TLS_MOUNT, MODEL_MOUNT = "/etc/epdmesh/tls", "/models"
-EPDMESH_GID, REDIS_GID = 10001, 999  # the groups of the images' users (the Dockerfile's epdmesh, redis's redis)
+EPDMESH_UID, REDIS_UID = 10001, 999  # the images' users (the Dockerfile's epdmesh; redis's redis), and their groups
 REDIS_SECRET, API_KEY_SECRET = "epdmesh-redis", "epdmesh-api-key"
 
 
@@ -57,16 +59,25 @@ def _service(name: str, component: str, ports: list[tuple[str, int]]) -> dict:
     }
 
 
-def _deployment(name: str, component: str, replicas: int, pod: dict, labels: dict | None = None, gid: int = 0) -> dict:
+def _deployment(
+    name: str, component: str, replicas: int, pod: dict, labels: dict | None = None, uid: int = 0, gpus: bool = False
+) -> dict:
+    """`uid`: the pod runs as this user and group, never root, and mounted secrets belong to its group. `gpus`: a
+    rolling update stops a pod before it starts the next (a surge pod would need a spare GPU)."""
     labels = labels or _labels(component)
-    if gid:  # mounted secrets belong to this group
-        pod = {"securityContext": {"fsGroup": gid}, **pod}
+    if uid:
+        context = {"runAsNonRoot": True, "runAsUser": uid, "runAsGroup": uid, "fsGroup": uid}
+        pod = {"securityContext": {**context, "seccompProfile": {"type": "RuntimeDefault"}}, **pod}
+        locked = {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}}
+        pod["containers"] = [{**c, "securityContext": locked} for c in pod["containers"]]
+    strategy = {"strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 0, "maxUnavailable": 1}}}
     return {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
         "metadata": {"name": name, "labels": labels},
         "spec": {
             "replicas": replicas,
+            **(strategy if gpus else {}),
             "selector": {"matchLabels": labels},
             "template": {"metadata": {"labels": labels}, "spec": pod},
         },
@@ -164,7 +175,8 @@ class Mesh:
             container["resources"] = {"limits": {"nvidia.com/gpu": a.gpus_per_worker}}
         pod = {"terminationGracePeriodSeconds": TERMINATION_GRACE_S, "containers": [container], "volumes": volumes}
         labels = _labels("worker", **{ROLES_LABEL: group.label})
-        return _deployment(f"worker-{group.label.lower()}", "worker", group.count, pod, labels, EPDMESH_GID)
+        name = f"worker-{group.label.lower()}"
+        return _deployment(name, "worker", group.count, pod, labels, EPDMESH_UID, gpus=bool(a.gpus_per_worker))
 
     def toggle(self) -> list[dict]:
         command = ["epdmesh", "toggle", "--prefix", PREFIX, "--host", "0.0.0.0", "--port", str(TOGGLE_PORT)]
@@ -181,7 +193,7 @@ class Mesh:
         )
         pod = {"containers": [container], "volumes": volumes}
         return [
-            _deployment("toggle", "toggle", 1, pod, gid=EPDMESH_GID),
+            _deployment("toggle", "toggle", 1, pod, uid=EPDMESH_UID),
             _service("toggle", "toggle", [("grpc", TOGGLE_PORT)]),
         ]
 
@@ -195,19 +207,23 @@ class Mesh:
         key = {"secretKeyRef": {"name": API_KEY_SECRET, "key": "key", "optional": True}}
         env.append({"name": "EPDMESH_API_KEY", "valueFrom": key})
         mounts, volumes = self._mounts()
+        # ready when the mesh behind it covers every stage (/health); alive while its HTTP server accepts: /health
+        # is a 503 while workers load or the toggle restarts, which must not restart the gateway
         health = {"httpGet": {"path": "/health", "port": "http"}, "periodSeconds": 10, "timeoutSeconds": 5}
+        alive = {"tcpSocket": {"port": "http"}, "periodSeconds": 10, "timeoutSeconds": 5}
         container = self._container(
             "gateway",
             command,
             [("http", GATEWAY_PORT)],
             env=env,
             volumeMounts=mounts,
+            startupProbe={**alive, "periodSeconds": 5, "failureThreshold": 60},
             readinessProbe=health,
-            livenessProbe={**health, "failureThreshold": 3},
+            livenessProbe={**alive, "failureThreshold": 3},
         )
         pod = {"containers": [container], "volumes": volumes}
         return [
-            _deployment("gateway", "gateway", a.gateways, pod, gid=EPDMESH_GID),
+            _deployment("gateway", "gateway", a.gateways, pod, uid=EPDMESH_UID),
             _service("gateway", "gateway", [("http", GATEWAY_PORT)]),
         ]
 
@@ -235,7 +251,7 @@ class Mesh:
         }
         pod = {"containers": [container], "volumes": volumes}
         return [
-            _deployment("redis", "redis", 1, pod, gid=REDIS_GID),
+            _deployment("redis", "redis", 1, pod, uid=REDIS_UID),  # its command skips the image's switch to redis
             _service("redis", "redis", [("redis", REDIS_PORT)]),
         ]
 
@@ -294,6 +310,25 @@ class Mesh:
             _service("jaeger", "jaeger", [("otlp", OTLP_PORT), ("ui", JAEGER_UI_PORT)]),
         ]
 
+    def network_policy(self) -> dict:
+        """Only the mesh's own pods reach its workers, toggle and Redis (their gRPC admin calls — Drain,
+        SwitchRoles, Register — take no other credential without TLS); the gateway and Jaeger's UI stay open to the
+        cluster."""
+        protected = ["worker", "toggle", "redis", "otel-collector"]
+        return {
+            "apiVersion": "networking.k8s.io/v1",
+            "kind": "NetworkPolicy",
+            "metadata": {"name": "epdmesh-internal", "labels": _labels("network-policy")},
+            "spec": {
+                "podSelector": {
+                    "matchLabels": {"app.kubernetes.io/name": APP},
+                    "matchExpressions": [{"key": "app.kubernetes.io/component", "operator": "In", "values": protected}],
+                },
+                "policyTypes": ["Ingress"],
+                "ingress": [{"from": [{"podSelector": {"matchLabels": {"app.kubernetes.io/name": APP}}}]}],
+            },
+        }
+
     def _slo_argv(self) -> list[str]:
         a = self.args
         argv = ["--slo-ttft-ms", f"{a.slo_ttft_ms:g}", "--slo-tbt-ms", f"{a.slo_tbt_ms:g}"]
@@ -303,7 +338,7 @@ class Mesh:
         joins = decoders_join(self.groups)
         objects = [*self.redis(), *self.tracing(), *self.toggle()]
         objects += [self.worker(g, joins) for g in self.groups]
-        return objects + self.gateway()
+        return objects + self.gateway() + [self.network_policy()]
 
 
 def command_line(args: argparse.Namespace) -> str:

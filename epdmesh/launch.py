@@ -87,8 +87,9 @@ class Mesh:
         """Start a child; its traces carry its own service name (`$OTEL_SERVICE_NAME-<kind>` or `epdmesh-<kind>`)."""
         kind = name.split()[0] + ("-" + name.split()[1].split("#")[0].lower() if name.startswith("worker ") else "")
         service = f"{os.environ.get('OTEL_SERVICE_NAME', 'epdmesh')}-{kind}"
+        inherited = {k: v for k, v in os.environ.items() if k != REDIS_ENV}  # the launch's Redis, not the shell's
         proc = subprocess.Popen(
-            argv, env={**os.environ, "OTEL_SERVICE_NAME": service, **(env or {})}, preexec_fn=die_with_parent
+            argv, env={**inherited, "OTEL_SERVICE_NAME": service, **(env or {})}, preexec_fn=die_with_parent
         )
         self._argv[name] = (argv, env)
         self.procs = [(n, p) for n, p in self.procs if n != name] + [(name, proc)]
@@ -336,7 +337,7 @@ def _mesh_tls(args, mesh: Mesh) -> MeshTls | None:
     if args.tls_dir:
         made = tls.MeshTls.load(args.tls_dir)
     elif getattr(args, "internal_tls", "off") == "auto":
-        made = tls.init(os.path.join(mesh.tmp.name, "tls"), days=30)
+        made = tls.init(os.path.join(mesh.tmp.name, "tls"), days=30, keep_ca_key=False)
         log.info("internal TLS: a throwaway CA for this launch in %s", made.directory)
     else:
         return None

@@ -141,9 +141,21 @@ def test_the_mesh_is_wired(path):
                 assert volume["secret"]["secretName"] == args.tls_secret
             if "persistentVolumeClaim" in volume:
                 assert volume["persistentVolumeClaim"]["claimName"] == args.model_volume
-    header = path.read_text().split("\n---\n")[0]
-    for secret in [deploy_k8s.REDIS_SECRET, deploy_k8s.API_KEY_SECRET]:
-        assert secret in header
+    # the network policy covers the workers, the toggle and Redis, and lets every pod of the mesh in
+    policy = next(o for o in objects if o["kind"] == "NetworkPolicy")["spec"]
+    allowed = next(iter(policy["podSelector"]["matchExpressions"]))["values"]
+    covered = {
+        t["metadata"]["labels"]["app.kubernetes.io/component"]
+        for _, t in _pods(objects)
+        if policy["podSelector"]["matchLabels"].items() <= t["metadata"]["labels"].items()
+        and t["metadata"]["labels"]["app.kubernetes.io/component"] in allowed
+    }
+    assert covered >= {"worker", "toggle", "redis"}
+    source = policy["ingress"][0]["from"][0]["podSelector"]["matchLabels"]
+    assert all(source.items() <= t["metadata"]["labels"].items() for _, t in _pods(objects))
+    for _, template in _pods(objects):  # epdmesh's pods never run as root
+        if template["spec"]["containers"][0]["image"] == args.image:
+            assert template["spec"]["securityContext"]["runAsNonRoot"]
 
 
 def test_a_bad_topology_is_a_clear_error(capsys):

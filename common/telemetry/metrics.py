@@ -302,7 +302,8 @@ class WorkerMetrics:
 
     def relabel(self, roles: str) -> None:
         """The worker's roles changed (`Worker.SwitchRoles`): what it records from now on carries the new `roles`
-        label. The old label's counters and histograms stay as they ended; its gauges go."""
+        label. The old label's histograms and counters stay as they ended; its gauges, and the engine's counters
+        read at scrape time, move to the new label (with their totals)."""
         old = dict(self.labels)
         self.labels["roles"] = roles  # the counters read at scrape time hold this very dict
         for gauge, fn in self._gauges:

@@ -31,7 +31,7 @@ from common.request import Stage
 from common.workers import HEARTBEAT_INTERVAL_S, WorkerInfo, registered_budgets
 from epdmesh.v1 import mesh_pb2 as pb
 from services import wire
-from services.errors import SwitchFailed
+from services.errors import ShuttingDown, SwitchFailed
 from services.worker.runtime import WorkerRuntime
 
 log = logging.getLogger(__name__)
@@ -156,6 +156,7 @@ class RoleSwitch:
         self.health = health
         self.configure = configure
         self.settle_s = settle_s
+        self.draining = False  # set by `drain` for good: no switch runs after it, nor rejoins the registry
         self._one = asyncio.Lock()
 
     @property
@@ -168,7 +169,11 @@ class RoleSwitch:
             raise ValueError("a worker needs at least one role")
         if grace_s < 0:
             raise ValueError(f"grace_s must be ≥ 0, got {grace_s}")
+        if self.draining:
+            raise ShuttingDown(f"worker {self.registration.info.worker_id} is draining: it takes no new roles")
         async with self._one:
+            if self.draining:  # a drain came first while this switch waited
+                raise ShuttingDown(f"worker {self.registration.info.worker_id} is draining: it takes no new roles")
             start = time.monotonic()
             old = self.registration.info
             if roles == old.roles:
@@ -212,6 +217,7 @@ class RoleSwitch:
         stops. Draining again waits for what is left."""
         if grace_s < 0:
             raise ValueError(f"grace_s must be ≥ 0, got {grace_s}")
+        self.draining = True  # a switch waiting for the lock will not run, nor rejoin the registry after
         async with self._one:
             start = time.monotonic()
             log.info("worker %s draining: leaving the registry", self.registration.info.worker_id)
@@ -228,6 +234,8 @@ class RoleSwitch:
             return Drained(handed_back, seconds, idle)
 
     async def _resume(self, info: WorkerInfo) -> None:
+        if self.draining:  # a switch under way when the drain came: it stays out
+            return
         await self._set_health(info.roles)
         self.runtime.accepting = True
         self.registration.join(info)

@@ -126,6 +126,10 @@ def test_a_drained_decoder_hands_back_mid_stream_and_stays_out_of_the_mesh(tiny_
             timeout=120,
         )
         assert again.returncode == 0 and "0 decodes handed back" in again.stdout and "idle" in again.stdout, again
+        with pytest.raises(grpc.RpcError) as refused, grpc.insecure_channel(decoder["address"]) as channel:
+            pb_grpc.WorkerStub(channel).SwitchRoles(pb.SwitchRolesRequest(roles=[pb.STAGE_DECODE]), timeout=30)
+        assert refused.value.code() == grpc.StatusCode.UNAVAILABLE and "draining" in refused.value.details()
+        assert decoder["address"] not in {w["address"] for w in _workers(base)}  # a drained worker stays out
         assert_pools_full(base)
 
 

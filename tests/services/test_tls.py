@@ -77,6 +77,13 @@ def test_a_tls_mesh_answers_exactly_and_refuses_clients_without_its_certificate(
         with pytest.raises(redis.AuthenticationError):
             url = f"rediss://127.0.0.1:{redis_port}/0?ssl_check_hostname=false"
             redis.Redis.from_url(url, **own.redis_kwargs(url)).ping()
+        with pytest.raises(redis.ConnectionError):  # a client certificate from another CA: Redis refuses it
+            url = f"rediss://:x@127.0.0.1:{redis_port}/0?ssl_check_hostname=false"
+            foreign = {
+                **own.redis_kwargs(url),
+                **{k: v for k, v in other.redis_kwargs(url).items() if k != "ssl_ca_certs"},
+            }
+            redis.Redis.from_url(url, **foreign).ping()
         with pytest.raises(redis.ConnectionError):  # the wrong CA
             redis.Redis.from_url(
                 f"rediss://:x@127.0.0.1:{redis_port}/0?ssl_check_hostname=false", **other.redis_kwargs("rediss://")
@@ -125,3 +132,18 @@ def test_tls_keeps_pages_on_the_encrypted_grpc_stream_unless_nixl_is_named(tmp_p
     assert make_transfer("auto", None, ChannelPool(), "plain-auto").offer == "nixl"
     assert make_transfer("nixl", None, ChannelPool(own), "tls-nixl").offer == "nixl"
     assert started == ["plain-auto", "tls-nixl"]
+
+
+def test_certificates_carry_key_identifiers_and_a_throwaway_ca_keeps_no_key(tmp_path):
+    from cryptography import x509
+
+    made = tls.init(tmp_path / "a", keep_ca_key=False)
+    assert not (tmp_path / "a" / "ca.key").exists()
+    ca, leaf = x509.load_pem_x509_certificate(made.ca), x509.load_pem_x509_certificate(made.cert)
+    ski = ca.extensions.get_extension_for_class(x509.SubjectKeyIdentifier).value.digest
+    assert leaf.extensions.get_extension_for_class(x509.AuthorityKeyIdentifier).value.key_identifier == ski
+    (tmp_path / "b").mkdir()
+    (tmp_path / "b" / "tls.key").write_text("old")
+    (tmp_path / "b" / "tls.key").chmod(0o644)
+    tls.init(tmp_path / "b")
+    assert (tmp_path / "b" / "tls.key").stat().st_mode & 0o077 == 0  # a key written over an old file is private

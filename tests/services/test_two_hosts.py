@@ -116,7 +116,11 @@ def _mesh(tiny_dir, tmp_path, ns_a, ns_b, transfer: str, env_a: dict, env_b: dic
     redis = ["redis-server", "--bind", A, "--port", "6379", "--save", "", "--appendonly", "no"]
     redis += ["--requirepass", password]
     procs.start("redis", ns_a, redis)
-    time.sleep(0.5)
+    ping = ["ip", "netns", "exec", ns_a, "redis-cli", "-h", A, "-a", password, "--no-auth-warning", "ping"]
+    deadline = time.monotonic() + 20
+    while subprocess.run(ping, capture_output=True, text=True).stdout.strip() != "PONG":  # the toggle needs it up
+        assert time.monotonic() < deadline, "redis-server did not start in host A"
+        time.sleep(0.1)
     toggle = [*python, "toggle", "--host", A, "--port", "50051"]
     procs.start("toggle", ns_a, toggle, {"EPDMESH_REDIS_URL": url})
     procs.start("ep", ns_a, [*python, "worker", "--roles", "EP", "--host", A, *engine], env_a)
