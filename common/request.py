@@ -123,6 +123,7 @@ class Request:
     num_encoded_images: int = 0
     num_cached_tokens: int = 0  # leading prompt tokens whose KV the prefix cache held at admission (not computed)
     recompute_outputs: int = 0  # output tokens the next prefill computes with the prompt (set when preempted)
+    num_slow_gaps: int = 0  # decodes here whose iteration outlasted the TBT target (`GapSlack`)
     block_table: list[int] = dataclasses.field(default_factory=list)
     image_block_table: list[int] = dataclasses.field(default_factory=list)
     output_text: str = ""
@@ -157,6 +158,14 @@ class Request:
         if not self.num_continued_tokens:
             return self.output_token_ids
         return self.prompt_token_ids[-self.num_continued_tokens :] + self.output_token_ids
+
+    @property
+    def sure_gaps(self) -> int:
+        """Gaps between output tokens it will have at least: its next token's, or all its answer's when its length
+        is fixed (`ignore_eos` without other stops, or `min_tokens`)."""
+        s = self.sampling
+        fixed = s.ignore_eos and not (s.stop or s.stop_token_ids or s.grammar)
+        return max(s.max_tokens if fixed else s.min_tokens, len(self.output_token_ids) + 1) - 1
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -15,7 +15,9 @@ Each `schedule()` forms one iteration:
      with no other new work, so images never starve behind long decode batches. With `iteration_time`, τ_t is
      also held to what the step's decodes leave of the iteration's time limit (a decode at a long context
      costs far more than the one token τ_t counts), less what iterations here overrun the profile by
-     (`observe`); a later chunk of a prompt is sized with its attention to the chunks before it.
+     (`observe`); a later chunk of a prompt is sized with its attention to the chunks before it. With `gap_slack`,
+     an iteration whose decodes can all spare one more gap past the TBT target (their P90 still within it) runs to
+     the slack's longer limit instead, and each decode in an iteration that outlasts the target counts a slow gap.
 A request whose last images a step encodes starts its prefill in that same step when τ_t has room (the
 runner encodes before the forward): it does not wait a whole iteration between its encode and its prefill.
 With `join_first` (a decoder that prefills while prefill workers hand requests over to it), the iteration
@@ -36,7 +38,7 @@ import math
 from collections import deque
 
 from common.kv_manager import ImageBlockManager, KVBlockManager
-from common.latency.budgets import IterationTime, Overrun
+from common.latency.budgets import GapSlack, IterationTime, Overrun
 from common.request import Request, RequestStatus, Stage
 
 KV_ADMISSION = ("on-demand", "worst-case")
@@ -53,6 +55,7 @@ class SchedulerConfig:
     kv_admission: str = "on-demand"  # or "worst-case": blocks for prompt + max_tokens at admission, never preempts
     image_token_cost: int = 0  # tokens of τ_t one image's encode takes in the same iteration (0: budgets apart)
     iteration_time: IterationTime | None = None  # the limit τ_t came from: new work gets what the decodes leave
+    gap_slack: GapSlack | None = None  # with `iteration_time`: iterations run long while every decode spares a gap
 
     def __post_init__(self) -> None:
         for name in ("token_budget", "image_budget", "max_num_seqs"):
@@ -62,6 +65,8 @@ class SchedulerConfig:
             raise ValueError("image_token_cost must be at least 0")
         if self.kv_admission not in KV_ADMISSION:
             raise ValueError(f"kv_admission must be one of {KV_ADMISSION}, got {self.kv_admission!r}")
+        if self.gap_slack is not None and self.iteration_time is None:
+            raise ValueError("gap_slack needs iteration_time (budgets derived from a latency profile)")
 
 
 @dataclasses.dataclass(slots=True)
@@ -155,17 +160,19 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
-        tokens, images = self.config.token_budget, self.config.image_budget
         cap = self.config.max_num_seqs  # every running decode: τ_t limits new work, never a decode's next token
         taking_turns = len(self.running) > cap
         out.decodes = self._with_room(self.running[:cap], out)
         if taking_turns:  # more arrived with their KV than the batch holds: take turns, none starves
             n = len(out.decodes)
             self.running = self.running[n:] + self.running[:n]
+        timing, tokens, images = self.config.iteration_time, self.config.token_budget, self.config.image_budget
+        if self._runs_long(out):
+            timing, tokens = self.config.gap_slack.long, self.config.gap_slack.token_budget
         tokens -= len(out.decodes)
-        context = sum(r.num_computed_tokens for r in out.decodes) if self.config.iteration_time else 0
-        if self.config.iteration_time is not None and tokens > 0:
-            tokens = self._tokens_beside(out, context, tokens)
+        context = sum(r.num_computed_tokens for r in out.decodes) if timing else 0
+        if timing is not None and tokens > 0:
+            tokens = self._tokens_beside(out, timing, context, tokens)
         joining = False
         if self.joined:  # none left once every joiner has decoded: nothing to look up
             joining = any(r.request_id in self.joined for r in out.decodes)
@@ -173,7 +180,7 @@ class Scheduler:
         if joining and self.config.join_first and self._last_had_work:
             self._last_had_work = False
             return out  # decodes only: the joiners' first gap is the iteration before plus this short one
-        self._schedule_new_work(out, tokens, images, context)
+        self._schedule_new_work(out, timing, tokens, images, context)
         self._last_had_work = bool(out.prefills or out.encodes)
         if self.config.iteration_time is not None:
             out.predicted_ms = self.config.iteration_time.predict_ms(
@@ -186,6 +193,28 @@ class Scheduler:
         carried prompt or image work teach `overrun` / `encode_overrun`, which size the next ones."""
         if out.predicted_ms and (out.prefills or out.encodes):
             (self.encode_overrun if out.encodes else self.overrun).observe(out.predicted_ms, elapsed_ms)
+        slack = self.config.gap_slack
+        if slack is not None and elapsed_ms > slack.target_ms:
+            for request in out.decodes:
+                request.num_slow_gaps += 1
+
+    def _runs_long(self, out: SchedulerOutput) -> bool:
+        """With `gap_slack`: prompt work waits and every decode of the step (if any) can spare a slow gap."""
+        if not (self.waiting or self.encoding or self.ready or self.prefilling):
+            return False
+        return self._may_run_long(out.decodes)
+
+    def _may_run_long(self, decodes: list[Request]) -> bool:
+        slack = self.config.gap_slack
+        return slack is not None and all(slack.spare(r.sure_gaps, r.num_slow_gaps) >= 1 for r in decodes)
+
+    @property
+    def long_token_budget(self) -> int:
+        """τ_t of the next iteration were prompt work to come now: the slack's where the running decodes (the next
+        step's batch) can all spare a slow gap; 0 where they cannot, or without `gap_slack`."""
+        if not self._may_run_long(self.running[: self.config.max_num_seqs]):
+            return 0
+        return self.config.gap_slack.token_budget
 
     @property
     def image_token_cost(self) -> int:
@@ -199,12 +228,12 @@ class Scheduler:
                 cost += math.ceil(extra_ms / per_token)
         return cost
 
-    def _tokens_beside(self, out: SchedulerOutput, context: int, upper: int, chunk_context: int = 0) -> int:
-        """Prompt tokens the iteration's time leaves beside its decodes (`iteration_time`, `overrun`) — at least
+    def _tokens_beside(
+        self, out: SchedulerOutput, timing: IterationTime, context: int, upper: int, chunk_context: int = 0
+    ) -> int:
+        """Prompt tokens the iteration's time (`timing`, less `overrun`) leaves beside its decodes — at least
         `MIN_CHUNK` in an iteration without other new work, so prompts never stall behind a long decode batch."""
-        fits = self.config.iteration_time.tokens_beside(
-            len(out.decodes), context, upper, chunk_context, self.overrun.ms
-        )
+        fits = timing.tokens_beside(len(out.decodes), context, upper, chunk_context, self.overrun.ms)
         return fits if fits or out.prefills or out.encodes else min(MIN_CHUNK, upper)
 
     @property
@@ -246,11 +275,13 @@ class Scheduler:
         request.status = RequestStatus.WAITING
         self.waiting.appendleft(request)
 
-    def _schedule_new_work(self, out: SchedulerOutput, tokens: int, images: int, context: int) -> None:
+    def _schedule_new_work(
+        self, out: SchedulerOutput, timing: IterationTime | None, tokens: int, images: int, context: int
+    ) -> None:
         for request in self.prefilling:
-            if self.config.iteration_time is not None and request.num_computed_tokens and tokens > 0:
+            if timing is not None and request.num_computed_tokens and tokens > 0:
                 # a later chunk attends to the prompt before it: fewer tokens fit, its own and any after it
-                tokens = self._tokens_beside(out, context, tokens, request.num_computed_tokens)
+                tokens = self._tokens_beside(out, timing, context, tokens, request.num_computed_tokens)
             tokens -= self._chunk(out, request, tokens)
         encoded = []  # partly encoded requests whose last images this step encodes
         for request in self.encoding:

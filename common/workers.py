@@ -67,6 +67,7 @@ class WorkerLoad:
     iteration_elapsed_ms: float = 0.0  # how long the iteration under way had run when this was taken (0: none)
     num_preemptions: int = 0  # since start: running requests whose KV was freed for others (recomputed or handed back)
     kv_block_size: int = 0  # tokens per KV block (0: not reported)
+    long_token_budget: int = 0  # τ_t of its next iteration, run long while its decodes spare a slow gap (0: none)
 
     @property
     def queue_length(self) -> int:
@@ -131,4 +132,5 @@ def load_of(
         kv_block_size=block_size,
         iteration_elapsed_ms=iteration_elapsed_ms,
         num_preemptions=stats.num_preemptions,
+        long_token_budget=stats.long_token_budget,
     )

@@ -102,13 +102,29 @@ def budgets(args, roles) -> dict[str, int]:
         derived_tokens = token is None
         token = derived.token_budget if token is None else token
         image = derived.image_budget if image is None else image
+        timing = IterationTime(profile, derived.limit_ms) if derived_tokens else None
         return dict(
             token_budget=token,
             image_budget=image,
             image_token_cost=derived.image_token_cost if derived_tokens else 0,
-            iteration_time=IterationTime(profile, derived.limit_ms) if derived_tokens else None,
+            iteration_time=timing,
+            gap_slack=gap_slack(args, profile, roles) if timing else None,
         )
     return dict(token_budget=2048 if token is None else token, image_budget=4 if image is None else image)
+
+
+def gap_slack(args, profile, roles):
+    """--gap-slack on a worker that decodes: its long iterations run to a prefill worker's limit (α·TTFT, with the
+    headroom). None: off."""
+    from common.latency.budgets import GapSlack, IterationTime, budgets_for
+    from common.request import Stage
+
+    if not getattr(args, "gap_slack", False) or Stage.DECODE not in roles:
+        return None
+    long = budgets_for(
+        profile, False, args.slo_ttft_ms, args.slo_tbt_ms, headroom=args.budget_headroom, alpha=args.budget_alpha
+    )
+    return GapSlack(args.slo_tbt_ms, IterationTime(profile, long.limit_ms), long.token_budget, args.gap_slack_reserve)
 
 
 def resolve_model(args) -> None:

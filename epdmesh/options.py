@@ -215,6 +215,18 @@ def add_budget_args(p: argparse.ArgumentParser) -> None:
         "such iteration. serve: auto = first where decoders also prefill beside dedicated prefill "
         "workers; elsewhere auto = off",
     )
+    p.add_argument(
+        "--gap-slack",
+        action="store_true",
+        help="with budgets from a latency profile: a decoder whose running requests can each spare a gap past "
+        "the TBT target (their P90 gap still within it) runs that iteration to α·TTFT, taking whole prompts",
+    )
+    p.add_argument(
+        "--gap-slack-reserve",
+        type=int,
+        default=0,
+        help="with --gap-slack: slow gaps each request keeps for delays its decoder does not see",
+    )
 
 
 def add_tls_arg(p) -> None:

@@ -520,4 +520,5 @@ class Engine:
             queued_images=sum(len(r.images) - r.num_encoded_images for q in (s.waiting, s.encoding) for r in q),
             decode_context_tokens=sum(r.num_tokens for r in s.running),
             num_preemptions=s.num_preemptions,
+            long_token_budget=s.long_token_budget,
         )

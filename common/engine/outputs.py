@@ -66,3 +66,4 @@ class EngineStats:
     queued_images: int = 0  # images waiting or still to encode
     decode_context_tokens: int = 0  # KV tokens of the running decodes
     num_preemptions: int = 0  # since start: running requests whose KV was freed for others (recomputed or handed back)
+    long_token_budget: int = 0  # τ_t of a next iteration run long on the decodes' gap slack (0: it may not)

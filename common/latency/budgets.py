@@ -57,6 +57,37 @@ class IterationTime:
         return iteration_ms(self.profile, images=images, decodes=decodes, decode_context=context_tokens, chunks=chunks)
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class GapSlack:
+    """A P90 TBT target lets a tenth of a request's gaps run long: a decoder whose running requests can each spare
+    one more slow gap may run an iteration to `long`'s limit (a prefill worker's, α·TTFT) and take a whole prompt
+    where TBT-sized budgets would chunk it — as colocation with whole-prompt chunks does, but only while no
+    request's P90 gap is put past the target. A request's slow gaps are counted as its iterations here run past
+    `target_ms`; how many it may have is known once its answer's length is (`sure_gaps`): no more than what
+    it already decoded, unless `ignore_eos` or `min_tokens` fix it."""
+
+    target_ms: float  # the P90 TBT target: a gap past it is slow
+    long: IterationTime  # the limit an iteration whose decodes can all spare a slow gap runs to
+    token_budget: int  # τ_t of such an iteration
+    reserve: int = 0  # slow gaps each request keeps for what this worker does not see (delivery, a hand-over's wait)
+
+    def __post_init__(self) -> None:
+        if self.target_ms <= 0 or self.token_budget < 1 or self.reserve < 0:
+            raise ValueError("GapSlack needs target_ms > 0, token_budget >= 1 and reserve >= 0")
+
+    def spare(self, sure_gaps: int, slow_gaps: int) -> int:
+        """Slow gaps a request with at least `sure_gaps` gaps, `slow_gaps` of them slow already, can still take."""
+        return slow_gaps_allowed(sure_gaps) - slow_gaps - self.reserve
+
+
+def slow_gaps_allowed(num_gaps: int) -> int:
+    """Gaps past the target that `num_gaps` gaps may hold with their P90 (linearly interpolated, as `vllm bench
+    serve` and `bench/goodput.py` take it) within the target: the gap at rank ⌈0.9·(n−1)⌉ must not be slow."""
+    if num_gaps < 1:
+        return 0
+    return num_gaps - 1 - (9 * (num_gaps - 1) + 9) // 10
+
+
 class Overrun:
     """By how much this host's iterations outlast what its profile predicts — the gateway, the page server and the
     load generator share its cores, which the profile measured without them. A high quantile of the recent

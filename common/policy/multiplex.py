@@ -199,6 +199,8 @@ def _multiplexed(d, request, encode_wait, left, ttft_ms, tbt_ms, profile, handof
     queued = d.load.queued_prefill_tokens
     total = request.num_prompt_tokens
     cached = min(request.cached_on(d), total - 1)  # the prefix d is predicted to hold: computed from there
+    if queued + total - cached <= d.load.long_token_budget - batch:
+        return _long_step(d, request, encode_wait, in_flight, cached, left, ttft_ms, profile)
     if budget is None:  # the whole prompt in one iteration beside the running decodes
         queue = prefill_ms(profile, queued)
         steps = [iteration_ms(profile, decodes=batch, decode_context=context, chunks=[(total - cached, cached)])]
@@ -228,6 +230,19 @@ def _multiplexed(d, request, encode_wait, left, ttft_ms, tbt_ms, profile, handof
     )
     tbt_over = (longest + joiner - tbt_ms) / tbt_ms if batch or handoffs else 0.0
     return _Option(PrefillPath.MULTIPLEXED, d, predicted, max(0.0, tbt_over, (predicted - left) / ttft_ms))
+
+
+def _long_step(d, request, encode_wait, in_flight, cached, left, ttft_ms, profile) -> _Option:
+    """d's decodes can each spare a gap past TBT (`long_token_budget`): its queued prompts and this one run in one
+    long iteration, which the P90 TBT of the decodes it delays allows (a request joining meanwhile spends its
+    reserve). Only its TTFT is checked."""
+    chunks = [(d.load.queued_prefill_tokens, 0)] if d.load.queued_prefill_tokens else []
+    chunks.append((request.num_prompt_tokens - cached, cached))
+    step = iteration_ms(
+        profile, decodes=d.load.running_decode_batch, decode_context=d.load.decode_context_tokens, chunks=chunks
+    )
+    predicted = encode_wait + in_flight + step
+    return _Option(PrefillPath.MULTIPLEXED, d, predicted, max(0.0, (predicted - left) / ttft_ms))
 
 
 def _join_gap_ms(d: WorkerSnapshot, profile: LatencyProfile) -> float:

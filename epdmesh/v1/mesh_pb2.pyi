@@ -285,7 +285,7 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerLoad(_message.Message):
-    __slots__ = ("num_waiting", "num_running", "running_decode_batch", "unfinished_decode_tokens", "last_iteration_ms", "kv_blocks_free", "kv_blocks_total", "image_blocks_free", "image_blocks_total", "num_leases", "iterations", "queued_prefill_tokens", "queued_images", "decode_context_tokens", "kv_tokens_free", "iteration_elapsed_ms", "num_preemptions", "kv_block_size")
+    __slots__ = ("num_waiting", "num_running", "running_decode_batch", "unfinished_decode_tokens", "last_iteration_ms", "kv_blocks_free", "kv_blocks_total", "image_blocks_free", "image_blocks_total", "num_leases", "iterations", "queued_prefill_tokens", "queued_images", "decode_context_tokens", "kv_tokens_free", "iteration_elapsed_ms", "num_preemptions", "kv_block_size", "long_token_budget")
     NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
     RUNNING_DECODE_BATCH_FIELD_NUMBER: _ClassVar[int]
@@ -304,6 +304,7 @@ class WorkerLoad(_message.Message):
     ITERATION_ELAPSED_MS_FIELD_NUMBER: _ClassVar[int]
     NUM_PREEMPTIONS_FIELD_NUMBER: _ClassVar[int]
     KV_BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    LONG_TOKEN_BUDGET_FIELD_NUMBER: _ClassVar[int]
     num_waiting: int
     num_running: int
     running_decode_batch: int
@@ -322,7 +323,8 @@ class WorkerLoad(_message.Message):
     iteration_elapsed_ms: float
     num_preemptions: int
     kv_block_size: int
-    def __init__(self, num_waiting: _Optional[int] = ..., num_running: _Optional[int] = ..., running_decode_batch: _Optional[int] = ..., unfinished_decode_tokens: _Optional[int] = ..., last_iteration_ms: _Optional[float] = ..., kv_blocks_free: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., image_blocks_free: _Optional[int] = ..., image_blocks_total: _Optional[int] = ..., num_leases: _Optional[int] = ..., iterations: _Optional[int] = ..., queued_prefill_tokens: _Optional[int] = ..., queued_images: _Optional[int] = ..., decode_context_tokens: _Optional[int] = ..., kv_tokens_free: _Optional[int] = ..., iteration_elapsed_ms: _Optional[float] = ..., num_preemptions: _Optional[int] = ..., kv_block_size: _Optional[int] = ...) -> None: ...
+    long_token_budget: int
+    def __init__(self, num_waiting: _Optional[int] = ..., num_running: _Optional[int] = ..., running_decode_batch: _Optional[int] = ..., unfinished_decode_tokens: _Optional[int] = ..., last_iteration_ms: _Optional[float] = ..., kv_blocks_free: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., image_blocks_free: _Optional[int] = ..., image_blocks_total: _Optional[int] = ..., num_leases: _Optional[int] = ..., iterations: _Optional[int] = ..., queued_prefill_tokens: _Optional[int] = ..., queued_images: _Optional[int] = ..., decode_context_tokens: _Optional[int] = ..., kv_tokens_free: _Optional[int] = ..., iteration_elapsed_ms: _Optional[float] = ..., num_preemptions: _Optional[int] = ..., kv_block_size: _Optional[int] = ..., long_token_budget: _Optional[int] = ...) -> None: ...
 
 class WorkerInfo(_message.Message):
     __slots__ = ("worker_id", "address", "roles", "model", "max_model_len", "transfer_backend", "pid", "metrics_port", "instance", "prefix_caching", "token_budget", "image_budget", "join_first")

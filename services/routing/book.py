@@ -189,10 +189,13 @@ def _plus(w: WorkerSnapshot, pending: list[Pending]) -> WorkerSnapshot:
     the decode tokens they will generate."""
     load, wid = w.load, w.worker_id
     decode_tokens = waiting = prefill_tokens = images = 0
+    long_token_budget = load.long_token_budget
     for e in pending:
         plan, summary = e.plan, e.summary
         if plan.decoder.worker_id == wid:
             decode_tokens += summary.max_tokens
+            if plan.prefill.worker_id == wid:  # a prompt sent to run beside its decodes: one long step per report
+                long_token_budget = 0
         if e.prefilled:
             continue
         if plan.prefill.worker_id == wid:
@@ -210,6 +213,7 @@ def _plus(w: WorkerSnapshot, pending: list[Pending]) -> WorkerSnapshot:
             num_waiting=load.num_waiting + waiting,
             queued_prefill_tokens=load.queued_prefill_tokens + prefill_tokens,
             queued_images=load.queued_images + images,
+            long_token_budget=long_token_budget,
         ),
     )
 
