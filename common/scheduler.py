@@ -17,7 +17,8 @@ Each `schedule()` forms one iteration:
      costs far more than the one token τ_t counts), less what iterations here overrun the profile by
      (`observe`); a later chunk of a prompt is sized with its attention to the chunks before it. With `gap_slack`,
      an iteration whose decodes can all spare one more gap past the TBT target (their P90 still within it) runs to
-     the slack's longer limit instead, and each decode in an iteration that outlasts the target counts a slow gap.
+     the slack's longer limit instead, and each decode in an iteration that outlasts the target counts a slow gap
+     (as does each request handed over while it ran: its first gap waits it out).
 A request whose last images a step encodes starts its prefill in that same step when τ_t has room (the
 runner encodes before the forward): it does not wait a whole iteration between its encode and its prefill.
 With `join_first` (a decoder that prefills while prefill workers hand requests over to it), the iteration
@@ -195,7 +196,8 @@ class Scheduler:
             (self.encode_overrun if out.encodes else self.overrun).observe(out.predicted_ms, elapsed_ms)
         slack = self.config.gap_slack
         if slack is not None and elapsed_ms > slack.target_ms:
-            for request in out.decodes:
+            # its decodes' gaps were slow, and so are the first gaps of requests handed over meanwhile: they wait it out
+            for request in [*out.decodes, *(r for r in self.running if r.request_id in self.joined)]:
                 request.num_slow_gaps += 1
 
     def _runs_long(self, out: SchedulerOutput) -> bool:

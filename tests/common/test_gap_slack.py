@@ -103,6 +103,19 @@ def test_slow_gaps_spent_end_the_slack_and_the_reserve_keeps_some():
     assert sum(c.num_tokens for c in s.schedule().prefills) < 10
 
 
+def test_a_request_handed_over_during_a_long_iteration_counts_its_first_gap_slow():
+    s = scheduler()
+    s.add(request("prompt", prompt=60))
+    plan = s.schedule()  # no decodes: a long iteration
+    joiner = Request("j", list(range(8)), SamplingParams(max_tokens=32, ignore_eos=True), first_stage=Stage.DECODE)
+    joiner.num_computed_tokens, joiner.output_token_ids = 8, [7]
+    s.add(joiner)  # its KV pulled in while that iteration runs
+    s.observe(plan, 61.0)
+    assert joiner.num_slow_gaps == 1
+    s.observe(s.schedule(), 5.0)  # its first decode here, within the target
+    assert joiner.num_slow_gaps == 1
+
+
 def test_without_decodes_an_iteration_runs_long():
     s = scheduler()
     assert s.long_token_budget == 100  # nothing to delay
