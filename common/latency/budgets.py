@@ -69,7 +69,7 @@ class GapSlack:
     target_ms: float  # the P90 TBT target: a gap past it is slow
     long: IterationTime  # the limit an iteration whose decodes can all spare a slow gap runs to
     token_budget: int  # τ_t of such an iteration
-    reserve: int = 0  # slow gaps each request keeps for what this worker does not see (delivery, a hand-over's wait)
+    reserve: int = 0  # slow gaps each request keeps for delays this worker does not see (delivery, the host)
 
     def __post_init__(self) -> None:
         if self.target_ms <= 0 or self.token_budget < 1 or self.reserve < 0:

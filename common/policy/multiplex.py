@@ -234,8 +234,8 @@ def _multiplexed(d, request, encode_wait, left, ttft_ms, tbt_ms, profile, handof
 
 def _long_step(d, request, encode_wait, in_flight, cached, left, ttft_ms, profile) -> _Option:
     """d's decodes can each spare a gap past TBT (`long_token_budget`): its queued prompts and this one run in one
-    long iteration, which the P90 TBT of the decodes it delays allows (a request joining meanwhile spends its
-    reserve). Only its TTFT is checked."""
+    long iteration, which the P90 TBT of the decodes it delays allows (a request handed over meanwhile counts its
+    first gap slow there). Only its TTFT is checked."""
     chunks = [(d.load.queued_prefill_tokens, 0)] if d.load.queued_prefill_tokens else []
     chunks.append((request.num_prompt_tokens - cached, cached))
     step = iteration_ms(
