@@ -5,11 +5,18 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from kernels import cpu_paged
 from kernels.metadata import AttentionMetadata, gather_context
 
 
 class TorchPagedAttention:
+    """`use_c`: decodes on the CPU through the C kernel (`kernels/cpu_paged.py`) where it is built; False keeps
+    them in torch (the yardstick the kernel is tested against)."""
+
     name = "torch"
+
+    def __init__(self, use_c: bool = True):
+        self.use_c = use_c
 
     def forward(
         self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float
@@ -17,7 +24,10 @@ class TorchPagedAttention:
         """q [tokens, heads, head_dim] (K/V of these tokens already written) → [tokens, heads, head_dim]."""
         out = torch.empty_like(q)
         nd = meta.num_decodes
-        if nd:
+        if nd and self.use_c and cpu_paged.supports(q, k_cache):
+            tables, lens = meta.block_tables[:nd], meta.seq_lens_t[:nd]
+            out[:nd] = cpu_paged.paged_decode(q[:nd], k_cache, v_cache, tables, lens, scale)
+        elif nd:
             out[:nd] = self._decode(q[:nd], k_cache, v_cache, meta, scale)
         start = nd
         for i in range(nd, meta.num_sequences):

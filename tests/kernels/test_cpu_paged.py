@@ -1,0 +1,123 @@
+"""The CPU decode-attention kernel in C against the torch reference it replaces, and how it is built."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from kernels import AttentionMetadata, cpu_paged
+from kernels.torch_ref import TorchPagedAttention
+from tests.kernels.test_attention import build_case
+
+pytestmark = pytest.mark.skipif(not cpu_paged.available(), reason="no C compiler on this host")
+
+
+def decode_case(dtype, num_seqs, heads, kv_heads, dim, seq_lens, block_size=16, seed=0):
+    """Decodes only: random K/V in a 2-layer cache laid out as the engine's, blocks scattered over the cache."""
+    g = torch.Generator().manual_seed(seed)
+    widths = [-(-s // block_size) for s in seq_lens]
+    num_blocks = sum(widths) + 3
+    cache = torch.randn(num_blocks, 2, 2, block_size, kv_heads, dim, generator=g).to(dtype)
+    perm = torch.randperm(num_blocks, generator=g).tolist()
+    tables, taken = [], 0
+    for w in widths:
+        tables.append(perm[taken : taken + w] + [0] * (max(widths) + 1 - w))  # padded past the longest, as may be
+        taken += w
+    meta = AttentionMetadata(
+        num_decodes=num_seqs,
+        query_lens=[1] * num_seqs,
+        seq_lens=list(seq_lens),
+        block_tables=torch.tensor(tables, dtype=torch.int32),
+        seq_lens_t=torch.tensor(seq_lens, dtype=torch.int32),
+        query_start_loc=torch.arange(num_seqs + 1, dtype=torch.int32),
+        slot_blocks=torch.zeros(num_seqs, dtype=torch.long),
+        slot_offsets=torch.zeros(num_seqs, dtype=torch.long),
+    )
+    q = torch.randn(num_seqs, heads, dim, generator=g).to(dtype)
+    return q, cache[:, 1, 0], cache[:, 1, 1], meta
+
+
+SHAPES = [  # (sequences, heads, kv heads, head_dim, context lengths)
+    (1, 8, 8, 64, [1]),
+    (3, 8, 2, 32, [5, 40, 17]),
+    (8, 8, 8, 64, [147, 16, 17, 300, 1, 64, 65, 100]),
+    (2, 32, 32, 128, [600, 33]),
+    (5, 12, 4, 80, [9, 31, 32, 33, 250]),
+]
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"{s[0]}seq-{s[1]}h-{s[2]}kv-d{s[3]}")
+def test_bf16_is_the_reference_to_the_bit_but_for_sum_order(shape):
+    """The same roundings as the reference (scores and probabilities to bf16, fp32 sums): only the order of the
+    fp32 sums differs, so outputs agree to one bf16 step and almost all to the bit."""
+    q, k, v, meta = decode_case(torch.bfloat16, *shape)
+    scale = shape[3] ** -0.5
+    ref = TorchPagedAttention._decode(q, k, v, meta, scale)
+    out = cpu_paged.paged_decode(q, k, v, meta.block_tables, meta.seq_lens_t, scale)
+    assert out.dtype == torch.bfloat16 and out.shape == q.shape
+    diff = (out.float() - ref.float()).abs()
+    step = ref.float().abs().clamp_min(2**-20) * 2**-7  # one bf16 ulp, about
+    assert (diff <= step * 1.01).all(), f"max diff {diff.max().item()}"
+    assert (diff == 0).float().mean() >= 0.9
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"{s[0]}seq-{s[1]}h-{s[2]}kv-d{s[3]}")
+def test_fp32_matches_the_reference(shape):
+    q, k, v, meta = decode_case(torch.float32, *shape)
+    scale = shape[3] ** -0.5
+    ref = TorchPagedAttention._decode(q, k, v, meta, scale)
+    out = cpu_paged.paged_decode(q, k, v, meta.block_tables, meta.seq_lens_t, scale)
+    torch.testing.assert_close(out, ref, atol=2e-6, rtol=2e-6)
+
+
+def test_the_backend_decodes_through_it_and_matches_dense_attention_with_prefills_beside():
+    q, k_cache, v_cache, meta, expected = build_case("cpu", torch.float32)
+    with_c = TorchPagedAttention().forward(q, k_cache, v_cache, meta, 32**-0.5)
+    without = TorchPagedAttention(use_c=False).forward(q, k_cache, v_cache, meta, 32**-0.5)
+    torch.testing.assert_close(with_c, expected, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(with_c, without, atol=2e-6, rtol=2e-6)
+
+
+def test_a_head_dim_beyond_the_kernel_stays_in_torch():
+    q, k, v, meta = decode_case(torch.float32, 2, 2, 1, 288, [20, 3])
+    assert not cpu_paged.supports(q, k)
+    out = TorchPagedAttention().forward(q, k, v, meta, 288**-0.5)
+    torch.testing.assert_close(out, TorchPagedAttention._decode(q, k, v, meta, 288**-0.5))
+    with pytest.raises(ValueError, match="head_dim 288"):
+        cpu_paged.paged_decode(q, k, v, meta.block_tables, meta.seq_lens_t, 288**-0.5)
+
+
+def test_it_runs_inside_a_compiled_graph():
+    q, k, v, meta = decode_case(torch.bfloat16, 4, 8, 2, 64, [10, 50, 3, 33])
+
+    def step(q, k, v, tables, lens):
+        return torch.ops.epdmesh.paged_decode(q * 2, k, v, tables, lens, 0.125) + 1
+
+    compiled = torch.compile(step, dynamic=True)
+    expected = step(q, k, v, meta.block_tables, meta.seq_lens_t)
+    torch.testing.assert_close(compiled(q, k, v, meta.block_tables, meta.seq_lens_t), expected, atol=0, rtol=0)
+
+
+def test_built_once_into_the_users_cache_and_refused_without_a_compiler(tmp_path):
+    """A fresh cache builds the library; a second process reuses it; with no working compiler attention stays the
+    torch reference, with a warning."""
+    probe = (
+        "import logging, sys; logging.basicConfig(level=logging.WARNING)\n"
+        "from kernels import cpu_paged\n"
+        "print(cpu_paged.available(), sorted(p.name for p in cpu_paged.cache_dir().glob('*.so')))\n"
+    )
+    env = dict(os.environ, EPDMESH_HOME=str(tmp_path))
+    runs = [subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True) for _ in range(2)]
+    assert [r.returncode for r in runs] == [0, 0], runs[0].stderr
+    first, second = (r.stdout.split(" ", 1) for r in runs)
+    assert first[0] == second[0] == "True" and first[1] == second[1] and ".so" in first[1]
+    broken = subprocess.run(
+        [sys.executable, "-c", probe],
+        env=dict(env, CC="/bin/false", EPDMESH_HOME=str(tmp_path / "other")),
+        capture_output=True,
+        text=True,
+    )
+    assert broken.returncode == 0 and broken.stdout.startswith("False")
+    assert "building the CPU decode attention failed" in broken.stderr
