@@ -40,6 +40,15 @@ typedef struct {
     float scale;
 } decode_shape;
 
+/* Ask for the cache lines of token `t`'s row part (heads [h0, h1)) ahead of use: the rows of a block are
+ * contiguous, but blocks lie anywhere, and a cold cache otherwise serves one row at a time. */
+static inline void prefetch_row(const decode_shape *s, const int32_t *table, int64_t t, int64_t len, int64_t block,
+                                int64_t token, int64_t head, int64_t h0, int64_t h1, const char *base, int64_t item) {
+    if (t >= len) return;
+    const char *p = base + (table[t / s->block_size] * block + (t % s->block_size) * token + h0 * head) * item;
+    for (int64_t b = 0; b < (h1 - h0) * head * item; b += 64) __builtin_prefetch(p + b);
+}
+
 /* One sequence's kv heads [h0, h1), every query head of their groups, token by token: each cached row's part for
  * these heads (heads then head_dim, contiguous) is read once, in the order it lies. `work`: the sequence's scratch,
  * scores [heads][max_len], then q and the output's sums, [heads][head_dim] each, in fp32. */
@@ -57,7 +66,11 @@ static inline __attribute__((always_inline)) void decode_heads(const decode_shap
         for (int64_t d = 0; d < dim; ++d)
             qf[r * dim + d] = bf16 ? bf16_to_f32(((const uint16_t *)q)[at + d]) : ((const float *)q)[at + d];
     }
+    const int64_t item = bf16 ? 2 : 4, ahead = 8;
+    for (int64_t t = 0; t < ahead; ++t)
+        prefetch_row(s, table, t, len, s->k_block, s->k_token, s->k_head, h0, h1, (const char *)kc, item);
     for (int64_t t = 0; t < len; ++t) {
+        prefetch_row(s, table, t + ahead, len, s->k_block, s->k_token, s->k_head, h0, h1, (const char *)kc, item);
         const int64_t base = table[t / s->block_size] * s->k_block + (t % s->block_size) * s->k_token;
         for (int64_t h = h0; h < h1; ++h) {
             const int64_t at = base + h * s->k_head;
@@ -79,7 +92,10 @@ static inline __attribute__((always_inline)) void decode_heads(const decode_shap
         for (int64_t t = 0; t < len; ++t) p[t] = bf16 ? round_bf16(p[t] / sum) : p[t] / sum;
         memset(acc + r * dim, 0, sizeof(float) * dim);
     }
+    for (int64_t t = 0; t < ahead; ++t)
+        prefetch_row(s, table, t, len, s->v_block, s->v_token, s->v_head, h0, h1, (const char *)vc, item);
     for (int64_t t = 0; t < len; ++t) {
+        prefetch_row(s, table, t + ahead, len, s->v_block, s->v_token, s->v_head, h0, h1, (const char *)vc, item);
         const int64_t base = table[t / s->block_size] * s->v_block + (t % s->block_size) * s->v_token;
         for (int64_t h = h0; h < h1; ++h) {
             const int64_t at = base + h * s->v_head;

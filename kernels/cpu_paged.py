@@ -106,18 +106,7 @@ def supports(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
     )
 
 
-@torch.library.custom_op("epdmesh::paged_decode", mutates_args=())
-def paged_decode(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    seq_lens: torch.Tensor,
-    scale: float,
-) -> torch.Tensor:
-    """q [sequences, heads, head_dim], one token each, whose K/V are already in the caches ([blocks, block_size,
-    kv_heads, head_dim], head_dim contiguous); block_tables [sequences, blocks] int32, each sequence's blocks
-    first; seq_lens [sequences] int32, each ≤ blocks × block_size → out like q."""
+def _decode(q, k_cache, v_cache, block_tables, seq_lens, scale: float) -> torch.Tensor:
     lib = _library()
     nd, heads, dim = q.shape
     kv_heads = k_cache.shape[2]
@@ -143,6 +132,49 @@ def paged_decode(
     if rc != 0:
         raise ValueError(f"paged_decode: head_dim {dim} is beyond the kernel's {MAX_HEAD_DIM}")
     return out
+
+
+@torch.library.custom_op("epdmesh::paged_decode", mutates_args=())
+def paged_decode(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """q [sequences, heads, head_dim], one token each, whose K/V are already in the caches ([blocks, block_size,
+    kv_heads, head_dim], head_dim contiguous); block_tables [sequences, blocks] int32, each sequence's blocks
+    first; seq_lens [sequences] int32, each ≤ blocks × block_size → out like q."""
+    return _decode(q, k_cache, v_cache, block_tables, seq_lens, scale)
+
+
+@torch.library.custom_op("epdmesh::paged_decode_layer", mutates_args=("cache",))
+def paged_decode_layer(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cache: torch.Tensor,
+    layer: int,
+    slot_blocks: torch.Tensor,
+    slot_offsets: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """One layer of a decode step on the whole cache ([blocks, layers, 2, block_size, kv_heads, head_dim], the
+    engine's): the new tokens' k and v [sequences, kv_heads, head_dim] written to their slots, then `paged_decode`.
+    One op that mutates the cache in place, so that a compiled step (`common/model/compiled.py`) neither copies
+    the cache nor splits around the write."""
+    k_cache, v_cache = cache[:, layer, 0], cache[:, layer, 1]
+    k_cache[slot_blocks, slot_offsets] = k
+    v_cache[slot_blocks, slot_offsets] = v
+    return _decode(q, k_cache, v_cache, block_tables, seq_lens, scale)
+
+
+@paged_decode_layer.register_fake
+def _(q, k, v, cache, layer, slot_blocks, slot_offsets, block_tables, seq_lens, scale):
+    return torch.empty_like(q, memory_format=torch.contiguous_format)
 
 
 @paged_decode.register_fake

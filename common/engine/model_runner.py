@@ -15,6 +15,7 @@ from common.paged_cache import PagedImageCache, PagedKVCache
 from common.request import Request
 from common.scheduler import SchedulerOutput
 from kernels import AttentionMetadata
+from kernels.torch_ref import TorchPagedAttention
 
 
 class ModelRunner:
@@ -33,6 +34,12 @@ class ModelRunner:
         self.attention = attention
         self.device = kv_cache.data.device
         self.image_token_id = model.cfg.image_token_id
+        # a step of decodes only runs as one compiled graph where attention is the CPU's C kernel
+        self.decode_graph = (
+            compiled.decode
+            if compiled is not None and isinstance(attention, TorchPagedAttention) and attention.use_c
+            else None
+        )
 
     @torch.inference_mode()
     def run(self, plan: SchedulerOutput) -> tuple[list[Request], torch.Tensor | None]:
@@ -42,6 +49,9 @@ class ModelRunner:
         if not (plan.decodes or plan.prefills):
             return [], None
         ids, positions, meta, sample_rows, sampling = self._prepare(plan)
+        if self.decode_graph is not None and not plan.prefills:  # every row samples, in order
+            args = (meta.block_tables, meta.seq_lens_t, meta.slot_blocks, meta.slot_offsets)
+            return sampling, self.decode_graph(self.model.text, ids, positions, self.kv_cache.data, *args)
         embeds = self.model.embed(ids)
         self._insert_image_embeddings(plan, ids, embeds, len(plan.decodes))
         hidden = self.model.text(

@@ -6,6 +6,11 @@ elementwise work (norms, rotary, activations, residual adds: most of a CPU prefi
 vectorised C++ loops; the GEMMs stay oneDNN's (`packed_linear`). The token count becomes dynamic at its second
 size, so one graph per half serves every batch (1 token has a graph of its own). Paged reads and writes stay out.
 
+A step of decodes only on the CPU (most steps of a server) runs as one compiled graph instead
+(`decode_step`): the embedding, every layer with its K/V write and attention (`kernels/cpu_paged.py`'s C kernel,
+one op per layer that mutates the cache in place), the last norm and the logits. One graph per step keeps Python
+and dynamo's guards out of the gaps between oneDNN's products, whose threads otherwise go cold between them.
+
 The model is not changed: an engine holds a `CompiledModel` and passes its functions to the forward, so an eager
 engine and a compiled one can share one model. Compiled code is C++ built by the host's compiler on first use; its
 cache is the user's (`$EPDMESH_HOME/inductor`, default ~/.cache/epdmesh/inductor), never the repository.
@@ -13,6 +18,7 @@ cache is the user's (`$EPDMESH_HOME/inductor`, default ~/.cache/epdmesh/inductor
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import time
@@ -21,8 +27,10 @@ from pathlib import Path
 import torch
 
 from common.model.clip import VisionLayer
-from common.model.llama import DecoderLayer
+from common.model.layers import RotaryEmbedding
+from common.model.llama import DecoderLayer, LlamaDecoder
 from common.model.llava import LlavaModel
+from kernels import cpu_paged
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +51,11 @@ class CompiledModel:
         # dynamo keeps compiled code on the function's code object: every engine's wrappers share it
         self.text = (torch.compile(DecoderLayer.qkv), torch.compile(DecoderLayer.finish))
         self.vision_layer = torch.compile(VisionLayer.forward)
+        weight = model.text.embed_tokens.weight
+        self.decode = None  # a step of decodes only, as one graph (CPU, where the C attention kernel is built)
+        if weight.device.type == "cpu" and weight.dtype in (torch.bfloat16, torch.float32):
+            if model.text.cfg.head_dim <= cpu_paged.MAX_HEAD_DIM and cpu_paged.available():
+                self.decode = torch.compile(decode_step, dynamic=True)
 
     @torch.inference_mode()
     def warm_up(self, text: bool = True, vision: bool = True) -> float:
@@ -59,6 +72,14 @@ class CompiledModel:
                 cos = torch.ones(n, cfg.head_dim, **like)
                 q, _, _ = qkv(layer, x, cos, torch.zeros_like(cos))
                 finish(layer, x, q)
+            if self.decode is not None:
+                cache = torch.zeros(4, cfg.num_layers, 2, 16, cfg.num_kv_heads, cfg.head_dim, **like)
+                for n, width in itertools.product((1, 2), (1, 2)):  # sequences, blocks: dynamo specialises 1s
+                    tables = torch.arange(n * width, dtype=torch.int32).view(n, width)
+                    lens = torch.full((n,), 16 * (width - 1) + 1, dtype=torch.int32)
+                    slots = tables[:, -1].long(), torch.zeros(n, dtype=torch.long)
+                    ids = torch.zeros(n, dtype=torch.long)
+                    self.decode(model.text, ids, lens.long() - 1, cache, tables, lens, *slots)
         if vision:
             vcfg = model.cfg.vision
             for images in (1, 2):
@@ -68,3 +89,29 @@ class CompiledModel:
         seconds = time.perf_counter() - start
         log.info("compiled model warmed up in %.1f s (cache %s)", seconds, os.environ["TORCHINDUCTOR_CACHE_DIR"])
         return seconds
+
+
+def decode_step(
+    text: LlamaDecoder,
+    ids: torch.Tensor,
+    positions: torch.Tensor,
+    cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    slot_blocks: torch.Tensor,
+    slot_offsets: torch.Tensor,
+) -> torch.Tensor:
+    """One token per sequence → its logits [sequences, vocab] (float32): the decoder's forward and `logits`, with
+    each layer's attention through `paged_decode_layer` on the engine's whole KV cache (`PagedKVCache.data`)."""
+    x = text.embed_tokens(ids)
+    if text.rotary is None:
+        text.rotary = RotaryEmbedding(text.cfg.head_dim, text.cfg.rope_theta, x.device)
+    cos, sin = text.rotary.cos_sin(positions, x.dtype)
+    scale = text.cfg.head_dim**-0.5
+    for i, layer in enumerate(text.layers):
+        q, k, v = DecoderLayer.qkv(layer, x, cos, sin)
+        attention = torch.ops.epdmesh.paged_decode_layer(
+            q, k, v, cache, i, slot_blocks, slot_offsets, block_tables, seq_lens, scale
+        )
+        x = DecoderLayer.finish(layer, x, attention)
+    return text.logits(x)

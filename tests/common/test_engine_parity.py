@@ -11,6 +11,7 @@ from common.engine.engine import Engine
 from common.model.loader import load_model
 from common.request import Request, Stage
 from common.scheduler import SchedulerConfig
+from kernels import cpu_paged
 from tests.conftest import SHAPES
 from tests.support import (
     Case,
@@ -85,6 +86,7 @@ def test_concurrent_batch_matches_transformers(
     scheduler = dict(token_budget=64, enable_chunked_prefill=True) if chunked else dict(enable_chunked_prefill=False)
     engine = make_engine(model_dirs, fp32_models, shape, compile=compile, **scheduler)
     assert (engine.compiled is not None) == compile
+    graph_steps = count_decode_graph_steps(engine)
     requests = build_requests(processors[shape], CASES)
     for r, case in zip(requests, CASES):
         assert r.prompt_token_ids == references(shape, torch.float32)[case.name].prompt_ids, case.name
@@ -92,6 +94,21 @@ def test_concurrent_batch_matches_transformers(
     outputs = {rid: out.output_token_ids for rid, out in finals.items()}
     assert_matches_reference(outputs, engine.captured_logits, references(shape, torch.float32))
     assert_pools_full(engine)
+    # compiled, the steps of decodes only ran as one graph (where the C attention kernel is built)
+    assert (graph_steps[0] > 10) == (compile and cpu_paged.available()), graph_steps
+
+
+def count_decode_graph_steps(engine) -> list[int]:
+    """Counts the steps the engine's runner runs through its compiled decode graph, from now on."""
+    count, graph = [0], engine.runner.decode_graph
+    if graph is not None:
+
+        def counted(*args):
+            count[0] += 1
+            return graph(*args)
+
+        engine.runner.decode_graph = counted
+    return count
 
 
 @pytest.mark.parametrize("compile", [False, True], ids=["eager", "compiled"])
