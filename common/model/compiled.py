@@ -18,13 +18,13 @@ cache is the user's (`$EPDMESH_HOME/inductor`, default ~/.cache/epdmesh/inductor
 
 from __future__ import annotations
 
-import itertools
 import logging
 import os
 import time
 from pathlib import Path
 
 import torch
+from torch._dynamo.decorators import mark_unbacked
 
 from common.model.clip import VisionLayer
 from common.model.layers import RotaryEmbedding
@@ -56,6 +56,9 @@ class CompiledModel:
         if weight.device.type == "cpu" and weight.dtype in (torch.bfloat16, torch.float32):
             if model.text.cfg.head_dim <= cpu_paged.MAX_HEAD_DIM and cpu_paged.available():
                 self.decode = torch.compile(decode_step, dynamic=True)
+                text = model.text
+                if text.rotary is None:  # (made inside the graph, it would be a guard that fails once)
+                    text.rotary = RotaryEmbedding(text.cfg.head_dim, text.cfg.rope_theta, weight.device)
 
     @torch.inference_mode()
     def warm_up(self, text: bool = True, vision: bool = True) -> float:
@@ -73,13 +76,19 @@ class CompiledModel:
                 q, _, _ = qkv(layer, x, cos, torch.zeros_like(cos))
                 finish(layer, x, q)
             if self.decode is not None:
-                cache = torch.zeros(4, cfg.num_layers, 2, 16, cfg.num_kv_heads, cfg.head_dim, **like)
-                for n, width in itertools.product((1, 2), (1, 2)):  # sequences, blocks: dynamo specialises 1s
+                cache = torch.zeros(9, cfg.num_layers, 2, 16, cfg.num_kv_heads, cfg.head_dim, **like)
+                # sizes unbacked at the first call: one graph for every count of sequences and blocks, 1 included
+                # (the calls after it find that graph; dynamo would otherwise specialise on 1s)
+                for n, width in ((3, 3), (1, 1), (1, 2), (2, 1)):
                     tables = torch.arange(n * width, dtype=torch.int32).view(n, width)
                     lens = torch.full((n,), 16 * (width - 1) + 1, dtype=torch.int32)
-                    slots = tables[:, -1].long(), torch.zeros(n, dtype=torch.long)
-                    ids = torch.zeros(n, dtype=torch.long)
-                    self.decode(model.text, ids, lens.long() - 1, cache, tables, lens, *slots)
+                    slots = torch.tensor(tables[:, -1].tolist()), torch.zeros(n, dtype=torch.long)
+                    ids, positions = torch.zeros(n, dtype=torch.long), lens.long() - 1
+                    if n == 3:
+                        for t in (ids, positions, lens, tables, *slots):
+                            mark_unbacked(t, 0)
+                        mark_unbacked(tables, 1)
+                    self.decode(model.text, ids, positions, cache, tables, lens, *slots)
         if vision:
             vcfg = model.cfg.vision
             for images in (1, 2):
@@ -104,8 +113,6 @@ def decode_step(
     """One token per sequence → its logits [sequences, vocab] (float32): the decoder's forward and `logits`, with
     each layer's attention through `paged_decode_layer` on the engine's whole KV cache (`PagedKVCache.data`)."""
     x = text.embed_tokens(ids)
-    if text.rotary is None:
-        text.rotary = RotaryEmbedding(text.cfg.head_dim, text.cfg.rope_theta, x.device)
     cos, sin = text.rotary.cos_sin(positions, x.dtype)
     scale = text.cfg.head_dim**-0.5
     for i, layer in enumerate(text.layers):
