@@ -47,6 +47,7 @@ from common.sampling import SamplingParams  # noqa: E402
 from common.scheduler import SchedulerConfig  # noqa: E402
 
 BACKEND = "real engine (torch)"  # on --device: the report states it
+ABLATIONS = {"c-attention", "decode-graph"}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -64,6 +65,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--enforce-eager", action="store_true", help="ours without torch.compile (as `serve --enforce-eager`)"
     )
     p.add_argument(
+        "--without",
+        default="",
+        help="ablation, ours only (comma list): c-attention (decode attention in torch: gathers and bmm), "
+        "decode-graph (decodes through the per-layer compiled halves)",
+    )
+    p.add_argument(
         "--token-budget", type=int, default=SchedulerConfig().token_budget, help="our scheduler's tokens/step"
     )
     p.add_argument("--workload", default="both", choices=("uniform", "mixed", "both"))
@@ -73,6 +80,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--out", default="bench/results/engine.json")
     args = p.parse_args(argv)
     args.batch_sizes = [int(b) for b in args.batch_sizes.split(",") if b.strip()]
+    args.without = sorted({w.strip() for w in args.without.split(",") if w.strip()})
+    if set(args.without) - ABLATIONS:
+        p.error(f"--without takes {sorted(ABLATIONS)}")
     args.mixed_prompt_lens, args.mixed_output_lens = (
         tuple(int(x) for x in v.split(",")) for v in (args.mixed_prompt_lens, args.mixed_output_lens)
     )
@@ -127,7 +137,11 @@ def make_engine(
         scheduler=SchedulerConfig(token_budget=args.token_budget, max_num_seqs=max_num_seqs or max(64, batch)),
         compile=not args.enforce_eager,
     )
-    return Engine(config, model=model)
+    engine = Engine(config, model=model)
+    if args.without:  # the CPU path's parts taken out one by one, to measure what each is worth
+        engine.runner.decode_graph = None
+        engine.runner.attention.use_c = "c-attention" not in args.without
+    return engine
 
 
 def run_ours(engine: Engine, ids: itertools.count, prompts: list[list[int]], max_tokens: int) -> float:
@@ -327,6 +341,7 @@ def print_meta(meta: dict) -> None:
         f"({meta['accelerator']}), "
         f"torch threads {meta['threads']}, backend {meta['backend']} vs transformers {meta['transformers']} generate; "
         f"text-only prompts; median of {meta['repeats']} after 1 warm-up"
+        + (f"; ours without {', '.join(meta['without'])}" if meta.get("without") else "")
     )
 
 
@@ -376,6 +391,7 @@ def main(argv: list[str] | None = None) -> int:
         output_len=args.output_len,
         repeats=args.repeats,
         token_budget=args.token_budget,
+        without=args.without,
         prompts="text-only (random token ids, no images)",
         workload=args.workload,
         mixed_requests_per_batch=args.mixed_requests_per_batch,

@@ -36,7 +36,13 @@ def _cpu_name() -> str:
 
 
 # the code whose speed a profile measures: a change to any of it measures again
-ENGINE_SOURCES = ("kernels/*.py", "common/model/*.py", "common/engine/model_runner.py", "common/paged_cache.py")
+ENGINE_SOURCES = (
+    "kernels/*.py",
+    "kernels/*.c",
+    "common/model/*.py",
+    "common/engine/model_runner.py",
+    "common/paged_cache.py",
+)
 
 
 def engine_digest() -> str:

@@ -3,7 +3,15 @@
 An `nn.Linear` in bf16 hands oneDNN a plain row-major weight, which it reorders into its blocked layout on every
 call: for the small batches of decode that reorder costs as much as the product (bench/README.md, "Engine").
 `pack_linears` does the reorder once at load. The product is the same oneDNN kernel, so outputs are bit-identical
-to `F.linear` (a test holds it to that); fp32 keeps MKL's sgemm, which packing would change in the last bits.
+to `F.linear` at the same row count (a test holds it to that); fp32 keeps MKL's sgemm, which packing would change
+in the last bits.
+
+Row counts come in buckets (`row_bucket`). oneDNN builds (JIT-compiles) a kernel for every new shape it meets: a
+prefill of a row count it has not seen pays 2–5 ms per weight shape, ~13 ms in all on a 550-token prefill of the
+`small` preset (54.5 against 41.1 ms, bench/README.md), and a server's prompts are all different lengths. Above 32
+rows the input is padded with zero rows to its bucket (≤ 12.5% more rows from 512 up) and the product sliced back,
+so a few dozen shapes serve every prompt. A padded product can differ from the unpadded one in the last bit, where
+oneDNN picks another kernel for the padded count: within bf16's rounding, which the parity tests bound.
 """
 
 from __future__ import annotations
@@ -26,11 +34,27 @@ def can_pack(dtype: torch.dtype, device: torch.device) -> bool:
     )
 
 
+def row_bucket(rows: int) -> int:
+    """The row count a product of `rows` rows runs at: itself up to 32 (decode batches), then the next multiple of
+    32 up to 512, of 64 up to 1024, of 128 up to 2048, of 256 beyond."""
+    if rows <= 32:
+        return rows
+    step = 32 if rows <= 512 else 64 if rows <= 1024 else 128 if rows <= 2048 else 256
+    return -(-rows // step) * step
+
+
 @torch.library.custom_op("epdmesh::packed_linear", mutates_args=())
 def packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
     """oneDNN's product with a packed weight, as an op of our own: inductor (`compiled.py`) calls it as it is,
-    where it would try to lower the mkldnn op itself and fail on dynamic shapes."""
-    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+    where it would try to lower the mkldnn op itself and fail on dynamic shapes. Rows padded to their bucket."""
+    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    bucket = row_bucket(rows)
+    if bucket == rows:
+        return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+    padded = x.new_zeros(bucket, x.shape[-1])
+    padded[:rows] = x.reshape(rows, x.shape[-1])
+    out = torch.ops.mkldnn._linear_pointwise(padded, weight, bias, "none", [], "")
+    return out[:rows].view(*x.shape[:-1], out_features)
 
 
 @packed_linear.register_fake
