@@ -13,6 +13,11 @@ ENV PYTHONUNBUFFERED=1 \
 
 WORKDIR /opt/epdmesh
 
+# 0. A C/C++ compiler: serve compiles the model's dense path with inductor on the CPU and builds the C decode
+#    attention (kernels/cpu_paged.c) at start-up (without one, serve needs --enforce-eager).
+RUN apt-get update && apt-get install -y --no-install-recommends gcc g++ libc6-dev \
+    && rm -rf /var/lib/apt/lists/*
+
 # 1. torch first, from the CPU index: an unpinned torch from PyPI pulls a multi-GB CUDA build.
 #    Keep the pin equal to pyproject.toml's (tests/test_compose.py checks it); 2.13.0+cpu satisfies torch==2.13.0.
 RUN pip install --index-url https://download.pytorch.org/whl/cpu torch==2.13.0

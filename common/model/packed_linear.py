@@ -51,8 +51,9 @@ def packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     bucket = row_bucket(rows)
     if bucket == rows:
         return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
-    padded = x.new_zeros(bucket, x.shape[-1])
+    padded = x.new_empty(bucket, x.shape[-1])
     padded[:rows] = x.reshape(rows, x.shape[-1])
+    padded[rows:] = 0
     out = torch.ops.mkldnn._linear_pointwise(padded, weight, bias, "none", [], "")
     return out[:rows].view(*x.shape[:-1], out_features)
 
