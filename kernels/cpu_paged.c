@@ -40,13 +40,58 @@ typedef struct {
     float scale;
 } decode_shape;
 
+/* `dim` values of `src` from element `at` as fp32. */
+static inline void load_f32(const void *src, int64_t at, int64_t dim, float *dst, const int bf16) {
+    for (int64_t d = 0; d < dim; ++d)
+        dst[d] = bf16 ? bf16_to_f32(((const uint16_t *)src)[at + d]) : ((const float *)src)[at + d];
+}
+
+/* Where token `t`'s row starts in a cache with these block and token strides. */
+static inline int64_t row_start(const decode_shape *s, const int32_t *table, int64_t t, int64_t block, int64_t token) {
+    return table[t / s->block_size] * block + (t % s->block_size) * token;
+}
+
 /* Ask for the cache lines of token `t`'s row part (heads [h0, h1)) ahead of use: the rows of a block are
  * contiguous, but blocks lie anywhere, and a cold cache otherwise serves one row at a time. */
 static inline void prefetch_row(const decode_shape *s, const int32_t *table, int64_t t, int64_t len, int64_t block,
-                                int64_t token, int64_t head, int64_t h0, int64_t h1, const char *base, int64_t item) {
+                                int64_t token, int64_t head, int64_t h0, int64_t h1, const void *cache, int64_t item) {
     if (t >= len) return;
-    const char *p = base + (table[t / s->block_size] * block + (t % s->block_size) * token + h0 * head) * item;
+    const char *p = (const char *)cache + (row_start(s, table, t, block, token) + h0 * head) * item;
     for (int64_t b = 0; b < (h1 - h0) * head * item; b += 64) __builtin_prefetch(p + b);
+}
+
+/* One pass over a sequence's cached rows of heads [h0, h1), each read once in the order it lies, the rows ahead
+ * prefetched. Keys (`values` 0): each query head's score against the row, rounded as the reference rounds it. Values
+ * (1): the row added into each query head's sums, weighted by its probability (`scores` by then). */
+static inline __attribute__((always_inline)) void rows_pass(const decode_shape *s, const int32_t *table, int64_t len,
+                                                           int64_t h0, int64_t h1, const void *cache, int64_t block,
+                                                           int64_t token, int64_t head, const float *qf,
+                                                           float *scores, float *acc, const int bf16,
+                                                           const int values) {
+    const int64_t group = s->num_heads / s->num_kv_heads, dim = s->head_dim, item = bf16 ? 2 : 4, ahead = 8;
+    float row[MAX_HEAD_DIM];
+    for (int64_t t = 0; t < ahead; ++t) prefetch_row(s, table, t, len, block, token, head, h0, h1, cache, item);
+    for (int64_t t = 0; t < len; ++t) {
+        prefetch_row(s, table, t + ahead, len, block, token, head, h0, h1, cache, item);
+        const int64_t base = row_start(s, table, t, block, token);
+        for (int64_t h = h0; h < h1; ++h) {
+            load_f32(cache, base + h * head, dim, row, bf16);
+            for (int64_t r = h * group; r < (h + 1) * group; ++r) {
+                if (values) {
+                    const float w = scores[r * s->max_len + t];
+                    float *ar = acc + r * dim;
+#pragma omp simd
+                    for (int64_t d = 0; d < dim; ++d) ar[d] += w * row[d];
+                } else {
+                    const float *qr = qf + r * dim;
+                    float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+                    for (int64_t d = 0; d < dim; ++d) dot += qr[d] * row[d];
+                    scores[r * s->max_len + t] = (bf16 ? round_bf16(dot) : dot) * s->scale;
+                }
+            }
+        }
+    }
 }
 
 /* One sequence's kv heads [h0, h1), every query head of their groups, token by token: each cached row's part for
@@ -60,31 +105,9 @@ static inline __attribute__((always_inline)) void decode_heads(const decode_shap
     const int64_t group = s->num_heads / s->num_kv_heads, dim = s->head_dim, len = seq_lens[seq];
     const int64_t r0 = h0 * group, r1 = h1 * group; /* query heads */
     const int32_t *table = tables + seq * s->table_width;
-    float *scores = work, *qf = work + s->num_heads * s->max_len, *acc = qf + s->num_heads * dim, row[MAX_HEAD_DIM];
-    for (int64_t r = r0; r < r1; ++r) {
-        const int64_t at = seq * s->q_seq + r * s->q_head;
-        for (int64_t d = 0; d < dim; ++d)
-            qf[r * dim + d] = bf16 ? bf16_to_f32(((const uint16_t *)q)[at + d]) : ((const float *)q)[at + d];
-    }
-    const int64_t item = bf16 ? 2 : 4, ahead = 8;
-    for (int64_t t = 0; t < ahead; ++t)
-        prefetch_row(s, table, t, len, s->k_block, s->k_token, s->k_head, h0, h1, (const char *)kc, item);
-    for (int64_t t = 0; t < len; ++t) {
-        prefetch_row(s, table, t + ahead, len, s->k_block, s->k_token, s->k_head, h0, h1, (const char *)kc, item);
-        const int64_t base = table[t / s->block_size] * s->k_block + (t % s->block_size) * s->k_token;
-        for (int64_t h = h0; h < h1; ++h) {
-            const int64_t at = base + h * s->k_head;
-            for (int64_t d = 0; d < dim; ++d)
-                row[d] = bf16 ? bf16_to_f32(((const uint16_t *)kc)[at + d]) : ((const float *)kc)[at + d];
-            for (int64_t r = h * group; r < (h + 1) * group; ++r) {
-                const float *qr = qf + r * dim;
-                float dot = 0.0f;
-#pragma omp simd reduction(+ : dot)
-                for (int64_t d = 0; d < dim; ++d) dot += qr[d] * row[d];
-                scores[r * s->max_len + t] = (bf16 ? round_bf16(dot) : dot) * s->scale;
-            }
-        }
-    }
+    float *scores = work, *qf = work + s->num_heads * s->max_len, *acc = qf + s->num_heads * dim;
+    for (int64_t r = r0; r < r1; ++r) load_f32(q, seq * s->q_seq + r * s->q_head, dim, qf + r * dim, bf16);
+    rows_pass(s, table, len, h0, h1, kc, s->k_block, s->k_token, s->k_head, qf, scores, acc, bf16, 0);
     for (int64_t r = r0; r < r1; ++r) {
         float *p = scores + r * s->max_len, top = -INFINITY, sum = 0.0f;
         for (int64_t t = 0; t < len; ++t) top = p[t] > top ? p[t] : top;
@@ -92,23 +115,7 @@ static inline __attribute__((always_inline)) void decode_heads(const decode_shap
         for (int64_t t = 0; t < len; ++t) p[t] = bf16 ? round_bf16(p[t] / sum) : p[t] / sum;
         memset(acc + r * dim, 0, sizeof(float) * dim);
     }
-    for (int64_t t = 0; t < ahead; ++t)
-        prefetch_row(s, table, t, len, s->v_block, s->v_token, s->v_head, h0, h1, (const char *)vc, item);
-    for (int64_t t = 0; t < len; ++t) {
-        prefetch_row(s, table, t + ahead, len, s->v_block, s->v_token, s->v_head, h0, h1, (const char *)vc, item);
-        const int64_t base = table[t / s->block_size] * s->v_block + (t % s->block_size) * s->v_token;
-        for (int64_t h = h0; h < h1; ++h) {
-            const int64_t at = base + h * s->v_head;
-            for (int64_t d = 0; d < dim; ++d)
-                row[d] = bf16 ? bf16_to_f32(((const uint16_t *)vc)[at + d]) : ((const float *)vc)[at + d];
-            for (int64_t r = h * group; r < (h + 1) * group; ++r) {
-                const float w = scores[r * s->max_len + t];
-                float *ar = acc + r * dim;
-#pragma omp simd
-                for (int64_t d = 0; d < dim; ++d) ar[d] += w * row[d];
-            }
-        }
-    }
+    rows_pass(s, table, len, h0, h1, vc, s->v_block, s->v_token, s->v_head, qf, scores, acc, bf16, 1);
     for (int64_t r = r0; r < r1; ++r) {
         const int64_t at = seq * s->o_seq + r * s->o_head;
         for (int64_t d = 0; d < dim; ++d) {
