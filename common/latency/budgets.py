@@ -51,6 +51,7 @@ class IterationTime:
             ),
             limit,
             upper,
+            _chunk_guess(self.profile, decodes, context_tokens, chunk_context, limit),
         )
 
     def predict_ms(self, images: int, decodes: int, context_tokens: int, chunks: list[tuple[int, int]]) -> float:
@@ -110,8 +111,13 @@ class Overrun:
         self.ms = max(ranked[min(len(ranked) - 1, int(self.quantile * len(ranked)))], 0.0)
 
 
-def largest_within(time_of: Callable[[int], float], limit_ms: float, upper: int) -> int:
-    """Largest x in [1, upper] with time_of(x) <= limit_ms (time_of non-decreasing); 0 if none."""
+def largest_within(time_of: Callable[[int], float], limit_ms: float, upper: int, guess: int | None = None) -> int:
+    """Largest x in [1, upper] with time_of(x) <= limit_ms (time_of non-decreasing); 0 if none. `guess`: where the
+    answer is likely to be (a closed form's); two calls confirm it, else the binary search decides."""
+    guess = None if guess is None else min(guess, upper)
+    if guess is not None and guess >= 1 and time_of(guess) <= limit_ms:
+        if guess == upper or time_of(guess + 1) > limit_ms:
+            return guess
     if time_of(1) > limit_ms:
         return 0
     lo, hi = 1, upper
@@ -122,6 +128,29 @@ def largest_within(time_of: Callable[[int], float], limit_ms: float, upper: int)
         else:
             hi = mid - 1
     return lo
+
+
+def _chunk_guess(profile: LatencyProfile, decodes: int, context: int, chunk_context: int, limit_ms: float) -> int:
+    """The chunk `IterationTime.tokens_beside` finds, solved from `iteration_ms`'s form: with d decodes, t prompt
+    tokens after c of their prompt, the time is overhead + decode KV reads + c·t + t²/2 attention terms + the larger
+    of the weights' floor and the compute of d + t tokens — the larger of two quadratics in t, each ≤ the limit."""
+    pre = profile.prefill
+    fixed = pre.overhead_ms + profile.decode.quadratic_ms * context
+    a, b = pre.quadratic_ms / 2, pre.quadratic_ms * chunk_context
+    roots = (
+        _root(a, b, fixed + pre.floor_ms - limit_ms),
+        _root(a, b + pre.per_unit_ms, fixed + pre.per_unit_ms * (decodes + pre.half_units) - limit_ms),
+    )
+    best = min(roots)
+    return int(best) if 1 <= best < 1 << 31 else 1
+
+
+def _root(a: float, b: float, c: float) -> float:
+    """The largest t with a·t² + b·t + c ≤ 0 (a, b ≥ 0), inf where every t is."""
+    if a > 0:
+        disc = b * b - 4 * a * c
+        return (-b + disc**0.5) / (2 * a) if disc >= 0 else -1.0
+    return -c / b if b > 0 else (float("inf") if c <= 0 else -1.0)
 
 
 def stage_limit_ms(has_decode: bool, ttft_ms: float, tbt_ms: float, alpha: float = ALPHA, joins: bool = False) -> float:

@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from common.latency import LatencyProfile, StageCost, decode_ms, encode_ms, prefill_chunk_ms, prefill_ms, transfer_ms
-from common.latency.budgets import IterationTime, Overrun, budgets_for, largest_within, stage_limit_ms
+from common.latency.budgets import IterationTime, Overrun, _chunk_guess, budgets_for, largest_within, stage_limit_ms
 from common.latency.model import iteration_ms
 from common.latency.roofline import LLAVA_15_7B, TRIINFER_H20, analytic_profile, saturation_points
 
@@ -93,6 +93,36 @@ def test_an_iterations_decodes_leave_fewer_prompt_tokens_the_longer_their_contex
         assert iteration_ms(p, decodes=decodes, decode_context=context, chunks=[(tokens, 0)]) <= limit
         assert iteration_ms(p, decodes=decodes, decode_context=context, chunks=[(tokens + 1, 0)]) > limit
     assert time.tokens_beside(8, 8000, upper=10) == 10 and time.tokens_beside(8, 10**6, 1 << 15) == 0
+
+
+def test_the_chunk_beside_decodes_is_found_from_its_closed_form_as_the_search_finds_it():
+    """`tokens_beside` starts from the closed form's guess: the same answer as the plain binary search, for profiles
+    with and without a floor or attention term; the guess is the answer but at a float's edge."""
+    import random
+
+    rng = random.Random(7)
+    profiles = [profile(), analytic_profile("H20"), profile(prefill=StageCost(overhead_ms=1.0, per_unit_ms=0.05))]
+    hits = tried = 0
+    for p in profiles:
+        for _ in range(300):
+            limit = rng.uniform(1, 400)
+            decodes, context, chunk_context = rng.randint(0, 256), rng.randint(0, 300_000), rng.randint(0, 4000)
+            upper, overrun = rng.choice([1 << 15, rng.randint(1, 3000)]), rng.choice([0.0, rng.uniform(0, 50)])
+            time = IterationTime(p, limit)
+
+            def time_of(t, d=decodes, c=context, cc=chunk_context, p=p):
+                return iteration_ms(p, decodes=d, decode_context=c, chunks=((t, cc),))
+
+            within = max(limit - overrun, limit / 4)
+            plain = largest_within(time_of, within, upper)
+            assert time.tokens_beside(decodes, context, upper, chunk_context, overrun) == plain
+            if 1 < plain < upper:
+                tried += 1
+                hits += _chunk_guess(p, decodes, context, chunk_context, within) == plain
+    assert tried > 200 and hits >= 0.99 * tried
+    # a wrong guess costs calls, never the answer
+    assert largest_within(lambda x: x * x, 50, 1000, guess=3) == largest_within(lambda x: x * x, 50, 1000, 900) == 7
+    assert largest_within(lambda x: 10 + x, 5, 1000, guess=1) == 0
 
 
 def test_h20_roofline_saturates_where_triinfer_measured():
