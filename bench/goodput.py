@@ -45,7 +45,17 @@ if not __package__:
 from bench import conversation  # noqa: E402
 from bench.goodput_launch import launched, log_path, serve_args_of  # noqa: E402
 from bench.goodput_report import add_bound, finish, instances_of, replot  # noqa: E402
-from bench.workloads import SHAPES, WORKLOADS, arrivals, request_bodies, trace_scale_of, trace_times  # noqa: E402
+from bench.workloads import (  # noqa: E402
+    SHAPES,
+    WORKLOADS,
+    arrivals,
+    phase_sizes,
+    phased_bodies,
+    phases_of,
+    request_bodies,
+    trace_scale_of,
+    trace_times,
+)
 
 PERCENTILES = (50, 90, 99)
 
@@ -246,11 +256,22 @@ def workload_of(workload: str, calibrate, model: str, args) -> tuple:
     `conversation` is planned on the server's own tokenizer (`bench/conversation.py`): `calibrate()` gives its
     `Vocabulary`."""
     scale = trace_scale_of(workload, args.trace_scale)
+    phases = phases_of(workload)
+    if phases:
+        weights = [size / args.num_prompts for size in phase_sizes(args.num_prompts, len(phases))]
+        return (
+            lambda variant: phased_bodies(phases, args.num_prompts, model, seed=args.seed, variant=variant),
+            {
+                "output_tokens": sum(w * s.output_tokens for w, s in zip(weights, phases)),
+                "images_per_request": sum(w * s.images for w, s in zip(weights, phases)),
+                "phases": [s.name for s in phases],
+            },
+        )
     if scale is None:
         shape = SHAPES[workload]
         return (
             lambda variant: request_bodies(shape, args.num_prompts, model, seed=args.seed, variant=variant),
-            {"output_tokens": shape.output_tokens},
+            {"output_tokens": shape.output_tokens, "images_per_request": shape.images},
         )
     vocab = calibrate()
     planned = conversation.plan(args.num_prompts, args.seed, vocab, scale)
@@ -364,7 +385,8 @@ def parse_args(argv=None, prog: str = "epdmesh bench goodput", description: str 
         default="textcaps",
         help=f"comma-separated: {', '.join(WORKLOADS)} (conversation: "
         "the trace's own lengths and shared prefixes, bench/conversation.py; conversation/8: with its "
-        "own --trace-scale, so one launch can sweep two)",
+        "own --trace-scale, so one launch can sweep two; document>detail>document: a load that shifts, the "
+        "requests in equal runs of those shapes, bench/workloads.phases_of)",
     )
     p.add_argument(
         "--trace-scale",

@@ -15,8 +15,9 @@ from bench.workloads import SHAPES
 def add_bound(result: dict, profile, instances: int) -> None:
     """The shape's goodput bound on `instances` accelerators of `profile` (`common.latency.goodput_bound`:
     what no scheduler can exceed) and the fraction of it this configuration reached. Every dataset shape has one
-    image; the prompt length is the mean the server reported. A conversation's bound is over its own requests,
-    each costing only what an earlier request of the window does not share with it (its image neither, then)."""
+    image (`multiimage`: four); the prompt length is the mean the server reported. A conversation's bound is over
+    its own requests, each costing only what an earlier request of the window does not share with it (its image
+    neither, then)."""
     from common.latency import goodput_bound, request_cost_ms
 
     done = next((p for p in result["points"] if p["completed"]), None)
@@ -30,7 +31,8 @@ def add_bound(result: dict, profile, instances: int) -> None:
         result["goodput_bound"] = instances * 1e3 * len(costs) / sum(costs)
     else:
         prompt = round(done["total_input_tokens"] / done["completed"])
-        result["goodput_bound"] = goodput_bound(profile, instances, prompt, 1, result["output_tokens"])
+        images = result.get("images_per_request", 1)
+        result["goodput_bound"] = goodput_bound(profile, instances, prompt, images, result["output_tokens"])
     result["fraction_of_bound"] = result["goodput"] / result["goodput_bound"]
 
 
@@ -100,6 +102,8 @@ def _shape_text(report: dict, workload: str) -> str:
             f"trace lengths ÷{run['trace_scale']}, {run['mean_prompt_tokens']:.0f} prompt / "
             f"{run['output_tokens']:.0f} output tokens (means), {run['ideal_shared_fraction']:.0%} shared"
         )
+    if "phases" in run:
+        return f"phases {' > '.join(run['phases'])}, {run['output_tokens']:.0f} output tokens (mean)"
     return f"{run.get('output_tokens', SHAPES[workload].output_tokens if workload in SHAPES else '?')} output tokens"
 
 

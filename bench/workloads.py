@@ -15,6 +15,7 @@ dataset's and images are synthetic JPEGs of a typical size for it (every image b
 | vizwiz   | "<question>? (b) (a)" | 25–35 | 10 | 480×640 |
 | detail   | "Describe this image in detail." (+ what to cover) | 5–16 | 384 | 512×384 |
 | document | "Page text: <the page's OCR text>. <question>? (a)" | 370–430 | 16 | 512×384 |
+| multiimage | "Here are four pictures. <a question comparing them>" (four images) | 14–20 | 32 | 4 × 512×384 |
 
 (a) "Answer the question using a single word or phrase."
 (b) "When the provided information is insufficient, respond with 'Unanswerable'."
@@ -22,7 +23,9 @@ dataset's and images are synthetic JPEGs of a typical size for it (every image b
 Output lengths follow each dataset's answers (TextCaps captions ≈ 12 words; POPE/MME yes/no; TextVQA and
 VizWiz a word or short phrase, padded to 10 tokens). Two shapes stand at the ends of the stage mix: `detail`,
 LLaVA-Bench's detailed description, whose answers run to a few hundred tokens (decode-heavy), and `document`, a
-question about a scanned page whose OCR text comes with the prompt (~1,000 text tokens; prefill-heavy).
+question about a scanned page whose OCR text comes with the prompt (~1,000 text tokens; prefill-heavy); and
+`multiimage`, a question over four pictures at once (multi-image benchmarks such as MMMU and BLINK; 2,304 image
+tokens: encode-heavy, where the papers expect an encode stage of its own to pay).
 Arrivals: the Mooncake conversation trace's timestamps (`bench/data/`, one hour of production traffic, recorded
 in 3 s slots: each slot's requests are spread uniformly over it), a window of `n` consecutive requests rescaled
 so its mean rate is the target rate — the trace's burstiness at any rate; or a Poisson process.
@@ -95,6 +98,7 @@ class Shape:
     name: str
     output_tokens: int
     image_size: tuple[int, int]
+    images: int = 1  # per request
 
     def prompt(self, rng: random.Random) -> str:
         return _PROMPTS[self.name](rng)
@@ -152,6 +156,18 @@ def _vizwiz(rng: random.Random) -> str:
     )
 
 
+def _multiimage(rng: random.Random) -> str:
+    question = rng.choice(
+        [
+            "What do they have in common, and how does each differ from the others?",
+            f"In which of them is there a {rng.choice(OBJECTS)}?",
+            "Put them in the order they were most likely taken, and say why.",
+            "Which one does not belong with the others?",
+        ]
+    )
+    return "Here are four pictures. " + question
+
+
 def _detail(rng: random.Random) -> str:
     cover = rng.choice(["", " Include the objects, their colors and where they are.", " Mention any visible text."])
     return "Describe this image in detail." + cover
@@ -166,6 +182,7 @@ def _document(rng: random.Random) -> str:
 _PROMPTS = {
     "detail": _detail,
     "document": _document,
+    "multiimage": _multiimage,
     "textcaps": _textcaps,
     "pope": _pope,
     "mme": _mme,
@@ -180,19 +197,53 @@ SHAPES = {
     "vizwiz": Shape("vizwiz", 10, (480, 640)),
     "detail": Shape("detail", 384, (512, 384)),
     "document": Shape("document", 16, (512, 384)),
+    "multiimage": Shape("multiimage", 32, (512, 384), images=4),
 }
 WORKLOADS = (*SHAPES, "conversation")  # conversation: bench/conversation.py
 TRACE_BLOCK_TOKENS = 512  # the Mooncake trace's hash ids each stand for this many prompt tokens
 
 
+def phases_of(workload: str) -> list[Shape] | None:
+    """A load that shifts between dataset shapes, `document>detail>document`: the requests in that many equal runs,
+    one shape each, in that order (the arrivals are the workload's as any other's, so each phase lasts its share
+    of the point's time); None for any other workload. Raises ValueError naming an unknown shape."""
+    if ">" not in workload:
+        return None
+    names = [n.strip() for n in workload.split(">")]
+    for name in names:
+        if name not in SHAPES:
+            raise ValueError(f"{workload!r}: each phase is a dataset shape ({', '.join(SHAPES)}); got {name!r}")
+    return [SHAPES[n] for n in names]
+
+
+def phased_bodies(phases: list[Shape], n: int, model: str, seed: int = 0, variant: int = 0) -> list[dict]:
+    """`n` request bodies in len(phases) consecutive runs (sizes within one of each other), each run the bodies of
+    its shape (`request_bodies`) with its own prompts and pictures — a shape met again is not a cache hit."""
+    return [
+        body
+        for i, (shape, size) in enumerate(zip(phases, phase_sizes(n, len(phases))))
+        for body in request_bodies(shape, size, model, seed=seed * len(phases) + i, variant=variant)
+    ]
+
+
+def phase_sizes(n: int, phases: int) -> list[int]:
+    """How many of `n` requests each of `phases` runs holds: equal, the first ones one more where n does not divide."""
+    return [n // phases + (i < n % phases) for i in range(phases)]
+
+
 def trace_scale_of(workload: str, default: int) -> int | None:
     """A conversation workload's trace scale: `conversation/8` names its own, `conversation` takes `default`;
-    None for a dataset shape. Raises ValueError for a name that is neither, or a scale that does not divide the
-    trace's 512-token blocks."""
+    None for a dataset shape or a shift between them (`phases_of`). Raises ValueError for a name that is neither,
+    or a scale that does not divide the trace's 512-token blocks."""
+    if phases_of(workload):
+        return None
     name, slash, scale = workload.partition("/")
     if name != "conversation":
         if name not in SHAPES or slash:
-            raise ValueError(f"unknown workload {workload!r}; choose from {', '.join(WORKLOADS)} or conversation/N")
+            raise ValueError(
+                f"unknown workload {workload!r}; choose from {', '.join(WORKLOADS)}, conversation/N or A>B>… "
+                "(a shift between shapes)"
+            )
         return None
     value = default if not slash else int(scale) if scale.isdigit() else 0
     if value < 1 or TRACE_BLOCK_TOKENS % value:
@@ -244,12 +295,13 @@ def request_bodies(
     shape: Shape, n: int, model: str, seed: int = 0, distinct_images: int | None = None, variant: int = 0
 ) -> list[dict]:
     """`n` OpenAI chat-completion bodies (streaming, usage in the last chunk, fixed output length; token ids in
-    each chunk, so a token that adds no text — EOS, with `ignore_eos` — still counts as a token event). Each has an
-    image of its own, as in the datasets (`distinct_images`: that many, taken in turn): an image sent again would be
-    a prefix-cache hit on a server that caches prefixes (epdmesh serve's default) — so a sweep gives every rate
-    point its own `variant` of the images (the same prompts and pictures, other files)."""
+    each chunk, so a token that adds no text — EOS, with `ignore_eos` — still counts as a token event). Each has
+    images of its own (`shape.images`), as in the datasets (`distinct_images`: that many, taken in turn): an image
+    sent again would be a prefix-cache hit on a server that caches prefixes (epdmesh serve's default) — so a sweep
+    gives every rate point its own `variant` of the images (the same prompts and pictures, other files)."""
     rng = random.Random(seed)
-    uris = images(shape, min(n, distinct_images or n), seed, variant)
+    k = shape.images
+    uris = images(shape, min(n * k, distinct_images or n * k), seed, variant)
     return [
         {
             "model": model,
@@ -263,7 +315,7 @@ def request_bodies(
                 {
                     "role": "user",
                     "content": [
-                        {"type": "image_url", "image_url": {"url": uris[i % len(uris)]}},
+                        *({"type": "image_url", "image_url": {"url": uris[(i * k + j) % len(uris)]}} for j in range(k)),
                         {"type": "text", "text": shape.prompt(rng)},
                     ],
                 }

@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import dataclasses
+import itertools
 import json
 import logging
 import math
@@ -37,7 +38,7 @@ from pathlib import Path
 
 from bench import conversation
 from bench.goodput import crossing, workload_of
-from bench.workloads import arrivals, trace_scale_of, trace_times
+from bench.workloads import arrivals, phase_sizes, phases_of, trace_scale_of, trace_times
 from common.latency.model import request_cost_ms
 from common.latency.roofline import load_profile
 from common.policy import placement
@@ -137,7 +138,7 @@ def serve_args(topology: str, routing: str, args, profile: bool = True) -> list[
 
 # ----- one deployment, in a worker process -----
 
-_PROMPTS: dict[str, list] = {}  # workload → its prompts (set in each process by `_init`)
+_PROMPTS: dict[str, list[list]] = {}  # workload → its prompts, a run per phase (set in each process by `_init`)
 
 
 def _init(prompts: dict[str, list]) -> None:
@@ -160,7 +161,7 @@ def goodput_search(job: dict) -> dict:
     points = []
 
     def attained(rate: float) -> float:
-        sent = prompts[: max(MIN_REQUESTS, math.ceil(rate * job["duration"]))]
+        sent = sent_at(prompts, max(MIN_REQUESTS, math.ceil(rate * job["duration"])))
         times = arrivals(len(sent), rate, job["arrival"], job["seed"], gaps)
         point = run_point(setup, sent, times, rate, ns)
         points.append({k: point[k] for k in _KEPT})
@@ -186,6 +187,11 @@ def goodput_search(job: dict) -> dict:
         "wall_s": time.perf_counter() - start,
         **({"baseline": job["baseline"]} if "baseline" in job else {}),
     }
+
+
+def sent_at(runs: list[list], count: int) -> list:
+    """The `count` prompts a point sends: the first of each phase's run, each phase its share (one run: a prefix)."""
+    return [p for run, share in zip(runs, phase_sizes(count, len(runs))) for p in run[:share]]
 
 
 _KEPT = (
@@ -223,7 +229,9 @@ def main(argv=None) -> int:
         loads[workload], bounds[workload] = _load_and_bound(workload, probe, hardware, args)
         args.num_prompts = max(SAMPLE, math.ceil(bounds[workload] * args.duration))
         bodies_of, _ = workload_of(workload, lambda: conversation.calibrate_with(probe.count_tokens), probe.model, args)
-        prompts[workload] = [probe.prompt(body) for body in bodies_of(0)]
+        made = iter([probe.prompt(body) for body in bodies_of(0)])
+        runs = phase_sizes(args.num_prompts, len(phases_of(workload) or [workload]))
+        prompts[workload] = [list(itertools.islice(made, size)) for size in runs]
     common = {
         "steps": args.steps,
         "attainment": args.attainment,

@@ -72,6 +72,51 @@ def test_attainment_needs_ttft_and_p90_tbt_and_metrics_use_vllms_names(tmp_path)
     assert (tmp_path / "p.png").stat().st_size > 5000
 
 
+def test_multiimage_requests_carry_four_images_of_their_own_and_their_bound_counts_them():
+    from bench.goodput_report import add_bound
+    from common.latency import goodput_bound
+    from common.latency.roofline import load_profile
+
+    bodies = request_bodies(SHAPES["multiimage"], 3, "m", seed=1)
+    urls = [[part["image_url"]["url"] for part in b["messages"][0]["content"][:-1]] for b in bodies]
+    assert [len(u) for u in urls] == [4, 4, 4] and len({u for us in urls for u in us}) == 12
+    assert bodies[0]["messages"][0]["content"][-1]["text"].startswith("Here are four pictures.")
+    shared = request_bodies(SHAPES["multiimage"], 3, "m", seed=1, distinct_images=6)  # taken in turn
+    first, second = ([p["image_url"]["url"] for p in b["messages"][0]["content"][:4]] for b in shared[:2])
+    assert second[2:] == first[:2] and len(set(first + second)) == 6
+    h20 = load_profile("H20")
+    result = {"output_tokens": 32, "images_per_request": 4, "goodput": 5.0}
+    result["points"] = [{"completed": 10, "total_input_tokens": 23600}]
+    add_bound(result, h20, 4)
+    assert result["goodput_bound"] == pytest.approx(goodput_bound(h20, 4, 2360, 4, 32))
+    assert result["goodput_bound"] < goodput_bound(h20, 4, 2360, 1, 32)
+
+
+def test_a_shifting_load_runs_its_shapes_in_equal_runs_each_with_images_of_its_own():
+    import argparse
+
+    from bench.goodput import workload_of
+    from bench.workloads import phase_sizes, phased_bodies, phases_of, trace_scale_of
+
+    assert phases_of("textcaps") is None and trace_scale_of("pope>detail", 16) is None
+    assert [s.name for s in phases_of("pope>detail>pope")] == ["pope", "detail", "pope"]
+    with pytest.raises(ValueError, match="'captions'"):
+        phases_of("pope>captions")
+    with pytest.raises(ValueError, match="A>B"):
+        trace_scale_of("captions", 16)
+    assert phase_sizes(7, 3) == [3, 2, 2] and phase_sizes(2, 3) == [1, 1, 0]
+    bodies = phased_bodies(phases_of("pope>detail>pope"), 7, "m", seed=1)
+    assert [b["max_tokens"] for b in bodies] == [4, 4, 4, 384, 384, 4, 4]
+    urls = [b["messages"][0]["content"][0]["image_url"]["url"] for b in bodies]
+    assert len(set(urls)) == 7  # the second pope run's pictures are not the first's: no cache hit between them
+    args = argparse.Namespace(trace_scale=16, num_prompts=7, seed=1)
+    bodies_of, meta = workload_of("pope>detail>pope", None, "m", args)
+    assert bodies_of(0) == bodies and meta["phases"] == ["pope", "detail", "pope"]
+    assert meta["output_tokens"] == pytest.approx((5 * 4 + 2 * 384) / 7) and meta[
+        "images_per_request"
+    ] == pytest.approx(1)
+
+
 def test_each_configuration_is_measured_against_the_bound_of_its_instances(tmp_path):
     from bench.goodput_report import add_bound, instances_of
     from common.latency import goodput_bound

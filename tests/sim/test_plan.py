@@ -103,3 +103,11 @@ def test_given_deployments_without_budgets_are_ranked_as_given(emulated_dir, tmp
         plan([*argv[:-6], "--routing", "slo", "--no-budgets"])
     with pytest.raises(SystemExit):  # through the CLI, as a user types it: 4 workers are not --instances 3
         cli_main(["plan", "--instances", "3", "--profile", H20, "--topologies", "E1+P1+D2"])
+
+
+def test_a_point_of_a_shifting_load_sends_each_phase_its_share():
+    from sim.plan import sent_at
+
+    runs = [["a1", "a2", "a3"], ["b1", "b2", "b3"], ["c1", "c2", "c3"]]
+    assert sent_at(runs, 5) == ["a1", "a2", "b1", "b2", "c1"]
+    assert sent_at([["x1", "x2", "x3"]], 2) == ["x1", "x2"]
