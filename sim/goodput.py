@@ -79,6 +79,9 @@ def main(argv=None) -> int:
     return 0
 
 
+_PROMPTS: dict[tuple, list] = {}  # (model, workload, point, requests, seed) → the point's prompts
+
+
 def sweep(setup: Setup, workload: str, rates: list[float], args, label: str, gaps, control_scale: float = 1.0) -> dict:
     """The benchmark's sweep (ascending rates, stopping after two points below the target), each point on a fresh
     simulated mesh."""
@@ -87,7 +90,10 @@ def sweep(setup: Setup, workload: str, rates: list[float], args, label: str, gap
     bodies_of, shape = workload_of(workload, lambda: conversation.calibrate_with(setup.count_tokens), setup.model, args)
     points, below = [], 0
     for k, rate in enumerate(sorted(rates)):
-        prompts = [setup.prompt(body) for body in bodies_of(k + 1)]  # each point its own images, as the bench's
+        key = (setup.args.model, workload, k, args.num_prompts, args.seed)  # each point its own images, as the bench's
+        if key not in _PROMPTS:  # the same for every configuration of the model: made once
+            _PROMPTS[key] = [setup.prompt(body) for body in bodies_of(k + 1)]
+        prompts = _PROMPTS[key]
         times = arrivals(args.num_prompts, rate, args.arrival, args.seed, gaps)
         with tqdm(total=len(prompts), desc=f"{label} {workload} @ {rate:g} req/s", unit="req", leave=False) as bar:
             point = run_point(setup, prompts, times, rate, args, bar, control_scale)
