@@ -30,7 +30,7 @@ from starlette.routing import Route
 from common.engine.outputs import RequestOutput
 from common.telemetry.metrics import GatewayMetrics, render
 from common.telemetry.tracing import Tracing
-from services.gateway import openai_responses
+from services.gateway import openai_responses, responses_request
 from services.gateway.completions import parse_completion_request
 from services.gateway.errors import ApiError
 from services.gateway.event_stream import EventStream
@@ -167,7 +167,7 @@ class Api:
 
     async def responses(self, http: HttpRequest) -> Response:
         def parse(body: bytes) -> ChatRequest:
-            return openai_responses.parse_responses_request(body, [self.model_name], self.fetcher is not None)
+            return responses_request.parse_responses_request(body, [self.model_name], self.fetcher is not None)
 
         return await self._completions(
             http,
@@ -176,7 +176,7 @@ class Api:
             "chat",
             openai_responses.stream,
             openai_responses.whole,
-            openai_responses.in_responses_terms,
+            responses_request.in_responses_terms,
         )
 
     async def _completions(

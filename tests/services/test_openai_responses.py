@@ -1,4 +1,5 @@
-"""The Responses API's requests read as the chats they are (`services/gateway/openai_responses.py`), no server."""
+"""The Responses API's requests read as the chats they are (`services/gateway/responses_request.py`) and their answers
+(`services/gateway/openai_responses.py`), no server."""
 
 import base64
 import io
@@ -8,8 +9,8 @@ import pytest
 from PIL import Image
 
 from services.gateway.errors import ApiError
-from services.gateway.openai_responses import parse_responses_request
 from services.gateway.protocol import parse_chat_request
+from services.gateway.responses_request import parse_responses_request
 
 WEATHER = {
     "type": "function",
