@@ -28,6 +28,7 @@ def engine_config(args, roles: str = "encode,prefill,decode"):
         enable_prefix_caching=args.enable_prefix_caching,
         share_weights=getattr(args, "share_weights", False),
         compile=compiles(args),
+        commit_caches=getattr(args, "device", "cpu") == "cpu" and getattr(args, "backend", "torch") == "torch",
         scheduler=SchedulerConfig(
             **budgets(args, parse_roles(roles)),
             max_num_seqs=args.max_num_seqs,

@@ -157,3 +157,13 @@ def test_epdmesh_debug_turns_named_loggers_to_debug(monkeypatch):
     finally:
         for name in ("epdmesh.iterations", "epdmesh.test-probe"):
             logging.getLogger(name).setLevel(logging.NOTSET)
+
+
+def test_serve_and_worker_commit_a_real_engines_caches_on_the_cpu_only():
+    def commits(*argv):
+        args = build_parser().parse_args(["worker", "--model", "/nowhere", *argv])
+        return engine_config(args, args.roles).commit_caches
+
+    assert commits() and commits("--roles", "encode")
+    assert not commits("--backend", "emulated")  # its caches stand for a GPU's: no host memory to fault in
+    assert not commits("--device", "cuda")

@@ -61,6 +61,9 @@ class EngineConfig:
     attention_backend: str = "auto"
     enable_prefix_caching: bool = False
     share_weights: bool = False  # CPU: one read-only copy of the weights per host, mapped by every worker
+    # CPU: the KV and image caches' pages faulted in when they are built, not by the first requests that write them
+    # (serve and worker do; `common/memory.py` commit)
+    commit_caches: bool = False
     compile: bool = False  # the dense path through torch.compile, warmed up at start (common/model/compiled.py)
     scheduler: SchedulerConfig = SchedulerConfig()
     seed: int = 0

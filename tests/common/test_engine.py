@@ -416,3 +416,28 @@ def test_each_iteration_is_logged_at_debug_with_what_it_carried(engine, caplog):
     assert len(lines) == 3  # the prefill (which samples the first token), then two decodes
     assert lines[0].startswith(f"decodes 0 (context 0) prompt tokens {len(PROMPT)} images 0: ")
     assert lines[2].startswith(f"decodes 1 (context {len(PROMPT) + 1}) prompt tokens 0 images 0: ")
+
+
+def test_committed_caches_are_faulted_in_when_the_engine_is_built(tiny_dir, model):
+    import resource
+
+    def faults_writing(engine) -> tuple[int, int]:
+        counts = []
+        for cache in (engine.kv_cache, engine.image_cache):
+            before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+            cache.data.fill_(0)  # as the first requests' writes would, all at once
+            counts.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+        return counts[0], counts[1]
+
+    def built(commit: bool, roles: str = "encode,prefill,decode") -> Engine:
+        config = EngineConfig(
+            model=str(tiny_dir), roles=parse_roles(roles), kv_cache_gib=0.02, image_cache_gib=0.02, commit_caches=commit
+        )
+        return Engine(config, model=model)
+
+    lazy_kv, lazy_image = faults_writing(built(False))
+    kv, image_faults = faults_writing(built(True))
+    assert lazy_kv >= 8 and lazy_image >= 8  # 20 MiB each: 10 huge pages, or 5,120 small ones
+    assert kv < lazy_kv // 4 and image_faults < lazy_image // 4
+    kv, image_faults = faults_writing(built(True, "encode"))
+    assert kv >= 8 and image_faults < lazy_image // 4  # an encoder never writes its KV cache: not committed

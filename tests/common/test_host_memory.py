@@ -95,3 +95,26 @@ def test_kept_freed_memory_is_reused_without_page_faults():
     env["EPDMESH_KEEP_FREED_MEMORY"] = "0"
     out = subprocess.run([sys.executable, "-c", _FAULTS, "keep"], capture_output=True, text=True, env=env, check=True)
     assert out.stdout.split()[0] == "False"  # switched off
+
+
+def _faults_of(write) -> int:
+    import resource
+
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    write()
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+
+
+def test_a_committed_buffer_is_written_without_page_faults_and_stays_zeroed():
+    from common.memory import commit
+
+    size = 16 << 20
+    fresh = host_zeros((size,), torch.uint8)
+    faults_fresh = _faults_of(lambda: fresh.fill_(1))  # 8 huge pages, or 4,096 small ones
+    committed = host_zeros((size // 2,), torch.bfloat16)
+    commit(committed)
+    assert not committed.any()
+    faults_committed = _faults_of(lambda: committed.fill_(1))
+    assert faults_fresh >= size // HUGE_PAGE and faults_committed < faults_fresh // 4
+    with pytest.raises(ValueError, match="contiguous"):
+        commit(committed.view(2, -1)[:, ::2])
