@@ -16,6 +16,7 @@ import os
 import platform
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 log = logging.getLogger("epdmesh")
@@ -80,6 +81,33 @@ def profile_path(key: dict) -> Path:
     return profiles_dir() / f"{Path(key['model']).name}-{key['dtype']}-{key['threads']}t-{digest}.json"
 
 
+# a profile measured while other processes took more than this share of the host's CPU time is not kept: on the
+# 2-core hosts here, one measured during a pip install priced an image's encode at 205 ms against 11 ms on a quiet host
+BUSY_SHARE = 0.25
+
+
+def _cpu_seconds() -> tuple[float, float, float] | None:
+    """(wall, the host's busy CPU seconds, this process's children's CPU seconds), or None where /proc/stat is not
+    there to read. Busy includes steal: time a VM's host gave to others."""
+    try:
+        fields = Path("/proc/stat").read_text().splitlines()[0].split()[1:]
+    except (OSError, IndexError):
+        return None
+    ticks = [int(x) for x in fields[:8]]  # user nice system idle iowait irq softirq steal
+    busy = sum(ticks) - ticks[3] - ticks[4]
+    children = os.times()
+    return time.monotonic(), busy / os.sysconf("SC_CLK_TCK"), children.children_user + children.children_system
+
+
+def _others_share(before, after) -> float:
+    """The share of the host's CPU time between two `_cpu_seconds()` that went to anything but this process's
+    children (0 where it cannot be read)."""
+    if before is None or after is None or after[0] <= before[0]:
+        return 0.0
+    wall, busy, mine = (a - b for a, b in zip(after, before))
+    return max(0.0, busy - mine) / (wall * (os.cpu_count() or 1))
+
+
 def wants_auto_profile(args) -> bool:
     """serve measures its own profile: asked to, on the real backend, with no profile or token budget given."""
     return (
@@ -123,8 +151,21 @@ def ensure_profile(args, threads: int) -> str:
     if key["eager"]:
         argv.append("--enforce-eager")
     log.info("measuring a latency profile of this setup (once; --latency-profile FILE or --no-auto-profile skip it)")
+    before = _cpu_seconds()
     subprocess.run(argv, check=True)
+    others = _others_share(before, _cpu_seconds())
+    if others > BUSY_SHARE:
+        busy = path.with_suffix(".busy.json")
+        partial.replace(busy)
+        log.warning(
+            "other processes used %.0f%% of this host's CPU time while the latency profile was measured: it sizes "
+            "this run's budgets (%s) but is not kept, and the next start measures again",
+            others * 100,
+            busy,
+        )
+        return str(busy)
     partial.replace(path)
+    path.with_suffix(".busy.json").unlink(missing_ok=True)
     path.with_suffix(".key.json").write_text(json.dumps(key, indent=2) + "\n")
     log.info("latency profile written to %s", path)
     return str(path)

@@ -64,3 +64,31 @@ def test_only_serve_without_a_profile_or_budgets_measures(tiny_dir):
     assert not wants_auto_profile(serve_args(tiny_dir, latency_profile="H20"))
     assert not wants_auto_profile(serve_args(tiny_dir, token_budget=512))
     assert not wants_auto_profile(serve_args(tiny_dir, backend="emulated"))
+
+
+def test_a_profile_measured_on_a_busy_host_serves_its_run_but_is_not_kept(tiny_dir, tmp_path, monkeypatch):
+    monkeypatch.setenv("EPDMESH_HOME", str(tmp_path))
+    monkeypatch.setattr("epdmesh.auto_profile._others_share", lambda before, after: 0.6)
+    path = ensure_profile(serve_args(tiny_dir), threads=1)
+    assert path.endswith(".busy.json") and json.loads(open(path).read())["prefill"]
+    key = setup_key(str(tiny_dir), "float32", "cpu", 1, True)
+    assert not profile_path(key).exists()
+
+    def measured(*a, **kw):
+        raise RuntimeError("measured again")
+
+    monkeypatch.setattr(subprocess, "run", measured)
+    with pytest.raises(RuntimeError, match="measured again"):  # the next start does not take the busy one
+        ensure_profile(serve_args(tiny_dir), threads=1)
+
+
+def test_the_share_of_the_host_that_went_to_other_processes():
+    from epdmesh.auto_profile import _cpu_seconds, _others_share
+
+    cores = __import__("os").cpu_count()
+    # 10 s of wall time: the host busy 12 s of CPU, 4 of them the profiler's own
+    assert _others_share((0.0, 100.0, 1.0), (10.0, 112.0, 5.0)) == pytest.approx(8 / (10 * cores))
+    assert _others_share((0.0, 100.0, 1.0), (10.0, 103.0, 5.0)) == 0.0  # ticks' rounding: never below zero
+    assert _others_share(None, (1.0, 2.0, 3.0)) == 0.0  # not readable: taken as quiet
+    now = _cpu_seconds()
+    assert now is None or (len(now) == 3 and now[1] > 0)
