@@ -47,7 +47,7 @@ from common.sampling import SamplingParams  # noqa: E402
 from common.scheduler import SchedulerConfig  # noqa: E402
 
 BACKEND = "real engine (torch)"  # on --device: the report states it
-ABLATIONS = {"c-attention", "decode-graph"}
+ABLATIONS = {"c-attention", "decode-graph", "prefill-graph"}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -68,7 +68,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--without",
         default="",
         help="ablation, ours only (comma list): c-attention (decode attention in torch: gathers and bmm), "
-        "decode-graph (decodes through the per-layer compiled halves)",
+        "decode-graph (decodes through the per-layer compiled halves), prefill-graph (a lone whole prompt too); "
+        "c-attention takes both graphs out (they call the kernel)",
     )
     p.add_argument(
         "--token-budget", type=int, default=SchedulerConfig().token_budget, help="our scheduler's tokens/step"
@@ -139,7 +140,10 @@ def make_engine(
     )
     engine = Engine(config, model=model)
     if args.without:  # the CPU path's parts taken out one by one, to measure what each is worth
-        engine.runner.decode_graph = None
+        if {"decode-graph", "c-attention"} & set(args.without):
+            engine.runner.decode_graph = None
+        if {"prefill-graph", "c-attention"} & set(args.without):
+            engine.runner.prefill_graph = None
         engine.runner.attention.use_c = "c-attention" not in args.without
     return engine
 

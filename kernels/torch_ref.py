@@ -34,7 +34,7 @@ class TorchPagedAttention:
             qlen, slen = meta.query_lens[i], meta.seq_lens[i]
             k = gather_context(k_cache, meta.block_tables[i], slen)
             v = gather_context(v_cache, meta.block_tables[i], slen)
-            out[start : start + qlen] = _causal_attention(q[start : start + qlen], k, v, scale)
+            out[start : start + qlen] = causal_attention(q[start : start + qlen], k, v, scale)
             start += qlen
         return out
 
@@ -65,13 +65,16 @@ def _heads_first(x: torch.Tensor) -> torch.Tensor:
     )
 
 
-def _causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-    """q [n, H, D] are the last n positions of k/v [L, Hkv, D]; causal, aligned bottom-right."""
+def causal_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, whole: bool | None = None
+) -> torch.Tensor:
+    """q [n, H, D] are the last n positions of k/v [L, Hkv, D]; causal, aligned bottom-right. `whole`: n == L is
+    known (a compiled graph, where the sizes are symbols), else it is read off the shapes."""
     n, length = q.shape[0], k.shape[0]
     # [1, heads, n, D]: with a batch dimension SDPA takes its fused CPU kernel (3-D inputs fall back to the math path)
     qh, kh, vh = q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None]
     gqa = kh.shape[1] != qh.shape[1]
-    if n == length:
+    if whole if whole is not None else n == length:
         out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale, enable_gqa=gqa)
     else:
         rows = torch.arange(length - n, length, device=q.device)[:, None]

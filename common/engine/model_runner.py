@@ -35,11 +35,9 @@ class ModelRunner:
         self.device = kv_cache.data.device
         self.image_token_id = model.cfg.image_token_id
         # a step of decodes only runs as one compiled graph where attention is the CPU's C kernel
-        self.decode_graph = (
-            compiled.decode
-            if compiled is not None and isinstance(attention, TorchPagedAttention) and attention.use_c
-            else None
-        )
+        graphs = compiled is not None and isinstance(attention, TorchPagedAttention) and attention.use_c
+        self.decode_graph = compiled.decode if graphs else None
+        self.prefill_graph = compiled.prefill if graphs else None  # a step of one whole prompt, as one graph
 
     @torch.inference_mode()
     def run(self, plan: SchedulerOutput) -> tuple[list[Request], torch.Tensor | None]:
@@ -54,10 +52,22 @@ class ModelRunner:
             return sampling, self.decode_graph(self.model.text, ids, positions, self.kv_cache.data, *args)
         embeds = self.model.embed(ids)
         self._insert_image_embeddings(plan, ids, embeds, len(plan.decodes))
+        if self.prefill_graph is not None and self._whole_prompt_alone(plan):
+            args = (self.kv_cache.data, meta.slot_blocks, meta.slot_offsets)
+            return sampling, self.prefill_graph(self.model.text, embeds, positions, *args)
         hidden = self.model.text(
             embeds, positions, self.kv_cache.layers, meta, self.attention, self.compiled.text if self.compiled else None
         )
         return sampling, self.model.text.logits(hidden[sample_rows])
+
+    @staticmethod
+    def _whole_prompt_alone(plan: SchedulerOutput) -> bool:
+        """One prompt computed whole from its first token (no cached prefix, not chunked), no decodes beside it:
+        what the prefill graph runs (a server's step at low load)."""
+        if plan.decodes or len(plan.prefills) != 1:
+            return False
+        chunk = plan.prefills[0]
+        return chunk.start == 0 and chunk.completes_prefill
 
     def _encode(self, plan: SchedulerOutput) -> None:
         pixels = [

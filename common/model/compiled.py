@@ -31,6 +31,7 @@ from common.model.layers import RotaryEmbedding
 from common.model.llama import DecoderLayer, LlamaDecoder
 from common.model.llava import LlavaModel
 from kernels import cpu_paged
+from kernels.torch_ref import causal_attention
 
 log = logging.getLogger(__name__)
 
@@ -53,9 +54,12 @@ class CompiledModel:
         self.vision_layer = torch.compile(VisionLayer.forward)
         weight = model.text.embed_tokens.weight
         self.decode = None  # a step of decodes only, as one graph (CPU, where the C attention kernel is built)
+        self.prefill = None  # a step of one whole prompt and nothing else, as one graph (same hosts)
         if weight.device.type == "cpu" and weight.dtype in (torch.bfloat16, torch.float32):
             if model.text.cfg.head_dim <= cpu_paged.MAX_HEAD_DIM and cpu_paged.available():
                 self.decode = torch.compile(decode_step, dynamic=True)
+                # only the token count dynamic (marked at the warm-up): SDPA takes its GQA flag as a plain bool
+                self.prefill = torch.compile(prefill_step)
                 text = model.text
                 if text.rotary is None:  # (made inside the graph, it would be a guard that fails once)
                     text.rotary = RotaryEmbedding(text.cfg.head_dim, text.cfg.rope_theta, weight.device)
@@ -89,6 +93,19 @@ class CompiledModel:
                             mark_unbacked(t, 0)
                         mark_unbacked(tables, 1)
                     self.decode(model.text, ids, positions, cache, tables, lens, *slots)
+                # one prompt: a graph for every length from 2 (the first call's length dynamic) and one for 1; the
+                # cache made as the engine makes its own (outside inference mode: another dispatch key set)
+                with torch.inference_mode(False):
+                    cache = torch.zeros(9, cfg.num_layers, 2, 16, cfg.num_kv_heads, cfg.head_dim, **like)
+                for n in (3, 1, 2):
+                    embeds = torch.zeros(n, cfg.hidden_size, **like)
+                    positions = torch.arange(n)
+                    slots = torch.arange(n) // 16, torch.arange(n) % 16
+                    if n == 3:
+                        for t in (embeds, positions, *slots):
+                            torch._dynamo.mark_dynamic(t, 0)
+                        torch._dynamo.mark_dynamic(cache, 0)  # any number of blocks
+                    self.prefill(model.text, embeds, positions, cache, *slots)
         if vision:
             vcfg = model.cfg.vision
             for images in (1, 2):
@@ -122,3 +139,46 @@ def decode_step(
         )
         x = DecoderLayer.finish(layer, x, attention)
     return text.logits(x)
+
+
+def prefill_step(
+    text: LlamaDecoder,
+    embeds: torch.Tensor,
+    positions: torch.Tensor,
+    cache: torch.Tensor,
+    slot_blocks: torch.Tensor,
+    slot_offsets: torch.Tensor,
+) -> torch.Tensor:
+    """One prompt from its first token, nothing cached before it (embeds [tokens, hidden], images already in) → the
+    logits of its last position [1, vocab] (float32). Each layer's K/V go into the whole cache in place; attention
+    is causal over the prompt's own K/V, which is what the eager path reads back from the cache."""
+    cos, sin = text.rotary.cos_sin(positions, embeds.dtype)
+    scale = text.cfg.head_dim**-0.5
+    x = embeds
+    for i, layer in enumerate(text.layers):
+        q, k, v = DecoderLayer.qkv(layer, x, cos, sin)
+        torch.ops.epdmesh.write_kv_layer(cache, i, k, v, slot_blocks, slot_offsets)
+        x = DecoderLayer.finish(layer, x, causal_attention(q, k, v, scale, whole=True))
+    return text.logits(x[-1:])
+
+
+@torch.library.custom_op("epdmesh::write_kv_layer", mutates_args=("cache",))
+def write_kv_layer(
+    cache: torch.Tensor,
+    layer: int,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    slot_blocks: torch.Tensor,
+    slot_offsets: torch.Tensor,
+) -> None:
+    """K/V [tokens, kv_heads, head_dim] into their slots of one layer of the whole cache ([blocks, layers, 2,
+    block_size, kv_heads, head_dim]), in place: as an index_put in the graph, functionalisation would copy the
+    layer's whole cache."""
+    index = (slot_blocks, slot_offsets)
+    cache.select(1, layer).select(1, 0).index_put_(index, k)
+    cache.select(1, layer).select(1, 1).index_put_(index, v)
+
+
+@write_kv_layer.register_fake
+def _(cache, layer, k, v, slot_blocks, slot_offsets):
+    return None

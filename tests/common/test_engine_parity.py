@@ -98,17 +98,34 @@ def test_concurrent_batch_matches_transformers(
     assert (graph_steps[0] > 10) == (compile and cpu_paged.available()), graph_steps
 
 
-def count_decode_graph_steps(engine) -> list[int]:
-    """Counts the steps the engine's runner runs through its compiled decode graph, from now on."""
-    count, graph = [0], engine.runner.decode_graph
+def count_decode_graph_steps(engine, graph_name: str = "decode_graph") -> list[int]:
+    """Counts the steps the engine's runner runs through one of its compiled step graphs, from now on."""
+    count, graph = [0], getattr(engine.runner, graph_name)
     if graph is not None:
 
         def counted(*args):
             count[0] += 1
             return graph(*args)
 
-        engine.runner.decode_graph = counted
+        setattr(engine.runner, graph_name, counted)
     return count
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_one_request_at_a_time_matches_transformers_through_the_prefill_graph(
+    shape, model_dirs, processors, fp32_models, references
+):
+    """Alone, each prompt is computed whole in one step: compiled, that step runs as one graph."""
+    engine = make_engine(model_dirs, fp32_models, shape, compile=True, enable_chunked_prefill=False)
+    prefill_steps = count_decode_graph_steps(engine, "prefill_graph")
+    outputs, logits = {}, {}
+    for request in build_requests(processors[shape], CASES):
+        finals = engine.generate([request], capture_logits=True)
+        outputs.update({rid: out.output_token_ids for rid, out in finals.items()})
+        logits.update(engine.captured_logits)
+    assert_matches_reference(outputs, logits, references(shape, torch.float32))
+    assert_pools_full(engine)
+    assert prefill_steps[0] == (len(CASES) if cpu_paged.available() else 0), prefill_steps
 
 
 @pytest.mark.parametrize("compile", [False, True], ids=["eager", "compiled"])
