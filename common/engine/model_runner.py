@@ -62,12 +62,12 @@ class ModelRunner:
 
     @staticmethod
     def _whole_prompt_alone(plan: SchedulerOutput) -> bool:
-        """One prompt computed whole from its first token (no cached prefix, not chunked), no decodes beside it:
-        what the prefill graph runs (a server's step at low load)."""
+        """One prompt of ≥ 2 tokens computed whole from its first (no cached prefix, not chunked), no decodes beside
+        it: what the prefill graph runs (a server's step at low load)."""
         if plan.decodes or len(plan.prefills) != 1:
             return False
         chunk = plan.prefills[0]
-        return chunk.start == 0 and chunk.completes_prefill
+        return chunk.start == 0 and chunk.completes_prefill and chunk.num_tokens >= 2
 
     def _encode(self, plan: SchedulerOutput) -> None:
         pixels = [

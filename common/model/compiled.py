@@ -93,11 +93,12 @@ class CompiledModel:
                             mark_unbacked(t, 0)
                         mark_unbacked(tables, 1)
                     self.decode(model.text, ids, positions, cache, tables, lens, *slots)
-                # one prompt: a graph for every length from 2 (the first call's length dynamic) and one for 1; the
-                # cache made as the engine makes its own (outside inference mode: another dispatch key set)
+                # one prompt: one graph for every length from 2 (the first call's length dynamic; a 1-token prompt
+                # takes the halves: its own graph would cost ~8 s of cold compile); the cache made as the engine
+                # makes its own (outside inference mode: another dispatch key set)
                 with torch.inference_mode(False):
                     cache = torch.zeros(9, cfg.num_layers, 2, 16, cfg.num_kv_heads, cfg.head_dim, **like)
-                for n in (3, 1, 2):
+                for n in (3, 2):
                     embeds = torch.zeros(n, cfg.hidden_size, **like)
                     positions = torch.arange(n)
                     slots = torch.arange(n) // 16, torch.arange(n) % 16
