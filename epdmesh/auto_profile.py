@@ -143,8 +143,8 @@ def ensure_profile(args, threads: int) -> str:
         args.device,
         "--threads",
         str(threads),
-        "--repeats",
-        "2",
+        "--repeats",  # a median of 3 drops one slow sample; of 2 it is their mean (a prefill point of 16 tokens
+        "3",  # once came out at 42 ms against 7, and the fit priced prefills 8-23 ms high); ~19 s either way
         "--out",
         str(partial),
     ]
