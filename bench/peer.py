@@ -1,6 +1,6 @@
 """epdmesh against vLLM on this machine: one checkpoint, one load generator, one server at a time, one launch.
 
-    python -m bench.peer [--vllm-venv ../peer-work/vllm-venv] [--topology EPD1] [--rates 1,1.5,2,2.5,3]
+    python -m bench.peer [--vllm-venv ../peer-work/vllm-venv] [--topology local,EPD1] [--rates 3,4,5,6,7,8]
     make bench-peer ARGS="..."
 
 1. Writes `make-tiny-model --preset small` (62M-class llava-1.5 shape, 576 image tokens) in the layout vLLM loads
@@ -49,10 +49,14 @@ ROOT = Path(__file__).resolve().parent.parent
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--vllm-venv", default=str(ROOT.parent / "peer-work" / "vllm-venv"))
-    p.add_argument("--topology", default="EPD1", help="epdmesh's topology (a comma list runs each in turn)")
+    p.add_argument(
+        "--topology",
+        default="local",
+        help="epdmesh's topology (a comma list runs each in turn); default: the one to run on a CPU host",
+    )
     p.add_argument("--servers", default="vllm,epdmesh", help="which to run, in this order")
-    p.add_argument("--rates", default="1,1.5,2,2.5,3")
-    p.add_argument("--num-prompts", type=int, default=60, help="requests per rate")
+    p.add_argument("--rates", default="3,4,5,6,7,8")
+    p.add_argument("--num-prompts", type=int, default=80, help="requests per rate")
     p.add_argument("--probe-requests", type=int, default=10)
     p.add_argument("--slo-ttft-ms", type=float, default=1000.0)
     p.add_argument("--slo-tbt-ms", type=float, default=100.0)
