@@ -216,8 +216,8 @@ class Engine:
             kv_here = bool(config.roles - {Stage.ENCODE})  # an encoder's KV cache is never written
             committed = 0
             for cache, used in ((self.kv_cache, kv_here), (self.image_cache, images_here)):
-                if used:  # a kept cache again too: ~4 ms a GiB once its pages are in, and its last roles may not
-                    commit(cache.data)  # have used it
+                if used:  # a kept cache too (~4 ms a GiB once its pages are in; its last roles may not have used it):
+                    commit(cache.data)  # it holds nothing live, as reconfigure runs idle and rebuilds the block pools
                     committed += cache.data.numel() * cache.data.element_size()
             log.info("caches' %.2f GiB faulted in in %.2f s", committed / 2**30, time.perf_counter() - started)
         self.scheduler = Scheduler(
