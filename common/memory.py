@@ -112,10 +112,9 @@ def commit(tensor: torch.Tensor) -> None:
     """
     if tensor.device.type != "cpu" or not tensor.numel():
         return
-    flat = tensor.view(-1).view(torch.uint8) if tensor.is_contiguous() else None
-    if flat is None:
+    if not tensor.is_contiguous():
         raise ValueError("commit() takes a contiguous tensor")
-    flat[::4096].zero_()
+    tensor.view(-1).view(torch.uint8)[::4096].zero_()
 
 
 def bytes_of(tensor: torch.Tensor) -> bytes:

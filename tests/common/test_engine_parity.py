@@ -86,7 +86,7 @@ def test_concurrent_batch_matches_transformers(
     scheduler = dict(token_budget=64, enable_chunked_prefill=True) if chunked else dict(enable_chunked_prefill=False)
     engine = make_engine(model_dirs, fp32_models, shape, compile=compile, **scheduler)
     assert (engine.compiled is not None) == compile
-    graph_steps = count_decode_graph_steps(engine)
+    graph_steps = count_graph_steps(engine)
     requests = build_requests(processors[shape], CASES)
     for r, case in zip(requests, CASES):
         assert r.prompt_token_ids == references(shape, torch.float32)[case.name].prompt_ids, case.name
@@ -98,7 +98,7 @@ def test_concurrent_batch_matches_transformers(
     assert (graph_steps[0] > 10) == (compile and cpu_paged.available()), graph_steps
 
 
-def count_decode_graph_steps(engine, graph_name: str = "decode_graph") -> list[int]:
+def count_graph_steps(engine, graph_name: str = "decode_graph") -> list[int]:
     """Counts the steps the engine's runner runs through one of its compiled step graphs, from now on."""
     count, graph = [0], getattr(engine.runner, graph_name)
     if graph is not None:
@@ -117,7 +117,7 @@ def test_one_request_at_a_time_matches_transformers_through_the_prefill_graph(
 ):
     """Alone, each prompt is computed whole in one step: compiled, that step runs as one graph."""
     engine = make_engine(model_dirs, fp32_models, shape, compile=True, enable_chunked_prefill=False)
-    prefill_steps = count_decode_graph_steps(engine, "prefill_graph")
+    prefill_steps = count_graph_steps(engine, "prefill_graph")
     outputs, logits = {}, {}
     for request in build_requests(processors[shape], CASES):
         finals = engine.generate([request], capture_logits=True)
