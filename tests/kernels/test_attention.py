@@ -5,6 +5,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels import AttentionMetadata, available_backends, make_attention_backend, write_kv
+from kernels.torch_ref import TorchPagedAttention
 
 CUDA = torch.cuda.is_available()
 
@@ -85,6 +86,21 @@ def test_auto_picks_the_torch_reference_on_cpu_and_refuses_unavailable_backends(
         make_attention_backend("flash-attn", torch.device("cpu"))
 
 
+def test_a_kernel_library_that_imports_but_cannot_run_is_reported_not_used(monkeypatch, caplog):
+    """An xformers built for another torch imports, then fails at its first call: the probe says why, once."""
+    import kernels
+
+    class Broken:
+        def forward(self, *args):
+            raise NotImplementedError("No operator found for `memory_efficient_attention_forward`\nmore")
+
+    monkeypatch.setattr(kernels, "_backend", lambda name: Broken() if name == "xformers" else TorchPagedAttention())
+    probe = kernels._runs.__wrapped__
+    assert probe("torch", "cpu") is None  # the tiny batch itself is valid
+    assert probe("xformers", "cpu") == "NotImplementedError: No operator found for `memory_efficient_attention_forward`"
+    assert "attention backend xformers is installed but does not run on cpu" in caplog.text
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
 @pytest.mark.parametrize("name", ["flash-attn", "xformers"])
@@ -92,7 +108,7 @@ def test_auto_picks_the_torch_reference_on_cpu_and_refuses_unavailable_backends(
 def test_gpu_backend_matches_the_torch_reference(name, block_size):
     device = torch.device("cuda")
     if name not in available_backends(device):
-        pytest.skip(f"{name} is not installed")
+        pytest.skip(f"{name} is not installed or does not run here")
     q, k_cache, v_cache, meta, expected = build_case(device, torch.bfloat16, block_size=block_size)
     ref = make_attention_backend("torch", device).forward(q, k_cache, v_cache, meta, 32**-0.5)
     out = make_attention_backend(name, device).forward(q, k_cache, v_cache, meta, 32**-0.5)
