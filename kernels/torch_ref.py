@@ -40,22 +40,35 @@ class TorchPagedAttention:
 
     @staticmethod
     def _decode(q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        """One query per sequence, as two batched matmuls over [sequence, kv head] with the softmax in fp32 (the
-        arithmetic of transformers' eager attention). SDPA takes ~3x longer here: with one query row it runs its
-        generic path, and on the gathered cache's strided views."""
         nd = meta.num_decodes
-        block_size, kv_heads, head_dim = k_cache.shape[1:]
-        max_len = max(meta.seq_lens[:nd])
-        tables = meta.block_tables[:nd, : -(-max_len // block_size)]
-        flat = tables.flatten()  # index_select: ~9x faster than advanced indexing on these strided views
-        k = _heads_first(k_cache.index_select(0, flat).view(nd, -1, kv_heads, head_dim))  # [nd, kv_heads, L, D]
-        v = _heads_first(v_cache.index_select(0, flat).view(nd, -1, kv_heads, head_dim))
-        group = q.shape[1] // kv_heads  # query heads per kv head (GQA)
-        scores = torch.matmul(q.view(nd, kv_heads, group, head_dim), k.transpose(-1, -2)).float() * scale
-        padding = torch.arange(k.shape[2], device=q.device)[None, :] >= meta.seq_lens_t[:nd, None]
-        scores.masked_fill_(padding[:, None, None, :], float("-inf"))
-        probs = scores.softmax(-1).to(q.dtype)
-        return torch.matmul(probs, v).view(nd, kv_heads * group, head_dim)
+        width = -(-max(meta.seq_lens[:nd]) // k_cache.shape[1])
+        return paged_decode(q, k_cache, v_cache, meta.block_tables[:nd, :width], meta.seq_lens_t[:nd], scale)
+
+
+def paged_decode(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """One query per sequence (q [n, heads, D]) over the first `seq_lens` cached tokens of the blocks in
+    `block_tables` [n, width] (every id a valid block; positions past a sequence's length are masked), as two
+    batched matmuls over [sequence, kv head] with the softmax in fp32 (the arithmetic of transformers' eager
+    attention). No host reads: a CUDA graph can hold it (`common/model/cuda_graphs.py`). SDPA takes ~3x longer on
+    the CPU here: with one query row it runs its generic path, and on the gathered cache's strided views."""
+    nd = q.shape[0]
+    block_size, kv_heads, head_dim = k_cache.shape[1:]
+    flat = block_tables.flatten()  # index_select: ~9x faster than advanced indexing on these strided views
+    k = _heads_first(k_cache.index_select(0, flat).view(nd, -1, kv_heads, head_dim))  # [nd, kv_heads, L, D]
+    v = _heads_first(v_cache.index_select(0, flat).view(nd, -1, kv_heads, head_dim))
+    group = q.shape[1] // kv_heads  # query heads per kv head (GQA)
+    scores = torch.matmul(q.view(nd, kv_heads, group, head_dim), k.transpose(-1, -2)).float() * scale
+    padding = torch.arange(k.shape[2], device=q.device)[None, :] >= seq_lens[:, None]
+    scores.masked_fill_(padding[:, None, None, :], float("-inf"))
+    probs = scores.softmax(-1).to(q.dtype)
+    return torch.matmul(probs, v).view(nd, kv_heads * group, head_dim)
 
 
 def _heads_first(x: torch.Tensor) -> torch.Tensor:

@@ -58,7 +58,11 @@ def test_bf16_is_the_reference_to_the_bit_but_for_sum_order(shape):
     out = cpu_paged.paged_decode(q, k, v, meta.block_tables, meta.seq_lens_t, scale)
     assert out.dtype == torch.bfloat16 and out.shape == q.shape
     diff = (out.float() - ref.float()).abs()
-    step = ref.float().abs().clamp_min(2**-20) * 2**-7  # one bf16 ulp, about
+    # one bf16 ulp, about, of the value or of an eighth of its head's largest: where the sum nearly cancels, a score
+    # that rounds to the other bf16 neighbour (its fp32 sum in another order: AMX and AVX512-BF16 products differ)
+    # moves the output by a share of the terms, not of the small result
+    magnitude = ref.float().abs()
+    step = torch.maximum(magnitude, magnitude.amax(-1, keepdim=True) / 8).clamp_min(2**-20) * 2**-7
     assert (diff <= step * 1.01).all(), f"max diff {diff.max().item()}"
     assert (diff == 0).float().mean() >= 0.9
 
