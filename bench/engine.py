@@ -40,14 +40,14 @@ from tqdm import tqdm  # noqa: E402
 from common.engine.config import EngineConfig  # noqa: E402
 from common.engine.engine import Engine  # noqa: E402
 from common.model.llava import LlavaModel  # noqa: E402
-from common.model.loader import load_model  # noqa: E402
+from common.model.loader import load_model, model_from_state  # noqa: E402
 from common.paged_cache import PagedKVCache  # noqa: E402
 from common.request import Request  # noqa: E402
 from common.sampling import SamplingParams  # noqa: E402
 from common.scheduler import SchedulerConfig  # noqa: E402
 
 BACKEND = "real engine (torch)"  # on --device: the report states it
-ABLATIONS = {"c-attention", "decode-graph", "prefill-graph"}
+ABLATIONS = {"c-attention", "decode-graph", "prefill-graph", "cuda-graphs"}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -69,7 +69,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default="",
         help="ablation, ours only (comma list): c-attention (decode attention in torch: gathers and bmm), "
         "decode-graph (decodes through the per-layer compiled halves), prefill-graph (a lone whole prompt too); "
-        "c-attention takes both graphs out (they call the kernel)",
+        "c-attention takes both graphs out (they call the kernel); on CUDA: cuda-graphs (decode steps eager)",
     )
     p.add_argument(
         "--token-budget", type=int, default=SchedulerConfig().token_budget, help="our scheduler's tokens/step"
@@ -95,17 +95,36 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def resolve_model(args: argparse.Namespace) -> Path:
+    """--model, else --preset's checkpoint (written once); a full-size preset (llava-1.5-7b) is written config-only:
+    both sides then get the same random weights (`load_models`)."""
     if args.model:
         return Path(args.model)
+    from common.model.tiny import CONFIG_ONLY_PRESETS
     from epdmesh.checkpoints import make_model
 
     home = Path(os.environ.get("EPDMESH_HOME", Path.home() / ".cache" / "epdmesh"))
     path = home / "bench-models" / args.preset
-    if not (path / "model.safetensors").is_file():
+    config_only = args.preset in CONFIG_ONLY_PRESETS
+    if not (path / ("config.json" if config_only else "model.safetensors")).is_file():
         tmp = path.with_name(path.name + ".partial")
-        make_model(tmp, args.preset)
+        make_model(tmp, args.preset, config_only=config_only)
         tmp.rename(path)
     return path
+
+
+def load_models(model_dir: Path, dtype: torch.dtype, device: torch.device):
+    """(ours, transformers') on `device`. Without weights in the checkpoint (a config-only full-size shape),
+    transformers' own random init, made on the device, and ours built from its tensors."""
+    import transformers
+
+    if (model_dir / "model.safetensors").is_file() or (model_dir / "model.safetensors.index.json").is_file():
+        hf = transformers.LlavaForConditionalGeneration.from_pretrained(str(model_dir), dtype=dtype).to(device)
+        return load_model(str(model_dir), dtype, device), hf.eval()
+    config = transformers.AutoConfig.from_pretrained(str(model_dir))
+    torch.manual_seed(0)
+    with torch.device(device):
+        hf = transformers.LlavaForConditionalGeneration._from_config(config, dtype=dtype).eval()
+    return model_from_state(model_dir, hf.state_dict(), dtype, device), hf
 
 
 def make_prompts(batch: int, length: int, seed: int) -> list[list[int]]:
@@ -136,7 +155,8 @@ def make_engine(
         kv_cache_gib=blocks * per_block / 2**30,
         image_cache_gib=1 / 1024,
         scheduler=SchedulerConfig(token_budget=args.token_budget, max_num_seqs=max_num_seqs or max(64, batch)),
-        compile=not args.enforce_eager,
+        compile=not args.enforce_eager and torch.device(args.device).type == "cpu",  # as `serve`: eager on CUDA
+        cuda_graphs=not args.enforce_eager and "cuda-graphs" not in args.without,
     )
     engine = Engine(config, model=model)
     if args.without:  # the CPU path's parts taken out one by one, to measure what each is worth
@@ -344,7 +364,8 @@ def print_meta(meta: dict) -> None:
         f"model {meta['model']} ({meta['params_m']:.1f}M params), dtype {meta['dtype']}, device {meta['device']} "
         f"({meta['accelerator']}), "
         f"torch threads {meta['threads']}, backend {meta['backend']} vs transformers {meta['transformers']} generate; "
-        f"text-only prompts; median of {meta['repeats']} after 1 warm-up"
+        f"text-only prompts; median of {meta['repeats']} after 1 warm-up; weights {meta['weights']}"
+        + ("; decode steps as CUDA graphs" if meta["cuda_graphs"] else "")
         + (f"; ours without {', '.join(meta['without'])}" if meta.get("without") else "")
     )
 
@@ -378,8 +399,7 @@ def main(argv: list[str] | None = None) -> int:
     model_dir = resolve_model(args)
     dtype = getattr(torch, args.dtype)
     device = torch.device(args.device)
-    ours_model = load_model(str(model_dir), dtype, device)
-    hf_model = transformers.LlavaForConditionalGeneration.from_pretrained(str(model_dir), dtype=dtype).to(device).eval()
+    ours_model, hf_model = load_models(model_dir, dtype, device)
     pad_id = hf_model.generation_config.pad_token_id or 0
     meta = dict(
         model=args.model or f"preset {args.preset!r}",
@@ -397,6 +417,10 @@ def main(argv: list[str] | None = None) -> int:
         token_budget=args.token_budget,
         without=args.without,
         prompts="text-only (random token ids, no images)",
+        weights="the checkpoint's"
+        if (model_dir / "model.safetensors").is_file() or (model_dir / "model.safetensors.index.json").is_file()
+        else "random (transformers' init of a config-only checkpoint; the same tensors on both sides)",
+        cuda_graphs=device.type == "cuda" and not args.enforce_eager and "cuda-graphs" not in args.without,
         workload=args.workload,
         mixed_requests_per_batch=args.mixed_requests_per_batch,
         mixed_prompt_lens=args.mixed_prompt_lens,

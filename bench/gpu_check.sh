@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU check, in one go on a lent machine (one H100/H200; budget: 8 minutes). Writes everything under $OUT.
+# The GPU check, in one go on a lent machine (one H100/H200; ~7 minutes, each section under a timeout). Writes everything under $OUT.
 #   bash bench/gpu_check.sh            (from the repo root; OUT defaults to ./gpu-check-out)
 # That machine reaches no package registry: what its image lacks travels as wheels in ./.whl (make them here with
 # `bash bench/gpu_wheels.sh`), installed into /tmp/site; the repo runs from its root (no `pip install -e`).
@@ -7,11 +7,12 @@
 #    the engine against transformers on the GPU, memory profiling;
 # 2. bench/engine.py --device cuda on the `small` preset and on LLaVA-1.5-7B's shape with random weights, bf16
 #    (ours vs transformers' generate);
-# 3. a goodput smoke run of a one-process server on the GPU (textcaps, 3 rates).
-# STEPS (default "tests engine engine7b goodput") picks sections.
+# 3. a goodput smoke run of a one-process server on the GPU (textcaps, 3 rates);
+# 4. the same small-preset bench with the decode CUDA graphs off (what they save).
+# STEPS (default "tests engine engine7b ablation goodput") picks sections.
 set -uo pipefail
 OUT=${OUT:-$PWD/gpu-check-out}; mkdir -p "$OUT"
-STEPS=${STEPS:-tests engine engine7b goodput}
+STEPS=${STEPS:-tests engine engine7b ablation goodput}
 export PYTHONUNBUFFERED=1 UCX_NET_DEVICES=lo EPDMESH_HOME=${EPDMESH_HOME:-/tmp/epdmesh-home}
 PY=${PY:-python3}
 started=$(date +%s)
@@ -32,25 +33,30 @@ for step in $STEPS; do
   case $step in
   tests)
     section "GPU tests"
-    files=$(ls tests/kernels/test_attention.py tests/common/test_memory_profile.py tests/common/test_cuda_graphs.py \
-      2> /dev/null)
-    timeout 240 $PY -m pytest -q -p no:cacheprovider -m gpu $files 2>&1 | tee "$OUT/gpu-tests.log" | tail -15
+    files="tests/kernels/test_attention.py tests/common/test_memory_profile.py tests/common/test_engine_parity.py"
+    timeout 150 $PY -m pytest -q -p no:cacheprovider -m gpu $files 2>&1 | tee "$OUT/gpu-tests.log" | tail -15
     ;;
   engine)
     section "engine, small preset"
-    timeout 200 $PY -m bench.engine --device cuda --preset small --dtype bfloat16 --batch-sizes 1,8,32 \
+    timeout 100 $PY -m bench.engine --device cuda --preset small --dtype bfloat16 --batch-sizes 1,8,32 \
       --workload uniform --out "$OUT/engine-small-cuda.json" 2>&1 | grep -v "^bench" | tee "$OUT/engine.log" | tail -12
     ;;
   engine7b)
     section "engine, LLaVA-1.5-7B shape (random weights)"
-    timeout 240 $PY -m bench.engine --device cuda --preset llava-1.5-7b --dtype bfloat16 --batch-sizes 1,8,32 \
+    timeout 170 $PY -m bench.engine --device cuda --preset llava-1.5-7b --dtype bfloat16 --batch-sizes 1,8,32 \
       --repeats 2 --workload uniform --out "$OUT/engine-7b-cuda.json" 2>&1 | grep -v "^bench" \
       | tee "$OUT/engine-7b.log" | tail -12
     ;;
+  ablation)
+    section "engine, small preset, decode CUDA graphs off"
+    timeout 80 $PY -m bench.engine --device cuda --preset small --dtype bfloat16 --batch-sizes 1,8,32 \
+      --workload uniform --without cuda-graphs --out "$OUT/engine-small-cuda-eager.json" 2>&1 | grep -v "^bench" \
+      | tee "$OUT/engine-eager.log" | tail -6
+    ;;
   goodput)
     section "goodput smoke"
-    timeout 200 $PY -m bench.goodput --config "local=--topology local --device cuda --dtype bfloat16" \
-      --workload textcaps --arrival poisson --rates 2,4,8 --num-prompts 40 --out "$OUT/goodput-cuda.json" 2>&1 \
+    timeout 150 $PY -m bench.goodput --config "local=--topology local --device cuda --dtype bfloat16" \
+      --workload textcaps --arrival poisson --rates 4,8,16 --num-prompts 40 --out "$OUT/goodput-cuda.json" 2>&1 \
       | tail -8 | tee "$OUT/goodput.log"
     ;;
   esac

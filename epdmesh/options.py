@@ -337,7 +337,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         action=argparse.BooleanOptionalAction,
         default=os.environ.get("EPDMESH_ENFORCE_EAGER", "") not in ("", "0"),
         help="run the model eagerly; by default a CPU worker compiles its dense path (torch.compile, a few "
-        "seconds at start from a warm cache; default from $EPDMESH_ENFORCE_EAGER)",
+        "seconds at start from a warm cache) and a CUDA worker replays its decode steps as CUDA graphs (captured "
+        "at start); default from $EPDMESH_ENFORCE_EAGER",
     )
     p.add_argument("--threads", type=int, help="torch intra-op threads (serve: default cores / workers)")
     p.add_argument(

@@ -167,3 +167,12 @@ def test_serve_and_worker_commit_a_real_engines_caches_on_the_cpu_only():
     assert commits() and commits("--roles", "encode")
     assert not commits("--backend", "emulated")  # its caches stand for a GPU's: no host memory to fault in
     assert not commits("--device", "cuda")
+
+
+def test_enforce_eager_turns_the_decode_cuda_graphs_off_as_it_does_compilation():
+    def config(*argv):
+        args = build_parser().parse_args(["worker", "--model", "/nowhere", "--device", "cuda", *argv])
+        return engine_config(args, args.roles)
+
+    assert config("--no-enforce-eager").cuda_graphs and not config("--no-enforce-eager").compile  # CUDA: no compile
+    assert not config("--enforce-eager").cuda_graphs

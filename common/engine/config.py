@@ -65,6 +65,8 @@ class EngineConfig:
     # (serve and worker do; `common/memory.py` commit)
     commit_caches: bool = False
     compile: bool = False  # the dense path through torch.compile, warmed up at start (common/model/compiled.py)
+    # CUDA: steps of decodes only replayed as CUDA graphs, captured at start (common/model/cuda_graphs.py)
+    cuda_graphs: bool = True
     scheduler: SchedulerConfig = SchedulerConfig()
     seed: int = 0
 

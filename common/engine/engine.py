@@ -14,6 +14,7 @@ Life of a request in the engine:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import threading
 import time
@@ -32,6 +33,7 @@ from common.engine.stopping import check_stop
 from common.kv_manager import ImageBlockManager, KVBlockManager, blocks_for
 from common.memory import commit
 from common.model.config import LlavaConfig
+from common.model.cuda_graphs import GRAPH_MEMORY_BYTES
 from common.model.llava import LlavaModel
 from common.model.loader import load_model
 from common.model.packed_linear import pack_linears
@@ -85,7 +87,7 @@ class Engine:
                 text=bool(config.roles - {Stage.ENCODE}), vision=Stage.ENCODE in config.roles
             )
 
-        def setup(c: EngineConfig, reuse=None) -> None:
+        def setup(c: EngineConfig, reuse=None, graphs: bool = False) -> None:
             text = self.model.cfg.text
             self._build(
                 c,
@@ -105,15 +107,23 @@ class Engine:
                 self.compiled,
             )
             self.sampler = Sampler(c.seed, self.model_config.eos_token_ids)
+            if graphs and graphs_wanted(c):  # (not for the memory profile's engine)
+                self.graph_seconds = self.runner.capture_graphs(c.scheduler.max_num_seqs, self.max_model_len)
+
+        def graphs_wanted(c: EngineConfig) -> bool:
+            return c.cuda_graphs and device.type == "cuda" and Stage.DECODE in c.roles
+
+        self.graph_seconds = None  # how long capturing the decode CUDA graphs took (None: not captured)
 
         self.kv_sizing = None  # how the KV cache was sized from the device's memory (memory_profile.KvSizing)
         if config.kv_cache_gib is None:
             from common.engine.memory_profile import profile_kv_cache
 
-            self.kv_sizing = profile_kv_cache(config, setup, self, memory)
+            reserve = GRAPH_MEMORY_BYTES if graphs_wanted(config) else 0
+            self.kv_sizing = profile_kv_cache(config, setup, self, memory, reserve)
             config = dataclasses.replace(config, kv_cache_gib=self.kv_sizing.kv_cache_bytes / 2**30)
-        self._setup = setup
-        setup(config)
+        self._setup = functools.partial(setup, graphs=True)
+        self._setup(config)
 
     def reconfigure(self, config: EngineConfig) -> None:
         """Take a new configuration's roles and scheduler (budgets) on an idle engine: the block managers and the

@@ -9,7 +9,9 @@ activations of the largest iteration are in it (vLLM's `gpu_memory_utilization`,
 4. the profile's caches are freed, and the KV cache gets utilization × total − weights, activations and context −
    the image cache, and never more than is free less a margin (other processes sharing the GPU, fragmentation).
 Not measured: a decode batch's attention over long contexts with the torch reference backend (it gathers them),
-which the 1 − utilization left over has to cover. A worker without the prefill and decode roles gets one block.
+which the 1 − utilization left over has to cover; the decode CUDA graphs, captured after the cache, get a fixed
+reserve (`common/model/cuda_graphs.py` GRAPH_MEMORY_BYTES: their gathers are bounded). A worker without the prefill
+and decode roles gets one block.
 """
 
 from __future__ import annotations
@@ -73,18 +75,21 @@ def kv_cache_bytes(
     profile_cache_bytes: int,
     image_cache_bytes: int,
     margin: int = FREE_MARGIN_BYTES,
+    reserve: int = 0,
 ) -> int:
     """Bytes for the KV cache; KvCacheTooSmall when nothing is left (the message says what to change)."""
     # weights, activations and context: what stays when the caches are replaced
     in_use = memory.peak - profile_cache_bytes + memory.outside
-    budget = int(memory.total * utilization) - in_use - image_cache_bytes
-    room = memory.free + profile_cache_bytes - image_cache_bytes - margin  # the profile's caches are freed first
+    budget = int(memory.total * utilization) - in_use - image_cache_bytes - reserve
+    room = memory.free + profile_cache_bytes - image_cache_bytes - margin - reserve  # the profile's caches go first
     size = min(budget, room)
     if size <= 0:
         gib = 2**30
         raise KvCacheTooSmall(
             f"no room for a KV cache: the weights and one iteration's activations take {in_use / gib:.2f} GiB and the "
-            f"image cache {image_cache_bytes / gib:.2f} GiB of {utilization:.0%} of {memory.total / gib:.1f} GiB "
+            f"image cache {image_cache_bytes / gib:.2f} GiB"
+            + (f" (and {reserve / gib:.2f} GiB for the decode CUDA graphs)" if reserve else "")
+            + f" of {utilization:.0%} of {memory.total / gib:.1f} GiB "
             f"({memory.free / gib:.2f} GiB free); raise --gpu-memory-utilization, lower --token-budget, or give "
             "--kv-cache-gib"
         )
@@ -103,10 +108,12 @@ class KvSizing:
     kv_cache_bytes: int
 
 
-def profile_kv_cache(config: EngineConfig, setup: Callable[[EngineConfig], object], engine, probe) -> KvSizing:
+def profile_kv_cache(
+    config: EngineConfig, setup: Callable[[EngineConfig], object], engine, probe, reserve: int = 0
+) -> KvSizing:
     """The KV cache size for `config` (whose kv_cache_gib is None): `setup(c)` (re)builds `engine`'s caches, scheduler
-    and runner for config `c`; `probe` reads the device's memory (`CudaMemory`). The profile's caches are released
-    before this returns."""
+    and runner for config `c`; `probe` reads the device's memory (`CudaMemory`); `reserve`: bytes kept for what is
+    allocated after the cache (the decode CUDA graphs). The profile's caches are released before this returns."""
     text = engine.model.cfg.text
     dtype = getattr(torch, config.dtype)
     per_block = PagedKVCache.bytes_per_block(
@@ -132,16 +139,17 @@ def profile_kv_cache(config: EngineConfig, setup: Callable[[EngineConfig], objec
     memory = probe.read()
     engine.release_caches()
     probe.release()
-    size = kv_cache_bytes(memory, config.gpu_memory_utilization, profile_bytes, image_bytes)
+    size = kv_cache_bytes(memory, config.gpu_memory_utilization, profile_bytes, image_bytes, reserve=reserve)
     log.info(
         "KV cache %.2f GiB: %.0f%% of %.1f GiB, less %.2f GiB of weights, activations (an iteration of %d tokens) "
-        "and context, and the %.2f GiB image cache",
+        "and context, the %.2f GiB image cache and %.2f GiB kept for the decode CUDA graphs",
         size / 2**30,
         100 * config.gpu_memory_utilization,
         memory.total / 2**30,
         (memory.peak - profile_bytes + memory.outside) / 2**30,
         tokens,
         image_bytes / 2**30,
+        reserve / 2**30,
     )
     return KvSizing(memory, config.gpu_memory_utilization, tokens, profile_bytes, image_bytes, size)
 

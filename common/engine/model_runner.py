@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from common.model.compiled import CompiledModel
+from common.model.cuda_graphs import DecodeGraphs
 from common.model.llava import LlavaModel
 from common.paged_cache import PagedImageCache, PagedKVCache
 from common.request import Request
@@ -38,6 +39,14 @@ class ModelRunner:
         graphs = compiled is not None and isinstance(attention, TorchPagedAttention) and attention.use_c
         self.decode_graph = compiled.decode if graphs else None
         self.prefill_graph = compiled.prefill if graphs else None  # a step of one whole prompt, as one graph
+        self.decode_graphs: DecodeGraphs | None = None  # CUDA: decode steps as captured graphs (capture_graphs)
+
+    def capture_graphs(self, max_seqs: int, max_model_len: int) -> float:
+        """Capture the decode steps' CUDA graphs (before any request); returns the seconds it took."""
+        self.decode_graphs = DecodeGraphs(
+            self.model.text, self.kv_cache.layers, self.kv_cache.layout.block_size, max_seqs, max_model_len
+        )
+        return self.decode_graphs.capture()
 
     @torch.inference_mode()
     def run(self, plan: SchedulerOutput) -> tuple[list[Request], torch.Tensor | None]:
@@ -47,6 +56,11 @@ class ModelRunner:
         if not (plan.decodes or plan.prefills):
             return [], None
         ids, positions, meta, sample_rows, sampling = self._prepare(plan)
+        if self.decode_graphs is not None and not plan.prefills:
+            args = (meta.block_tables, meta.seq_lens_t, meta.slot_blocks, meta.slot_offsets)
+            logits = self.decode_graphs.run(ids, positions, *args)
+            if logits is not None:  # (else no bucket holds the step: it runs eagerly)
+                return sampling, logits
         if self.decode_graph is not None and not plan.prefills:  # every row samples, in order
             args = (meta.block_tables, meta.seq_lens_t, meta.slot_blocks, meta.slot_offsets)
             return sampling, self.decode_graph(self.model.text, ids, positions, self.kv_cache.data, *args)

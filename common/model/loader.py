@@ -79,25 +79,42 @@ def load_model(
 ) -> LlavaModel:
     from safetensors import safe_open
 
-    path = Path(model_dir)
+    def tensors():
+        for file in _checkpoint_files(Path(model_dir)):
+            with safe_open(str(file), framework="pt", device="cpu") as f:
+                for key in f.keys():
+                    yield key, lambda key=key, f=f: f.get_tensor(key)
+
+    return _assemble(Path(model_dir), tensors(), dtype, device)
+
+
+def model_from_state(
+    model_dir: str | Path, state: dict[str, torch.Tensor], dtype: torch.dtype, device: str | torch.device
+) -> LlavaModel:
+    """Our model of the config in `model_dir` with the weights of a transformers LLaVA's `state_dict()` (a model made
+    from a config only, with random weights: `bench/engine.py` on a full-size shape). Tensors already of `dtype` on
+    `device` are shared, not copied (all but the fused q/k/v and gate/up)."""
+    return _assemble(Path(model_dir), ((key, lambda t=t: t) for key, t in state.items()), dtype, device)
+
+
+def _assemble(path: Path, tensors, dtype: torch.dtype, device) -> LlavaModel:
+    """`tensors`: (checkpoint name, a function that reads the tensor) pairs, read only for the names we use."""
     cfg = LlavaConfig.from_pretrained(path)
     with torch.device("meta"):
         model = LlavaModel(cfg)
     params = dict(model.named_parameters())
     fused: dict[str, dict[str, torch.Tensor]] = {}
     loaded: dict[str, torch.Tensor] = {}
-    for file in _checkpoint_files(path):
-        with safe_open(str(file), framework="pt", device="cpu") as f:
-            for key in f.keys():
-                name = our_name(key)
-                if name is None or name.split("#")[0] not in params:
-                    continue  # post_layernorm, layers past the feature layer, rotary buffers
-                tensor = f.get_tensor(key).to(dtype)
-                if "#" in name:
-                    base, part = name.split("#")
-                    fused.setdefault(base, {})[part] = tensor
-                else:
-                    loaded[name] = tensor
+    for key, read in tensors:
+        name = our_name(key)
+        if name is None or name.split("#")[0] not in params:
+            continue  # post_layernorm, layers past the feature layer, rotary buffers
+        tensor = read().to(dtype)
+        if "#" in name:
+            base, part = name.split("#")
+            fused.setdefault(base, {})[part] = tensor
+        else:
+            loaded[name] = tensor
     for base, parts in fused.items():
         loaded[base] = torch.cat([t for _, t in sorted(parts.items(), key=lambda kv: _FUSED_ORDER[kv[0]])])
     if cfg.text.tie_word_embeddings and "text.lm_head.weight" not in loaded:

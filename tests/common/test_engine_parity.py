@@ -8,6 +8,7 @@ import torch
 
 from common.engine.config import EngineConfig
 from common.engine.engine import Engine
+from common.model.cuda_graphs import DecodeGraphs
 from common.model.loader import load_model
 from common.request import Request, Stage
 from common.scheduler import SchedulerConfig
@@ -296,3 +297,48 @@ def test_bfloat16_within_the_references_own_rounding(compile, model_dirs, proces
             compared += ref.margin(step) > tolerance
     assert compared >= 50, f"only {compared} tokens had margins above the tolerance {tolerance:.3f}"
     assert_pools_full(engine)
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_decode_steps_padded_to_cuda_graph_buckets_match_transformers(
+    shape, model_dirs, processors, fp32_models, references
+):
+    """The decode CUDA graphs' step, run eagerly on the CPU (what a graph replays, without the capture): rows padded
+    to a batch bucket with copies of the first, block tables to a width bucket."""
+    engine = make_engine(model_dirs, fp32_models, shape, enable_chunked_prefill=False)
+    graphs = DecodeGraphs(
+        engine.model.text, engine.kv_cache.layers, 16, engine.config.scheduler.max_num_seqs, engine.max_model_len
+    )
+    graphs.capture()
+    engine.runner.decode_graphs = graphs
+    padded, bucket = [], graphs.bucket
+    graphs.bucket = lambda n, width: padded.append((n, width, key := bucket(n, width))) or key
+    finals = engine.generate(build_requests(processors[shape], CASES), capture_logits=True)
+    outputs = {rid: out.output_token_ids for rid, out in finals.items()}
+    assert_matches_reference(outputs, engine.captured_logits, references(shape, torch.float32))
+    assert_pools_full(engine)
+    assert graphs.replays == len(padded) > 10
+    assert any(b > n for n, _, (b, _) in padded) and any(w > width for _, width, (_, w) in padded)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("cuda_graphs", [False, True], ids=["eager", "cuda-graphs"])
+@pytest.mark.parametrize("shape", SHAPES)
+def test_on_a_gpu_the_engine_matches_transformers(shape, cuda_graphs, model_dirs, processors, references):
+    config = EngineConfig(
+        model=str(model_dirs[shape]),
+        device="cuda",
+        kv_cache_gib=0.05,
+        image_cache_gib=0.02,
+        cuda_graphs=cuda_graphs,
+        scheduler=SchedulerConfig(token_budget=64, enable_chunked_prefill=True),
+    )
+    engine = Engine(config)
+    finals = engine.generate(build_requests(processors[shape], CASES), capture_logits=True)
+    outputs = {rid: out.output_token_ids for rid, out in finals.items()}
+    captured = {rid: [t.cpu() for t in logits] for rid, logits in engine.captured_logits.items()}
+    assert_matches_reference(outputs, captured, references(shape, torch.float32))
+    assert_pools_full(engine)
+    graphs = engine.runner.decode_graphs
+    assert (graphs is not None and graphs.replays > 10) == cuda_graphs, graphs and graphs.replays

@@ -29,6 +29,12 @@ def test_the_budget_is_the_utilization_less_weights_activations_and_the_image_ca
     assert kv_cache_bytes(crowded, 0.9, GIB, GIB // 4) == 21 * GIB - GIB // 4 - FREE_MARGIN_BYTES
     with pytest.raises(KvCacheTooSmall, match="raise --gpu-memory-utilization"):
         kv_cache_bytes(DeviceMemory(total=16 * GIB, free=15 * GIB, peak=16 * GIB), 0.9, GIB, GIB // 4)
+    # the decode CUDA graphs' reserve comes off both the budget and what is free
+    for mem in (memory, crowded):
+        assert (
+            kv_cache_bytes(mem, 0.9, GIB, GIB // 4, reserve=GIB // 2)
+            == kv_cache_bytes(mem, 0.9, GIB, GIB // 4) - GIB // 2
+        )
 
 
 class FakeGpu:

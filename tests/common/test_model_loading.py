@@ -165,3 +165,19 @@ def test_prompt_length_counted_without_pixels_is_the_processors(processors, pres
         ids, images = processor.apply(case.conversation)
         assert processor.prompt_ids(case.conversation) == ids, case.name  # what routing hashes, the ids themselves
         assert processor.count_prompt_tokens(case.conversation) == len(ids), case.name
+
+
+def test_a_transformers_models_state_builds_the_same_model_as_its_checkpoint(tiny_dir):
+    """`model_from_state` (bench/engine.py's full-size shapes with random weights) matches `load_model`, and shares
+    the tensors it need not fuse."""
+    import transformers
+
+    from common.model.loader import model_from_state
+
+    hf = transformers.LlavaForConditionalGeneration.from_pretrained(str(tiny_dir), dtype=torch.float32)
+    ours = model_from_state(tiny_dir, hf.state_dict(), torch.float32, "cpu")
+    loaded = dict(load_model(tiny_dir, torch.float32).named_parameters())
+    for name, param in ours.named_parameters():
+        assert torch.equal(param, loaded[name]), name
+    embed = hf.state_dict()["model.language_model.embed_tokens.weight"]
+    assert ours.text.embed_tokens.weight.data_ptr() == embed.data_ptr()
