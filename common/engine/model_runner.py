@@ -7,6 +7,8 @@ the positions that sample: each decode, and each chunk that completes its prompt
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from common.model.compiled import CompiledModel
@@ -17,6 +19,8 @@ from common.request import Request
 from common.scheduler import SchedulerOutput
 from kernels import AttentionMetadata
 from kernels.torch_ref import TorchPagedAttention
+
+log = logging.getLogger(__name__)
 
 
 class ModelRunner:
@@ -41,12 +45,19 @@ class ModelRunner:
         self.prefill_graph = compiled.prefill if graphs else None  # a step of one whole prompt, as one graph
         self.decode_graphs: DecodeGraphs | None = None  # CUDA: decode steps as captured graphs (capture_graphs)
 
-    def capture_graphs(self, max_seqs: int, max_model_len: int) -> float:
-        """Capture the decode steps' CUDA graphs (before any request); returns the seconds it took."""
-        self.decode_graphs = DecodeGraphs(
+    def capture_graphs(self, max_seqs: int, max_model_len: int) -> float | None:
+        """Capture the decode steps' CUDA graphs (before any request); returns the seconds it took, or None when the
+        capture failed (logged with its reason: the decode steps then run eagerly)."""
+        graphs = DecodeGraphs(
             self.model.text, self.kv_cache.layers, self.kv_cache.layout.block_size, max_seqs, max_model_len
         )
-        return self.decode_graphs.capture()
+        try:
+            seconds = graphs.capture()
+        except RuntimeError as e:
+            log.warning("decode CUDA graphs not captured (%s): decode steps run eagerly", e, exc_info=True)
+            return None
+        self.decode_graphs = graphs
+        return seconds
 
     @torch.inference_mode()
     def run(self, plan: SchedulerOutput) -> tuple[list[Request], torch.Tensor | None]:
