@@ -34,28 +34,28 @@ for step in $STEPS; do
   tests)
     section "GPU tests"
     files="tests/kernels/test_attention.py tests/common/test_memory_profile.py tests/common/test_engine_parity.py"
-    timeout 150 $PY -m pytest -q -p no:cacheprovider -m gpu $files 2>&1 | tee "$OUT/gpu-tests.log" | tail -15
+    timeout 120 $PY -m pytest -q -p no:cacheprovider -m gpu $files 2>&1 | tee "$OUT/gpu-tests.log" | tail -15
     ;;
   engine)
     section "engine, small preset"
-    timeout 100 $PY -m bench.engine --device cuda --preset small --dtype bfloat16 --batch-sizes 1,8,32 \
+    timeout 90 $PY -m bench.engine --device cuda --preset small --dtype bfloat16 --batch-sizes 1,8,32 \
       --workload uniform --out "$OUT/engine-small-cuda.json" 2>&1 | grep -v "^bench" | tee "$OUT/engine.log" | tail -12
     ;;
   engine7b)
     section "engine, LLaVA-1.5-7B shape (random weights)"
-    timeout 170 $PY -m bench.engine --device cuda --preset llava-1.5-7b --dtype bfloat16 --batch-sizes 1,8,32 \
+    timeout 150 $PY -m bench.engine --device cuda --preset llava-1.5-7b --dtype bfloat16 --batch-sizes 1,8,32 \
       --repeats 2 --workload uniform --out "$OUT/engine-7b-cuda.json" 2>&1 | grep -v "^bench" \
       | tee "$OUT/engine-7b.log" | tail -12
     ;;
   ablation)
     section "engine, small preset, decode CUDA graphs off"
-    timeout 80 $PY -m bench.engine --device cuda --preset small --dtype bfloat16 --batch-sizes 1,8,32 \
+    timeout 70 $PY -m bench.engine --device cuda --preset small --dtype bfloat16 --batch-sizes 1,8,32 \
       --workload uniform --without cuda-graphs --out "$OUT/engine-small-cuda-eager.json" 2>&1 | grep -v "^bench" \
       | tee "$OUT/engine-eager.log" | tail -6
     ;;
   goodput)
     section "goodput smoke"
-    timeout 150 $PY -m bench.goodput --config "local=--topology local --device cuda --dtype bfloat16" \
+    timeout 120 $PY -m bench.goodput --config "local=--topology local --device cuda --dtype bfloat16" \
       --workload textcaps --arrival poisson --rates 4,8,16 --num-prompts 40 --out "$OUT/goodput-cuda.json" 2>&1 \
       | tail -8 | tee "$OUT/goodput.log"
     ;;
