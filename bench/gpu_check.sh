@@ -9,7 +9,7 @@
 #    (ours vs transformers' generate);
 # 3. a goodput smoke run of a one-process server on the GPU (textcaps, 3 rates);
 # 4. the same small-preset bench with the decode CUDA graphs off (what they save).
-# STEPS (default "tests engine engine7b ablation goodput") picks sections.
+# PACK=1 leaves one archive, gpu-check.tgz, in $OUT. STEPS (default "tests engine engine7b ablation goodput") picks sections.
 set -uo pipefail
 OUT=${OUT:-$PWD/gpu-check-out}; mkdir -p "$OUT"
 STEPS=${STEPS:-tests engine engine7b ablation goodput}
@@ -63,3 +63,6 @@ for step in $STEPS; do
 done
 section done
 ls -la "$OUT"
+if [ -n "${PACK:-}" ]; then  # one archive (the device tool brings back at most 8 files)
+  tar czf /tmp/gpu-check.tgz -C "$OUT" . && rm -rf "${OUT:?}"/* && mv /tmp/gpu-check.tgz "$OUT/"
+fi
