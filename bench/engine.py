@@ -74,6 +74,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--token-budget", type=int, default=SchedulerConfig().token_budget, help="our scheduler's tokens/step"
     )
+    p.add_argument(
+        "--profile",
+        metavar="PREFIX",
+        help="also profile ours (torch.profiler) once per batch size, after the timed runs: a prefill (one token) "
+        "and a whole run, each written as PREFIX-b{B}-{prefill,full}.txt (operators by self time; on CUDA by "
+        "device time too)",
+    )
     p.add_argument("--workload", default="both", choices=("uniform", "mixed", "both"))
     p.add_argument("--mixed-requests-per-batch", type=int, default=4, help="mixed: requests = this × B")
     p.add_argument("--mixed-prompt-lens", default="16,512", help="mixed: min,max prompt tokens (uniform draw)")
@@ -180,6 +187,24 @@ def run_ours(engine: Engine, ids: itertools.count, prompts: list[list[int]], max
     return elapsed
 
 
+def profile(run, path: str, args: argparse.Namespace) -> None:
+    """One call of `run` under torch.profiler: its operators by self time (and by device time on CUDA) into `path`."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as profiler
+
+    cuda = torch.device(args.device).type == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profiler(activities=activities) as prof:
+        seconds = run()
+        _sync(torch.device(args.device))
+    events = prof.key_averages()
+    tables = [f"{seconds * 1e3:.1f} ms wall\n", events.table(sort_by="self_cpu_time_total", row_limit=30)]
+    if cuda:
+        tables.append(events.table(sort_by="self_device_time_total", row_limit=30))
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text("\n".join(tables))
+
+
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -227,6 +252,10 @@ def bench_batch(batch, args, model_dir, ours_model, hf_model, pad_id, bar) -> di
     engine, ids = make_engine(model_dir, ours_model, args, batch), itertools.count()
     bar.set_postfix_str(f"batch {batch}: ours")
     ours = measure(functools.partial(run_ours, engine, ids, prompts), args.output_len, args.repeats, bar)
+    if args.profile:
+        for name, tokens in (("prefill", 1), ("full", args.output_len)):
+            run = functools.partial(run_ours, engine, ids, prompts, tokens)
+            profile(run, f"{args.profile}-b{batch}-{name}.txt", args)
     del engine
     bar.set_postfix_str(f"batch {batch}: HF")
     input_ids = torch.tensor(prompts, dtype=torch.long, device=hf_model.device)

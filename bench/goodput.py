@@ -33,6 +33,7 @@ import asyncio
 import dataclasses
 import json
 import math
+import re
 import statistics
 import sys
 import tempfile
@@ -463,6 +464,12 @@ def _rates(text: str) -> list[float]:
         return []
 
 
+def real_device(configs: list[str]) -> str:
+    """CUDA where a served config runs on the GPU (`--device cuda…`), else CPU: what the report says it measured."""
+    cuda = any(re.search(r"--device[= ]cuda", spec) for spec in configs)
+    return "CUDA" if cuda else "CPU"
+
+
 def main(argv=None) -> int:
     import logging
 
@@ -476,7 +483,7 @@ def main(argv=None) -> int:
     backend = (
         "emulated: " + Path(args.profile).stem + (f", time ×{args.time_scale:g}" if args.time_scale != 1 else "")
         if args.backend == "emulated"
-        else "real engine (torch CPU)"
+        else f"real engine (torch {real_device(args.config or [])})"
     )
     report = {
         "backend": backend,

@@ -257,3 +257,11 @@ def test_each_rate_points_images_are_files_of_their_own_with_the_same_prompts():
     assert not {url(b) for b in base} & {url(b) for b in other}
     assert [b["messages"][0]["content"][1] for b in base] == [b["messages"][0]["content"][1] for b in other]
     assert [url(b) for b in other] == [url(b) for b in request_bodies(SHAPES["pope"], 6, "m", seed=2, variant=3)]
+
+
+def test_the_report_names_the_device_its_real_engine_ran_on():
+    from bench.goodput import real_device
+
+    assert real_device(["local=--topology local --device cuda --dtype bfloat16"]) == "CUDA"
+    assert real_device(["a=--topology EPD1", "b=--device=cuda:1"]) == "CUDA"
+    assert real_device(["local=--topology local"]) == "CPU" and real_device([]) == "CPU"
