@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The GPU check, in one go on a lent machine (one H100/H200; ~7 minutes, each section under a timeout). Writes everything under $OUT.
+# The GPU check, in one go on a lent machine (one H100/H200; ~5 minutes, each section under a timeout), everything
+# written under $OUT. It ran on one H200 on 2026-12-04 in 287 s (bench/README.md, "On a GPU").
 #   bash bench/gpu_check.sh            (from the repo root; OUT defaults to ./gpu-check-out)
 # That machine reaches no package registry: what its image lacks travels as wheels in ./.whl (make them here with
 # `bash bench/gpu_wheels.sh`), installed into /tmp/site; the repo runs from its root (no `pip install -e`).
@@ -9,7 +10,8 @@
 #    (ours vs transformers' generate);
 # 3. a goodput smoke run of a one-process server on the GPU (textcaps, 3 rates);
 # 4. the same small-preset bench with the decode CUDA graphs off (what they save).
-# PACK=1 leaves one archive, gpu-check.tgz, in $OUT. STEPS (default "tests engine engine7b ablation goodput") picks sections.
+# PACK=1 leaves one archive, gpu-check.tgz, in $OUT; PROFILE=1 adds torch.profiler tables of the small preset's
+# runs. STEPS (default "tests engine engine7b ablation goodput") picks sections.
 set -uo pipefail
 OUT=${OUT:-$PWD/gpu-check-out}; mkdir -p "$OUT"
 STEPS=${STEPS:-tests engine engine7b ablation goodput}
@@ -39,7 +41,7 @@ for step in $STEPS; do
   engine)
     section "engine, small preset"
     timeout 90 $PY -m bench.engine --device cuda --preset small --dtype bfloat16 --batch-sizes 1,8,32 \
-      --workload uniform --out "$OUT/engine-small-cuda.json" 2>&1 | grep -v "^bench" | tee "$OUT/engine.log" | tail -12
+      --workload uniform --out "$OUT/engine-small-cuda.json" ${PROFILE:+--profile "$OUT/profile-small"} 2>&1 | grep -v "^bench" | tee "$OUT/engine.log" | tail -12
     ;;
   engine7b)
     section "engine, LLaVA-1.5-7B shape (random weights)"
