@@ -8,7 +8,7 @@
 #    the engine against transformers on the GPU, memory profiling;
 # 2. bench/engine.py --device cuda on the `small` preset and on LLaVA-1.5-7B's shape with random weights, bf16
 #    (ours vs transformers' generate);
-# 3. a goodput smoke run of a one-process server on the GPU (textcaps, 3 rates);
+# 3. a goodput smoke run of a one-process server on the GPU (textcaps, 8–64 req/s: 16 held every SLO on an H200);
 # 4. the same small-preset bench with the decode CUDA graphs off (what they save).
 # PACK=1 leaves one archive, gpu-check.tgz, in $OUT; PROFILE=1 adds torch.profiler tables of the small preset's
 # runs. STEPS (default "tests engine engine7b ablation goodput") picks sections.
@@ -58,7 +58,7 @@ for step in $STEPS; do
   goodput)
     section "goodput smoke"
     timeout 120 $PY -m bench.goodput --config "local=--topology local --device cuda --dtype bfloat16" \
-      --workload textcaps --arrival poisson --rates 4,8,16 --num-prompts 40 --out "$OUT/goodput-cuda.json" 2>&1 \
+      --workload textcaps --arrival poisson --rates 8,16,32,64 --num-prompts 80 --out "$OUT/goodput-cuda.json" 2>&1 \
       | tail -8 | tee "$OUT/goodput.log"
     ;;
   esac
