@@ -18,5 +18,5 @@ done
 # shellcheck disable=SC2086
 $PY -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp $platforms -d .whl \
   $pins "xformers==0.0.35"  # xformers: the attention backend the GPU tests check (flash-attn has no wheel: sdist only)
-grep -qx "/.whl/" .git/info/exclude 2>/dev/null || echo "/.whl/" >> .git/info/exclude
+# (.whl/ is in .gitignore: it travels to the device only as a `carry`)
 du -sh .whl
