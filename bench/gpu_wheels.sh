@@ -17,6 +17,8 @@ for p in manylinux_2_34 manylinux_2_31 manylinux_2_28 manylinux_2_27 manylinux_2
 done
 # shellcheck disable=SC2086
 $PY -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp $platforms -d .whl \
-  $pins "xformers==0.0.35"  # xformers: the attention backend the GPU tests check (flash-attn has no wheel: sdist only)
+  $pins "xformers==0.0.35"
+# xformers 0.0.35 is built for torch 2.10 / CUDA 12.8 and has no kernel on the H200 image's torch 2.11 / CUDA 13
+# (2026-12-04): it travels so the check sees `auto` leave a broken library out. flash-attn has no wheel (sdist only).
 # (.whl/ is in .gitignore: it travels to the device only as a `carry`)
 du -sh .whl
