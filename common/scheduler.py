@@ -132,6 +132,9 @@ class Scheduler:
         self.prefilling: list[Request] = []
         self.running: list[Request] = []
         self.joined: set[str] = set()  # handed-over requests (KV in place) that have not decoded here yet
+        # requests whose pages are being imported (the engine's `PageHandover.importing`): a handed-over one joins
+        # the decodes when its KV is in, and its first gap is the iteration it arrives during
+        self.incoming: dict[str, Request] = {}
         self._last_had_work = False  # the last iteration carried prefill chunks or encodes
         self.num_preemptions = 0  # since start: recomputed here or handed back
         self.overrun = Overrun()  # of iterations carrying prompt work only, past `iteration_time`'s profile
@@ -207,8 +210,13 @@ class Scheduler:
         return self._may_run_long(out.decodes)
 
     def _may_run_long(self, decodes: list[Request]) -> bool:
+        """Every decode can spare a slow gap, and so can every request handed over whose KV is on its way here (a
+        long iteration it arrives during is its first gap: one that cannot spare it would miss its P90 TBT)."""
         slack = self.config.gap_slack
-        return slack is not None and all(slack.spare(r.sure_gaps, r.num_slow_gaps) >= 1 for r in decodes)
+        if slack is None:
+            return False
+        joining = (r for r in self.incoming.values() if r.first_stage == Stage.DECODE)
+        return all(slack.spare(r.sure_gaps, r.num_slow_gaps) >= 1 for r in (*decodes, *joining))
 
     @property
     def long_token_budget(self) -> int:

@@ -30,6 +30,7 @@ class PageHandover:
         self.block_size = block_size
         self._admit = admit
         self.importing: dict[str, Request] = {}
+        scheduler.incoming = self.importing  # (the scheduler's gap slack looks at who is joining)
         self.handed_off: dict[str, Request] = {}
 
     def holds(self, request_id: str) -> bool:

@@ -116,6 +116,30 @@ def test_a_request_handed_over_during_a_long_iteration_counts_its_first_gap_slow
     assert joiner.num_slow_gaps == 1
 
 
+@pytest.mark.parametrize("max_tokens, long", [(8, False), (32, True)], ids=["short-answer", "long-answer"])
+def test_a_request_whose_kv_is_on_its_way_here_must_spare_a_slow_gap_too(max_tokens, long):
+    """Its first gap here is the iteration its KV arrives during: with 7 gaps it may have no slow one (its P90 would
+    be that gap), so no long iteration starts while it is importing; with 31 it may, and one does."""
+    s = scheduler()
+    joiner = Request(
+        "j", list(range(8)), SamplingParams(max_tokens=max_tokens, ignore_eos=True), first_stage=Stage.DECODE
+    )
+    s.incoming[joiner.request_id] = joiner  # blocks reserved, pages being pulled (`PageHandover.importing`)
+    assert s.long_token_budget == (100 if long else 0)
+    s.add(request("prompt", prompt=60))
+    assert [c.num_tokens for c in s.schedule().prefills] == ([60] if long else [10])
+    del s.incoming[joiner.request_id]  # pulled in (or cancelled): nothing waits for it any more
+    assert s.long_token_budget == 100
+
+
+def test_the_engines_imports_are_what_its_scheduler_sees_joining(tiny_dir):
+    from common.engine.config import EngineConfig
+    from common.engine.engine import Engine
+
+    engine = Engine(EngineConfig(model=str(tiny_dir), kv_cache_gib=0.01, image_cache_gib=0.01))
+    assert engine.scheduler.incoming is engine.pages.importing
+
+
 def test_without_decodes_an_iteration_runs_long():
     s = scheduler()
     assert s.long_token_budget == 100  # nothing to delay
