@@ -110,6 +110,7 @@ class DecodeGraphs:
             self.slot_offsets = torch.zeros(most_b, dtype=torch.long, **like)
         self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph | None, torch.Tensor | None]] = {}
         self.replays = 0  # steps run through a bucket (tests, the bench's report)
+        self._buckets: dict[tuple[int, int], tuple[int, int] | None] = {}  # step shape → its bucket (`bucket`)
 
     def _step(self, b: int, w: int) -> torch.Tensor:
         return decode_step(
@@ -130,6 +131,7 @@ class DecodeGraphs:
         start = time.perf_counter()
         if self.device.type != "cuda":
             self.graphs = {key: (None, None) for key in self.buckets}
+            self._buckets.clear()
             return 0.0
         before = torch.cuda.memory_reserved(self.device)
         pool = torch.cuda.graph_pool_handle()
@@ -143,6 +145,7 @@ class DecodeGraphs:
             with torch.cuda.graph(graph, pool=pool):
                 logits = self._step(b, w)
             self.graphs[(b, w)] = graph, logits
+        self._buckets.clear()  # (what was looked up before this capture saw fewer graphs)
         torch.cuda.synchronize(self.device)
         seconds = time.perf_counter() - start
         log.info(
@@ -156,9 +159,13 @@ class DecodeGraphs:
         return seconds
 
     def bucket(self, num_seqs: int, width: int) -> tuple[int, int] | None:
-        """The smallest captured (batch, width) that holds a step, or None."""
-        fits = [(b, w) for b, w in self.graphs if b >= num_seqs and w >= width]
-        return min(fits, key=lambda key: key[0] * key[1], default=None)
+        """The smallest captured (batch, width) that holds a step, or None (looked up once per step shape: every
+        decode step asks)."""
+        key = (num_seqs, width)
+        if key not in self._buckets:
+            fits = [(b, w) for b, w in self.graphs if b >= num_seqs and w >= width]
+            self._buckets[key] = min(fits, key=lambda bw: bw[0] * bw[1], default=None)
+        return self._buckets[key]
 
     @torch.inference_mode()
     def run(self, ids, positions, block_tables, seq_lens, slot_blocks, slot_offsets) -> torch.Tensor | None:
