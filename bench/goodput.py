@@ -419,7 +419,8 @@ def parse_args(argv=None, prog: str = "epdmesh bench goodput", description: str 
     p.add_argument(
         "--profile",
         default="H20",
-        help="emulated backend: the latency profile the workers run (a file, or H20 / H100 / H200: analytic)",
+        help="emulated backend: the latency profile the workers run (a file, or H20 / H100 / H200: analytic; "
+        "H20:qwen2-vl-7b-1344: an encode-heavy shape)",
     )
     p.add_argument("--time-scale", type=float, default=1.0, help="time dilation of an emulated mesh (see above)")
     p.add_argument("--model", help="checkpoint directory for launched meshes (default: serve's)")

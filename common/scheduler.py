@@ -171,7 +171,8 @@ class Scheduler:
             n = len(out.decodes)
             self.running = self.running[n:] + self.running[:n]
         timing, tokens, images = self.config.iteration_time, self.config.token_budget, self.config.image_budget
-        if self._runs_long(out):
+        runs_long = self._runs_long(out)
+        if runs_long:
             timing, tokens = self.config.gap_slack.long, self.config.gap_slack.token_budget
         tokens -= len(out.decodes)
         context = sum(r.num_computed_tokens for r in out.decodes) if timing else 0
@@ -184,7 +185,10 @@ class Scheduler:
         if joining and self.config.join_first and self._last_had_work:
             self._last_had_work = False
             return out  # decodes only: the joiners' first gap is the iteration before plus this short one
-        self._schedule_new_work(out, timing, tokens, images, context)
+        # an image that alone outlasts the limit is encoded anyway in a step with no other new work — unless, with
+        # gap slack, that step would give decodes a slow gap they cannot spare: then it waits for one they can
+        may_overrun = runs_long or self.config.gap_slack is None or not out.decodes
+        self._schedule_new_work(out, timing, tokens, images, context, may_overrun)
         self._last_had_work = bool(out.prefills or out.encodes)
         if self.config.iteration_time is not None:
             out.predicted_ms = self.config.iteration_time.predict_ms(
@@ -286,7 +290,13 @@ class Scheduler:
         self.waiting.appendleft(request)
 
     def _schedule_new_work(
-        self, out: SchedulerOutput, timing: IterationTime | None, tokens: int, images: int, context: int
+        self,
+        out: SchedulerOutput,
+        timing: IterationTime | None,
+        tokens: int,
+        images: int,
+        context: int,
+        may_overrun: bool = True,
     ) -> None:
         for request in self.prefilling:
             if timing is not None and request.num_computed_tokens and tokens > 0:
@@ -295,7 +305,7 @@ class Scheduler:
             tokens -= self._chunk(out, request, tokens)
         encoded = []  # partly encoded requests whose last images this step encodes
         for request in self.encoding:
-            n = self._encode(out, request, self._image_room(out, images, tokens))
+            n = self._encode(out, request, self._image_room(out, images, tokens, may_overrun))
             images, tokens = images - n, tokens - n * self.image_token_cost
             if self._encodes_rest(request, n):
                 encoded.append(request)
@@ -313,7 +323,7 @@ class Scheduler:
                     if tokens > 0 and self._admit_without_encode(request):
                         self.waiting.remove(request)
                         tokens -= self._chunk(out, request, tokens)
-                elif (room := self._image_room(out, images, tokens)) > 0 and self.images.can_allocate(request):
+                elif (room := self._image_room(out, images, tokens, may_overrun)) and self.images.can_allocate(request):
                     self.waiting.remove(request)
                     self.images.allocate(request)
                     request.status = RequestStatus.ENCODING
@@ -366,14 +376,14 @@ class Scheduler:
         out.prefills.append(PrefillChunk(request, start, n))
         return n
 
-    def _image_room(self, out: SchedulerOutput, images: int, tokens: int) -> int:
+    def _image_room(self, out: SchedulerOutput, images: int, tokens: int, may_overrun: bool = True) -> int:
         """Images this step can still encode: what is left of τ_e and, with `image_token_cost`, of τ_t — at least
-        one in a step that carries no prefill or encode yet."""
+        one in a step that carries no prefill or encode yet, if it `may_overrun` its limit."""
         cost = self.image_token_cost
         if not cost or images <= 0:
             return max(images, 0)
         room = max(tokens, 0) // cost
-        return min(images, room if room or out.prefills or out.encodes else 1)
+        return min(images, room if room or out.prefills or out.encodes or not may_overrun else 1)
 
     def _encode(self, out: SchedulerOutput, request: Request, budget: int) -> int:
         n = min(len(request.images) - request.num_encoded_images, budget)

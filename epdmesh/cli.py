@@ -314,11 +314,13 @@ def _gateway_telemetry(args):
 def _cmd_profile(args) -> int:
     import platform
 
-    from common.latency.roofline import analytic_profile
+    from common.latency.roofline import ACCELERATORS, load_profile
 
     out = Path(args.out)
     if args.analytic:
-        profile = analytic_profile(args.analytic)
+        if args.analytic.partition(":")[0].upper() not in ACCELERATORS:
+            raise SystemExit(f"--analytic {args.analytic}: choose an accelerator of {', '.join(ACCELERATORS)}")
+        profile = load_profile(args.analytic)
     else:
         from tqdm import tqdm
 
@@ -517,8 +519,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(profile)
     profile.add_argument(
         "--analytic",
-        choices=["H20", "H100", "H200"],
-        help="the roofline profile of LLaVA-1.5-7B on this accelerator instead of measuring",
+        metavar="ACCELERATOR[:SHAPE]",
+        help="the roofline profile of LLaVA-1.5-7B on H20, H100 or H200 instead of measuring "
+        "(H20:qwen2-vl-7b-1344: of that model shape)",
     )
     profile.add_argument("--repeats", type=int, default=3)
     add_slo_args(profile)

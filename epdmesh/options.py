@@ -351,7 +351,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--profile",
         help="emulated backend: the latency profile to run, a file or H20 / H100 / H200 for the "
-        f"analytic LLaVA-1.5-7B one (default {DEFAULT_EMULATED_PROFILE})",
+        "analytic LLaVA-1.5-7B one (H20:qwen2-vl-7b-1344: an encode-heavy model's shapes; "
+        f"default {DEFAULT_EMULATED_PROFILE})",
     )
     p.add_argument(
         "--emulated-kv-bytes-per-token",

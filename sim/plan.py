@@ -59,7 +59,9 @@ def parse_args(argv=None) -> argparse.Namespace:
         prog="epdmesh plan", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     p.add_argument("--instances", type=int, required=True, help="N: the workers of every deployment")
-    p.add_argument("--profile", required=True, help="latency profile (a JSON file, or h20 / h100 / h200)")
+    p.add_argument(
+        "--profile", required=True, help="latency profile (a JSON file, or h20 / h100 / h200, or h20:qwen2-vl-7b-1344)"
+    )
     p.add_argument("--workload", default="textcaps", help="comma-separated: bench goodput's workloads")
     p.add_argument("--slo-ttft-ms", type=float, default=1000.0)
     p.add_argument("--slo-tbt-ms", type=float, default=100.0)

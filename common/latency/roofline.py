@@ -10,7 +10,8 @@ Per stage, from the model shape (no weights needed):
 Achieved compute = peak · FLOP_EFFICIENCY · x / (x + half_units): small batches do not fill the GPU.
 `half_units` is the one thing calibrated, per stage, on H20 to the saturation points TriInfer measured
 for LLaVA-1.5-7B (encode ≈ 6 images per batch, prefill ≈ one 1024-token request, decode ≈ 512
-sequences); other GPUs scale it by their SM count (more SMs need more work to fill — an assumption, not
+sequences); another model's encode saturates at the same number of vision tokens (6 × 577), not images;
+other GPUs scale it by their SM count (more SMs need more work to fill — an assumption, not
 a measurement). Decode's point is taken for the GEMMs alone (no context): TriInfer does not give the
 context of its decode sweep, 512 sequences of more than ~420 tokens each do not fit in an H20's KV
 memory, and reading KV is a per-sequence cost that batching does not amortise (the context term).
@@ -86,11 +87,20 @@ class ModelShape:
 # LLaVA-1.5-7B: CLIP ViT-L/14 at 336 px (577 tokens, 24 layers of 1024, 303M parameters), a 2-layer
 # 1024→4096→4096 projector (21M), Llama-2-7B-shaped decoder (6.74B, 32 layers of 4096, 32 KV heads of 128).
 LLAVA_15_7B = ModelShape("llava-1.5-7b", 303e6, 24, 1024, 577, 21e6, 576, 6.74e9, 32, 4096, 32, 128)
+# Qwen2-VL-7B's shapes with every image at 1344×1344 px — an encode-heavy model: a ViT of 32 layers of 1280
+# (631M) over all 96² = 9,216 patches with full attention, a patch merger (2×2 → one token, 45M) to 2,304 image
+# tokens, a Qwen2-7B decoder (7.6B, 28 layers of 3584, 4 KV heads of 128). An image's encode is ~26 TFLOP against
+# its tokens' prefill ~35; LLaVA-1.5-7B's is ~1.2 against ~7.8.
+QWEN2_VL_7B_1344 = ModelShape("qwen2-vl-7b-1344", 631e6, 32, 1280, 9216, 45e6, 2304, 7.6e9, 28, 3584, 4, 128)
+SHAPES = {shape.name: shape for shape in (LLAVA_15_7B, QWEN2_VL_7B_1344)}
 
 
 def analytic_profile(accelerator: str | Accelerator, shape: ModelShape = LLAVA_15_7B) -> LatencyProfile:
     hw = ACCELERATORS[accelerator] if isinstance(accelerator, str) else accelerator
     half = _calibrated_half_units(shape)
+    if shape != LLAVA_15_7B:  # an image is the encode's unit: more vision tokens an image fill the GPU with fewer
+        llava = _calibrated_half_units(LLAVA_15_7B)["encode"]
+        half["encode"] = llava * LLAVA_15_7B.vision_tokens / shape.vision_tokens
     scale = hw.sms / ACCELERATORS["H20"].sms
     return _profile(hw, shape, {stage: h * scale for stage, h in half.items()})
 
@@ -154,7 +164,11 @@ def _calibrated_half_units(shape: ModelShape) -> dict[str, float]:
 
 
 def load_profile(spec: str) -> LatencyProfile:
-    """`H20`, `H100` or `H200`: the shipped analytic profile of LLaVA-1.5-7B on it; anything else: a profile file."""
-    if spec.upper() in ACCELERATORS:
-        return analytic_profile(spec.upper())
+    """`H20`, `H100` or `H200`: the analytic profile of LLaVA-1.5-7B on it; `H20:qwen2-vl-7b-1344`: of another
+    shape in `SHAPES`; anything else: a profile file."""
+    accelerator, _, shape = spec.partition(":")
+    if accelerator.upper() in ACCELERATORS:
+        if shape and shape not in SHAPES:
+            raise ValueError(f"unknown model shape {shape!r} in profile {spec!r}; choose from {', '.join(SHAPES)}")
+        return analytic_profile(accelerator.upper(), SHAPES[shape] if shape else LLAVA_15_7B)
     return LatencyProfile.load(spec)

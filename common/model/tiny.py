@@ -44,8 +44,17 @@ PRESETS: dict[str, dict] = {
         vision=dict(hidden=1024, layers=24, heads=16, intermediate=4096, image=336, patch=14),
         vocab=32064,
     ),
+    # The encode-heavy shape the emulated backend's `H20:qwen2-vl-7b-1344` profile times (common/latency/roofline.py):
+    # Qwen2-7B's decoder and 2,304 image tokens an image, in the LLaVA layout this package reads (a 672 px, patch-14
+    # tower gives that count; Qwen2-VL's is 1344 px, patch 14, 2×2 patches merged into a token).
+    "qwen2-vl-7b-1344": dict(
+        text=dict(hidden=3584, layers=28, heads=28, kv_heads=4, intermediate=18944, rope_theta=1e6, eps=1e-6),
+        vision=dict(hidden=1280, layers=32, heads=16, intermediate=5120, image=672, patch=14),
+        vocab=32064,
+        max_positions=32768,
+    ),
 }
-CONFIG_ONLY_PRESETS = {"llava-1.5-7b"}  # too big to write random weights for
+CONFIG_ONLY_PRESETS = {"llava-1.5-7b", "qwen2-vl-7b-1344"}  # too big to write random weights for
 
 CHAT_TEMPLATE = (
     "{%- for message in messages -%}"
@@ -144,7 +153,7 @@ def _write_tokenizer_and_processor(out: Path, spec: TinySpec, state: dict) -> No
         eos_token="</s>",
         unk_token="<unk>",
         pad_token="<pad>",
-        model_max_length=4096,
+        model_max_length=preset.get("max_positions", 4096),
         padding_side="left",
     )
     vision = preset["vision"]
@@ -182,7 +191,7 @@ def _write_config(out: Path, spec: TinySpec, state: dict) -> None:
         num_key_value_heads=t["kv_heads"],
         rms_norm_eps=t["eps"],
         rope_theta=t["rope_theta"],
-        max_position_embeddings=4096,
+        max_position_embeddings=preset.get("max_positions", 4096),
         bos_token_id=1,
         eos_token_id=2,
         pad_token_id=state["pad_token_id"],

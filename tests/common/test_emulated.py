@@ -51,6 +51,20 @@ def test_the_7b_shape_is_the_real_models(cfg):
     assert (cfg.text.num_layers, cfg.text.num_kv_heads, cfg.text.head_dim) == (32, 32, 128)
 
 
+def test_the_encode_heavy_shape_matches_its_profile(tmp_path):
+    """The config-only checkpoint of `H20:qwen2-vl-7b-1344` expands an image to the profile's 2,304 tokens and
+    sizes the KV cache by Qwen2-7B's decoder (28 layers, 4 KV heads of 128)."""
+    from common.latency.roofline import QWEN2_VL_7B_1344, load_profile
+    from common.model.tiny import TinySpec, make_tiny_model
+
+    out = make_tiny_model(tmp_path / "qwen", TinySpec(preset=QWEN2_VL_7B_1344.name, config_only=True))
+    qwen = LlavaConfig.from_pretrained(out)
+    assert qwen.image_tokens_per_image == load_profile("H20:qwen2-vl-7b-1344").image_tokens == 2304
+    assert (qwen.text.num_layers, qwen.text.num_kv_heads, qwen.text.head_dim) == (28, 4, 128)
+    assert qwen.text.max_position_embeddings == 32768
+    assert not (out / "model.safetensors").exists()
+
+
 def test_tokens_are_deterministic_depend_on_the_prompt_and_images_and_survive_disaggregation(emulated_dir, cfg):
     colocated = make(emulated_dir, cfg)
     together = {k: v.output_token_ids for k, v in colocated.generate(requests(cfg)).items()}

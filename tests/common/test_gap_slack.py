@@ -11,7 +11,7 @@ from common.latency import LatencyProfile, StageCost
 from common.latency.budgets import GapSlack, IterationTime, slow_gaps_allowed
 from common.policy.multiplex import route_slo
 from common.policy.routing import PrefillPath, RoutePlan, RouteSummary
-from common.request import Request, Stage
+from common.request import ImageInput, Request, Stage
 from common.sampling import SamplingParams
 from common.scheduler import Scheduler, SchedulerConfig
 from common.workers import WorkerInfo, WorkerLoad, WorkerSnapshot
@@ -193,3 +193,41 @@ def test_a_route_onto_a_decoders_long_iteration_spends_the_slack_its_report_show
     assert after.load.long_token_budget == 0 and after.load.queued_prefill_tokens == 300
     elsewhere = dataclasses.replace(plan, prefill=mesh(0)[0])
     assert _plus(d, [dataclasses.replace(pending, plan=elsewhere)]).load.long_token_budget == 400
+
+
+def image_scheduler(gap_slack: bool):
+    """An image's encode takes all of τ_t (10 tokens in the 10 ms TBT limit): it never fits beside a decode."""
+    slack = GapSlack(10.0, IterationTime(PROFILE, 100.0), 100) if gap_slack else None
+    config = SchedulerConfig(
+        token_budget=10,
+        image_budget=1,
+        image_token_cost=10,
+        iteration_time=IterationTime(PROFILE, 10.0),
+        gap_slack=slack,
+    )
+    return Scheduler(config, KVBlockManager(256, 4), ImageBlockManager(16, 4))
+
+
+def with_image(rid="img"):
+    return Request(rid, list(range(8)), SamplingParams(max_tokens=4), [ImageInput(None, 4, f"{rid}-0")])
+
+
+@pytest.mark.parametrize("gap_slack", [False, True], ids=["budgets", "gap-slack"])
+def test_an_image_over_the_limit_waits_for_decodes_that_can_spare_the_slow_gap_it_makes(gap_slack):
+    """Without gap slack an image too big for the limit is encoded alone in a step anyway (nothing waits forever);
+    with it, not while a decode beside it cannot spare that slow gap — it goes in a long iteration, or once no
+    decode is left to stall."""
+    s = image_scheduler(gap_slack)
+    open_ended = decoding(s, "a", max_tokens=32)  # may end at its next token: no slow gap to spare
+    s.add(with_image())
+    plan = s.schedule()
+    assert plan.decodes == [open_ended] and [e.num_images for e in plan.encodes] == ([] if gap_slack else [1])
+
+    s = image_scheduler(gap_slack)
+    decoding(s, "b", max_tokens=32, ignore_eos=True)  # 3 slow gaps to spare: a long iteration encodes it
+    s.add(with_image())
+    assert [e.num_images for e in s.schedule().encodes] == [1]
+
+    s = image_scheduler(gap_slack)
+    s.add(with_image())
+    assert [e.num_images for e in s.schedule().encodes] == [1]  # nothing decodes

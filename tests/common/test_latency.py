@@ -10,7 +10,7 @@ import pytest
 from common.latency import LatencyProfile, StageCost, decode_ms, encode_ms, prefill_chunk_ms, prefill_ms, transfer_ms
 from common.latency.budgets import IterationTime, Overrun, _chunk_guess, budgets_for, largest_within, stage_limit_ms
 from common.latency.model import iteration_ms
-from common.latency.roofline import LLAVA_15_7B, TRIINFER_H20, analytic_profile, saturation_points
+from common.latency.roofline import LLAVA_15_7B, TRIINFER_H20, analytic_profile, load_profile, saturation_points
 
 
 def profile(**overrides) -> LatencyProfile:
@@ -155,6 +155,22 @@ def test_roofline_agrees_with_what_was_not_calibrated():
     for p in (h20, h100, h200):
         times = [prefill_chunk_ms(p, t) for t in range(1, 4096, 64)]
         assert times == sorted(times) and all(math.isfinite(t) for t in times)
+
+
+def test_an_encode_heavy_shape_encodes_an_image_in_most_of_its_prefill():
+    """`H20:qwen2-vl-7b-1344`: an image's encode takes 0.5-1x its 2,304 tokens' prefill (LLaVA-1.5-7B's: < 0.1x),
+    and one image fills the GPU, as many vision tokens as LLaVA's six; `H20` is LLaVA's profile as before."""
+    qwen, llava = load_profile("H20:qwen2-vl-7b-1344"), load_profile("H20")
+    assert (qwen.model, qwen.image_tokens, llava) == ("qwen2-vl-7b-1344", 2304, analytic_profile("H20"))
+
+    def share(p):
+        return encode_ms(p, 1) / prefill_chunk_ms(p, p.image_tokens)
+
+    assert share(llava) < 0.1 and 0.5 < share(qwen) < 1
+    assert saturation_points(qwen)["encode_images"] == 1
+    assert encode_ms(qwen, 2) > 1.9 * encode_ms(qwen, 1)
+    with pytest.raises(ValueError, match="unknown model shape"):
+        load_profile("H20:llava-2")
 
 
 def test_latency_code_imports_no_torch():
