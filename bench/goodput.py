@@ -57,6 +57,7 @@ from bench.workloads import (  # noqa: E402
     trace_scale_of,
     trace_times,
 )
+from epdmesh.options import profile_spec  # noqa: E402
 
 PERCENTILES = (50, 90, 99)
 
@@ -419,6 +420,7 @@ def parse_args(argv=None, prog: str = "epdmesh bench goodput", description: str 
     p.add_argument(
         "--profile",
         default="H20",
+        type=profile_spec,
         help="emulated backend: the latency profile the workers run (a file, or H20 / H100 / H200: analytic; "
         "H20:qwen2-vl-7b-1344: an encode-heavy shape)",
     )

@@ -37,6 +37,7 @@ if not __package__:
 from bench.goodput import Result, meets_slo, run_rate  # noqa: E402
 from bench.goodput_launch import launched, log_path, serve_args_of  # noqa: E402
 from bench.workloads import SHAPES, request_bodies  # noqa: E402
+from epdmesh.options import profile_spec  # noqa: E402
 
 
 def parse_phases(text: str) -> list[tuple[str, float]]:
@@ -184,7 +185,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--slo-ttft-ms", type=float, default=1000.0)
     p.add_argument("--slo-tbt-ms", type=float, default=100.0)
     p.add_argument("--backend", default="torch", choices=["torch", "emulated"])
-    p.add_argument("--profile", default="H20", help="emulated backend: the latency profile the workers run")
+    p.add_argument(
+        "--profile", default="H20", type=profile_spec, help="emulated backend: the latency profile the workers run"
+    )
     p.add_argument("--time-scale", type=float, default=1.0)
     p.add_argument("--model", help="checkpoint directory for launched meshes (default: serve's)")
     p.add_argument("--seed", type=int, default=0)

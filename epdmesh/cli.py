@@ -320,7 +320,10 @@ def _cmd_profile(args) -> int:
     if args.analytic:
         if args.analytic.partition(":")[0].upper() not in ACCELERATORS:
             raise SystemExit(f"--analytic {args.analytic}: choose an accelerator of {', '.join(ACCELERATORS)}")
-        profile = load_profile(args.analytic)
+        try:
+            profile = load_profile(args.analytic)
+        except ValueError as error:
+            raise SystemExit(f"--analytic {args.analytic}: {error}") from None
     else:
         from tqdm import tqdm
 

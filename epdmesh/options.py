@@ -13,6 +13,18 @@ from epdmesh.checkpoints import default_model_dir
 DEFAULT_EMULATED_PROFILE = "H20"  # the analytic LLaVA-1.5-7B on H20 profile (= profiles/llava-1.5-7b-h20.json)
 
 
+def profile_spec(value: str) -> str:
+    """A `--profile` / `--latency-profile` value: a profile file or an analytic spec (`H20`, `H20:qwen2-vl-7b-1344`),
+    loaded here so that a typo is a usage error with the reason, not a traceback from a worker."""
+    from common.latency.roofline import load_profile
+
+    try:
+        load_profile(value)
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        raise argparse.ArgumentTypeError(f"{value}: {error}") from None
+    return value
+
+
 def add_routing_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--prefill-mode",
@@ -68,7 +80,9 @@ def reserved_output_tokens(args) -> int:
 def add_router_args(p: argparse.ArgumentParser) -> None:
     """What a router needs beyond `add_routing_args` (the toggle's; serve has its own --latency-profile)."""
     p.add_argument(
-        "--latency-profile", help="route by the SLO-aware multiplexing policy over this profile (default: least loaded)"
+        "--latency-profile",
+        type=profile_spec,
+        help="route by the SLO-aware multiplexing policy over this profile (default: least loaded)",
     )
 
 
@@ -306,8 +320,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--latency-profile",
-        help="a latency profile (epdmesh profile; or H20/H100/H200): τ_t and τ_e are the largest batches "
-        "within α·TTFT (instances without decode) or TBT (with decode)",
+        type=profile_spec,
+        help="a latency profile (epdmesh profile; or H20/H100/H200, H20:qwen2-vl-7b-1344): τ_t and τ_e are the "
+        "largest batches within α·TTFT (instances without decode) or TBT (with decode)",
     )
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument(
@@ -350,6 +365,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--profile",
+        type=profile_spec,
         help="emulated backend: the latency profile to run, a file or H20 / H100 / H200 for the "
         "analytic LLaVA-1.5-7B one (H20:qwen2-vl-7b-1344: an encode-heavy model's shapes; "
         f"default {DEFAULT_EMULATED_PROFILE})",

@@ -44,6 +44,7 @@ from common.latency.roofline import load_profile
 from common.policy import placement
 from common.request import Stage
 from common.topology import SPACES, deployments, parse_topology
+from epdmesh.options import profile_spec
 from sim.build import Setup
 from sim.goodput import run_point
 
@@ -60,7 +61,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     p.add_argument("--instances", type=int, required=True, help="N: the workers of every deployment")
     p.add_argument(
-        "--profile", required=True, help="latency profile (a JSON file, or h20 / h100 / h200, or h20:qwen2-vl-7b-1344)"
+        "--profile",
+        required=True,
+        type=profile_spec,
+        help="latency profile (a JSON file, or h20 / h100 / h200, or h20:qwen2-vl-7b-1344)",
     )
     p.add_argument("--workload", default="textcaps", help="comma-separated: bench goodput's workloads")
     p.add_argument("--slo-ttft-ms", type=float, default=1000.0)

@@ -176,3 +176,26 @@ def test_enforce_eager_turns_the_decode_cuda_graphs_off_as_it_does_compilation()
 
     assert config("--no-enforce-eager").cuda_graphs and not config("--no-enforce-eager").compile  # CUDA: no compile
     assert not config("--enforce-eager").cuda_graphs
+
+
+@pytest.mark.parametrize(
+    "flag, value, reason",
+    [
+        ("--profile", "H20:llava-2", "unknown model shape 'llava-2'"),
+        ("--profile", "/nowhere/profile.json", "No such file"),
+        ("--latency-profile", "B200", "No such file"),
+    ],
+)
+def test_a_profile_that_does_not_load_is_a_usage_error_with_the_reason(flag, value, reason, capsys):
+    with pytest.raises(SystemExit) as stop:
+        build_parser().parse_args(["serve", "--backend", "emulated", flag, value])
+    err = capsys.readouterr().err
+    assert stop.value.code == 2 and f"argument {flag}: {value}: " in err and reason in err
+
+
+def test_profiles_name_an_accelerator_and_optionally_a_model_shape():
+    args = build_parser().parse_args(["serve", "--backend", "emulated", "--profile", "h100:qwen2-vl-7b-1344"])
+    assert args.profile == "h100:qwen2-vl-7b-1344"
+    from common.latency.roofline import load_profile
+
+    assert load_profile(args.profile).name == "qwen2-vl-7b-1344 on H100 (analytic roofline)"
