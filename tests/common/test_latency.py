@@ -185,11 +185,11 @@ def test_shipped_profiles_are_what_the_roofline_gives():
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[2] / "profiles"
-    for hw in ("H20", "H100", "H200"):
-        shipped = LatencyProfile.load(root / f"llava-1.5-7b-{hw.lower()}.json")
-        assert shipped == analytic_profile(hw), (
-            f"profiles/llava-1.5-7b-{hw.lower()}.json is stale: epdmesh profile --analytic {hw}"
-        )
+    for spec, name in [(hw, f"llava-1.5-7b-{hw.lower()}") for hw in ("H20", "H100", "H200")] + [
+        ("H20:qwen2-vl-7b-1344", "qwen2-vl-7b-1344-h20")
+    ]:
+        shipped = LatencyProfile.load(root / f"{name}.json")
+        assert shipped == load_profile(spec), f"profiles/{name}.json is stale: epdmesh profile --analytic {spec}"
 
 
 def test_iteration_time_composes_the_stages_and_scaling_dilates_every_time():
