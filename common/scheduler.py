@@ -135,6 +135,7 @@ class Scheduler:
         # requests whose pages are being imported (the engine's `PageHandover.importing`): a handed-over one joins
         # the decodes when its KV is in, and its first gap is the iteration it arrives during
         self.incoming: dict[str, Request] = {}
+        self._first_gap_slow: set[str] = set()  # joining requests whose first gap here is counted slow already
         self._last_had_work = False  # the last iteration carried prefill chunks or encodes
         self.num_preemptions = 0  # since start: recomputed here or handed back
         self.overrun = Overrun()  # of iterations carrying prompt work only, past `iteration_time`'s profile
@@ -202,10 +203,20 @@ class Scheduler:
         if out.predicted_ms and (out.prefills or out.encodes):
             (self.encode_overrun if out.encodes else self.overrun).observe(out.predicted_ms, elapsed_ms)
         slack = self.config.gap_slack
-        if slack is not None and elapsed_ms > slack.target_ms:
-            # its decodes' gaps were slow, and so are the first gaps of requests handed over meanwhile: they wait it out
-            for request in [*out.decodes, *(r for r in self.running if r.request_id in self.joined)]:
-                request.num_slow_gaps += 1
+        if slack is None:
+            return
+        counted = self._first_gap_slow
+        if elapsed_ms > slack.target_ms:
+            for request in out.decodes:
+                if request.request_id not in counted:  # else this step ends a first gap counted slow already
+                    request.num_slow_gaps += 1
+            # requests handed over meanwhile wait it out — those that joined and those whose KV is still on its way
+            # (its pull overlaps the iteration): their first gap here is slow, once however many iterations it spans
+            for request in self._joining():
+                if request.request_id not in counted:
+                    counted.add(request.request_id)
+                    request.num_slow_gaps += 1
+        counted.intersection_update(r.request_id for r in self._joining())  # decoded, or its import cancelled
 
     def _runs_long(self, out: SchedulerOutput) -> bool:
         """With `gap_slack`: prompt work waits and every decode of the step (if any) can spare a slow gap."""
@@ -219,8 +230,15 @@ class Scheduler:
         slack = self.config.gap_slack
         if slack is None:
             return False
-        joining = (r for r in self.incoming.values() if r.first_stage == Stage.DECODE)
-        return all(slack.spare(r.sure_gaps, r.num_slow_gaps) >= 1 for r in (*decodes, *joining))
+        return all(slack.spare(r.sure_gaps, r.num_slow_gaps) >= 1 for r in (*decodes, *self._incoming_decodes()))
+
+    def _incoming_decodes(self) -> list[Request]:
+        """Handed-over requests whose KV is being pulled here (`PageHandover.importing`): they join once it is in."""
+        return [r for r in self.incoming.values() if r.first_stage == Stage.DECODE]
+
+    def _joining(self) -> list[Request]:
+        """Handed-over requests that have not decoded here yet: joined, or with their KV on its way."""
+        return [*(r for r in self.running if r.request_id in self.joined), *self._incoming_decodes()]
 
     @property
     def long_token_budget(self) -> int:

@@ -231,3 +231,21 @@ def test_an_image_over_the_limit_waits_for_decodes_that_can_spare_the_slow_gap_i
     s = image_scheduler(gap_slack)
     s.add(with_image())
     assert [e.num_images for e in s.schedule().encodes] == [1]  # nothing decodes
+
+
+def test_a_request_whose_kv_arrives_during_a_long_iteration_counts_its_first_gap_slow_once():
+    """Its pull overlaps the iteration (it is added once the KV is in, after the iteration): its first gap here waits
+    the iteration out all the same, and counts once however many slow iterations it spans."""
+    s = scheduler()
+    s.add(request("prompt", prompt=60))
+    plan = s.schedule()  # no decodes: a long iteration
+    joiner = Request("j", list(range(8)), SamplingParams(max_tokens=32, ignore_eos=True), first_stage=Stage.DECODE)
+    s.incoming[joiner.request_id] = joiner  # its pull began while the iteration runs
+    s.observe(plan, 61.0)
+    assert joiner.num_slow_gaps == 1
+    s.observe(plan, 61.0)  # a second slow iteration before it joins: still one first gap
+    del s.incoming[joiner.request_id]
+    joiner.num_computed_tokens, joiner.output_token_ids = 8, [7]
+    s.add(joiner)
+    s.observe(s.schedule(), 61.0)  # a third, before it decodes here: the same gap
+    assert joiner.num_slow_gaps == 1
