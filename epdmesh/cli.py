@@ -29,6 +29,7 @@ from epdmesh.options import (
     allowed_image_domains,
     chat_template,
     planner_config,
+    profile_spec,
     routing_policy,
 )
 from services.gateway.edge import add_api_key_arg, api_keys, edge
@@ -601,7 +602,14 @@ def main(argv: list[str] | None = None) -> int:
         import importlib
 
         return importlib.import_module(names[argv[1]]).main(argv[2:])
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    for name in ("profile", "latency_profile"):  # files of this machine, now that the command runs here
+        if getattr(args, name, None):
+            try:
+                profile_spec(getattr(args, name))
+            except argparse.ArgumentTypeError as error:
+                parser.error(f"argument --{name.replace('_', '-')}: {error}")
     return args.func(args)
 
 

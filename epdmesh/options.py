@@ -15,7 +15,9 @@ DEFAULT_EMULATED_PROFILE = "H20"  # the analytic LLaVA-1.5-7B on H20 profile (= 
 
 def profile_spec(value: str) -> str:
     """A `--profile` / `--latency-profile` value: a profile file or an analytic spec (`H20`, `H20:qwen2-vl-7b-1344`),
-    loaded here so that a typo is a usage error with the reason, not a traceback from a worker."""
+    loaded here so that a typo is a usage error with the reason, not a traceback from a worker. Checked where the
+    command runs (`epdmesh.cli.main`, the benchmarks' parsers), not by the serve parser, which also checks argv
+    written for other machines (`epdmesh deploy k8s`)."""
     from common.latency.roofline import load_profile
 
     try:
@@ -81,7 +83,6 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
     """What a router needs beyond `add_routing_args` (the toggle's; serve has its own --latency-profile)."""
     p.add_argument(
         "--latency-profile",
-        type=profile_spec,
         help="route by the SLO-aware multiplexing policy over this profile (default: least loaded)",
     )
 
@@ -320,7 +321,6 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--latency-profile",
-        type=profile_spec,
         help="a latency profile (epdmesh profile; or H20/H100/H200, H20:qwen2-vl-7b-1344): τ_t and τ_e are the "
         "largest batches within α·TTFT (instances without decode) or TBT (with decode)",
     )
@@ -365,7 +365,6 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--profile",
-        type=profile_spec,
         help="emulated backend: the latency profile to run, a file or H20 / H100 / H200 for the "
         "analytic LLaVA-1.5-7B one (H20:qwen2-vl-7b-1344: an encode-heavy model's shapes; "
         f"default {DEFAULT_EMULATED_PROFILE})",

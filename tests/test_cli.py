@@ -4,7 +4,7 @@ import pytest
 
 from common.latency.budgets import budgets_for
 from common.latency.roofline import analytic_profile
-from epdmesh.cli import build_parser
+from epdmesh.cli import build_parser, main
 from epdmesh.engine_setup import engine_config
 
 
@@ -187,8 +187,10 @@ def test_enforce_eager_turns_the_decode_cuda_graphs_off_as_it_does_compilation()
     ],
 )
 def test_a_profile_that_does_not_load_is_a_usage_error_with_the_reason(flag, value, reason, capsys):
+    argv = ["serve", "--backend", "emulated", flag, value]
+    assert getattr(build_parser().parse_args(argv), flag[2:].replace("-", "_")) == value  # argv for elsewhere parses
     with pytest.raises(SystemExit) as stop:
-        build_parser().parse_args(["serve", "--backend", "emulated", flag, value])
+        main(argv)  # but does not run here
     err = capsys.readouterr().err
     assert stop.value.code == 2 and f"argument {flag}: {value}: " in err and reason in err
 
