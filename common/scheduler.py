@@ -216,7 +216,8 @@ class Scheduler:
                 if request.request_id not in counted:
                     counted.add(request.request_id)
                     request.num_slow_gaps += 1
-        counted.intersection_update(r.request_id for r in self._joining())  # decoded, or its import cancelled
+        if counted:  # forget those that decoded here or whose import was cancelled
+            counted.intersection_update(r.request_id for r in self._joining())
 
     def _runs_long(self, out: SchedulerOutput) -> bool:
         """With `gap_slack`: prompt work waits and every decode of the step (if any) can spare a slow gap."""
