@@ -55,6 +55,9 @@ class AsyncEngine:
         self._build_error: BaseException | None = None
         self.on_iteration = on_iteration
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        # requests posted to the thread and not added yet (they wait out the step under way), by id: `stats` counts
+        # them; changed under `_gate`
+        self._posted: dict[str, Request] = {}
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._stop = threading.Event()
         self._gate = threading.Lock()  # registering work vs. the thread ending: nothing is posted after it ended
@@ -88,6 +91,7 @@ class AsyncEngine:
             if request.request_id in self._streams:  # its outputs would go to the other caller, who would hang
                 raise RequestRejected(f"request id {request.request_id!r} is already in use")
             self._streams[request.request_id] = (asyncio.get_running_loop(), outputs)
+            self._posted[request.request_id] = request
             self._inbox.put(("add", (request, image_pages, kv_pages, preloaded)))
         done = False
         try:
@@ -147,7 +151,14 @@ class AsyncEngine:
             return fn(self.engine)
 
     def stats(self):
-        return self.engine.stats()
+        """The engine's statistics, with the requests posted to its thread that wait for the step under way to end
+        counted as queued: a worker whose step runs long (a prefill worker's may take α·TTFT) would otherwise
+        report an empty queue for all that time, and a router that takes such a report to include what it sent
+        there would send more."""
+        with self.engine.lock:  # the lock `_apply` holds while it moves a posted request into the engine
+            with self._gate:
+                posted = list(self._posted.values())
+            return self.engine.stats(posted)
 
     @property
     def iteration_elapsed_ms(self) -> float:
@@ -260,6 +271,8 @@ class AsyncEngine:
     def _apply(self, kind: str, payload) -> None:
         if kind == "add":
             request, image_pages, kv_pages, preloaded = payload
+            with self._gate:
+                self._posted.pop(request.request_id, None)
             try:
                 self.engine.add_request(request, image_pages=image_pages, kv_pages=kv_pages, preloaded=preloaded)
             except Exception as exc:

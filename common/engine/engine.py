@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 import logging
 import threading
 import time
@@ -513,32 +514,37 @@ class Engine:
                     final[out.request_id] = out
         return final
 
-    def stats(self) -> EngineStats:
+    def stats(self, posted: Iterable[Request] = ()) -> EngineStats:
         """Under the lock: the scheduler's queues are changed by the engine's thread while others ask (a deque
-        changed while this iterated it raised, and ended the worker's heartbeat)."""
+        changed while this iterated it raised, and ended the worker's heartbeat). `posted`: requests handed to the
+        engine's thread that it has not added yet (they wait out the step under way, `AsyncEngine`): counted where
+        `add_request` will put them — a report that left them out would show a busy worker's queue empty."""
         with self.lock:
-            return self._stats()
+            return self._stats(list(posted))
 
-    def _stats(self) -> EngineStats:
+    def _stats(self, posted: list[Request]) -> EngineStats:
         s = self.scheduler
+        joining = [r for r in posted if r.first_stage == Stage.DECODE]  # handed over: they decode at once
+        fresh = [r for r in posted if r.first_stage != Stage.DECODE]
+        running = [*s.running, *joining]
+        to_encode = [*s.waiting, *s.encoding, *(r for r in fresh if r.first_stage == Stage.ENCODE)]
         return EngineStats(
             kv_blocks_total=s.kv.pool.num_blocks,
             kv_blocks_free=s.kv.pool.num_free,
             image_blocks_total=s.images.pool.num_blocks,
             image_blocks_free=s.images.pool.num_free,
-            num_waiting=len(s.waiting) + len(s.ready) + len(s.encoding),
-            num_running=len(s.running) + len(s.prefilling),
+            num_waiting=len(s.waiting) + len(s.ready) + len(s.encoding) + len(fresh),
+            num_running=len(running) + len(s.prefilling),
             num_handed_off=len(self.pages.handed_off),
-            running_decodes=len(s.running),
-            unfinished_decode_tokens=sum(r.sampling.max_tokens - len(r.output_token_ids) for r in s.running),
+            running_decodes=len(running),
+            unfinished_decode_tokens=sum(r.sampling.max_tokens - len(r.output_token_ids) for r in running),
             queued_prefill_tokens=sum(
                 r.prefill_remaining
-                for q in (s.waiting, s.encoding, s.ready, s.prefilling)
-                for r in q
+                for r in itertools.chain(s.waiting, s.encoding, s.ready, s.prefilling, fresh)
                 if r.last_stage >= Stage.PREFILL
             ),
-            queued_images=sum(len(r.images) - r.num_encoded_images for q in (s.waiting, s.encoding) for r in q),
-            decode_context_tokens=sum(r.num_tokens for r in s.running),
+            queued_images=sum(len(r.images) - r.num_encoded_images for r in to_encode),
+            decode_context_tokens=sum(r.num_tokens for r in running),
             num_preemptions=s.num_preemptions,
             long_token_budget=s.long_token_budget,
         )

@@ -9,7 +9,7 @@ import pytest
 from common.engine.async_engine import AsyncEngine, EngineDead
 from common.engine.config import EngineConfig
 from common.engine.engine import Engine, RequestRejected
-from common.request import Request
+from common.request import ImageInput, Request, Stage
 from common.sampling import SamplingParams
 
 WAIT_S = 30
@@ -109,6 +109,59 @@ def test_a_second_caller_with_a_request_id_in_use_is_refused_and_the_first_keeps
         asyncio.run(scenario())
     finally:
         async_engine.shutdown()
+
+
+def test_a_request_posted_during_a_step_counts_in_the_stats_before_the_thread_takes_it_in(engine):
+    """A request handed to the thread while a step runs waits for that step to end before `add_request`: the
+    worker's reports meanwhile count it as queued (else a busy prefill worker reports an empty queue for a whole
+    long step, and a router that takes the report to include what it sent there sends more)."""
+    async_engine = AsyncEngine(engine)
+    stepping, release = threading.Event(), threading.Event()
+    step = engine.step
+
+    def held_step():
+        stepping.set()
+        release.wait(WAIT_S)
+        return step()
+
+    engine.step = held_step
+    later = [7, 354, 29, 405, 77, 31, 8]
+
+    async def scenario():
+        first = asyncio.ensure_future(
+            _next(async_engine.generate(Request("a", [1, 354, 29], SamplingParams(max_tokens=2))))
+        )
+        await asyncio.to_thread(stepping.wait, WAIT_S)
+        second = async_engine.generate(Request("b", later, SamplingParams(max_tokens=2)))
+        waiting = asyncio.ensure_future(_next(second))
+        await asyncio.sleep(0.05)  # "b" is in the thread's inbox: the step under way holds it there
+        reported, engine_only = async_engine.stats(), engine.stats()
+        assert "b" not in engine.requests
+        assert reported.num_waiting == engine_only.num_waiting + 1
+        assert reported.queued_prefill_tokens == engine_only.queued_prefill_tokens + len(later)
+        release.set()
+        await first
+        await waiting
+        assert async_engine.stats() == engine.stats()  # taken in: counted once, by the engine
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        release.set()
+        async_engine.shutdown()
+
+
+def test_a_posted_request_counts_where_add_request_puts_it(engine):
+    """Posted, an image request counts its images and prompt as queued; a handed-over one as a running decode."""
+    image = Request("i", [1, 2, 3], SamplingParams(max_tokens=4), [ImageInput(None, 5, "d")])
+    handed = Request("h", [1, 2, 3, 4], SamplingParams(max_tokens=6), first_stage=Stage.DECODE, output_token_ids=[9])
+    base, with_posted = engine.stats(), engine.stats([image, handed])
+    assert with_posted.queued_images == base.queued_images + 1
+    assert with_posted.queued_prefill_tokens == base.queued_prefill_tokens + image.num_prefill_tokens
+    assert with_posted.num_waiting == base.num_waiting + 1
+    assert with_posted.running_decodes == base.running_decodes + 1
+    assert with_posted.unfinished_decode_tokens == base.unfinished_decode_tokens + 5
+    assert with_posted.decode_context_tokens == base.decode_context_tokens + handed.num_tokens
 
 
 def test_an_engine_built_by_the_thread_that_steps_it_answers_and_a_failed_build_raises_here(tiny_dir):
