@@ -235,7 +235,9 @@ def prediction_report(
 
 def path_attainment(rows: list[list], results: list[Result], ttft_ms: float, tbt_ms: float) -> dict:
     """SLO attainment of the requests of each prefill path (matched by completion id; rows from /stats carry it
-    fifth), and the P90 over those requests of each one's P90 gap — what fails a path, TTFT or TBT."""
+    fifth), and the P90 over those requests of each one's P90 gap — what fails a path, TTFT or TBT. Where some
+    missed the TBT, which of their gaps were slow: how many had their first gap slow (for a request handed over to
+    a decoder, the KV pull and the wait to join), and the median count of slow gaps and of gaps among them."""
     path_of = {r[4]: r[1] for r in rows if len(r) > 4}
     out = {}
     for path in sorted(set(path_of.values())):
@@ -250,6 +252,15 @@ def path_attainment(rows: list[list], results: list[Result], ttft_ms: float, tbt
             "slo_attainment": sum(meets_slo(r, ttft_ms, tbt_ms) for r in mine) / len(mine),
             "p90_of_p90_gap_ms": _pct(gaps, 90),
         }
+        missed = [r for r in mine if r.itl and _pct(r.itl, 90) * 1e3 > tbt_ms]
+        if missed:
+            slow = [[g * 1e3 > tbt_ms for g in r.itl] for r in missed]
+            out[path]["tbt_missed"] = {
+                "count": len(missed),
+                "first_gap_slow": sum(s[0] for s in slow),
+                "median_slow_gaps": statistics.median(sum(s) for s in slow),
+                "median_gaps": statistics.median(len(s) for s in slow),
+            }
     return out
 
 
@@ -324,6 +335,11 @@ def sweep(base: str, model: str, workload: str, rates: list[float], args, label:
         )
         by_path = " ".join(
             f"{k} {v['ttft_attainment']:.0%}/{v['tbt_attainment']:.0%}"
+            + (
+                f" (TBT missed {m['count']}, {m['first_gap_slow']} first gap slow)"
+                if (m := v.get("tbt_missed"))
+                else ""
+            )
             for k, v in point.get("ttft_prediction", {}).get("attainment_by_path", {}).items()
         )
         print(

@@ -230,6 +230,12 @@ def test_attainment_by_path_matches_the_clients_requests_to_the_gateways_routes_
     }
     assert by_path["multiplexed"]["count"] == 1 and by_path["multiplexed"]["tbt_attainment"] == 0.0
     assert by_path["multiplexed"]["p90_of_p90_gap_ms"] == pytest.approx(244.0)
+    assert by_path["multiplexed"]["tbt_missed"] == {
+        "count": 1,
+        "first_gap_slow": 0,
+        "median_slow_gaps": 1,
+        "median_gaps": 3,
+    }
 
 
 def test_a_configuration_label_with_any_characters_names_a_log_file_beside_the_json(tmp_path):
