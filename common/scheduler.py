@@ -96,6 +96,7 @@ class SchedulerOutput:
     encodes: list[EncodeWork] = dataclasses.field(default_factory=list)  # images through the vision tower
     handed_back: list[Request] = dataclasses.field(default_factory=list)  # preempted, not recomputable here: out
     predicted_ms: float = 0.0  # the iteration's time by the profile (with `iteration_time`; 0 otherwise)
+    joiners: list[Request] = dataclasses.field(default_factory=list)  # decodes handed over, decoding here first
 
     @property
     def num_tokens(self) -> int:
@@ -181,7 +182,8 @@ class Scheduler:
             tokens = self._tokens_beside(out, timing, context, tokens)
         joining = False
         if self.joined:  # none left once every joiner has decoded: nothing to look up
-            joining = any(r.request_id in self.joined for r in out.decodes)
+            out.joiners = [r for r in out.decodes if r.request_id in self.joined]
+            joining = bool(out.joiners)
             self.joined.difference_update(r.request_id for r in out.decodes)
         if joining and self.config.join_first and self._last_had_work:
             self._last_had_work = False
@@ -197,9 +199,11 @@ class Scheduler:
             )
         return out
 
-    def observe(self, out: SchedulerOutput, elapsed_ms: float) -> None:
+    def observe(self, out: SchedulerOutput, elapsed_ms: float, now: float | None = None) -> None:
         """The time the iteration `out` took (called by the engine): with `iteration_time`, iterations that
-        carried prompt or image work teach `overrun` / `encode_overrun`, which size the next ones."""
+        carried prompt or image work teach `overrun` / `encode_overrun`, which size the next ones. `now`: the
+        engine's clock at its end (that of the requests' `arrival_time`), which times a handed-over request's
+        first gap here."""
         if out.predicted_ms and (out.prefills or out.encodes):
             (self.encode_overrun if out.encodes else self.overrun).observe(out.predicted_ms, elapsed_ms)
         slack = self.config.gap_slack
@@ -215,6 +219,13 @@ class Scheduler:
             for request in self._joining():
                 if request.request_id not in counted:
                     counted.add(request.request_id)
+                    request.num_slow_gaps += 1
+        elif now is not None:
+            # a request handed over decodes here first: its first gap began on the prefill worker, before it came
+            # here — its KV pull, the rest of the iteration it arrived during, this one. From its arrival here to
+            # now is the least that gap lasted: past the target, it is slow (each iteration alone may not be)
+            for request in out.joiners:
+                if request.request_id not in counted and (now - request.arrival_time) * 1e3 > slack.target_ms:
                     request.num_slow_gaps += 1
         if counted:  # forget those that decoded here or whose import was cancelled
             counted.intersection_update(r.request_id for r in self._joining())

@@ -114,7 +114,9 @@ class SimMesh:
     def _arrive(self, timeline: Timeline, prompt: Prompt) -> None:
         images = [ImageInput(None, self.image_tokens, digest) for digest in prompt.image_digests]
         sampling = SamplingParams(max_tokens=prompt.max_tokens, temperature=0.0, ignore_eos=True)
-        request = Request(f"chatcmpl-{uuid.uuid4().hex[:16]}", prompt.token_ids, sampling, images)
+        request = Request(
+            f"chatcmpl-{uuid.uuid4().hex[:16]}", prompt.token_ids, sampling, images, arrival_time=self.loop.now
+        )
         self._route(_Flight(request, timeline, prompt, current=request), frozenset())
 
     def _route(self, flight: _Flight, exclude: frozenset[str]) -> None:
@@ -155,7 +157,7 @@ class SimMesh:
         last = Stage.PREFILL if dedicated else Stage.DECODE
         separate = bool(request.images) and plan.encoder.worker_id != target.worker_id
         first = Stage.ENCODE if request.images and not separate else Stage.PREFILL  # it encodes them itself
-        staged = _staged(request, first, last)
+        staged = _staged(request, first, last, self.loop.now)
         self.book.sent(request.request_id, target.worker_id, self.loop.now)
         if not separate:
             self._add(flight, target, staged)
@@ -178,7 +180,7 @@ class SimMesh:
 
     def _encode(self, flight: _Flight) -> None:
         encoder = self.workers[flight.plan.encoder.worker_id]
-        request = _staged(flight.current, Stage.ENCODE, Stage.ENCODE)
+        request = _staged(flight.current, Stage.ENCODE, Stage.ENCODE, self.loop.now)
         self.book.sent(request.request_id, encoder.worker_id, self.loop.now)
         self._add(flight, encoder, request)
 
@@ -223,7 +225,7 @@ class SimMesh:
             self._end(flight)
         elif out.handed_off:  # the prefill worker's first token: the KV goes to the decoder
             decoder = self.workers[flight.plan.decoder.worker_id]
-            request = _staged(flight.current, Stage.DECODE, Stage.DECODE, out.output_token_ids)
+            request = _staged(flight.current, Stage.DECODE, Stage.DECODE, now, out.output_token_ids)
             self.book.sent(out.request_id, decoder.worker_id, now)
             self._pull(flight, worker, decoder, request, "kv", now, 0.005)
 
@@ -275,9 +277,9 @@ class SimMesh:
         self.unfinished -= 1
 
 
-def _staged(request: Request, first: Stage, last: Stage, output: list[int] = ()) -> Request:
+def _staged(request: Request, first: Stage, last: Stage, now: float, output: list[int] = ()) -> Request:
     """The engine request one stage of `request` runs as on its worker (a fresh one per worker, as a stage call's
-    spec makes it there: nothing of another worker's blocks)."""
+    spec makes it there: nothing of another worker's blocks), arriving there `now` (simulated time)."""
     return Request(
         request.request_id,
         request.prompt_token_ids,
@@ -288,4 +290,5 @@ def _staged(request: Request, first: Stage, last: Stage, output: list[int] = ())
         num_continued_tokens=request.num_continued_tokens,
         cache_salt=request.cache_salt,
         output_token_ids=list(output),
+        arrival_time=now,
     )

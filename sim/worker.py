@@ -27,6 +27,7 @@ class SimWorker:
         """`deliver(worker, outputs)`: what each iteration gave, at its end (and requests handed back, at once)."""
         self.loop, self.info, self.engine, self.deliver = loop, info, engine, deliver
         engine.sleeps = False  # simulated time: the loop advances by the prediction instead
+        engine.clock = lambda: loop.now  # its requests arrive on it too (`sim/mesh.py`)
         self.started: float | None = None  # when the iteration under way started
         self.last_iteration_ms = 0.0
         self.iterations = 0

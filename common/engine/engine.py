@@ -205,6 +205,8 @@ class Engine:
         # held by whoever changes the scheduler and the block managers; `step()` lets go of it while the model
         # runs, so another thread can reserve blocks for incoming pages then (see `AsyncEngine.now`)
         self.lock = threading.RLock()
+        # the clock of the requests' `arrival_time` and of the times stamped here (the simulator's: simulated time)
+        self.clock: Callable[[], float] = time.monotonic
         text = model_config.text
         self.max_model_len = min(config.max_model_len or text.max_position_embeddings, text.max_position_embeddings)
         kv_block = PagedKVCache.bytes_per_block(config.block_size, *kv_shape, dtype)
@@ -376,7 +378,7 @@ class Engine:
             handed_back = [self._hand_back(request) for request in plan.handed_back]
             if plan.is_empty:
                 return None, handed_back
-            now = time.monotonic()
+            now = self.clock()
             for request in plan.requests:
                 if request.first_scheduled_time is None:
                     request.first_scheduled_time = now
@@ -403,7 +405,7 @@ class Engine:
         """The iteration's results in the requests: tokens appended, stages finished, pages kept for the next one;
         `elapsed_ms` (what it took) teaches the scheduler its overrun."""
         with self.lock:
-            self.scheduler.observe(plan, elapsed_ms)
+            self.scheduler.observe(plan, elapsed_ms, self.clock())
             try:
                 return list(handed_back) + self._postprocess(plan, sampling, tokens)
             except Exception as e:  # a bug of ours, part-way through the plan: drop all of it, pages freed
@@ -453,7 +455,7 @@ class Engine:
         return check_stop(request, token, self.model_config.eos_token_ids, self.max_model_len, self.detokenize)
 
     def _finish(self, request: Request, status: RequestStatus) -> None:
-        request.done_time = time.monotonic()
+        request.done_time = self.clock()
         self.scheduler.finish(request, status)
         del self.requests[request.request_id]
 
@@ -461,13 +463,13 @@ class Engine:
         self, request: Request, why: str = "KV cache full, and its images are not here to recompute from"
     ) -> RequestOutput:
         """A preempted request this engine cannot recompute leaves it (its pages are freed already)."""
-        request.done_time = time.monotonic()
+        request.done_time = self.clock()
         del self.requests[request.request_id]
         log.info("request %s handed back after %d tokens: %s", request.request_id, len(request.output_token_ids), why)
         return self._output(request, [])
 
     def _handoff(self, request: Request, new: list[int] | None = None) -> RequestOutput:
-        request.done_time = time.monotonic()
+        request.done_time = self.clock()
         del self.requests[request.request_id]
         out = self._output(request, new or [])
         out.pages = self.pages.keep(request)

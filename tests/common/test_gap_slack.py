@@ -249,3 +249,38 @@ def test_a_request_whose_kv_arrives_during_a_long_iteration_counts_its_first_gap
     s.add(joiner)
     s.observe(s.schedule(), 61.0)  # a third, before it decodes here: the same gap
     assert joiner.num_slow_gaps == 1
+
+
+def test_a_handed_over_request_whose_first_gap_here_outlasts_the_target_counts_it_slow_though_no_iteration_did():
+    """Its first gap began on the prefill worker: the pull, the rest of the iteration it arrived during and its own
+    first decode here — each iteration within the target, their sum past it. Timed from its arrival here, once."""
+    s = scheduler()
+    sampling = SamplingParams(max_tokens=32, ignore_eos=True)
+    late = Request("late", list(range(8)), sampling, first_stage=Stage.DECODE, arrival_time=100.0)
+    prompt = Request("soon", list(range(8)), sampling, first_stage=Stage.DECODE, arrival_time=100.006)
+    for joiner in (late, prompt):
+        joiner.num_computed_tokens, joiner.output_token_ids = 8, [7]
+        s.add(joiner)
+    plan = s.schedule()
+    assert plan.joiners == [late, prompt]
+    s.observe(plan, 5.0, now=100.012)  # 12 ms after `late` came (target 10), 6 ms after `prompt`
+    assert late.num_slow_gaps == 1 and prompt.num_slow_gaps == 0
+    plan = s.schedule()
+    assert plan.joiners == []
+    s.observe(plan, 5.0, now=100.030)  # their second gaps: this iteration's own 5 ms
+    assert late.num_slow_gaps == 1 and prompt.num_slow_gaps == 0
+
+
+def test_a_first_gap_counted_slow_during_the_pull_is_not_counted_again_when_it_decodes():
+    s = scheduler()
+    s.add(request("prompt", prompt=60))
+    plan = s.schedule()  # no decodes: a long iteration
+    joiner = Request("j", list(range(8)), SamplingParams(max_tokens=32, ignore_eos=True), first_stage=Stage.DECODE)
+    joiner.arrival_time = 0.0
+    s.incoming[joiner.request_id] = joiner
+    s.observe(plan, 61.0, now=0.061)
+    del s.incoming[joiner.request_id]
+    joiner.num_computed_tokens, joiner.output_token_ids = 8, [7]
+    s.add(joiner)
+    s.observe(s.schedule(), 5.0, now=0.066)  # 66 ms since it came: the same first gap, counted already
+    assert joiner.num_slow_gaps == 1
