@@ -161,18 +161,7 @@ async def run_worker(
         on_leases=transfer.serving,
         registered=transfer.registered,
     )
-    pool = engine.scheduler.kv.pool
-    metrics.gauges(
-        running=lambda: engine.stats().num_running,
-        waiting=lambda: engine.stats().num_waiting,
-        kv_usage=lambda: 1 - pool.num_free / pool.num_blocks,
-        preemptions=lambda: engine.scheduler.num_preemptions,
-        prefix_cache=lambda: (
-            engine.scheduler.kv.num_queried_tokens,
-            engine.scheduler.kv.num_hit_tokens,
-            engine.scheduler.num_encodes_skipped,
-        ),
-    )
+    engine_gauges(metrics, async_engine)
     metrics_server, metrics_port = None, 0
     if options.metrics_port is not None:
         metrics_server, _ = start_http_server(options.metrics_port, options.host, registry=metrics.registry)
@@ -249,3 +238,21 @@ async def run_worker(
         if metrics_server is not None:
             metrics_server.shutdown()
         tracing.shutdown()
+
+
+def engine_gauges(metrics: WorkerMetrics, async_engine: AsyncEngine) -> None:
+    """The worker's Prometheus gauges, read at scrape time from what its heartbeats report (`AsyncEngine.stats`):
+    a request handed over during a long step counts as waiting, as the router sees it."""
+    engine = async_engine.engine
+    pool = engine.scheduler.kv.pool
+    metrics.gauges(
+        running=lambda: async_engine.stats().num_running,
+        waiting=lambda: async_engine.stats().num_waiting,
+        kv_usage=lambda: 1 - pool.num_free / pool.num_blocks,
+        preemptions=lambda: engine.scheduler.num_preemptions,
+        prefix_cache=lambda: (
+            engine.scheduler.kv.num_queried_tokens,
+            engine.scheduler.kv.num_hit_tokens,
+            engine.scheduler.num_encodes_skipped,
+        ),
+    )

@@ -5,12 +5,15 @@ import threading
 import time
 
 import pytest
+from prometheus_client import generate_latest
 
 from common.engine.async_engine import AsyncEngine, EngineDead
 from common.engine.config import EngineConfig
 from common.engine.engine import Engine, RequestRejected
 from common.request import ImageInput, Request, Stage
 from common.sampling import SamplingParams
+from common.telemetry.metrics import WorkerMetrics
+from services.worker.server import engine_gauges
 
 WAIT_S = 30
 
@@ -114,8 +117,11 @@ def test_a_second_caller_with_a_request_id_in_use_is_refused_and_the_first_keeps
 def test_a_request_posted_during_a_step_counts_in_the_stats_before_the_thread_takes_it_in(engine):
     """A request handed to the thread while a step runs waits for that step to end before `add_request`: the
     worker's reports meanwhile count it as queued (else a busy prefill worker reports an empty queue for a whole
-    long step, and a router that takes the report to include what it sent there sends more)."""
+    long step, and a router that takes the report to include what it sent there sends more), and so does its
+    Prometheus gauge."""
     async_engine = AsyncEngine(engine)
+    metrics = WorkerMetrics("w", "EP")
+    engine_gauges(metrics, async_engine)
     stepping, release = threading.Event(), threading.Event()
     step = engine.step
 
@@ -139,6 +145,9 @@ def test_a_request_posted_during_a_step_counts_in_the_stats_before_the_thread_ta
         assert "b" not in engine.requests
         assert reported.num_waiting == engine_only.num_waiting + 1
         assert reported.queued_prefill_tokens == engine_only.queued_prefill_tokens + len(later)
+        # the worker's Prometheus gauge says what its heartbeats say
+        text = generate_latest(metrics.registry).decode()
+        assert f'epdmesh:num_requests_waiting{{roles="EP",worker_id="w"}} {float(reported.num_waiting)}' in text
         release.set()
         await first
         await waiting
