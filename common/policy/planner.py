@@ -16,8 +16,12 @@ The rule is Dynamo Planner's rate matching over TriInfer's stage loads:
      current one's, and at most `max_switches` workers an interval: each from the pool with the largest surplus to
      the pool with the largest deficit, the least busy worker of it first.
 With `reshape`, TriInfer's three shapes (E+P+D, EP+D, ED+P) are weighed beside the mesh's own at step 3, by the same
-model, and the switches may move the mesh from one to another. A mesh whose role sets overlap (EP+EPD: two pools
-both prefill) is left as it is unless it is part-way through a reshape; one pool (EPD·N) is always left as it is.
+model, and the switches may move the mesh from one to another.
+A toggle's mesh, whose one decoding pool also holds stages of the others (EP+EPD, E+P+PD, EPD+P), is planned as the
+split it would be without them (`owned_stages`: EP+D, E+P+D, P+ED): the decoding pool is sized to the decodes, the
+others to their stages, and what the decoders have to spare goes on prefilling, as the toggle routes it. A switch
+between EP and EPD moves no prompt off a worker, only decodes. Other overlapping meshes (two pools that decode,
+EP+P+EPD) are left as they are unless part-way through a reshape; one pool (EPD·N) is always left as it is.
 """
 
 from __future__ import annotations
@@ -182,7 +186,7 @@ def decide(
     current = {label(p): sum(w.roles == p for w in workers) for p in pools}
     if len(pools) < 2:  # (its load model does not price colocation's interference: colocated stays so)
         return Decision("fixed", "one role set: nothing to rebalance", current=current)
-    own = [pools] if splits(pools) else []  # (a mesh part-way through a reshape does not)
+    own = [pools] if owned_stages(pools) else []  # (a mesh part-way through a reshape does not)
     if not own and not config.reshape:
         return Decision("fixed", "its role sets do not split the stages among them", current=current)
     if f is None or f.rate <= 0 or f.arrivals < config.min_arrivals:
@@ -195,13 +199,14 @@ def decide(
     scored = []
     for i, shape in enumerate(shapes):
         floors = [held if Stage.DECODE in p else 1 for p in shape]
-        counts = placement.apportion(len(workers), _needs(shape, demand), floors)
-        scored.append((bottleneck(dict(zip(shape, counts)), demand), i, shape, counts))
+        planned = owned_stages(shape)
+        counts = placement.apportion(len(workers), _needs(planned, demand), floors)
+        scored.append((bottleneck(dict(zip(planned, counts)), demand), i, shape, counts))
     then, _, shape, counts = min(scored)  # (ties: the mesh's own shape first)
     target = {label(p): n for p, n in zip(shape, counts) if n}
     if target == current:
         return Decision("hold", "the pools match the forecast", demand, current, target)
-    now = bottleneck({p: current[label(p)] for p in pools}, demand)
+    now = bottleneck({p: current[label(q)] for p, q in zip(owned_stages(pools) or pools, pools)}, demand)
     if then > (1 - config.margin) * now:
         return Decision(
             "hold", f"the bottleneck's load would go from {now:.2f} to {then:.2f} only", demand, current, target
@@ -229,6 +234,21 @@ def splits(pools: list[frozenset[Stage]]) -> bool:
     """The role sets share no stage and together hold every one."""
     disjoint = not any(a & b for i, a in enumerate(pools) for b in pools[i + 1 :])
     return disjoint and frozenset().union(*pools) == frozenset(Stage)
+
+
+def owned_stages(pools: list[frozenset[Stage]]) -> list[frozenset[Stage]] | None:
+    """The stages each pool is planned for, in the order of `pools`: a split's own role sets; for a toggle's mesh
+    (one pool decodes, the others share no stage and do not decode) the others' role sets and, for the decoding
+    pool, decode and what no other pool holds (EP+EPD → EP+D, EPD+P → ED+P, E+P+PD → E+P+D). None: a mesh the
+    planner does not plan (two pools that decode, prefilling pools that overlap, a stage no pool holds)."""
+    if splits(pools):
+        return list(pools)
+    decoding = [p for p in pools if Stage.DECODE in p]
+    if len(pools) < 2 or len(decoding) != 1:
+        return None
+    others = frozenset().union(*(p for p in pools if p != decoding[0]))
+    planned = [p if p != decoding[0] else p - others for p in pools]
+    return planned if splits(planned) else None
 
 
 def _needs(pools: list[frozenset[Stage]], demand: dict[str, float]) -> list[float]:

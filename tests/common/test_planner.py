@@ -7,7 +7,16 @@ import pytest
 
 from common.latency.roofline import load_profile
 from common.policy import placement
-from common.policy.planner import Decision, Forecast, Interval, PlannerConfig, PoolWorker, decide, forecast
+from common.policy.planner import (
+    Decision,
+    Forecast,
+    Interval,
+    PlannerConfig,
+    PoolWorker,
+    decide,
+    forecast,
+    owned_stages,
+)
 from common.policy.planner import label as planner_label
 from common.request import Stage
 
@@ -83,7 +92,9 @@ def test_it_keeps_the_decoders_the_decodes_under_way_need():
 
 def test_shapes_it_does_not_plan_and_no_load_are_left_alone():
     one_pool = decide(_mesh({frozenset({E, P, D}): 8}), _at(10, CAPTIONS), H20, 1000, 100)
-    overlap = decide(_mesh({frozenset({E, P}): 7, frozenset({E, P, D}): 1}), _at(10, CAPTIONS), H20, 1000, 100)
+    overlap = decide(
+        _mesh({frozenset({E, P}): 6, frozenset({E, P, D}): 1, frozenset({D}): 1}), _at(10, CAPTIONS), H20, 1000, 100
+    )
     missing = decide(_mesh({frozenset({E, P}): 7, frozenset({P}): 1}), _at(10, CAPTIONS), H20, 1000, 100)
     assert (one_pool.action, overlap.action, missing.action) == ("fixed", "fixed", "fixed")
     idle = decide(_mesh({frozenset({E, P}): 4, frozenset({D}): 4}), None, H20, 1000, 100)
@@ -130,3 +141,32 @@ def test_reshape_moves_between_triinfers_shapes_without_leaving_a_stage_uncovere
         mesh = [dataclasses.replace(w, roles=moving.get(w.worker_id, w.roles)) for w in mesh]
     assert sorted(planner_label(w.roles) for w in mesh) == ["ED"] + ["P"] * 7
     assert decide(mesh, _at(20, CAPTIONS), H20, 1000, 100, config).action == "hold"
+
+
+def test_a_toggles_mesh_is_planned_as_its_split_its_decoders_sized_to_the_decodes():
+    """EP+EPD: the decoding pool is sized as EP+D's decoders are (its spare time prefills, as the toggle routes);
+    the switches move workers between EP and EPD, never out of the mesh's two role sets."""
+    EP, EPD = frozenset({E, P}), frozenset({E, P, D})
+    split = _mesh({EP: 4, frozenset({D}): 4})
+    mesh = _mesh({EP: 4, EPD: 4})
+    for load, pools in ((CAPTIONS, {"EP": 7, "EPD": 1}), (LONG_ANSWERS, None)):
+        as_split, decision = decide(split, _at(10, load), H20, 1000, 100), decide(mesh, _at(10, load), H20, 1000, 100)
+        assert decision.action == "switch" and decision.demand == as_split.demand
+        assert decision.target == {("EPD" if k == "D" else k): n for k, n in as_split.target.items()}
+        assert pools is None or decision.target == pools
+        assert {(s.before, s.after) for s in decision.switches} <= {(EP, EPD), (EPD, EP)}
+    assert decide(mesh, _at(10, LONG_ANSWERS), H20, 1000, 100).switches[0].after == EPD
+    # with the decodes under way it keeps the decoders they need, as a split does
+    full = [PoolWorker(f"epd{i}", EPD, 40_000, 100_000, 100, 80_000) for i in range(3)]
+    assert decide(_mesh({EP: 5}) + full, _at(10, CAPTIONS), H20, 1000, 100).target == {"EP": 5, "EPD": 3}
+
+
+def test_which_stages_each_pool_is_planned_for():
+    EP, EPD, PD, ED = frozenset({E, P}), frozenset({E, P, D}), frozenset({P, D}), frozenset({E, D})
+    assert owned_stages([EP, EPD]) == [EP, frozenset({D})]
+    assert owned_stages([EPD, frozenset({P})]) == [ED, frozenset({P})]
+    assert owned_stages([frozenset({E}), frozenset({P}), PD]) == [frozenset({E}), frozenset({P}), frozenset({D})]
+    assert owned_stages([ED, frozenset({P})]) == [ED, frozenset({P})]  # a split: its own
+    assert owned_stages([EP, frozenset({P}), EPD]) is None  # two pools without decode overlap
+    assert owned_stages([EP, EPD, frozenset({D})]) is None  # two pools decode
+    assert owned_stages([frozenset({P}), frozenset({D})]) is None  # no pool encodes
