@@ -13,16 +13,17 @@ from common.engine.emulated import EmulatedEngine, word_token_pool
 from common.model.config import LlavaConfig
 from common.model.processor import ChatProcessor, image_digests
 from common.policy.affinity import summary_fields
+from common.policy.planner import Planner, label
 from common.topology import decoders_join, parse_topology
 from common.workers import WorkerInfo, registered_budgets
 from epdmesh.cli import build_parser
 from epdmesh.engine_setup import engine_config, resolve_model
-from epdmesh.options import routing_policy
+from epdmesh.options import planner_config, routing_policy
 from services.gateway.protocol import parse_conversation
 from services.gateway.tokenize import tokenize
 from services.routing.book import RouteBook
 from sim.events import Loop
-from sim.mesh import Prompt, SimMesh
+from sim.mesh import Planning, Prompt, SimMesh
 from sim.worker import SimWorker
 
 
@@ -81,7 +82,23 @@ class Setup:
                 )
                 workers.append(SimWorker(loop, info, engine, deliver=None))
         book = RouteBook(routing, slo, reports_delivery=True)  # as the gateway's router
-        return SimMesh(loop, workers, book, self.model_config.image_tokens_per_image, control_scale)
+        planning = self.planning(control_scale) if args.planner else None
+        return SimMesh(loop, workers, book, self.model_config.image_tokens_per_image, control_scale, planning)
+
+    def planning(self, control_scale: float) -> Planning:
+        """The gateway's planner as `serve --planner` makes it (`epdmesh/cli.py`), its intervals on simulated time."""
+        args = self.args
+        if not args.latency_profile:
+            raise SystemExit("--planner needs a latency profile (--latency-profile)")
+        config = planner_config(args)
+        return Planning(
+            Planner(_profile(args.latency_profile), args.slo_ttft_ms, args.slo_tbt_ms, config),
+            lambda roles: engine_config(args, label(roles)),
+            config.interval_s / control_scale,
+            config.grace_s / control_scale,
+            args.slo_ttft_ms / 1e3,
+            args.slo_tbt_ms / 1e3,
+        )
 
     def prompt(self, body: dict) -> Prompt:
         """A chat body as the gateway hands it on: token ids, image digests, prefix fields."""

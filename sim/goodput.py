@@ -17,6 +17,7 @@ default 1 is a deployment's. `--warmup` and `--pause` do nothing here.
 
 from __future__ import annotations
 
+import collections
 import json
 import sys
 import tempfile
@@ -137,6 +138,14 @@ def run_point(setup: Setup, prompts, times: list[float], rate: float, args, bar=
         if t.path is not None:
             paths[t.path.value] = paths.get(t.path.value, 0) + 1
     point["prefill_paths"] = paths
+    if mesh.planning is not None:  # what the planner did, as `/stats` shows it on a mesh (simulated seconds)
+        point["planner"] = {
+            "decisions": dict(collections.Counter(d.action for _, d in mesh.decisions)),
+            "switches": [
+                {"at_s": round(at, 3), "worker_id": w, "from": a, "to": b, "handed_back": n}
+                for at, w, a, b, n in mesh.switches
+            ],
+        }
     point["sim_wall_s"] = wall
     point["sim_speed"] = duration / wall if wall else float("inf")
     point["sim_events"] = loop.events

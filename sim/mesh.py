@@ -5,6 +5,12 @@ workers report every heartbeat, and each request driven through its stages as th
 images' KV in its prefix cache starting without their pages, pages pulled into blocks reserved for them (waiting
 for room as a worker does), a request a decoder hands back going on elsewhere as a continuation.
 
+With a planner (`epdmesh serve --planner`), the gateway's planner runs too (`common.policy.planner.Planner`, every
+interval, over what arrived and finished and the registry's workers), and its switches run as a worker runs them
+(`services/worker/switch.py`): the worker leaves the registry, a stage sent to it is routed elsewhere, its decodes
+finish for the grace period and the rest are handed back with their KV and go on elsewhere from those pages, and
+once idle its engine takes the new roles' configuration and it registers again.
+
 What it leaves out, and so does not predict: the host's own costs (HTTP, gRPC, tokenizing, image decoding — zero
 here), KV reservations in Redis (the book's local accounting and the workers' own admission remain), failed
 workers, and the gateway's wait for room (a route the policy refuses fails the request, as a 503 would)."""
@@ -13,18 +19,23 @@ from __future__ import annotations
 
 import dataclasses
 import uuid
+from collections.abc import Callable
 
+from common.engine.config import EngineConfig
 from common.engine.errors import NoRoomForPages, RequestRejected
 from common.engine.outputs import RequestOutput
+from common.policy import planner
 from common.policy.routing import PrefillPath, RoutePlan, RouteSummary
 from common.request import ImageInput, Request, SamplingParams, Stage
-from common.workers import HEARTBEAT_INTERVAL_S, WorkerSnapshot
+from common.telemetry.metrics import slo_outcome
+from common.workers import HEARTBEAT_INTERVAL_S, WorkerSnapshot, registered_budgets
 from services.failure import Reason
 from services.gateway.mesh.failover import MAX_HAND_BACKS
-from services.gateway.mesh.migration import continuation
+from services.gateway.mesh.migration import continuation, resumed
 from services.routing.book import NoRoute, RouteBook
 from services.routing.router import REFRESH_S
 from services.worker.runtime import IMPORT_WAIT_S
+from services.worker.switch import SETTLE_S
 from sim.events import Loop
 from sim.worker import SimWorker
 
@@ -65,17 +76,50 @@ class _Flight:
     emitted: list[int] = dataclasses.field(default_factory=list)
     waiting_images: tuple[SimWorker, Request] | None = None  # a stage sent with its images pending on the encoder
     hand_backs: int = 0
+    attempts: int = 0  # routes after the first: each continuation's id carries the number
+    resume: tuple[SimWorker, str] | None = None  # (worker, request id) holding its KV, handed back by a switch
+
+
+@dataclasses.dataclass(slots=True)
+class Planning:
+    """The gateway's planner in a simulated mesh: the policy, each role set's engine configuration, and the
+    interval and grace in simulated seconds."""
+
+    planner: planner.Planner
+    configure: Callable[[frozenset[Stage]], EngineConfig]
+    interval_s: float
+    grace_s: float
+    ttft_s: float
+    tbt_s: float
 
 
 class SimMesh:
     def __init__(
-        self, loop: Loop, workers: list[SimWorker], book: RouteBook, image_tokens: int, control_scale: float = 1.0
+        self,
+        loop: Loop,
+        workers: list[SimWorker],
+        book: RouteBook,
+        image_tokens: int,
+        control_scale: float = 1.0,
+        planning: Planning | None = None,
     ):
-        """`control_scale` K: heartbeats and the router's snapshot refresh K× more often in the hardware's time than
-        a deployment's, as on an emulated mesh run at time ×K (whose host keeps its own pace while the model's
-        time slows K-fold); 1: a deployment's."""
+        """`control_scale` K: heartbeats, the router's snapshot refresh and the planner's interval, grace and settle
+        time K× shorter in the hardware's time than a deployment's, as on an emulated mesh run at time ×K (whose
+        host keeps its own pace while the model's time slows K-fold); 1: a deployment's."""
         self.loop, self.book, self.image_tokens = loop, book, image_tokens
         self.heartbeat_s, self.refresh_s = HEARTBEAT_INTERVAL_S / control_scale, REFRESH_S / control_scale
+        self.settle_s = SETTLE_S / control_scale
+        self.planning = planning
+        self.window = planner.Window(lambda: loop.now)
+        self.switching: set[str] = set()
+        self.decisions: list[tuple[float, planner.Decision]] = []  # (simulated time, what the planner decided)
+        self.switches: list[tuple[float, str, str, str, int]] = []  # (done at, worker, from, to, decodes handed on)
+        self.handed_with_kv = (
+            0  # decodes a switching decoder handed back with their KV (those not yet decoding: without)
+        )
+        self.resumed = 0  # requests that went on from such pages
+        if planning is not None:
+            loop.after(planning.interval_s, self._plan)
         self.workers = {w.worker_id: w for w in workers}
         for w in workers:
             w.deliver = self._delivered
@@ -99,8 +143,69 @@ class SimMesh:
         return [
             WorkerSnapshot(w.info, load, now - at)
             for w in self.workers.values()
+            if not w.away
             for load, at in [self.reports[w.worker_id]]
         ]
+
+    # ----- the planner and role switches -----
+
+    def _plan(self) -> None:
+        interval = self.window.take()
+        workers = None
+        if not self.switching:
+            workers = [planner.PoolWorker.of(s.info, s.load) for s in self._registry()]
+        decision = self.planning.planner.step(interval, workers)
+        self.decisions.append((self.loop.now, decision))
+        for switch in decision.switches:
+            self._switch(self.workers[switch.worker_id], switch.after)
+        self.loop.after(self.planning.interval_s, self._plan)
+
+    def _switch(self, worker: SimWorker, roles: frozenset[Stage]) -> None:
+        """`services/worker/switch.py`'s steps: out of the registry, the grace for its decodes, the rest handed back
+        between two iterations, then — once idle — the new configuration and a new registration."""
+        worker.away = True
+        self.switching.add(worker.worker_id)
+        self._draining(worker, roles, self.loop.now, self.loop.now + self.planning.grace_s, [0])
+
+    def _draining(self, worker: SimWorker, roles, since: float, deadline: float, handed: list[int]) -> None:
+        decoding = any(r.last_stage == Stage.DECODE for r in worker.engine.requests.values())
+        if decoding and self.loop.now < deadline:
+            self.loop.after(0.02, self._draining, worker, roles, since, deadline, handed)
+            return
+        if decoding:
+
+            def hand_back() -> None:
+                outputs = worker.engine.hand_back_decodes()
+                handed[0] += len(outputs)
+                self.handed_with_kv += sum(out.pages is not None for out in outputs)
+                self._delivered(worker, outputs)
+
+            worker.between = hand_back
+            worker.kick()
+        self._settling(worker, roles, since, self.loop.now + self.settle_s, handed)
+
+    def _settling(self, worker: SimWorker, roles, since: float, deadline: float, handed: list[int]) -> None:
+        pages = worker.engine.pages
+        busy = worker.between is not None or worker.engine.requests or pages.importing or pages.handed_off
+        if busy and self.loop.now < deadline:
+            self.loop.after(0.02, self._settling, worker, roles, since, deadline, handed)
+            return
+        before = worker.info.roles
+        if not busy:  # (else it keeps its roles and registers again as it was, as a worker does)
+            worker.reconfigure(self.planning.configure(roles))
+            worker.info = dataclasses.replace(
+                worker.info,
+                roles=worker.engine.config.roles,
+                instance=uuid.uuid4().hex[:12],
+                **registered_budgets(worker.engine.scheduler.config),
+            )
+        worker.away = False
+        self.switching.discard(worker.worker_id)
+        self.reports[worker.worker_id] = (worker.load(), self.loop.now)
+        self.switches.append(
+            (self.loop.now, worker.worker_id, planner.label(before), planner.label(worker.info.roles), handed[0])
+        )
+        worker.kick()
 
     # ----- requests -----
 
@@ -112,6 +217,7 @@ class SimMesh:
         return timeline
 
     def _arrive(self, timeline: Timeline, prompt: Prompt) -> None:
+        self.window.arrived(len(prompt.token_ids), len(prompt.image_digests), prompt.max_tokens)
         images = [ImageInput(None, self.image_tokens, digest) for digest in prompt.image_digests]
         sampling = SamplingParams(max_tokens=prompt.max_tokens, temperature=0.0, ignore_eos=True)
         request = Request(
@@ -152,6 +258,14 @@ class SimMesh:
         """The stages of `flight.plan`: the encode (elsewhere: awaited beside the next stage), then the prefill on
         its worker (dedicated: a prefill worker, handing the KV over; else the decoder, which decodes on)."""
         plan, request = flight.plan, flight.current
+        if flight.resume is not None:  # on from the KV pages a switching decoder handed back
+            (source, source_id), flight.resume = flight.resume, None
+            self.resumed += 1
+            decoder = self.workers[plan.decoder.worker_id]
+            staged = _staged(request, Stage.DECODE, Stage.DECODE, self.loop.now, flight.emitted[-1:])
+            self.book.sent(request.request_id, decoder.worker_id, self.loop.now)
+            self._pull(flight, source, decoder, staged, "kv", self.loop.now, 0.005, source_id)
+            return
         dedicated = plan.path == PrefillPath.DEDICATED
         target = self.workers[(plan.prefill if dedicated else plan.decoder).worker_id]
         last = Stage.PREFILL if dedicated else Stage.DECODE
@@ -169,6 +283,8 @@ class SimMesh:
 
     def _pinned(self, flight: _Flight, target: SimWorker, staged: Request) -> bool:
         """The worker's prefix cache holds the images' KV: it starts at once, without their pages."""
+        if _refuses(target, staged):
+            return False  # (the encode goes on; the stage is refused when its pages come)
         try:
             if not target.engine.pages.pin_cached(staged):
                 return False
@@ -185,6 +301,9 @@ class SimMesh:
         self._add(flight, encoder, request)
 
     def _add(self, flight: _Flight, worker: SimWorker, request: Request) -> None:
+        if _refuses(worker, request):
+            self._refused(flight, worker)
+            return
         try:
             worker.add(request)
         except RequestRejected as e:
@@ -199,7 +318,7 @@ class SimMesh:
                 worker.engine.pages.release(out.request_id)
                 continue
             if out.handed_back:
-                self._handed_back(flight, worker)
+                self._handed_back(flight, worker, out)
             elif out.handed_off and out.pages[0] == "image":
                 self._encoded(flight, worker)
             else:
@@ -223,48 +342,88 @@ class SimMesh:
         self.book.prefilled(out.request_id)  # its first token came: nothing of it is queued to prefill
         if out.finished:
             self._end(flight)
+            if self.planning is not None:
+                times = timeline.token_times
+                gaps = [b - a for a, b in zip(times, times[1:])]
+                outcome = slo_outcome(times[0] - timeline.arrival, gaps, self.planning.ttft_s, self.planning.tbt_s)
+                prompt = flight.original
+                self.window.done(
+                    prompt.num_prompt_tokens, timeline.cached_tokens, len(times), prompt.sampling.max_tokens, outcome
+                )
         elif out.handed_off:  # the prefill worker's first token: the KV goes to the decoder
             decoder = self.workers[flight.plan.decoder.worker_id]
             request = _staged(flight.current, Stage.DECODE, Stage.DECODE, now, out.output_token_ids)
             self.book.sent(out.request_id, decoder.worker_id, now)
             self._pull(flight, worker, decoder, request, "kv", now, 0.005)
 
-    def _pull(self, flight, source: SimWorker, dest: SimWorker, request: Request, kind: str, since: float, delay):
+    def _pull(
+        self, flight, source: SimWorker, dest: SimWorker, request: Request, kind: str, since: float, delay, source_id=""
+    ):
         """Blocks reserved at `dest` for the pages (waiting for room as a worker does), then the transfer's time,
-        then the request goes on there; the source frees its copy."""
+        then the request goes on there; the source frees its copy (held under `source_id`, by default the request's
+        own id)."""
+        source_id = source_id or request.request_id
+        if _refuses(dest, request):  # it left the mesh, or came back with other roles: the pages are let go of
+            source.engine.pages.release(source_id)
+            source.kick()
+            self._refused(flight, dest)
+            return
         try:
             _, blocks, tokens = dest.engine.pages.reserve_import(request)
         except NoRoomForPages:
             if self.loop.now + delay > since + IMPORT_WAIT_S:
-                source.engine.pages.release(request.request_id)
+                source.engine.pages.release(source_id)
                 source.kick()
                 self._end(flight, f"no room for the {kind} pages on {dest.worker_id}")
                 return
-            self.loop.after(delay, self._pull, flight, source, dest, request, kind, since, min(2 * delay, 0.1))
+            self.loop.after(
+                delay, self._pull, flight, source, dest, request, kind, since, min(2 * delay, 0.1), source_id
+            )
             return
         except RequestRejected as e:
+            source.engine.pages.release(source_id)
             self._end(flight, str(e))
             return
-        self.loop.after(dest.engine.transfer_delay_s(kind, tokens), self._pulled, source, dest, request, kind, blocks)
+        self.loop.after(
+            dest.engine.transfer_delay_s(kind, tokens), self._pulled, source, dest, request, blocks, source_id
+        )
 
-    def _pulled(self, source: SimWorker, dest: SimWorker, request: Request, kind: str, blocks: list[int]) -> None:
+    def _pulled(self, source: SimWorker, dest: SimWorker, request: Request, blocks: list[int], source_id: str) -> None:
         pages = source.engine.pages
-        payload = (pages.export_image_pages if kind == "image" else pages.export_kv_pages)(request.request_id)
-        dest.engine.pages.cache(kind).write_blocks(blocks, payload)
-        pages.release(request.request_id)
+        kind, held, tokens = pages.handoff_pages(source_id)
+        dest.engine.pages.cache(kind).write_blocks(blocks, pages.cache(kind).read_blocks(held, tokens))
+        pages.release(source_id)
         source.kick()
         dest.add(request, preloaded=True)
 
-    def _handed_back(self, flight: _Flight, decoder: SimWorker) -> None:
-        """Preempted where it cannot be recomputed: it goes on elsewhere as a continuation (the gateway's
-        migration), routed around that decoder."""
+    def _refused(self, flight: _Flight, worker: SimWorker) -> None:
+        """A stage sent to a worker that left the mesh (a switch): routed around it, the tokens sent kept, not
+        counted against the request (`failover.Attempts`: away)."""
+        self.flights.pop(flight.current.request_id, None)
+        self.book.forget(flight.current.request_id)
+        if flight.emitted:
+            flight.attempts += 1
+            flight.current = continuation(flight.original, flight.emitted, flight.attempts)
+        self._route(flight, frozenset({worker.info.registration}))
+
+    def _handed_back(self, flight: _Flight, decoder: SimWorker, out: RequestOutput) -> None:
+        """Preempted where it cannot be recomputed, or its decoder switches roles: it goes on elsewhere (the
+        gateway's migration) routed around that decoder — from the KV pages handed back with it when there are
+        some (`migration.resumed`), else as a continuation that prefills again."""
         self.flights.pop(flight.current.request_id, None)
         self.book.forget(flight.current.request_id)
         flight.hand_backs += 1
         if flight.hand_backs > MAX_HAND_BACKS:
+            if out.pages is not None:
+                decoder.engine.pages.release(out.request_id)
             self._end(flight, "handed back too often")
             return
-        flight.current = continuation(flight.original, flight.emitted, flight.hand_backs)
+        flight.attempts += 1
+        if out.pages is not None and flight.emitted:
+            flight.resume = (decoder, out.request_id)
+            flight.current = resumed(flight.original, flight.emitted, flight.attempts)
+        else:
+            flight.current = continuation(flight.original, flight.emitted, flight.attempts)
         self._route(flight, frozenset({decoder.info.registration}))
 
     def _end(self, flight: _Flight, error: str = "") -> None:
@@ -275,6 +434,13 @@ class SimMesh:
             self.flights.pop(flight.current.request_id, None)
             self.book.forget(flight.current.request_id)
         self.unfinished -= 1
+
+
+def _refuses(worker: SimWorker, request: Request) -> bool:
+    """The worker refuses the stage as AWAY: it is switching roles, or no longer holds one the stage needs (a route
+    chosen before its switch)."""
+    needs = {stage for stage in Stage if request.first_stage <= stage <= request.last_stage}
+    return worker.away or not needs <= worker.info.roles
 
 
 def _staged(request: Request, first: Stage, last: Stage, now: float, output: list[int] = ()) -> Request:

@@ -28,6 +28,8 @@ class SimWorker:
         self.loop, self.info, self.engine, self.deliver = loop, info, engine, deliver
         engine.sleeps = False  # simulated time: the loop advances by the prediction instead
         engine.clock = lambda: loop.now  # its requests arrive on it too (`sim/mesh.py`)
+        self.away = False  # out of the registry (switching roles): routers do not choose it, stage calls are refused
+        self.between: Callable[[], None] | None = None  # run once when no iteration is under way (a switch's hand-back)
         self.started: float | None = None  # when the iteration under way started
         self.last_iteration_ms = 0.0
         self.iterations = 0
@@ -43,8 +45,17 @@ class SimWorker:
 
     def kick(self) -> None:
         """Start an iteration if none is under way and there is work (called whenever work or room arrives)."""
+        if self.started is None and self.between is not None:
+            between, self.between = self.between, None
+            between()
         if self.started is None and self.engine.has_unfinished:
             self._begin()
+
+    def reconfigure(self, config) -> None:
+        """The idle engine takes a new role set's configuration (`Engine.reconfigure`), on simulated time still."""
+        self.engine.reconfigure(config)
+        self.engine.sleeps = False
+        self.engine.clock = lambda: self.loop.now
 
     def _begin(self) -> None:
         plan, handed_back = self.engine.begin_step()

@@ -29,11 +29,14 @@ from __future__ import annotations
 import collections
 import dataclasses
 import math
+import time
+from collections.abc import Callable
 
 from common.latency.budgets import largest_within
 from common.latency.model import LatencyProfile, decode_ms
 from common.policy import placement
 from common.request import Stage
+from common.workers import WorkerInfo, WorkerLoad
 
 STAGE_NAMES = {Stage.ENCODE: "encode", Stage.PREFILL: "prefill", Stage.DECODE: "decode"}
 
@@ -84,6 +87,35 @@ class Forecast:
     arrivals: int = 1 << 30  # in the last interval (what the rest was estimated from)
 
 
+class Window:
+    """What the gateway saw since the last interval, on `clock` (seconds): arrivals and finished requests with their
+    SLO outcome (`common.telemetry.metrics.slo_outcome`)."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic):
+        self.clock = clock
+        self.started = clock()
+        self.arrivals: list[tuple[int, int, int]] = []
+        self.finished: list[tuple[int, int, int, int]] = []
+        self.ttft_missed = self.tbt_missed = 0
+
+    def arrived(self, prompt_tokens: int, images: int, max_tokens: int) -> None:
+        self.arrivals.append((prompt_tokens, images, max_tokens))
+
+    def done(self, prompt_tokens: int, cached_tokens: int, output_tokens: int, max_tokens: int, outcome: str) -> None:
+        self.finished.append((prompt_tokens, cached_tokens, output_tokens, max_tokens))
+        self.ttft_missed += outcome == "ttft_violated"
+        self.tbt_missed += outcome == "tbt_violated"
+
+    def take(self) -> Interval:
+        """The interval since the last `take` (or the start); the window starts again."""
+        now = self.clock()
+        interval = Interval(
+            now - self.started, tuple(self.arrivals), tuple(self.finished), self.ttft_missed, self.tbt_missed
+        )
+        self.__init__(self.clock)
+        return interval
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class PoolWorker:
     worker_id: str
@@ -92,6 +124,18 @@ class PoolWorker:
     kv_tokens: int = 0  # tokens its KV cache holds
     decoding: int = 0  # requests it is decoding now
     context_tokens: int = 0  # their KV tokens
+
+    @classmethod
+    def of(cls, info: WorkerInfo, load: WorkerLoad) -> PoolWorker:
+        """A registered worker as its last heartbeat reported it."""
+        return cls(
+            info.worker_id,
+            info.roles,
+            load.unfinished_decode_tokens + load.queued_prefill_tokens,
+            load.kv_blocks_total * load.kv_block_size,
+            load.running_decode_batch,
+            load.decode_context_tokens,
+        )
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -121,6 +165,21 @@ class Decision:
                 {"worker_id": s.worker_id, "from": label(s.before), "to": label(s.after)} for s in self.switches
             ],
         }
+
+
+class Planner:
+    """The planner from one interval to the next (its forecast): what the gateway's task and the simulator step."""
+
+    def __init__(self, profile: LatencyProfile, ttft_ms: float, tbt_ms: float, config: PlannerConfig = PlannerConfig()):
+        self.profile, self.ttft_ms, self.tbt_ms, self.config = profile, ttft_ms, tbt_ms, config
+        self.forecast: Forecast | None = None
+
+    def step(self, interval: Interval, workers: list[PoolWorker] | None) -> Decision:
+        """The decision after `interval`; `workers`: the registry's, None while a switch is under way (it holds)."""
+        self.forecast = forecast(self.forecast, interval, self.config.smoothing)
+        if workers is None:
+            return Decision("hold", "a switch is under way")
+        return decide(workers, self.forecast, self.profile, self.ttft_ms, self.tbt_ms, self.config)
 
 
 def label(roles: frozenset[Stage]) -> str:

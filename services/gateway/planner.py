@@ -31,24 +31,6 @@ RECENT = 64  # decisions /stats shows
 SWITCH_TIMEOUT_S = 120.0
 
 
-class Window:
-    """What the gateway saw since the last interval."""
-
-    def __init__(self):
-        self.started = time.monotonic()
-        self.arrivals: list[tuple[int, int, int]] = []
-        self.finished: list[tuple[int, int, int, int]] = []
-        self.ttft_missed = self.tbt_missed = 0
-
-    def take(self) -> planner.Interval:
-        now = time.monotonic()
-        interval = planner.Interval(
-            now - self.started, tuple(self.arrivals), tuple(self.finished), self.ttft_missed, self.tbt_missed
-        )
-        self.__init__()
-        return interval
-
-
 class PlannerTask:
     def __init__(
         self,
@@ -64,13 +46,12 @@ class PlannerTask:
         """`status`: the mesh's registry view (`MeshStatus`: its toggle lists the workers); `channels` to them."""
         self.status = status
         self.channels = channels
-        self.profile = profile
         self.ttft_ms, self.tbt_ms = ttft_ms, tbt_ms
         self.config = config
         self.metrics = metrics
         self.tracing = tracing or Tracing()
-        self.window = Window()
-        self.forecast: planner.Forecast | None = None
+        self.window = planner.Window()
+        self.planner = planner.Planner(profile, ttft_ms, tbt_ms, config)
         self.recent: collections.deque[dict] = collections.deque(maxlen=RECENT)
         self.switches = 0
         self.failed_switches = 0
@@ -83,7 +64,7 @@ class PlannerTask:
     async def observe(self, request: Request, outputs: AsyncIterator[RequestOutput]) -> AsyncIterator[RequestOutput]:
         """The request's outputs, passed through; its arrival, work and SLO outcome go into the window."""
         max_tokens = request.sampling.max_tokens
-        self.window.arrivals.append((request.num_prompt_tokens, len(request.images), max_tokens))
+        self.window.arrived(request.num_prompt_tokens, len(request.images), max_tokens)
         first_at = last_at = None
         gaps: list[float] = []
         final = None
@@ -101,11 +82,9 @@ class PlannerTask:
             return
         ttft = first_at - request.arrival_time
         outcome = slo_outcome(ttft, gaps, self.ttft_ms / 1e3, self.tbt_ms / 1e3)
-        self.window.finished.append(
-            (final.num_prompt_tokens, final.num_cached_tokens, len(final.output_token_ids), max_tokens)
+        self.window.done(
+            final.num_prompt_tokens, final.num_cached_tokens, len(final.output_token_ids), max_tokens, outcome
         )
-        self.window.ttft_missed += outcome == "ttft_violated"
-        self.window.tbt_missed += outcome == "tbt_violated"
 
     # ----- the loop -----
 
@@ -128,12 +107,7 @@ class PlannerTask:
 
     async def step(self) -> planner.Decision:
         interval = self.window.take()
-        self.forecast = planner.forecast(self.forecast, interval, self.config.smoothing)
-        if self._switching:
-            decision = planner.Decision("hold", "a switch is under way")
-        else:
-            workers = await self._workers()
-            decision = planner.decide(workers, self.forecast, self.profile, self.ttft_ms, self.tbt_ms, self.config)
+        decision = self.planner.step(interval, None if self._switching else await self._workers())
         self._record(interval, decision)
         for switch in decision.switches:
             task = asyncio.ensure_future(self._switch(switch))
@@ -147,17 +121,11 @@ class PlannerTask:
         for entry in reply.workers:
             info, load = wire.info_from_pb(entry.info), wire.load_from_pb(entry.load)
             self._addresses[info.worker_id] = info.address
-            busy = load.unfinished_decode_tokens + load.queued_prefill_tokens
-            kv_tokens = load.kv_blocks_total * load.kv_block_size
-            workers.append(
-                planner.PoolWorker(
-                    info.worker_id, info.roles, busy, kv_tokens, load.running_decode_batch, load.decode_context_tokens
-                )
-            )
+            workers.append(planner.PoolWorker.of(info, load))
         return workers
 
     def _record(self, interval: planner.Interval, decision: planner.Decision) -> None:
-        f = self.forecast
+        f = self.planner.forecast
         entry = {
             "at_unix_s": round(time.time(), 3),
             "arrivals": len(interval.arrivals),
@@ -218,7 +186,7 @@ class PlannerTask:
         )
 
     def as_dict(self) -> dict:
-        f = self.forecast
+        f = self.planner.forecast
         return {
             "interval_s": self.config.interval_s,
             "forecast": None

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.workloads import SHAPES, request_bodies
+from bench.workloads import SHAPES, phased_bodies, request_bodies
 from common.latency.model import iteration_ms
 from common.latency.roofline import load_profile
 from sim.build import Setup
@@ -125,3 +125,25 @@ def test_sim_goodput_writes_the_benchmarks_report_and_plot(emulated_dir, tmp_pat
     assert run["points"][1]["slo_attainment"] < run["points"][0]["slo_attainment"]
     assert {"request_goodput", "p90_ttft_ms", "median_itl_ms", "sim_wall_s", "sim_speed"} <= set(run["points"][0])
     assert run["goodput_bound"] > 0 and out.with_suffix(".png").stat().st_size > 10_000
+
+
+def test_the_planner_switches_a_toggles_workers_with_the_load_and_their_decodes_go_on_from_their_kv(emulated_dir):
+    """EP3+EPD1 with the planner, long answers then pages: an EP worker becomes EPD while the answers decode, and
+    back once the pages come; the decodes running on a switching decoder after the grace go on elsewhere from the
+    KV pages it handed back (nothing prefilled again), and every request gets all its tokens once."""
+    setup = setup_of(
+        emulated_dir, "EP3+EPD1", "--routing", "slo", "--latency-profile", H20, "--max-num-seqs", "256",
+        "--planner", "--planner-interval", "1", "--planner-max-switches", "1", "--planner-grace", "0.2",
+    )  # fmt: skip
+    bodies = phased_bodies([SHAPES["detail"], SHAPES["document"]], 240, setup.model)
+    loop = Loop()
+    mesh = setup.mesh(loop)
+    timelines = [mesh.submit(0.05 * i, setup.prompt(body)) for i, body in enumerate(bodies)]
+    loop.run(until=lambda: mesh.unfinished == 0)
+    assert all(not t.error and len(t.token_times) == body["max_tokens"] for t, body in zip(timelines, bodies))
+    moves = [(frm, to) for _, _, frm, to, _ in mesh.switches]
+    assert moves[0] == ("EP", "EPD") and ("EPD", "EP") in moves, moves
+    assert {label for label in (w.info.role_label for w in mesh.workers.values())} <= {"EP", "EPD"}
+    handed = sum(n for *_, n in mesh.switches)  # (those not decoding yet are handed back without KV, and prefill again)
+    assert 0 < mesh.handed_with_kv <= handed and mesh.resumed == mesh.handed_with_kv  # each went on from its pages
+    assert {d.action for _, d in mesh.decisions} >= {"switch", "hold"}
