@@ -11,8 +11,10 @@ from common.policy.planner import (
     Decision,
     Forecast,
     Interval,
+    Planner,
     PlannerConfig,
     PoolWorker,
+    Window,
     decide,
     forecast,
     owned_stages,
@@ -170,3 +172,25 @@ def test_which_stages_each_pool_is_planned_for():
     assert owned_stages([EP, frozenset({P}), EPD]) is None  # two pools without decode overlap
     assert owned_stages([EP, EPD, frozenset({D})]) is None  # two pools decode
     assert owned_stages([frozenset({P}), frozenset({D})]) is None  # no pool encodes
+
+
+def test_the_window_counts_what_arrived_and_finished_and_starts_again():
+    now = [100.0]
+    window = Window(lambda: now[0])
+    window.arrived(*CAPTIONS)
+    for outcome in ("attained", "ttft_violated", "tbt_violated", "tbt_violated"):
+        window.done(600, 0, 12, 12, outcome)
+    now[0] = 110.0
+    assert window.take() == Interval(10.0, (CAPTIONS,), ((600, 0, 12, 12),) * 4, ttft_missed=1, tbt_missed=2)
+    now[0] = 112.5
+    assert window.take() == Interval(2.5)
+
+
+def test_the_planner_forecasts_every_interval_and_holds_while_a_switch_is_under_way():
+    planner = Planner(H20, 1000, 100)
+    mesh = _mesh({frozenset({E, P}): 4, frozenset({D}): 4})
+    held = planner.step(Interval(10, (CAPTIONS,) * 100), None)
+    assert held.action == "hold" and planner.forecast.rate == 10
+    moved = planner.step(Interval(10, (CAPTIONS,) * 300), mesh)  # the forecast mixes both intervals: 20 req/s
+    assert planner.forecast.rate == 20 and moved == decide(mesh, planner.forecast, H20, 1000, 100)
+    assert moved.action == "switch"
