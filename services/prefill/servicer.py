@@ -35,6 +35,7 @@ class PrefillServicer(pb_grpc.PrefillerServicer):
         """The stage method, also called on a StageCalls stream (services/stage_calls)."""
         spec = request.request
         engine_request_id = f"{spec.request_id}@prefill"
+        await self.runtime.supersede(engine_request_id)
         pending = request.HasField("pending_images")
         if request.images_cached or pending:  # its images' KV may be in this worker's prefix cache: no pages needed
             engine_request = wire.request_from_pb(spec, Stage.PREFILL, Stage.PREFILL, engine_request_id)

@@ -232,6 +232,14 @@ class WorkerRuntime:
             raise
         return last
 
+    async def supersede(self, engine_request_id: str) -> None:
+        """A stage sent again for a request whose earlier attempt's pages this worker still leases out — the gateway
+        gave that attempt up (no room on its decoder) and routed the request here again before the attempt's release
+        arrived: those pages go now, as the release would free them, so the new attempt is not refused as a
+        duplicate."""
+        if self.engine.engine.pages.holds(engine_request_id) and await self.release_lease(engine_request_id):
+            log.info("request %s sent here again: its earlier attempt's pages freed", engine_request_id)
+
     async def lease_pages(self, engine_request_id: str, pages: tuple[str, list[int], int]) -> PageHandle:
         """A lease on the pages a request handed off (or back, with its KV) keeps here, for the next worker. `pages`:
         what its last output says it keeps (kind, block ids, tokens)."""

@@ -7,11 +7,14 @@ import pytest
 
 from common.engine.async_engine import AsyncEngine
 from common.engine.config import EngineConfig, parse_roles
-from common.engine.engine import Engine, NoRoomForPages
+from common.engine.engine import Engine, NoRoomForPages, RequestRejected
 from common.request import Request, Stage
 from common.sampling import SamplingParams
 from common.transfer import PullFailed
 from common.transfer.fake import FakeFabric, FakePuller
+from epdmesh.v1 import mesh_pb2 as pb
+from services import wire
+from services.prefill.servicer import PrefillServicer
 from services.worker.runtime import WorkerRuntime
 from tests.support import build_requests, image
 
@@ -215,3 +218,30 @@ def test_a_pinned_prefix_goes_back_when_its_stage_never_starts_and_the_encoders_
                 rt.engine.shutdown()
 
     asyncio.run(main())
+
+
+def test_a_prefill_sent_again_frees_its_earlier_attempts_unpulled_kv_first(tiny_dir, processors, chat_reference):
+    """The gateway gave an attempt up after its Prefill went out (no room on the decoder) and sends the Prefill
+    again before the attempt's release reached this worker: the earlier pages go, and the new attempt is served
+    instead of refused as a duplicate id."""
+    processor = processors["tiny"]
+    cases, refs = chat_reference
+    request = next(r for r in build_requests(processor, cases) if not r.images)
+    message = pb.PrefillRequest(request=wire.spec_to_pb(request, with_pixels=False))
+
+    async def main():
+        p = runtime("p", "p", tiny_dir, processor, FakeFabric())
+        servicer = PrefillServicer(p, calls=None)
+        try:
+            first = await servicer.prefill(message)
+            assert first.HasField("kv_pages") and len(p.leases) == 1  # never pulled, never released
+            with pytest.raises(RequestRejected, match="already in use"):  # what the runtime alone refuses
+                await p.prefill(stage_copy(request, Stage.PREFILL, Stage.PREFILL, "prefill"), None)
+            again = await servicer.prefill(message)
+            return first, again, len(p.leases)
+        finally:
+            p.engine.shutdown()
+
+    first, again, leases = asyncio.run(main())
+    assert list(again.first.token_ids) == list(first.first.token_ids) and again.HasField("kv_pages")
+    assert leases == 1  # the new attempt's lease alone
