@@ -305,13 +305,16 @@ def plot(report: dict, path: Path) -> None:
     axes[1].set_ylim(0, 1.05)
     axes[1].legend(fontsize=8, loc="lower left")
     if changing:
-        for name, c in changing.items():
+        for i, (name, c) in enumerate(changing.items()):
             labels = sorted({r for s in c["roles"] for r in s["roles"]})
+            style = ("-", "--", ":", "-.")[i % 4]  # configurations that switch alike stay apart
             for role in labels:
                 axes[2].step(
                     [s["t"] for s in c["roles"]],
                     [s["roles"].get(role, 0) for s in c["roles"]],
                     where="post",
+                    ls=style,
+                    lw=1.5 if i == 0 else 2.0,
                     label=f"{name}: {role}",
                 )
         axes[2].set_ylabel("workers")
