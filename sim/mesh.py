@@ -114,10 +114,9 @@ class SimMesh:
         self.switching: set[str] = set()
         self.decisions: list[tuple[float, planner.Decision]] = []  # (simulated time, what the planner decided)
         self.switches: list[tuple[float, str, str, str, int]] = []  # (done at, worker, from, to, decodes handed on)
-        self.handed_with_kv = (
-            0  # decodes a switching decoder handed back with their KV (those not yet decoding: without)
-        )
-        self.resumed = 0  # requests that went on from such pages
+        # decodes switching decoders handed back with their KV (those not decoding yet go without), and how many of
+        # those went on from their pages
+        self.handed_with_kv = self.resumed = 0
         if planning is not None:
             loop.after(planning.interval_s, self._plan)
         self.workers = {w.worker_id: w for w in workers}
@@ -165,12 +164,13 @@ class SimMesh:
         between two iterations, then — once idle — the new configuration and a new registration."""
         worker.away = True
         self.switching.add(worker.worker_id)
-        self._draining(worker, roles, self.loop.now, self.loop.now + self.planning.grace_s, [0])
+        self._draining(worker, roles, self.loop.now + self.planning.grace_s, [0])
 
-    def _draining(self, worker: SimWorker, roles, since: float, deadline: float, handed: list[int]) -> None:
+    def _draining(self, worker: SimWorker, roles, deadline: float, handed: list[int]) -> None:
+        """`handed`: a one-element counter of the decodes handed back, shared with the hand-back run later."""
         decoding = any(r.last_stage == Stage.DECODE for r in worker.engine.requests.values())
         if decoding and self.loop.now < deadline:
-            self.loop.after(0.02, self._draining, worker, roles, since, deadline, handed)
+            self.loop.after(0.02, self._draining, worker, roles, deadline, handed)
             return
         if decoding:
 
@@ -182,13 +182,13 @@ class SimMesh:
 
             worker.between = hand_back
             worker.kick()
-        self._settling(worker, roles, since, self.loop.now + self.settle_s, handed)
+        self._settling(worker, roles, self.loop.now + self.settle_s, handed)
 
-    def _settling(self, worker: SimWorker, roles, since: float, deadline: float, handed: list[int]) -> None:
+    def _settling(self, worker: SimWorker, roles, deadline: float, handed: list[int]) -> None:
         pages = worker.engine.pages
         busy = worker.between is not None or worker.engine.requests or pages.importing or pages.handed_off
         if busy and self.loop.now < deadline:
-            self.loop.after(0.02, self._settling, worker, roles, since, deadline, handed)
+            self.loop.after(0.02, self._settling, worker, roles, deadline, handed)
             return
         before = worker.info.roles
         if not busy:  # (else it keeps its roles and registers again as it was, as a worker does)
@@ -217,7 +217,8 @@ class SimMesh:
         return timeline
 
     def _arrive(self, timeline: Timeline, prompt: Prompt) -> None:
-        self.window.arrived(len(prompt.token_ids), len(prompt.image_digests), prompt.max_tokens)
+        if self.planning is not None:
+            self.window.arrived(len(prompt.token_ids), len(prompt.image_digests), prompt.max_tokens)
         images = [ImageInput(None, self.image_tokens, digest) for digest in prompt.image_digests]
         sampling = SamplingParams(max_tokens=prompt.max_tokens, temperature=0.0, ignore_eos=True)
         request = Request(
