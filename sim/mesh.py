@@ -11,9 +11,18 @@ interval, over what arrived and finished and the registry's workers), and its sw
 finish for the grace period and the rest are handed back with their KV and go on elsewhere from those pages, and
 once idle its engine takes the new roles' configuration and it registers again.
 
+The gateway's KV reservations run too (`services/routing/reservations.py`'s `Ledger`, the Redis script's rule in
+memory, through the router's own steps `RouteBook.steps`): a route books the decoder's (and a dedicated prefill
+worker's) KV tokens against what the worker last reported free, and the booking ends when the worker's next heartbeat
+reports the request admitted, when the request ends or routes again, or at its expiry. A request no worker has room
+for waits at the gateway for room, polling (`route_client.reroute`), and one whose pages found no room on their
+worker within the worker's wait is routed again the same way (after some tokens, as a continuation that prefills
+again); one routed again after a worker left waits for a worker too. A refusal (SLO admission, too large, no worker
+for a new request) fails it, as the gateway's 4xx/503 would.
+
 What it leaves out, and so does not predict: the host's own costs (HTTP, gRPC, tokenizing, image decoding — zero
-here), KV reservations in Redis (the book's local accounting and the workers' own admission remain), failed
-workers, and the gateway's wait for room (a route the policy refuses fails the request, as a 503 would)."""
+here), the reservation made ahead of its Redis round trip for a text prompt (`Router.route_ahead`: routed as any
+other here), and failed workers."""
 
 from __future__ import annotations
 
@@ -32,7 +41,9 @@ from common.workers import HEARTBEAT_INTERVAL_S, WorkerSnapshot, registered_budg
 from services.failure import Reason
 from services.gateway.mesh.failover import MAX_HAND_BACKS
 from services.gateway.mesh.migration import continuation, resumed
-from services.routing.book import NoRoute, RouteBook
+from services.gateway.mesh.route_client import FAILOVER_POLL_S, FAILOVER_WAIT_S, ROOM_WAIT_S
+from services.routing.book import REFRESH, NoRoute, RouteBook
+from services.routing.reservations import TTL_S, Ledger
 from services.routing.router import REFRESH_S
 from services.worker.runtime import IMPORT_WAIT_S
 from services.worker.switch import SETTLE_S
@@ -75,9 +86,12 @@ class _Flight:
     current: Request | None = None  # the original, or a continuation after a hand-back
     emitted: list[int] = dataclasses.field(default_factory=list)
     waiting_images: tuple[SimWorker, Request] | None = None  # a stage sent with its images pending on the encoder
-    hand_backs: int = 0
+    hand_backs: int = 0  # in a row without a token in between
+    progress: int = 0  # tokens sent when the last hand-back came
     attempts: int = 0  # routes after the first: each continuation's id carries the number
     resume: tuple[SimWorker, str] | None = None  # (worker, request id) holding its KV, handed back by a switch
+    reserved: tuple[str, ...] = ()  # the workers its current route's KV is reserved on
+    exclude: frozenset[str] = frozenset()  # registrations of the workers that left the mesh under it
 
 
 @dataclasses.dataclass(slots=True)
@@ -109,6 +123,14 @@ class SimMesh:
         self.loop, self.book, self.image_tokens = loop, book, image_tokens
         self.heartbeat_s, self.refresh_s = HEARTBEAT_INTERVAL_S / control_scale, REFRESH_S / control_scale
         self.settle_s = SETTLE_S / control_scale
+        # the gateway's and the workers' waits, on the host's clock: K× shorter in the hardware's time too
+        self.poll_s, self.import_wait_s = FAILOVER_POLL_S / control_scale, IMPORT_WAIT_S / control_scale
+        self.waits = {Reason.NO_ROOM: ROOM_WAIT_S / control_scale}  # (`route_client.reroute`)
+        self.failover_wait_s = FAILOVER_WAIT_S / control_scale
+        self.reservations = Ledger(TTL_S / control_scale)
+        self.admitted: dict[str, set[str]] = {w.worker_id: set() for w in workers}  # since its last heartbeat
+        self.waited = 0  # polls of requests waiting at the gateway for room or a worker
+        self.rerouted = 0  # routes again after a worker had no room for the pages after all
         self.planning = planning
         self.window = planner.Window(lambda: loop.now)
         self.switching: set[str] = set()
@@ -135,6 +157,8 @@ class SimMesh:
 
     def _beat(self, w: SimWorker) -> None:
         self.reports[w.worker_id] = (w.load(), self.loop.now)
+        admitted, self.admitted[w.worker_id] = self.admitted[w.worker_id], set()
+        self.reservations.release(w.worker_id, admitted)  # (the toggle's Heartbeat)
         self.loop.after(self.heartbeat_s, self._beat, w)
 
     def _registry(self) -> list[WorkerSnapshot]:
@@ -226,11 +250,13 @@ class SimMesh:
         )
         self._route(_Flight(request, timeline, prompt, current=request), frozenset())
 
-    def _route(self, flight: _Flight, exclude: frozenset[str]) -> None:
+    def _route(self, flight: _Flight, exclude: frozenset[str], again: bool = False, since: float | None = None):
+        """`again`: an attempt after the first (a worker had no room, left, or handed the request back), which also
+        waits for a worker of a role none is left of. `since`: when its waiting began."""
         now, request = self.loop.now, flight.current
+        since = now if since is None else since
         if now - self._snapshot_at >= self.refresh_s:
-            self.book.refreshed(self._registry(), now)
-            self._snapshot_at = now
+            self._refresh()
         fields = flight.prompt.prefix if request is flight.original else {}
         summary = RouteSummary(
             request.request_id,
@@ -241,19 +267,51 @@ class SimMesh:
             elapsed_ms=(now - flight.timeline.arrival) * 1e3,
             **fields,
         )
+        steps = self.book.steps(summary, self.book.routing.reserved_output_tokens)
+        reply = None
         try:
-            self.book.check_fits(summary)
-            plan = self.book.plan(summary)
-            if plan is None:
-                raise NoRoute(self.book.why_no_route(summary), Reason.NO_WORKER)
-        except NoRoute as e:
+            while True:
+                ask = steps.send(reply)
+                if ask == REFRESH:
+                    self._refresh()
+                    reply = None
+                else:
+                    reply = self.reservations.reserve(request.request_id, ask, now)
+        except StopIteration as done:
+            plan, summary, amounts = done.value
+        except NoRoute as e:  # waited out as `route_client.reroute` does, else the client's error
+            wait_s = self.waits.get(e.reason)
+            if again and e.reason in (Reason.NO_WORKER, Reason.DOWN, Reason.AWAY):
+                wait_s = self.failover_wait_s
+            if wait_s is not None and now < since + wait_s:
+                self.waited += 1
+                self.loop.after(self.poll_s, self._route, flight, exclude, again, since)
+                return
             self._end(flight, e.message)
             return
         self.book.chosen(plan, summary, now)
-        flight.plan, flight.waiting_images = plan, None
+        flight.plan, flight.waiting_images, flight.reserved = plan, None, tuple(amounts)
         flight.timeline.path = flight.timeline.path or plan.path
         self.flights[request.request_id] = flight
         self._drive(flight)
+
+    def _refresh(self) -> None:
+        self.book.refreshed(self._registry(), self.loop.now)
+        self._snapshot_at = self.loop.now
+
+    def _sent(self, request: Request, worker: SimWorker) -> None:
+        """The stage call reaches the worker: the router's record, and the admission its next heartbeat reports."""
+        self.book.sent(request.request_id, worker.worker_id, self.loop.now)
+        self.admitted[worker.worker_id].add(request.request_id)
+
+    def _forget(self, flight: _Flight) -> None:
+        """The current route is over (the request ended, or routes again): the router forgets it, its reservations
+        end."""
+        request_id = flight.current.request_id
+        self.flights.pop(request_id, None)
+        self.book.forget(request_id)
+        self.reservations.release_request(request_id, flight.reserved)
+        flight.reserved = ()
 
     def _drive(self, flight: _Flight) -> None:
         """The stages of `flight.plan`: the encode (elsewhere: awaited beside the next stage), then the prefill on
@@ -264,7 +322,7 @@ class SimMesh:
             self.resumed += 1
             decoder = self.workers[plan.decoder.worker_id]
             staged = _staged(request, Stage.DECODE, Stage.DECODE, self.loop.now, flight.emitted[-1:])
-            self.book.sent(request.request_id, decoder.worker_id, self.loop.now)
+            self._sent(request, decoder)
             self._pull(flight, source, decoder, staged, "kv", self.loop.now, 0.005, source_id)
             return
         dedicated = plan.path == PrefillPath.DEDICATED
@@ -273,7 +331,7 @@ class SimMesh:
         separate = bool(request.images) and plan.encoder.worker_id != target.worker_id
         first = Stage.ENCODE if request.images and not separate else Stage.PREFILL  # it encodes them itself
         staged = _staged(request, first, last, self.loop.now)
-        self.book.sent(request.request_id, target.worker_id, self.loop.now)
+        self._sent(request, target)
         if not separate:
             self._add(flight, target, staged)
             return
@@ -298,7 +356,7 @@ class SimMesh:
     def _encode(self, flight: _Flight) -> None:
         encoder = self.workers[flight.plan.encoder.worker_id]
         request = _staged(flight.current, Stage.ENCODE, Stage.ENCODE, self.loop.now)
-        self.book.sent(request.request_id, encoder.worker_id, self.loop.now)
+        self._sent(request, encoder)
         self._add(flight, encoder, request)
 
     def _add(self, flight: _Flight, worker: SimWorker, request: Request) -> None:
@@ -354,7 +412,7 @@ class SimMesh:
         elif out.handed_off:  # the prefill worker's first token: the KV goes to the decoder
             decoder = self.workers[flight.plan.decoder.worker_id]
             request = _staged(flight.current, Stage.DECODE, Stage.DECODE, now, out.output_token_ids)
-            self.book.sent(out.request_id, decoder.worker_id, now)
+            self._sent(request, decoder)
             self._pull(flight, worker, decoder, request, "kv", now, 0.005)
 
     def _pull(
@@ -372,10 +430,10 @@ class SimMesh:
         try:
             _, blocks, tokens = dest.engine.pages.reserve_import(request)
         except NoRoomForPages:
-            if self.loop.now + delay > since + IMPORT_WAIT_S:
+            if self.loop.now + delay > since + self.import_wait_s:  # NoRoomForPages: the gateway routes it again
                 source.engine.pages.release(source_id)
                 source.kick()
-                self._end(flight, f"no room for the {kind} pages on {dest.worker_id}")
+                self._no_room(flight)
                 return
             self.loop.after(
                 delay, self._pull, flight, source, dest, request, kind, since, min(2 * delay, 0.1), source_id
@@ -400,20 +458,32 @@ class SimMesh:
     def _refused(self, flight: _Flight, worker: SimWorker) -> None:
         """A stage sent to a worker that left the mesh (a switch): routed around it, the tokens sent kept, not
         counted against the request (`failover.Attempts`: away)."""
-        self.flights.pop(flight.current.request_id, None)
-        self.book.forget(flight.current.request_id)
+        flight.exclude |= {worker.info.registration}
+        self._again(flight)
+
+    def _no_room(self, flight: _Flight) -> None:
+        """The pages found no room on their worker within its wait (NoRoomForPages): not the worker's failure; the
+        request routes again, waiting for room (`failover.Attempts.failed`)."""
+        self.rerouted += 1
+        self._again(flight)
+
+    def _again(self, flight: _Flight) -> None:
+        """The next attempt: the request again, or after some tokens its continuation, prefilled on a new route."""
+        self._forget(flight)
         if flight.emitted:
             flight.attempts += 1
             flight.current = continuation(flight.original, flight.emitted, flight.attempts)
-        self._route(flight, frozenset({worker.info.registration}))
+        self._route(flight, flight.exclude, again=True)
 
     def _handed_back(self, flight: _Flight, decoder: SimWorker, out: RequestOutput) -> None:
-        """Preempted where it cannot be recomputed, or its decoder switches roles: it goes on elsewhere (the
-        gateway's migration) routed around that decoder — from the KV pages handed back with it when there are
-        some (`migration.resumed`), else as a continuation that prefills again."""
-        self.flights.pop(flight.current.request_id, None)
-        self.book.forget(flight.current.request_id)
-        flight.hand_backs += 1
+        """Preempted where it cannot be recomputed, or its decoder switches roles: it goes on (the gateway's
+        migration) from the KV pages handed back with it when there are some (`migration.resumed`), else as a
+        continuation that prefills again. Not the decoder's failure: routed anywhere with room, that decoder too (a
+        switching one is out of the registry meanwhile); only hand-backs without a token in between count
+        (`failover.Attempts.handed_back`)."""
+        self._forget(flight)
+        flight.hand_backs = 1 if len(flight.emitted) > flight.progress else flight.hand_backs + 1
+        flight.progress = len(flight.emitted)
         if flight.hand_backs > MAX_HAND_BACKS:
             if out.pages is not None:
                 decoder.engine.pages.release(out.request_id)
@@ -425,15 +495,14 @@ class SimMesh:
             flight.current = resumed(flight.original, flight.emitted, flight.attempts)
         else:
             flight.current = continuation(flight.original, flight.emitted, flight.attempts)
-        self._route(flight, frozenset({decoder.info.registration}))
+        self._route(flight, flight.exclude, again=True)
 
     def _end(self, flight: _Flight, error: str = "") -> None:
         if flight.timeline.done:
             return
         flight.timeline.done, flight.timeline.error = True, error
         if flight.current is not None:
-            self.flights.pop(flight.current.request_id, None)
-            self.book.forget(flight.current.request_id)
+            self._forget(flight)
         self.unfinished -= 1
 
 

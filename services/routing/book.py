@@ -8,6 +8,7 @@ Every method that needs the time takes it (`now`: seconds on the clock of the re
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Generator
 
 from common.latency import LatencyProfile
 from common.policy.affinity import PrefixAffinity
@@ -17,8 +18,11 @@ from common.request import Stage
 from common.telemetry.tracing import Tracing
 from common.workers import WorkerSnapshot
 from services.failure import Reason
+from services.routing.reservations import needs
 
 PENDING_MAX_S = 30.0  # kept at most this long (with no worker registered, no heartbeat makes it redundant)
+MAX_RESERVE_ATTEMPTS = 4  # plans tried when workers have no KV room left
+REFRESH = "refresh"  # what `RouteBook.steps` asks for when no plan covers the request: a fresh registry read
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -97,6 +101,39 @@ class RouteBook:
         if cache_aware and plan is not None and self.affinity.needs_no_encode(plan, summary):
             plan = dataclasses.replace(plan, images_cached=True)
         return plan
+
+    def steps(
+        self, summary: RouteSummary, output_tokens: int, reserving: bool = True
+    ) -> Generator[str | dict[str, tuple[int, int]], str | None, tuple[RoutePlan, RouteSummary, dict | None]]:
+        """A route's decisions without its I/O (`Router.route` runs them over Redis; the simulator over its own
+        reservations). Yields `REFRESH` when no plan covers the request on this snapshot and none was refused for
+        room yet (workers may have registered since: the caller refreshes the book, sends None), and with
+        `reserving` each plan's KV amounts (`reservations.needs`: worker id → (tokens, reported free)); the caller
+        reserves them on every worker or none and sends back the worker that had no room (None: reserved), which
+        the next plan routes around, `MAX_RESERVE_ATTEMPTS` plans at most. Returns the plan, the summary it was
+        made for and the amounts reserved (None without `reserving`) — the caller then records it (`chosen`) — or
+        raises NoRoute: TOO_LARGE, REFUSED, NO_WORKER, or NO_ROOM when no plan found room."""
+        self.check_fits(summary)
+        full_workers: set[str] = set()
+        plan, full, amounts = None, None, None
+        for _ in range(MAX_RESERVE_ATTEMPTS):
+            plan = self.plan(summary)
+            if plan is None and not full_workers:
+                yield REFRESH
+                plan = self.plan(summary)
+            if plan is None and full_workers:
+                break
+            if plan is None:
+                raise NoRoute(self.why_no_route(summary), Reason.NO_WORKER)
+            amounts = needs(plan, summary, output_tokens) if reserving else None
+            full = None if amounts is None else (yield amounts)
+            if full is None:
+                break
+            full_workers.add(full)
+            summary = dataclasses.replace(summary, exclude=summary.exclude | {full})  # no room there: route around it
+        if plan is None or full is not None:
+            raise NoRoute("no worker has KV room for this request now (all reserved); retry later", Reason.NO_ROOM)
+        return plan, summary, amounts
 
     def policy_plan(self, workers: list[WorkerSnapshot], summary: RouteSummary) -> RoutePlan | None:
         if self.slo is None:

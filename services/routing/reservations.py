@@ -19,6 +19,8 @@ import redis.asyncio as aioredis
 
 from common.policy.routing import PrefillPath, RoutePlan, RouteSummary
 
+TTL_S = 10.0  # a reservation nobody ended (its worker never reported it admitted) ends this long after it was made
+
 # KEYS[i]: reservation hash of worker i. ARGV: request id, now, ttl, then per worker i: tokens, capacity.
 # Returns 0 when reserved on every worker, else the 1-based index of the first worker without room.
 _RESERVE = """
@@ -61,7 +63,7 @@ def needs(plan: RoutePlan, request: RouteSummary, output_tokens: int) -> dict[st
 
 
 class Reservations:
-    def __init__(self, client: aioredis.Redis, prefix: str, ttl_s: float = 10.0):
+    def __init__(self, client: aioredis.Redis, prefix: str, ttl_s: float = TTL_S):
         self.redis = client
         self.prefix = prefix
         self.ttl_s = ttl_s
@@ -98,3 +100,41 @@ class Reservations:
             amount, expiry = value.decode().split(":")
             total += int(amount) if float(expiry) >= now else 0
         return total
+
+
+class Ledger:
+    """The reservation script's rule kept in memory, for one process that routes on its own clock (the simulator):
+    `reserve` books on every worker or none, and only where the worker's reported free KV tokens, less what others
+    hold there unexpired, still hold it; an entry ends at its expiry, or when released. `tests/services/
+    test_reservations.py` runs one sequence of calls through this and through the Lua script in Redis."""
+
+    def __init__(self, ttl_s: float = TTL_S):
+        self.ttl_s = ttl_s
+        self.held: dict[str, dict[str, tuple[int, float]]] = {}  # worker id → request id → (tokens, expiry)
+
+    def reserve(self, request_id: str, amounts: dict[str, tuple[int, int]], now: float) -> str | None:
+        """None when reserved on every worker, else the first worker id (sorted) without room."""
+        workers = sorted(amounts)
+        for worker_id in workers:
+            tokens, capacity = amounts[worker_id]
+            entries = self.held.setdefault(worker_id, {})
+            for expired in [r for r, (_, expiry) in entries.items() if expiry < now]:
+                del entries[expired]
+            if sum(t for r, (t, _) in entries.items() if r != request_id) + tokens > capacity:
+                return worker_id
+        for worker_id in workers:
+            self.held[worker_id][request_id] = (amounts[worker_id][0], now + self.ttl_s)
+        return None
+
+    def release(self, worker_id: str, request_ids) -> None:
+        entries = self.held.get(worker_id, {})
+        for request_id in request_ids:
+            entries.pop(request_id, None)
+
+    def release_request(self, request_id: str, worker_ids) -> None:
+        for worker_id in worker_ids:
+            self.release(worker_id, [request_id])
+
+    def holds(self, worker_id: str, now: float) -> int:
+        """KV tokens reserved on a worker, unexpired."""
+        return sum(t for t, expiry in self.held.get(worker_id, {}).values() if expiry >= now)

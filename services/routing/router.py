@@ -34,13 +34,12 @@ from common.policy.routing import RoutePlan, RouteSummary, RoutingConfig
 from common.telemetry.tracing import Tracing
 from common.workers import WorkerSnapshot
 from services.failure import Reason
-from services.routing.book import NoRoute, RouteBook, SloRouting, largest_decoder_cache
+from services.routing.book import REFRESH, NoRoute, RouteBook, SloRouting, largest_decoder_cache
 from services.routing.registry import RedisRegistry
 from services.routing.reservations import Reservations, needs
 
 __all__ = ["NoRoute", "REFRESH_S", "Router", "SloRouting", "largest_decoder_cache"]
 
-MAX_RESERVE_ATTEMPTS = 4  # plans tried when workers have no KV room left
 REFRESH_S = 0.05  # the registry snapshot is read this often while routes are being made
 IDLE_AFTER_S = 2.0  # no route for this long: the snapshot is refreshed every idle_refresh_s
 AHEAD_WAIT_S = 0.05  # a reservation made ahead waits at most this long for its stage call to be written
@@ -145,39 +144,29 @@ class Router:
                 await asyncio.wait_for(self._routing.wait(), self.idle_refresh_s)
 
     async def route(self, summary: RouteSummary) -> RoutePlan:
-        """The request's plan, its KV reserved on the chosen workers; raises NoRoute."""
+        """The request's plan, its KV reserved on the chosen workers; raises NoRoute (`RouteBook.steps`)."""
         self._last_route = time.monotonic()
         self._routing.set()
         await self.workers()
-        self.book.check_fits(summary)
-        full_workers: set[str] = set()
-        plan, full = None, None
-        for _ in range(MAX_RESERVE_ATTEMPTS):
-            plan = self.book.plan(summary)
-            if plan is None and not full_workers:  # maybe workers registered (elsewhere) since the last refresh
-                await self.refresh()
-                plan = self.book.plan(summary)
-            if plan is None and full_workers:
-                break
-            if plan is None:
-                raise NoRoute(self.book.why_no_route(summary), Reason.NO_WORKER)
-            amounts = needs(plan, summary, self.routing.reserved_output_tokens)
-            try:
-                full = (
-                    None if self.reservations is None else await self.reservations.reserve(summary.request_id, amounts)
-                )
-            except asyncio.CancelledError:  # its client left: the script may have run in Redis all the same
-                self._reserve_noted(summary.request_id, tuple(amounts))
-                self.forget(summary.request_id)
-                raise
-            if full is None:
-                if self.reservations is not None:
-                    self._reserve_noted(summary.request_id, tuple(amounts))
-                break
-            full_workers.add(full)
-            summary = dataclasses.replace(summary, exclude=summary.exclude | {full})  # no room there: route around it
-        if plan is None or full is not None:
-            raise NoRoute("no worker has KV room for this request now (all reserved); retry later", Reason.NO_ROOM)
+        steps = self.book.steps(summary, self.routing.reserved_output_tokens, self.reservations is not None)
+        reply = None
+        try:
+            while True:
+                ask = steps.send(reply)
+                if ask == REFRESH:  # maybe workers registered (elsewhere) since the last refresh
+                    await self.refresh()
+                    reply = None
+                    continue
+                try:
+                    reply = await self.reservations.reserve(summary.request_id, ask)
+                except asyncio.CancelledError:  # its client left: the script may have run in Redis all the same
+                    self._reserve_noted(summary.request_id, tuple(ask))
+                    self.forget(summary.request_id)
+                    raise
+        except StopIteration as done:
+            plan, summary, amounts = done.value
+        if amounts is not None:
+            self._reserve_noted(summary.request_id, tuple(amounts))
         self.book.chosen(plan, summary, time.time())
         return plan
 

@@ -1,6 +1,7 @@
 """The simulator (`sim/`): a request's times are the latency profile's, as the emulated engine would take them; the
 routing is the live router's; the goodput command writes the benchmark's report."""
 
+import dataclasses
 import json
 import types
 from pathlib import Path
@@ -94,6 +95,35 @@ def test_a_burst_spreads_over_the_workers_before_any_heartbeat_reports_it(emulat
     loop.run(until=lambda: mesh.unfinished == 0)
     assert [w.iterations > 0 for w in mesh.workers.values()] == [True, True]
     assert sum(w.engine.scheduler.kv.num_queried_tokens > 0 for w in mesh.workers.values()) == 2
+
+
+def test_a_burst_past_the_decoders_kv_waits_at_the_gateway_for_room_and_every_request_completes(emulated_dir):
+    """EP1+D1 with 2,048 tokens of KV each, twelve ~650-token requests at once: the router reserves each route's KV
+    on the decoder against what it last reported free (the Redis script's rule, `Ledger`), the rest wait at the
+    gateway and route as room comes — in waves, none failed — and every reservation ends."""
+    setup = setup_of(emulated_dir, "EP1+D1", "--kv-cache-gib", "1")
+    loop = Loop()
+    mesh = setup.mesh(loop)
+    timelines = [mesh.submit(0.001 * i, p) for i, p in enumerate(prompts_of(setup, 12))]
+    loop.run(until=lambda: mesh.unfinished == 0)
+    assert all(t.error == "" and len(t.token_times) == 32 for t in timelines)
+    ttfts = sorted(t.token_times[0] - t.arrival for t in timelines)
+    assert mesh.waited > 0 and ttfts[0] < 0.5 < 2.0 < ttfts[-1]  # the last waited for two waves to finish
+    assert all(mesh.reservations.holds(w, float("-inf")) == 0 for w in mesh.workers)
+
+
+def test_a_request_its_only_decoder_hands_back_goes_on_there(emulated_dir):
+    """Answers that outgrow the one decoder's KV: it preempts them and, their images elsewhere, hands them back;
+    the gateway routes each again anywhere with room — that decoder too (a hand-back is not its failure) — and
+    every request gets all its tokens."""
+    setup = setup_of(emulated_dir, "EP1+D1", "--kv-cache-gib", "1")
+    loop = Loop()
+    mesh = setup.mesh(loop)
+    prompts = [dataclasses.replace(p, max_tokens=700) for p in prompts_of(setup, 4)]
+    timelines = [mesh.submit(0.001 * i, p) for i, p in enumerate(prompts)]
+    loop.run(until=lambda: mesh.unfinished == 0)
+    assert mesh.workers["d-0"].engine.stats().num_preemptions > 0
+    assert [(t.error, len(t.token_times)) for t in timelines] == [("", 700)] * 4
 
 
 def test_sim_goodput_writes_the_benchmarks_report_and_plot(emulated_dir, tmp_path):
