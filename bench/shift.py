@@ -14,6 +14,11 @@ the P90 of its gaps ≤ --slo-tbt-ms; a failed request does not. Reported per co
 whole run and per phase, the attainment of the requests sent in each `--window`, failures, and every `--window` the
 role sets its registry shows (and the planner's decisions, when it runs). `--time-scale` and `{profile}` as in
 `epdmesh bench goodput`. Writes JSON and a PNG: arrival rate, attainment per window and the role counts over time.
+
+`--backend sim` replays the same arrivals and bodies in the simulator (`sim/`: the emulated engine on `--profile`,
+simulated time, the gateway's router, reservations and planner; docs/simulator.md) instead of a launched mesh: seconds
+instead of the run's length. There `--time-scale K` shortens only the control plane's intervals K-fold, as they are
+on an emulated mesh at time ×K (to compare with one); the model's time is the hardware's.
 """
 
 from __future__ import annotations
@@ -172,6 +177,42 @@ def run_config(base: str, model: str, phases, args) -> dict:
     return out
 
 
+def simulate_config(serve_args: list[str], phases, args) -> dict:
+    """`run_config` in the simulator: the same sends and bodies on a simulated mesh, the role sets its registry
+    holds sampled every window, the planner's switches as it made them."""
+    from sim.build import Setup
+    from sim.events import Loop
+    from sim.goodput import result_of
+
+    setup = Setup.of(serve_args)
+    sends = schedule(phases, args.rates, args.seed)
+    prompts = [setup.prompt(body) for body in bodies_for(phases, sends, setup.model, args.seed)]
+    loop = Loop()
+    mesh = setup.mesh(loop, control_scale=args.time_scale, planner_phase=args.planner_phase)
+    timelines = [mesh.submit(t, prompt) for (t, _), prompt in zip(sends, prompts)]
+    samples: list[dict] = []
+
+    def sample() -> None:
+        roles = collections.Counter(w.info.role_label for w in mesh.workers.values() if not w.away)
+        samples.append({"t": round(loop.now, 3), "roles": dict(sorted(roles.items()))})
+        if mesh.unfinished:
+            loop.after(args.window, sample)
+
+    loop.at(0.0, sample)
+    start = time.perf_counter()
+    loop.run(until=lambda: mesh.unfinished == 0)
+    results = [result_of(t) for t in timelines]
+    out = summarize(phases, sends, results, args.window, args.slo_ttft_ms, args.slo_tbt_ms)
+    out["duration_s"] = max((t.token_times[-1] for t in timelines if t.token_times), default=loop.now)
+    out["sim_wall_s"] = time.perf_counter() - start
+    out["roles"] = samples
+    out["planner"] = [
+        {"at_s": round(at, 3), "action": "switch", "worker_id": w, "from": a, "to": b, "handed_back": n}
+        for at, w, a, b, n in mesh.switches
+    ]
+    return out
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         prog="epdmesh bench shift", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -184,11 +225,23 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--window", type=float, default=5.0, help="seconds (the hardware's time) per attainment window")
     p.add_argument("--slo-ttft-ms", type=float, default=1000.0)
     p.add_argument("--slo-tbt-ms", type=float, default=100.0)
-    p.add_argument("--backend", default="torch", choices=["torch", "emulated"])
+    p.add_argument(
+        "--backend",
+        default="torch",
+        choices=["torch", "emulated", "sim"],
+        help="sim: the simulator, the emulated engine on --profile, instead of a launched mesh",
+    )
     p.add_argument(
         "--profile", default="H20", type=profile_spec, help="emulated backend: the latency profile the workers run"
     )
     p.add_argument("--time-scale", type=float, default=1.0)
+    p.add_argument(
+        "--planner-phase",
+        type=float,
+        default=0.0,
+        help="sim: the planner's first step this fraction of its interval early, in [0, 1) (where its steps fall "
+        "against the load's shifts is chance on a mesh; run several to see the spread)",
+    )
     p.add_argument("--model", help="checkpoint directory for launched meshes (default: serve's)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--pause", type=float, default=2.0, help="seconds between configurations")
@@ -202,10 +255,12 @@ def parse_args(argv=None) -> argparse.Namespace:
         args.rates = parse_rate(args.rate)
     except ValueError as e:
         p.error(str(e))
+    if not 0 <= args.planner_phase < 1 or (args.planner_phase and args.backend != "sim"):
+        p.error("--planner-phase takes a fraction in [0, 1), with --backend sim")
     if args.window <= 0:
         p.error("--window must be positive")
-    if args.time_scale != 1 and args.backend != "emulated":
-        p.error("--time-scale applies to meshes launched with --backend emulated")
+    if args.time_scale != 1 and args.backend == "torch":
+        p.error("--time-scale applies to --backend emulated (and sim: its control plane)")
     return args
 
 
@@ -216,10 +271,14 @@ def main(argv=None) -> int:
     logging.getLogger("httpx").setLevel(logging.WARNING)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
+    scaled_by = f", time ×{args.time_scale:g}" if args.time_scale != 1 else ""
     report = {
         "backend": (
-            f"emulated: {Path(args.profile).stem}" + (f", time ×{args.time_scale:g}" if args.time_scale != 1 else "")
+            f"emulated: {Path(args.profile).stem}{scaled_by}"
             if args.backend == "emulated"
+            else f"simulated: emulated engine on {Path(args.profile).stem}, simulated time"
+            + (f", control plane as at time ×{args.time_scale:g}" if args.time_scale != 1 else "")
+            if args.backend == "sim"
             else "real engine (torch CPU)"
         ),
         "phases": [{"shape": n, "seconds": s} for n, s in args.phases],
@@ -229,27 +288,34 @@ def main(argv=None) -> int:
         "slo_tbt_ms": args.slo_tbt_ms,
         "time_scale": args.time_scale,
         "seed": args.seed,
+        **({"planner_phase": args.planner_phase} if args.backend == "sim" else {}),
         "serve_args": {},
         "configs": {},
     }
     with tempfile.TemporaryDirectory(prefix="epdmesh-shift-") as tmp:
         profile = None
-        if args.backend == "emulated" or any("{profile}" in c for c in args.config):
+        simulated = args.backend == "sim"
+        # the simulator's model time is the hardware's: neither the profile nor the SLOs are scaled there
+        launch = argparse.Namespace(**{**vars(args), "backend": "emulated", "time_scale": 1.0}) if simulated else args
+        if launch.backend == "emulated" or any("{profile}" in c for c in args.config):
             from common.latency import scaled
             from common.latency.roofline import load_profile
 
             profile = Path(tmp) / "profile.json"
-            scaled(load_profile(args.profile), args.time_scale).save(profile)
+            scaled(load_profile(args.profile), launch.time_scale).save(profile)
         for k, spec in enumerate(args.config):
             name, _, config_args = spec.partition("=")
-            serve_args = serve_args_of(config_args, args, profile)
+            serve_args = serve_args_of(config_args, launch, profile)
             report["serve_args"][name] = serve_args
             print(f"{name}: epdmesh serve {' '.join(serve_args)}", file=sys.stderr, flush=True)
-            with launched(serve_args, log_path(out, name)) as (base, model):
-                report["configs"][name] = result = run_config(base, model, args.phases, args)
+            if simulated:
+                report["configs"][name] = result = simulate_config(serve_args, args.phases, args)
+            else:
+                with launched(serve_args, log_path(out, name)) as (base, model):
+                    report["configs"][name] = result = run_config(base, model, args.phases, args)
             print_row(name, result)
             out.write_text(json.dumps(report, indent=2) + "\n")  # partial results survive a later failure
-            if k + 1 < len(args.config):
+            if k + 1 < len(args.config) and not simulated:
                 time.sleep(args.pause)
     plot(report, out.with_suffix(".png"))
     print(f"wrote {out} and {out.with_suffix('.png')}", file=sys.stderr)

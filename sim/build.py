@@ -52,7 +52,7 @@ class Setup:
     def model(self) -> str:
         return self.args.served_model_name
 
-    def mesh(self, loop: Loop, control_scale: float = 1.0) -> SimMesh:
+    def mesh(self, loop: Loop, control_scale: float = 1.0, planner_phase: float = 0.0) -> SimMesh:
         args = self.args
         routing, slo = routing_policy(args)
         workers = []
@@ -83,7 +83,9 @@ class Setup:
                 workers.append(SimWorker(loop, info, engine, deliver=None))
         book = RouteBook(routing, slo, reports_delivery=True)  # as the gateway's router
         planning = self.planning(control_scale) if args.planner else None
-        return SimMesh(loop, workers, book, self.model_config.image_tokens_per_image, control_scale, planning)
+        return SimMesh(
+            loop, workers, book, self.model_config.image_tokens_per_image, control_scale, planning, planner_phase
+        )
 
     def planning(self, control_scale: float) -> Planning:
         """The gateway's planner as `serve --planner` makes it (`epdmesh/cli.py`), its intervals on simulated time."""

@@ -130,7 +130,7 @@ def run_point(setup: Setup, prompts, times: list[float], rate: float, args, bar=
 
     loop.run(until=finished)
     wall = time.perf_counter() - start
-    results = [_result(t) for t in timelines]
+    results = [result_of(t) for t in timelines]
     duration = max((t.token_times[-1] for t in timelines if t.token_times), default=loop.now)
     point = summarize(results, duration, rate, args.slo_ttft_ms, args.slo_tbt_ms)
     paths: dict[str, int] = {}
@@ -152,7 +152,8 @@ def run_point(setup: Setup, prompts, times: list[float], rate: float, args, bar=
     return point
 
 
-def _result(t) -> Result:
+def result_of(t) -> Result:
+    """A simulated request's timeline as the benchmark's client would have measured it."""
     if t.error or not t.token_times:
         return Result(False, error=t.error or "no tokens")
     times = t.token_times

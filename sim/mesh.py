@@ -116,10 +116,13 @@ class SimMesh:
         image_tokens: int,
         control_scale: float = 1.0,
         planning: Planning | None = None,
+        planner_phase: float = 0.0,
     ):
         """`control_scale` K: heartbeats, the router's snapshot refresh and the planner's interval, grace and settle
         time K× shorter in the hardware's time than a deployment's, as on an emulated mesh run at time ×K (whose
-        host keeps its own pace while the model's time slows K-fold); 1: a deployment's."""
+        host keeps its own pace while the model's time slows K-fold); 1: a deployment's. `planner_phase` φ in [0, 1):
+        the planner's first step comes φ of an interval early (a gateway's planner steps on its own clock, started
+        before the load: where its steps fall against the load's shifts is chance)."""
         self.loop, self.book, self.image_tokens = loop, book, image_tokens
         self.heartbeat_s, self.refresh_s = HEARTBEAT_INTERVAL_S / control_scale, REFRESH_S / control_scale
         self.settle_s = SETTLE_S / control_scale
@@ -140,7 +143,7 @@ class SimMesh:
         # those went on from their pages
         self.handed_with_kv = self.resumed = 0
         if planning is not None:
-            loop.after(planning.interval_s, self._plan)
+            loop.after(planning.interval_s * (1 - planner_phase), self._plan)
         self.workers = {w.worker_id: w for w in workers}
         for w in workers:
             w.deliver = self._delivered

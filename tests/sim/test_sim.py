@@ -177,3 +177,30 @@ def test_the_planner_switches_a_toggles_workers_with_the_load_and_their_decodes_
     handed = sum(n for *_, n in mesh.switches)  # (those not decoding yet are handed back without KV, and prefill again)
     assert 0 < mesh.handed_with_kv <= handed and mesh.resumed == mesh.handed_with_kv  # each went on from its pages
     assert {d.action for _, d in mesh.decisions} >= {"switch", "hold"}
+
+
+def test_bench_shift_replays_its_load_in_the_simulator_with_the_planners_switches(emulated_dir, tmp_path):
+    """`epdmesh bench shift --backend sim`: the benchmark's own sends and bodies on a simulated mesh — attainment per
+    phase and window, the role sets sampled every window, the planner's switches — and the plot."""
+    from bench.shift import main as shift
+
+    out = tmp_path / "shift.json"
+    tuned = "--routing slo --latency-profile {profile} --max-num-seqs 256"
+    planner = "--planner --planner-interval 1 --planner-max-switches 1 --planner-grace 0.2"
+    args = [
+        "--backend", "sim", "--model", str(emulated_dir), "--rate", "20", "--window", "2", "--time-scale", "5",
+        "--workload", "detail@8,document@8", "--planner-phase", "0.5",
+        "--config", f"EP3+EPD1 planner=--topology EP3+EPD1 {tuned} {planner}",
+        "--config", f"EP3+EPD1=--topology EP3+EPD1 {tuned}",
+        "--out", str(out),
+    ]  # fmt: skip
+    assert shift(args) == 0
+    report = json.loads(out.read_text())
+    assert report["backend"].startswith("simulated") and report["planner_phase"] == 0.5
+    moved, still = report["configs"]["EP3+EPD1 planner"], report["configs"]["EP3+EPD1"]
+    assert moved["requests"] == still["requests"] > 150 and moved["failed"] == still["failed"] == 0
+    assert [p["shape"] for p in moved["by_phase"]] == ["detail", "document"]
+    assert moved["planner"] and {s["to"] for s in moved["planner"]} <= {"EP", "EPD"} and not still["planner"]
+    assert len({tuple(s["roles"].items()) for s in moved["roles"]}) > 1  # the samples saw the role sets change
+    assert {tuple(s["roles"].items()) for s in still["roles"]} == {(("EP", 3), ("EPD", 1))}
+    assert out.with_suffix(".png").stat().st_size > 10_000
