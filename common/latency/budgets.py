@@ -12,7 +12,7 @@ import collections
 import dataclasses
 from collections.abc import Callable
 
-from common.latency.model import LatencyProfile, decode_ms, encode_ms, iteration_ms, prefill_chunk_ms
+from common.latency.model import LatencyProfile, decode_ms, encode_ms, iteration_ms, mixed_cost, prefill_chunk_ms
 
 ALPHA = 0.5
 # what a decode-only iteration costs where decoders put a joining request's first decode in one (`join_first`):
@@ -113,14 +113,24 @@ class Overrun:
 
 def largest_within(time_of: Callable[[int], float], limit_ms: float, upper: int, guess: int | None = None) -> int:
     """Largest x in [1, upper] with time_of(x) <= limit_ms (time_of non-decreasing); 0 if none. `guess`: where the
-    answer is likely to be (a closed form's); two calls confirm it, else the binary search decides."""
-    guess = None if guess is None else min(guess, upper)
-    if guess is not None and guess >= 1 and time_of(guess) <= limit_ms:
-        if guess == upper or time_of(guess + 1) > limit_ms:
-            return guess
-    if time_of(1) > limit_ms:
+    answer is likely to be (a closed form's): steps of 1, 2, 4, … from it bracket the answer, which a binary search
+    then finds (two calls when the guess is it); without one, the binary search over [1, upper] decides."""
+    lo, hi = 1, upper  # the answer, once time_of(1) fits, lies in [lo, hi]
+    if guess is not None and 1 <= min(guess, upper):
+        guess = min(guess, upper)
+        step = 1
+        if time_of(guess) <= limit_ms:
+            lo = guess
+            while lo + step <= upper and time_of(lo + step) <= limit_ms:
+                lo, step = lo + step, 2 * step
+            hi = min(lo + step - 1, upper)
+        else:
+            hi = guess - 1
+            while hi - step >= 1 and time_of(hi - step + 1) > limit_ms:
+                hi, step = hi - step, 2 * step
+            lo = max(hi - step + 1, 1)
+    if lo == 1 and time_of(1) > limit_ms:
         return 0
-    lo, hi = 1, upper
     while lo < hi:
         mid = (lo + hi + 1) // 2
         if time_of(mid) <= limit_ms:
@@ -133,15 +143,28 @@ def largest_within(time_of: Callable[[int], float], limit_ms: float, upper: int,
 def _chunk_guess(profile: LatencyProfile, decodes: int, context: int, chunk_context: int, limit_ms: float) -> int:
     """The chunk `IterationTime.tokens_beside` finds, solved from `iteration_ms`'s form: with d decodes, t prompt
     tokens after c of their prompt, the time is overhead + decode KV reads + c·t + t²/2 attention terms + the larger
-    of the weights' floor and the compute of d + t tokens — the larger of two quadratics in t, each ≤ the limit."""
-    pre = profile.prefill
-    fixed = pre.overhead_ms + profile.decode.quadratic_ms * context
-    a, b = pre.quadratic_ms / 2, pre.quadratic_ms * chunk_context
-    roots = (
-        _root(a, b, fixed + pre.floor_ms - limit_ms),
-        _root(a, b + pre.per_unit_ms, fixed + pre.per_unit_ms * (decodes + pre.half_units) - limit_ms),
+    of the weights' floor and the compute of d + t rows — the larger of two quadratics in t, each ≤ the limit, with
+    the rows' curve (`mixed_cost`, which depends on t) taken at t = 1, then refined by Newton's steps."""
+    a, b = profile.prefill.quadratic_ms / 2, profile.prefill.quadratic_ms * chunk_context
+    reads = profile.decode.quadratic_ms * context
+
+    def over(t: float) -> float:  # the time of t tokens beside the decodes, less the limit (t may be fractional)
+        curve = mixed_cost(profile, decodes, 1) if t < 1 else mixed_cost(profile, decodes, t)
+        return curve.base_ms(decodes + t) + reads + a * t * t + b * t - limit_ms
+
+    curve = mixed_cost(profile, decodes, 1)
+    fixed = curve.overhead_ms + reads
+    best = min(
+        _root(a, b, fixed + curve.floor_ms - limit_ms),
+        _root(a, b + curve.per_unit_ms, fixed + curve.per_unit_ms * (decodes + curve.half_units) - limit_ms),
     )
-    best = min(roots)
+    if decodes > 0 and 1 <= best < 1 << 31:  # the curve at t = 1 undercharges larger t: Newton's steps from there
+        for _ in range(4):
+            now = over(best)
+            slope = over(best + 1) - now
+            if abs(now) < 1e-9 or slope <= 0:
+                break
+            best -= now / slope
     return int(best) if 1 <= best < 1 << 31 else 1
 
 

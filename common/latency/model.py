@@ -109,6 +109,19 @@ def decode_ms(p: LatencyProfile, batch: int, context_tokens: int) -> float:
     return p.decode.base_ms(batch) + p.decode.quadratic_ms * context_tokens
 
 
+def mixed_cost(p: LatencyProfile, decodes: int, tokens: float) -> StageCost:
+    """The cost curve of one forward over `decodes` decode rows and `tokens` prompt rows: the prefill's curve over
+    all the rows, its roll-off at small sizes (`half_units`) the two stages' weighted by their shares of the rows.
+    A batch of one kind costs what its stage's curve says; a few prompt tokens beside many decodes cost about what
+    those rows add to a decode batch — not a whole prompt's roll-off (the prefill's `half_units`, calibrated on
+    whole prompts, would charge a 1-token chunk ~30 ms on H20), which is what makes chunked prefill pay
+    (Sarathi-Serve)."""
+    if decodes <= 0 or tokens <= 0:
+        return p.prefill if tokens > 0 else p.decode
+    half = (decodes * p.decode.half_units + tokens * p.prefill.half_units) / (decodes + tokens)
+    return dataclasses.replace(p.prefill, half_units=half)
+
+
 def iteration_ms(
     p: LatencyProfile,
     images: int = 0,
@@ -118,13 +131,13 @@ def iteration_ms(
 ) -> float:
     """One engine iteration: `images` through the vision tower, then one forward over `decodes` sequences
     (holding `decode_context` KV tokens) and the prefill `chunks` (tokens, context before the chunk)
-    flattened together — a mixed batch costs what its token count costs a prefill, plus each chunk's
-    attention and the decodes' KV reads."""
+    flattened together — a mixed batch costs what its rows cost on the blend of the two stages' curves
+    (`mixed_cost`), plus each chunk's attention and the decodes' KV reads."""
     total = encode_ms(p, images)
     prefill_tokens = sum(n for n, _ in chunks)
     if prefill_tokens:
         total += (
-            p.prefill.base_ms(decodes + prefill_tokens)
+            mixed_cost(p, decodes, prefill_tokens).base_ms(decodes + prefill_tokens)
             + p.decode.quadratic_ms * decode_context
             + sum(p.prefill.quadratic_ms * n * (c + n / 2) for n, c in chunks)
         )

@@ -194,6 +194,7 @@ def test_shipped_profiles_are_what_the_roofline_gives():
 
 def test_iteration_time_composes_the_stages_and_scaling_dilates_every_time():
     from common.latency import iteration_ms, scaled
+    from common.latency.model import mixed_cost
 
     p = analytic_profile("H20")
     assert iteration_ms(p) == 0.0
@@ -204,7 +205,7 @@ def test_iteration_time_composes_the_stages_and_scaling_dilates_every_time():
     mixed = iteration_ms(p, images=1, decodes=4, decode_context=2000, chunks=[(300, 0), (200, 100)])
     assert mixed == pytest.approx(
         encode_ms(p, 1)
-        + p.prefill.base_ms(504)
+        + mixed_cost(p, 4, 500).base_ms(504)
         + p.decode.quadratic_ms * 2000
         + p.prefill.quadratic_ms * (300 * 150 + 200 * 200)
     )
@@ -307,3 +308,21 @@ def test_the_overrun_is_a_high_quantile_of_recent_differences_and_never_negative
     assert time.tokens_beside(0, 0, 1 << 15, overrun_ms=500) == IterationTime(profile(), 25.0).tokens_beside(
         0, 0, 1 << 15
     )
+
+
+def test_a_few_prompt_tokens_beside_decodes_cost_about_their_rows_and_a_batch_of_one_kind_its_curve():
+    """The mixed batch's curve blends the two stages' by their shares of the rows: beside 50 decodes one prompt token
+    adds well under a millisecond (the prefill curve alone would charge a whole prompt's roll-off, ~25 ms more on
+    H20); with no decodes, or no prompt tokens, each stage's curve is what it was; more tokens never cost less."""
+    from common.latency import iteration_ms
+    from common.latency.model import mixed_cost
+
+    p = analytic_profile("H20")
+    decodes = iteration_ms(p, decodes=50, decode_context=50_000)
+    one = iteration_ms(p, decodes=50, decode_context=50_000, chunks=[(1, 0)])
+    assert 0 < one - decodes < 1.0 < p.prefill.base_ms(51) - p.decode.base_ms(50) - 20
+    assert mixed_cost(p, 0, 300) == p.prefill and mixed_cost(p, 8, 0) == p.decode
+    times = [iteration_ms(p, decodes=50, decode_context=50_000, chunks=[(t, 0)]) for t in range(0, 3000, 7)]
+    assert times == sorted(times)
+    whole = iteration_ms(p, chunks=[(2048, 0)])  # a whole prompt: beside it 50 decodes cost about their rows
+    assert whole < iteration_ms(p, decodes=50, chunks=[(2048, 0)]) < whole + 50 * p.prefill.per_unit_ms + 1
