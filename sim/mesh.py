@@ -359,7 +359,7 @@ class SimMesh:
     def _encode(self, flight: _Flight) -> None:
         encoder = self.workers[flight.plan.encoder.worker_id]
         request = _staged(flight.current, Stage.ENCODE, Stage.ENCODE, self.loop.now)
-        self._sent(request, encoder)
+        self._sent(flight.current, encoder)
         self._add(flight, encoder, request)
 
     def _add(self, flight: _Flight, worker: SimWorker, request: Request) -> None:
@@ -375,7 +375,7 @@ class SimMesh:
 
     def _delivered(self, worker: SimWorker, outputs: list[RequestOutput]) -> None:
         for out in outputs:
-            flight = self.flights.get(out.request_id)
+            flight = self.flights.get(_route_id(out.request_id))
             if flight is None:  # it ended meanwhile: its pages go back
                 worker.engine.pages.release(out.request_id)
                 continue
@@ -388,12 +388,13 @@ class SimMesh:
 
     def _encoded(self, flight: _Flight, encoder: SimWorker) -> None:
         if flight.waiting_images is None:  # the stage started without them (its cache held their KV)
-            encoder.engine.pages.release(flight.current.request_id)
+            encoder.engine.pages.release(_stage_id(flight.current.request_id, Stage.ENCODE))
             encoder.kick()
             return
         target, staged = flight.waiting_images
         flight.waiting_images = None
-        self._pull(flight, encoder, target, staged, "image", self.loop.now, 0.005)
+        source_id = _stage_id(flight.current.request_id, Stage.ENCODE)
+        self._pull(flight, encoder, target, staged, "image", self.loop.now, 0.005, source_id)
 
     def _tokens(self, flight: _Flight, worker: SimWorker, out: RequestOutput) -> None:
         now, timeline = self.loop.now, flight.timeline
@@ -401,7 +402,7 @@ class SimMesh:
         flight.emitted += out.new_token_ids
         if not timeline.cached_tokens:
             timeline.cached_tokens = out.num_cached_tokens
-        self.book.prefilled(out.request_id)  # its first token came: nothing of it is queued to prefill
+        self.book.prefilled(flight.current.request_id)  # its first token came: nothing of it is queued to prefill
         if out.finished:
             self._end(flight)
             if self.planning is not None:
@@ -416,15 +417,13 @@ class SimMesh:
             decoder = self.workers[flight.plan.decoder.worker_id]
             request = _staged(flight.current, Stage.DECODE, Stage.DECODE, now, out.output_token_ids)
             self._sent(request, decoder)
-            self._pull(flight, worker, decoder, request, "kv", now, 0.005)
+            self._pull(flight, worker, decoder, request, "kv", now, 0.005, out.request_id)
 
     def _pull(
-        self, flight, source: SimWorker, dest: SimWorker, request: Request, kind: str, since: float, delay, source_id=""
+        self, flight, source: SimWorker, dest: SimWorker, request: Request, kind: str, since: float, delay, source_id
     ):
         """Blocks reserved at `dest` for the pages (waiting for room as a worker does), then the transfer's time,
-        then the request goes on there; the source frees its copy (held under `source_id`, by default the request's
-        own id)."""
-        source_id = source_id or request.request_id
+        then the request goes on there; the source frees its copy (held under its engine id there, `source_id`)."""
         if _refuses(dest, request):  # it left the mesh, or came back with other roles: the pages are let go of
             source.engine.pages.release(source_id)
             source.kick()
@@ -516,11 +515,21 @@ def _refuses(worker: SimWorker, request: Request) -> bool:
     return worker.away or not needs <= worker.info.roles
 
 
+def _stage_id(request_id: str, last: Stage) -> str:
+    """The engine request id of a stage on its worker, as the stage's servicer names it (`X@encode`, `X@prefill`,
+    `X@decode`): two stages of one request on one worker (its encode beside its decode) stay apart."""
+    return f"{request_id}@{last.name.lower()}"
+
+
+def _route_id(engine_request_id: str) -> str:
+    return engine_request_id.split("@", 1)[0]
+
+
 def _staged(request: Request, first: Stage, last: Stage, now: float, output: list[int] = ()) -> Request:
     """The engine request one stage of `request` runs as on its worker (a fresh one per worker, as a stage call's
     spec makes it there: nothing of another worker's blocks), arriving there `now` (simulated time)."""
     return Request(
-        request.request_id,
+        _stage_id(request.request_id, last),
         request.prompt_token_ids,
         request.sampling,
         request.images,
