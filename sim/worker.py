@@ -59,14 +59,13 @@ class SimWorker:
 
     def _begin(self) -> None:
         plan, handed_back = self.engine.begin_step()
-        if handed_back:
+        if plan is not None:  # (else nothing can run now, no KV room: a new request or freed pages kick it again)
+            sampling, tokens = self.engine.execute_step(plan)
+            ms = self.engine.predicted_ms
+            self.started = self.loop.now
+            self.loop.after(ms / 1e3, self._end, plan, sampling, tokens, ms)
+        if handed_back:  # after the step is under way: what their routes send here waits for the next one
             self.deliver(self, handed_back)
-        if plan is None:  # nothing can run now (no KV room): a new request or freed pages kick it again
-            return
-        sampling, tokens = self.engine.execute_step(plan)
-        ms = self.engine.predicted_ms
-        self.started = self.loop.now
-        self.loop.after(ms / 1e3, self._end, plan, sampling, tokens, ms)
 
     def _end(self, plan, sampling, tokens, ms: float) -> None:
         outputs = self.engine.end_step(plan, sampling, tokens, ms)

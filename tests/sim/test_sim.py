@@ -126,6 +126,41 @@ def test_a_request_its_only_decoder_hands_back_goes_on_there(emulated_dir):
     assert [(t.error, len(t.token_times)) for t in timelines] == [("", 700)] * 4
 
 
+def test_a_request_handed_back_as_a_step_begins_joins_the_next_step_of_the_worker_it_goes_back_to():
+    """A worker's step hands a request back as it is planned (its decoder preempted it) and the request's next route
+    sends work back to this worker at once (it is also the mesh's encoder): that work waits for the next step — a
+    second step begun meanwhile planned the same request twice (seen: its images encoded twice, a crash)."""
+    from sim.worker import SimWorker
+
+    class Engine:  # the engine's step interface, recording how many steps are under way when one begins
+        sleeps, clock, predicted_ms, has_unfinished = True, None, 10.0, True
+
+        def __init__(self):
+            self.under_way, self.seen, self.steps = 0, [], 0
+
+        def begin_step(self):
+            self.seen.append(self.under_way)
+            self.steps += 1
+            if self.steps > 3:
+                self.has_unfinished = False
+                return None, []
+            self.under_way += 1
+            return "plan", ["handed back"] if self.steps == 1 else []
+
+        def execute_step(self, plan):
+            return None, None
+
+        def end_step(self, plan, sampling, tokens, ms):
+            self.under_way -= 1
+            return []
+
+    engine, loop = Engine(), Loop()
+    worker = SimWorker(loop, types.SimpleNamespace(worker_id="ed-0"), engine, deliver=lambda w, outputs: w.kick())
+    worker.kick()
+    loop.run(until=lambda: not engine.has_unfinished)
+    assert engine.steps == 4 and engine.seen == [0, 0, 0, 0]  # one step at a time
+
+
 def test_sim_goodput_writes_the_benchmarks_report_and_plot(emulated_dir, tmp_path):
     out = tmp_path / "sim.json"
     assert (
