@@ -224,7 +224,7 @@ def test_bench_shift_replays_its_load_in_the_simulator_with_the_planners_switche
     planner = "--planner --planner-interval 1 --planner-max-switches 1 --planner-grace 0.2"
     args = [
         "--backend", "sim", "--model", str(emulated_dir), "--rate", "20", "--window", "2", "--time-scale", "5",
-        "--workload", "detail@8,document@8", "--planner-phase", "0.5",
+        "--workload", "detail@6,document@5", "--planner-phase", "0.5",
         "--config", f"EP3+EPD1 planner=--topology EP3+EPD1 {tuned} {planner}",
         "--config", f"EP3+EPD1=--topology EP3+EPD1 {tuned}",
         "--out", str(out),
