@@ -38,10 +38,9 @@ from common.policy.routing import PrefillPath, RoutePlan, RouteSummary
 from common.request import ImageInput, Request, SamplingParams, Stage
 from common.telemetry.metrics import slo_outcome
 from common.workers import HEARTBEAT_INTERVAL_S, WorkerSnapshot, registered_budgets
-from services.failure import Reason
 from services.gateway.mesh.failover import MAX_HAND_BACKS
 from services.gateway.mesh.migration import continuation, resumed
-from services.gateway.mesh.route_client import FAILOVER_POLL_S, FAILOVER_WAIT_S, ROOM_WAIT_S
+from services.gateway.mesh.route_client import FAILOVER_POLL_S, wait_for
 from services.routing.book import REFRESH, NoRoute, RouteBook
 from services.routing.reservations import TTL_S, Ledger
 from services.routing.router import REFRESH_S
@@ -128,8 +127,7 @@ class SimMesh:
         self.settle_s = SETTLE_S / control_scale
         # the gateway's and the workers' waits, on the host's clock: K× shorter in the hardware's time too
         self.poll_s, self.import_wait_s = FAILOVER_POLL_S / control_scale, IMPORT_WAIT_S / control_scale
-        self.waits = {Reason.NO_ROOM: ROOM_WAIT_S / control_scale}  # (`route_client.reroute`)
-        self.failover_wait_s = FAILOVER_WAIT_S / control_scale
+        self.control_scale = control_scale
         self.reservations = Ledger(TTL_S / control_scale)
         self.admitted: dict[str, set[str]] = {w.worker_id: set() for w in workers}  # since its last heartbeat
         self.waited = 0  # polls of requests waiting at the gateway for room or a worker
@@ -283,10 +281,8 @@ class SimMesh:
         except StopIteration as done:
             plan, summary, amounts = done.value
         except NoRoute as e:  # waited out as `route_client.reroute` does, else the client's error
-            wait_s = self.waits.get(e.reason)
-            if again and e.reason in (Reason.NO_WORKER, Reason.DOWN, Reason.AWAY):
-                wait_s = self.failover_wait_s
-            if wait_s is not None and now < since + wait_s:
+            wait_s = wait_for(e.reason, again)
+            if wait_s is not None and now < since + wait_s / self.control_scale:
                 self.waited += 1
                 self.loop.after(self.poll_s, self._route, flight, exclude, again, since)
                 return

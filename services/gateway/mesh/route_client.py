@@ -47,6 +47,16 @@ CAPACITY_REFRESH_S = 5.0
 HEALTHY_HEARTBEAT_AGE_S = RoutingConfig().max_heartbeat_age_s
 
 
+def wait_for(reason: Reason, under_way: bool) -> float | None:
+    """How long `RouteClient.reroute` waits out a route refused for `reason` (None: not at all, the client's error
+    at once): room always; a worker of a role none is left of only for a request that was under way."""
+    if reason == Reason.NO_ROOM:
+        return ROOM_WAIT_S
+    if under_way and reason in (Reason.NO_WORKER, Reason.DOWN, Reason.AWAY):
+        return FAILOVER_WAIT_S
+    return None
+
+
 @dataclasses.dataclass(slots=True)
 class Route:
     """One attempt's route: the plan, its KV reservation (None: made already, or none), and the router's record of
@@ -141,16 +151,13 @@ class RouteClient:
         `wait_for_worker` (a request that was under way), also wait up to FAILOVER_WAIT_S for a worker of a role
         none is left of. A new request in that case gets its 503 + Retry-After at once."""
         start, said, counted = time.monotonic(), False, False
-        waits_for = {Reason.NO_ROOM: ROOM_WAIT_S}
-        if wait_for_worker:
-            waits_for |= {Reason.NO_WORKER: FAILOVER_WAIT_S, Reason.DOWN: FAILOVER_WAIT_S, Reason.AWAY: FAILOVER_WAIT_S}
         waiting = self.metrics.waiting_for_room.labels(self.metrics.model) if self.metrics is not None else None
         try:
             while True:
                 try:
                     return await self.route(summary_of(), span, attempt)
                 except StageError as e:
-                    wait_s = waits_for.get(e.reason)
+                    wait_s = wait_for(e.reason, wait_for_worker)
                     if wait_s is None or time.monotonic() >= start + wait_s:
                         raise
                     if not said:  # once per request, not once per poll
