@@ -107,16 +107,13 @@ def resolve_model(args: argparse.Namespace) -> Path:
     if args.model:
         return Path(args.model)
     from common.model.tiny import CONFIG_ONLY_PRESETS
-    from epdmesh.checkpoints import make_model
+    from epdmesh.checkpoints import make_model, write_once
 
     home = Path(os.environ.get("EPDMESH_HOME", Path.home() / ".cache" / "epdmesh"))
     path = home / "bench-models" / args.preset
     config_only = args.preset in CONFIG_ONLY_PRESETS
-    if not (path / ("config.json" if config_only else "model.safetensors")).is_file():
-        tmp = path.with_name(path.name + ".partial")
-        make_model(tmp, args.preset, config_only=config_only)
-        tmp.rename(path)
-    return path
+    marker = "config.json" if config_only else "model.safetensors"
+    return write_once(path, marker, lambda tmp: make_model(tmp, args.preset, config_only=config_only))
 
 
 def load_models(model_dir: Path, dtype: torch.dtype, device: torch.device):

@@ -1,11 +1,13 @@
 """The checkpoints `epdmesh` creates when none is given: the default tiny model, and the config-only
-checkpoint an emulated profile's model needs. Written once into $EPDMESH_HOME (a `.partial` directory
-renamed when complete, so an interrupted write is never taken for a checkpoint)."""
+checkpoint an emulated profile's model needs. Written once into $EPDMESH_HOME (a `.partial` directory of this
+process's own, renamed when complete, so an interrupted write is never taken for a checkpoint and two processes
+writing the same one at once both end with it)."""
 
 from __future__ import annotations
 
 import logging
 import os
+import shutil
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -35,11 +37,19 @@ def make_model(out_dir: Path, preset: str = "tiny", seed: int = 0, config_only: 
     return out_dir
 
 
-def _write_once(path: Path, marker: str, write: Callable[[Path], object]) -> Path:
+def write_once(path: Path, marker: str, write: Callable[[Path], object]) -> Path:
+    """path, written by `write` into a directory of this process's own and renamed into place, unless `path /
+    marker` is there already. Another process that wrote it first wins; this one's copy is removed."""
     if not (path / marker).is_file():
-        tmp = path.with_name(path.name + ".partial")
+        tmp = path.with_name(f"{path.name}.{os.getpid()}.partial")
+        shutil.rmtree(tmp, ignore_errors=True)  # a write of an earlier process of this pid that was interrupted
         write(tmp)
-        tmp.rename(path)
+        try:
+            tmp.rename(path)
+        except OSError:
+            if not (path / marker).is_file():
+                raise
+            shutil.rmtree(tmp, ignore_errors=True)  # the other's copy is in place
     return path
 
 
@@ -47,7 +57,7 @@ def ensure_default_model() -> Path:
     path = default_model_dir()
     if not (path / "model.safetensors").is_file():
         log.info("no model given: creating the default tiny checkpoint in %s", path)
-    return _write_once(path, "model.safetensors", make_model)
+    return write_once(path, "model.safetensors", make_model)
 
 
 def ensure_emulated_model(profile: str) -> Path:
@@ -62,4 +72,4 @@ def ensure_emulated_model(profile: str) -> Path:
     path = default_model_dir().with_name(f"{model}-config")
     if not (path / "config.json").is_file():
         log.info("emulating %s: writing its config-only checkpoint in %s", model, path)
-    return _write_once(path, "config.json", lambda tmp: make_model(tmp, model, config_only=True))
+    return write_once(path, "config.json", lambda tmp: make_model(tmp, model, config_only=True))
