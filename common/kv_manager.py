@@ -51,9 +51,11 @@ class KVBlockManager:
             return request.num_prompt_tokens + request.sampling.max_tokens
         return request.num_prefill_tokens + 1
 
-    def can_allocate(self, request: Request) -> bool:
-        """Room to admit it, leaving the watermark free — unless the pool is empty (a lone request always goes)."""
-        needed, free = blocks_for(self.admission_tokens(request), self.block_size), self.pool.num_free
+    def can_allocate(self, request: Request, headroom_tokens: int = 0, owed_blocks: int = 0) -> bool:
+        """Room to admit it and `headroom_tokens` more of its growth, beside `owed_blocks` promised to others, leaving
+        the watermark free — unless the pool is empty (a lone request always goes)."""
+        needed = blocks_for(self.admission_tokens(request) + headroom_tokens, self.block_size) + owed_blocks
+        free = self.pool.num_free
         return needed <= free and (free - needed >= self.watermark or free == self.pool.num_blocks)
 
     def allocate(self, request: Request) -> int:

@@ -54,6 +54,9 @@ class SchedulerConfig:
     enable_chunked_prefill: bool = True
     join_first: bool = False  # a handed-over request's first decode goes in a decode-only iteration (see above)
     kv_admission: str = "on-demand"  # or "worst-case": blocks for prompt + max_tokens at admission, never preempts
+    # on demand: output tokens a decoder keeps room for beyond a handed-over prompt before it takes the pages in (a
+    # route books no decoder room on path ①: the decoder books it here, when the pages come; `reservations.py`)
+    handover_output_tokens: int = 0
     image_token_cost: int = 0  # tokens of τ_t one image's encode takes in the same iteration (0: budgets apart)
     iteration_time: IterationTime | None = None  # the limit τ_t came from: new work gets what the decodes leave
     gap_slack: GapSlack | None = None  # with `iteration_time`: iterations run long while every decode spares a gap
@@ -62,6 +65,8 @@ class SchedulerConfig:
         for name in ("token_budget", "image_budget", "max_num_seqs"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1")
+        if self.handover_output_tokens < 0:
+            raise ValueError("handover_output_tokens must be at least 0")
         if self.image_token_cost < 0:
             raise ValueError("image_token_cost must be at least 0")
         if self.kv_admission not in KV_ADMISSION:

@@ -21,6 +21,7 @@ from epdmesh.options import (
     add_model_args,
     add_planner_args,
     add_remote_image_args,
+    add_reserved_output_arg,
     add_router_args,
     add_routing_args,
     add_slo_args,
@@ -463,6 +464,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_model_args(worker)
     add_engine_args(worker)
     worker.add_argument("--roles", default="encode,prefill,decode", help="e.g. encode,prefill or EP")
+    add_reserved_output_arg(worker)
     add_slo_args(worker)
     add_budget_args(worker)
     worker.add_argument("--host", default="127.0.0.1")

@@ -9,7 +9,7 @@ import logging
 from pathlib import Path
 
 from epdmesh.checkpoints import DEFAULT_MODEL_NAME, ensure_default_model, ensure_emulated_model
-from epdmesh.options import DEFAULT_EMULATED_PROFILE, decoder_joins
+from epdmesh.options import DEFAULT_EMULATED_PROFILE, decoder_joins, reserved_output_tokens
 
 
 def engine_config(args, roles: str = "encode,prefill,decode"):
@@ -35,6 +35,7 @@ def engine_config(args, roles: str = "encode,prefill,decode"):
             max_num_seqs=args.max_num_seqs,
             join_first=joins_of(args)[1],
             kv_admission=args.kv_admission,
+            handover_output_tokens=reserved_output_tokens(args) if args.kv_admission == "on-demand" else 0,
         ),
     )
 

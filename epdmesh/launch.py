@@ -39,7 +39,7 @@ from common.ports import free_port
 from common.tls import MeshTls
 from common.topology import WorkerGroup, decoders_join, parse_topology
 from epdmesh.gpus import gpu_devices, memory_shares, worker_envs
-from epdmesh.options import planner_argv, router_argv
+from epdmesh.options import planner_argv, reserved_output_tokens, router_argv
 from services.gateway.edge import ENV as API_KEY_ENV
 from services.gateway.edge import api_keys
 
@@ -393,6 +393,8 @@ def worker_argv(group: WorkerGroup, toggle: str, args, threads: int) -> list[str
         args.stage_calls,
         "--kv-admission",
         args.kv_admission,
+        "--reserved-output-tokens",
+        str(reserved_output_tokens(args)),
     ]
     if args.backend == "emulated":
         argv += [

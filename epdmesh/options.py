@@ -58,12 +58,16 @@ def add_routing_args(p: argparse.ArgumentParser) -> None:
         help="send a prompt to the worker predicted to hold most of it in its prefix cache (what this router "
         "sent where), within a few requests of the least loaded one's queue",
     )
+    add_reserved_output_arg(p)
+
+
+def add_reserved_output_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--reserved-output-tokens",
         type=int,
-        help="output tokens a route books on its decoder's KV with the prompt (default 256: "
-        "decoders grow beyond them, and preempt when full; 0: the prompt only; serve --kv-admission "
-        "worst-case: all of max_tokens)",
+        help="output tokens of room a request needs on its decoder's KV beyond the prompt: booked by the route where "
+        "the decoder prefills it, by the decoder before it takes handed-over pages in (default 256: decoders grow "
+        "beyond them, and preempt when full; 0: the prompt only; serve --kv-admission worst-case: all of max_tokens)",
     )
 
 
@@ -72,7 +76,7 @@ def reserved_output_tokens(args) -> int:
     never overbook them), else the routing policy's default."""
     from common.policy.routing import RoutingConfig
 
-    if args.reserved_output_tokens is not None:
+    if getattr(args, "reserved_output_tokens", None) is not None:
         return args.reserved_output_tokens
     if getattr(args, "kv_admission", "on-demand") == "worst-case":
         return 1 << 30

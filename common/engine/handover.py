@@ -97,10 +97,24 @@ class PageHandover:
     def _allocate_kv_import(self, request: Request) -> None:
         if len(request.output_token_ids) != 1:
             raise RequestRejected("a request that starts at decode carries exactly its first sampled token")
-        if self.scheduler.preempted_waiting or not self.scheduler.kv.can_allocate(request):
-            raise NoRoomForPages("no free KV blocks for the handed-over KV pages")
         kv = self.scheduler.kv
+        wanted = 0 if kv.worst_case else self.scheduler.config.handover_output_tokens  # growth room, booked here
+        headroom = min(request.sampling.max_tokens, wanted)
+        if self.scheduler.preempted_waiting or not kv.can_allocate(request, headroom, self._owed_blocks(wanted)):
+            raise NoRoomForPages("no free KV blocks for the handed-over KV pages and the first output tokens")
         request.block_table = kv.pool.allocate(blocks_for(kv.admission_tokens(request), kv.block_size))
+
+    def _owed_blocks(self, wanted: int) -> int:
+        """Blocks the requests decoding here may still take before each has its first `wanted` output tokens: room a
+        handed-over prompt is not given (the route booked none on path ①; the decoder books it as the pages come)."""
+        if not wanted:
+            return 0
+        scheduler, owed = self.scheduler, 0
+        for r in (*scheduler.running, *scheduler.prefilling, *self.importing.values()):
+            if r.last_stage == Stage.DECODE:
+                target = blocks_for(r.num_prompt_tokens + min(r.sampling.max_tokens, wanted), self.block_size)
+                owed += max(0, target - len(r.block_table))
+        return owed
 
     def import_image_pages(self, request: Request, pages: PagePayload | None) -> None:
         if pages is None or pages.num_tokens != request.num_image_tokens:

@@ -3,10 +3,18 @@
 Keys, under the mesh's prefix:
   resv:<worker id>   hash {request id: "<tokens>:<expiry unix s>"}
 A route reserves, atomically across its workers (one Lua script), the KV tokens the request will take on
-each: on the decoder its prompt and first `output_tokens` output tokens (`RoutingConfig.reserved_output_tokens`;
-decoders allocate KV as a request grows and preempt when they run out, so booking a whole `max_tokens` — the rest
-of the context by default — would refuse requests that fit), the prompt on a dedicated prefill worker. It succeeds
+the worker that runs its prompt: on a dedicated prefill worker (path ①) the prompt; on a decoder that prefills it
+(colocated, or multiplexed: path ②) the prompt and first `output_tokens` output tokens
+(`RoutingConfig.reserved_output_tokens`; decoders allocate KV as a request grows and preempt when they run out, so
+booking a whole `max_tokens` — the rest of the context by default — would refuse requests that fit). It succeeds
 only if every worker's free KV tokens (its last report) minus what is already reserved there still hold it.
+
+A decoder that gets the prompt's pages from a dedicated prefill worker is not booked at the route: it needs the room
+only once the prefill is done, most of a TTFT later, while its running requests free theirs. It takes the pages in
+when it has room (waiting up to `IMPORT_WAIT_S`, within the source's lease; then the gateway routes the request again,
+`Reason.NO_ROOM`), and the pages wait on the prefill worker meanwhile, whose reported room then shrinks. Booked at
+the route, the prefill itself waited at the gateway for decoder room the decoder would have had by its end: a static
+split with few decoders lost most of its load to that wait (bench/README.md, "Decoder room").
 A reservation ends when the worker reports the request admitted (its heartbeat), when the router that made it
 is done with the request (it may end before its decoder sees it), or at its expiry.
 """
@@ -50,16 +58,17 @@ return 0
 
 
 def needs(plan: RoutePlan, request: RouteSummary, output_tokens: int) -> dict[str, tuple[int, int]]:
-    """worker id → (KV tokens this request takes there, that worker's reported free KV tokens)."""
-    out: dict[str, tuple[int, int]] = {}
-    decoder = plan.decoder
-    out[decoder.worker_id] = (
-        request.num_prompt_tokens + min(request.max_tokens, output_tokens),
-        decoder.load.kv_tokens_free,
-    )
+    """worker id → (KV tokens the route books there, that worker's reported free KV tokens): the worker that runs the
+    prompt (on path ① the dedicated prefill worker alone; the decoder takes the pages in when it has room)."""
     if plan.path == PrefillPath.DEDICATED:
-        out[plan.prefill.worker_id] = (request.num_prompt_tokens, plan.prefill.load.kv_tokens_free)
-    return out
+        return {plan.prefill.worker_id: (request.num_prompt_tokens, plan.prefill.load.kv_tokens_free)}
+    decoder = plan.decoder
+    return {
+        decoder.worker_id: (
+            request.num_prompt_tokens + min(request.max_tokens, output_tokens),
+            decoder.load.kv_tokens_free,
+        )
+    }
 
 
 class Reservations:

@@ -211,13 +211,18 @@ class WorkerRuntime:
         burst queues instead of failing), up to IMPORT_WAIT_S and never past the source's lease; then
         NoRoomForPages (the gateway answers 503 + Retry-After)."""
         deadline = min(time.time() + IMPORT_WAIT_S, handle.lease_expiry - 1.0)
-        delay = 0.005
+        delay, said = 0.005, False
         while True:
             try:
                 return self.engine.now(lambda e: e.pages.reserve_import(request))  # not after the step under way
-            except NoRoomForPages:
+            except NoRoomForPages as e:
                 if time.time() + delay > deadline:
                     raise
+                if not said:  # once per request, not once per poll
+                    log.info(
+                        "request %s waits up to %.1f s for room here: %s", request.request_id, deadline - time.time(), e
+                    )
+                    said = True
             await asyncio.sleep(delay)
             delay = min(2 * delay, 0.1)
 

@@ -252,3 +252,29 @@ def test_no_kv_pages_come_in_while_a_preempted_request_waits_for_blocks(tiny_dir
     engine.add_request(request, kv_pages=pages)  # once it has its blocks back
     engine.generate([])
     assert_pools_full(engine)
+
+
+@pytest.mark.parametrize("room", [256, 0], ids=["first-256-output-tokens", "prompt-only"])
+def test_handed_over_pages_wait_for_their_first_output_tokens_room_beside_what_the_running_ones_are_owed(
+    tiny_dir, model, processors, chat_reference, room
+):
+    """The route books no decoder room on path ①: the decoder does, as the pages come. With `handover_output_tokens`
+    it takes them in only where the prompt and its first that many output tokens fit beside the first that many of
+    every request decoding there (else NoRoomForPages: the worker waits, the pages on the prefill worker); it then
+    runs both without preempting either. With 0 it takes them in as soon as the prompt fits, and preempts later."""
+    cases, _ = chat_reference
+    reference = [dataclasses.replace(c, max_tokens=300) for c in cases if c.name == "system"]
+    [(request, pages)] = _handed_over(tiny_dir, model, build_requests(processors["tiny"], reference)).values()
+    engine = make_engine(tiny_dir, model, kv_blocks=40, handover_output_tokens=room)  # 640 tokens
+    running = Request("running", list(range(5, 205)), SamplingParams(max_tokens=300, ignore_eos=True))
+    engine.add_request(running)
+    engine.step()  # its prompt in: 13 blocks held, 16 more owed to its first 256 output tokens
+    if room:
+        with pytest.raises(NoRoomForPages):  # 37 + 1 + 256 tokens: 19 blocks, and 13 + 16 + 19 > 40
+            engine.add_request(request, kv_pages=pages)
+        while engine.has_unfinished:
+            engine.step()
+    engine.add_request(request, kv_pages=pages)
+    engine.generate([])
+    assert (engine.stats().num_preemptions > 0) == (room == 0)
+    assert_pools_full(engine)

@@ -85,9 +85,10 @@ def test_a_decoder_out_of_kv_hands_back_the_image_request_and_both_answers_are_w
 
 
 def test_requests_the_decoders_have_no_room_for_yet_wait_for_it_and_are_served(tiny_dir, long_cases, tmp_path):
-    """With the default booking (prompt + 256 output tokens) the two chats do not fit the decoder's 640 tokens at
-    once: the one routed second waits for room — it neither gets a 503 to retry nor, as a text request whose
-    reservation failed after its Prefill went out, waits for a 'dead' decoder — and both answers are whole."""
+    """With the default room (prompt + 256 output tokens) the two chats do not fit the decoder's 640 tokens at once:
+    the one handed over second waits at the decoder for room, its pages on the prefill worker (the route booked only
+    the prefill worker's room), and goes on when the first has finished — it neither gets a 503 to retry, nor is
+    preempted and handed back, nor waits for a 'dead' decoder — and both answers are whole."""
     cases, answers = long_cases
     per_block = PagedKVCache.bytes_per_block(16, 6, 2, 32, torch.float32)
     log = tmp_path / "serve.log"
@@ -98,7 +99,8 @@ def test_requests_the_decoders_have_no_room_for_yet_wait_for_it_and_are_served(t
         assert_pools_full(base)
         assert _metric(base, "epdmesh:num_requests_waiting_for_room") == 0  # the gauge went back down
     text = log.read_text()
-    assert "for room" in text and "take over" not in text, text[-3000:]
+    assert "for room here: no free KV blocks for the handed-over KV pages and the first output tokens" in text
+    assert "take over" not in text and "handed it back" not in text, text[-3000:]
 
 
 def _metric(base, name: str) -> float:

@@ -190,9 +190,9 @@ def test_slo_routing_over_grpc_chooses_paths_and_refuses_what_cannot_fit():
 
 
 def test_two_toggles_routing_at_once_never_overbook_a_decoder():
-    """Two toggles share one Redis; 30 concurrent requests of 100 KV tokens each meet two decoders with
-    room for 1,000 tokens each: exactly 20 are routed, no decoder gets more than it holds, the rest are
-    refused (503 upstream); an admission reported by a heartbeat frees its reservation."""
+    """Two toggles share one Redis; 30 concurrent requests of 100 KV tokens each meet two decoders that prefill
+    their own prompts (colocated), with room for 1,000 tokens each: exactly 20 are routed, no decoder gets more than
+    it holds, the rest are refused (503 upstream); an admission reported by a heartbeat frees its reservation."""
 
     async def main():
         prefix = f"epdmesh-test:{uuid.uuid4().hex}:"
@@ -206,9 +206,9 @@ def test_two_toggles_routing_at_once_never_overbook_a_decoder():
             await asyncio.sleep(0.02)
         channels = [grpc.aio.insecure_channel(b[0]) for b in bounds]
         toggles = [pb_grpc.ToggleStub(c) for c in channels]
-        for wid, roles in [("p-1", {P}), ("d-1", {D}), ("d-2", {D})]:
-            load = pb.WorkerLoad(kv_tokens_free=1000 if roles == {D} else 100_000)
-            await toggles[0].Register(pb.RegisterRequest(info=wire.info_to_pb(info(wid, roles)), load=load))
+        for wid in ("d-1", "d-2"):
+            load = pb.WorkerLoad(kv_tokens_free=1000)
+            await toggles[0].Register(pb.RegisterRequest(info=wire.info_to_pb(info(wid, {P, D})), load=load))
 
         async def ask(i):
             try:
@@ -230,7 +230,7 @@ def test_two_toggles_routing_at_once_never_overbook_a_decoder():
         )
         again = await asyncio.gather(*(ask(100 + i) for i in range(6)))
         assert again.count("d-1") == 5 and again.count(None) == 1
-        for wid in ("p-1", "d-1", "d-2"):
+        for wid in ("d-1", "d-2"):
             await toggles[0].Deregister(pb.DeregisterRequest(worker_id=wid))
         for channel in channels:
             await channel.close()
@@ -243,7 +243,7 @@ def test_two_toggles_routing_at_once_never_overbook_a_decoder():
 
 def test_a_gateway_routing_in_process_and_a_toggle_share_one_view_of_capacity():
     """The gateway's in-process router and the toggle's Route rpc reserve in the same Redis: 30 concurrent
-    requests, alternating between the two, meet two decoders with room for 10 each: exactly 20 go through.
+    requests, alternating between the two, meet two colocated workers with room for 10 each: exactly 20 go through.
     With no workers at all, the gateway answers 503 with the reason, as the toggle would."""
     from common.policy.routing import RouteSummary
     from services.gateway.mesh import MeshBackend
@@ -261,9 +261,9 @@ def test_a_gateway_routing_in_process_and_a_toggle_share_one_view_of_capacity():
         router = Router(RedisRegistry(client, prefix), reservations=Reservations(client, prefix))
         channel = grpc.aio.insecure_channel(bound[0])
         toggle = pb_grpc.ToggleStub(channel)
-        for wid, roles in [("p-1", {P}), ("d-1", {D}), ("d-2", {D})]:
-            load = pb.WorkerLoad(kv_tokens_free=1000 if roles == {D} else 100_000)
-            await toggle.Register(pb.RegisterRequest(info=wire.info_to_pb(info(wid, roles)), load=load))
+        for wid in ("d-1", "d-2"):
+            load = pb.WorkerLoad(kv_tokens_free=1000)
+            await toggle.Register(pb.RegisterRequest(info=wire.info_to_pb(info(wid, {P, D})), load=load))
 
         async def ask(i):
             try:
@@ -280,7 +280,7 @@ def test_a_gateway_routing_in_process_and_a_toggle_share_one_view_of_capacity():
         routed = await asyncio.gather(*(ask(i) for i in range(30)))
         assert {d: routed.count(d) for d in ("d-1", "d-2", None)} == {"d-1": 10, "d-2": 10, None: 10}
         assert sum(router.decisions.values()) == sum(1 for i, d in enumerate(routed) if d and i % 2)
-        for wid in ("p-1", "d-1", "d-2"):
+        for wid in ("d-1", "d-2"):
             await toggle.Deregister(pb.DeregisterRequest(worker_id=wid))
         router.invalidate()
         backend = MeshBackend(None, bound[0], 4096, router=router)
@@ -339,25 +339,31 @@ def test_routes_made_since_a_workers_last_heartbeat_stay_in_its_load_until_prefi
 
 
 def test_a_request_the_gateway_is_done_with_releases_its_reservations():
-    """A request can end before its decoder admits it (done at its first token, its client gone): its KV
-    reservations end with it, not 10 s later, so they do not turn later requests away."""
+    """A request can end before its worker admits it (done at its first token, its client gone): its KV
+    reservations end with it, not 10 s later, so they do not turn later requests away. On path ① the route books
+    the prefill worker alone: the decoder takes the pages in when it has room."""
     from common.policy.routing import RouteSummary
     from services.routing.reservations import Reservations
+    from services.routing.router import NoRoute
 
     async def main():
         async with _p_and_d(Reservations) as (router, reservations):
             await router.route(RouteSummary("r1", 600, 0, 40))
             await router.route(RouteSummary("r2", 300, 0, 20))
-            assert (await reservations.held("p-1"), await reservations.held("d-1")) == (900, 960)
+            assert (await reservations.held("p-1"), await reservations.held("d-1")) == (900, 0)
+            with pytest.raises(NoRoute) as full:
+                await router.route(RouteSummary("r3", 200, 0, 8))
+            assert full.value.reason == Reason.NO_ROOM
             router.forget("r1")
             await router.settle()
-            assert (await reservations.held("p-1"), await reservations.held("d-1")) == (300, 320)
-            await reservations.release("d-1", ["r2"])  # the decoder admitted r2 and reported it first
-            router.forget("r2")
-            router.forget("r2")  # twice, or never routed: nothing to release
+            assert (await reservations.held("p-1"), await reservations.held("d-1")) == (300, 0)
+            await router.route(RouteSummary("r3", 200, 0, 8))  # room again on p-1
+            await reservations.release("p-1", ["r2", "r3"])  # the prefill worker admitted them and reported it first
+            for rid in ("r2", "r3", "r3"):  # twice, or never routed: nothing to release
+                router.forget(rid)
             await router.settle()
             assert (await reservations.held("p-1"), await reservations.held("d-1")) == (0, 0)
-            await router.route(RouteSummary("r3", 600, 0, 300))  # there is room again
+            await router.route(RouteSummary("r4", 1000, 0, 300))  # the whole of p-1 again
 
     asyncio.run(main())
 
@@ -444,20 +450,20 @@ def test_routing_ahead_gives_the_plan_before_its_reservation_and_a_worker_full_m
             plan, reserved = await router.route_ahead(RouteSummary("r1", 600, 0, 40))
             assert (plan.prefill.info.worker_id, plan.decoder.info.worker_id) == ("p-1", "d-1") and not reserved.done()
             assert await reserved is None
-            assert (await reservations.held("p-1"), await reservations.held("d-1")) == (600, 640)
-            # another router reserves the rest of d-1; this one's snapshot does not know it yet
-            assert await reservations.reserve("elsewhere", {"d-1": (300, 1000)}) is None
+            assert (await reservations.held("p-1"), await reservations.held("d-1")) == (600, 0)  # path ①: p-1 only
+            # another router reserves the rest of p-1; this one's snapshot does not know it yet
+            assert await reservations.reserve("elsewhere", {"p-1": (350, 1000)}) is None
             plan, reserved = await router.route_ahead(RouteSummary("r2", 100, 0, 20))
-            assert plan.decoder.info.worker_id == "d-1"
+            assert plan.prefill.info.worker_id == "p-1"
             with pytest.raises(NoRoute) as refused:
                 await reserved
-            assert refused.value.reason == Reason.NO_ROOM and refused.value.full == "d-1"
-            assert (await reservations.held("p-1"), await reservations.held("d-1")) == (600, 940)  # all or nothing
+            assert refused.value.reason == Reason.NO_ROOM and refused.value.full == "p-1"
+            assert (await reservations.held("p-1"), await reservations.held("d-1")) == (950, 0)  # r2 got nothing
             assert "r2" not in router.book.pending
             _, again = await router.route_ahead(RouteSummary("r3", 100, 0, 20))
             with pytest.raises(StageError) as failed:  # the gateway's side
                 await Route(plan, "r3", reserved=again).confirmed()
-            assert failed.value.no_room and failed.value.blame == plan.decoder.info.registration
+            assert failed.value.no_room and failed.value.blame == plan.prefill.info.registration
             error = failed.value.api_error()
             assert error.status == 503 and error.headers == {"Retry-After": "1"}
         finally:
@@ -490,7 +496,7 @@ def test_a_reservation_ahead_goes_to_redis_only_once_its_stage_call_is_written()
             assert reservations.calls == [] and not reserved.done()
             written.set()
             assert await reserved is None and reservations.calls == ["r1"]
-            assert await reservations.held("d-1") == 120
+            assert await reservations.held("p-1") == 100
             _, alone = await router.route_ahead(RouteSummary("r2", 100, 0, 20))  # nothing to wait for: one turn
             assert await alone is None and reservations.calls == ["r1", "r2"]
 

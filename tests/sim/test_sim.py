@@ -11,6 +11,7 @@ import pytest
 from bench.workloads import SHAPES, phased_bodies, request_bodies
 from common.latency.model import iteration_ms
 from common.latency.roofline import load_profile
+from common.request import Stage
 from sim.build import Setup
 from sim.events import Loop
 from sim.goodput import main as sim_goodput
@@ -97,19 +98,28 @@ def test_a_burst_spreads_over_the_workers_before_any_heartbeat_reports_it(emulat
     assert sum(w.engine.scheduler.kv.num_queried_tokens > 0 for w in mesh.workers.values()) == 2
 
 
-def test_a_burst_past_the_decoders_kv_waits_at_the_gateway_for_room_and_every_request_completes(emulated_dir):
-    """EP1+D1 with 2,048 tokens of KV each, twelve ~650-token requests at once: the router reserves each route's KV
-    on the decoder against what it last reported free (the Redis script's rule, `Ledger`), the rest wait at the
-    gateway and route as room comes — in waves, none failed — and every reservation ends."""
+def test_a_burst_past_the_workers_kv_waits_at_the_gateway_for_room_and_every_request_completes(emulated_dir):
+    """EP1+D1 with 2,048 tokens of KV each, twelve ~650-token requests at once: the router reserves each route's
+    prompt on the prefill worker against what it last reported free (the Redis script's rule, `Ledger`) — never on
+    the decoder, which takes the pages in as it has room — the rest wait at the gateway and route as room comes, in
+    waves, none failed, and every reservation ends."""
     setup = setup_of(emulated_dir, "EP1+D1", "--kv-cache-gib", "1")
     loop = Loop()
     mesh = setup.mesh(loop)
+    booked, reserve = [], mesh.reservations.reserve
+    mesh.reservations.reserve = lambda rid, amounts, now: booked.append(sorted(amounts)) or reserve(rid, amounts, now)
     timelines = [mesh.submit(0.001 * i, p) for i, p in enumerate(prompts_of(setup, 12))]
     loop.run(until=lambda: mesh.unfinished == 0)
     assert all(t.error == "" and len(t.token_times) == 32 for t in timelines)
     ttfts = sorted(t.token_times[0] - t.arrival for t in timelines)
-    assert mesh.waited > 0 and ttfts[0] < 0.5 < 2.0 < ttfts[-1]  # the last waited for two waves to finish
+    assert mesh.waited > 0 and ttfts[0] < 0.5 < 1.5 < ttfts[-1]  # the last waited for three waves to finish
+    assert booked and all(workers == [_prefill_worker(mesh)] for workers in booked)
     assert all(mesh.reservations.holds(w, float("-inf")) == 0 for w in mesh.workers)
+
+
+def _prefill_worker(mesh) -> str:
+    (worker,) = [w for w, sw in mesh.workers.items() if Stage.DECODE not in sw.info.roles]
+    return worker
 
 
 def test_a_request_its_only_decoder_hands_back_goes_on_there(emulated_dir):
