@@ -208,7 +208,7 @@ def simulate_config(serve_args: list[str], phases, args) -> dict:
     out["roles"] = samples
     out["planner"] = [
         {"at_s": round(at, 3), "action": "switch", "worker_id": w, "from": a, "to": b, "handed_back": n}
-        for at, w, a, b, n in mesh.switches
+        for at, w, a, b, n in (mesh.planner.switches if mesh.planner is not None else [])
     ]
     return out
 

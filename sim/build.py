@@ -23,7 +23,8 @@ from services.gateway.protocol import parse_conversation
 from services.gateway.tokenize import tokenize
 from services.routing.book import RouteBook
 from sim.events import Loop
-from sim.mesh import Planning, Prompt, SimMesh
+from sim.mesh import Prompt, SimMesh
+from sim.switch import Planning
 from sim.worker import SimWorker
 
 

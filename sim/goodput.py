@@ -138,12 +138,12 @@ def run_point(setup: Setup, prompts, times: list[float], rate: float, args, bar=
         if t.path is not None:
             paths[t.path.value] = paths.get(t.path.value, 0) + 1
     point["prefill_paths"] = paths
-    if mesh.planning is not None:  # what the planner did, as `/stats` shows it on a mesh (simulated seconds)
+    if mesh.planner is not None:  # what the planner did, as `/stats` shows it on a mesh (simulated seconds)
         point["planner"] = {
-            "decisions": dict(collections.Counter(d.action for _, d in mesh.decisions)),
+            "decisions": dict(collections.Counter(d.action for _, d in mesh.planner.decisions)),
             "switches": [
                 {"at_s": round(at, 3), "worker_id": w, "from": a, "to": b, "handed_back": n}
-                for at, w, a, b, n in mesh.switches
+                for at, w, a, b, n in mesh.planner.switches
             ],
         }
     point["sim_wall_s"] = wall

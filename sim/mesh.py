@@ -5,16 +5,14 @@ workers report every heartbeat, and each request driven through its stages as th
 images' KV in its prefix cache starting without their pages, pages pulled into blocks reserved for them (waiting
 for room as a worker does), a request a decoder hands back going on elsewhere as a continuation.
 
-With a planner (`epdmesh serve --planner`), the gateway's planner runs too (`common.policy.planner.Planner`, every
-interval, over what arrived and finished and the registry's workers), and its switches run as a worker runs them
-(`services/worker/switch.py`): the worker leaves the registry, a stage sent to it is routed elsewhere, its decodes
-finish for the grace period and the rest are handed back with their KV and go on elsewhere from those pages, and
-once idle its engine takes the new roles' configuration and it registers again.
+With a planner (`epdmesh serve --planner`), the gateway's planner runs too, and its role switches run as a worker
+runs them (`sim/switch.py`); a decode a switching decoder hands back with its KV goes on elsewhere from those pages.
 
 The gateway's KV reservations run too (`services/routing/reservations.py`'s `Ledger`, the Redis script's rule in
-memory, through the router's own steps `RouteBook.steps`): a route books the decoder's (and a dedicated prefill
-worker's) KV tokens against what the worker last reported free, and the booking ends when the worker's next heartbeat
-reports the request admitted, when the request ends or routes again, or at its expiry. A request no worker has room
+memory, through the router's own steps `RouteBook.steps`): a route books the KV tokens of the worker that runs the
+prompt against what it last reported free (on path ① the decoder books its own room as the pages come, in its
+engine), and the booking ends when the worker's next heartbeat reports the request admitted, when the request ends
+or routes again, or at its expiry. A request no worker has room
 for waits at the gateway for room, polling (`route_client.reroute`), and one whose pages found no room on their
 worker within the worker's wait is routed again the same way (after some tokens, as a continuation that prefills
 again); one routed again after a worker left waits for a worker too. A refusal (SLO admission, too large, no worker
@@ -28,16 +26,12 @@ from __future__ import annotations
 
 import dataclasses
 import uuid
-from collections.abc import Callable
 
-from common.engine.config import EngineConfig
 from common.engine.errors import NoRoomForPages, RequestRejected
 from common.engine.outputs import RequestOutput
-from common.policy import planner
 from common.policy.routing import PrefillPath, RoutePlan, RouteSummary
 from common.request import ImageInput, Request, SamplingParams, Stage
-from common.telemetry.metrics import slo_outcome
-from common.workers import HEARTBEAT_INTERVAL_S, WorkerSnapshot, registered_budgets
+from common.workers import HEARTBEAT_INTERVAL_S, WorkerSnapshot
 from services.gateway.mesh.failover import MAX_HAND_BACKS
 from services.gateway.mesh.migration import continuation, resumed
 from services.gateway.mesh.route_client import FAILOVER_POLL_S, wait_for
@@ -45,8 +39,8 @@ from services.routing.book import REFRESH, NoRoute, RouteBook
 from services.routing.reservations import TTL_S, Ledger
 from services.routing.router import REFRESH_S
 from services.worker.runtime import IMPORT_WAIT_S
-from services.worker.switch import SETTLE_S
 from sim.events import Loop
+from sim.switch import Planning, RoleSwitches
 from sim.worker import SimWorker
 
 
@@ -93,19 +87,6 @@ class _Flight:
     exclude: frozenset[str] = frozenset()  # registrations of the workers that left the mesh under it
 
 
-@dataclasses.dataclass(slots=True)
-class Planning:
-    """The gateway's planner in a simulated mesh: the policy, each role set's engine configuration, and the
-    interval and grace in simulated seconds."""
-
-    planner: planner.Planner
-    configure: Callable[[frozenset[Stage]], EngineConfig]
-    interval_s: float
-    grace_s: float
-    ttft_s: float
-    tbt_s: float
-
-
 class SimMesh:
     def __init__(
         self,
@@ -124,7 +105,6 @@ class SimMesh:
         before the load: where its steps fall against the load's shifts is chance)."""
         self.loop, self.book, self.image_tokens = loop, book, image_tokens
         self.heartbeat_s, self.refresh_s = HEARTBEAT_INTERVAL_S / control_scale, REFRESH_S / control_scale
-        self.settle_s = SETTLE_S / control_scale
         # the gateway's and the workers' waits, on the host's clock: K× shorter in the hardware's time too
         self.poll_s, self.import_wait_s = FAILOVER_POLL_S / control_scale, IMPORT_WAIT_S / control_scale
         self.control_scale = control_scale
@@ -132,19 +112,10 @@ class SimMesh:
         self.admitted: dict[str, set[str]] = {w.worker_id: set() for w in workers}  # since its last heartbeat
         self.waited = 0  # polls of requests waiting at the gateway for room or a worker
         self.rerouted = 0  # routes again after a worker had no room for the pages after all
-        self.planning = planning
-        self.window = planner.Window(lambda: loop.now)
-        self.switching: set[str] = set()
-        self.decisions: list[tuple[float, planner.Decision]] = []  # (simulated time, what the planner decided)
-        self.switches: list[tuple[float, str, str, str, int]] = []  # (done at, worker, from, to, decodes handed on)
-        # decodes switching decoders handed back with their KV (those not decoding yet go without), and how many of
-        # those went on from their pages
-        self.handed_with_kv = self.resumed = 0
-        if planning is not None:
-            loop.after(planning.interval_s * (1 - planner_phase), self._plan)
+        self.resumed = 0  # requests a switching decoder handed back with their KV that went on from those pages
         self.workers = {w.worker_id: w for w in workers}
         for w in workers:
-            w.deliver = self._delivered
+            w.deliver = self.delivered
         self.reports: dict[str, tuple[object, float]] = {}
         self._snapshot_at = float("-inf")
         self.flights: dict[str, _Flight] = {}  # by the engine request id of the current route
@@ -153,6 +124,7 @@ class SimMesh:
         for i, w in enumerate(workers):  # heartbeats spread over the interval, as independent processes' are
             self.reports[w.worker_id] = (w.load(), 0.0)
             loop.at(self.heartbeat_s * (i + 1) / len(workers), self._beat, w)
+        self.planner = None if planning is None else RoleSwitches(self, planning, planner_phase)
 
     # ----- the registry -----
 
@@ -162,7 +134,7 @@ class SimMesh:
         self.reservations.release(w.worker_id, admitted)  # (the toggle's Heartbeat)
         self.loop.after(self.heartbeat_s, self._beat, w)
 
-    def _registry(self) -> list[WorkerSnapshot]:
+    def registry(self) -> list[WorkerSnapshot]:
         now = self.loop.now
         return [
             WorkerSnapshot(w.info, load, now - at)
@@ -170,67 +142,6 @@ class SimMesh:
             if not w.away
             for load, at in [self.reports[w.worker_id]]
         ]
-
-    # ----- the planner and role switches -----
-
-    def _plan(self) -> None:
-        interval = self.window.take()
-        workers = None
-        if not self.switching:
-            workers = [planner.PoolWorker.of(s.info, s.load) for s in self._registry()]
-        decision = self.planning.planner.step(interval, workers)
-        self.decisions.append((self.loop.now, decision))
-        for switch in decision.switches:
-            self._switch(self.workers[switch.worker_id], switch.after)
-        self.loop.after(self.planning.interval_s, self._plan)
-
-    def _switch(self, worker: SimWorker, roles: frozenset[Stage]) -> None:
-        """`services/worker/switch.py`'s steps: out of the registry, the grace for its decodes, the rest handed back
-        between two iterations, then — once idle — the new configuration and a new registration."""
-        worker.away = True
-        self.switching.add(worker.worker_id)
-        self._draining(worker, roles, self.loop.now + self.planning.grace_s, [0])
-
-    def _draining(self, worker: SimWorker, roles, deadline: float, handed: list[int]) -> None:
-        """`handed`: a one-element counter of the decodes handed back, shared with the hand-back run later."""
-        decoding = any(r.last_stage == Stage.DECODE for r in worker.engine.requests.values())
-        if decoding and self.loop.now < deadline:
-            self.loop.after(0.02, self._draining, worker, roles, deadline, handed)
-            return
-        if decoding:
-
-            def hand_back() -> None:
-                outputs = worker.engine.hand_back_decodes()
-                handed[0] += len(outputs)
-                self.handed_with_kv += sum(out.pages is not None for out in outputs)
-                self._delivered(worker, outputs)
-
-            worker.between = hand_back
-            worker.kick()
-        self._settling(worker, roles, self.loop.now + self.settle_s, handed)
-
-    def _settling(self, worker: SimWorker, roles, deadline: float, handed: list[int]) -> None:
-        pages = worker.engine.pages
-        busy = worker.between is not None or worker.engine.requests or pages.importing or pages.handed_off
-        if busy and self.loop.now < deadline:
-            self.loop.after(0.02, self._settling, worker, roles, deadline, handed)
-            return
-        before = worker.info.roles
-        if not busy:  # (else it keeps its roles and registers again as it was, as a worker does)
-            worker.reconfigure(self.planning.configure(roles))
-            worker.info = dataclasses.replace(
-                worker.info,
-                roles=worker.engine.config.roles,
-                instance=uuid.uuid4().hex[:12],
-                **registered_budgets(worker.engine.scheduler.config),
-            )
-        worker.away = False
-        self.switching.discard(worker.worker_id)
-        self.reports[worker.worker_id] = (worker.load(), self.loop.now)
-        self.switches.append(
-            (self.loop.now, worker.worker_id, planner.label(before), planner.label(worker.info.roles), handed[0])
-        )
-        worker.kick()
 
     # ----- requests -----
 
@@ -242,8 +153,8 @@ class SimMesh:
         return timeline
 
     def _arrive(self, timeline: Timeline, prompt: Prompt) -> None:
-        if self.planning is not None:
-            self.window.arrived(len(prompt.token_ids), len(prompt.image_digests), prompt.max_tokens)
+        if self.planner is not None:
+            self.planner.window.arrived(len(prompt.token_ids), len(prompt.image_digests), prompt.max_tokens)
         images = [ImageInput(None, self.image_tokens, digest) for digest in prompt.image_digests]
         sampling = SamplingParams(max_tokens=prompt.max_tokens, temperature=0.0, ignore_eos=True)
         request = Request(
@@ -295,7 +206,7 @@ class SimMesh:
         self._drive(flight)
 
     def _refresh(self) -> None:
-        self.book.refreshed(self._registry(), self.loop.now)
+        self.book.refreshed(self.registry(), self.loop.now)
         self._snapshot_at = self.loop.now
 
     def _sent(self, request: Request, worker: SimWorker) -> None:
@@ -369,7 +280,7 @@ class SimMesh:
 
     # ----- what the workers give -----
 
-    def _delivered(self, worker: SimWorker, outputs: list[RequestOutput]) -> None:
+    def delivered(self, worker: SimWorker, outputs: list[RequestOutput]) -> None:
         for out in outputs:
             flight = self.flights.get(_route_id(out.request_id))
             if flight is None:  # it ended meanwhile: its pages go back
@@ -401,14 +312,8 @@ class SimMesh:
         self.book.prefilled(flight.current.request_id)  # its first token came: nothing of it is queued to prefill
         if out.finished:
             self._end(flight)
-            if self.planning is not None:
-                times = timeline.token_times
-                gaps = [b - a for a, b in zip(times, times[1:])]
-                outcome = slo_outcome(times[0] - timeline.arrival, gaps, self.planning.ttft_s, self.planning.tbt_s)
-                prompt = flight.original
-                self.window.done(
-                    prompt.num_prompt_tokens, timeline.cached_tokens, len(times), prompt.sampling.max_tokens, outcome
-                )
+            if self.planner is not None:
+                self.planner.finished(flight.original, timeline)
         elif out.handed_off:  # the prefill worker's first token: the KV goes to the decoder
             decoder = self.workers[flight.plan.decoder.worker_id]
             request = _staged(flight.current, Stage.DECODE, Stage.DECODE, now, out.output_token_ids)

@@ -216,12 +216,13 @@ def test_the_planner_switches_a_toggles_workers_with_the_load_and_their_decodes_
     timelines = [mesh.submit(0.05 * i, setup.prompt(body)) for i, body in enumerate(bodies)]
     loop.run(until=lambda: mesh.unfinished == 0)
     assert all(not t.error and len(t.token_times) == body["max_tokens"] for t, body in zip(timelines, bodies))
-    moves = [(frm, to) for _, _, frm, to, _ in mesh.switches]
+    switches = mesh.planner.switches
+    moves = [(frm, to) for _, _, frm, to, _ in switches]
     assert moves[0] == ("EP", "EPD") and ("EPD", "EP") in moves, moves
     assert {label for label in (w.info.role_label for w in mesh.workers.values())} <= {"EP", "EPD"}
-    handed = sum(n for *_, n in mesh.switches)  # (those not decoding yet are handed back without KV, and prefill again)
-    assert 0 < mesh.handed_with_kv <= handed and mesh.resumed == mesh.handed_with_kv  # each went on from its pages
-    assert {d.action for _, d in mesh.decisions} >= {"switch", "hold"}
+    handed = sum(n for *_, n in switches)  # (those not decoding yet are handed back without KV, and prefill again)
+    assert 0 < mesh.planner.handed_with_kv <= handed and mesh.resumed == mesh.planner.handed_with_kv  # from their pages
+    assert {d.action for _, d in mesh.planner.decisions} >= {"switch", "hold"}
 
 
 def test_bench_shift_replays_its_load_in_the_simulator_with_the_planners_switches(emulated_dir, tmp_path):
