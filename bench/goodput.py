@@ -158,6 +158,9 @@ def summarize(results: list[Result], duration: float, rate: float, ttft_ms: floa
         "tpot": [(r.e2el - r.ttft) * 1e3 / (r.output_tokens - 1) for r in done if r.output_tokens > 1],
         "itl": [g * 1e3 for r in done for g in r.itl],
         "e2el": [r.e2el * 1e3 for r in done],
+        # each answer's longest gap: a stall the P90 of its gaps hides (a decoder out of room takes a prompt's pages
+        # only after its first token was sent)
+        "max_gap": [max(r.itl) * 1e3 for r in done if r.itl],
     }
     for name, values in series.items():
         out[f"mean_{name}_ms"] = statistics.fmean(values) if values else float("nan")

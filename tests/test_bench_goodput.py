@@ -59,6 +59,7 @@ def test_attainment_needs_ttft_and_p90_tbt_and_metrics_use_vllms_names(tmp_path)
     assert m["ttft_attainment"] == 0.6 and m["tbt_attainment"] == 0.6
     assert m["median_ttft_ms"] == pytest.approx(200) and m["p99_ttft_ms"] > 1900
     assert m["total_output_tokens"] == 84 and m["mean_tpot_ms"] > 10
+    assert m["median_max_gap_ms"] == pytest.approx(255) and m["p90_max_gap_ms"] > 400  # one_stall's hidden 500 ms
     report = {
         "workloads": ["pope"],
         "attainment": 0.9,
