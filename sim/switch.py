@@ -12,7 +12,6 @@ from __future__ import annotations
 import dataclasses
 import uuid
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 from common.engine.config import EngineConfig
 from common.policy import planner
@@ -20,10 +19,7 @@ from common.request import Request, Stage
 from common.telemetry.metrics import slo_outcome
 from common.workers import registered_budgets
 from services.worker.switch import SETTLE_S
-
-if TYPE_CHECKING:
-    from sim.mesh import SimMesh, Timeline
-    from sim.worker import SimWorker
+from sim.worker import SimWorker
 
 POLL_S = 0.02  # how often a switching worker is looked at again (simulated seconds) while it drains or settles
 
@@ -46,8 +42,9 @@ class RoleSwitches:
     (simulated time, what the planner decided), `switches` (done at, worker, roles before, after, decodes handed on),
     `handed_with_kv` (decodes handed back with their KV; those not decoding yet go without)."""
 
-    def __init__(self, mesh: SimMesh, planning: Planning, phase: float = 0.0):
-        """`phase` φ in [0, 1): the first step comes φ of an interval early (see `SimMesh`)."""
+    def __init__(self, mesh, planning: Planning, phase: float = 0.0):
+        """`mesh`: the `sim.mesh.SimMesh` it plans for (which imports this module). `phase` φ in [0, 1): the first
+        step comes φ of an interval early (see `SimMesh`)."""
         self.mesh, self.planning = mesh, planning
         self.settle_s = SETTLE_S / mesh.control_scale
         self.window = planner.Window(lambda: mesh.loop.now)
@@ -57,8 +54,9 @@ class RoleSwitches:
         self.handed_with_kv = 0
         mesh.loop.after(planning.interval_s * (1 - phase), self._plan)
 
-    def finished(self, prompt: Request, timeline: Timeline) -> None:
-        """A request ended with its answer whole: the planner's window counts it, with its SLO outcome."""
+    def finished(self, prompt: Request, timeline) -> None:
+        """A request ended with its answer whole (`timeline`: its `sim.mesh.Timeline`): the planner's window counts
+        it, with its SLO outcome."""
         times = timeline.token_times
         gaps = [b - a for a, b in zip(times, times[1:])]
         outcome = slo_outcome(times[0] - timeline.arrival, gaps, self.planning.ttft_s, self.planning.tbt_s)
