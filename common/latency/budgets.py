@@ -12,7 +12,15 @@ import collections
 import dataclasses
 from collections.abc import Callable
 
-from common.latency.model import LatencyProfile, decode_ms, encode_ms, iteration_ms, mixed_cost, prefill_chunk_ms
+from common.latency.model import (
+    LatencyProfile,
+    decode_ms,
+    encode_ms,
+    iteration_ms,
+    mixed_cost,
+    mixed_ms,
+    prefill_chunk_ms,
+)
 
 ALPHA = 0.5
 # what a decode-only iteration costs where decoders put a joining request's first decode in one (`join_first`):
@@ -149,8 +157,9 @@ def _chunk_guess(profile: LatencyProfile, decodes: int, context: int, chunk_cont
     reads = profile.decode.quadratic_ms * context
 
     def over(t: float) -> float:  # the time of t tokens beside the decodes, less the limit (t may be fractional)
-        curve = mixed_cost(profile, decodes, 1) if t < 1 else mixed_cost(profile, decodes, t)
-        return curve.base_ms(decodes + t) + reads + a * t * t + b * t - limit_ms
+        if t < 1:
+            return mixed_cost(profile, decodes, 1).base_ms(decodes + t) + reads + a * t * t + b * t - limit_ms
+        return mixed_ms(profile, decodes, t) + reads + a * t * t + b * t - limit_ms
 
     curve = mixed_cost(profile, decodes, 1)
     fixed = curve.overhead_ms + reads

@@ -118,8 +118,20 @@ def mixed_cost(p: LatencyProfile, decodes: int, tokens: float) -> StageCost:
     (Sarathi-Serve)."""
     if decodes <= 0 or tokens <= 0:
         return p.prefill if tokens > 0 else p.decode
-    half = (decodes * p.decode.half_units + tokens * p.prefill.half_units) / (decodes + tokens)
-    return dataclasses.replace(p.prefill, half_units=half)
+    return dataclasses.replace(p.prefill, half_units=_mixed_half(p, decodes, tokens))
+
+
+def mixed_ms(p: LatencyProfile, decodes: int, tokens: float) -> float:
+    """`mixed_cost(p, decodes, tokens).base_ms(decodes + tokens)` without building the curve (the engine's and the
+    simulator's per-iteration path)."""
+    if decodes <= 0 or tokens <= 0:
+        return (p.prefill if tokens > 0 else p.decode).base_ms(decodes + tokens)
+    c = p.prefill
+    return c.overhead_ms + max(c.floor_ms, c.per_unit_ms * (decodes + tokens + _mixed_half(p, decodes, tokens)))
+
+
+def _mixed_half(p: LatencyProfile, decodes: int, tokens: float) -> float:
+    return (decodes * p.decode.half_units + tokens * p.prefill.half_units) / (decodes + tokens)
 
 
 def iteration_ms(
@@ -137,7 +149,7 @@ def iteration_ms(
     prefill_tokens = sum(n for n, _ in chunks)
     if prefill_tokens:
         total += (
-            mixed_cost(p, decodes, prefill_tokens).base_ms(decodes + prefill_tokens)
+            mixed_ms(p, decodes, prefill_tokens)
             + p.decode.quadratic_ms * decode_context
             + sum(p.prefill.quadratic_ms * n * (c + n / 2) for n, c in chunks)
         )

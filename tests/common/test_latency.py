@@ -326,3 +326,18 @@ def test_a_few_prompt_tokens_beside_decodes_cost_about_their_rows_and_a_batch_of
     assert times == sorted(times)
     whole = iteration_ms(p, chunks=[(2048, 0)])  # a whole prompt: beside it 50 decodes cost about their rows
     assert whole < iteration_ms(p, decodes=50, chunks=[(2048, 0)]) < whole + 50 * p.prefill.per_unit_ms + 1
+
+
+def test_a_mixed_iterations_time_without_its_curve_is_the_curves_to_the_bit():
+    """`mixed_ms` (the per-iteration path) is `mixed_cost(...).base_ms(...)` without building the curve."""
+    import random
+
+    from common.latency.model import mixed_cost, mixed_ms
+    from common.latency.roofline import load_profile
+
+    rng = random.Random(0)
+    for name in ("H20", "H100"):
+        p = load_profile(name)
+        for _ in range(500):
+            decodes, tokens = rng.choice([0, 1, rng.randrange(1, 300)]), rng.choice([0, 1, rng.uniform(0.5, 9000)])
+            assert mixed_ms(p, decodes, tokens) == mixed_cost(p, decodes, tokens).base_ms(decodes + tokens)
