@@ -24,6 +24,7 @@ other here), and failed workers."""
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import uuid
 
@@ -38,7 +39,7 @@ from services.gateway.mesh.route_client import FAILOVER_POLL_S, wait_for
 from services.routing.book import REFRESH, NoRoute, RouteBook
 from services.routing.reservations import TTL_S, Ledger
 from services.routing.router import REFRESH_S
-from services.worker.runtime import IMPORT_WAIT_S
+from services.worker.runtime import IMPORT_POLL_S, IMPORT_WAIT_S
 from sim.events import Loop
 from sim.switch import Planning, RoleSwitches
 from sim.worker import SimWorker
@@ -66,6 +67,19 @@ class Timeline:
     path: PrefillPath | None = None
     error: str = ""
     done: bool = False
+
+
+@dataclasses.dataclass(eq=False, slots=True)
+class _Import:
+    """Handed-over pages waiting for room at `dest` (the source holds them under `source_id`)."""
+
+    flight: _Flight
+    source: SimWorker
+    dest: SimWorker
+    request: Request
+    kind: str
+    since: float
+    source_id: str
 
 
 @dataclasses.dataclass(slots=True)
@@ -107,6 +121,10 @@ class SimMesh:
         self.heartbeat_s, self.refresh_s = HEARTBEAT_INTERVAL_S / control_scale, REFRESH_S / control_scale
         # the gateway's and the workers' waits, on the host's clock: K× shorter in the hardware's time too
         self.poll_s, self.import_wait_s = FAILOVER_POLL_S / control_scale, IMPORT_WAIT_S / control_scale
+        self.import_poll_s = IMPORT_POLL_S / control_scale
+        # by worker id: handed-over pages waiting for room there, first come first served (`runtime.ImportQueue`)
+        self.imports: dict[str, collections.deque[_Import]] = {w.worker_id: collections.deque() for w in workers}
+        self._import_timers: set[str] = set()
         self.control_scale = control_scale
         self.reservations = Ledger(TTL_S / control_scale)
         self.admitted: dict[str, set[str]] = {w.worker_id: set() for w in workers}  # since its last heartbeat
@@ -233,7 +251,7 @@ class SimMesh:
             decoder = self.workers[plan.decoder.worker_id]
             staged = _staged(request, Stage.DECODE, Stage.DECODE, self.loop.now, flight.emitted[-1:])
             self._sent(request, decoder)
-            self._pull(flight, source, decoder, staged, "kv", self.loop.now, 0.005, source_id)
+            self._pull(flight, source, decoder, staged, "kv", self.loop.now, source_id)
             return
         dedicated = plan.path == PrefillPath.DEDICATED
         target = self.workers[(plan.prefill if dedicated else plan.decoder).worker_id]
@@ -292,6 +310,7 @@ class SimMesh:
                 self._encoded(flight, worker)
             else:
                 self._tokens(flight, worker, out)
+        self._poke_imports(worker)  # (a request that ended here freed its blocks)
 
     def _encoded(self, flight: _Flight, encoder: SimWorker) -> None:
         if flight.waiting_images is None:  # the stage started without them (its cache held their KV)
@@ -301,7 +320,7 @@ class SimMesh:
         target, staged = flight.waiting_images
         flight.waiting_images = None
         source_id = _stage_id(flight.current.request_id, Stage.ENCODE)
-        self._pull(flight, encoder, target, staged, "image", self.loop.now, 0.005, source_id)
+        self._pull(flight, encoder, target, staged, "image", self.loop.now, source_id)
 
     def _tokens(self, flight: _Flight, worker: SimWorker, out: RequestOutput) -> None:
         now, timeline = self.loop.now, flight.timeline
@@ -318,37 +337,71 @@ class SimMesh:
             decoder = self.workers[flight.plan.decoder.worker_id]
             request = _staged(flight.current, Stage.DECODE, Stage.DECODE, now, out.output_token_ids)
             self._sent(request, decoder)
-            self._pull(flight, worker, decoder, request, "kv", now, 0.005, out.request_id)
+            self._pull(flight, worker, decoder, request, "kv", now, out.request_id)
 
-    def _pull(
-        self, flight, source: SimWorker, dest: SimWorker, request: Request, kind: str, since: float, delay, source_id
-    ):
-        """Blocks reserved at `dest` for the pages (waiting for room as a worker does), then the transfer's time,
-        then the request goes on there; the source frees its copy (held under its engine id there, `source_id`)."""
-        if _refuses(dest, request):  # it left the mesh, or came back with other roles: the pages are let go of
-            source.engine.pages.release(source_id)
-            source.kick()
-            self._refused(flight, dest)
+    def _pull(self, flight, source: SimWorker, dest: SimWorker, request: Request, kind: str, since: float, source_id):
+        """Blocks reserved at `dest` for the pages — at once when none wait before them there and there is room, else
+        in turn, as a worker's `ImportQueue` gives them — then the transfer's time, then the request goes on there;
+        the source frees its copy (held under its engine id there, `source_id`)."""
+        waiting = _Import(flight, source, dest, request, kind, since, source_id)
+        queue = self.imports[dest.worker_id]
+        if not queue and self._import(waiting):
             return
+        queue.append(waiting)
+        self.loop.after(since + self.import_wait_s - self.loop.now, self._import_expired, waiting)
+        self._arm_imports(dest)
+
+    def _import(self, w: _Import) -> bool:
+        """Try `w`'s blocks; False while there is no room (it waits)."""
+        if _refuses(w.dest, w.request):  # it left the mesh, or came back with other roles: the pages are let go of
+            w.source.engine.pages.release(w.source_id)
+            w.source.kick()
+            self._refused(w.flight, w.dest)
+            return True
         try:
-            _, blocks, tokens = dest.engine.pages.reserve_import(request)
+            _, blocks, tokens = w.dest.engine.pages.reserve_import(w.request)
         except NoRoomForPages:
-            if self.loop.now + delay > since + self.import_wait_s:  # NoRoomForPages: the gateway routes it again
-                source.engine.pages.release(source_id)
-                source.kick()
-                self._no_room(flight)
-                return
-            self.loop.after(
-                delay, self._pull, flight, source, dest, request, kind, since, min(2 * delay, 0.1), source_id
-            )
-            return
+            return False
         except RequestRejected as e:
-            source.engine.pages.release(source_id)
-            self._end(flight, str(e))
-            return
+            w.source.engine.pages.release(w.source_id)
+            self._end(w.flight, str(e))
+            return True
         self.loop.after(
-            dest.engine.transfer_delay_s(kind, tokens), self._pulled, source, dest, request, blocks, source_id
+            w.dest.engine.transfer_delay_s(w.kind, tokens),
+            self._pulled,
+            w.source,
+            w.dest,
+            w.request,
+            blocks,
+            w.source_id,
         )
+        return True
+
+    def _poke_imports(self, dest: SimWorker) -> None:
+        """Blocks may have been freed at `dest`: the first in line tries, and each after it while they fit."""
+        queue = self.imports[dest.worker_id]
+        while queue and self._import(queue[0]):
+            queue.popleft()
+
+    def _arm_imports(self, dest: SimWorker) -> None:
+        if dest.worker_id not in self._import_timers:
+            self._import_timers.add(dest.worker_id)
+            self.loop.after(self.import_poll_s, self._import_tick, dest)
+
+    def _import_tick(self, dest: SimWorker) -> None:
+        self._import_timers.discard(dest.worker_id)
+        self._poke_imports(dest)
+        if self.imports[dest.worker_id]:
+            self._arm_imports(dest)
+
+    def _import_expired(self, w: _Import) -> None:
+        """Its wait is over without room (NoRoomForPages): the gateway routes it again."""
+        queue = self.imports[w.dest.worker_id]
+        if w in queue:
+            queue.remove(w)
+            w.source.engine.pages.release(w.source_id)
+            w.source.kick()
+            self._no_room(w.flight)
 
     def _pulled(self, source: SimWorker, dest: SimWorker, request: Request, blocks: list[int], source_id: str) -> None:
         pages = source.engine.pages
@@ -356,6 +409,7 @@ class SimMesh:
         dest.engine.pages.cache(kind).write_blocks(blocks, pages.cache(kind).read_blocks(held, tokens))
         pages.release(source_id)
         source.kick()
+        self._poke_imports(source)
         dest.add(request, preloaded=True)
 
     def _refused(self, flight: _Flight, worker: SimWorker) -> None:

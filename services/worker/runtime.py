@@ -14,6 +14,7 @@ Life of a request in a worker:
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import logging
 import time
@@ -32,6 +33,7 @@ from services.encoder.awaited import AwaitedEncodes
 from services.errors import NotHeld, ShuttingDown
 
 IMPORT_WAIT_S = 10.0  # how long handed-over pages wait for cache room here (other requests free theirs as they run)
+IMPORT_POLL_S = 0.1  # while pages wait for room, the first in line tries again this often (and whenever blocks free)
 ACK_DELAY_S = 0.002  # pulled pages are acked this long after (the source frees them then; its lease holds them)
 KV_PRESSURE = 0.1  # free KV blocks under this share of the cache: freeing some is worth a heartbeat at once
 
@@ -73,6 +75,10 @@ class WorkerRuntime:
         self.in_flight = 0
         self.admitted: set[str] = set()
         self._background: set[asyncio.Task] = set()
+        self.imports = ImportQueue(
+            lambda r: self.engine.now(lambda e: e.pages.reserve_import(r)),  # not after the step under way
+            lambda r: self.engine.now(lambda e: e.pages.cancel_import(r.request_id)),
+        )
 
     @property
     def roles(self) -> frozenset[Stage]:
@@ -211,20 +217,7 @@ class WorkerRuntime:
         burst queues instead of failing), up to IMPORT_WAIT_S and never past the source's lease; then
         NoRoomForPages (the gateway answers 503 + Retry-After)."""
         deadline = min(time.time() + IMPORT_WAIT_S, handle.lease_expiry - 1.0)
-        delay, said = 0.005, False
-        while True:
-            try:
-                return self.engine.now(lambda e: e.pages.reserve_import(request))  # not after the step under way
-            except NoRoomForPages as e:
-                if time.time() + delay > deadline:
-                    raise
-                if not said:  # once per request, not once per poll
-                    log.info(
-                        "request %s waits up to %.1f s for room here: %s", request.request_id, deadline - time.time(), e
-                    )
-                    said = True
-            await asyncio.sleep(delay)
-            delay = min(2 * delay, 0.1)
+        return await self.imports.take(request, deadline)
 
     async def _run_to_handoff(self, request: Request, preloaded: bool = False) -> RequestOutput:
         last = None
@@ -288,6 +281,7 @@ class WorkerRuntime:
         return True
 
     def _note_freed(self) -> None:
+        self.imports.poke()
         if self._pressed:
             self.freed.set()
 
@@ -411,3 +405,79 @@ class WorkerRuntime:
 def wall_ns(monotonic_s: float) -> int:
     """A time.monotonic() reading as wall-clock nanoseconds (what span timestamps are)."""
     return time.time_ns() - int((time.monotonic() - monotonic_s) * 1e9)
+
+
+class ImportQueue:
+    """Handed-over pages waiting for KV room here, first come first served. The first in line tries again whenever
+    blocks are freed here (`poke`: a request ended, a lease was released) and every IMPORT_POLL_S besides; the rest
+    wait their turn without trying (a burst of hundreds polling each would cost the decoder's loop, and its engine's
+    lock, work in proportion to the queue). `reserve(request)` reserves the blocks or raises NoRoomForPages;
+    `cancel(request)` gives back blocks reserved for a request that stopped waiting at that very moment."""
+
+    def __init__(self, reserve: Callable[[Request], tuple], cancel: Callable[[Request], None]):
+        self._reserve, self._cancel = reserve, cancel
+        self._waiting: collections.deque[tuple[Request, asyncio.Future]] = collections.deque()
+        self._timer: asyncio.TimerHandle | None = None
+
+    def __len__(self) -> int:
+        return len(self._waiting)
+
+    async def take(self, request: Request, deadline: float) -> tuple:
+        """The blocks' reservation, at once when none waits before it and there is room, else in turn; NoRoomForPages
+        at `deadline` (unix seconds) if its turn found no room by then."""
+        if not self._waiting:
+            try:
+                return self._reserve(request)
+            except NoRoomForPages as e:
+                if time.time() >= deadline:
+                    raise
+                why = str(e)
+        else:
+            why = f"{len(self._waiting)} handed-over requests wait before it"
+        log.info("request %s waits up to %.1f s for room here: %s", request.request_id, deadline - time.time(), why)
+        turn = asyncio.get_running_loop().create_future()
+        entry = (request, turn)
+        self._waiting.append(entry)
+        self._arm()
+        try:
+            await asyncio.wait([turn], timeout=max(0.0, deadline - time.time()))
+        except BaseException:  # its caller gone: blocks reserved for it meanwhile go back
+            if turn.done() and not turn.cancelled() and turn.exception() is None:
+                self._cancel(request)
+            raise
+        finally:
+            with contextlib.suppress(ValueError):
+                self._waiting.remove(entry)
+            if not turn.done():
+                turn.cancel()
+        if turn.cancelled():  # its wait is over: a last try, which says why there is no room
+            return self._reserve(request)
+        return turn.result()
+
+    def poke(self) -> None:
+        """Blocks may have been freed: the first in line tries, and each one after it while they fit."""
+        while self._waiting:
+            request, turn = self._waiting[0]
+            if turn.done():
+                self._waiting.popleft()
+                continue
+            try:
+                reserved = self._reserve(request)
+            except NoRoomForPages:
+                break
+            except Exception as e:  # refused outright (a duplicate id, no longer this worker's role…): its own error
+                self._waiting.popleft()
+                turn.set_exception(e)
+                continue
+            self._waiting.popleft()
+            turn.set_result(reserved)
+
+    def _arm(self) -> None:
+        if self._timer is None:
+            self._timer = asyncio.get_running_loop().call_later(IMPORT_POLL_S, self._tick)
+
+    def _tick(self) -> None:
+        self._timer = None
+        self.poke()
+        if self._waiting:
+            self._arm()

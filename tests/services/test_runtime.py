@@ -2,6 +2,7 @@
 logic alone — leases granted, pulled, acked once, freed; a source that vanished fails the pull cleanly."""
 
 import asyncio
+import time
 
 import pytest
 
@@ -245,3 +246,55 @@ def test_a_prefill_sent_again_frees_its_earlier_attempts_unpulled_kv_first(tiny_
     first, again, leases = asyncio.run(main())
     assert list(again.first.token_ids) == list(first.first.token_ids) and again.HasField("kv_pages")
     assert leases == 1  # the new attempt's lease alone
+
+
+def test_pages_waiting_for_room_are_served_first_come_first_served_and_only_the_first_tries():
+    """`ImportQueue`: the first in line tries when blocks are freed (`poke`), the rest wait without trying; room for
+    one goes to the oldest; a wait that runs out ends in the engine's NoRoomForPages; a waiter whose caller left just
+    as its blocks were reserved gives them back."""
+    from common.engine.engine import NoRoomForPages
+    from services.worker.runtime import ImportQueue
+
+    room, tries, cancelled = [0], [], []
+
+    def reserve(request):
+        tries.append(request.request_id)
+        if room[0] <= 0:
+            raise NoRoomForPages("no free KV blocks")
+        room[0] -= 1
+        return ("kv", [room[0]], 16)
+
+    def req(rid):
+        return Request(rid, [1, 2, 3], SamplingParams(max_tokens=4))
+
+    async def main():
+        queue = ImportQueue(reserve, lambda r: cancelled.append(r.request_id))
+        far = time.time() + 30
+        waiters = [asyncio.create_task(queue.take(req(f"r{i}"), far)) for i in range(3)]
+        await asyncio.sleep(0)
+        assert len(queue) == 3 and tries == ["r0"]  # the first tried at once; the others queued behind it untried
+        tries.clear()
+        room[0] = 1
+        queue.poke()
+        assert tries == ["r0", "r1"]  # r0 got the room, r1 tried next and found none; r2 never tried
+        assert (await waiters[0])[0] == "kv" and len(queue) == 2
+        late = asyncio.create_task(queue.take(req("late"), time.time() + 0.05))
+        with pytest.raises(NoRoomForPages, match="no free KV blocks"):
+            await late  # its wait ran out: the engine's own refusal
+        room[0] = 1
+        queue.poke()
+        waiters[2].cancel()  # r2's caller leaves: it never got blocks, nothing to give back
+        assert (await waiters[1])[0] == "kv"
+        with pytest.raises(asyncio.CancelledError):
+            await waiters[2]
+        assert cancelled == [] and len(queue) == 0
+        gone = asyncio.create_task(queue.take(req("gone"), far))
+        await asyncio.sleep(0)
+        room[0] = 1
+        queue.poke()  # its blocks are reserved, and its caller is cancelled before it runs again
+        gone.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await gone
+        assert cancelled == ["gone"]
+
+    asyncio.run(main())
