@@ -49,7 +49,9 @@ from bench.goodput_report import add_bound, finish, instances_of, replot  # noqa
 from bench.workloads import (  # noqa: E402
     SHAPES,
     WORKLOADS,
+    TracePhase,
     arrivals,
+    phase_means,
     phase_sizes,
     phased_bodies,
     phases_of,
@@ -272,14 +274,16 @@ def workload_of(workload: str, calibrate, model: str, args) -> tuple:
     `conversation` is planned on the server's own tokenizer (`bench/conversation.py`): `calibrate()` gives its
     `Vocabulary`."""
     scale = trace_scale_of(workload, args.trace_scale)
-    phases = phases_of(workload)
+    phases = phases_of(workload, args.trace_scale)
     if phases:
+        vocab = calibrate() if any(isinstance(p, TracePhase) for p in phases) else None
         weights = [size / args.num_prompts for size in phase_sizes(args.num_prompts, len(phases))]
+        means = phase_means(phases, args.num_prompts, args.seed, vocab)
         return (
-            lambda variant: phased_bodies(phases, args.num_prompts, model, seed=args.seed, variant=variant),
+            lambda variant: phased_bodies(phases, args.num_prompts, model, args.seed, variant, vocab),
             {
-                "output_tokens": sum(w * s.output_tokens for w, s in zip(weights, phases)),
-                "images_per_request": sum(w * s.images for w, s in zip(weights, phases)),
+                "output_tokens": sum(w * out for w, (out, _) in zip(weights, means)),
+                "images_per_request": sum(w * images for w, (_, images) in zip(weights, means)),
                 "phases": [s.name for s in phases],
             },
         )
@@ -407,7 +411,7 @@ def parse_args(argv=None, prog: str = "epdmesh bench goodput", description: str 
         help=f"comma-separated: {', '.join(WORKLOADS)} (conversation: "
         "the trace's own lengths and shared prefixes, bench/conversation.py; conversation/8: with its "
         "own --trace-scale, so one launch can sweep two; document>detail>document: a load that shifts, the "
-        "requests in equal runs of those shapes, bench/workloads.phases_of)",
+        "requests in equal runs of those shapes, conversation[/N] among them, bench/workloads.phases_of)",
     )
     p.add_argument(
         "--trace-scale",

@@ -203,27 +203,82 @@ WORKLOADS = (*SHAPES, "conversation")  # conversation: bench/conversation.py
 TRACE_BLOCK_TOKENS = 512  # the Mooncake trace's hash ids each stand for this many prompt tokens
 
 
-def phases_of(workload: str) -> list[Shape] | None:
-    """A load that shifts between dataset shapes, `document>detail>document`: the requests in that many equal runs,
-    one shape each, in that order (the arrivals are the workload's as any other's, so each phase lasts its share
-    of the point's time); None for any other workload. Raises ValueError naming an unknown shape."""
+@dataclasses.dataclass(frozen=True, slots=True)
+class TracePhase:
+    """A phase of the `conversation` workload in a shifting load: the Mooncake trace's requests, lengths ÷ `scale`
+    (`bench/conversation.py`; the phase's own window of the trace)."""
+
+    scale: int
+
+    @property
+    def name(self) -> str:
+        return f"conversation/{self.scale}"
+
+
+Phase = Shape | TracePhase
+
+
+def phases_of(workload: str, trace_scale: int = 16) -> list[Phase] | None:
+    """A load that shifts between dataset shapes, `document>detail>document`, or between a shape and the
+    `conversation` workload (`conversation>detail>conversation`; `conversation/N` names its trace scale, plain
+    `conversation` takes `trace_scale`): the requests in that many equal runs, one shape each, in that order (the
+    arrivals are the workload's as any other's, so each phase lasts its share of the point's time); None for any
+    other workload. Raises ValueError naming an unknown shape."""
     if ">" not in workload:
         return None
-    names = [n.strip() for n in workload.split(">")]
-    for name in names:
-        if name not in SHAPES:
-            raise ValueError(f"{workload!r}: each phase is a dataset shape ({', '.join(SHAPES)}); got {name!r}")
-    return [SHAPES[n] for n in names]
+    out: list[Phase] = []
+    for name in (n.strip() for n in workload.split(">")):
+        base, slash, scale = name.partition("/")
+        if base == "conversation":
+            value = int(scale) if scale.isdigit() else 0 if slash else trace_scale
+            if value < 1 or TRACE_BLOCK_TOKENS % value:
+                raise ValueError(f"{workload!r}: the trace scale must divide {TRACE_BLOCK_TOKENS}; got {name!r}")
+            out.append(TracePhase(value))
+        elif name in SHAPES:
+            out.append(SHAPES[name])
+        else:
+            raise ValueError(
+                f"{workload!r}: each phase is a dataset shape ({', '.join(SHAPES)}) or conversation[/N]; got {name!r}"
+            )
+    return out
 
 
-def phased_bodies(phases: list[Shape], n: int, model: str, seed: int = 0, variant: int = 0) -> list[dict]:
+def phased_bodies(
+    phases: list[Phase], n: int, model: str, seed: int = 0, variant: int = 0, vocab=None
+) -> list[dict]:
     """`n` request bodies in len(phases) consecutive runs (sizes within one of each other), each run the bodies of
-    its shape (`request_bodies`) with its own prompts and pictures — a shape met again is not a cache hit."""
+    its shape (`request_bodies`) with its own prompts and pictures — a shape met again is not a cache hit; a
+    conversation phase's run is its own window of the trace (`conversation.plan`; `vocab`: the server's
+    `conversation.Vocabulary`, needed only then)."""
     return [
         body
-        for i, (shape, size) in enumerate(zip(phases, phase_sizes(n, len(phases))))
-        for body in request_bodies(shape, size, model, seed=seed * len(phases) + i, variant=variant)
+        for i, (phase, size) in enumerate(zip(phases, phase_sizes(n, len(phases))))
+        for body in _phase_bodies(phase, size, model, seed * len(phases) + i, variant, vocab)
     ]
+
+
+def phase_means(phases: list[Phase], n: int, seed: int = 0, vocab=None) -> list[tuple[float, float]]:
+    """(output tokens, images) per request of each phase's run, as `phased_bodies` makes them."""
+    from bench import conversation
+
+    out = []
+    for i, (phase, size) in enumerate(zip(phases, phase_sizes(n, len(phases)))):
+        if isinstance(phase, TracePhase):
+            planned = conversation.plan(size, seed * len(phases) + i, vocab, phase.scale)
+            out.append((statistics.fmean(p.output_tokens for p in planned), 1.0))
+        else:
+            out.append((float(phase.output_tokens), float(phase.images)))
+    return out
+
+
+def _phase_bodies(phase: Phase, size: int, model: str, seed: int, variant: int, vocab) -> list[dict]:
+    if not isinstance(phase, TracePhase):
+        return request_bodies(phase, size, model, seed=seed, variant=variant)
+    from bench import conversation
+
+    if vocab is None:
+        raise ValueError("a conversation phase needs the server's vocabulary (conversation.calibrate)")
+    return conversation.request_bodies(conversation.plan(size, seed, vocab, phase.scale), vocab, model, seed, variant)
 
 
 def phase_sizes(n: int, phases: int) -> list[int]:
