@@ -243,9 +243,7 @@ def phases_of(workload: str, trace_scale: int = 16) -> list[Phase] | None:
     return out
 
 
-def phased_bodies(
-    phases: list[Phase], n: int, model: str, seed: int = 0, variant: int = 0, vocab=None
-) -> list[dict]:
+def phased_bodies(phases: list[Phase], n: int, model: str, seed: int = 0, variant: int = 0, vocab=None) -> list[dict]:
     """`n` request bodies in len(phases) consecutive runs (sizes within one of each other), each run the bodies of
     its shape (`request_bodies`) with its own prompts and pictures — a shape met again is not a cache hit; a
     conversation phase's run is its own window of the trace (`conversation.plan`; `vocab`: the server's
