@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import heapq
 import itertools
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 
 class Loop:
@@ -22,10 +23,27 @@ class Loop:
 
     def run(self, until: Callable[[], bool] | None = None) -> None:
         """Run callbacks until none is left, or `until()` says so (checked after each)."""
-        while self._heap:
-            when, _, fn, args = heapq.heappop(self._heap)
-            self.now = when
-            self.events += 1
-            fn(*args)
-            if until is not None and until():
-                return
+        with one_torch_thread():
+            while self._heap:
+                when, _, fn, args = heapq.heappop(self._heap)
+                self.now = when
+                self.events += 1
+                fn(*args)
+                if until is not None and until():
+                    return
+
+
+@contextlib.contextmanager
+def one_torch_thread() -> Iterator[None]:
+    """torch's intra-op threads set to one meanwhile, then back. A simulated mesh's tensors are the emulated
+    engine's small caches (a page pull copies a few hundred KiB): split over threads, each copy waits for the
+    slowest, and with another process on the cores (`epdmesh plan --jobs 2`, two runs side by side) a thread
+    descheduled for a time slice made a 160 KiB copy take ~12 ms instead of 0.05."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)

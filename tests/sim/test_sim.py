@@ -45,6 +45,21 @@ def prompts_of(setup: Setup, n: int, variant: int = 1):
     return [setup.prompt(b) for b in request_bodies(SHAPES["textcaps"], n, setup.model, seed=0, variant=variant)]
 
 
+def test_the_loop_runs_its_callbacks_on_one_torch_thread_and_gives_the_threads_back():
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        seen, loop = [], Loop()
+        loop.at(0.5, lambda: seen.append(torch.get_num_threads()))
+        loop.at(0.1, lambda: seen.append(loop.now))
+        loop.run()
+        assert seen == [0.1, 1] and loop.now == 0.5 and torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_a_request_alone_takes_the_profiles_times_through_encode_prefill_and_decode(emulated_dir):
     """E1+P1+D1, one request: its encode iteration, the image pages' transfer, its prefill iteration (the first
     token), the KV pages' transfer, then one decode iteration per token — each as long as the profile predicts."""
