@@ -232,7 +232,7 @@ def main(argv=None) -> int:
     prompts, loads, bounds = {}, {}, {}
     for workload in args.workloads:
         args.num_prompts = SAMPLE  # the bound from a sample, then as many requests as a run at the bound sends
-        loads[workload], bounds[workload] = _load_and_bound(workload, probe, hardware, args)
+        loads[workload], bounds[workload] = load_and_bound(workload, probe, hardware, args)
         args.num_prompts = max(SAMPLE, math.ceil(bounds[workload] * args.duration))
         bodies_of, _ = workload_of(workload, lambda: conversation.calibrate_with(probe.count_tokens), probe.model, args)
         made = iter([probe.prompt(body) for body in bodies_of(0)])
@@ -278,7 +278,7 @@ def main(argv=None) -> int:
         for result in _searched(jobs, prompts, args.jobs):
             (baselines if "baseline" in result else results)[result["workload"]].append(result)
             bar.update(1)
-    kv_tokens = _decoder_kv_tokens(probe)
+    kv_tokens = decoder_kv_tokens(probe)
     report = {
         "backend": f"simulated: emulated engine on {Path(args.profile).stem}, simulated time",
         "instances": args.instances,
@@ -317,7 +317,7 @@ def main(argv=None) -> int:
     return 0
 
 
-def _decoder_kv_tokens(setup: Setup) -> int:
+def decoder_kv_tokens(setup: Setup) -> int:
     """The KV tokens one worker's cache holds (every worker of a simulated mesh has the same)."""
     from sim.events import Loop
 
@@ -337,7 +337,7 @@ def _searched(jobs: list[dict], prompts: dict[str, list], processes: int):
         yield from pool.map(goodput_search, jobs, chunksize=1)
 
 
-def _load_and_bound(workload: str, probe: Setup, hardware, args) -> tuple[placement.StageLoad, float]:
+def load_and_bound(workload: str, probe: Setup, hardware, args) -> tuple[placement.StageLoad, float]:
     """The workload's stage loads, and its goodput bound on N instances: a conversation's requests each without
     the prefix an earlier one shares with it (nor its image then), as `bench goodput` bounds them."""
     bodies_of, meta = workload_of(workload, lambda: conversation.calibrate_with(probe.count_tokens), probe.model, args)

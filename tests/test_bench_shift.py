@@ -72,3 +72,23 @@ def test_attainment_is_counted_per_phase_and_window(tmp_path):
     }
     plot(report, tmp_path / "shift.png")
     assert (tmp_path / "shift.png").stat().st_size > 10_000
+
+
+def test_the_shift_screen_prices_a_planner_only_where_the_phases_need_opposite_splits():
+    from bench.shift_screen import capacity, screen, splits
+
+    assert len(splits(4)) == 2 * 3 + 3  # EP·+D· and ED·+P· three ways each, E·+P·+D· three ways
+    prefill_heavy = {"encode": 0.01, "prefill": 0.2, "decode": 0.01}  # instance-seconds per request
+    decode_heavy = {"encode": 0.01, "prefill": 0.05, "decode": 0.3}
+    assert capacity(("EP+D", (3, 1)), prefill_heavy) == pytest.approx(min(3 / 0.21, 1 / 0.01))
+    assert capacity(("E+P+D", (1, 2, 1)), decode_heavy) == pytest.approx(min(1 / 0.01, 2 / 0.05, 1 / 0.3))
+    rows = {r["shift"]: r for r in screen({"a": prefill_heavy, "b": decode_heavy, "a2": dict(prefill_heavy)}, 4)}
+    opposite, alike = rows["a>b>a"], rows["a>a2>a"]
+    assert opposite["ratio"] > 1.2 and alike["ratio"] == pytest.approx(1.0)
+    assert opposite["best_split"] == {"a": "ED1+P3", "b": "EP1+D3"}  # 15 and 10 req/s
+    # the planner is held by the weaker phase at its best split; the static split by one split for both
+    assert opposite["planner"] == pytest.approx(10.0)
+    assert opposite["static"] == pytest.approx(
+        max(min(capacity(s, prefill_heavy), capacity(s, decode_heavy)) for s in splits(4))
+    )
+    assert opposite["static"] < opposite["planner"]
