@@ -51,8 +51,7 @@ from bench.workloads import (  # noqa: E402
     WORKLOADS,
     TracePhase,
     arrivals,
-    phase_means,
-    phase_sizes,
+    phase_runs,
     phased_bodies,
     phases_of,
     request_bodies,
@@ -277,14 +276,25 @@ def workload_of(workload: str, calibrate, model: str, args) -> tuple:
     phases = phases_of(workload, args.trace_scale)
     if phases:
         vocab = calibrate() if any(isinstance(p, TracePhase) for p in phases) else None
-        weights = [size / args.num_prompts for size in phase_sizes(args.num_prompts, len(phases))]
-        means = phase_means(phases, args.num_prompts, args.seed, vocab)
+
+        def trace_run(phase: TracePhase, size: int, seed: int, variant: int) -> list[dict]:
+            return conversation.request_bodies(
+                conversation.plan(size, seed, vocab, phase.scale), vocab, model, seed, variant
+            )
+
+        runs = phase_runs(phases, args.num_prompts, args.seed)
+        outputs = [
+            statistics.fmean(q.output_tokens for q in conversation.plan(size, seed, vocab, p.scale)) * size
+            if isinstance(p, TracePhase)
+            else p.output_tokens * size
+            for p, size, seed in runs
+        ]
         return (
-            lambda variant: phased_bodies(phases, args.num_prompts, model, args.seed, variant, vocab),
+            lambda variant: phased_bodies(phases, args.num_prompts, model, args.seed, variant, trace_run),
             {
-                "output_tokens": sum(w * out for w, (out, _) in zip(weights, means)),
-                "images_per_request": sum(w * images for w, (_, images) in zip(weights, means)),
-                "phases": [s.name for s in phases],
+                "output_tokens": sum(outputs) / args.num_prompts,
+                "images_per_request": sum(p.images * size for p, size, _ in runs) / args.num_prompts,
+                "phases": [p.name for p in phases],
             },
         )
     if scale is None:

@@ -209,6 +209,7 @@ class TracePhase:
     (`bench/conversation.py`; the phase's own window of the trace)."""
 
     scale: int
+    images = 1  # per request: its conversation's picture
 
     @property
     def name(self) -> str:
@@ -243,40 +244,30 @@ def phases_of(workload: str, trace_scale: int = 16) -> list[Phase] | None:
     return out
 
 
-def phased_bodies(phases: list[Phase], n: int, model: str, seed: int = 0, variant: int = 0, vocab=None) -> list[dict]:
-    """`n` request bodies in len(phases) consecutive runs (sizes within one of each other), each run the bodies of
-    its shape (`request_bodies`) with its own prompts and pictures — a shape met again is not a cache hit; a
-    conversation phase's run is its own window of the trace (`conversation.plan`; `vocab`: the server's
-    `conversation.Vocabulary`, needed only then)."""
+def phase_runs(phases: list[Phase], n: int, seed: int = 0) -> list[tuple[Phase, int, int]]:
+    """(phase, requests, seed) of each of the `n` requests' runs: sizes within one of each other (`phase_sizes`), each
+    run its own seed — a shape met again is not a cache hit, a conversation phase is its own window of the trace."""
     return [
-        body
+        (phase, size, seed * len(phases) + i)
         for i, (phase, size) in enumerate(zip(phases, phase_sizes(n, len(phases))))
-        for body in _phase_bodies(phase, size, model, seed * len(phases) + i, variant, vocab)
     ]
 
 
-def phase_means(phases: list[Phase], n: int, seed: int = 0, vocab=None) -> list[tuple[float, float]]:
-    """(output tokens, images) per request of each phase's run, as `phased_bodies` makes them."""
-    from bench import conversation
-
+def phased_bodies(
+    phases: list[Phase], n: int, model: str, seed: int = 0, variant: int = 0, trace_run=None
+) -> list[dict]:
+    """`n` request bodies in len(phases) consecutive runs (`phase_runs`), each run the bodies of its shape
+    (`request_bodies`) with its own prompts and pictures; a conversation phase's run is `trace_run(phase, requests,
+    seed, variant)` (`bench/conversation.py`'s, which needs the server's vocabulary)."""
     out = []
-    for i, (phase, size) in enumerate(zip(phases, phase_sizes(n, len(phases)))):
-        if isinstance(phase, TracePhase):
-            planned = conversation.plan(size, seed * len(phases) + i, vocab, phase.scale)
-            out.append((statistics.fmean(p.output_tokens for p in planned), 1.0))
+    for phase, size, run_seed in phase_runs(phases, n, seed):
+        if not isinstance(phase, TracePhase):
+            out += request_bodies(phase, size, model, seed=run_seed, variant=variant)
+        elif trace_run is None:
+            raise ValueError("a conversation phase needs the server's vocabulary (bench/conversation.py)")
         else:
-            out.append((float(phase.output_tokens), float(phase.images)))
+            out += trace_run(phase, size, run_seed, variant)
     return out
-
-
-def _phase_bodies(phase: Phase, size: int, model: str, seed: int, variant: int, vocab) -> list[dict]:
-    if not isinstance(phase, TracePhase):
-        return request_bodies(phase, size, model, seed=seed, variant=variant)
-    from bench import conversation
-
-    if vocab is None:
-        raise ValueError("a conversation phase needs the server's vocabulary (conversation.calibrate)")
-    return conversation.request_bodies(conversation.plan(size, seed, vocab, phase.scale), vocab, model, seed, variant)
 
 
 def phase_sizes(n: int, phases: int) -> list[int]:

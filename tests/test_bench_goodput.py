@@ -123,28 +123,30 @@ def test_a_shifting_load_takes_the_conversation_workload_as_a_phase_with_a_trace
 
     from bench import conversation
     from bench.goodput import workload_of
-    from bench.workloads import TracePhase, phased_bodies, phases_of
+    from bench.workloads import TracePhase, phase_runs, phased_bodies, phases_of
 
     vocab = conversation.Vocabulary(("a", "b", "c", "d", "e", "f", "g", "h"), chat_tokens=100, max_model_len=4096)
     phases = phases_of("conversation>detail>conversation/8", trace_scale=32)
     assert phases == [TracePhase(32), SHAPES["detail"], TracePhase(8)]
     assert [p.name for p in phases] == ["conversation/32", "detail", "conversation/8"]
+    assert phase_runs(phases, 9, seed=2) == [(TracePhase(32), 3, 6), (SHAPES["detail"], 3, 7), (TracePhase(8), 3, 8)]
     with pytest.raises(ValueError, match="must divide 512"):
         phases_of("conversation/3>detail")
     with pytest.raises(ValueError, match="vocabulary"):
         phased_bodies(phases, 9, "m")
-    bodies = phased_bodies(phases, 9, "m", seed=2, vocab=vocab)
-    first, third = bodies[:3], bodies[6:]
-    assert [b["max_tokens"] for b in bodies[3:6]] == [384] * 3
-    # each conversation run is the trace window its own seed picks, at its own scale (÷32: 16-token blocks)
-    for run, seed, scale in ((first, 2 * 3, 32), (third, 2 * 3 + 2, 8)):
-        planned = conversation.plan(3, seed, vocab, scale)
-        assert [b["max_tokens"] for b in run] == [p.output_tokens for p in planned]
-        assert run == conversation.request_bodies(planned, vocab, "m", seed, 0)
     args = argparse.Namespace(trace_scale=32, num_prompts=9, seed=2)
     bodies_of, meta = workload_of("conversation>detail>conversation/8", lambda: vocab, "m", args)
-    assert bodies_of(0) == bodies and meta["phases"] == ["conversation/32", "detail", "conversation/8"]
+    bodies = bodies_of(1)
+    first, third = bodies[:3], bodies[6:]
+    assert bodies[3:6] == phased_bodies([SHAPES["detail"]] * 3, 9, "m", seed=2, variant=1)[3:6]  # the run's seed, 7
+    # each conversation run is the trace window its own seed picks, at its own scale (÷32: 16-token blocks)
+    for run, seed, scale in ((first, 6, 32), (third, 8, 8)):
+        planned = conversation.plan(3, seed, vocab, scale)
+        assert [b["max_tokens"] for b in run] == [p.output_tokens for p in planned]
+        assert run == conversation.request_bodies(planned, vocab, "m", seed, 1)
+    assert meta["phases"] == ["conversation/32", "detail", "conversation/8"]
     assert meta["output_tokens"] == pytest.approx(sum(b["max_tokens"] for b in bodies) / 9)
+    assert meta["images_per_request"] == 1
 
 
 def test_each_configuration_is_measured_against_the_bound_of_its_instances(tmp_path):
