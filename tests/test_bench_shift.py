@@ -92,3 +92,30 @@ def test_the_shift_screen_prices_a_planner_only_where_the_phases_need_opposite_s
         max(min(capacity(s, prefill_heavy), capacity(s, decode_heavy)) for s in splits(4))
     )
     assert opposite["static"] < opposite["planner"]
+
+
+def test_a_planners_runs_spread_over_its_phases_and_the_median_run_is_reported(monkeypatch):
+    import types
+
+    from bench import shift
+    from bench.shift import planner_phases, simulate_phases
+
+    assert planner_phases(0.0, 5, planned=True) == [0.0, 0.2, 0.4, 0.6, 0.8]
+    assert planner_phases(0.5, 4, planned=True) == [0.5, 0.75, 0.0, 0.25]
+    assert planner_phases(0.3, 5, planned=False) == [0.3]  # no planner: nothing to place, one run
+    by_phase = {0.0: 0.9, 0.25: 0.5, 0.5: 0.7, 0.75: 0.95}
+    seen = []
+
+    def fake(serve_args, phases, args, phase):
+        seen.append(phase)
+        return {"attainment": by_phase[phase], "by_phase": [{"attainment": by_phase[phase]}]}
+
+    monkeypatch.setattr(shift, "simulate_config", fake)
+    args = types.SimpleNamespace(planner_phase=0.0, planner_phases=4)
+    median = simulate_phases(["--topology", "EP7+D1", "--planner"], [], args)
+    assert seen == [0.0, 0.25, 0.5, 0.75]
+    assert median["attainment"] == 0.7 and median["planner_phase"] == 0.5  # the lower middle of four
+    assert [r["attainment"] for r in median["planner_phases"]] == [0.9, 0.5, 0.7, 0.95]
+    seen.clear()
+    alone = simulate_phases(["--topology", "EP7+D1"], [], args)
+    assert seen == [0.0] and "planner_phases" not in alone
