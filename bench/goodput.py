@@ -276,17 +276,16 @@ def workload_of(workload: str, calibrate, model: str, args) -> tuple:
     phases = phases_of(workload, args.trace_scale)
     if phases:
         vocab = calibrate() if any(isinstance(p, TracePhase) for p in phases) else None
+        runs = phase_runs(phases, args.num_prompts, args.seed)
+        planned = {  # each conversation run's requests, planned once (the variant changes only words and images)
+            seed: conversation.plan(size, seed, vocab, p.scale) for p, size, seed in runs if isinstance(p, TracePhase)
+        }
 
         def trace_run(phase: TracePhase, size: int, seed: int, variant: int) -> list[dict]:
-            return conversation.request_bodies(
-                conversation.plan(size, seed, vocab, phase.scale), vocab, model, seed, variant
-            )
+            return conversation.request_bodies(planned[seed], vocab, model, seed, variant)
 
-        runs = phase_runs(phases, args.num_prompts, args.seed)
         outputs = [
-            statistics.fmean(q.output_tokens for q in conversation.plan(size, seed, vocab, p.scale)) * size
-            if isinstance(p, TracePhase)
-            else p.output_tokens * size
+            sum(q.output_tokens for q in planned[seed]) if isinstance(p, TracePhase) else p.output_tokens * size
             for p, size, seed in runs
         ]
         return (

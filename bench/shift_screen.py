@@ -55,22 +55,29 @@ def label(split: tuple[str, tuple[int, ...]]) -> str:
     return "+".join(f"{pool}{n}" for pool, n in zip(kind.split("+"), sizes))
 
 
-def screen(seconds: dict[str, dict[str, float]], n: int) -> list[dict]:
-    """Every ordered pair of workloads as `A>B>A`, best first: the planner's and the static split's capacities."""
+def best_splits(seconds: dict[str, dict[str, float]], n: int) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """Each workload's best split of `n` instances (the most it sustains)."""
     options = splits(n)
-    best = {w: max(capacity(s, sec) for s in options) for w, sec in seconds.items()}
+    return {w: max(options, key=lambda s: capacity(s, sec)) for w, sec in seconds.items()}
+
+
+def screen(seconds: dict[str, dict[str, float]], n: int) -> list[dict]:
+    """Every pair of workloads as `A>B>A` (the model is the same for `B>A>B`), best first: the planner's and the
+    static split's capacities."""
+    options = splits(n)
+    best = best_splits(seconds, n)
     rows = []
     for a, b in itertools.combinations(seconds, 2):
         static = max(options, key=lambda s: min(capacity(s, seconds[a]), capacity(s, seconds[b])))
         held = min(capacity(static, seconds[a]), capacity(static, seconds[b]))
-        planner = min(best[a], best[b])
+        planner = min(capacity(best[a], seconds[a]), capacity(best[b], seconds[b]))
         rows.append(
             {
                 "shift": f"{a}>{b}>{a}",
                 "planner": planner,
                 "static": held,
                 "static_split": label(static),
-                "best_split": {w: label(max(options, key=lambda s: capacity(s, seconds[w]))) for w in (a, b)},
+                "best_split": {w: label(best[w]) for w in (a, b)},
                 "ratio": planner / held,
             }
         )
@@ -116,11 +123,9 @@ def main(argv=None) -> int:
         for w in workloads:
             load, _ = load_and_bound(w, probe, hardware, plan_args)
             seconds[w] = placement.stage_seconds(hardware, load, args.slo_ttft_ms, args.slo_tbt_ms, kv_tokens)
-    options = splits(args.instances)
     print(f"{args.instances} instances, {hardware.name}, TTFT {args.slo_ttft_ms:g} ms, P90 TBT {args.slo_tbt_ms:g} ms")
-    for w, sec in seconds.items():
-        best = max(options, key=lambda s: capacity(s, sec))
-        print(f"  {w:>14}: best split {label(best):>10} sustains {capacity(best, sec):6.1f} req/s")
+    for w, best in best_splits(seconds, args.instances).items():
+        print(f"  {w:>14}: best split {label(best):>10} sustains {capacity(best, seconds[w]):6.1f} req/s")
     print(f"{'shift':>36} {'planner':>8} {'static':>7} {'ratio':>6}  static split; each phase's best")
     for r in screen(seconds, args.instances):
         phases = ", ".join(r["best_split"].values())
