@@ -84,9 +84,7 @@ class Setup:
                 workers.append(SimWorker(loop, info, engine, deliver=None))
         book = RouteBook(routing, slo, reports_delivery=True)  # as the gateway's router
         planning = self.planning(control_scale) if args.planner else None
-        return SimMesh(
-            loop, workers, book, self.model_config.image_tokens_per_image, control_scale, planning, planner_phase
-        )
+        return SimMesh(loop, workers, book, self.model_config, control_scale, planning, planner_phase)
 
     def planning(self, control_scale: float) -> Planning:
         """The gateway's planner as `serve --planner` makes it (`epdmesh/cli.py`), its intervals on simulated time."""

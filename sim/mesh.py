@@ -30,6 +30,7 @@ import uuid
 
 from common.engine.errors import NoRoomForPages, RequestRejected
 from common.engine.outputs import RequestOutput
+from common.policy.affinity import request_fields
 from common.policy.routing import PrefillPath, RoutePlan, RouteSummary
 from common.request import ImageInput, Request, SamplingParams, Stage
 from common.workers import HEARTBEAT_INTERVAL_S, WorkerSnapshot
@@ -98,6 +99,7 @@ class _Flight:
     attempts: int = 0  # routes after the first: each continuation's id carries the number
     resume: tuple[SimWorker, str] | None = None  # (worker, request id) holding its KV, handed back by a switch
     reserved: tuple[str, ...] = ()  # the workers its current route's KV is reserved on
+    cached: int = 0  # prompt tokens its current route's prefill found in the prefix cache
     exclude: frozenset[str] = frozenset()  # registrations of the workers that left the mesh under it
 
 
@@ -107,7 +109,7 @@ class SimMesh:
         loop: Loop,
         workers: list[SimWorker],
         book: RouteBook,
-        image_tokens: int,
+        model,
         control_scale: float = 1.0,
         planning: Planning | None = None,
         planner_phase: float = 0.0,
@@ -117,7 +119,7 @@ class SimMesh:
         host keeps its own pace while the model's time slows K-fold); 1: a deployment's. `planner_phase` φ in [0, 1):
         the planner's first step comes φ of an interval early (a gateway's planner steps on its own clock, started
         before the load: where its steps fall against the load's shifts is chance)."""
-        self.loop, self.book, self.image_tokens = loop, book, image_tokens
+        self.loop, self.book, self.model = loop, book, model  # the checkpoint's config (`LlavaConfig`)
         self.heartbeat_s, self.refresh_s = HEARTBEAT_INTERVAL_S / control_scale, REFRESH_S / control_scale
         # the gateway's and the workers' waits, on the host's clock: K× shorter in the hardware's time too
         self.poll_s, self.import_wait_s = FAILOVER_POLL_S / control_scale, IMPORT_WAIT_S / control_scale
@@ -173,7 +175,7 @@ class SimMesh:
     def _arrive(self, timeline: Timeline, prompt: Prompt) -> None:
         if self.planner is not None:
             self.planner.window.arrived(len(prompt.token_ids), len(prompt.image_digests), prompt.max_tokens)
-        images = [ImageInput(None, self.image_tokens, digest) for digest in prompt.image_digests]
+        images = [ImageInput(None, self.model.image_tokens_per_image, digest) for digest in prompt.image_digests]
         sampling = SamplingParams(max_tokens=prompt.max_tokens, temperature=0.0, ignore_eos=True)
         request = Request(
             f"chatcmpl-{uuid.uuid4().hex[:16]}", prompt.token_ids, sampling, images, arrival_time=self.loop.now
@@ -187,7 +189,8 @@ class SimMesh:
         since = now if since is None else since
         if now - self._snapshot_at >= self.refresh_s:
             self._refresh()
-        fields = flight.prompt.prefix if request is flight.original else {}
+        # a continuation's prefix fields as the gateway makes them for each route (`Prompts.prefix_of`)
+        fields = flight.prompt.prefix if request is flight.original else request_fields(request, self.model)
         summary = RouteSummary(
             request.request_id,
             request.num_prompt_tokens,
@@ -218,7 +221,7 @@ class SimMesh:
             self._end(flight, e.message)
             return
         self.book.chosen(plan, summary, now)
-        flight.plan, flight.waiting_images, flight.reserved = plan, None, tuple(amounts)
+        flight.plan, flight.waiting_images, flight.reserved, flight.cached = plan, None, tuple(amounts), 0
         flight.timeline.path = flight.timeline.path or plan.path
         self.flights[request.request_id] = flight
         self._drive(flight)
@@ -326,8 +329,9 @@ class SimMesh:
         now, timeline = self.loop.now, flight.timeline
         timeline.token_times += [now] * len(out.new_token_ids)
         flight.emitted += out.new_token_ids
-        if not timeline.cached_tokens:
-            timeline.cached_tokens = out.num_cached_tokens
+        # the usage's cached tokens: the last route's, of the prompt (`stages.py`, `migration.rebased`)
+        flight.cached = max(flight.cached, out.num_cached_tokens)
+        timeline.cached_tokens = min(flight.cached, flight.original.num_prompt_tokens)
         self.book.prefilled(flight.current.request_id)  # its first token came: nothing of it is queued to prefill
         if out.finished:
             self._end(flight)

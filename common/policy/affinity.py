@@ -16,7 +16,7 @@ from collections import OrderedDict
 
 from common.block_pool import chain_hashes
 from common.policy.routing import PrefillPath, RoutePlan, RouteSummary
-from common.request import Stage, image_end, image_marks
+from common.request import Request, Stage, image_end, image_marks
 from common.workers import WorkerSnapshot
 
 BLOCK_TOKENS = 16  # the index's granularity (the engines' default KV block)
@@ -33,6 +33,14 @@ def summary_fields(token_ids: list[int], image_keys: list[str], model, salt: str
         "prefix_hashes": prompt_hashes(token_ids, images, model.image_token_id, salt=salt),
         "image_end": image_end(token_ids, model.image_token_id),
     }
+
+
+def request_fields(request: Request, model) -> dict:
+    """`summary_fields` of an engine request, as each of its routes is made with them: a first route's prompt, or a
+    continuation's (the prompt and the tokens sent before, prefilled again where the cache may still hold them)."""
+    return summary_fields(
+        request.prompt_token_ids, [image.content_hash for image in request.images], model, request.cache_salt
+    )
 
 
 def prompt_hashes(

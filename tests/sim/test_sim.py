@@ -151,6 +151,31 @@ def test_a_request_its_only_decoder_hands_back_goes_on_there(emulated_dir):
     assert [(t.error, len(t.token_times)) for t in timelines] == [("", 700)] * 4
 
 
+def test_a_handed_back_request_routes_by_its_prefix_to_the_worker_holding_its_prompt_and_prefills_from_there(
+    emulated_dir,
+):
+    """EP2+D1, answers that outgrow the one decoder's KV: each it hands back goes on as a continuation, routed with
+    its own prefix fields as the gateway routes every attempt (`Prompts.prefix_of`): back to the prefill worker that
+    holds its prompt, where the prompt's blocks come from the cache; the usage counts them, of the prompt alone."""
+    setup = setup_of(emulated_dir, "EP2+D1", "--kv-cache-gib", "1")
+    loop = Loop()
+    mesh = setup.mesh(loop)
+    prefilled_on, chosen = {}, mesh.book.chosen
+    mesh.book.chosen = lambda plan, summary, now: (
+        prefilled_on.setdefault(summary.request_id, plan.prefill.worker_id),
+        chosen(plan, summary, now),
+    )
+    prompts = [dataclasses.replace(p, max_tokens=700) for p in prompts_of(setup, 4)]
+    timelines = [mesh.submit(0.001 * i, p) for i, p in enumerate(prompts)]
+    loop.run(until=lambda: mesh.unfinished == 0)
+    firsts = [rid for rid in prefilled_on if "-m" not in rid]  # in arrival order
+    again = {rid.split("-m")[0] for rid in prefilled_on if "-m" in rid}
+    assert len(again) == 2 and all(prefilled_on[f"{rid}-m1"] == prefilled_on[rid] for rid in again)
+    block = 16  # the last prompt token's block is computed again
+    expected = [(len(p.token_ids) - 1) // block * block if rid in again else 0 for rid, p in zip(firsts, prompts)]
+    assert [t.cached_tokens for t in timelines] == expected and [len(t.token_times) for t in timelines] == [700] * 4
+
+
 def test_a_request_handed_back_as_a_step_begins_joins_the_next_step_of_the_worker_it_goes_back_to():
     """A worker's step hands a request back as it is planned (its decoder preempted it) and the request's next route
     sends work back to this worker at once (it is also the mesh's encoder): that work waits for the next step — a

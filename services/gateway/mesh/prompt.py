@@ -8,7 +8,7 @@ import contextlib
 import contextvars
 
 from common.model.processor import ChatProcessor
-from common.policy.affinity import summary_fields
+from common.policy.affinity import request_fields, summary_fields
 from common.request import Request
 from common.telemetry.tracing import Tracing
 from services.gateway.errors import ApiError
@@ -37,9 +37,7 @@ class Prompts:
         return summary_fields(token_ids, image_keys, self.processor.config, salt)
 
     def prefix_of(self, request: Request) -> dict:
-        return self.prefix_fields(
-            request.prompt_token_ids, [image.content_hash for image in request.images], request.cache_salt
-        )
+        return request_fields(request, self.processor.config)
 
     def detokenize(self, ids: list[int]) -> str:
         return self.processor.detokenize(ids)
