@@ -10,10 +10,14 @@ Every argument is the goodput benchmark's (the simulator ignores --time-scale: i
 both reports beside `--out` (`-emulated.json`, `-simulated.json`) and the comparison: per configuration and
 workload, the goodput of each (the 90% crossing, interpolated between the swept rates) and their ratio, and per rate
 the attainment of each and the difference in points; then a table, with the largest gaps first.
+
+`--emulated-report PATH` compares with an emulated report written before (the `-emulated.json` of an earlier run of
+the same command) and runs the simulator alone: seconds, where the mesh's sweeps take half an hour.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 from pathlib import Path
@@ -60,14 +64,23 @@ def main(argv=None) -> int:
     from sim import goodput as sim_goodput
 
     argv = list(sys.argv[1:] if argv is None else argv)
+    own = argparse.ArgumentParser(add_help=False)
+    own.add_argument("--emulated-report", type=Path)
+    known, argv = own.parse_known_args(argv)
     args = goodput.parse_args(
         argv + ["--backend", "emulated"], prog="python -m bench.sim_fidelity", description=__doc__
     )
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     paths = {kind: out.with_name(f"{out.stem}-{kind}.json") for kind in ("emulated", "simulated")}
+    if known.emulated_report is not None:
+        if not known.emulated_report.is_file():
+            print(f"python -m bench.sim_fidelity: no report at {known.emulated_report}", file=sys.stderr)
+            return 2
+        paths["emulated"] = known.emulated_report
     status = sim_goodput.main(argv + ["--out", str(paths["simulated"])])
-    status = status or goodput.main(argv + ["--backend", "emulated", "--out", str(paths["emulated"])])
+    if known.emulated_report is None:
+        status = status or goodput.main(argv + ["--backend", "emulated", "--out", str(paths["emulated"])])
     if status:
         return status
     emulated, simulated = (json.loads(paths[k].read_text()) for k in ("emulated", "simulated"))
