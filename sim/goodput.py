@@ -25,7 +25,8 @@ import time
 from pathlib import Path
 
 from bench import conversation
-from bench.goodput import Result, goodput_of, parse_args, summarize, workload_of
+from bench.bodies import workload_of
+from bench.goodput import Result, goodput_of, parse_args, summarize
 from bench.goodput_launch import serve_args_of
 from bench.goodput_report import add_bound, finish, instances_of
 from bench.workloads import arrivals, trace_times

@@ -37,7 +37,8 @@ import time
 from pathlib import Path
 
 from bench import conversation
-from bench.goodput import crossing, workload_of
+from bench.bodies import workload_of
+from bench.goodput import crossing
 from bench.workloads import arrivals, phase_sizes, phases_of, trace_scale_of, trace_times
 from common.latency.model import request_cost_ms
 from common.latency.roofline import load_profile

@@ -96,7 +96,7 @@ def test_multiimage_requests_carry_four_images_of_their_own_and_their_bound_coun
 def test_a_shifting_load_runs_its_shapes_in_equal_runs_each_with_images_of_its_own():
     import argparse
 
-    from bench.goodput import workload_of
+    from bench.bodies import workload_of
     from bench.workloads import phase_sizes, phased_bodies, phases_of, trace_scale_of
 
     assert phases_of("textcaps") is None and trace_scale_of("pope>detail", 16) is None
@@ -122,7 +122,7 @@ def test_a_shifting_load_takes_the_conversation_workload_as_a_phase_with_a_trace
     import argparse
 
     from bench import conversation
-    from bench.goodput import workload_of
+    from bench.bodies import workload_of
     from bench.workloads import TracePhase, phase_runs, phased_bodies, phases_of
 
     vocab = conversation.Vocabulary(("a", "b", "c", "d", "e", "f", "g", "h"), chat_tokens=100, max_model_len=4096)

@@ -158,6 +158,26 @@ def iteration_ms(
     return total
 
 
+def chunked_iterations_ms(
+    p: LatencyProfile, tokens: int, chunk: int, decodes: int = 0, decode_context: int = 0
+) -> float:
+    """The iterations that prefill `tokens` prompt tokens in chunks of `chunk`, each beside the same `decodes` (holding
+    `decode_context` KV tokens): the sum of their `iteration_ms`, in closed form — k full chunks cost k times one
+    chunk's rows and KV reads plus their attention, chunk² · k² / 2 token pairs in all, and the rest one more."""
+    if tokens <= 0:
+        return 0.0
+    if chunk <= 0:
+        raise ValueError(f"chunk must be > 0, got {chunk}")
+    full, rest = divmod(tokens, chunk)
+    total = 0.0
+    if full:
+        total = full * (mixed_ms(p, decodes, chunk) + p.decode.quadratic_ms * decode_context)
+        total += p.prefill.quadratic_ms * chunk * chunk * full * full / 2
+    if rest:
+        total += iteration_ms(p, decodes=decodes, decode_context=decode_context, chunks=[(rest, full * chunk)])
+    return total
+
+
 def request_cost_ms(
     p: LatencyProfile, prompt_tokens: int, images: int, output_tokens: int, max_images: int = 64, cached_tokens: int = 0
 ) -> float:

@@ -36,6 +36,7 @@ import dataclasses
 
 from common.latency.model import (
     LatencyProfile,
+    chunked_iterations_ms,
     decode_ms,
     encode_ms,
     iteration_ms,
@@ -209,10 +210,7 @@ def _multiplexed(d, request, encode_wait, left, ttft_ms, tbt_ms, profile, handof
         if chunk <= 0:  # no room beside the decodes: no prefill runs here until (as if) the batch has drained
             in_flight += iteration * -(-d.load.unfinished_decode_tokens // max(batch, 1))
             batch, context, chunk = 0, 0, max(budget, 1)
-        queue = sum(
-            iteration_ms(profile, decodes=batch, decode_context=context, chunks=[(min(chunk, queued - start), start)])
-            for start in range(0, queued, chunk)
-        )
+        queue = chunked_iterations_ms(profile, queued, chunk, batch, context)
         steps = [
             iteration_ms(profile, decodes=batch, decode_context=context, chunks=[(min(chunk, total - start), start)])
             for start in range(cached, total, chunk)

@@ -341,3 +341,22 @@ def test_a_mixed_iterations_time_without_its_curve_is_the_curves_to_the_bit():
         for _ in range(500):
             decodes, tokens = rng.choice([0, 1, rng.randrange(1, 300)]), rng.choice([0, 1, rng.uniform(0.5, 9000)])
             assert mixed_ms(p, decodes, tokens) == mixed_cost(p, decodes, tokens).base_ms(decodes + tokens)
+
+
+@pytest.mark.parametrize("hardware", ["H20", "H100"])
+def test_chunked_iterations_in_closed_form_are_the_sum_of_each_iteration(hardware):
+    """What a prefill queue costs beside decodes (the SLO router prices it per decoder per route): the closed form
+    against the iterations one by one, full chunks and a rest, with and without decodes beside them."""
+    from common.latency.model import chunked_iterations_ms
+
+    p = analytic_profile(hardware)
+    cases = [(1, 175, 0, 0), (175, 175, 12, 9000), (20_000, 175, 40, 41_000), (5_003, 512, 3, 800), (999, 2048, 0, 0)]
+    for tokens, chunk, decodes, context in [*cases, (30_001, 64, 200, 150_000)]:
+        one_by_one = sum(
+            iteration_ms(p, decodes=decodes, decode_context=context, chunks=[(min(chunk, tokens - s), s)])
+            for s in range(0, tokens, chunk)
+        )
+        assert chunked_iterations_ms(p, tokens, chunk, decodes, context) == pytest.approx(one_by_one, rel=1e-12)
+    assert chunked_iterations_ms(p, 0, 175) == 0.0
+    with pytest.raises(ValueError, match="chunk"):
+        chunked_iterations_ms(p, 10, 0)
