@@ -100,6 +100,7 @@ class _Flight:
     resume: tuple[SimWorker, str] | None = None  # (worker, request id) holding its KV, handed back by a switch
     reserved: tuple[str, ...] = ()  # the workers its current route's KV is reserved on
     cached: int = 0  # prompt tokens its current route's prefill found in the prefix cache
+    prefix: dict = dataclasses.field(default_factory=dict)  # the current request's route summary prefix fields
     exclude: frozenset[str] = frozenset()  # registrations of the workers that left the mesh under it
 
 
@@ -180,7 +181,7 @@ class SimMesh:
         request = Request(
             f"chatcmpl-{uuid.uuid4().hex[:16]}", prompt.token_ids, sampling, images, arrival_time=self.loop.now
         )
-        self._route(_Flight(request, timeline, prompt, current=request), frozenset())
+        self._route(_Flight(request, timeline, prompt, current=request, prefix=prompt.prefix), frozenset())
 
     def _route(self, flight: _Flight, exclude: frozenset[str], again: bool = False, since: float | None = None):
         """`again`: an attempt after the first (a worker had no room, left, or handed the request back), which also
@@ -189,8 +190,6 @@ class SimMesh:
         since = now if since is None else since
         if now - self._snapshot_at >= self.refresh_s:
             self._refresh()
-        # a continuation's prefix fields as the gateway makes them for each route (`Prompts.prefix_of`)
-        fields = flight.prompt.prefix if request is flight.original else request_fields(request, self.model)
         summary = RouteSummary(
             request.request_id,
             request.num_prompt_tokens,
@@ -198,7 +197,7 @@ class SimMesh:
             request.sampling.max_tokens,
             exclude,
             elapsed_ms=(now - flight.timeline.arrival) * 1e3,
-            **fields,
+            **flight.prefix,
         )
         steps = self.book.steps(summary, self.book.routing.reserved_output_tokens)
         reply = None
@@ -433,8 +432,13 @@ class SimMesh:
         self._forget(flight)
         if flight.emitted:
             flight.attempts += 1
-            flight.current = continuation(flight.original, flight.emitted, flight.attempts)
+            self._go_on_as(flight, continuation(flight.original, flight.emitted, flight.attempts))
         self._route(flight, flight.exclude, again=True)
+
+    def _go_on_as(self, flight: _Flight, request: Request) -> None:
+        """The request goes on as `request` (a continuation), routed with its own prefix fields, made once for all its
+        attempts as the gateway makes them (`Prompts.prefix_of`): back where the cache holds its prompt."""
+        flight.current, flight.prefix = request, request_fields(request, self.model)
 
     def _handed_back(self, flight: _Flight, decoder: SimWorker, out: RequestOutput) -> None:
         """Preempted where it cannot be recomputed, or its decoder switches roles: it goes on (the gateway's
@@ -453,9 +457,9 @@ class SimMesh:
         flight.attempts += 1
         if out.pages is not None and flight.emitted:
             flight.resume = (decoder, out.request_id)
-            flight.current = resumed(flight.original, flight.emitted, flight.attempts)
+            self._go_on_as(flight, resumed(flight.original, flight.emitted, flight.attempts))
         else:
-            flight.current = continuation(flight.original, flight.emitted, flight.attempts)
+            self._go_on_as(flight, continuation(flight.original, flight.emitted, flight.attempts))
         self._route(flight, flight.exclude, again=True)
 
     def _end(self, flight: _Flight, error: str = "") -> None:
