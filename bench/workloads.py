@@ -316,22 +316,24 @@ def images(shape: Shape, count: int, seed: int, variant: int = 0) -> list[str]:
 
 @functools.lru_cache(maxsize=8)
 def _pictures(size: tuple[int, int], count: int, seed: int) -> tuple:
-    """The pictures of `images`, as uint8 arrays (made once per size, count and seed)."""
+    """The pictures of `images`, as uint8 arrays (made once per size, count and seed): a gradient per channel
+    (wrapping at 256), six flat blocks, uniform noise of ±20 — integer arithmetic, ~5 ms a 512×384 picture."""
     import numpy as np
 
     rng = np.random.default_rng(seed)
     w, h = size
+    yy, xx = (a.astype(np.float32) for a in np.mgrid[0:h, 0:w])
     out = []
     for _ in range(count):
-        yy, xx = np.mgrid[0:h, 0:w]
-        base = np.stack(
-            [(xx * rng.uniform(0.2, 0.6) + yy * rng.uniform(0.1, 0.5) + rng.uniform(0, 255)) % 256 for _ in range(3)],
-            axis=-1,
-        )
+        base = np.empty((h, w, 3), np.int16)
+        for c in range(3):
+            ramp = xx * np.float32(rng.uniform(0.2, 0.6)) + yy * np.float32(rng.uniform(0.1, 0.5))
+            base[..., c] = (ramp + np.float32(rng.uniform(0, 255))).astype(np.int32) & 255
         for _ in range(6):
             x0, y0 = rng.integers(0, w - 32), rng.integers(0, h - 32)
-            base[y0 : y0 + rng.integers(16, h // 2), x0 : x0 + rng.integers(16, w // 2)] = rng.uniform(0, 255, 3)
-        out.append(np.clip(base + rng.normal(0, 12, base.shape), 0, 255).astype(np.uint8))
+            base[y0 : y0 + rng.integers(16, h // 2), x0 : x0 + rng.integers(16, w // 2)] = rng.integers(0, 256, 3)
+        base += rng.integers(-20, 21, base.shape, dtype=np.int16)
+        out.append(np.clip(base, 0, 255).astype(np.uint8))
     return tuple(out)
 
 
