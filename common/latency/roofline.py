@@ -17,6 +17,10 @@ context of its decode sweep, 512 sequences of more than ~420 tokens each do not 
 memory, and reading KV is a per-sequence cost that batching does not amortise (the context term).
 Calibrated with a 1024-token context instead, a batch-1 decode would take 15.8 ms against a 5.0 ms
 weights-read floor; calibrated this way it takes 7.6 ms.
+TriInfer's prefill sweep starts at one 1024-token request, so its data bound the prefill's saturation from above
+only: 1024 is the latest it can be, which makes small prompt chunks as dear as that data allows (on H20 a 16-token
+chunk beside two decodes 32 ms, against 8 ms for the decodes alone). `prefill_saturation` puts it earlier, to ask
+how a result depends on it.
 
 Hardware numbers (dense BF16, vendor datasheets): H20 148 TFLOP/s, 4.8 TB/s HBM3e (the 141 GB part
 TriInfer ran on; the 96 GB H20 has 4.0 TB/s HBM3), 78 SMs; H100 SXM 989 TFLOP/s, 3.35 TB/s, 132 SMs;
@@ -95,14 +99,33 @@ QWEN2_VL_7B_1344 = ModelShape("qwen2-vl-7b-1344", 631e6, 32, 1280, 9216, 45e6, 2
 SHAPES = {shape.name: shape for shape in (LLAVA_15_7B, QWEN2_VL_7B_1344)}
 
 
-def analytic_profile(accelerator: str | Accelerator, shape: ModelShape = LLAVA_15_7B) -> LatencyProfile:
+def analytic_profile(
+    accelerator: str | Accelerator, shape: ModelShape = LLAVA_15_7B, prefill_saturation: int | None = None
+) -> LatencyProfile:
+    """`prefill_saturation`: the prompt tokens at which prefill reaches 90% of its throughput on H20, instead of
+    TriInfer's 1024 (a sensitivity study's variant; the profile's name says so)."""
     hw = ACCELERATORS[accelerator] if isinstance(accelerator, str) else accelerator
-    half = _calibrated_half_units(shape)
+    targets = dict(TRIINFER_H20, **({"prefill_tokens": prefill_saturation} if prefill_saturation else {}))
+    half = _calibrated_half_units(shape, targets)
+    if prefill_saturation:
+        reached = saturation_points(_profile(ACCELERATORS["H20"], shape, half))["prefill_tokens"]
+        if abs(reached - prefill_saturation) > 0.1 * prefill_saturation:  # (the points lie on a ~6% grid)
+            raise ValueError(
+                f"prefill cannot saturate at {prefill_saturation} tokens on this roofline (nearest: {reached}); "
+                f"its fixed costs alone put the point at {_earliest_prefill_saturation(shape)} tokens or later"
+            )
     if shape != LLAVA_15_7B:  # an image is the encode's unit: more vision tokens an image fill the GPU with fewer
-        llava = _calibrated_half_units(LLAVA_15_7B)["encode"]
+        llava = _calibrated_half_units(LLAVA_15_7B, targets)["encode"]
         half["encode"] = llava * LLAVA_15_7B.vision_tokens / shape.vision_tokens
     scale = hw.sms / ACCELERATORS["H20"].sms
-    return _profile(hw, shape, {stage: h * scale for stage, h in half.items()})
+    profile = _profile(hw, shape, {stage: h * scale for stage, h in half.items()})
+    if not prefill_saturation:
+        return profile
+    return dataclasses.replace(
+        profile,
+        name=f"{profile.name}, prefill saturating at {prefill_saturation} tokens",
+        notes=f"{profile.notes}; prefill's at {prefill_saturation} tokens on H20 instead of TriInfer's 1024",
+    )
 
 
 def _profile(hw: Accelerator, shape: ModelShape, half: dict[str, float]) -> LatencyProfile:
@@ -144,13 +167,18 @@ def saturation_points(profile: LatencyProfile, decode_context: int = TRIINFER_H2
     }
 
 
-def _calibrated_half_units(shape: ModelShape) -> dict[str, float]:
-    """Per stage, the half_units (bisection) that put the H20 profile's saturation at TriInfer's point."""
+def _earliest_prefill_saturation(shape: ModelShape) -> int:
+    half = _calibrated_half_units(shape)
+    return saturation_points(_profile(ACCELERATORS["H20"], shape, {**half, "prefill": 0.0}))["prefill_tokens"]
+
+
+def _calibrated_half_units(shape: ModelShape, points: dict[str, int] = TRIINFER_H20) -> dict[str, float]:
+    """Per stage, the half_units (bisection) that put the H20 profile's saturation at `points` (TriInfer's)."""
     hw = ACCELERATORS["H20"]
     targets = {
-        "encode": ("encode_images", TRIINFER_H20["encode_images"], 64.0),
-        "prefill": ("prefill_tokens", TRIINFER_H20["prefill_tokens"], 8192.0),
-        "decode": ("decode_sequences", TRIINFER_H20["decode_sequences"], 4096.0),
+        "encode": ("encode_images", points["encode_images"], 64.0),
+        "prefill": ("prefill_tokens", points["prefill_tokens"], 8192.0),
+        "decode": ("decode_sequences", points["decode_sequences"], 4096.0),
     }
     half = {"encode": 0.0, "prefill": 0.0, "decode": 0.0}
     for stage, (key, target, upper) in targets.items():
@@ -163,12 +191,14 @@ def _calibrated_half_units(shape: ModelShape) -> dict[str, float]:
     return half
 
 
-def load_profile(spec: str) -> LatencyProfile:
+def load_profile(spec: str, prefill_saturation: int | None = None) -> LatencyProfile:
     """`H20`, `H100` or `H200`: the analytic profile of LLaVA-1.5-7B on it; `H20:qwen2-vl-7b-1344`: of another
-    shape in `SHAPES`; anything else: a profile file."""
+    shape in `SHAPES`; anything else: a profile file. `prefill_saturation`: `analytic_profile`'s (analytic only)."""
     accelerator, _, shape = spec.partition(":")
     if accelerator.upper() in ACCELERATORS:
         if shape and shape not in SHAPES:
             raise ValueError(f"unknown model shape {shape!r} in profile {spec!r}; choose from {', '.join(SHAPES)}")
-        return analytic_profile(accelerator.upper(), SHAPES[shape] if shape else LLAVA_15_7B)
+        return analytic_profile(accelerator.upper(), SHAPES[shape] if shape else LLAVA_15_7B, prefill_saturation)
+    if prefill_saturation:
+        raise ValueError("a prefill saturation point applies to an analytic profile, not to a profile file")
     return LatencyProfile.load(spec)

@@ -360,3 +360,19 @@ def test_chunked_iterations_in_closed_form_are_the_sum_of_each_iteration(hardwar
     assert chunked_iterations_ms(p, 0, 175) == 0.0
     with pytest.raises(ValueError, match="chunk"):
         chunked_iterations_ms(p, 10, 0)
+
+
+def test_an_earlier_prefill_saturation_makes_small_chunks_cheaper_and_leaves_the_rest():
+    shipped, earlier = load_profile("H20"), load_profile("H20", prefill_saturation=256)
+    assert saturation_points(shipped)["prefill_tokens"] == 1075
+    assert saturation_points(earlier)["prefill_tokens"] == 244  # the grid's point nearest below 256
+    assert earlier.encode == shipped.encode and earlier.decode == shipped.decode
+    assert dataclasses.replace(earlier.prefill, half_units=0) == dataclasses.replace(shipped.prefill, half_units=0)
+    assert "prefill saturating at 256 tokens" in earlier.name
+    beside_two = dict(decodes=2, decode_context=3000, chunks=[(16, 0)])
+    assert round(iteration_ms(shipped, **beside_two), 1) == 32.4
+    assert round(iteration_ms(earlier, **beside_two), 1) == 8.4
+    with pytest.raises(ValueError, match="cannot saturate at 20 tokens"):
+        load_profile("H20", prefill_saturation=20)
+    with pytest.raises(ValueError, match="analytic profile"):
+        load_profile("profiles/llava-1.5-7b-h20.json", prefill_saturation=256)
