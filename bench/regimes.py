@@ -38,11 +38,16 @@ class Cell:
 
     @property
     def need(self) -> tuple[float, str]:
-        """The toggle's goodput the three goals ask together, and the kind that asks it."""
-        return max((factor * self.best[kind][0], kind) for kind, factor in GOALS.items() if kind in self.best)
+        """The toggle's goodput the three goals ask together (of the kinds the cell ran), and the kind that asks it."""
+        return max(
+            ((factor * self.best[kind][0], kind) for kind, factor in GOALS.items() if kind in self.best),
+            default=(0.0, "none ran"),
+        )
 
-    def ratio(self, kind: str) -> float:
-        return self.best["toggle"][0] / self.best[kind][0] if self.best[kind][0] else float("inf")
+    def ratio(self, kind: str) -> str:
+        if kind not in self.best:
+            return "—"
+        return f"{self.best['toggle'][0] / self.best[kind][0]:.2f}×" if self.best[kind][0] else "∞"
 
 
 def kind_of(args: list[str]) -> str:
@@ -90,7 +95,7 @@ def table(all_cells: list[Cell]) -> str:
             f"| {c.instances} | {c.tbt_ms:g} | {c.workload} | {_seed(c.source)} | "
             + " | ".join(f"{c.best[k][0]:.1f}" if k in c.best else "—" for k in ("colocated", "vLLM-style", "static"))
             + f" | {c.best['toggle'][0]:.1f} `{c.best['toggle'][1]}` | {c.bound:.1f} | "
-            + " | ".join(f"{c.ratio(k):.2f}×" for k in ("colocated", "static", "vLLM-style"))
+            + " | ".join(c.ratio(k) for k in ("colocated", "static", "vLLM-style"))
             + f" | {need:.1f} ({kind}) | {need / c.bound:.0%} | {c.best['toggle'][0] / c.bound:.0%} |"
         )
     return "\n".join(lines)
@@ -106,9 +111,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("reports", nargs="+", type=Path, help="goodput reports (JSON) with a toggle and baselines each")
     args = p.parse_args(argv)
     found = [c for path in args.reports for c in cells(path)]
-    missing = [c.source for c in found if "toggle" not in c.best]
-    if missing:
-        raise SystemExit(f"no toggle configuration in {', '.join(sorted(set(missing)))}")
+    missing = sorted({c.source for c in found if "toggle" not in c.best})
+    if missing:  # (a sweep still under way writes its report after each configuration)
+        print(f"left out, no toggle configuration in: {', '.join(missing)}", file=sys.stderr)
+    found = [c for c in found if "toggle" in c.best]
+    if not found:
+        raise SystemExit("no report with a toggle configuration")
     print(table(found))
     return 0
 

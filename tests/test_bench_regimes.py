@@ -62,14 +62,23 @@ def test_the_goals_need_the_largest_of_the_three_and_the_table_says_it(tmp_path,
     assert cell.best["static"] == (pytest.approx(2.0 + 0.04 / 0.44), "static b")
     assert cell.best["toggle"] == (pytest.approx(4.2), "toggle")
     assert cell.need == (pytest.approx(3.6), "vLLM-style")  # 2.4 × 1.5 > 1.3 × 2.5 > 1.3 × 2.09
-    assert cell.ratio("colocated") == pytest.approx(4.2 / 2.5)
+    assert cell.ratio("colocated") == "1.68×"
     assert regimes.main([str(path)]) == 0
     row = capsys.readouterr().out.splitlines()[-1]
     assert row.startswith("| 2 | 50 | conversation | seed 7 | 2.5 | 1.5 | 2.1 | 4.2 `toggle` | 10.0 | 1.68× | ")
     assert row.endswith("| 3.6 (vLLM-style) | 36% | 42% |")
 
 
-def test_a_report_without_a_toggle_is_refused(tmp_path):
-    path = _report(tmp_path, {"colocated": (["--topology", "EPD2", "--latency-profile", "p"], _run([(1, 1.0)]))})
-    with pytest.raises(SystemExit, match="no toggle configuration in sim-x-n2-seed7.json"):
-        regimes.main([str(path)])
+def test_a_report_without_a_toggle_is_left_out_and_none_left_is_refused(tmp_path, capsys):
+    lone = _report(tmp_path, {"colocated": (["--topology", "EPD2", "--latency-profile", "p"], _run([(1, 1.0)]))})
+    with pytest.raises(SystemExit, match="no report with a toggle configuration"):
+        regimes.main([str(lone)])
+    other = tmp_path / "sim-y-n2-seed8.json"
+    report = json.loads(lone.read_text())
+    report["serve_args"]["toggle"] = ["--topology", "EPD1+P1"]
+    report["configs"]["toggle"] = {"conversation": _run([(1, 1.0), (2, 0.0)])}
+    other.write_text(json.dumps(report))
+    assert regimes.main([str(lone), str(other)]) == 0
+    out = capsys.readouterr()
+    assert "left out, no toggle configuration in: sim-x-n2-seed7.json" in out.err
+    assert [line.split(" | ")[3] for line in out.out.splitlines()[2:]] == ["seed 8"]
