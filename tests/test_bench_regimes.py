@@ -61,6 +61,7 @@ def test_the_goals_need_the_largest_of_the_three_and_the_table_says_it(tmp_path,
     assert cell.best["vLLM-style"] == (pytest.approx(1.5), "vllm")
     assert cell.best["static"] == (pytest.approx(2.0 + 0.04 / 0.44), "static b")
     assert cell.best["toggle"] == (pytest.approx(4.2), "toggle")
+    assert cell.unbounded == frozenset() and cell.goodput("toggle") == "4.2"
     assert cell.need == (pytest.approx(3.6), "vLLM-style")  # 2.4 × 1.5 > 1.3 × 2.5 > 1.3 × 2.09
     assert cell.ratio("colocated") == "1.68×"
     assert regimes.main([str(path)]) == 0
@@ -76,9 +77,10 @@ def test_a_report_without_a_toggle_is_left_out_and_none_left_is_refused(tmp_path
     other = tmp_path / "sim-y-n2-seed8.json"
     report = json.loads(lone.read_text())
     report["serve_args"]["toggle"] = ["--topology", "EPD1+P1"]
-    report["configs"]["toggle"] = {"conversation": _run([(1, 1.0), (2, 0.0)])}
+    report["configs"]["toggle"] = {"conversation": _run([(1, 1.0), (2, 0.95)])}  # met up to the top rate
     other.write_text(json.dumps(report))
     assert regimes.main([str(lone), str(other)]) == 0
     out = capsys.readouterr()
     assert "left out, no toggle configuration in: sim-x-n2-seed7.json" in out.err
-    assert [line.split(" | ")[3] for line in out.out.splitlines()[2:]] == ["seed 8"]
+    (row,) = out.out.splitlines()[2:]
+    assert row.split(" | ")[3:5] == ["seed 8", "≥ 1.0"] and row.split(" | ")[7] == "≥ 2.0 `toggle`"
