@@ -109,7 +109,7 @@ def table(all_cells: list[Cell]) -> str:
 
 
 def _seed(name: str) -> str:
-    match = re.search(r"(?:seed|-s)(\d+)", name)
+    match = re.search(r"seed(\d+)", name) or re.search(r"-s(\d+)\.json$", name)
     return f"seed {match.group(1)}" if match else name
 
 

@@ -70,6 +70,14 @@ def test_the_goals_need_the_largest_of_the_three_and_the_table_says_it(tmp_path,
     assert row.endswith("| 3.6 (vLLM-style) | 36% | 42% |")
 
 
+@pytest.mark.parametrize(
+    "name, label",
+    [("sim-sens-s512-n8-tbt100-conversation-seed1.json", "seed 1"), ("sim-h20-n8-gapslack-textcaps-s2.json", "seed 2")],
+)
+def test_the_seed_is_read_off_the_file_name(name, label):
+    assert regimes._seed(name) == label
+
+
 def test_a_report_without_a_toggle_is_left_out_and_none_left_is_refused(tmp_path, capsys):
     lone = _report(tmp_path, {"colocated": (["--topology", "EPD2", "--latency-profile", "p"], _run([(1, 1.0)]))})
     with pytest.raises(SystemExit, match="no report with a toggle configuration"):
