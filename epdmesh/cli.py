@@ -319,6 +319,8 @@ def _cmd_profile(args) -> int:
     from common.latency.roofline import ACCELERATORS, load_profile
 
     out = Path(args.out)
+    if args.prefill_saturation is not None and (not args.analytic or args.prefill_saturation < 1):
+        raise SystemExit("--prefill-saturation takes a number of tokens (≥ 1), and applies to --analytic profiles only")
     if args.analytic:
         if args.analytic.partition(":")[0].upper() not in ACCELERATORS:
             raise SystemExit(f"--analytic {args.analytic}: choose an accelerator of {', '.join(ACCELERATORS)}")

@@ -2,6 +2,7 @@
 
 import pytest
 
+from common.latency import LatencyProfile
 from common.latency.budgets import budgets_for
 from common.latency.roofline import analytic_profile
 from epdmesh.cli import build_parser, main
@@ -201,3 +202,17 @@ def test_profiles_name_an_accelerator_and_optionally_a_model_shape():
     from common.latency.roofline import load_profile
 
     assert load_profile(args.profile).name == "qwen2-vl-7b-1344 on H100 (analytic roofline)"
+
+
+def test_an_analytic_profile_with_an_earlier_prefill_saturation_is_written_and_named(tmp_path, capsys):
+    out = tmp_path / "h20-s256.json"
+    assert main(["profile", "--analytic", "H20", "--prefill-saturation", "256", "--out", str(out)]) == 0
+    from common.latency.roofline import load_profile
+
+    assert LatencyProfile.load(out) == load_profile("H20", prefill_saturation=256)
+    assert "prefill saturating at 256 tokens" in capsys.readouterr().out
+    for argv in (["--prefill-saturation", "256"], ["--analytic", "H20", "--prefill-saturation", "0"]):
+        with pytest.raises(SystemExit, match="applies to --analytic profiles only"):
+            main(["profile", *argv, "--out", str(out)])
+    with pytest.raises(SystemExit, match="cannot saturate at 20 tokens"):
+        main(["profile", "--analytic", "H20", "--prefill-saturation", "20", "--out", str(out)])
