@@ -22,7 +22,7 @@ from pathlib import Path
 
 from bench.goodput import crossing
 from common.request import Stage
-from common.topology import parse_topology
+from common.topology import decoders_join, parse_topology
 
 GOALS = {"colocated": 1.3, "static": 1.3, "vLLM-style": 2.4}
 
@@ -56,12 +56,10 @@ class Cell:
 
 def kind_of(args: list[str]) -> str:
     """colocated / vLLM-style / toggle / static, from a configuration's serve arguments."""
-    groups = [group.roles for group in parse_topology(_topology(args))]
-    if len(groups) == 1 and groups[0] == {Stage.ENCODE, Stage.PREFILL, Stage.DECODE}:
+    groups = parse_topology(_topology(args))
+    if len(groups) == 1 and groups[0].roles == {Stage.ENCODE, Stage.PREFILL, Stage.DECODE}:
         return "colocated" if "--latency-profile" in args else "vLLM-style"
-    prefill_decoders = any({Stage.PREFILL, Stage.DECODE} <= roles for roles in groups)
-    dedicated = any(Stage.PREFILL in roles and Stage.DECODE not in roles for roles in groups)
-    return "toggle" if prefill_decoders and dedicated else "static"
+    return "toggle" if decoders_join(groups) else "static"  # decoders that prefill beside dedicated prefill workers
 
 
 def _topology(args: list[str]) -> str:
