@@ -47,7 +47,7 @@ from common.sampling import SamplingParams  # noqa: E402
 from common.scheduler import SchedulerConfig  # noqa: E402
 
 BACKEND = "real engine (torch)"  # on --device: the report states it
-ABLATIONS = {"c-attention", "decode-graph", "prefill-graph", "cuda-graphs"}
+ABLATIONS = {"c-attention", "decode-graph", "prefill-graph", "cuda-graphs", "prefill-varlen"}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -69,7 +69,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default="",
         help="ablation, ours only (comma list): c-attention (decode attention in torch: gathers and bmm), "
         "decode-graph (decodes through the per-layer compiled halves), prefill-graph (a lone whole prompt too); "
-        "c-attention takes both graphs out (they call the kernel); on CUDA: cuda-graphs (decode steps eager)",
+        "c-attention takes both graphs out (they call the kernel); on CUDA: cuda-graphs (decode steps eager), "
+        "prefill-varlen (the torch backend's prompt chunks one SDPA call each instead of one varlen call a layer)",
     )
     p.add_argument(
         "--token-budget", type=int, default=SchedulerConfig().token_budget, help="our scheduler's tokens/step"
@@ -169,6 +170,7 @@ def make_engine(
         if {"prefill-graph", "c-attention"} & set(args.without):
             engine.runner.prefill_graph = None
         engine.runner.attention.use_c = "c-attention" not in args.without
+        engine.runner.attention.varlen = "prefill-varlen" not in args.without
     return engine
 
 

@@ -9,7 +9,8 @@
 # 2. bench/engine.py --device cuda on the `small` preset and on LLaVA-1.5-7B's shape with random weights, bf16
 #    (ours vs transformers' generate);
 # 3. a goodput smoke run of a one-process server on the GPU (textcaps, 8–64 req/s: 16 held every SLO on an H200);
-# 4. the same small-preset bench with the decode CUDA graphs off (what they save).
+# 4. the same small-preset bench with the decode CUDA graphs off (what they save), and the 7B shape's batch 32 with
+#    prompt chunks one SDPA call each instead of torch's varlen flash kernel (what one call a layer saves).
 # PACK=1 leaves one archive, gpu-check.tgz, in $OUT; PROFILE=1 adds torch.profiler tables of the small preset's
 # runs. STEPS (default "tests engine engine7b ablation goodput") picks sections.
 set -uo pipefail
@@ -54,6 +55,10 @@ for step in $STEPS; do
     timeout 70 $PY -m bench.engine --device cuda --preset small --dtype bfloat16 --batch-sizes 1,8,32 \
       --workload uniform --without cuda-graphs --out "$OUT/engine-small-cuda-eager.json" 2>&1 | grep -v "^bench" \
       | tee "$OUT/engine-eager.log" | tail -6
+    section "engine, LLaVA-1.5-7B shape, batch 32, prompt chunks one call each"
+    timeout 90 $PY -m bench.engine --device cuda --preset llava-1.5-7b --dtype bfloat16 --batch-sizes 32 \
+      --repeats 2 --workload uniform --without prefill-varlen --out "$OUT/engine-7b-cuda-no-varlen.json" 2>&1 \
+      | grep -v "^bench" | tee "$OUT/engine-7b-no-varlen.log" | tail -6
     ;;
   goodput)
     section "goodput smoke"

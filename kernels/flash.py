@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.metadata import AttentionMetadata, gather_context
+from kernels.metadata import AttentionMetadata
 
 
 class FlashPagedAttention:
@@ -44,19 +44,15 @@ class FlashPagedAttention:
         return out
 
     def _contiguous(self, q, k_cache, v_cache, meta: AttentionMetadata, first: int, scale: float) -> torch.Tensor:
-        seqs = range(first, meta.num_sequences)
-        k = torch.cat([gather_context(k_cache, meta.block_tables[i], meta.seq_lens[i]) for i in seqs])
-        v = torch.cat([gather_context(v_cache, meta.block_tables[i], meta.seq_lens[i]) for i in seqs])
-        q_lens = torch.tensor([0] + [meta.query_lens[i] for i in seqs], device=q.device)
-        k_lens = torch.tensor([0] + [meta.seq_lens[i] for i in seqs], device=q.device)
+        pack = meta.packed(first, k_cache.shape[1])  # every context gathered in one op a layer
         return self._varlen(
             q,
-            k,
-            v,
-            cu_seqlens_q=q_lens.cumsum(0, dtype=torch.int32),
-            cu_seqlens_k=k_lens.cumsum(0, dtype=torch.int32),
-            max_seqlen_q=max(meta.query_lens[i] for i in seqs),
-            max_seqlen_k=max(meta.seq_lens[i] for i in seqs),
+            pack.gather(k_cache),
+            pack.gather(v_cache),
+            cu_seqlens_q=pack.cu_q,
+            cu_seqlens_k=pack.cu_k,
+            max_seqlen_q=pack.max_q,
+            max_seqlen_k=pack.max_k,
             softmax_scale=scale,
             causal=True,
         )

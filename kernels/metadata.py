@@ -21,10 +21,59 @@ class AttentionMetadata:
     query_start_loc: torch.Tensor  # [sequences + 1] int32 offsets into the flattened tokens
     slot_blocks: torch.Tensor  # [tokens] int64 block id where each new token's K/V is written
     slot_offsets: torch.Tensor  # [tokens] int64 offset inside that block
+    _packs: dict = dataclasses.field(default_factory=dict, init=False, repr=False)  # (first, block_size) → its pack
 
     @property
     def num_sequences(self) -> int:
         return len(self.query_lens)
+
+    def packed(self, first: int, block_size: int) -> ContextPack:
+        """Sequences `first`… laid end to end for one varlen attention call; built once a step, shared by the
+        layers."""
+        key = (first, block_size)
+        if key not in self._packs:
+            self._packs[key] = _pack(self, first, block_size)
+        return self._packs[key]
+
+
+@dataclasses.dataclass(slots=True, frozen=True)
+class ContextPack:
+    """Sequences `first`… of a step, end to end: their queries are rows `q_start`… of the step's q, in order;
+    their contexts (cached prefix and new tokens) sit in a layer's cache at (`blocks`, `offsets`)."""
+
+    first: int
+    q_start: int  # the first sequence's first query row
+    cu_q: torch.Tensor  # [sequences + 1] int32: where each sequence's queries start, from q_start
+    cu_k: torch.Tensor  # [sequences + 1] int32: where each sequence's context starts in the packed K/V
+    blocks: torch.Tensor  # [context tokens] int64: each context token's block…
+    offsets: torch.Tensor  # … and its offset inside the block
+    max_q: int
+    max_k: int
+
+    def gather(self, cache: torch.Tensor) -> torch.Tensor:
+        """One layer's cache [blocks, block_size, kv_heads, D] → the packed context [context tokens, kv_heads, D]."""
+        return cache[self.blocks, self.offsets]
+
+
+def _pack(meta: AttentionMetadata, first: int, block_size: int) -> ContextPack:
+    """Built on the device from the step's tensors, with no host sync (the sizes come from the host lists)."""
+    lens, tables = meta.seq_lens_t[first:], meta.block_tables[first:]
+    n, total, dev = lens.shape[0], sum(meta.seq_lens[first:]), lens.device
+    cu_k = torch.zeros(n + 1, dtype=torch.int32, device=dev)
+    torch.cumsum(lens, 0, out=cu_k[1:])
+    seq = torch.repeat_interleave(torch.arange(n, device=dev), lens, output_size=total)
+    pos = torch.arange(total, device=dev) - cu_k[seq]
+    starts = meta.query_start_loc[first:]
+    return ContextPack(
+        first=first,
+        q_start=sum(meta.query_lens[:first]),
+        cu_q=starts - starts[0],
+        cu_k=cu_k,
+        blocks=tables[seq, pos // block_size].long(),
+        offsets=pos % block_size,
+        max_q=max(meta.query_lens[first:]),
+        max_k=max(meta.seq_lens[first:]),
+    )
 
 
 def write_kv(

@@ -5,18 +5,20 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernels import cpu_paged
+from kernels import cpu_paged, varlen
 from kernels.metadata import AttentionMetadata, gather_context
 
 
 class TorchPagedAttention:
     """`use_c`: decodes on the CPU through the C kernel (`kernels/cpu_paged.py`) where it is built; False keeps
-    them in torch (the yardstick the kernel is tested against)."""
+    them in torch (the yardstick the kernel is tested against). `varlen`: on CUDA, a step's prompt chunks in one
+    flash-attention call per layer (`kernels/varlen.py`) where it runs; False: one SDPA call per chunk."""
 
     name = "torch"
 
-    def __init__(self, use_c: bool = True):
+    def __init__(self, use_c: bool = True, varlen: bool = True):
         self.use_c = use_c
+        self.varlen = varlen
 
     def forward(
         self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float
@@ -29,6 +31,9 @@ class TorchPagedAttention:
             out[:nd] = cpu_paged.paged_decode(q[:nd], k_cache, v_cache, tables, lens, scale)
         elif nd:
             out[:nd] = self._decode(q[:nd], k_cache, v_cache, meta, scale)
+        if meta.num_sequences > nd and self.varlen and varlen.usable(q, sum(meta.seq_lens[nd:])):
+            out[nd:] = varlen.attend(q[nd:], k_cache, v_cache, meta.packed(nd, k_cache.shape[1]), scale)
+            return out
         start = nd
         for i in range(nd, meta.num_sequences):
             qlen, slen = meta.query_lens[i], meta.seq_lens[i]

@@ -1,6 +1,6 @@
 """xformers backend (CUDA only): one memory-efficient attention call over the whole batch.
 
-The context of each sequence is gathered from its pages and the sequences are laid end to
+The contexts of the sequences are gathered from their pages in one op and are laid end to
 end under a block-diagonal, bottom-right-causal mask; grouped-query heads use xformers'
 5-D [batch, tokens, groups, heads, dim] form without copying K/V per query head.
 """
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.metadata import AttentionMetadata, gather_context
+from kernels.metadata import AttentionMetadata
 
 
 class XformersPagedAttention:
@@ -23,9 +23,8 @@ class XformersPagedAttention:
     def forward(
         self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float
     ) -> torch.Tensor:
-        seqs = range(meta.num_sequences)
-        k = torch.cat([gather_context(k_cache, meta.block_tables[i], meta.seq_lens[i]) for i in seqs])
-        v = torch.cat([gather_context(v_cache, meta.block_tables[i], meta.seq_lens[i]) for i in seqs])
+        pack = meta.packed(0, k_cache.shape[1])  # every context gathered in one op a layer
+        k, v = pack.gather(k_cache), pack.gather(v_cache)
         mask = self._fmha.attn_bias.BlockDiagonalCausalFromBottomRightMask.from_seqlens(
             q_seqlen=list(meta.query_lens), kv_seqlen=list(meta.seq_lens)
         )

@@ -276,6 +276,11 @@ def test_a_system_prompt_before_an_image_is_cached_for_chats_with_other_images(m
 
 @pytest.mark.parametrize("compile", [False, True], ids=["eager", "compiled"])
 def test_bfloat16_within_the_references_own_rounding(compile, model_dirs, processors, references):
+    engine = make_engine(model_dirs, None, "tiny", dtype="bfloat16", token_budget=96, compile=compile)
+    assert_bf16_within_rounding(engine, processors, references)
+
+
+def assert_bf16_within_rounding(engine: Engine, processors, references) -> None:
     """bf16 tolerance: our bf16 logits may differ from transformers' bf16 logits by at most twice as much as
     transformers' bf16 differs from its own fp32 (plus 0.05) — i.e. we are within bf16's own rounding noise.
     Greedy tokens must agree at every step whose reference top-1/top-2 margin exceeds it; a step under it may
@@ -283,12 +288,11 @@ def test_bfloat16_within_the_references_own_rounding(compile, model_dirs, proces
     ref32, ref16 = references("tiny", torch.float32), references("tiny", torch.bfloat16)
     own_noise = max((ref16[c.name].logits[0] - ref32[c.name].logits[0]).abs().max().item() for c in CASES)
     tolerance = 2 * own_noise + 0.05
-    engine = make_engine(model_dirs, None, "tiny", dtype="bfloat16", token_budget=96, compile=compile)
     finals = engine.generate(build_requests(processors["tiny"], CASES), capture_logits=True)
     compared = 0
     for case in CASES:
         ref, ours = ref16[case.name], finals[case.name].output_token_ids
-        diff = (engine.captured_logits[case.name][0] - ref.logits[0]).abs().max().item()
+        diff = (engine.captured_logits[case.name][0].cpu() - ref.logits[0]).abs().max().item()
         assert diff <= tolerance, f"{case.name}: bf16 first-step logits differ by {diff} > {tolerance}"
         for step, token in enumerate(ref.tokens):
             if ours[step] != token:
@@ -297,6 +301,31 @@ def test_bfloat16_within_the_references_own_rounding(compile, model_dirs, proces
             compared += ref.margin(step) > tolerance
     assert compared >= 50, f"only {compared} tokens had margins above the tolerance {tolerance:.3f}"
     assert_pools_full(engine)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_on_a_gpu_bf16_prompt_chunks_in_one_varlen_call_stay_within_the_references_rounding(
+    model_dirs, processors, references, monkeypatch
+):
+    """The torch backend's prompt chunks through torch's varlen flash kernel (bf16 only), chunked prefill with
+    several prompts a step and decodes beside them."""
+    from kernels import varlen
+
+    packs = []
+    kernel = varlen.flash_varlen
+    monkeypatch.setattr(varlen, "flash_varlen", lambda *a: packs.append(a[3]) or kernel(*a))
+    config = EngineConfig(
+        model=str(model_dirs["tiny"]),
+        dtype="bfloat16",
+        device="cuda",
+        attention_backend="torch",
+        kv_cache_gib=0.05,
+        image_cache_gib=0.02,
+        scheduler=SchedulerConfig(token_budget=96, enable_chunked_prefill=True),
+    )
+    assert_bf16_within_rounding(Engine(config), processors, references)
+    assert len({id(p) for p in packs}) > 5 and any(p.cu_q.shape[0] > 2 for p in packs)  # steps of several chunks
 
 
 @pytest.mark.parametrize("shape", SHAPES)

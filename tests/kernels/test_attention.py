@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels import AttentionMetadata, available_backends, make_attention_backend, write_kv
-from kernels.torch_ref import TorchPagedAttention
+from kernels.torch_ref import TorchPagedAttention, causal_attention
 
 CUDA = torch.cuda.is_available()
 
@@ -114,3 +114,109 @@ def test_gpu_backend_matches_the_torch_reference(name, block_size):
     out = make_attention_backend(name, device).forward(q, k_cache, v_cache, meta, 32**-0.5)
     torch.testing.assert_close(out.float(), ref.float(), atol=2e-2, rtol=2e-2)
     torch.testing.assert_close(out.float().cpu(), expected, atol=3e-2, rtol=3e-2)
+
+
+def varlen_reference(q, k, v, pack, scale):
+    """The varlen kernel's contract on the CPU: each sequence's queries over its own packed context, causal from
+    the bottom right (what FlashAttention-2 computes where a chunk is shorter than its context)."""
+    out, cq, ck = torch.empty_like(q), pack.cu_q.tolist(), pack.cu_k.tolist()
+    for i in range(len(cq) - 1):
+        out[cq[i] : cq[i + 1]] = causal_attention(
+            q[cq[i] : cq[i + 1]], k[ck[i] : ck[i + 1]], v[ck[i] : ck[i + 1]], scale
+        )
+    return out
+
+
+def test_a_steps_prompt_chunks_pack_end_to_end_with_every_context_tokens_slot():
+    q, k_cache, v_cache, meta, _ = build_case("cpu", torch.float32)
+    pack = meta.packed(3, 16)
+    assert meta.packed(3, 16) is pack  # built once a step
+    assert (pack.first, pack.q_start, pack.max_q, pack.max_k) == (3, 3, 37, 50)
+    assert pack.cu_q.tolist() == [0, 37, 57] and pack.cu_k.tolist() == [0, 37, 87]
+    tables = meta.block_tables.tolist()
+    want = [(tables[i][p // 16], p % 16) for i in (3, 4) for p in range(meta.seq_lens[i])]
+    assert list(zip(pack.blocks.tolist(), pack.offsets.tolist())) == want
+    whole = meta.packed(0, 16)
+    assert whole.cu_q.tolist() == [0, 1, 2, 3, 40, 60] and whole.cu_k.tolist() == [0, 5, 45, 62, 99, 149]
+    torch.testing.assert_close(whole.gather(k_cache)[62:], pack.gather(k_cache), rtol=0, atol=0)
+
+
+def test_the_torch_reference_runs_a_steps_prompt_chunks_in_one_varlen_call_where_it_is_usable(monkeypatch):
+    """The kernel is CUDA's; on the CPU its contract stands in for it: the packing, the rows each sequence's
+    queries take and where their outputs land are what is tested."""
+    from kernels import varlen
+
+    q, k_cache, v_cache, meta, expected = build_case("cpu", torch.float32)
+    calls = []
+    monkeypatch.setattr(varlen, "usable", lambda q, tokens: tokens == 87)
+    monkeypatch.setattr(varlen, "flash_varlen", lambda *a: calls.append(a[3]) or varlen_reference(*a))
+    backend = TorchPagedAttention()
+    for _ in range(2):  # two layers of one step: one pack
+        out = backend.forward(q, k_cache, v_cache, meta, 32**-0.5)
+        torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+    assert len(calls) == 2 and calls[0] is calls[1] and calls[0].first == 3
+    backend.varlen = False  # the per-chunk path, as `bench/engine.py --without prefill-varlen`
+    torch.testing.assert_close(backend.forward(q, k_cache, v_cache, meta, 32**-0.5), expected, atol=1e-5, rtol=1e-5)
+    assert len(calls) == 2
+
+
+def test_the_varlen_kernel_is_probed_once_and_left_out_where_it_fails_or_differs(monkeypatch, caplog):
+    from kernels import varlen
+
+    probe = varlen._probe.__wrapped__
+    assert probe("cpu").startswith("NotImplementedError")  # torch's CPU build has no such kernel
+    assert not varlen.usable(torch.zeros(1, 1, 64, dtype=torch.bfloat16), 1)
+    monkeypatch.setattr(varlen, "flash_varlen", varlen_reference)
+    assert probe("cpu") is None
+
+    def top_left(q, k, v, pack, scale):  # causal from the top left: wrong for a chunk after a cached prefix
+        out, cq, ck = torch.empty_like(q), pack.cu_q.tolist(), pack.cu_k.tolist()
+        for i in range(len(cq) - 1):
+            qh, kh, vh = (
+                x.transpose(0, 1)[None] for x in (q[cq[i] : cq[i + 1]], k[ck[i] : ck[i + 1]], v[ck[i] : ck[i + 1]])
+            )
+            o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale, enable_gqa=True)
+            out[cq[i] : cq[i + 1]] = o[0].transpose(0, 1)
+        return out
+
+    monkeypatch.setattr(varlen, "flash_varlen", top_left)
+    assert probe("cpu") == "ValueError: differs from the per-chunk attention"
+    assert "varlen flash attention does not run on cpu" in caplog.text
+
+
+def test_the_flash_attn_backend_packs_every_context_for_its_varlen_call():
+    """flash-attn's wheel is CUDA's; its varlen function's contract stands in for it (blocks of 16: every
+    sequence, decodes included, goes through the packed call)."""
+    from kernels.flash import FlashPagedAttention
+
+    q, k_cache, v_cache, meta, expected = build_case("cpu", torch.float32)
+    backend = object.__new__(FlashPagedAttention)
+
+    def varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal):
+        pack = meta.packed(0, 16)
+        assert (cu_seqlens_q is pack.cu_q, cu_seqlens_k is pack.cu_k, max_seqlen_q, max_seqlen_k, causal) == (
+            True,
+            True,
+            37,
+            50,
+            True,
+        )
+        return varlen_reference(q, k, v, pack, softmax_scale)
+
+    backend._varlen = varlen_func
+    torch.testing.assert_close(backend.forward(q, k_cache, v_cache, meta, 32**-0.5), expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+def test_on_a_gpu_the_varlen_kernel_runs_and_matches_one_call_per_chunk():
+    from kernels import varlen
+
+    device = torch.device("cuda")
+    q, k_cache, v_cache, meta, expected = build_case(device, torch.bfloat16)
+    assert varlen._probe(str(device)) is None
+    assert varlen.usable(q, 87) and not varlen.usable(q, varlen.MAX_PACKED_TOKENS + 1)
+    fast = TorchPagedAttention().forward(q, k_cache, v_cache, meta, 32**-0.5)
+    slow = TorchPagedAttention(varlen=False).forward(q, k_cache, v_cache, meta, 32**-0.5)
+    torch.testing.assert_close(fast.float(), slow.float(), atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(fast.float().cpu(), expected, atol=3e-2, rtol=3e-2)
