@@ -31,7 +31,7 @@ class TorchPagedAttention:
             out[:nd] = cpu_paged.paged_decode(q[:nd], k_cache, v_cache, tables, lens, scale)
         elif nd:
             out[:nd] = self._decode(q[:nd], k_cache, v_cache, meta, scale)
-        if meta.num_sequences > nd and self.varlen and varlen.usable(q, sum(meta.seq_lens[nd:])):
+        if meta.num_sequences > nd and self.varlen and varlen.usable(q, k_cache, sum(meta.seq_lens[nd:])):
             out[nd:] = varlen.attend(q[nd:], k_cache, v_cache, meta.packed(nd, k_cache.shape[1]), scale)
             return out
         start = nd

@@ -39,21 +39,23 @@ def attend(q, k_cache, v_cache, pack: ContextPack, scale: float) -> torch.Tensor
     return flash_varlen(q, pack.gather(k_cache), pack.gather(v_cache), pack, scale)
 
 
-def usable(q: torch.Tensor, context_tokens: int) -> bool:
-    """True where the varlen kernel runs and agreed with the per-chunk path on this device, for chunks whose
-    contexts sum to `context_tokens`."""
-    return q.is_cuda and q.dtype in DTYPES and context_tokens <= MAX_PACKED_TOKENS and _probe(str(q.device)) is None
+def usable(q: torch.Tensor, k_cache: torch.Tensor, context_tokens: int) -> bool:
+    """True where the varlen kernel runs and agreed with the per-chunk path on this device and these heads, for
+    chunks whose contexts sum to `context_tokens`."""
+    if not (q.is_cuda and q.dtype in DTYPES and context_tokens <= MAX_PACKED_TOKENS):
+        return False
+    return _probe(str(q.device), q.shape[1], k_cache.shape[2], q.shape[2]) is None
 
 
 @functools.cache
-def _probe(device: str) -> str | None:
-    """None when the kernel computes a tiny step (a whole 3-token prompt, a 2-token chunk after 5 cached tokens,
-    grouped-query heads) as the per-chunk path does; else why not (logged once)."""
+def _probe(device: str, heads: int, kv_heads: int, dim: int) -> str | None:
+    """None when the kernel computes a tiny step with these heads (a whole 3-token prompt, a 2-token chunk after 5
+    cached tokens) as the per-chunk path does; else why not (logged once)."""
     from kernels.torch_ref import causal_attention
 
     try:
         dev, g = torch.device(device), torch.Generator().manual_seed(0)
-        block_size, kv_heads, heads, dim = 4, 2, 4, 64
+        block_size = 4
         k_cache = torch.randn(4, block_size, kv_heads, dim, generator=g).to(dev, torch.bfloat16)
         v_cache = torch.randn(4, block_size, kv_heads, dim, generator=g).to(dev, torch.bfloat16)
         tables = torch.tensor([[2, 0], [3, 1]], dtype=torch.int32, device=dev)
@@ -77,6 +79,10 @@ def _probe(device: str) -> str | None:
                 raise ValueError("differs from the per-chunk attention")
     except Exception as e:  # no kernel for this GPU or torch build, an older op signature...
         why = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
-        log.warning("torch's varlen flash attention does not run on %s (%s): one call per prompt chunk", device, why)
+        log.warning(
+            "torch's varlen flash attention does not run on %s with %d heads (%d for K/V) of %d (%s): one call per "
+            "prompt chunk",
+            *(device, heads, kv_heads, dim, why),
+        )
         return why
     return None

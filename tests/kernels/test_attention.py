@@ -148,7 +148,7 @@ def test_the_torch_reference_runs_a_steps_prompt_chunks_in_one_varlen_call_where
 
     q, k_cache, v_cache, meta, expected = build_case("cpu", torch.float32)
     calls = []
-    monkeypatch.setattr(varlen, "usable", lambda q, tokens: tokens == 87)
+    monkeypatch.setattr(varlen, "usable", lambda q, k_cache, tokens: tokens == 87)
     monkeypatch.setattr(varlen, "flash_varlen", lambda *a: calls.append(a[3]) or varlen_reference(*a))
     backend = TorchPagedAttention()
     for _ in range(2):  # two layers of one step: one pack
@@ -164,10 +164,10 @@ def test_the_varlen_kernel_is_probed_once_and_left_out_where_it_fails_or_differs
     from kernels import varlen
 
     probe = varlen._probe.__wrapped__
-    assert probe("cpu").startswith("NotImplementedError")  # torch's CPU build has no such kernel
-    assert not varlen.usable(torch.zeros(1, 1, 64, dtype=torch.bfloat16), 1)
+    assert probe("cpu", 4, 2, 64).startswith("NotImplementedError")  # torch's CPU build has no such kernel
+    assert not varlen.usable(torch.zeros(1, 4, 64, dtype=torch.bfloat16), torch.zeros(1, 4, 2, 64), 1)
     monkeypatch.setattr(varlen, "flash_varlen", varlen_reference)
-    assert probe("cpu") is None
+    assert probe("cpu", 4, 2, 64) is None and probe("cpu", 4, 4, 48) is None
 
     def top_left(q, k, v, pack, scale):  # causal from the top left: wrong for a chunk after a cached prefix
         out, cq, ck = torch.empty_like(q), pack.cu_q.tolist(), pack.cu_k.tolist()
@@ -180,8 +180,8 @@ def test_the_varlen_kernel_is_probed_once_and_left_out_where_it_fails_or_differs
         return out
 
     monkeypatch.setattr(varlen, "flash_varlen", top_left)
-    assert probe("cpu") == "ValueError: differs from the per-chunk attention"
-    assert "varlen flash attention does not run on cpu" in caplog.text
+    assert probe("cpu", 4, 2, 64) == "ValueError: differs from the per-chunk attention"
+    assert "varlen flash attention does not run on cpu with 4 heads (2 for K/V) of 64" in caplog.text
 
 
 def test_the_flash_attn_backend_packs_every_context_for_its_varlen_call():
@@ -214,8 +214,8 @@ def test_on_a_gpu_the_varlen_kernel_runs_and_matches_one_call_per_chunk():
 
     device = torch.device("cuda")
     q, k_cache, v_cache, meta, expected = build_case(device, torch.bfloat16)
-    assert varlen._probe(str(device)) is None
-    assert varlen.usable(q, 87) and not varlen.usable(q, varlen.MAX_PACKED_TOKENS + 1)
+    assert varlen._probe(str(device), 8, 2, 32) is None
+    assert varlen.usable(q, k_cache, 87) and not varlen.usable(q, k_cache, varlen.MAX_PACKED_TOKENS + 1)
     fast = TorchPagedAttention().forward(q, k_cache, v_cache, meta, 32**-0.5)
     slow = TorchPagedAttention(varlen=False).forward(q, k_cache, v_cache, meta, 32**-0.5)
     torch.testing.assert_close(fast.float(), slow.float(), atol=2e-2, rtol=2e-2)
