@@ -1,5 +1,5 @@
-"""The analytic H100 profile against measured Hopper kernels: what a prompt chunk and a decode step of
-LLaVA-1.5-7B's language model cost on an H100 SXM, summed from NVIDIA aiconfigurator's published kernel tables
+"""The analytic H100 (H200) profile against measured Hopper kernels: what a prompt chunk and a decode step of
+LLaVA-1.5-7B's language model cost on an H100 (H200) SXM, summed from NVIDIA aiconfigurator's published kernel tables
 (bf16 GEMMs at every row count, flash-attention context and generation attention, measured under SGLang), and
 which prefill saturation point of the H20 profile (`epdmesh profile --analytic H20 --prefill-saturation S`) makes
 its H100 twin (the same calibration, scaled by SM count) cost what the kernels cost.
@@ -126,11 +126,11 @@ def log_errors(tables: Tables, profile, points: list[int]) -> list[float]:
     return [math.log(analytic_ms(profile, m) / tables.prefill_ms(m)) for m in points]
 
 
-def fit(tables: Tables, points: list[int]) -> list[dict]:
-    """Per candidate H20 saturation point, how its H100 twin's prefill costs depart from the kernels'."""
+def fit(tables: Tables, points: list[int], gpu: str = "H100") -> list[dict]:
+    """Per candidate H20 saturation point, how its twin on `gpu` departs from the kernels' prefill costs."""
     rows = []
     for saturation in CANDIDATES:
-        errors = log_errors(tables, analytic_profile("H100", prefill_saturation=saturation), points)
+        errors = log_errors(tables, analytic_profile(gpu, prefill_saturation=saturation), points)
         rows.append(
             dict(
                 h20_prefill_saturation=saturation,
@@ -142,14 +142,15 @@ def fit(tables: Tables, points: list[int]) -> list[dict]:
     return rows
 
 
-def report(tables: Tables, source: str) -> dict:
+def report(tables: Tables, source: str, gpu: str = "H100") -> dict:
     points = tables.prefill_points()
-    shipped, fits = load_profile("H100"), fit(tables, points)
+    shipped, fits = load_profile(gpu), fit(tables, points, gpu)
     best = min(fits, key=lambda r: r["rms_log_error"])
-    twin = analytic_profile("H100", prefill_saturation=best["h20_prefill_saturation"])
+    twin = analytic_profile(gpu, prefill_saturation=best["h20_prefill_saturation"])
     shown = [m for m in points if m in (1, 16, 64, 128, 256, 512, 1024, 2048, 4096, 8192)]
     return dict(
         source=source,
+        gpu=gpu,
         prefill=[
             dict(
                 tokens=m,
@@ -192,8 +193,8 @@ def _saturation(tables: Tables, points: list[int], fraction: float = 0.9) -> tup
 
 def render(result: dict) -> str:
     lines = [
-        f"LLaVA-1.5-7B's language model on an H100 SXM: measured kernels ({result['source']}) against the analytic "
-        "H100 profile as shipped and with the best-fitting prefill saturation",
+        f"LLaVA-1.5-7B's language model on an {result['gpu']} SXM: measured kernels ({result['source']}) against the "
+        f"analytic {result['gpu']} profile as shipped and with the best-fitting prefill saturation",
         "",
         "| prompt tokens | measured kernels (ms) | shipped profile | ratio | fitted | ratio |",
         "|---:|---:|---:|---:|---:|---:|",
@@ -253,7 +254,7 @@ def plot(result: dict, path: Path) -> None:
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     ax.set_xlabel("prompt tokens in the iteration")
-    ax.set_ylabel("µs per prompt token (LLaVA-1.5-7B LM, H100)")
+    ax.set_ylabel(f"µs per prompt token (LLaVA-1.5-7B LM, {result['gpu']})")
     ax.set_title("What a prompt chunk costs: measured Hopper kernels vs the profile")
     ax.grid(True, which="both", alpha=0.3)
     ax.legend()
@@ -264,7 +265,12 @@ def plot(result: dict, path: Path) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m bench.hopper_kernels", description=__doc__.split("\n\n")[0])
-    p.add_argument("--tables", type=Path, required=True, help="aiconfigurator's systems/data/h100_sxm directory")
+    p.add_argument(
+        "--tables", type=Path, required=True, help="aiconfigurator's systems/data/h100_sxm (h200_sxm) directory"
+    )
+    p.add_argument(
+        "--gpu", choices=("H100", "H200"), default="H100", help="the analytic profile the tables are set beside"
+    )
     p.add_argument("--framework", default="sglang")
     p.add_argument("--version", default="0.5.10")
     p.add_argument("--out", type=Path, help="JSON of the comparison (a PNG of the prefill costs beside it)")
@@ -272,7 +278,7 @@ def main(argv: list[str] | None = None) -> None:
     if not args.tables.is_dir():
         p.error(f"{args.tables} is not a directory")
     tables = load_tables(args.tables, args.framework, args.version)
-    result = report(tables, f"aiconfigurator {args.tables.name} {args.framework} {args.version}")
+    result = report(tables, f"aiconfigurator {args.tables.name} {args.framework} {args.version}", args.gpu)
     print(render(result))
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
