@@ -18,6 +18,7 @@ from epdmesh.options import (
     add_budget_args,
     add_chat_template_arg,
     add_engine_args,
+    add_first_token_hold_arg,
     add_model_args,
     add_planner_args,
     add_remote_image_args,
@@ -264,7 +265,10 @@ def _cmd_gateway(args) -> int:
     router = _gateway_router(args, tracing, mesh_tls) if args.redis_url else None
     processor = _chat_processor(args, config)
     pixels = "uint8, finished by the encoder" if processor.deferred_scaling is not None else "float32"
-    backend = MeshBackend(processor, args.toggle, max_model_len, metrics, tracing, router, args.stage_calls, mesh_tls)
+    hold = args.slo_ttft_ms if args.first_token_hold else None
+    backend = MeshBackend(
+        processor, args.toggle, max_model_len, metrics, tracing, router, args.stage_calls, mesh_tls, hold
+    )
     if args.planner:
         if not args.latency_profile:
             raise SystemExit("--planner needs a latency profile (--latency-profile; serve measures one by default)")
@@ -433,6 +437,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve.add_argument("--transfer", default="auto", choices=["auto", "nixl", "grpc"], help="page transfer backend")
     add_stage_calls_arg(serve)
+    add_first_token_hold_arg(serve)
     add_remote_image_args(serve)
     add_chat_template_arg(serve)
     add_api_key_arg(serve)
@@ -570,6 +575,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_chat_template_arg(gateway)
     add_api_key_arg(gateway)
     add_stage_calls_arg(gateway)
+    add_first_token_hold_arg(gateway)
     add_tls_arg(gateway)
     gateway.add_argument(
         "--redis-url",

@@ -513,6 +513,8 @@ def serve_mesh(args) -> int:
             gateway_env.update(redis_env)
         if args.max_model_len:
             gateway_argv += ["--max-model-len", str(args.max_model_len)]
+        if args.first_token_hold:
+            gateway_argv.append("--first-token-hold")
         if args.allow_remote_images:
             gateway_argv += ["--allow-remote-images", "--allowed-image-domains", args.allowed_image_domains]
         if args.chat_template:  # a file's path as this process sees it, or the template itself

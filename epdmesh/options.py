@@ -268,6 +268,17 @@ def add_stage_calls_arg(p) -> None:
     )
 
 
+def add_first_token_hold_arg(p) -> None:
+    p.add_argument(
+        "--first-token-hold",
+        action="store_true",
+        help="send the first token of a request handed over by its prefill worker together with its second "
+        "(from the decoder), at most until 90%% of its TTFT target: a later first token, within the target, "
+        "and no stall after it (common/policy/first_token.py); requests prefilled where they decode are "
+        "never held",
+    )
+
+
 def add_remote_image_args(p) -> None:
     """The gateway's (`epdmesh serve`, `epdmesh gateway`): whether it fetches http(s) image URLs, and from where."""
     p.add_argument(

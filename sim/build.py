@@ -84,7 +84,8 @@ class Setup:
                 workers.append(SimWorker(loop, info, engine, deliver=None))
         book = RouteBook(routing, slo, reports_delivery=True)  # as the gateway's router
         planning = self.planning(control_scale) if args.planner else None
-        return SimMesh(loop, workers, book, self.model_config, control_scale, planning, planner_phase)
+        hold = args.slo_ttft_ms / 1e3 if args.first_token_hold else None  # as the gateway (`epdmesh/cli.py`)
+        return SimMesh(loop, workers, book, self.model_config, control_scale, planning, planner_phase, hold)
 
     def planning(self, control_scale: float) -> Planning:
         """The gateway's planner as `serve --planner` makes it (`epdmesh/cli.py`), its intervals on simulated time."""

@@ -31,6 +31,7 @@ import uuid
 from common.engine.errors import NoRoomForPages, RequestRejected
 from common.engine.outputs import RequestOutput
 from common.policy.affinity import request_fields
+from common.policy.first_token import hold_until, released_at
 from common.policy.routing import PrefillPath, RoutePlan, RouteSummary
 from common.request import ImageInput, Request, SamplingParams, Stage
 from common.workers import HEARTBEAT_INTERVAL_S, WorkerSnapshot
@@ -102,6 +103,7 @@ class _Flight:
     cached: int = 0  # prompt tokens its current route's prefill found in the prefix cache
     prefix: dict = dataclasses.field(default_factory=dict)  # the current request's route summary prefix fields
     exclude: frozenset[str] = frozenset()  # registrations of the workers that left the mesh under it
+    held: tuple[float, int] | None = None  # its first output held (`--first-token-hold`): until when, its tokens
 
 
 class SimMesh:
@@ -114,13 +116,16 @@ class SimMesh:
         control_scale: float = 1.0,
         planning: Planning | None = None,
         planner_phase: float = 0.0,
+        hold_ttft_s: float | None = None,
     ):
         """`control_scale` K: heartbeats, the router's snapshot refresh and the planner's interval, grace and settle
         time K× shorter in the hardware's time than a deployment's, as on an emulated mesh run at time ×K (whose
         host keeps its own pace while the model's time slows K-fold); 1: a deployment's. `planner_phase` φ in [0, 1):
         the planner's first step comes φ of an interval early (a gateway's planner steps on its own clock, started
-        before the load: where its steps fall against the load's shifts is chance)."""
+        before the load: where its steps fall against the load's shifts is chance). `hold_ttft_s`: the TTFT target
+        when handed-over first tokens are held as the gateway holds them (`--first-token-hold`), or None."""
         self.loop, self.book, self.model = loop, book, model  # the checkpoint's config (`LlavaConfig`)
+        self.hold_ttft_s = hold_ttft_s
         self.heartbeat_s, self.refresh_s = HEARTBEAT_INTERVAL_S / control_scale, REFRESH_S / control_scale
         # the gateway's and the workers' waits, on the host's clock: K× shorter in the hardware's time too
         self.poll_s, self.import_wait_s = FAILOVER_POLL_S / control_scale, IMPORT_WAIT_S / control_scale
@@ -326,6 +331,11 @@ class SimMesh:
 
     def _tokens(self, flight: _Flight, worker: SimWorker, out: RequestOutput) -> None:
         now, timeline = self.loop.now, flight.timeline
+        if flight.held is not None:
+            self._release(flight, now)
+        elif not flight.emitted and self.hold_ttft_s is not None and flight.plan.path == PrefillPath.DEDICATED:
+            if not out.finished:  # as the gateway's `failover.held_first`
+                flight.held = (hold_until(timeline.arrival, self.hold_ttft_s), len(out.new_token_ids))
         timeline.token_times += [now] * len(out.new_token_ids)
         flight.emitted += out.new_token_ids
         # the usage's cached tokens: the last route's, of the prompt (`stages.py`, `migration.rebased`)
@@ -462,7 +472,15 @@ class SimMesh:
             self._go_on_as(flight, continuation(flight.original, flight.emitted, flight.attempts))
         self._route(flight, flight.exclude, again=True)
 
+    def _release(self, flight: _Flight, now: float) -> None:
+        """The held first output goes out: with the output that came `now`, or at the hold's end."""
+        (until, n), times = flight.held, flight.timeline.token_times
+        flight.held = None
+        times[:n] = [released_at(times[0], now, until)] * n
+
     def _end(self, flight: _Flight, error: str = "") -> None:
+        if flight.held is not None:
+            self._release(flight, self.loop.now)
         if flight.timeline.done:
             return
         flight.timeline.done, flight.timeline.error = True, error

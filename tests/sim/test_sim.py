@@ -86,6 +86,32 @@ def test_a_request_alone_takes_the_profiles_times_through_encode_prefill_and_dec
     assert all(w.engine.stats().kv_blocks_free == w.engine.stats().kv_blocks_total for w in mesh.workers.values())
 
 
+def _alone(setup: Setup, prompt) -> list[float]:
+    loop = Loop()
+    mesh = setup.mesh(loop)
+    timeline = mesh.submit(0.25, prompt)
+    loop.run(until=lambda: mesh.unfinished == 0)
+    assert timeline.error == ""
+    return [t - timeline.arrival for t in timeline.token_times]
+
+
+@pytest.mark.parametrize("topology", ["E1+P1+D1", "EPD1"])
+def test_the_first_token_hold_sends_a_handed_over_first_token_with_its_second_or_at_its_end(emulated_dir, topology):
+    """As the gateway holds it (`failover.held_first`): on path ① the first token goes out with the second, at most
+    until 90% of the TTFT target; a colocated request is never held; the other tokens keep their times."""
+    setup = setup_of(emulated_dir, topology)
+    [prompt] = prompts_of(setup, 1)
+    plain = _alone(setup, prompt)
+    held = _alone(setup_of(emulated_dir, topology, "--first-token-hold"), prompt)
+    if topology == "EPD1":
+        assert held == plain
+        return
+    assert held == [plain[1], *plain[1:]] and plain[1] > plain[0]
+    target_ms = 1e3 * (plain[0] + plain[1]) / 2 / 0.9  # the hold ends halfway between the two
+    capped = _alone(setup_of(emulated_dir, topology, "--first-token-hold", "--slo-ttft-ms", str(target_ms)), prompt)
+    assert capped == pytest.approx([(plain[0] + plain[1]) / 2, *plain[1:]])
+
+
 def test_the_same_inputs_give_the_same_run_and_more_load_meets_fewer_slos(emulated_dir):
     setup = setup_of(emulated_dir, "EPD2", "--latency-profile", H20, "--routing", "slo")
     prompts = prompts_of(setup, 40)

@@ -47,10 +47,12 @@ class MeshBackend:
         router: Router | None = None,
         stage_calls: str = "stream",
         tls: MeshTls | None = None,
+        hold_ttft_ms: float | None = None,
     ):
         """`router`: route in this process over the registry in Redis; None: ask the toggle (a gRPC hop).
         `stage_calls`: Encode and Prefill on a stream kept open to each worker, or as unary rpcs
-        (services/stage_calls). `tls`: mutual TLS on every channel to the mesh (common/tls.py)."""
+        (services/stage_calls). `tls`: mutual TLS on every channel to the mesh (common/tls.py). `hold_ttft_ms`:
+        hold handed-over first tokens (`--first-token-hold`; the default TTFT target), or None."""
         self.processor = processor
         self.max_model_len = max_model_len
         self.tracing = tracing or Tracing()
@@ -62,7 +64,7 @@ class MeshBackend:
         self.status = MeshStatus(self.routes, self.channels)
         self._background: set[asyncio.Task] = set()
         self.stages = Stages(self.channels, self.calls, self.tracing, spawn=self._spawn)
-        self.failover = Failover(self.routes, self.stages, self.route_stats, self.prompts, metrics)
+        self.failover = Failover(self.routes, self.stages, self.route_stats, self.prompts, metrics, hold_ttft_ms)
         self.planner = None  # the planner's task (`services/gateway/planner.py`), when it runs here
 
     async def start(self, chat: ChatRequest, request_id: str, span=None) -> tuple[int, AsyncIterator[RequestOutput]]:

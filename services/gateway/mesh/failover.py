@@ -9,17 +9,22 @@
 4. a decoder that preempted the request and could not recompute it (its KV cache ran out; its images came as
    pages) hands it back: it goes on the same way, on any route with room (that decoder too);
 5. a decoder that switches roles hands its running requests back with their KV pages: each goes on on another
-   decoder from those pages, nothing prefilled again (`migration.resumed`).
+   decoder from those pages, nothing prefilled again (`migration.resumed`);
+6. with `--first-token-hold`, the first token of a request handed over from its prefill worker goes out with its
+   second, at most until 90% of its TTFT target (`common.policy.first_token`); the route's bookkeeping (its
+   prefill's end, the prediction's error) counts the token when it came.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator
 
 from common.engine.outputs import RequestOutput
-from common.policy.routing import RouteSummary
+from common.policy.first_token import hold_until
+from common.policy.routing import PrefillPath, RouteSummary
 from common.request import Request
 from common.telemetry.metrics import GatewayMetrics
 from common.telemetry.tracing import set_attributes
@@ -99,14 +104,18 @@ class Failover:
         stats: RouteStats,
         prompts: Prompts,
         metrics: GatewayMetrics | None = None,
+        hold_ttft_ms: float | None = None,
     ):
+        """`hold_ttft_ms`: the default TTFT target when handed-over first tokens are held (`--first-token-hold`);
+        None: never held."""
+        self.hold_ttft_ms = hold_ttft_ms
         self.routes = routes
         self.stages = stages
         self.stats = stats
         self.prompts = prompts  # a continuation's prefix for routing, and its text joined to what went out before
         self.metrics = metrics
 
-    async def outputs(
+    def outputs(
         self,
         request: Request,
         span=None,
@@ -115,6 +124,13 @@ class Failover:
     ) -> AsyncIterator[RequestOutput]:
         """The request's outputs, going on elsewhere when a worker fails it. `route`: the first attempt's, when it
         was asked for already. Tokens already produced are never produced twice."""
+        hold = _Hold()
+        stream = self._attempts(request, span, slo, route, hold)
+        return stream if self.hold_ttft_ms is None else held_first(stream, hold)
+
+    async def _attempts(
+        self, request: Request, span, slo: tuple[float | None, float | None], route: Route | None, hold: _Hold
+    ) -> AsyncIterator[RequestOutput]:
         emitted: list[int] = []
         attempts = Attempts(request.request_id)
         back: HandedBack | None = None  # how the last attempt's decoder handed the request back
@@ -147,6 +163,8 @@ class Failover:
                             first = False
                         if not emitted:
                             self.stats.first_token(route.plan, request.arrival_time, request.request_id)
+                            if self._holds(plan, out):
+                                hold.until = hold_until(request.arrival_time, (slo[0] or self.hold_ttft_ms) / 1e3)
                         emitted.extend(out.new_token_ids)
                         yield rebased(
                             out, request.request_id, before, self.prompts.detokenize, self.prompts.eos_token_ids
@@ -225,6 +243,47 @@ class Failover:
             raise e.api_error() from None
         return route
 
+    def _holds(self, plan, first: RequestOutput) -> bool:
+        """Whether the request's first output is held: handed over from its prefill worker, and not its last."""
+        return self.hold_ttft_ms is not None and plan.path == PrefillPath.DEDICATED and not first.finished
+
     def _count(self, counter: str) -> None:
         if self.metrics is not None:
             getattr(self.metrics, counter).labels(self.metrics.model).inc()
+
+
+class _Hold:
+    """Until when the stream's first output is held (`time.monotonic()`); None: sent at once. Set by the time
+    that output comes."""
+
+    __slots__ = ("until",)
+
+    def __init__(self):
+        self.until: float | None = None
+
+
+async def held_first(stream: AsyncIterator[RequestOutput], hold: _Hold) -> AsyncIterator[RequestOutput]:
+    """`stream`, its first output sent with the second or at `hold.until`, whichever comes first. What the stream
+    raises meanwhile comes after the first output, as it would have without the hold."""
+    second = None
+    try:
+        first = await anext(stream, None)
+        if first is None:
+            return
+        wait = hold.until - time.monotonic() if hold.until is not None else 0.0
+        if wait > 0:
+            second = asyncio.ensure_future(anext(stream, None))
+            await asyncio.wait((second,), timeout=wait)
+        yield first
+        if second is not None:
+            out, second = await second, None
+            if out is None:
+                return
+            yield out
+        async for out in stream:
+            yield out
+    finally:
+        if second is not None:  # the client left while it was held: the rest of the request ends now
+            second.cancel()
+            await asyncio.gather(second, return_exceptions=True)
+        await stream.aclose()
