@@ -7,6 +7,8 @@ import time
 import types
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from common.engine.outputs import RequestOutput
 from common.policy.first_token import HOLD_FRACTION, hold_until, released_at
@@ -107,3 +109,17 @@ def test_a_client_gone_during_the_hold_ends_the_request_at_once():
 def test_only_a_handed_over_first_token_that_is_not_the_last_is_held(hold_ttft_ms, path, finished, held):
     failover = Failover(None, None, None, None, None, hold_ttft_ms)
     assert failover._holds(types.SimpleNamespace(path=path), output(1, finished)) is held
+
+
+@given(
+    first=st.floats(0.0, 5.0),
+    gap=st.floats(0.0, 5.0),
+    target=st.floats(0.01, 5.0),
+)
+def test_the_hold_never_fails_a_request_that_met_its_slo_without_it(first, gap, target):
+    """A first token that came within its TTFT target goes out within it; the first gap never grows."""
+    second = first + gap
+    out = released_at(first, second, hold_until(0.0, target))
+    assert first <= out <= second  # the first gap, second - out, never grows
+    if first <= target:
+        assert out <= target
