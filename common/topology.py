@@ -45,11 +45,15 @@ def parse_topology(text: str) -> list[WorkerGroup]:
     return groups
 
 
+def hands_over(groups: list[WorkerGroup]) -> bool:
+    """Whether some workers prefill without decoding: they hand their requests over to a decoder (path ①)."""
+    return any(Stage.PREFILL in g.roles and Stage.DECODE not in g.roles for g in groups)
+
+
 def decoders_join(groups: list[WorkerGroup]) -> bool:
     """Whether decoders that prefill also take requests handed over by dedicated prefill workers (`E1+P1+PD1`):
     then such a decoder's iterations must fit TBT twice (a joining request waits for the one in flight)."""
-    handoffs = any(Stage.PREFILL in g.roles and Stage.DECODE not in g.roles for g in groups)
-    return handoffs and any({Stage.PREFILL, Stage.DECODE} <= g.roles for g in groups)
+    return hands_over(groups) and any({Stage.PREFILL, Stage.DECODE} <= g.roles for g in groups)
 
 
 # the role sets a worker can hold, in the order a deployment names them (E1+P1+D1, EP4+EPD4, ED2+P1)

@@ -12,6 +12,7 @@ from pathlib import Path
 
 from common import tls
 from common.model.tiny import PRESETS
+from common.topology import hands_over, parse_topology
 from epdmesh import engine_setup as setup
 from epdmesh.checkpoints import make_model
 from epdmesh.options import (
@@ -68,8 +69,19 @@ def _set_threads(args) -> None:
         torch.set_num_threads(args.threads)
 
 
+def nothing_held(args) -> bool:
+    """`--first-token-hold` on a topology that hands no request over (`local`, colocated workers)."""
+    return args.first_token_hold and (args.topology == "local" or not hands_over(parse_topology(args.topology)))
+
+
 def _cmd_serve(args) -> int:
     setup.resolve_model(args)
+    if nothing_held(args):
+        logging.getLogger("epdmesh").warning(
+            "--first-token-hold: no worker of %s prefills without decoding, so no request is handed over and "
+            "none is held",
+            args.topology,
+        )
     from epdmesh.auto_profile import ensure_profile, wants_auto_profile
 
     if args.topology == "local" and wants_auto_profile(args):

@@ -203,6 +203,8 @@ class Mesh:
         command += ["--host", "0.0.0.0", "--port", str(GATEWAY_PORT), *self._slo_argv(), *self._tls_argv()]
         if a.served_model_name:
             command += ["--served-model-name", a.served_model_name]
+        if a.first_token_hold:
+            command.append("--first-token-hold")
         env = self._env("epdmesh-gateway", redis=True)
         key = {"secretKeyRef": {"name": API_KEY_SECRET, "key": "key", "optional": True}}
         env.append({"name": "EPDMESH_API_KEY", "valueFrom": key})
@@ -355,6 +357,8 @@ def command_line(args: argparse.Namespace) -> str:
         parts.append(f"--served-model-name {args.served_model_name}")
     if args.gateways != 1:
         parts.append(f"--gateways {args.gateways}")
+    if args.first_token_hold:
+        parts.append("--first-token-hold")
     parts += [f"--slo-ttft-ms {args.slo_ttft_ms:g}", f"--slo-tbt-ms {args.slo_tbt_ms:g}"]
     return " ".join(parts)
 
@@ -394,6 +398,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--latency-profile", help="a latency profile's path in the pods (budgets and SLO routing)")
     p.add_argument("--served-model-name")
     p.add_argument("--gateways", type=int, default=1, help="gateway replicas")
+    p.add_argument(
+        "--first-token-hold",
+        action="store_true",
+        help="the gateway sends a handed-over request's first token with its second (`epdmesh serve --help`)",
+    )
     p.add_argument("--slo-ttft-ms", type=float, default=2000.0)
     p.add_argument("--slo-tbt-ms", type=float, default=200.0)
     p.add_argument("--out", help="write here instead of standard output")

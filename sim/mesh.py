@@ -31,7 +31,7 @@ import uuid
 from common.engine.errors import NoRoomForPages, RequestRejected
 from common.engine.outputs import RequestOutput
 from common.policy.affinity import request_fields
-from common.policy.first_token import hold_until, released_at
+from common.policy.first_token import held, hold_until, released_at
 from common.policy.routing import PrefillPath, RoutePlan, RouteSummary
 from common.request import ImageInput, Request, SamplingParams, Stage
 from common.workers import HEARTBEAT_INTERVAL_S, WorkerSnapshot
@@ -333,9 +333,8 @@ class SimMesh:
         now, timeline = self.loop.now, flight.timeline
         if flight.held is not None:
             self._release(flight, now)
-        elif not flight.emitted and self.hold_ttft_s is not None and flight.plan.path == PrefillPath.DEDICATED:
-            if not out.finished:  # as the gateway's `failover.held_first`
-                flight.held = (hold_until(timeline.arrival, self.hold_ttft_s), len(out.new_token_ids))
+        elif not flight.emitted and self.hold_ttft_s is not None and held(flight.plan.path, out.finished):
+            flight.held = (hold_until(timeline.arrival, self.hold_ttft_s), len(out.new_token_ids))  # as `failover`
         timeline.token_times += [now] * len(out.new_token_ids)
         flight.emitted += out.new_token_ids
         # the usage's cached tokens: the last route's, of the prompt (`stages.py`, `migration.rebased`)

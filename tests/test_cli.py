@@ -216,3 +216,17 @@ def test_an_analytic_profile_with_an_earlier_prefill_saturation_is_written_and_n
             main(["profile", *argv, "--out", str(out)])
     with pytest.raises(SystemExit, match="cannot saturate at 20 tokens"):
         main(["profile", "--analytic", "H20", "--prefill-saturation", "20", "--out", str(out)])
+
+
+@pytest.mark.parametrize(
+    "topology, hold, nothing",
+    [("E1+P1+D1", True, False), ("EP3+EPD1", True, False), ("EPD2", True, True), ("local", True, True)]
+    + [("EPD2", False, False)],
+)
+def test_first_token_hold_is_said_to_hold_nothing_where_no_request_is_handed_over(topology, hold, nothing):
+    from epdmesh.cli import nothing_held
+
+    args = build_parser().parse_args(["serve", "--topology", topology, *(["--first-token-hold"] if hold else [])])
+    assert nothing_held(args) is nothing
+    gateway = build_parser().parse_args(["gateway", "--toggle", "127.0.0.1:1", "--first-token-hold"])
+    assert gateway.first_token_hold and not build_parser().parse_args(["serve"]).first_token_hold

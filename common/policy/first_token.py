@@ -12,7 +12,14 @@ came after the hold's end) goes out at once; a request prefilled where it decode
 
 from __future__ import annotations
 
+from common.policy.routing import PrefillPath
+
 HOLD_FRACTION = 0.9  # at most until this fraction of the TTFT target: the rest is the delivery's margin
+
+
+def held(path: PrefillPath, finished: bool) -> bool:
+    """Whether a request's first output, come on a route of `path`, is held: handed over, and not its last."""
+    return path == PrefillPath.DEDICATED and not finished
 
 
 def hold_until(arrival_s: float, ttft_target_s: float, fraction: float = HOLD_FRACTION) -> float:

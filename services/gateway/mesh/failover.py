@@ -23,8 +23,8 @@ import time
 from collections.abc import AsyncIterator
 
 from common.engine.outputs import RequestOutput
-from common.policy.first_token import hold_until
-from common.policy.routing import PrefillPath, RouteSummary
+from common.policy.first_token import held, hold_until
+from common.policy.routing import RouteSummary
 from common.request import Request
 from common.telemetry.metrics import GatewayMetrics
 from common.telemetry.tracing import set_attributes
@@ -245,7 +245,7 @@ class Failover:
 
     def _holds(self, plan, first: RequestOutput) -> bool:
         """Whether the request's first output is held: handed over from its prefill worker, and not its last."""
-        return self.hold_ttft_ms is not None and plan.path == PrefillPath.DEDICATED and not first.finished
+        return self.hold_ttft_ms is not None and held(plan.path, first.finished)
 
     def _count(self, counter: str) -> None:
         if self.metrics is not None:
