@@ -150,6 +150,13 @@ class GatewayMetrics:
             buckets=PREDICTION_ERROR_BUCKETS,
             registry=r,
         )
+        self.first_token_hold = Histogram(
+            P + "first_token_hold_seconds",
+            "How long a handed-over request's first token was held to go out with its second (--first-token-hold).",
+            m,
+            buckets=ITL_BUCKETS,
+            registry=r,
+        )
         self.slo = Counter(
             P + "slo_requests",
             "Finished requests by SLO outcome (TTFT ≤ ttft_ms and P90 TBT ≤ tbt_ms).",

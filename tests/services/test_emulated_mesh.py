@@ -66,6 +66,12 @@ def test_emulated_meshes_agree_and_the_goodput_benchmark_measures_one(emulated_d
                 result = asyncio.run(_streamed(f"{base}/v1/chat/completions", streamed))
                 assert result.ok and len(result.itl) == SHAPES["textcaps"].output_tokens - 1
                 assert result.itl[0] < 0.5 * min(result.itl[1:]), result.itl
+                held = [
+                    float(line.split()[-1])
+                    for line in httpx.get(f"{base}/metrics", timeout=30).text.splitlines()
+                    if line.startswith("epdmesh:first_token_hold_seconds_count")
+                ]
+                assert held and held[0] >= 1  # the answers here were handed over, and their first tokens held
                 out = tmp_path / "goodput.json"
                 sweep = ["--workload", "pope,conversation", "--rates", "2,50", "--num-prompts", "6", "--warmup", "1"]
                 sweep += ["--pause", "0", "--slo-ttft-ms", "60000", "--slo-tbt-ms", "60000", "--profile", H20]

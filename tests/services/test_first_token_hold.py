@@ -48,6 +48,9 @@ async def _stream(steps, closed: list):
         closed.append(True)
 
 
+HELD: list[float] = []  # what the last `_read` reported as held (the gateway's first_token_hold_seconds)
+
+
 def _read(steps, until_in_s: float | None, take: int | None = None):
     """The (token, seconds since start) the client reads, what it raised, and whether the source was closed."""
 
@@ -55,7 +58,8 @@ def _read(steps, until_in_s: float | None, take: int | None = None):
         closed, got, start = [], [], time.monotonic()
         hold = _Hold()
         hold.until = None if until_in_s is None else start + until_in_s
-        stream = held_first(_stream(steps, closed), hold)
+        HELD.clear()
+        stream = held_first(_stream(steps, closed), hold, HELD.append)
         try:
             async for out in stream:
                 got.append((out.new_token_ids[0], time.monotonic() - start))
@@ -74,6 +78,7 @@ def test_a_held_first_token_goes_out_when_the_second_comes():
     got, error, closed = _read([(0.0, output(1)), (0.15, output(2)), (0.0, output(3, True))], until_in_s=5.0)
     assert [t for t, _ in got] == [1, 2, 3] and error is None and closed == [True]
     assert got[0][1] >= 0.15 and got[1][1] - got[0][1] < got[0][1]  # held for the gap, none after it
+    assert HELD == [pytest.approx(got[0][1], abs=0.05)]
 
 
 def test_a_held_first_token_goes_out_at_the_holds_end_when_the_second_is_late():
@@ -84,7 +89,7 @@ def test_a_held_first_token_goes_out_at_the_holds_end_when_the_second_is_late():
 
 def test_a_stream_not_held_passes_through_and_an_error_meanwhile_comes_after_the_first_token():
     got, _, _ = _read([(0.0, output(1)), (0.3, output(2))], until_in_s=None)
-    assert [t for t, _ in got] == [1, 2] and got[0][1] < 0.3
+    assert [t for t, _ in got] == [1, 2] and got[0][1] < 0.3 and HELD == []
     got, error, closed = _read([(0.0, output(1)), (0.05, ApiError(503, "no decoder"))], until_in_s=5.0)
     assert [t for t, _ in got] == [1] and got[0][1] < 1.0 and error.status == 503 and closed == [True]
 

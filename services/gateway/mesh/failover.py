@@ -20,7 +20,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 from common.engine.outputs import RequestOutput
 from common.policy.first_token import held, hold_until
@@ -126,7 +126,7 @@ class Failover:
         was asked for already. Tokens already produced are never produced twice."""
         hold = _Hold()
         stream = self._attempts(request, span, slo, route, hold)
-        return stream if self.hold_ttft_ms is None else held_first(stream, hold)
+        return stream if self.hold_ttft_ms is None else held_first(stream, hold, self._held)
 
     async def _attempts(
         self, request: Request, span, slo: tuple[float | None, float | None], route: Route | None, hold: _Hold
@@ -247,6 +247,10 @@ class Failover:
         """Whether the request's first output is held: handed over from its prefill worker, and not its last."""
         return self.hold_ttft_ms is not None and held(plan.path, first.finished)
 
+    def _held(self, seconds: float) -> None:
+        if self.metrics is not None:
+            self.metrics.first_token_hold.labels(self.metrics.model).observe(seconds)
+
     def _count(self, counter: str) -> None:
         if self.metrics is not None:
             getattr(self.metrics, counter).labels(self.metrics.model).inc()
@@ -262,18 +266,23 @@ class _Hold:
         self.until: float | None = None
 
 
-async def held_first(stream: AsyncIterator[RequestOutput], hold: _Hold) -> AsyncIterator[RequestOutput]:
-    """`stream`, its first output sent with the second or at `hold.until`, whichever comes first. What the stream
-    raises meanwhile comes after the first output, as it would have without the hold."""
+async def held_first(
+    stream: AsyncIterator[RequestOutput], hold: _Hold, held: Callable[[float], None] = lambda seconds: None
+) -> AsyncIterator[RequestOutput]:
+    """`stream`, its first output sent with the second or at `hold.until`, whichever comes first (`held(seconds)`:
+    how long it was held). What the stream raises meanwhile comes after the first output, as it would have without
+    the hold."""
     second = None
     try:
         first = await anext(stream, None)
         if first is None:
             return
-        wait = hold.until - time.monotonic() if hold.until is not None else 0.0
+        came = time.monotonic()
+        wait = hold.until - came if hold.until is not None else 0.0
         if wait > 0:
             second = asyncio.ensure_future(anext(stream, None))
             await asyncio.wait((second,), timeout=wait)
+            held(time.monotonic() - came)
         yield first
         if second is not None:
             out, second = await second, None
