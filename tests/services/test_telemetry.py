@@ -54,9 +54,18 @@ def test_one_trace_spans_gateway_router_encoder_prefill_pull_and_decoder(traced_
         if not found:
             return False
         names = {s.name for s in spans if s.trace_id == found[0].trace_id}
-        return {"decode.execute", "page_pull", "route"} <= names and {
-            s.service for s in spans if s.trace_id == found[0].trace_id
-        } >= services
+        # a stage's server span ends with its call, after its execute span (the Decode stream: after the last token)
+        served = {(s.service, s.name) for s in spans if s.trace_id == found[0].trace_id and s.kind == SERVER}
+        rpcs = {
+            ("epdmesh-worker-e", "/epdmesh.v1.Encoder/Encode"),
+            ("epdmesh-worker-p", "/epdmesh.v1.Prefiller/Prefill"),
+            ("epdmesh-worker-d", "/epdmesh.v1.Decoder/Decode"),
+        }
+        return (
+            {"decode.execute", "page_pull", "route"} <= names
+            and rpcs <= served
+            and {s.service for s in spans if s.trace_id == found[0].trace_id} >= services
+        )
 
     spans = receiver.wait_for(complete)
     [root] = roots(spans)
