@@ -8,11 +8,13 @@
    taking `image_url` parts).
 2. For each server in turn — vLLM's CPU build (`vllm serve`, bf16, as `../shared/peer/serve_vllm.sh` runs it) and
    `epdmesh serve --topology T` with serve's defaults (bf16 where the CPU computes it, compiled, its own latency
-   profile) plus the SLOs — starts it on a loopback port, then:
+   profile) plus the SLOs and vLLM's context (`--max-model-len 2048`: a workload clipped to a server's context is
+   the same on both) — starts it on a loopback port, then:
    - a low-load probe: --probe-requests single streamed chats, one after the other (TTFT and TPOT medians);
-   - `epdmesh bench goodput --url …` on the `textcaps` shape (one fresh JPEG a request, 32 output tokens, EOS
-     ignored), Poisson arrivals, over --rates; goodput = the highest rate with ≥ 90% SLO attainment, and the
-     rate where attainment crosses 90%, interpolated;
+   - `epdmesh bench goodput --url …` on --workload (default the `textcaps` shape: one fresh JPEG a request, 32
+     output tokens, EOS ignored; `conversation`: the Mooncake trace's lengths ÷ --trace-scale and its shared
+     prefixes; `detail`: 384-token answers), Poisson arrivals, over --rates; goodput = the highest rate with ≥ 90%
+     SLO attainment, and the rate where attainment crosses 90%, interpolated;
    and stops it.
 3. Writes JSON (every point of both) and a PNG (attainment vs rate), and prints the ratios.
 
@@ -44,6 +46,7 @@ from bench.workloads import SHAPES, request_bodies  # noqa: E402
 from common.ports import free_port  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
+MAX_MODEL_LEN = 2048  # both servers' context, as ../shared/peer/serve_vllm.sh serves vLLM
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -56,6 +59,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     p.add_argument("--servers", default="vllm,epdmesh", help="which to run, in this order")
     p.add_argument("--rates", default="3,4,5,6,7,8")
+    p.add_argument(
+        "--workload",
+        default="textcaps",
+        help="what `epdmesh bench goodput` sends: a dataset shape (textcaps, detail, …) or conversation[/N]",
+    )
+    p.add_argument("--trace-scale", type=int, default=16, help="conversation: the trace's lengths ÷ this")
     p.add_argument("--num-prompts", type=int, default=80, help="requests per rate")
     p.add_argument("--probe-requests", type=int, default=10)
     p.add_argument("--slo-ttft-ms", type=float, default=1000.0)
@@ -133,7 +142,7 @@ def start_vllm(args, model: Path, port: int, work: Path) -> tuple[subprocess.Pop
         "--dtype",
         "bfloat16",
         "--max-model-len",
-        "2048",
+        str(MAX_MODEL_LEN),
         "--seed",
         str(args.seed),
         *args.vllm_args.split(),
@@ -154,6 +163,8 @@ def start_epdmesh(args, topology: str, model: Path, port: int, work: Path) -> tu
         str(model),
         "--port",
         str(port),
+        "--max-model-len",
+        str(MAX_MODEL_LEN),
         "--slo-ttft-ms",
         str(args.slo_ttft_ms),
         "--slo-tbt-ms",
@@ -207,7 +218,9 @@ def goodput(args, url: str, work: Path, name: str) -> dict:
         "--url",
         url,
         "--workload",
-        "textcaps",
+        args.workload,
+        "--trace-scale",
+        str(args.trace_scale),
         "--arrival",
         "poisson",
         "--rates",
@@ -246,6 +259,14 @@ def run_server(args, name: str, start, work: Path) -> dict:
         stop(proc)
 
 
+def workload_label(args) -> str:
+    if args.workload == "textcaps":
+        return "textcaps (1 image, 32 output tokens, EOS ignored)"
+    if args.workload == "conversation":
+        return f"conversation (the trace's lengths ÷ {args.trace_scale}, shared prefixes, 1 image)"
+    return args.workload
+
+
 def plot(results: list[dict], path: Path, args) -> None:
     import matplotlib
 
@@ -264,7 +285,8 @@ def plot(results: list[dict], path: Path, args) -> None:
     ax.axhline(90, color="grey", linestyle="--", linewidth=1)
     ax.set_xlabel("request rate (req/s, Poisson)")
     ax.set_ylabel("SLO attainment (%)")
-    ax.set_title(f"textcaps, bf16 CPU, TTFT ≤ {args.slo_ttft_ms:g} ms, P90 TBT ≤ {args.slo_tbt_ms:g} ms", fontsize=10)
+    slos = f"TTFT ≤ {args.slo_ttft_ms:g} ms, P90 TBT ≤ {args.slo_tbt_ms:g} ms"
+    ax.set_title(f"{workload_label(args)}, bf16 CPU, {slos}", fontsize=9)
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -295,7 +317,7 @@ def main(argv=None) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     meta = dict(
         checkpoint=str(model),
-        workload="textcaps (1 image, 32 output tokens, EOS ignored), Poisson",
+        workload=f"{workload_label(args)}, Poisson",
         slo_ttft_ms=args.slo_ttft_ms,
         slo_tbt_ms=args.slo_tbt_ms,
         num_prompts=args.num_prompts,
