@@ -55,7 +55,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument(
         "--topology",
         default="local",
-        help="epdmesh's topology (a comma list runs each in turn); default: the one to run on a CPU host",
+        help="epdmesh's topology (a comma list runs each in turn; an entry may carry its own serve options, "
+        "'local,local --gap-slack'); default: the one to run on a CPU host",
     )
     p.add_argument("--servers", default="vllm,epdmesh", help="which to run, in this order")
     p.add_argument("--rates", default="3,4,5,6,7,8")
@@ -150,8 +151,10 @@ def start_vllm(args, model: Path, port: int, work: Path) -> tuple[subprocess.Pop
     return subprocess.Popen(argv, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True), log
 
 
-def start_epdmesh(args, topology: str, model: Path, port: int, work: Path) -> tuple[subprocess.Popen, Path]:
-    log = work / f"epdmesh-{topology}.log"
+def start_epdmesh(args, entry: str, model: Path, port: int, work: Path) -> tuple[subprocess.Popen, Path]:
+    """`entry`: a topology, then that run's own serve options (after --epdmesh-args)."""
+    topology, *own = entry.split()
+    log = work / f"epdmesh-{'_'.join(entry.split()).replace('/', '_')}.log"
     argv = [
         sys.executable,
         "-m",
@@ -170,6 +173,7 @@ def start_epdmesh(args, topology: str, model: Path, port: int, work: Path) -> tu
         "--slo-tbt-ms",
         str(args.slo_tbt_ms),
         *args.epdmesh_args.split(),
+        *own,
     ]
     env = {k: v for k, v in os.environ.items() if k not in ("EPDMESH_ENFORCE_EAGER", "EPDMESH_AUTO_PROFILE")}
     return subprocess.Popen(argv, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True), log
@@ -302,7 +306,7 @@ def main(argv=None) -> int:
         if server == "vllm":
             results.append(run_server(args, "vLLM", lambda port: start_vllm(args, model, port, work), work))
         elif server == "epdmesh":
-            for topology in args.topology.split(","):
+            for topology in (t.strip() for t in args.topology.split(",")):
                 results.append(
                     run_server(
                         args,

@@ -424,6 +424,8 @@ def worker_argv(group: WorkerGroup, toggle: str, args, threads: int) -> list[str
         argv.append("--enforce-eager")
     if getattr(args, "gap_slack", False):
         argv += ["--gap-slack", "--gap-slack-reserve", str(args.gap_slack_reserve)]
+    else:
+        argv.append("--no-gap-slack")
     return argv
 
 

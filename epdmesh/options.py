@@ -236,9 +236,11 @@ def add_budget_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--gap-slack",
-        action="store_true",
-        help="with budgets from a latency profile: a decoder whose running requests can each spare a gap past "
-        "the TBT target (their P90 gap still within it) runs that iteration to α·TTFT, taking whole prompts",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="with budgets from a latency profile (serve's own or --latency-profile): a decoder whose running "
+        "requests can each spare a gap past the TBT target (their P90 gap still within it) runs that iteration "
+        "to α·TTFT, taking whole prompts (default: on; --no-gap-slack keeps every iteration within the TBT)",
     )
     p.add_argument(
         "--gap-slack-reserve",
