@@ -56,7 +56,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         "--topology",
         default="local",
         help="epdmesh's topology (a comma list runs each in turn; an entry may carry its own serve options, "
-        "'local,local --gap-slack'); default: the one to run on a CPU host",
+        "'local,local --no-gap-slack'); default: the one to run on a CPU host",
     )
     p.add_argument("--servers", default="vllm,epdmesh", help="which to run, in this order")
     p.add_argument("--rates", default="3,4,5,6,7,8")

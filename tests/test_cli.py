@@ -130,6 +130,19 @@ def test_a_worker_registers_the_stage_budgets_it_runs():
         )
 
 
+@pytest.mark.parametrize("flag, on", [([], True), (["--no-gap-slack"], False), (["--gap-slack"], True)])
+def test_gap_slack_is_on_by_default_and_serve_hands_the_choice_to_its_workers(flag, on):
+    from common.topology import parse_topology
+    from epdmesh.launch import worker_argv
+
+    common = ["--model", "/nowhere", "--latency-profile", "H20", "--slo-tbt-ms", "50", *flag]
+    serve = build_parser().parse_args(["serve", "--topology", "EPD1", *common])
+    argv = worker_argv(parse_topology("EPD1")[0], "127.0.0.1:1", serve, 1)
+    assert ("--no-gap-slack" in argv) is not on and ("--gap-slack" in argv) is on
+    worker = build_parser().parse_args(["worker", "--roles", "encode,prefill,decode", *common, *flag])
+    assert (engine_config(worker, worker.roles).scheduler.gap_slack is not None) is on
+
+
 def test_emulated_defaults_and_routing_choice(tmp_path):
     from epdmesh.engine_setup import kv_cache_gib
 
