@@ -6,8 +6,9 @@ matmuls: on a CPU the gathers, the copies and bf16 `bmm`'s per-matrix overhead c
 (fp32 sums, the same roundings to the cache's dtype). It is built like inductor's kernels: the host's C compiler
 (`$CC`, else `cc`), `-O3 -march=native -fopenmp`, into the user's cache (`$EPDMESH_HOME/kernels`, default
 ~/.cache/epdmesh/kernels), keyed by the source, the compiler and the CPU; OpenMP is the runtime torch has loaded, so
-the kernel runs on torch's intra-op threads. Where no compiler works, `available()` is False and attention stays
-the torch reference (logged once).
+the kernel runs on torch's intra-op threads. Where the compiler targets AVX-512 the passes and the softmax run on 16
+lanes; `_library(scalar=True)` builds the portable loops alone (what other hosts run; the tests check both). Where
+no compiler works, `available()` is False and attention stays the torch reference (logged once).
 """
 
 from __future__ import annotations
@@ -25,6 +26,8 @@ from pathlib import Path
 
 import torch
 
+from kernels.ops import define
+
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu_paged.c")
@@ -41,6 +44,10 @@ class _Shape(ctypes.Structure):
     ] + [("scale", ctypes.c_float)]
 
 
+class _NewRows(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_int64) for name in "k_seq k_head v_seq v_head num_blocks".split()]
+
+
 def cache_dir() -> Path:
     return Path(os.environ.get("EPDMESH_HOME", Path.home() / ".cache" / "epdmesh")) / "kernels"
 
@@ -54,10 +61,12 @@ def _cpu_id() -> str:
     return "\n".join(line for line in text.split("\n\n", 1)[0].splitlines() if line.startswith(("model name", "flags")))
 
 
-def _build(compiler: str) -> Path:
+def _build(compiler: str, scalar: bool = False) -> Path:
     source = SOURCE.read_bytes()
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout
-    key = hashlib.sha256(b"\0".join([source, version.encode(), _cpu_id().encode()])).hexdigest()[:16]
+    defines = ["-DEPDMESH_SCALAR"] if scalar else []
+    parts = [source, version.encode(), _cpu_id().encode(), " ".join(defines).encode()]
+    key = hashlib.sha256(b"\0".join(parts)).hexdigest()[:16]
     target = cache_dir() / f"cpu_paged-{key}.so"
     if target.is_file():
         return target
@@ -66,26 +75,27 @@ def _build(compiler: str) -> Path:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if not target.is_file():
             partial = target.with_suffix(f".{os.getpid()}.partial")
-            flags = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
+            flags = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11", *defines]
             subprocess.run([compiler, *flags, str(SOURCE), "-o", str(partial), "-lm"], check=True, capture_output=True)
             partial.rename(target)
     return target
 
 
 @functools.cache
-def _library() -> ctypes.CDLL | None:
+def _library(scalar: bool = False) -> ctypes.CDLL | None:
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
         log.warning("no C compiler (set CC): CPU decode attention stays the torch reference")
         return None
     try:
-        lib = ctypes.CDLL(str(_build(compiler)))
+        lib = ctypes.CDLL(str(_build(compiler, scalar)))
     except (OSError, subprocess.CalledProcessError) as e:
         detail = getattr(e, "stderr", None) or e
         detail = detail.decode(errors="replace")[-500:] if isinstance(detail, bytes) else detail
         log.warning("building the CPU decode attention failed (torch reference kept): %s", detail)
         return None
-    for name in ("epdmesh_paged_decode_bf16", "epdmesh_paged_decode_f32"):
+    for name in ("paged_decode_bf16", "paged_decode_f32", "write_decode_bf16", "write_decode_f32"):
+        name = f"epdmesh_{name}"
         getattr(lib, name).restype = ctypes.c_int
     return lib
 
@@ -106,8 +116,9 @@ def supports(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
     )
 
 
-def _decode(q, k_cache, v_cache, block_tables, seq_lens, scale: float) -> torch.Tensor:
-    lib = _library()
+def _decode(q, k_cache, v_cache, block_tables, seq_lens, scale: float, new=None, scalar: bool = False) -> torch.Tensor:
+    """`new`: (k, v, slot_blocks, slot_offsets), the step's rows written into their slots first, in the same call."""
+    lib = _library(scalar)
     nd, heads, dim = q.shape
     kv_heads = k_cache.shape[2]
     assert lib is not None and q.stride(-1) == k_cache.stride(-1) == v_cache.stride(-1) == 1
@@ -123,19 +134,27 @@ def _decode(q, k_cache, v_cache, block_tables, seq_lens, scale: float) -> torch.
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         scale,
     )  # fmt: skip
-    fn = lib.epdmesh_paged_decode_bf16 if q.dtype == torch.bfloat16 else lib.epdmesh_paged_decode_f32
+    bf16 = q.dtype == torch.bfloat16
     ptr = ctypes.c_void_p
-    rc = fn(
-        ctypes.byref(shape),
-        *(ptr(t.data_ptr()) for t in (q, k_cache, v_cache, tables, lens, out, scratch)),
-    )
+    tail = [ptr(t.data_ptr()) for t in (q, k_cache, v_cache, tables, lens, out, scratch)]
+    if new is None:
+        fn = lib.epdmesh_paged_decode_bf16 if bf16 else lib.epdmesh_paged_decode_f32
+        rc = fn(ctypes.byref(shape), *tail)
+    else:
+        k, v, blocks, offsets = (t if t.stride(-1) == 1 else t.contiguous() for t in new)
+        assert k.dtype == v.dtype == q.dtype and blocks.dtype == offsets.dtype == torch.int64
+        assert blocks.is_contiguous() and offsets.is_contiguous() and k.shape == v.shape == (nd, kv_heads, dim)
+        rows = _NewRows(k.stride(0), k.stride(1), v.stride(0), v.stride(1), k_cache.shape[0])
+        fn = lib.epdmesh_write_decode_bf16 if bf16 else lib.epdmesh_write_decode_f32
+        rc = fn(ctypes.byref(shape), ctypes.byref(rows), *(ptr(t.data_ptr()) for t in (k, v, blocks, offsets)), *tail)
+    if rc == -2:
+        raise IndexError(f"paged_decode: a slot outside the cache ({k_cache.shape[0]} blocks of {k_cache.shape[1]})")
     if rc != 0:
         raise ValueError(f"paged_decode: head_dim {dim} is beyond the kernel's {MAX_HEAD_DIM}")
     return out
 
 
-@torch.library.custom_op("epdmesh::paged_decode", mutates_args=())
-def paged_decode(
+def _paged_decode(
     q: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
@@ -149,8 +168,7 @@ def paged_decode(
     return _decode(q, k_cache, v_cache, block_tables, seq_lens, scale)
 
 
-@torch.library.custom_op("epdmesh::paged_decode_layer", mutates_args=("cache",))
-def paged_decode_layer(
+def _paged_decode_layer(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
@@ -163,20 +181,27 @@ def paged_decode_layer(
     scale: float,
 ) -> torch.Tensor:
     """One layer of a decode step on the whole cache ([blocks, layers, 2, block_size, kv_heads, head_dim], the
-    engine's): the new tokens' k and v [sequences, kv_heads, head_dim] written to their slots, then `paged_decode`.
+    engine's): the new tokens' k and v [sequences, kv_heads, head_dim] written to their slots (as an index_put
+    would, in the kernel's call: two index_puts cost ~35 µs a layer), then `paged_decode`.
     One op that mutates the cache in place, so that a compiled step (`common/model/compiled.py`) neither copies
     the cache nor splits around the write."""
     k_cache, v_cache = cache[:, layer, 0], cache[:, layer, 1]
-    k_cache[slot_blocks, slot_offsets] = k
-    v_cache[slot_blocks, slot_offsets] = v
-    return _decode(q, k_cache, v_cache, block_tables, seq_lens, scale)
+    return _decode(q, k_cache, v_cache, block_tables, seq_lens, scale, new=(k, v, slot_blocks, slot_offsets))
 
 
-@paged_decode_layer.register_fake
-def _(q, k, v, cache, layer, slot_blocks, slot_offsets, block_tables, seq_lens, scale):
+def _like_q(q, *_):
     return torch.empty_like(q, memory_format=torch.contiguous_format)
 
 
-@paged_decode.register_fake
-def _(q, k_cache, v_cache, block_tables, seq_lens, scale):
-    return torch.empty_like(q, memory_format=torch.contiguous_format)
+paged_decode = define(
+    "paged_decode(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor seq_lens, float scale)"
+    " -> Tensor",
+    _paged_decode,
+    _like_q,
+)
+paged_decode_layer = define(
+    "paged_decode_layer(Tensor q, Tensor k, Tensor v, Tensor(a!) cache, int layer, Tensor slot_blocks,"
+    " Tensor slot_offsets, Tensor block_tables, Tensor seq_lens, float scale) -> Tensor",
+    _paged_decode_layer,
+    _like_q,
+)

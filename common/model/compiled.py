@@ -31,6 +31,7 @@ from common.model.layers import RotaryEmbedding
 from common.model.llama import DecoderLayer, LlamaDecoder
 from common.model.llava import LlavaModel
 from kernels import cpu_paged
+from kernels.ops import define
 from kernels.torch_ref import causal_attention
 
 log = logging.getLogger(__name__)
@@ -163,8 +164,7 @@ def prefill_step(
     return text.logits(x[-1:])
 
 
-@torch.library.custom_op("epdmesh::write_kv_layer", mutates_args=("cache",))
-def write_kv_layer(
+def _write_kv_layer(
     cache: torch.Tensor,
     layer: int,
     k: torch.Tensor,
@@ -180,6 +180,8 @@ def write_kv_layer(
     cache.select(1, layer).select(1, 1).index_put_(index, v)
 
 
-@write_kv_layer.register_fake
-def _(cache, layer, k, v, slot_blocks, slot_offsets):
-    return None
+write_kv_layer = define(
+    "write_kv_layer(Tensor(a!) cache, int layer, Tensor k, Tensor v, Tensor slot_blocks, Tensor slot_offsets) -> ()",
+    _write_kv_layer,
+    lambda *_: None,
+)

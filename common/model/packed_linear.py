@@ -21,6 +21,8 @@ import logging
 import torch
 from torch import nn
 
+from kernels.ops import define
+
 log = logging.getLogger(__name__)
 
 
@@ -43,10 +45,8 @@ def row_bucket(rows: int) -> int:
     return -(-rows // step) * step
 
 
-@torch.library.custom_op("epdmesh::packed_linear", mutates_args=())
-def packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
-    """oneDNN's product with a packed weight, as an op of our own: inductor (`compiled.py`) calls it as it is,
-    where it would try to lower the mkldnn op itself and fail on dynamic shapes. Rows padded to their bucket."""
+def _packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
+    """oneDNN's product with a packed weight, rows padded to their bucket."""
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
     bucket = row_bucket(rows)
     if bucket == rows:
@@ -58,9 +58,15 @@ def packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     return out[:rows].view(*x.shape[:-1], out_features)
 
 
-@packed_linear.register_fake
-def _(x, weight, bias, out_features):
+def _fake(x, weight, bias, out_features):
     return x.new_empty(*x.shape[:-1], out_features)
+
+
+# An op of our own, so that inductor (`compiled.py`) calls it as it is, where it would try to lower the mkldnn op
+# itself and fail on dynamic shapes.
+packed_linear = define(
+    "packed_linear(Tensor x, Tensor weight, Tensor? bias, int out_features) -> Tensor", _packed_linear, _fake
+)
 
 
 class PackedLinear(nn.Module):

@@ -45,17 +45,24 @@ SHAPES = [  # (sequences, heads, kv heads, head_dim, context lengths)
     (8, 8, 8, 64, [147, 16, 17, 300, 1, 64, 65, 100]),
     (2, 32, 32, 128, [600, 33]),
     (5, 12, 4, 80, [9, 31, 32, 33, 250]),
+    (2, 4, 2, 24, [7, 70]),  # a head_dim that is not a multiple of 16: the portable loops in any build
 ]
+BUILDS = [False, True]  # the host's build (AVX-512 lanes where it has them), the portable loops alone
 
 
+def kernel(q, k, v, meta, scale, scalar):
+    return cpu_paged._decode(q, k, v, meta.block_tables, meta.seq_lens_t, scale, scalar=scalar)
+
+
+@pytest.mark.parametrize("scalar", BUILDS, ids=["host", "portable"])
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"{s[0]}seq-{s[1]}h-{s[2]}kv-d{s[3]}")
-def test_bf16_is_the_reference_to_the_bit_but_for_sum_order(shape):
+def test_bf16_is_the_reference_to_the_bit_but_for_sum_order(shape, scalar):
     """The same roundings as the reference (scores and probabilities to bf16, fp32 sums): only the order of the
     fp32 sums differs, so outputs agree to one bf16 step and almost all to the bit."""
     q, k, v, meta = decode_case(torch.bfloat16, *shape)
     scale = shape[3] ** -0.5
     ref = TorchPagedAttention._decode(q, k, v, meta, scale)
-    out = cpu_paged.paged_decode(q, k, v, meta.block_tables, meta.seq_lens_t, scale)
+    out = kernel(q, k, v, meta, scale, scalar)
     assert out.dtype == torch.bfloat16 and out.shape == q.shape
     diff = (out.float() - ref.float()).abs()
     # one bf16 ulp, about, of the value or of an eighth of its head's largest: where the sum nearly cancels, a score
@@ -67,13 +74,43 @@ def test_bf16_is_the_reference_to_the_bit_but_for_sum_order(shape):
     assert (diff == 0).float().mean() >= 0.9
 
 
+@pytest.mark.parametrize("scalar", BUILDS, ids=["host", "portable"])
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"{s[0]}seq-{s[1]}h-{s[2]}kv-d{s[3]}")
-def test_fp32_matches_the_reference(shape):
+def test_fp32_matches_the_reference(shape, scalar):
     q, k, v, meta = decode_case(torch.float32, *shape)
     scale = shape[3] ** -0.5
     ref = TorchPagedAttention._decode(q, k, v, meta, scale)
-    out = cpu_paged.paged_decode(q, k, v, meta.block_tables, meta.seq_lens_t, scale)
+    out = kernel(q, k, v, meta, scale, scalar)
     torch.testing.assert_close(out, ref, atol=2e-6, rtol=2e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_a_layer_writes_its_new_rows_as_index_put_does_then_decodes_over_them(dtype):
+    """`paged_decode_layer` writes the step's K/V rows into their slots in the kernel's call: the cache ends as two
+    index_puts leave it, the output is the decode over that cache, and k/v may be strided views (a fused qkv)."""
+    g = torch.Generator().manual_seed(3)
+    blocks, layers, bs, kv, dim, lens = 12, 3, 16, 2, 32, [5, 17, 33]
+    cache = torch.randn(blocks, layers, 2, bs, kv, dim, generator=g).to(dtype)
+    tables = torch.tensor([[4, 0, 0], [7, 2, 0], [1, 9, 11]], dtype=torch.int32)
+    slot_blocks = torch.tensor([4, 2, 11])  # each sequence's last position
+    slot_offsets = torch.tensor([4, 0, 0])
+    fused = torch.randn(3, 3 * kv * dim, generator=g).to(dtype)  # q, k and v of 3 tokens side by side
+    q, k, v = (fused[:, i * kv * dim : (i + 1) * kv * dim].view(3, kv, dim) for i in range(3))
+    assert k.stride(0) == 3 * kv * dim  # not contiguous
+    expected = cache.clone()
+    expected[:, 1, 0][slot_blocks, slot_offsets] = k
+    expected[:, 1, 1][slot_blocks, slot_offsets] = v
+    lens_t = torch.tensor(lens, dtype=torch.int32)
+    want = cpu_paged.paged_decode(q, expected[:, 1, 0], expected[:, 1, 1], tables, lens_t, 0.2)
+    got = torch.ops.epdmesh.paged_decode_layer(q, k, v, cache, 1, slot_blocks, slot_offsets, tables, lens_t, 0.2)
+    assert torch.equal(cache, expected) and torch.equal(got, want)
+
+    before = cache.clone()
+    with pytest.raises(IndexError, match="outside the cache"):
+        torch.ops.epdmesh.paged_decode_layer(
+            q, k, v, cache, 1, torch.tensor([4, 2, 12]), slot_offsets, tables, lens_t, 0.2
+        )
+    assert torch.equal(cache, before)  # nothing written
 
 
 def test_the_backend_decodes_through_it_and_matches_dense_attention_with_prefills_beside():
