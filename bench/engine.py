@@ -41,6 +41,7 @@ from common.engine.config import EngineConfig  # noqa: E402
 from common.engine.engine import Engine  # noqa: E402
 from common.model.llava import LlavaModel  # noqa: E402
 from common.model.loader import load_model, model_from_state  # noqa: E402
+from common.model.packed_linear import PackedLinear  # noqa: E402
 from common.paged_cache import PagedKVCache  # noqa: E402
 from common.request import Request  # noqa: E402
 from common.sampling import SamplingParams  # noqa: E402
@@ -69,7 +70,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default="",
         help="ablation, ours only (comma list): c-attention (decode attention in torch: gathers and bmm), "
         "decode-graph (decodes through the per-layer compiled halves), prefill-graph (a lone whole prompt too); "
-        "c-attention takes both graphs out (they call the kernel); on CUDA: cuda-graphs (decode steps eager), "
+        "c-attention takes both graphs out (they call the kernel); amx-tiles (decode products through oneDNN, not "
+        "the AMX tiles); on CUDA: cuda-graphs (decode steps eager), "
         "prefill-varlen (the torch backend's prompt chunks one SDPA call each instead of one varlen call a layer)",
     )
     p.add_argument(
@@ -170,6 +172,10 @@ def make_engine(
         if {"prefill-graph", "c-attention"} & set(args.without):
             engine.runner.prefill_graph = None
         engine.runner.attention.use_c = "c-attention" not in args.without
+        if "amx-tiles" in args.without:
+            for module in engine.model.modules():
+                if isinstance(module, PackedLinear):
+                    module.tiles = None
         engine.runner.attention.varlen = "prefill-varlen" not in args.without
     return engine
 

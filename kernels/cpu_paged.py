@@ -1,4 +1,4 @@
-"""Paged decode attention on the CPU in C (`cpu_paged.c`), built on first use by the host's compiler.
+"""Paged decode attention on the CPU in C (`cpu_paged.c`), built on first use by the host's compiler (`cbuild`).
 
 The torch reference gathers every decoding sequence's blocks into contiguous K/V copies and runs two batched
 matmuls: on a CPU the gathers, the copies and bf16 `bmm`'s per-matrix overhead cost more than the arithmetic
@@ -14,18 +14,13 @@ no compiler works, `available()` is False and attention stays the torch referenc
 from __future__ import annotations
 
 import ctypes
-import fcntl
 import functools
-import hashlib
 import logging
-import os
-import platform
-import shutil
-import subprocess
 from pathlib import Path
 
 import torch
 
+from kernels import cbuild
 from kernels.ops import define
 
 log = logging.getLogger(__name__)
@@ -48,55 +43,13 @@ class _NewRows(ctypes.Structure):
     _fields_ = [(name, ctypes.c_int64) for name in "k_seq k_head v_seq v_head num_blocks".split()]
 
 
-def cache_dir() -> Path:
-    return Path(os.environ.get("EPDMESH_HOME", Path.home() / ".cache" / "epdmesh")) / "kernels"
-
-
-def _cpu_id() -> str:
-    """What -march=native compiles for: the model name and flags of the first CPU."""
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return platform.processor()
-    return "\n".join(line for line in text.split("\n\n", 1)[0].splitlines() if line.startswith(("model name", "flags")))
-
-
-def _build(compiler: str, scalar: bool = False) -> Path:
-    source = SOURCE.read_bytes()
-    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout
-    defines = ["-DEPDMESH_SCALAR"] if scalar else []
-    parts = [source, version.encode(), _cpu_id().encode(), " ".join(defines).encode()]
-    key = hashlib.sha256(b"\0".join(parts)).hexdigest()[:16]
-    target = cache_dir() / f"cpu_paged-{key}.so"
-    if target.is_file():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with open(target.with_suffix(".lock"), "w") as lock:  # one build per host; the others wait and reuse it
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if not target.is_file():
-            partial = target.with_suffix(f".{os.getpid()}.partial")
-            flags = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11", *defines]
-            subprocess.run([compiler, *flags, str(SOURCE), "-o", str(partial), "-lm"], check=True, capture_output=True)
-            partial.rename(target)
-    return target
-
-
 @functools.cache
 def _library(scalar: bool = False) -> ctypes.CDLL | None:
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if compiler is None:
-        log.warning("no C compiler (set CC): CPU decode attention stays the torch reference")
-        return None
-    try:
-        lib = ctypes.CDLL(str(_build(compiler, scalar)))
-    except (OSError, subprocess.CalledProcessError) as e:
-        detail = getattr(e, "stderr", None) or e
-        detail = detail.decode(errors="replace")[-500:] if isinstance(detail, bytes) else detail
-        log.warning("building the CPU decode attention failed (torch reference kept): %s", detail)
+    lib = cbuild.load(SOURCE, "CPU decode attention stays the torch reference", ("EPDMESH_SCALAR",) if scalar else ())
+    if lib is None:
         return None
     for name in ("paged_decode_bf16", "paged_decode_f32", "write_decode_bf16", "write_decode_f32"):
-        name = f"epdmesh_{name}"
-        getattr(lib, name).restype = ctypes.c_int
+        getattr(lib, f"epdmesh_{name}").restype = ctypes.c_int
     return lib
 
 

@@ -12,15 +12,23 @@ prefill of a row count it has not seen pays 2–5 ms per weight shape, ~13 ms in
 rows the input is padded with zero rows to its bucket (≤ 12.5% more rows from 512 up) and the product sliced back,
 so a few dozen shapes serve every prompt. A padded product can differ from the unpadded one in the last bit, where
 oneDNN picks another kernel for the padded count: within bf16's rounding, which the parity tests bound.
+
+Decode products on AMX hosts (`kernels/cpu_amx.py`). A decode step's products (≤ 16 rows) read every weight once,
+and oneDNN reads its packed layout at ~15 GB/s where the host streams ~36: the text model's linears also keep their
+weights as AMX tiles, and a product of ≤ 16 rows runs on them (bit-identical to oneDNN's: the same tile unit).
+That is a second copy of the text model's linear weights; `pack_linears` makes it only while it takes at most
+`TILES_SHARE` of the host's memory (the `small` preset: 60 MB; a 7B model's 13 GB: not on a 24 GiB host).
 """
 
 from __future__ import annotations
 
 import logging
+import os
 
 import torch
 from torch import nn
 
+from kernels import cpu_amx
 from kernels.ops import define
 
 log = logging.getLogger(__name__)
@@ -45,9 +53,16 @@ def row_bucket(rows: int) -> int:
     return -(-rows // step) * step
 
 
-def _packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
-    """oneDNN's product with a packed weight, rows padded to their bucket."""
+TILES_SHARE = 0.1  # of the host's memory, at most, for the decode products' second copy of the weights
+
+
+def _packed_linear(
+    x: torch.Tensor, weight: torch.Tensor, tiles: torch.Tensor | None, bias: torch.Tensor | None, out_features: int
+) -> torch.Tensor:
+    """oneDNN's product with a packed weight, rows padded to their bucket; ≤ 16 rows on the AMX tiles if given."""
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    if tiles is not None and 0 < rows <= cpu_amx.MAX_ROWS:
+        return cpu_amx.linear(x, tiles)
     bucket = row_bucket(rows)
     if bucket == rows:
         return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
@@ -58,43 +73,64 @@ def _packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     return out[:rows].view(*x.shape[:-1], out_features)
 
 
-def _fake(x, weight, bias, out_features):
+def _fake(x, weight, tiles, bias, out_features):
     return x.new_empty(*x.shape[:-1], out_features)
 
 
 # An op of our own, so that inductor (`compiled.py`) calls it as it is, where it would try to lower the mkldnn op
 # itself and fail on dynamic shapes.
 packed_linear = define(
-    "packed_linear(Tensor x, Tensor weight, Tensor? bias, int out_features) -> Tensor", _packed_linear, _fake
+    "packed_linear(Tensor x, Tensor weight, Tensor? tiles, Tensor? bias, int out_features) -> Tensor",
+    _packed_linear,
+    _fake,
 )
 
 
 class PackedLinear(nn.Module):
-    """`nn.Linear` with its weight in oneDNN's blocked layout; the weight is a buffer (the layout is opaque)."""
+    """`nn.Linear` with its weight in oneDNN's blocked layout; the weight is a buffer (the layout is opaque).
+    `tiles`: also as AMX tiles, for products of ≤ 16 rows (a bias-free weight the kernel takes)."""
 
-    def __init__(self, linear: nn.Linear):
+    def __init__(self, linear: nn.Linear, tiles: bool = False):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.register_buffer("packed_weight", torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach()))
+        weight = linear.weight.detach()
+        self.register_buffer("packed_weight", torch.ops.mkldnn._reorder_linear_weight(weight))
         self.register_buffer("bias", None if linear.bias is None else linear.bias.detach())
+        tiles = tiles and linear.bias is None and cpu_amx.supports(weight)
+        self.register_buffer("tiles", cpu_amx.pack(weight) if tiles else None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return packed_linear(x, self.packed_weight, self.bias, self.out_features)
+        return packed_linear(x, self.packed_weight, self.tiles, self.bias, self.out_features)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
+            f"tiles={self.tiles is not None}"
+        )
 
 
-def pack_linears(model: nn.Module) -> int:
-    """Replace every bf16 CPU `nn.Linear` of `model` by a `PackedLinear`, in place; returns how many. Idempotent."""
+def _host_memory() -> int:
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def pack_linears(model: nn.Module, tiles_under: str = "text") -> int:
+    """Replace every bf16 CPU `nn.Linear` of `model` by a `PackedLinear`, in place; returns how many. Idempotent.
+    The linears under `tiles_under` (the decoder's, which decode steps run) also get AMX tiles, where the host has
+    AMX and the copy takes ≤ `TILES_SHARE` of its memory."""
     targets = [
-        (parent, name, child)
-        for parent in model.modules()
+        (f"{prefix}.{name}" if prefix else name, parent, name, child)
+        for prefix, parent in model.named_modules()
         for name, child in parent.named_children()
         if type(child) is nn.Linear and can_pack(child.weight.dtype, child.weight.device)
     ]
-    for parent, name, child in targets:
-        setattr(parent, name, PackedLinear(child))
+    decode = [t for t in targets if t[0].startswith(f"{tiles_under}.") and t[3].bias is None]
+    copy = sum(t[3].weight.numel() * t[3].weight.element_size() for t in decode)
+    tiles = bool(decode) and cpu_amx.available() and copy <= TILES_SHARE * _host_memory()
+    if decode and cpu_amx.available() and not tiles:
+        log.info("decode products stay oneDNN's: their AMX tiles (%.1f GiB) would take over %d%% of this host's "
+                 "memory", copy / 2**30, TILES_SHARE * 100)  # fmt: skip
+    for path, parent, name, child in targets:
+        setattr(parent, name, PackedLinear(child, tiles=tiles and path.startswith(f"{tiles_under}.")))
     if targets:
-        log.info("packed %d bf16 linears for oneDNN", len(targets))
+        log.info("packed %d bf16 linears for oneDNN%s", len(targets), f", {len(decode)} as AMX tiles too" * tiles)
     return len(targets)

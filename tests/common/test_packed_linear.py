@@ -14,13 +14,14 @@ needs_bf16 = pytest.mark.skipif(
 
 
 @needs_bf16
+@pytest.mark.parametrize("tiles", [False, True], ids=["onednn", "amx-tiles"])  # (tiles: where the host has AMX)
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("rows", [(0,), (1,), (7,), (2, 16), (3, 64)], ids=["empty", "one", "seven", "2x16", "3x64"])
-def test_packed_linear_is_bitwise_f_linear_at_a_bucket_row_count(bias, rows):
+def test_packed_linear_is_bitwise_f_linear_at_a_bucket_row_count(bias, rows, tiles):
     torch.manual_seed(0)
     linear = nn.Linear(96, 160, bias=bias).to(torch.bfloat16)
     x = torch.randn(*rows, 96, dtype=torch.bfloat16)
-    packed = PackedLinear(linear)
+    packed = PackedLinear(linear, tiles=tiles)
     assert packed(x).shape == (*rows, 160)
     assert torch.equal(packed(x), linear(x))
 

@@ -146,8 +146,8 @@ def test_built_once_into_the_users_cache_and_refused_without_a_compiler(tmp_path
     torch reference, with a warning."""
     probe = (
         "import logging, sys; logging.basicConfig(level=logging.WARNING)\n"
-        "from kernels import cpu_paged\n"
-        "print(cpu_paged.available(), sorted(p.name for p in cpu_paged.cache_dir().glob('*.so')))\n"
+        "from kernels import cbuild, cpu_paged\n"
+        "print(cpu_paged.available(), sorted(p.name for p in cbuild.cache_dir().glob('cpu_paged-*.so')))\n"
     )
     env = dict(os.environ, EPDMESH_HOME=str(tmp_path))
     runs = [subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True) for _ in range(2)]
@@ -161,4 +161,4 @@ def test_built_once_into_the_users_cache_and_refused_without_a_compiler(tmp_path
         text=True,
     )
     assert broken.returncode == 0 and broken.stdout.startswith("False")
-    assert "building the CPU decode attention failed" in broken.stderr
+    assert "building cpu_paged.c failed (CPU decode attention stays the torch reference)" in broken.stderr

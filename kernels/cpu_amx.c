@@ -1,0 +1,120 @@
+/* bf16 products of a few rows on Intel AMX: y [M, N] = x [M, K] · Wᵀ, M ≤ 16, for a decode step's linears.
+ *
+ * oneDNN's product at these row counts reads its packed weights at ~15 GB/s on a 2-core Xeon (AMX), where a plain
+ * stream of the same bytes reads at ~36: a decode step is bound by reading every weight once. This reads them as
+ * AMX tiles laid out in the order it uses them: `tiles` [N/16][K/32][16 pairs of k][16 n][2] bf16, so that each
+ * 16-column block is one contiguous stream (kernels/cpu_amx.py `pack`). Four blocks at a time share the input's
+ * tile: per 32 of K, one tile of x (M rows × 32) and four of weights (16 pairs × 16 columns × 2), four
+ * TDPBF16PS into four fp32 tiles of M × 16, then each rounded to bf16 (to nearest even, as torch rounds).
+ *
+ * The arithmetic is the tile unit's, the unit oneDNN's products use on these hosts: outputs bit-identical to
+ * oneDNN's at the same row count (tests). Where the compiler does not target AMX, `epdmesh_amx_linear` returns -3.
+ */
+#include <stdint.h>
+#include <string.h>
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512F__)
+#include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+long syscall(long number, ...);
+
+#define ARCH_REQ_XCOMP_PERM 0x1023
+#define XFEATURE_XTILEDATA 18
+
+typedef struct {
+    uint8_t palette, start;
+    uint8_t reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} tile_config;
+
+/* Linux hands a process the tiles' state only on request (oneDNN asks too; asking twice is harmless). */
+int epdmesh_amx_init(void) { return (int)syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA); }
+
+/* 16 fp32 → bf16, to nearest even; a NaN stays a quiet NaN (as f32_to_bf16 in cpu_paged.c). */
+static inline __m256i to_bf16(__m512 f) {
+    const __m512i u = _mm512_castps_si512(f);
+    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    const __m512i even = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), lsb), 16);
+    const __m512i nan = _mm512_or_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40));
+    return _mm512_cvtepi32_epi16(_mm512_mask_blend_epi32(_mm512_cmp_ps_mask(f, f, _CMP_UNORD_Q), even, nan));
+}
+
+/* Tile t (fp32, M × 16) rounded into y's columns [n0, n0 + 16). */
+#define STORE(t, n0)                                                                                                  \
+    do {                                                                                                              \
+        _tile_stored(t, out, 64);                                                                                     \
+        for (int64_t m = 0; m < M; ++m)                                                                               \
+            _mm256_storeu_si256((__m256i *)(y + m * ys + (n0)), to_bf16(_mm512_loadu_ps(out + m * 16)));            \
+    } while (0)
+
+/* x [M][K] (row stride xs), tiles as above, y [M][N] (row stride ys), in elements. -1: a shape it does not take. */
+int epdmesh_amx_linear(const uint16_t *x, int64_t M, int64_t xs, int64_t K, const uint16_t *tiles, int64_t N,
+                       uint16_t *y, int64_t ys) {
+    if (M < 1 || M > 16 || N % 16 || K % 32) return -1;
+    const int64_t blocks = N / 16, groups = (blocks + 3) / 4, chunks = K / 32;
+#pragma omp parallel
+    {
+        tile_config cfg;
+        memset(&cfg, 0, sizeof cfg);
+        cfg.palette = 1;
+        for (int t = 0; t < 5; ++t) cfg.rows[t] = (uint8_t)M, cfg.colsb[t] = 64; /* 0-3: sums (M × 16 fp32); 4: x */
+        for (int t = 5; t < 8; ++t) cfg.rows[t] = 16, cfg.colsb[t] = 64;         /* weights: 16 pairs × 16 × 2 */
+        _tile_loadconfig(&cfg);
+        float out[16 * 16];
+#pragma omp for schedule(static)
+        for (int64_t g = 0; g < groups; ++g) {
+            const int64_t b0 = 4 * g, nb = blocks - b0 < 4 ? blocks - b0 : 4;
+            const uint16_t *w = tiles + b0 * 16 * K;
+            _tile_zero(0);
+            _tile_zero(1);
+            _tile_zero(2);
+            _tile_zero(3);
+            if (nb == 4) {
+                for (int64_t c = 0; c < chunks; ++c) {
+                    _tile_loadd(4, x + c * 32, xs * 2);
+                    _tile_loadd(5, w + c * 512, 64);
+                    _tile_dpbf16ps(0, 4, 5);
+                    _tile_loadd(6, w + 16 * K + c * 512, 64);
+                    _tile_dpbf16ps(1, 4, 6);
+                    _tile_loadd(7, w + 32 * K + c * 512, 64);
+                    _tile_dpbf16ps(2, 4, 7);
+                    _tile_loadd(5, w + 48 * K + c * 512, 64);
+                    _tile_dpbf16ps(3, 4, 5);
+                }
+            } else { /* the last 1-3 blocks of N */
+                for (int64_t c = 0; c < chunks; ++c) {
+                    _tile_loadd(4, x + c * 32, xs * 2);
+                    _tile_loadd(5, w + c * 512, 64);
+                    _tile_dpbf16ps(0, 4, 5);
+                    if (nb > 1) {
+                        _tile_loadd(6, w + 16 * K + c * 512, 64);
+                        _tile_dpbf16ps(1, 4, 6);
+                    }
+                    if (nb > 2) {
+                        _tile_loadd(7, w + 32 * K + c * 512, 64);
+                        _tile_dpbf16ps(2, 4, 7);
+                    }
+                }
+            }
+            STORE(0, b0 * 16);
+            if (nb > 1) STORE(1, b0 * 16 + 16);
+            if (nb > 2) STORE(2, b0 * 16 + 32);
+            if (nb > 3) STORE(3, b0 * 16 + 48);
+        }
+        _tile_release();
+    }
+    return 0;
+}
+
+#else
+int epdmesh_amx_init(void) { return -3; }
+
+int epdmesh_amx_linear(const uint16_t *x, int64_t M, int64_t xs, int64_t K, const uint16_t *tiles, int64_t N,
+                       uint16_t *y, int64_t ys) {
+    (void)x, (void)M, (void)xs, (void)K, (void)tiles, (void)N, (void)y, (void)ys;
+    return -3;
+}
+#endif

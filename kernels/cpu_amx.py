@@ -1,0 +1,74 @@
+"""bf16 products of up to 16 rows on Intel AMX (`cpu_amx.c`): a decode step's linears, weights read as tiles.
+
+oneDNN computes these products on the same tile unit, bit for bit, but reads its packed weights at ~15 GB/s where
+the host streams ~36 (2-core Xeon, 2026-12-06): at a decode batch every weight is read once a step, so the read is
+the step. `pack` lays a weight out as the tiles the kernel reads, in order; `linear` computes with them. Built like
+the decode attention (`kernels/cbuild.py`); `available()` is False where the compiler does not target AMX, the
+kernel is not built, or Linux refuses the process the tiles' state.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+from pathlib import Path
+
+import torch
+
+from kernels import cbuild
+
+SOURCE = Path(__file__).with_name("cpu_amx.c")
+MAX_ROWS = 16  # one tile of rows
+
+
+@functools.cache
+def _library() -> ctypes.CDLL | None:
+    lib = cbuild.load(SOURCE, "bf16 decode products stay oneDNN's")
+    if lib is None:
+        return None
+    lib.epdmesh_amx_init.restype = ctypes.c_int
+    fn = lib.epdmesh_amx_linear
+    fn.restype = ctypes.c_int
+    fn.argtypes = [
+        ctypes.c_void_p,
+        *[ctypes.c_int64] * 3,
+        ctypes.c_void_p,
+        ctypes.c_int64,
+        ctypes.c_void_p,
+        ctypes.c_int64,
+    ]
+    return lib if lib.epdmesh_amx_init() == 0 else None
+
+
+def available() -> bool:
+    """Whether this host runs the kernel (AMX compiled in and granted); builds it on first call."""
+    return _library() is not None
+
+
+def supports(weight: torch.Tensor) -> bool:
+    """Weights the kernel takes: bf16 [N, K] on the CPU with N a multiple of 16 and K of 32, on a host with AMX."""
+    n, k = weight.shape
+    return (
+        weight.device.type == "cpu" and weight.dtype == torch.bfloat16 and n % 16 == 0 and k % 32 == 0 and available()
+    )
+
+
+def pack(weight: torch.Tensor) -> torch.Tensor:
+    """[N, K] → the kernel's tiles [N/16, K/32, 16, 16, 2]: per 16 output columns and 32 of K, 16 pairs of k, each
+    row the 16 columns' pair (the layout TDPBF16PS reads its second operand in)."""
+    n, k = weight.shape
+    return weight.detach().view(n // 16, 16, k // 32, 16, 2).permute(0, 2, 3, 1, 4).contiguous()
+
+
+def linear(x: torch.Tensor, tiles: torch.Tensor) -> torch.Tensor:
+    """x [..., K] bf16 with at most 16 rows in all → x · Wᵀ [..., N], W the weight `tiles` was packed from."""
+    n, k = tiles.shape[0] * 16, tiles.shape[1] * 32
+    x2 = x if x.dim() == 2 else x.reshape(-1, k)
+    if x2.stride(1) != 1:
+        x2 = x2.contiguous()
+    rows = x2.shape[0]
+    y = torch.empty(rows, n, dtype=torch.bfloat16)
+    rc = _library().epdmesh_amx_linear(x2.data_ptr(), rows, x2.stride(0), k, tiles.data_ptr(), n, y.data_ptr(), n)
+    if rc != 0:
+        raise ValueError(f"amx_linear: {rows} rows of {k} against [{n}, {k}] (≤ {MAX_ROWS} rows, K % 32, N % 16)")
+    return y if x.dim() == 2 else y.view(*x.shape[:-1], n)

@@ -1,0 +1,72 @@
+"""bf16 products of ≤ 16 rows on AMX tiles against oneDNN's, and where a model uses them."""
+
+import pytest
+import torch
+from torch import nn
+
+from common.model import packed_linear as pl
+from kernels import cpu_amx
+
+pytestmark = pytest.mark.skipif(not cpu_amx.available(), reason="no AMX on this host (or no C compiler)")
+
+
+@pytest.mark.parametrize("n,k", [(1536, 512), (80, 96), (48, 1408), (16, 32)])
+@pytest.mark.parametrize("rows", [1, 3, 8, 16])
+def test_the_tiles_give_onednn_bits(rows, n, k):
+    """The tile unit's arithmetic, as oneDNN runs it: bit-identical at every row count it takes, N in whole groups
+    of four column blocks or not."""
+    g = torch.Generator().manual_seed(rows * n + k)
+    w = torch.randn(n, k, generator=g).bfloat16()
+    x = torch.randn(rows, k, generator=g).bfloat16()
+    onednn = torch.ops.mkldnn._linear_pointwise(x, torch.ops.mkldnn._reorder_linear_weight(w), None, "none", [], "")
+    out = cpu_amx.linear(x, cpu_amx.pack(w))
+    assert out.shape == (rows, n) and torch.equal(out, onednn)
+
+
+def test_any_leading_shape_and_strided_rows():
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(64, 64, generator=g).bfloat16()
+    wide = torch.randn(2, 3, 128, generator=g).bfloat16()
+    x = wide[..., :64]  # rows 128 apart
+    tiles = cpu_amx.pack(w)
+    assert torch.equal(cpu_amx.linear(x, tiles), nn.functional.linear(x, w))
+    transposed = torch.randn(64, 4, generator=g).bfloat16().t()  # columns not contiguous: copied first
+    assert torch.equal(cpu_amx.linear(transposed, tiles), nn.functional.linear(transposed, w))
+
+
+def test_shapes_it_does_not_take():
+    w = torch.randn(64, 64).bfloat16()
+    with pytest.raises(ValueError, match="17 rows"):
+        cpu_amx.linear(torch.randn(17, 64).bfloat16(), cpu_amx.pack(w))
+    assert not cpu_amx.supports(torch.randn(64, 48).bfloat16())  # K not a multiple of 32
+    assert not cpu_amx.supports(torch.randn(40, 64).bfloat16())  # N not a multiple of 16
+    assert not cpu_amx.supports(torch.randn(64, 64))  # fp32
+
+
+def test_a_packed_linear_takes_its_tiles_up_to_16_rows_and_onednn_beyond(monkeypatch):
+    calls = []
+    kernel = cpu_amx.linear
+    monkeypatch.setattr(cpu_amx, "linear", lambda x, t: calls.append(x.shape) or kernel(x, t))
+    linear = nn.Linear(64, 96, bias=False).bfloat16()
+    packed = pl.PackedLinear(linear, tiles=True)
+    for rows in (1, 16, 17, 40):
+        x = torch.randn(rows, 64).bfloat16()
+        torch.testing.assert_close(packed(x), linear(x), atol=1e-5, rtol=2**-7)
+    assert calls == [(1, 64), (16, 64)]
+    assert pl.PackedLinear(nn.Linear(64, 96).bfloat16(), tiles=True).tiles is None  # a bias: oneDNN adds it
+
+
+def test_the_decoders_linears_get_tiles_while_the_copy_is_a_small_share_of_memory(tiny_dir, monkeypatch):
+    from common.model.loader import load_model
+
+    model = load_model(tiny_dir, torch.bfloat16)
+    pl.pack_linears(model)
+    packed = {n: m for n, m in model.named_modules() if isinstance(m, pl.PackedLinear)}
+    with_tiles = {n for n, m in packed.items() if m.tiles is not None}
+    assert with_tiles and all(n.startswith("text.") for n in with_tiles)
+    assert not any(n.startswith("vision.") for n in with_tiles) and len(with_tiles) < len(packed)
+
+    monkeypatch.setattr(pl, "_host_memory", lambda: 1 << 20)  # a host where the copy would be > 10%
+    small = load_model(tiny_dir, torch.bfloat16)
+    pl.pack_linears(small)
+    assert not any(m.tiles is not None for m in small.modules() if isinstance(m, pl.PackedLinear))
