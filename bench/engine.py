@@ -48,7 +48,7 @@ from common.sampling import SamplingParams  # noqa: E402
 from common.scheduler import SchedulerConfig  # noqa: E402
 
 BACKEND = "real engine (torch)"  # on --device: the report states it
-ABLATIONS = {"c-attention", "decode-graph", "prefill-graph", "cuda-graphs", "prefill-varlen"}
+ABLATIONS = {"c-attention", "decode-graph", "prefill-graph", "cuda-graphs", "prefill-varlen", "amx-tiles"}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
