@@ -27,6 +27,7 @@ def engine_config(args, roles: str = "encode,prefill,decode"):
         attention_backend=args.attention_backend,
         enable_prefix_caching=args.enable_prefix_caching,
         share_weights=getattr(args, "share_weights", False),
+        amx_tiles=getattr(args, "amx_tiles", True),
         compile=compiles(args),
         cuda_graphs=not getattr(args, "enforce_eager", False),
         commit_caches=getattr(args, "device", "cpu") == "cpu" and getattr(args, "backend", "torch") == "torch",

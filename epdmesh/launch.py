@@ -422,6 +422,8 @@ def worker_argv(group: WorkerGroup, toggle: str, args, threads: int) -> list[str
         argv.append("--share-weights")
     if getattr(args, "enforce_eager", False):
         argv.append("--enforce-eager")
+    if not getattr(args, "amx_tiles", True):
+        argv.append("--no-amx-tiles")
     if getattr(args, "gap_slack", False):
         argv += ["--gap-slack", "--gap-slack-reserve", str(args.gap_slack_reserve)]
     else:

@@ -372,6 +372,14 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         "seconds at start from a warm cache) and a CUDA worker replays its decode steps as CUDA graphs (captured "
         "at start); default from $EPDMESH_ENFORCE_EAGER",
     )
+    p.add_argument(
+        "--amx-tiles",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="CPU with AMX: keep the decoder's linear weights a second time as AMX tiles, on which decode steps of "
+        "up to 16 sequences run their products (~1.4x oneDNN's speed, the same bits); made only while the copy "
+        "takes <= 10%% of the host's memory. --no-amx-tiles: one copy, oneDNN for every product",
+    )
     p.add_argument("--threads", type=int, help="torch intra-op threads (serve: default cores / workers)")
     p.add_argument(
         "--backend",

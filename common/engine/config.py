@@ -61,6 +61,8 @@ class EngineConfig:
     attention_backend: str = "auto"
     enable_prefix_caching: bool = False
     share_weights: bool = False  # CPU: one read-only copy of the weights per host, mapped by every worker
+    # CPU with AMX: the decoder's linears also as AMX tiles for decode products (common/model/packed_linear.py)
+    amx_tiles: bool = True
     # CPU: the KV and image caches' pages faulted in when they are built, not by the first requests that write them
     # (serve and worker do; `common/memory.py` commit)
     commit_caches: bool = False

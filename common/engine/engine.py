@@ -78,7 +78,7 @@ class Engine:
 
             self.shared_weights = share(self.model, config.model, dtype)
         if self.shared_weights is None:  # packing makes a private copy: shared weights stay as they are mapped
-            pack_linears(self.model)
+            pack_linears(self.model, tiles=config.amx_tiles)
         self.compiled = self.compile_seconds = None  # the compiled dense path, and its warm-up's seconds
         if config.compile:
             from common.model.compiled import CompiledModel

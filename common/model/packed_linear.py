@@ -17,7 +17,8 @@ Decode products on AMX hosts (`kernels/cpu_amx.py`). A decode step's products (�
 and oneDNN reads its packed layout at ~15 GB/s where the host streams ~36: the text model's linears also keep their
 weights as AMX tiles, and a product of ≤ 16 rows runs on them (bit-identical to oneDNN's: the same tile unit).
 That is a second copy of the text model's linear weights; `pack_linears` makes it only while it takes at most
-`TILES_SHARE` of the host's memory (the `small` preset: 60 MB; a 7B model's 13 GB: not on a 24 GiB host).
+`TILES_SHARE` of the host's memory (the `small` preset: 60 MB; a 7B model's 13 GB: not on a 24 GiB host), and not
+with `--no-amx-tiles` (`EngineConfig.amx_tiles`).
 """
 
 from __future__ import annotations
@@ -113,10 +114,10 @@ def _host_memory() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
-def pack_linears(model: nn.Module, tiles_under: str = "text") -> int:
+def pack_linears(model: nn.Module, tiles: bool = True, tiles_under: str = "text") -> int:
     """Replace every bf16 CPU `nn.Linear` of `model` by a `PackedLinear`, in place; returns how many. Idempotent.
-    The linears under `tiles_under` (the decoder's, which decode steps run) also get AMX tiles, where the host has
-    AMX and the copy takes ≤ `TILES_SHARE` of its memory."""
+    With `tiles`, the linears under `tiles_under` (the decoder's, which decode steps run) also get AMX tiles, where
+    the host has AMX and the copy takes ≤ `TILES_SHARE` of its memory."""
     targets = [
         (f"{prefix}.{name}" if prefix else name, parent, name, child)
         for prefix, parent in model.named_modules()
@@ -125,8 +126,9 @@ def pack_linears(model: nn.Module, tiles_under: str = "text") -> int:
     ]
     decode = [t for t in targets if t[0].startswith(f"{tiles_under}.") and t[3].bias is None]
     copy = sum(t[3].weight.numel() * t[3].weight.element_size() for t in decode)
-    tiles = bool(decode) and cpu_amx.available() and copy <= TILES_SHARE * _host_memory()
-    if decode and cpu_amx.available() and not tiles:
+    wanted = tiles and bool(decode) and cpu_amx.available()
+    tiles = wanted and copy <= TILES_SHARE * _host_memory()
+    if wanted and not tiles:
         log.info("decode products stay oneDNN's: their AMX tiles (%.1f GiB) would take over %d%% of this host's "
                  "memory", copy / 2**30, TILES_SHARE * 100)  # fmt: skip
     for path, parent, name, child in targets:

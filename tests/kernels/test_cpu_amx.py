@@ -66,6 +66,10 @@ def test_the_decoders_linears_get_tiles_while_the_copy_is_a_small_share_of_memor
     assert with_tiles and all(n.startswith("text.") for n in with_tiles)
     assert not any(n.startswith("vision.") for n in with_tiles) and len(with_tiles) < len(packed)
 
+    unasked = load_model(tiny_dir, torch.bfloat16)
+    pl.pack_linears(unasked, tiles=False)  # --no-amx-tiles
+    assert not any(m.tiles is not None for m in unasked.modules() if isinstance(m, pl.PackedLinear))
+
     monkeypatch.setattr(pl, "_host_memory", lambda: 1 << 20)  # a host where the copy would be > 10%
     small = load_model(tiny_dir, torch.bfloat16)
     pl.pack_linears(small)
