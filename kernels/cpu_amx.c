@@ -1,14 +1,17 @@
-/* bf16 products of a few rows on Intel AMX: y [M, N] = x [M, K] · Wᵀ, M ≤ 16, for a decode step's linears.
+/* bf16 products of a few rows on Intel AMX: y [M, N] = x [M, K] · Wᵀ, for a decode step's linears.
  *
  * oneDNN's product at these row counts reads its packed weights at ~15 GB/s on a 2-core Xeon (AMX), where a plain
- * stream of the same bytes reads at ~36: a decode step is bound by reading every weight once. This reads them as
- * AMX tiles laid out in the order it uses them: `tiles` [N/16][K/32][16 pairs of k][16 n][2] bf16, so that each
- * 16-column block is one contiguous stream (kernels/cpu_amx.py `pack`). Four blocks at a time share the input's
- * tile: per 32 of K, one tile of x (M rows × 32) and four of weights (16 pairs × 16 columns × 2), four
- * TDPBF16PS into four fp32 tiles of M × 16, then each rounded to bf16 (to nearest even, as torch rounds).
+ * stream of the same bytes reads at ~36 (at 17–32 rows ~8): a decode step is bound by reading every weight once.
+ * This reads them as AMX tiles laid out in the order it uses them: `tiles` [N/16][K/32][16 pairs of k][16 n][2]
+ * bf16, so that each 16-column block is one contiguous stream (kernels/cpu_amx.py `pack`). Up to 16 rows, four
+ * blocks at a time share the input's tile: per 32 of K, one tile of x (M rows × 32) and four of weights (16 pairs ×
+ * 16 columns × 2), four TDPBF16PS into four fp32 tiles of M × 16, then each rounded to bf16 (to nearest even, as
+ * torch rounds). More rows: `slabs`, below.
  *
- * The arithmetic is the tile unit's, the unit oneDNN's products use on these hosts: outputs bit-identical to
- * oneDNN's at the same row count (tests). Where the compiler does not target AMX, `epdmesh_amx_linear` returns -3.
+ * The arithmetic is the tile unit's, the unit oneDNN's products use on these hosts: each output is the fp32 sum
+ * along K in chunks of 32, in order, rounded once — bit-identical to oneDNN's at the same row count up to 32 rows
+ * (tests); beyond, oneDNN splits its sums otherwise and the two differ within bf16's rounding. Where the compiler
+ * does not target AMX, `epdmesh_amx_linear` returns -3.
  */
 #include <stdint.h>
 #include <string.h>
@@ -42,6 +45,15 @@ static inline __m256i to_bf16(__m512 f) {
     return _mm512_cvtepi32_epi16(_mm512_mask_blend_epi32(_mm512_cmp_ps_mask(f, f, _CMP_UNORD_Q), even, nan));
 }
 
+#ifndef PF
+#define PF 4
+#endif
+#define AHEAD(p)                                                                                                      \
+    do {                                                                                                              \
+        const char *a_ = (const char *)(p);                                                                           \
+        for (int l_ = 0; l_ < 1024; l_ += 64) _mm_prefetch(a_ + l_, _MM_HINT_T0);                                     \
+    } while (0)
+
 /* Tile t (fp32, M × 16) rounded into y's columns [n0, n0 + 16). */
 #define STORE(t, n0)                                                                                                  \
     do {                                                                                                              \
@@ -50,10 +62,95 @@ static inline __m256i to_bf16(__m512 f) {
             _mm256_storeu_si256((__m256i *)(y + m * ys + (n0)), to_bf16(_mm512_loadu_ps(out + m * 16)));            \
     } while (0)
 
+/* Tile t (fp32, 16 × 16) rounded into y's rows [m0, m0 + 16) ∩ [0, M) and columns [n0, n0 + 16). */
+#define STORE_SLAB(t, m0, n0)                                                                                         \
+    do {                                                                                                              \
+        _tile_stored(t, out, 64);                                                                                     \
+        for (int64_t m = (m0); m < M && m < (m0) + 16; ++m)                                                          \
+            _mm256_storeu_si256((__m256i *)(y + m * ys + (n0)), to_bf16(_mm512_loadu_ps(out + (m - (m0)) * 16))); \
+    } while (0)
+
+/* More than 16 rows: slabs of 16 rows, two slabs by two column blocks at a time — two tiles of x, two of weights,
+ * four sums — so that each weight tile read serves 32 rows; a group of two column blocks runs all its slabs while
+ * its weights are in L1/L2, the next chunks of its two weight streams prefetched. A last slab of fewer rows runs
+ * under a second tile configuration. */
+static int slabs(const uint16_t *x, int64_t M, int64_t xs, int64_t K, const uint16_t *tiles, int64_t N, uint16_t *y,
+                 int64_t ys) {
+    const int64_t rows = (M + 15) / 16 * 16, blocks = N / 16, groups = (blocks + 1) / 2, chunks = K / 32;
+    const int64_t tail = M - (rows - 16), last = (rows - 1) / 32 * 32; /* the last slab's rows; its pair's m0 */
+#pragma omp parallel
+    {
+        tile_config full, part;
+        memset(&full, 0, sizeof full);
+        full.palette = 1;
+        for (int t = 0; t < 8; ++t) full.rows[t] = 16, full.colsb[t] = 64; /* 0-3 sums, 4-5 x, 6-7 weights */
+        part = full;
+        if (rows / 16 % 2) /* the last slab alone: sums 0, 1 and x 4 */
+            part.rows[0] = part.rows[1] = part.rows[4] = (uint8_t)tail;
+        else /* the second of a pair: sums 2, 3 and x 5 */
+            part.rows[2] = part.rows[3] = part.rows[5] = (uint8_t)tail;
+        const tile_config *now = &full;
+        _tile_loadconfig(now);
+        float out[16 * 16];
+#pragma omp for schedule(static)
+        for (int64_t g = 0; g < groups; ++g) {
+            const int64_t b0 = 2 * g, two = blocks - b0 > 1;
+            const uint16_t *w0 = tiles + b0 * 16 * K, *w1 = w0 + 16 * K;
+            for (int64_t m0 = 0; m0 < rows; m0 += 32) {
+                const uint16_t *x0 = x + m0 * xs, *x1 = x0 + 16 * xs;
+                const int pair = m0 + 16 < rows;
+                const tile_config *want = m0 == last && tail < 16 ? &part : &full;
+                if (want != now) _tile_loadconfig(now = want);
+                _tile_zero(0);
+                _tile_zero(1);
+                _tile_zero(2);
+                _tile_zero(3);
+                if (pair && two) {
+                    for (int64_t c = 0; c < chunks; ++c) {
+                        if (m0 == 0) { /* the first pair reads the weights from memory */
+                            AHEAD(w0 + (c + PF) * 512);
+                            AHEAD(w1 + (c + PF) * 512);
+                        }
+                        _tile_loadd(4, x0 + c * 32, xs * 2);
+                        _tile_loadd(6, w0 + c * 512, 64);
+                        _tile_dpbf16ps(0, 4, 6);
+                        _tile_loadd(5, x1 + c * 32, xs * 2);
+                        _tile_dpbf16ps(2, 5, 6);
+                        _tile_loadd(7, w1 + c * 512, 64);
+                        _tile_dpbf16ps(1, 4, 7);
+                        _tile_dpbf16ps(3, 5, 7);
+                    }
+                } else { /* the last slab alone, or the last column block alone */
+                    for (int64_t c = 0; c < chunks; ++c) {
+                        _tile_loadd(4, x0 + c * 32, xs * 2);
+                        _tile_loadd(6, w0 + c * 512, 64);
+                        _tile_dpbf16ps(0, 4, 6);
+                        if (pair) {
+                            _tile_loadd(5, x1 + c * 32, xs * 2);
+                            _tile_dpbf16ps(2, 5, 6);
+                        }
+                        if (two) {
+                            _tile_loadd(7, w1 + c * 512, 64);
+                            _tile_dpbf16ps(1, 4, 7);
+                        }
+                    }
+                }
+                STORE_SLAB(0, m0, b0 * 16);
+                if (two) STORE_SLAB(1, m0, b0 * 16 + 16);
+                if (pair) STORE_SLAB(2, m0 + 16, b0 * 16);
+                if (pair && two) STORE_SLAB(3, m0 + 16, b0 * 16 + 16);
+            }
+        }
+        _tile_release();
+    }
+    return 0;
+}
+
 /* x [M][K] (row stride xs), tiles as above, y [M][N] (row stride ys), in elements. -1: a shape it does not take. */
 int epdmesh_amx_linear(const uint16_t *x, int64_t M, int64_t xs, int64_t K, const uint16_t *tiles, int64_t N,
                        uint16_t *y, int64_t ys) {
-    if (M < 1 || M > 16 || N % 16 || K % 32) return -1;
+    if (M < 1 || N % 16 || K % 32) return -1;
+    if (M > 16) return slabs(x, M, xs, K, tiles, N, y, ys);
     const int64_t blocks = N / 16, groups = (blocks + 3) / 4, chunks = K / 32;
 #pragma omp parallel
     {

@@ -1,8 +1,8 @@
-"""bf16 products of up to 16 rows on Intel AMX (`cpu_amx.c`): a decode step's linears, weights read as tiles.
+"""bf16 products of a few rows on Intel AMX (`cpu_amx.c`): a decode step's linears, weights read as tiles.
 
-oneDNN computes these products on the same tile unit, bit for bit, but reads its packed weights at ~15 GB/s where
-the host streams ~36 (2-core Xeon, 2026-12-06): at a decode batch every weight is read once a step, so the read is
-the step. `pack` lays a weight out as the tiles the kernel reads, in order; `linear` computes with them. Built like
+oneDNN computes these products on the same tile unit, bit for bit up to 32 rows, but reads its packed weights at
+~15 GB/s (~8 at 17–32 rows) where the host streams ~36 (2-core Xeon, 2026-12-06): at a decode batch every weight
+is read once a step, so the read is the step. `pack` lays a weight out as the tiles the kernel reads, in order; `linear` computes with them. Built like
 the decode attention (`kernels/cbuild.py`); `available()` is False where the compiler does not target AMX, the
 kernel is not built, or Linux refuses the process the tiles' state.
 """
@@ -18,7 +18,9 @@ import torch
 from kernels import cbuild
 
 SOURCE = Path(__file__).with_name("cpu_amx.c")
-MAX_ROWS = 16  # one tile of rows
+# Products of up to this many rows go to the tiles (`packed_linear`); the kernel takes any count, but from ~64 rows
+# up oneDNN's blocking for compute-bound products wins (bench/README.md, "Engine").
+MAX_ROWS = 64
 
 
 @functools.cache
@@ -61,7 +63,7 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
 
 
 def linear(x: torch.Tensor, tiles: torch.Tensor) -> torch.Tensor:
-    """x [..., K] bf16 with at most 16 rows in all → x · Wᵀ [..., N], W the weight `tiles` was packed from."""
+    """x [..., K] bf16 (≥ 1 row) → x · Wᵀ [..., N], W the weight `tiles` was packed from."""
     n, k = tiles.shape[0] * 16, tiles.shape[1] * 32
     x2 = x if x.dim() == 2 else x.reshape(-1, k)
     if x2.stride(1) != 1:
@@ -70,5 +72,5 @@ def linear(x: torch.Tensor, tiles: torch.Tensor) -> torch.Tensor:
     y = torch.empty(rows, n, dtype=torch.bfloat16)
     rc = _library().epdmesh_amx_linear(x2.data_ptr(), rows, x2.stride(0), k, tiles.data_ptr(), n, y.data_ptr(), n)
     if rc != 0:
-        raise ValueError(f"amx_linear: {rows} rows of {k} against [{n}, {k}] (≤ {MAX_ROWS} rows, K % 32, N % 16)")
+        raise ValueError(f"amx_linear: {rows} rows of {k} against [{n}, {k}] (≥ 1 row, K % 32, N % 16)")
     return y if x.dim() == 2 else y.view(*x.shape[:-1], n)

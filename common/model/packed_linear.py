@@ -13,9 +13,10 @@ rows the input is padded with zero rows to its bucket (≤ 12.5% more rows from 
 so a few dozen shapes serve every prompt. A padded product can differ from the unpadded one in the last bit, where
 oneDNN picks another kernel for the padded count: within bf16's rounding, which the parity tests bound.
 
-Decode products on AMX hosts (`kernels/cpu_amx.py`). A decode step's products (≤ 16 rows) read every weight once,
-and oneDNN reads its packed layout at ~15 GB/s where the host streams ~36: the text model's linears also keep their
-weights as AMX tiles, and a product of ≤ 16 rows runs on them (bit-identical to oneDNN's: the same tile unit).
+Decode products on AMX hosts (`kernels/cpu_amx.py`). A decode step's products (a row a sequence) read every weight
+once, and oneDNN reads its packed layout at ~15 GB/s (~8 at 17–32 rows) where the host streams ~36: the text
+model's linears also keep their weights as AMX tiles, and a product of ≤ `cpu_amx.MAX_ROWS` (64) rows runs on them
+(the same tile unit: bit-identical to oneDNN's up to 32 rows, within bf16's rounding beyond).
 That is a second copy of the text model's linear weights; `pack_linears` makes it only while it takes at most
 `TILES_SHARE` of the host's memory (the `small` preset: 60 MB; a 7B model's 13 GB: not on a 24 GiB host), and not
 with `--no-amx-tiles` (`EngineConfig.amx_tiles`).
@@ -60,7 +61,7 @@ TILES_SHARE = 0.1  # of the host's memory, at most, for the decode products' sec
 def _packed_linear(
     x: torch.Tensor, weight: torch.Tensor, tiles: torch.Tensor | None, bias: torch.Tensor | None, out_features: int
 ) -> torch.Tensor:
-    """oneDNN's product with a packed weight, rows padded to their bucket; ≤ 16 rows on the AMX tiles if given."""
+    """oneDNN's product with a packed weight, rows padded to their bucket; ≤ 64 rows on the AMX tiles if given."""
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
     if tiles is not None and 0 < rows <= cpu_amx.MAX_ROWS:
         return cpu_amx.linear(x, tiles)
@@ -89,7 +90,7 @@ packed_linear = define(
 
 class PackedLinear(nn.Module):
     """`nn.Linear` with its weight in oneDNN's blocked layout; the weight is a buffer (the layout is opaque).
-    `tiles`: also as AMX tiles, for products of ≤ 16 rows (a bias-free weight the kernel takes)."""
+    `tiles`: also as AMX tiles, for products of ≤ 64 rows (a bias-free weight the kernel takes)."""
 
     def __init__(self, linear: nn.Linear, tiles: bool = False):
         super().__init__()

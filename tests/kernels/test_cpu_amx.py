@@ -1,4 +1,4 @@
-"""bf16 products of ≤ 16 rows on AMX tiles against oneDNN's, and where a model uses them."""
+"""bf16 products of a few rows on AMX tiles against oneDNN's, and where a model uses them."""
 
 import pytest
 import torch
@@ -11,16 +11,33 @@ pytestmark = pytest.mark.skipif(not cpu_amx.available(), reason="no AMX on this 
 
 
 @pytest.mark.parametrize("n,k", [(1536, 512), (80, 96), (48, 1408), (16, 32)])
-@pytest.mark.parametrize("rows", [1, 3, 8, 16])
+@pytest.mark.parametrize("rows", [1, 3, 8, 16, 17, 24, 32])
 def test_the_tiles_give_onednn_bits(rows, n, k):
-    """The tile unit's arithmetic, as oneDNN runs it: bit-identical at every row count it takes, N in whole groups
-    of four column blocks or not."""
+    """The tile unit's arithmetic, as oneDNN runs it: bit-identical up to 32 rows — one slab of rows, or two with
+    the second one short or whole — N in whole groups of four (two) column blocks or not."""
     g = torch.Generator().manual_seed(rows * n + k)
     w = torch.randn(n, k, generator=g).bfloat16()
     x = torch.randn(rows, k, generator=g).bfloat16()
     onednn = torch.ops.mkldnn._linear_pointwise(x, torch.ops.mkldnn._reorder_linear_weight(w), None, "none", [], "")
     out = cpu_amx.linear(x, cpu_amx.pack(w))
     assert out.shape == (rows, n) and torch.equal(out, onednn)
+
+
+@pytest.mark.parametrize("rows", [33, 40, 48, 49, 63, 64, 100])
+def test_more_rows_are_the_fp32_sum_rounded_once(rows):
+    """Beyond 32 rows oneDNN splits its sums otherwise; the tiles' output is still each fp32 sum along K rounded
+    once to bf16 — an odd last slab alone, an even one short of 16 rows, whole slabs — as close to the exact
+    product as oneDNN's is."""
+    g = torch.Generator().manual_seed(rows)
+    w = torch.randn(1552, 1408, generator=g).bfloat16()  # 97 column blocks: the last one alone
+    x = torch.randn(rows, 1408, generator=g).bfloat16()
+    exact = x.double() @ w.double().t()
+    out = cpu_amx.linear(x, cpu_amx.pack(w))
+    onednn = torch.ops.mkldnn._linear_pointwise(x, torch.ops.mkldnn._reorder_linear_weight(w), None, "none", [], "")
+    ulp = exact.abs().clamp_min(1.0) * 2**-8  # one bf16 step, and the fp32 sums' drift below
+    assert out.shape == (rows, 1552)
+    assert ((out.double() - exact).abs() <= ulp).all()
+    assert ((out.double() - onednn.double()).abs() <= 2 * ulp).all()
 
 
 def test_any_leading_shape_and_strided_rows():
@@ -30,29 +47,31 @@ def test_any_leading_shape_and_strided_rows():
     x = wide[..., :64]  # rows 128 apart
     tiles = cpu_amx.pack(w)
     assert torch.equal(cpu_amx.linear(x, tiles), nn.functional.linear(x, w))
+    many = torch.randn(5, 6, 128, generator=g).bfloat16()[..., 64:]  # 30 rows, in slabs
+    assert torch.equal(cpu_amx.linear(many, tiles), nn.functional.linear(many, w))
     transposed = torch.randn(64, 4, generator=g).bfloat16().t()  # columns not contiguous: copied first
     assert torch.equal(cpu_amx.linear(transposed, tiles), nn.functional.linear(transposed, w))
 
 
 def test_shapes_it_does_not_take():
     w = torch.randn(64, 64).bfloat16()
-    with pytest.raises(ValueError, match="17 rows"):
-        cpu_amx.linear(torch.randn(17, 64).bfloat16(), cpu_amx.pack(w))
+    with pytest.raises(ValueError, match="0 rows"):
+        cpu_amx.linear(torch.randn(0, 64).bfloat16(), cpu_amx.pack(w))
     assert not cpu_amx.supports(torch.randn(64, 48).bfloat16())  # K not a multiple of 32
     assert not cpu_amx.supports(torch.randn(40, 64).bfloat16())  # N not a multiple of 16
     assert not cpu_amx.supports(torch.randn(64, 64))  # fp32
 
 
-def test_a_packed_linear_takes_its_tiles_up_to_16_rows_and_onednn_beyond(monkeypatch):
+def test_a_packed_linear_takes_its_tiles_up_to_64_rows_and_onednn_beyond(monkeypatch):
     calls = []
     kernel = cpu_amx.linear
     monkeypatch.setattr(cpu_amx, "linear", lambda x, t: calls.append(x.shape) or kernel(x, t))
     linear = nn.Linear(64, 96, bias=False).bfloat16()
     packed = pl.PackedLinear(linear, tiles=True)
-    for rows in (1, 16, 17, 40):
+    for rows in (1, 16, 17, 40, 64, 65, 130):
         x = torch.randn(rows, 64).bfloat16()
         torch.testing.assert_close(packed(x), linear(x), atol=1e-5, rtol=2**-7)
-    assert calls == [(1, 64), (16, 64)]
+    assert calls == [(1, 64), (16, 64), (17, 64), (40, 64), (64, 64)]
     assert pl.PackedLinear(nn.Linear(64, 96).bfloat16(), tiles=True).tiles is None  # a bias: oneDNN adds it
 
 
