@@ -2,9 +2,9 @@
 
 oneDNN computes these products on the same tile unit, bit for bit up to 32 rows, but reads its packed weights at
 ~15 GB/s (~8 at 17–32 rows) where the host streams ~36 (2-core Xeon, 2026-12-06): at a decode batch every weight
-is read once a step, so the read is the step. `pack` lays a weight out as the tiles the kernel reads, in order; `linear` computes with them. Built like
-the decode attention (`kernels/cbuild.py`); `available()` is False where the compiler does not target AMX, the
-kernel is not built, or Linux refuses the process the tiles' state.
+is read once a step, so the read is the step. `pack` lays a weight out as the tiles the kernel reads, in order;
+`linear` computes with them. Built like the decode attention (`kernels/cbuild.py`); `available()` is False where
+the compiler does not target AMX, the kernel is not built, or Linux refuses the process the tiles' state.
 """
 
 from __future__ import annotations
