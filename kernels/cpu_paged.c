@@ -190,6 +190,88 @@ static inline __attribute__((always_inline)) void rows_pass(const decode_shape *
     }
 }
 
+#if VEC
+/* Lane t of the result: the sum of the 16 lanes of a[t] (a 16 × 16 transpose folded into its sums). */
+static inline __m512 sums16(const __m512 *a) {
+    __m512 b[8], c[4];
+    for (int i = 0; i < 8; ++i) /* per 128-bit lane: [a0+a2, b0+b2, a1+a3, b1+b3] of a = a[2i], b = a[2i + 1] */
+        b[i] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * i], a[2 * i + 1]), _mm512_unpackhi_ps(a[2 * i], a[2 * i + 1]));
+    for (int i = 0; i < 4; ++i) /* per 128-bit lane: the lane's sums of tokens 4i … 4i + 3 */
+        c[i] = _mm512_add_ps(
+            _mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(b[2 * i]), _mm512_castps_pd(b[2 * i + 1]))),
+            _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(b[2 * i]), _mm512_castps_pd(b[2 * i + 1]))));
+    const __m512 x01 = _mm512_add_ps(_mm512_shuffle_f32x4(c[0], c[1], 0x88), _mm512_shuffle_f32x4(c[0], c[1], 0xdd));
+    const __m512 x23 = _mm512_add_ps(_mm512_shuffle_f32x4(c[2], c[3], 0x88), _mm512_shuffle_f32x4(c[2], c[3], 0xdd));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(x01, x23, 0x88), _mm512_shuffle_f32x4(x01, x23, 0xdd));
+}
+
+/* Keys: tokens [t0, t0 + n) (n ≤ 16, rows at `rows`) of kv head h against its query heads [r0, r1): 16 dot
+ * products at once per query head, each score rounded and scaled as `row_heads` does. */
+static inline __attribute__((always_inline)) void keys16(const decode_shape *s, const void *kc, const int64_t *rows,
+                                                        int64_t n, int64_t h, int64_t r0, int64_t r1, int64_t dim,
+                                                        const float *qf, float *scores, int64_t t0, const int bf16) {
+    const __mmask16 m = n >= 16 ? 0xffff : (__mmask16)((1u << n) - 1);
+    for (int64_t r = r0; r < r1; ++r) {
+        __m512 acc[16];
+        for (int t = 0; t < 16; ++t) acc[t] = _mm512_setzero_ps();
+        for (int64_t d = 0; d < dim; d += 16) {
+            const __m512 qd = _mm512_loadu_ps(qf + r * dim + d);
+            for (int64_t t = 0; t < n; ++t)
+                acc[t] = _mm512_fmadd_ps(qd, load16(kc, rows[t] + h * s->k_head + d, bf16), acc[t]);
+        }
+        __m512 dots = sums16(acc);
+        if (bf16) dots = round_bf16_16(dots);
+        _mm512_mask_storeu_ps(scores + r * s->max_len + t0, m, _mm512_mul_ps(dots, _mm512_set1_ps(s->scale)));
+    }
+}
+
+/* Values: tokens [t0, t0 + n) of kv head h, weighted by each of its query heads' probabilities, into their sums. */
+static inline __attribute__((always_inline)) void values16(const decode_shape *s, const void *vc, const int64_t *rows,
+                                                          int64_t n, int64_t h, int64_t r0, int64_t r1, int64_t dim,
+                                                          const float *scores, float *acc, int64_t t0,
+                                                          const int bf16) {
+    for (int64_t r = r0; r < r1; ++r) {
+        __m512 sum[MAX_HEAD_DIM / 16];
+        float *ar = acc + r * dim;
+        for (int64_t d = 0; d < dim; d += 16) sum[d / 16] = _mm512_loadu_ps(ar + d);
+        for (int64_t t = 0; t < n; ++t) {
+            const __m512 w = _mm512_set1_ps(scores[r * s->max_len + t0 + t]);
+            for (int64_t d = 0; d < dim; d += 16)
+                sum[d / 16] = _mm512_fmadd_ps(w, load16(vc, rows[t] + h * s->v_head + d, bf16), sum[d / 16]);
+        }
+        for (int64_t d = 0; d < dim; d += 16) _mm512_storeu_ps(ar + d, sum[d / 16]);
+    }
+}
+
+/* Both passes over a sequence's rows in groups of 16 tokens (`rows_pass` a row at a time): the keys' dot products
+ * reduced 16 at once, the values' sums held in registers across a group, the next group's rows prefetched. */
+static inline __attribute__((always_inline)) void groups_pass(const decode_shape *s, const int32_t *table,
+                                                             int64_t len, int64_t h0, int64_t h1, const void *cache,
+                                                             int64_t block, int64_t token, int64_t head,
+                                                             int64_t dim, const float *qf, float *scores, float *acc,
+                                                             const int bf16, const int values) {
+    const int64_t group = s->num_heads / s->num_kv_heads, item = bf16 ? 2 : 4;
+    int64_t rows[16];
+    for (int64_t t = 0; t < 16; ++t) prefetch_row(s, table, t, len, block, token, head, h0, h1, cache, item);
+    for (int64_t t0 = 0; t0 < len; t0 += 16) {
+        const int64_t n = len - t0 < 16 ? len - t0 : 16;
+        for (int64_t t = 0; t < 16; ++t) prefetch_row(s, table, t0 + 16 + t, len, block, token, head, h0, h1, cache,
+                                                      item);
+        for (int64_t t = 0; t < n; ++t) rows[t] = row_start(s, table, t0 + t, block, token);
+        for (int64_t h = h0; h < h1; ++h) {
+            if (values && n == 16)
+                values16(s, cache, rows, 16, h, h * group, (h + 1) * group, dim, scores, acc, t0, bf16);
+            else if (values)
+                values16(s, cache, rows, n, h, h * group, (h + 1) * group, dim, scores, acc, t0, bf16);
+            else if (n == 16)
+                keys16(s, cache, rows, 16, h, h * group, (h + 1) * group, dim, qf, scores, t0, bf16);
+            else
+                keys16(s, cache, rows, n, h, h * group, (h + 1) * group, dim, qf, scores, t0, bf16);
+        }
+    }
+}
+#endif
+
 /* p[0, len) → softmax(p) in fp32 (max, exp, sum, divide), each rounded to bf16 if `bf16`. */
 static inline void softmax(float *p, int64_t len, const int bf16) {
 #if VEC
@@ -201,6 +283,21 @@ static inline void softmax(float *p, int64_t len, const int bf16) {
     for (int64_t t = 0; t < len; ++t) p[t] = bf16 ? round_bf16(p[t] / sum) : p[t] / sum;
 #endif
 }
+
+#if VEC
+/* `groups_pass` with head_dim a constant where it is a common one, so that its loops over it unroll into registers. */
+#define PASS(fn, cache, block, token, head, values)                                                                  \
+    do {                                                                                                              \
+        if (dim == 64)                                                                                                \
+            fn(s, table, len, h0, h1, cache, block, token, head, 64, qf, scores, acc, bf16, values);                 \
+        else if (dim == 128)                                                                                          \
+            fn(s, table, len, h0, h1, cache, block, token, head, 128, qf, scores, acc, bf16, values);                \
+        else                                                                                                          \
+            fn(s, table, len, h0, h1, cache, block, token, head, dim, qf, scores, acc, bf16, values);                \
+    } while (0)
+#else
+#define PASS(fn, cache, block, token, head, values) (void)0
+#endif
 
 /* One sequence's kv heads [h0, h1), every query head of their groups, token by token: each cached row's part for
  * these heads (heads then head_dim, contiguous) is read once, in the order it lies. `work`: the sequence's scratch,
@@ -215,12 +312,23 @@ static inline __attribute__((always_inline)) void decode_heads(const decode_shap
     const int32_t *table = tables + seq * s->table_width;
     float *scores = work, *qf = work + s->num_heads * s->max_len, *acc = qf + s->num_heads * dim;
     for (int64_t r = r0; r < r1; ++r) load_f32(q, seq * s->q_seq + r * s->q_head, dim, qf + r * dim, bf16);
-    rows_pass(s, table, len, h0, h1, kc, s->k_block, s->k_token, s->k_head, qf, scores, acc, bf16, 0);
+#if VEC
+    const int lanes = dim % 16 == 0;
+#else
+    const int lanes = 0;
+#endif
+    if (lanes)
+        PASS(groups_pass, kc, s->k_block, s->k_token, s->k_head, 0);
+    else
+        rows_pass(s, table, len, h0, h1, kc, s->k_block, s->k_token, s->k_head, qf, scores, acc, bf16, 0);
     for (int64_t r = r0; r < r1; ++r) {
         softmax(scores + r * s->max_len, len, bf16);
         memset(acc + r * dim, 0, sizeof(float) * dim);
     }
-    rows_pass(s, table, len, h0, h1, vc, s->v_block, s->v_token, s->v_head, qf, scores, acc, bf16, 1);
+    if (lanes)
+        PASS(groups_pass, vc, s->v_block, s->v_token, s->v_head, 1);
+    else
+        rows_pass(s, table, len, h0, h1, vc, s->v_block, s->v_token, s->v_head, qf, scores, acc, bf16, 1);
     for (int64_t r = r0; r < r1; ++r) {
         const int64_t at = seq * s->o_seq + r * s->o_head;
         for (int64_t d = 0; d < dim; ++d) {
