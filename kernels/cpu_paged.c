@@ -8,8 +8,9 @@
  *
  * Where the compiler targets AVX-512 (and EPDMESH_SCALAR is not defined) the passes and the softmax run on 16 lanes
  * (`VEC`): bf16 widened exactly, the dot products as fused multiply-adds, exp as Cephes' expf (about 1 ulp, as
- * glibc's and torch's Sleef exp), the division and the rounding to bf16 as the scalar code does them. Elsewhere, or
- * for a head_dim that is not a multiple of 16, the scalar loops below.
+ * glibc's and torch's Sleef exp), the division and the rounding to bf16 as the scalar code does them; the passes
+ * take 16 tokens at a time (`groups_pass`: 16 keys' dot products reduced together, the values' sums in registers).
+ * Elsewhere, or for a head_dim that is not a multiple of 16, the row-at-a-time loops (`rows_pass`).
  *
  * Built by kernels/cpu_paged.py with the host's compiler (-O3 -march=native -fopenmp) into the user's cache; the
  * OpenMP runtime is the one torch has loaded, so its parallel regions share torch's threads.
