@@ -18,9 +18,9 @@ import torch
 from kernels import cbuild
 
 SOURCE = Path(__file__).with_name("cpu_amx.c")
-# Products of up to this many rows go to the tiles (`packed_linear`); the kernel takes any count, but from ~64 rows
-# up oneDNN's blocking for compute-bound products wins (bench/README.md, "Engine").
-MAX_ROWS = 64
+# Products of up to this many rows go to the tiles (`packed_linear`); the kernel takes any count, but at 49–64 rows
+# it runs as fast as oneDNN, and from ~96 rows oneDNN's blocking for compute-bound products wins (bench/README.md).
+MAX_ROWS = 48
 
 
 @functools.cache

@@ -15,7 +15,7 @@ oneDNN picks another kernel for the padded count: within bf16's rounding, which 
 
 Decode products on AMX hosts (`kernels/cpu_amx.py`). A decode step's products (a row a sequence) read every weight
 once, and oneDNN reads its packed layout at ~15 GB/s (~8 at 17–32 rows) where the host streams ~36: the text
-model's linears also keep their weights as AMX tiles, and a product of ≤ `cpu_amx.MAX_ROWS` (64) rows runs on them
+model's linears also keep their weights as AMX tiles, and a product of ≤ `cpu_amx.MAX_ROWS` (48) rows runs on them
 (the same tile unit: bit-identical to oneDNN's up to 32 rows, within bf16's rounding beyond).
 That is a second copy of the text model's linear weights; `pack_linears` makes it only while it takes at most
 `TILES_SHARE` of the host's memory (the `small` preset: 60 MB; a 7B model's 13 GB: not on a 24 GiB host), and not
@@ -61,7 +61,7 @@ TILES_SHARE = 0.1  # of the host's memory, at most, for the decode products' sec
 def _packed_linear(
     x: torch.Tensor, weight: torch.Tensor, tiles: torch.Tensor | None, bias: torch.Tensor | None, out_features: int
 ) -> torch.Tensor:
-    """oneDNN's product with a packed weight, rows padded to their bucket; ≤ 64 rows on the AMX tiles if given."""
+    """oneDNN's product with a packed weight, rows padded to their bucket; ≤ 48 rows on the AMX tiles if given."""
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
     if tiles is not None and 0 < rows <= cpu_amx.MAX_ROWS:
         return cpu_amx.linear(x, tiles)
@@ -90,7 +90,7 @@ packed_linear = define(
 
 class PackedLinear(nn.Module):
     """`nn.Linear` with its weight in oneDNN's blocked layout; the weight is a buffer (the layout is opaque).
-    `tiles`: also as AMX tiles, for products of ≤ 64 rows (a bias-free weight the kernel takes)."""
+    `tiles`: also as AMX tiles, for products of ≤ 48 rows (a bias-free weight the kernel takes)."""
 
     def __init__(self, linear: nn.Linear, tiles: bool = False):
         super().__init__()
