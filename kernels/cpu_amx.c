@@ -54,16 +54,8 @@ static inline __m256i to_bf16(__m512 f) {
         for (int l_ = 0; l_ < 1024; l_ += 64) _mm_prefetch(a_ + l_, _MM_HINT_T0);                                     \
     } while (0)
 
-/* Tile t (fp32, M × 16) rounded into y's columns [n0, n0 + 16). */
-#define STORE(t, n0)                                                                                                  \
-    do {                                                                                                              \
-        _tile_stored(t, out, 64);                                                                                     \
-        for (int64_t m = 0; m < M; ++m)                                                                               \
-            _mm256_storeu_si256((__m256i *)(y + m * ys + (n0)), to_bf16(_mm512_loadu_ps(out + m * 16)));            \
-    } while (0)
-
-/* Tile t (fp32, 16 × 16) rounded into y's rows [m0, m0 + 16) ∩ [0, M) and columns [n0, n0 + 16). */
-#define STORE_SLAB(t, m0, n0)                                                                                         \
+/* Tile t (fp32, up to 16 × 16) rounded into y's rows [m0, m0 + 16) ∩ [0, M) and columns [n0, n0 + 16). */
+#define STORE(t, m0, n0)                                                                                             \
     do {                                                                                                              \
         _tile_stored(t, out, 64);                                                                                     \
         for (int64_t m = (m0); m < M && m < (m0) + 16; ++m)                                                          \
@@ -135,10 +127,10 @@ static int slabs(const uint16_t *x, int64_t M, int64_t xs, int64_t K, const uint
                         }
                     }
                 }
-                STORE_SLAB(0, m0, b0 * 16);
-                if (two) STORE_SLAB(1, m0, b0 * 16 + 16);
-                if (pair) STORE_SLAB(2, m0 + 16, b0 * 16);
-                if (pair && two) STORE_SLAB(3, m0 + 16, b0 * 16 + 16);
+                STORE(0, m0, b0 * 16);
+                if (two) STORE(1, m0, b0 * 16 + 16);
+                if (pair) STORE(2, m0 + 16, b0 * 16);
+                if (pair && two) STORE(3, m0 + 16, b0 * 16 + 16);
             }
         }
         _tile_release();
@@ -196,10 +188,10 @@ int epdmesh_amx_linear(const uint16_t *x, int64_t M, int64_t xs, int64_t K, cons
                     }
                 }
             }
-            STORE(0, b0 * 16);
-            if (nb > 1) STORE(1, b0 * 16 + 16);
-            if (nb > 2) STORE(2, b0 * 16 + 32);
-            if (nb > 3) STORE(3, b0 * 16 + 48);
+            STORE(0, 0, b0 * 16);
+            if (nb > 1) STORE(1, 0, b0 * 16 + 16);
+            if (nb > 2) STORE(2, 0, b0 * 16 + 32);
+            if (nb > 3) STORE(3, 0, b0 * 16 + 48);
         }
         _tile_release();
     }
