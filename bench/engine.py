@@ -46,9 +46,18 @@ from common.paged_cache import PagedKVCache  # noqa: E402
 from common.request import Request  # noqa: E402
 from common.sampling import SamplingParams  # noqa: E402
 from common.scheduler import SchedulerConfig  # noqa: E402
+from kernels import cpu_prompt  # noqa: E402
 
 BACKEND = "real engine (torch)"  # on --device: the report states it
-ABLATIONS = {"c-attention", "decode-graph", "prefill-graph", "cuda-graphs", "prefill-varlen", "amx-tiles"}
+ABLATIONS = {
+    "c-attention",
+    "decode-graph",
+    "prefill-graph",
+    "cuda-graphs",
+    "prefill-varlen",
+    "amx-tiles",
+    "prompt-attention",
+}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -71,7 +80,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="ablation, ours only (comma list): c-attention (decode attention in torch: gathers and bmm), "
         "decode-graph (decodes through the per-layer compiled halves), prefill-graph (a lone whole prompt too); "
         "c-attention takes both graphs out (they call the kernel); amx-tiles (decode products through oneDNN, not "
-        "the AMX tiles); on CUDA: cuda-graphs (decode steps eager), "
+        "the AMX tiles); prompt-attention (prompts' and images' attention through SDPA, not the C kernel); on CUDA: "
+        "cuda-graphs (decode steps eager), "
         "prefill-varlen (the torch backend's prompt chunks one SDPA call each instead of one varlen call a layer)",
     )
     p.add_argument(
@@ -165,6 +175,7 @@ def make_engine(
         compile=not args.enforce_eager and torch.device(args.device).type == "cpu",  # as `serve`: eager on CUDA
         cuda_graphs=not args.enforce_eager and "cuda-graphs" not in args.without,
     )
+    cpu_prompt.ENABLED = "prompt-attention" not in args.without  # before the engine compiles its graphs
     engine = Engine(config, model=model)
     if args.without:  # the CPU path's parts taken out one by one, to measure what each is worth
         if {"decode-graph", "c-attention"} & set(args.without):

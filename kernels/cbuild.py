@@ -1,10 +1,11 @@
 """Our C kernels, built on first use by the host's compiler into the user's cache, as inductor builds its own.
 
 `load(source, what)`: `$CC` (else `cc`, else `gcc`) with `-O3 -march=native -fopenmp` into
-`$EPDMESH_HOME/kernels` (default ~/.cache/epdmesh/kernels), keyed by the source, the compiler, the CPU and the
-defines; one build per host (a file lock), the other processes wait and reuse it. OpenMP is the runtime torch has
-loaded (the same soname), so a kernel's parallel regions run on torch's intra-op threads. Where no compiler works,
-None and a warning that says what stays in its place.
+`$EPDMESH_HOME/kernels` (default ~/.cache/epdmesh/kernels), keyed by the source, the headers of ours it includes
+(`#include "…"`, beside it), the compiler, the CPU and the defines; one build per host (a file lock), the other
+processes wait and reuse it. OpenMP is the runtime torch has loaded (the same soname), so a kernel's parallel
+regions run on torch's intra-op threads. Where no compiler works, None and a warning that says what stays in its
+place.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import hashlib
 import logging
 import os
 import platform
+import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -35,12 +37,18 @@ def _cpu_id() -> str:
     return "\n".join(line for line in text.split("\n\n", 1)[0].splitlines() if line.startswith(("model name", "flags")))
 
 
+def _headers(source: Path) -> list[bytes]:
+    """The text of each header of ours that `source` includes (`#include "name.h"`, beside it)."""
+    names = re.findall(rb'^\s*#\s*include\s+"([^"]+)"', source.read_bytes(), re.MULTILINE)
+    return [source.with_name(name.decode()).read_bytes() for name in names]
+
+
 def build(source: Path, compiler: str, defines: tuple[str, ...] = ()) -> Path:
     """The shared library of `source` for this host (built once), its path."""
     text = source.read_bytes()
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout
     flags = [f"-D{d}" for d in defines]
-    parts = [text, version.encode(), _cpu_id().encode(), " ".join(flags).encode()]
+    parts = [text, *_headers(source), version.encode(), _cpu_id().encode(), " ".join(flags).encode()]
     key = hashlib.sha256(b"\0".join(parts)).hexdigest()[:16]
     target = cache_dir() / f"{source.stem}-{key}.so"
     if target.is_file():

@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
-from kernels import cpu_paged, varlen
+from kernels import cpu_paged, cpu_prompt, varlen
 from kernels.metadata import AttentionMetadata, gather_context
 
 
@@ -86,16 +85,6 @@ def _heads_first(x: torch.Tensor) -> torch.Tensor:
 def causal_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, whole: bool | None = None
 ) -> torch.Tensor:
-    """q [n, H, D] are the last n positions of k/v [L, Hkv, D]; causal, aligned bottom-right. `whole`: n == L is
-    known (a compiled graph, where the sizes are symbols), else it is read off the shapes."""
-    n, length = q.shape[0], k.shape[0]
-    # [1, heads, n, D]: with a batch dimension SDPA takes its fused CPU kernel (3-D inputs fall back to the math path)
-    qh, kh, vh = q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None]
-    gqa = kh.shape[1] != qh.shape[1]
-    if whole if whole is not None else n == length:
-        out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale, enable_gqa=gqa)
-    else:
-        rows = torch.arange(length - n, length, device=q.device)[:, None]
-        mask = torch.arange(length, device=q.device)[None, :] <= rows
-        out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=scale, enable_gqa=gqa)
-    return out[0].transpose(0, 1)
+    """q [n, H, D] are the last n positions of k/v [L, Hkv, D]; causal, aligned bottom-right (`cpu_prompt.attend`:
+    the C kernel on the CPU). `whole`: n == L is known (a compiled graph, where the sizes are symbols)."""
+    return cpu_prompt.attend(q[None], k[None], v[None], scale, True, whole)[0]

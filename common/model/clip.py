@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from common.model.config import VisionConfig
 from common.model.layers import activation
+from kernels.cpu_prompt import attend
 
 
 class VisionLayer(nn.Module):
@@ -25,11 +25,10 @@ class VisionLayer(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, n, h = x.shape
-        q, k, v = (
-            self.qkv(self.layer_norm1(x)).view(b, n, 3, self.num_heads, h // self.num_heads).permute(2, 0, 3, 1, 4)
-        )
-        attn = F.scaled_dot_product_attention(q, k, v)
-        x = x + self.out_proj(attn.transpose(1, 2).reshape(b, n, h))
+        dim = h // self.num_heads
+        q, k, v = self.qkv(self.layer_norm1(x)).view(b, n, 3, self.num_heads, dim).unbind(2)  # [b, n, heads, dim]
+        attn = attend(q, k, v, dim**-0.5, causal=False)
+        x = x + self.out_proj(attn.reshape(b, n, h))
         return x + self.fc2(self.act(self.fc1(self.layer_norm2(x))))
 
 
