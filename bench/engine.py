@@ -46,7 +46,6 @@ from common.paged_cache import PagedKVCache  # noqa: E402
 from common.request import Request  # noqa: E402
 from common.sampling import SamplingParams  # noqa: E402
 from common.scheduler import SchedulerConfig  # noqa: E402
-from kernels import cpu_prompt  # noqa: E402
 
 BACKEND = "real engine (torch)"  # on --device: the report states it
 ABLATIONS = {
@@ -173,9 +172,9 @@ def make_engine(
         image_cache_gib=1 / 1024,
         scheduler=SchedulerConfig(token_budget=args.token_budget, max_num_seqs=max_num_seqs or max(64, batch)),
         compile=not args.enforce_eager and torch.device(args.device).type == "cpu",  # as `serve`: eager on CUDA
+        prompt_kernel="prompt-attention" not in args.without,
         cuda_graphs=not args.enforce_eager and "cuda-graphs" not in args.without,
     )
-    cpu_prompt.ENABLED = "prompt-attention" not in args.without  # before the engine compiles its graphs
     engine = Engine(config, model=model)
     if args.without:  # the CPU path's parts taken out one by one, to measure what each is worth
         if {"decode-graph", "c-attention"} & set(args.without):

@@ -28,6 +28,7 @@ def engine_config(args, roles: str = "encode,prefill,decode"):
         enable_prefix_caching=args.enable_prefix_caching,
         share_weights=getattr(args, "share_weights", False),
         amx_tiles=getattr(args, "amx_tiles", True),
+        prompt_kernel=getattr(args, "prompt_kernel", True),
         compile=compiles(args),
         cuda_graphs=not getattr(args, "enforce_eager", False),
         commit_caches=getattr(args, "device", "cpu") == "cpu" and getattr(args, "backend", "torch") == "torch",

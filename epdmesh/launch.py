@@ -424,6 +424,8 @@ def worker_argv(group: WorkerGroup, toggle: str, args, threads: int) -> list[str
         argv.append("--enforce-eager")
     if not getattr(args, "amx_tiles", True):
         argv.append("--no-amx-tiles")
+    if not getattr(args, "prompt_kernel", True):
+        argv.append("--no-prompt-kernel")
     if getattr(args, "gap_slack", False):
         argv += ["--gap-slack", "--gap-slack-reserve", str(args.gap_slack_reserve)]
     else:

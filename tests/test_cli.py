@@ -143,16 +143,18 @@ def test_gap_slack_is_on_by_default_and_serve_hands_the_choice_to_its_workers(fl
     assert (engine_config(worker, worker.roles).scheduler.gap_slack is not None) is on
 
 
-@pytest.mark.parametrize("flag, on", [([], True), (["--no-amx-tiles"], False)])
-def test_amx_tiles_are_on_by_default_and_serve_hands_the_choice_to_its_workers(flag, on):
+@pytest.mark.parametrize("option", ["amx-tiles", "prompt-kernel"])
+@pytest.mark.parametrize("off", [False, True])
+def test_cpu_kernels_are_on_by_default_and_serve_hands_the_choice_to_its_workers(option, off):
     from common.topology import parse_topology
     from epdmesh.launch import worker_argv
 
+    flag = [f"--no-{option}"] if off else []
     serve = build_parser().parse_args(["serve", "--topology", "E1+P1+D1", "--model", "/nowhere", *flag])
     for spec in parse_topology("E1+P1+D1"):
-        assert ("--no-amx-tiles" in worker_argv(spec, "127.0.0.1:1", serve, 1)) is not on
+        assert (f"--no-{option}" in worker_argv(spec, "127.0.0.1:1", serve, 1)) is off
     worker = build_parser().parse_args(["worker", "--roles", "decode", "--model", "/nowhere", *flag])
-    assert engine_config(worker, worker.roles).amx_tiles is on
+    assert getattr(engine_config(worker, worker.roles), option.replace("-", "_")) is not off
 
 
 def test_emulated_defaults_and_routing_choice(tmp_path):

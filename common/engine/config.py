@@ -63,6 +63,9 @@ class EngineConfig:
     share_weights: bool = False  # CPU: one read-only copy of the weights per host, mapped by every worker
     # CPU with AMX: the decoder's linears also as AMX tiles for decode products (common/model/packed_linear.py)
     amx_tiles: bool = True
+    # CPU with AVX-512: prompts' and images' attention through the C kernel, not SDPA (kernels/cpu_prompt.py; it is
+    # a process-wide switch: the engine sets it before it compiles)
+    prompt_kernel: bool = True
     # CPU: the KV and image caches' pages faulted in when they are built, not by the first requests that write them
     # (serve and worker do; `common/memory.py` commit)
     commit_caches: bool = False

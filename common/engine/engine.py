@@ -41,7 +41,7 @@ from common.model.packed_linear import pack_linears
 from common.paged_cache import PagedImageCache, PagedKVCache, PagePayload
 from common.request import Request, RequestStatus, Stage
 from common.scheduler import Scheduler, SchedulerOutput
-from kernels import make_attention_backend
+from kernels import cpu_prompt, make_attention_backend
 
 log = logging.getLogger(__name__)
 # one line per iteration at DEBUG: what it carried, how long it took, what the profile predicted (EPDMESH_DEBUG)
@@ -79,6 +79,7 @@ class Engine:
             self.shared_weights = share(self.model, config.model, dtype)
         if self.shared_weights is None:  # packing makes a private copy: shared weights stay as they are mapped
             pack_linears(self.model, tiles=config.amx_tiles)
+        cpu_prompt.ENABLED = config.prompt_kernel
         self.compiled = self.compile_seconds = None  # the compiled dense path, and its warm-up's seconds
         if config.compile:
             from common.model.compiled import CompiledModel
