@@ -58,12 +58,17 @@ def alternate(runs: dict, rounds: int) -> dict[str, float]:
 
 
 def attention_library(rev: str) -> ctypes.CDLL:
-    """The C decode attention as commit `rev` had it, built like ours (`cbuild`)."""
-    source = subprocess.run(
-        ["git", "-C", str(REPO), "show", f"{rev}:kernels/cpu_paged.c"], capture_output=True, check=True
-    ).stdout
+    """The C decode attention as commit `rev` had it (with the headers of ours it includes), built like ours."""
+
+    def show(name: str) -> bytes:
+        return subprocess.run(
+            ["git", "-C", str(REPO), "show", f"{rev}:kernels/{name}"], capture_output=True, check=True
+        ).stdout
+
     path = Path(tempfile.mkdtemp(prefix="epdmesh-bench-")) / "cpu_paged.c"
-    path.write_bytes(source)
+    path.write_bytes(show(path.name))
+    for header in cbuild.included(path.read_bytes()):
+        path.with_name(header).write_bytes(show(header))
     lib = cbuild.load(path, f"the attention of {rev}")
     if lib is None:
         raise SystemExit(f"could not build {rev}'s kernels/cpu_paged.c")

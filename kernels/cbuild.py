@@ -37,10 +37,9 @@ def _cpu_id() -> str:
     return "\n".join(line for line in text.split("\n\n", 1)[0].splitlines() if line.startswith(("model name", "flags")))
 
 
-def _headers(source: Path) -> list[bytes]:
-    """The text of each header of ours that `source` includes (`#include "name.h"`, beside it)."""
-    names = re.findall(rb'^\s*#\s*include\s+"([^"]+)"', source.read_bytes(), re.MULTILINE)
-    return [source.with_name(name.decode()).read_bytes() for name in names]
+def included(text: bytes) -> list[str]:
+    """The headers of ours a C source includes (`#include "name.h"`: beside it)."""
+    return [name.decode() for name in re.findall(rb'^\s*#\s*include\s+"([^"]+)"', text, re.MULTILINE)]
 
 
 def build(source: Path, compiler: str, defines: tuple[str, ...] = ()) -> Path:
@@ -48,7 +47,8 @@ def build(source: Path, compiler: str, defines: tuple[str, ...] = ()) -> Path:
     text = source.read_bytes()
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout
     flags = [f"-D{d}" for d in defines]
-    parts = [text, *_headers(source), version.encode(), _cpu_id().encode(), " ".join(flags).encode()]
+    headers = [source.with_name(name).read_bytes() for name in included(text)]
+    parts = [text, *headers, version.encode(), _cpu_id().encode(), " ".join(flags).encode()]
     key = hashlib.sha256(b"\0".join(parts)).hexdigest()[:16]
     target = cache_dir() / f"{source.stem}-{key}.so"
     if target.is_file():

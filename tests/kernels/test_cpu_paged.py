@@ -1,6 +1,8 @@
 """The CPU decode-attention kernel in C against the torch reference it replaces, and how it is built."""
 
+import ctypes
 import os
+import shutil
 import subprocess
 import sys
 
@@ -162,3 +164,21 @@ def test_built_once_into_the_users_cache_and_refused_without_a_compiler(tmp_path
     )
     assert broken.returncode == 0 and broken.stdout.startswith("False")
     assert "building cpu_paged.c failed (CPU decode attention stays the torch reference)" in broken.stderr
+
+
+def test_a_changed_header_is_a_new_build(tmp_path, monkeypatch):
+    """The build is keyed by the headers of ours a source includes: a kernel whose shared header changed is built
+    again, not taken from the cache."""
+    from kernels import cbuild
+
+    monkeypatch.setenv("EPDMESH_HOME", str(tmp_path))
+    (tmp_path / "k.h").write_text("#define VALUE 1\n")
+    source = tmp_path / "k.c"
+    source.write_text('#include "k.h"\nint value(void) { return VALUE; }\n')
+    assert cbuild.included(source.read_bytes()) == ["k.h"]
+    compiler = os.environ.get("CC") or shutil.which("cc") or "gcc"
+    first = cbuild.build(source, compiler)
+    (tmp_path / "k.h").write_text("#define VALUE 2\n")
+    second = cbuild.build(source, compiler)
+    assert first != second and first.is_file() and second.is_file()
+    assert ctypes.CDLL(str(first)).value() == 1 and ctypes.CDLL(str(second)).value() == 2
