@@ -1,16 +1,19 @@
 """Prompt attention on the CPU in C (`cpu_prompt.c`), built on first use by the host's compiler (`cbuild`).
 
 Every query row of a prompt (or its last n rows) against the prompt's own K/V: causal, aligned bottom-right, for
-the text model's prompts (`kernels/torch_ref.py` `causal_attention`, the compiled prefill graph), or not, for the
-vision tower. torch's fused CPU SDPA runs ~50–110 GFLOP/s on these shapes, where the cores do ~500 a core (bench/
-README.md, "Prompt attention"); the kernel packs each kv head's keys once in the order the dot-product instruction
-reads them and keeps 16 rows' scores and sums in registers. Its arithmetic is SDPA's (fp32 scores, fp32 softmax,
-bf16 probabilities against bf16 values); only the order of the fp32 sums differs.
+the text model's prompts, or not, for the vision tower. `prompt_attention` takes a batch of equal-length sequences
+in tensors (`causal_attention` of `kernels/torch_ref.py`, the compiled prefill graph, the vision tower);
+`paged_prompt_attention` a step's prompt chunks at once, their K/V read in place from the paged cache (the torch
+backend's prefill rows). torch's fused CPU SDPA runs ~50–110 GFLOP/s on these shapes, where the cores do ~500 a
+core (bench/README.md, "Prompt attention in C"); the kernel packs each kv head's keys once in the order the
+dot-product instruction reads them and keeps 16 rows' scores and sums in registers. Its arithmetic is SDPA's
+(fp32 scores, fp32 softmax, bf16 probabilities against bf16 values); only the order of the fp32 sums differs.
 
 AVX-512 hosts (bf16 also needs AVX512_BF16), head_dim a multiple of 16 up to 256; `supports` says where it runs.
 `attend` is what the model calls: on the CPU the op `epdmesh::prompt_attention`, which is the kernel where it runs
 and SDPA (`sdpa`, the reference) elsewhere; on other devices SDPA. `ENABLED = False` keeps SDPA everywhere
-(`bench/engine.py --without prompt-attention`; set it before the first compile: the compiled graphs guard on it).
+(`serve --no-prompt-kernel`, `bench/engine.py --without prompt-attention`; set before the first compile: the
+compiled graphs guard on it).
 """
 
 from __future__ import annotations
@@ -33,8 +36,8 @@ class _Shape(ctypes.Structure):
     _fields_ = [
         (name, ctypes.c_int64)
         for name in (
-            "batch n len num_heads num_kv_heads head_dim causal q_batch q_tok q_head k_batch k_tok k_head "
-            "v_batch v_tok v_head o_batch o_tok o_head"
+            "num_seqs num_heads num_kv_heads head_dim causal block_size table_width q_tok q_head o_tok o_head "
+            "k_block k_token k_head v_block v_token v_head"
         ).split()
     ] + [("scale", ctypes.c_float)]
 
@@ -99,28 +102,64 @@ def _prompt_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: 
     `sdpa`."""
     if not supports(q):
         return sdpa(q, k, v, scale, causal).contiguous()
-    q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
     batch, n, heads, dim = q.shape
     length, kv_heads = k.shape[1], k.shape[2]
     if not (k.shape == v.shape and k.shape[0] == batch and k.shape[3] == dim and n <= length and heads % kv_heads == 0):
         raise ValueError(f"prompt_attention: q {tuple(q.shape)} against k {tuple(k.shape)}, v {tuple(v.shape)}")
+    if n == 0:
+        return q.new_empty(q.shape)
+    if q.stride(-1) != 1 or (batch > 1 and q.stride(0) != n * q.stride(1)):  # the kernel's q: rows one after another
+        q = q.contiguous()
+    k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (k, v))
+    out = _call(q.flatten(0, 1), k, v, *_as_blocks(batch, n, length), length, scale, causal)
+    return out.view(batch, n, heads, dim)
+
+
+@functools.lru_cache(maxsize=64)
+def _as_blocks(batch: int, n: int, length: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Equal sequences in tensors as a paged cache of one block a sequence (K/V [batch, length, kv_heads, dim]):
+    their query starts, lengths and block tables (made once per shape: a call at 128 tokens takes ~60 µs)."""
+    with torch.inference_mode(False):  # (kept across calls, in inference mode or not)
+        starts = torch.arange(0, (batch + 1) * n, n, dtype=torch.int32)
+        return starts, torch.full((batch,), length, dtype=torch.int32), torch.arange(batch, dtype=torch.int32)[:, None]
+
+
+def _paged_prompt_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_starts: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """A step's prompt chunks at once, causal: q [tokens, heads, head_dim], sequence i's rows [query_starts[i],
+    query_starts[i + 1]), the last of its seq_lens[i] keys, which lie in the caches ([blocks, block_size, kv_heads,
+    head_dim], head_dim contiguous) at block_tables[i] (int32) → out like q. Read in place: no gathered copies."""
+    assert supports(q) and k_cache.stride(-1) == v_cache.stride(-1) == 1
+    return _call(q, k_cache, v_cache, query_starts, seq_lens, block_tables, k_cache.shape[1], scale, True)
+
+
+def _call(q, k, v, starts, lens, tables, block_size: int, scale: float, causal: bool) -> torch.Tensor:
     if not (q.dtype == k.dtype == v.dtype):
         raise ValueError(f"prompt_attention: dtypes {q.dtype}, {k.dtype}, {v.dtype}")
-    out = torch.empty(batch, n, heads, dim, dtype=q.dtype)
-    if n == 0:
+    starts, lens, tables = (t.to(torch.int32).contiguous() for t in (starts, lens, tables))
+    out = torch.empty(q.shape, dtype=q.dtype)
+    if q.shape[0] == 0:
         return out
     shape = _Shape(
-        batch, n, length, heads, kv_heads, dim, int(causal),
-        *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3],
+        lens.shape[0], q.shape[1], k.shape[2], q.shape[2], int(causal), block_size, tables.shape[1],
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1), *k.stride()[:3], *v.stride()[:3],
         scale,
     )  # fmt: skip
     lib = _library()
     bf16 = q.dtype == torch.bfloat16
-    scratch = torch.empty(lib.epdmesh_prompt_scratch(ctypes.byref(shape), int(bf16)), dtype=torch.uint8)
-    fn = lib.epdmesh_prompt_bf16 if bf16 else lib.epdmesh_prompt_f32
     ptr = ctypes.c_void_p
-    if fn(ctypes.byref(shape), *(ptr(t.data_ptr()) for t in (q, k, v, out, scratch))) != 0:
-        raise ValueError(f"prompt_attention: {q.dtype} with head_dim {dim} is not computed on this host")
+    seqs = [ptr(t.data_ptr()) for t in (starts, lens, tables)]
+    scratch = torch.empty(lib.epdmesh_prompt_scratch(ctypes.byref(shape), seqs[1], int(bf16)), dtype=torch.uint8)
+    fn = lib.epdmesh_prompt_bf16 if bf16 else lib.epdmesh_prompt_f32
+    if fn(ctypes.byref(shape), *seqs, *(ptr(t.data_ptr()) for t in (q, k, v, out, scratch))) != 0:
+        raise ValueError(f"prompt_attention: {q.dtype} with head_dim {q.shape[2]} is not computed on this host")
     return out
 
 
@@ -130,4 +169,10 @@ def _like(q, *_):
 
 prompt_attention = define(
     "prompt_attention(Tensor q, Tensor k, Tensor v, float scale, bool causal) -> Tensor", _prompt_attention, _like
+)
+paged_prompt_attention = define(
+    "paged_prompt_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor query_starts,"
+    " Tensor seq_lens, float scale) -> Tensor",
+    _paged_prompt_attention,
+    _like,
 )

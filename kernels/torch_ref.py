@@ -10,8 +10,11 @@ from kernels.metadata import AttentionMetadata, gather_context
 
 class TorchPagedAttention:
     """`use_c`: decodes on the CPU through the C kernel (`kernels/cpu_paged.py`) where it is built; False keeps
-    them in torch (the yardstick the kernel is tested against). `varlen`: on CUDA, a step's prompt chunks in one
-    flash-attention call per layer (`kernels/varlen.py`) where it runs; False: one SDPA call per chunk."""
+    them in torch (the yardstick the kernel is tested against). On the CPU a step's prompt chunks go to the C prompt
+    kernel in one call a layer, K/V read from the cache in place (`kernels/cpu_prompt.py`, unless its `ENABLED` is
+    off); elsewhere, or where it does not run, one SDPA call per chunk on its gathered context. `varlen`: on CUDA,
+    a step's prompt chunks in one flash-attention call per layer (`kernels/varlen.py`) where it runs; False: one SDPA
+    call per chunk."""
 
     name = "torch"
 
@@ -30,6 +33,12 @@ class TorchPagedAttention:
             out[:nd] = cpu_paged.paged_decode(q[:nd], k_cache, v_cache, tables, lens, scale)
         elif nd:
             out[:nd] = self._decode(q[:nd], k_cache, v_cache, meta, scale)
+        if meta.num_sequences > nd and cpu_prompt.ENABLED and cpu_prompt.supports(q):
+            starts = meta.query_start_loc[nd:]  # the prompt chunks in one call, K/V read in place
+            out[nd:] = cpu_prompt.paged_prompt_attention(
+                q[nd:], k_cache, v_cache, meta.block_tables[nd:], starts - starts[0], meta.seq_lens_t[nd:], scale
+            )
+            return out
         if meta.num_sequences > nd and self.varlen and varlen.usable(q, k_cache, sum(meta.seq_lens[nd:])):
             out[nd:] = varlen.attend(q[nd:], k_cache, v_cache, meta.packed(nd, k_cache.shape[1]), scale)
             return out

@@ -144,10 +144,11 @@ def test_a_steps_prompt_chunks_pack_end_to_end_with_every_context_tokens_slot():
 def test_the_torch_reference_runs_a_steps_prompt_chunks_in_one_varlen_call_where_it_is_usable(monkeypatch):
     """The kernel is CUDA's; on the CPU its contract stands in for it: the packing, the rows each sequence's
     queries take and where their outputs land are what is tested."""
-    from kernels import varlen
+    from kernels import cpu_prompt, varlen
 
     q, k_cache, v_cache, meta, expected = build_case("cpu", torch.float32)
     calls = []
+    monkeypatch.setattr(cpu_prompt, "ENABLED", False)  # (on the CPU the C prompt kernel takes these rows first)
     monkeypatch.setattr(varlen, "usable", lambda q, k_cache, tokens: tokens == 87)
     monkeypatch.setattr(varlen, "flash_varlen", lambda *a: calls.append(a[3]) or varlen_reference(*a))
     backend = TorchPagedAttention()

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from kernels import cpu_prompt
-from kernels.torch_ref import causal_attention
+from kernels.torch_ref import TorchPagedAttention, causal_attention
 
 pytestmark = pytest.mark.skipif(
     not cpu_prompt.supports(torch.empty(1, 64)), reason="no AVX-512 on this host (or no C compiler)"
@@ -116,3 +116,32 @@ def test_a_vision_layer_attends_through_the_kernel(monkeypatch):
         sdpa = layer(x)
     assert calls.count("epdmesh_prompt_f32") == 1
     torch.testing.assert_close(ours, sdpa, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "dtype", [torch.float32, pytest.param(torch.bfloat16, marks=pytest.mark.skipif(not BF16, reason="no AVX512_BF16"))]
+)
+@pytest.mark.parametrize("heads, kv_heads, dim, block_size", [(8, 2, 32, 16), (4, 4, 64, 32), (6, 3, 16, 8)])
+@pytest.mark.parametrize("enabled", [True, False], ids=["kernel", "sdpa"])
+def test_a_steps_prompt_chunks_in_one_call_read_the_paged_cache_in_place(
+    dtype, heads, kv_heads, dim, block_size, enabled, monkeypatch
+):
+    """Decodes, then two chunks (one after a cached prefix), blocks scattered: the torch backend's prompt rows are the
+    kernel's paged call — one per layer — and match attention computed densely from scratch; with `ENABLED` off,
+    SDPA per chunk on gathered copies does."""
+    from tests.kernels.test_attention import build_case
+
+    q, k_cache, v_cache, meta, expected = build_case("cpu", dtype, heads, kv_heads, dim, block_size)
+    calls = []
+    paged = cpu_prompt.paged_prompt_attention
+
+    def counted(*args):
+        calls.append(args[0].shape[0])
+        return paged(*args)
+
+    monkeypatch.setattr(cpu_prompt, "paged_prompt_attention", counted)
+    monkeypatch.setattr(cpu_prompt, "ENABLED", enabled)
+    out = TorchPagedAttention().forward(q, k_cache, v_cache, meta, dim**-0.5)
+    assert calls == ([sum(meta.query_lens[meta.num_decodes :])] if enabled else [])
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(out.float(), expected, **tol)
