@@ -83,6 +83,14 @@ def test_causal_attention_runs_the_kernel_and_falls_back_to_sdpa(monkeypatch):
     assert torch.equal(cpu_prompt.prompt_attention(*half, 0.3, True), cpu_prompt.sdpa(*half, 0.3, True))
     with pytest.raises(ValueError, match="prompt_attention"):
         cpu_prompt.prompt_attention(q, k[:, :5], v[:, :5], 0.3, True)  # more query rows than keys
+    with pytest.raises(ValueError, match="contiguous int32"):  # the paged call's index tensors as given
+        tables = torch.arange(20)[None]  # int64
+        cpu_prompt.paged_prompt_attention(qt, kt[:, None], vt[:, None], tables, *int32([0, 9], [20]), 0.3)
+    assert cpu_prompt.prompt_attention(q[:, :0], k, v, 0.3, True).shape == (1, 0, 4, 32)  # no rows: nothing to do
+
+
+def int32(*lists):
+    return [torch.tensor(x, dtype=torch.int32) for x in lists]
 
 
 def test_the_op_in_a_compiled_graph_is_the_kernel():
