@@ -77,3 +77,12 @@ def load(source: Path, what: str, defines: tuple[str, ...] = ()) -> ctypes.CDLL 
         detail = detail.decode(errors="replace")[-500:] if isinstance(detail, bytes) else detail
         log.warning("building %s failed (%s): %s", source.name, what, detail)
         return None
+
+
+def shape_struct(name: str, fields: str) -> type[ctypes.Structure]:
+    """The ctypes twin of a kernel's shape struct: `fields` (space-separated) as int64s, then a float `scale`."""
+    return type(
+        name,
+        (ctypes.Structure,),
+        {"_fields_": [(f, ctypes.c_int64) for f in fields.split()] + [("scale", ctypes.c_float)]},
+    )

@@ -29,14 +29,11 @@ SOURCE = Path(__file__).with_name("cpu_paged.c")
 MAX_HEAD_DIM = 256  # as cpu_paged.c
 
 
-class _Shape(ctypes.Structure):
-    _fields_ = [
-        (name, ctypes.c_int64)
-        for name in (
-            "num_seqs num_heads num_kv_heads head_dim block_size table_width max_len q_seq q_head o_seq o_head "
-            "k_block k_token k_head v_block v_token v_head"
-        ).split()
-    ] + [("scale", ctypes.c_float)]
+_Shape = cbuild.shape_struct(
+    "_Shape",
+    "num_seqs num_heads num_kv_heads head_dim block_size table_width max_len q_seq q_head o_seq o_head "
+    "k_block k_token k_head v_block v_token v_head",
+)
 
 
 class _NewRows(ctypes.Structure):

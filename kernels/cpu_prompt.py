@@ -32,14 +32,11 @@ SOURCE = Path(__file__).with_name("cpu_prompt.c")
 ENABLED = True
 
 
-class _Shape(ctypes.Structure):
-    _fields_ = [
-        (name, ctypes.c_int64)
-        for name in (
-            "num_seqs num_heads num_kv_heads head_dim causal block_size table_width q_tok q_head o_tok o_head "
-            "k_block k_token k_head v_block v_token v_head"
-        ).split()
-    ] + [("scale", ctypes.c_float)]
+_Shape = cbuild.shape_struct(
+    "_Shape",
+    "num_seqs num_heads num_kv_heads head_dim causal block_size table_width q_tok q_head o_tok o_head "
+    "k_block k_token k_head v_block v_token v_head",
+)
 
 
 @functools.cache
