@@ -1,5 +1,7 @@
 """The CPU prompt-attention kernel in C against torch's SDPA (the reference it replaces), and where it runs."""
 
+import threading
+
 import pytest
 import torch
 
@@ -153,3 +155,13 @@ def test_a_steps_prompt_chunks_in_one_call_read_the_paged_cache_in_place(
     assert calls == ([sum(meta.query_lens[meta.num_decodes :])] if enabled else [])
     tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
     torch.testing.assert_close(out.float(), expected, **tol)
+
+
+def test_the_scratch_is_kept_per_thread_and_grows():
+    first = cpu_prompt._scratch(1000)
+    assert cpu_prompt._scratch(500).data_ptr() == first.data_ptr()
+    assert cpu_prompt._scratch(10**6).numel() >= 10**6 and cpu_prompt._scratch(10).numel() >= 10**6
+    other = []
+    thread = threading.Thread(target=lambda: other.append(cpu_prompt._scratch(10).numel()))
+    thread.start(), thread.join()
+    assert other == [10]
