@@ -31,6 +31,7 @@
  * tables[i · table_width + j / block_size] · block + (j % block_size) · token (+ head · kv head). */
 typedef struct {
     int64_t num_seqs, num_heads, num_kv_heads, head_dim, causal, block_size, table_width;
+    int64_t threads; /* set by epdmesh_prompt_scratch: the threads its size allows, which the call then uses */
     int64_t q_tok, q_head, o_tok, o_head;                       /* strides of q and out, in elements */
     int64_t k_block, k_token, k_head, v_block, v_token, v_head; /* strides of K and V, in elements */
     float scale;
@@ -48,19 +49,27 @@ int epdmesh_prompt_supports(int bf16, int64_t head_dim) {
 
 static inline int64_t padded(int64_t len) { return (len + 15) / 16 * 16; }
 
+/* The 32 bits at `p` (a pair of bf16), wherever `p` lies. */
+static inline uint32_t bits32(const void *p) {
+    uint32_t u;
+    memcpy(&u, p, sizeof u);
+    return u;
+}
+
 /* Elements of one sequence's packed keys (or values): every kv head's, keys padded to a multiple of 16. */
 static int64_t pack_elements(const prompt_shape *s, int64_t len) { return s->num_kv_heads * padded(len) * s->head_dim; }
 
 static int64_t thread_bytes(int64_t longest) { return ROWS * padded(longest) * (4 + 2) + 64; }
 
 /* Bytes of scratch a call needs: the packed K and V of every sequence, then each thread's rows. */
-int64_t epdmesh_prompt_scratch(const prompt_shape *s, const int32_t *lens, int bf16) {
+int64_t epdmesh_prompt_scratch(prompt_shape *s, const int32_t *lens, int bf16) {
     int64_t pack = 0, longest = 0;
     for (int64_t i = 0; i < s->num_seqs; ++i) {
         pack += 2 * pack_elements(s, lens[i]) * (bf16 ? 2 : 4);
         longest = lens[i] > longest ? lens[i] : longest;
     }
-    return pack + omp_get_max_threads() * thread_bytes(longest) + 64;
+    s->threads = omp_get_max_threads();
+    return pack + s->threads * thread_bytes(longest) + 64;
 }
 
 #if VEC
@@ -85,16 +94,22 @@ static void pack_block(const prompt_call *c, const void *k, const void *v, int64
     const prompt_shape *s = c->s;
     const int64_t dim = s->head_dim, len = c->lens[i], item = bf16 ? 2 : 4;
     const int64_t slab = c->packs[i] + h * padded(len) * dim; /* elements before this head's packed keys */
+    int64_t at[16][2]; /* where each of the 16 keys and values lies (a block of a multiple of 16 holds all 16) */
+    for (int64_t t = 0; t < 16; ++t)
+        for (int value = 0; value < 2; ++value)
+            at[t][value] = kb * 16 + t >= len ? 0 /* (past the sequence: not read, nor its table) */
+                           : s->block_size % 16 == 0 && t > 0 ? at[0][value] + t * (value ? s->v_token : s->k_token)
+                                                              : key_row(c, i, kb * 16 + t, value);
     for (int64_t t = 0; t < 16; ++t) {
         const int64_t j = kb * 16 + t;
-        const char *krow = j < len ? (const char *)k + (key_row(c, i, j, 0) + h * s->k_head) * item : NULL;
-        const char *vrow = j < len ? (const char *)v + (key_row(c, i, j, 1) + h * s->v_head) * item : NULL;
+        const char *krow = j < len ? (const char *)k + (at[t][0] + h * s->k_head) * item : NULL;
+        const char *vrow = j < len ? (const char *)v + (at[t][1] + h * s->v_head) * item : NULL;
         if (bf16) {
             uint32_t *dst = (uint32_t *)c->kp + (slab + kb * 16 * dim) / 2 + t;
-            for (int64_t d2 = 0; d2 < dim / 2; ++d2) dst[d2 * 16] = krow ? ((const uint32_t *)krow)[d2] : 0;
+            for (int64_t d2 = 0; d2 < dim / 2; ++d2) dst[d2 * 16] = krow ? bits32(krow + 4 * d2) : 0;
             if (t & 1) continue;
             /* values of tokens j, j + 1 interleaved: (v[j][d], v[j + 1][d]) as one 32-bit pair */
-            const uint16_t *next = j + 1 < len ? (const uint16_t *)v + key_row(c, i, j + 1, 1) + h * s->v_head : NULL;
+            const uint16_t *next = j + 1 < len ? (const uint16_t *)v + at[t + 1][1] + h * s->v_head : NULL;
             uint32_t *vdst = (uint32_t *)c->vp + slab / 2 + j / 2 * dim;
             for (int64_t d = 0; d < dim; d += 16) {
                 const __m512i lo = vrow ? _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)((const uint16_t *)vrow + d)))
@@ -141,7 +156,7 @@ static inline __attribute__((always_inline)) void rows_task(const prompt_call *c
             for (int64_t d2 = 0; d2 < dim / 2; ++d2) {
                 const __m512bh kv = (__m512bh)_mm512_loadu_si512(kt + d2);
                 for (int r = 0; r < ROWS; ++r)
-                    acc[r] = _mm512_dpbf16_ps(acc[r], (__m512bh)_mm512_set1_epi32(((const int32_t *)qr[r])[d2]), kv);
+                    acc[r] = _mm512_dpbf16_ps(acc[r], (__m512bh)_mm512_set1_epi32((int)bits32(qr[r] + 4 * d2)), kv);
             }
 #endif
         } else {
@@ -216,6 +231,8 @@ static int most_keys_first(const void *a, const void *b) {
 static int prompt(const prompt_shape *s, const int32_t *starts, const int32_t *lens, const int32_t *tables,
                   const void *q, const void *k, const void *v, void *out, char *scratch, const int bf16) {
     if (!epdmesh_prompt_supports(bf16, s->head_dim)) return -1;
+    for (int64_t i = 0; i < s->num_seqs; ++i) /* rows in order, never more than the keys they end */
+        if (starts[i + 1] < starts[i] || starts[i + 1] - starts[i] > lens[i] || lens[i] < 0) return -2;
     const int64_t item = bf16 ? 2 : 4, seqs = s->num_seqs, kvh = s->num_kv_heads;
     int64_t *packs = malloc(sizeof(int64_t) * (seqs + 1)), *blocks = malloc(sizeof(int64_t) * (seqs + 1));
     int64_t tasks = 0, longest = 0;
@@ -236,7 +253,7 @@ static int prompt(const prompt_shape *s, const int32_t *starts, const int32_t *l
     char *base = (char *)(((uintptr_t)scratch + 63) & ~(uintptr_t)63);
     const prompt_call c = {s, starts, lens, tables, packs, base, base + packs[seqs] * item};
     char *rows = base + 2 * packs[seqs] * item;
-#pragma omp parallel
+#pragma omp parallel num_threads(s->threads)
     {
 #pragma omp for schedule(static)
         for (int64_t w = 0; w < blocks[seqs]; ++w) { /* (sequence, kv head, block of 16 keys) */

@@ -35,7 +35,7 @@ ENABLED = True
 
 _Shape = cbuild.shape_struct(
     "_Shape",
-    "num_seqs num_heads num_kv_heads head_dim causal block_size table_width q_tok q_head o_tok o_head "
+    "num_seqs num_heads num_kv_heads head_dim causal block_size table_width threads q_tok q_head o_tok o_head "
     "k_block k_token k_head v_block v_token v_head",
 )
 
@@ -135,6 +135,12 @@ def _paged_prompt_attention(
     query_starts[i + 1]), the last of its seq_lens[i] keys, which lie in the caches ([blocks, block_size, kv_heads,
     head_dim], head_dim contiguous) at block_tables[i] (int32) → out like q. Read in place: no gathered copies."""
     assert supports(q) and k_cache.stride(-1) == v_cache.stride(-1) == 1
+    if not query_starts.shape[0] == seq_lens.shape[0] + 1 == block_tables.shape[0] + 1:
+        raise ValueError(
+            f"paged_prompt_attention: {query_starts.shape[0]} query starts, {seq_lens.shape[0]} lengths and "
+            f"{block_tables.shape[0]} block tables (starts: one more than sequences)"
+        )
+    q = q if q.stride(-1) == 1 else q.contiguous()
     return _call(q, k_cache, v_cache, query_starts, seq_lens, block_tables, k_cache.shape[1], scale, True)
 
 
@@ -150,7 +156,7 @@ def _call(q, k, v, starts, lens, tables, block_size: int, scale: float, causal: 
     if q.shape[0] == 0:
         return out
     shape = _Shape(
-        lens.shape[0], q.shape[1], k.shape[2], q.shape[2], int(causal), block_size, tables.shape[1],
+        lens.shape[0], q.shape[1], k.shape[2], q.shape[2], int(causal), block_size, tables.shape[1], 0,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), *k.stride()[:3], *v.stride()[:3],
         scale,
     )  # fmt: skip
@@ -160,7 +166,10 @@ def _call(q, k, v, starts, lens, tables, block_size: int, scale: float, causal: 
     seqs = [ptr(t.data_ptr()) for t in (starts, lens, tables)]
     scratch = _scratch(lib.epdmesh_prompt_scratch(ctypes.byref(shape), seqs[1], int(bf16)))
     fn = lib.epdmesh_prompt_bf16 if bf16 else lib.epdmesh_prompt_f32
-    if fn(ctypes.byref(shape), *seqs, *(ptr(t.data_ptr()) for t in (q, k, v, out, scratch))) != 0:
+    rc = fn(ctypes.byref(shape), *seqs, *(ptr(t.data_ptr()) for t in (q, k, v, out, scratch)))
+    if rc == -2:
+        raise ValueError("prompt_attention: a sequence has more query rows than keys (or its rows out of order)")
+    if rc != 0:
         raise ValueError(f"prompt_attention: {q.dtype} with head_dim {q.shape[2]} is not computed on this host")
     return out
 
@@ -170,12 +179,15 @@ _KEPT = threading.local()
 
 def _scratch(size: int) -> torch.Tensor:
     """The calling thread's scratch, grown to `size` bytes and kept: the packed K/V of a long context are tens of MB
-    a layer (a 7B shape at 4k tokens: 64 MB), which fresh from the allocator would be fresh pages each call — on
-    these VMs ~3 ms per 2 MiB page first written (bench/README.md, the peer section)."""
+        a layer (a 7B shape at 4k tokens: 64 MB), which fresh from the allocator would be fresh pages each call — on
+        these VMs ~3 ms per 2 MiB page first written (bench/README.md, the peer section). It never shrinks: a thread
+    holds the most one call has needed."""
     kept = getattr(_KEPT, "buffer", None)
-    if kept is None or kept.numel() < size:
+    if kept is None or kept.numel() < size:  # by half again at least: a context that grows step by step
         with torch.inference_mode(False):  # (kept across calls, in inference mode or not)
-            _KEPT.buffer = kept = torch.empty(size, dtype=torch.uint8)
+            _KEPT.buffer = kept = torch.empty(
+                max(size, int(1.5 * (0 if kept is None else kept.numel()))), dtype=torch.uint8
+            )
     return kept
 
 

@@ -33,7 +33,7 @@ class TorchPagedAttention:
             out[:nd] = cpu_paged.paged_decode(q[:nd], k_cache, v_cache, tables, lens, scale)
         elif nd:
             out[:nd] = self._decode(q[:nd], k_cache, v_cache, meta, scale)
-        if meta.num_sequences > nd and cpu_prompt.ENABLED and cpu_prompt.supports(q):
+        if meta.num_sequences > nd and cpu_prompt.ENABLED and cpu_prompt.supports(q) and k_cache.dtype == q.dtype:
             starts = meta.query_start_loc[nd:]  # the prompt chunks in one call, K/V read in place
             out[nd:] = cpu_prompt.paged_prompt_attention(
                 q[nd:], k_cache, v_cache, meta.block_tables[nd:], starts - starts[0], meta.seq_lens_t[nd:], scale
