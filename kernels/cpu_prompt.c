@@ -26,8 +26,9 @@
 #define ROWS 16
 #define MAX_DIM 256
 
-/* Sequence i's query rows are [starts[i], starts[i + 1]) of q and out; its keys, lens[i] of them, the last of which
- * belong to those rows (causal: row r of n sees keys up to lens[i] − n + r), lie at row j:
+/* Sequence i's query rows are [starts[i], starts[i + 1]) of q and out, counted from starts[0] (a step's offsets
+ * into all its tokens serve as they are); its keys, lens[i] of them, the last of which belong to those rows
+ * (causal: row r of n sees keys up to lens[i] − n + r), lie at row j:
  * tables[i · table_width + j / block_size] · block + (j % block_size) · token (+ head · kv head). */
 typedef struct {
     int64_t num_seqs, num_heads, num_kv_heads, head_dim, causal, block_size, table_width;
@@ -137,7 +138,8 @@ static inline __attribute__((always_inline)) void rows_task(const prompt_call *c
                                                            uint16_t *pb, int64_t i, int64_t h, int64_t r0,
                                                            const int64_t dim, const int bf16) {
     const prompt_shape *s = c->s;
-    const int64_t len = c->lens[i], first = c->starts[i], n = c->starts[i + 1] - first, lp = padded(len);
+    const int64_t len = c->lens[i], first = c->starts[i] - c->starts[0], n = c->starts[i + 1] - c->starts[i];
+    const int64_t lp = padded(len);
     const int64_t off = len - n, hk = h / (s->num_heads / s->num_kv_heads), item = bf16 ? 2 : 4;
     const int64_t slab = c->packs[i] + hk * lp * dim;
     const int64_t rows = n - r0 < ROWS ? n - r0 : ROWS;

@@ -132,8 +132,9 @@ def _paged_prompt_attention(
     scale: float,
 ) -> torch.Tensor:
     """A step's prompt chunks at once, causal: q [tokens, heads, head_dim], sequence i's rows [query_starts[i],
-    query_starts[i + 1]), the last of its seq_lens[i] keys, which lie in the caches ([blocks, block_size, kv_heads,
-    head_dim], head_dim contiguous) at block_tables[i] (int32) → out like q. Read in place: no gathered copies."""
+    query_starts[i + 1]) counted from query_starts[0] (a step's offsets past its decodes serve as they are), the
+    last of its seq_lens[i] keys, which lie in the caches ([blocks, block_size, kv_heads, head_dim], head_dim
+    contiguous) at block_tables[i] (int32) → out like q. Read in place: no gathered copies."""
     assert supports(q) and k_cache.stride(-1) == v_cache.stride(-1) == 1
     if not query_starts.shape[0] == seq_lens.shape[0] + 1 == block_tables.shape[0] + 1:
         raise ValueError(

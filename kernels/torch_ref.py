@@ -36,7 +36,7 @@ class TorchPagedAttention:
         if meta.num_sequences > nd and cpu_prompt.ENABLED and cpu_prompt.supports(q) and k_cache.dtype == q.dtype:
             starts = meta.query_start_loc[nd:]  # the prompt chunks in one call, K/V read in place
             out[nd:] = cpu_prompt.paged_prompt_attention(
-                q[nd:], k_cache, v_cache, meta.block_tables[nd:], starts - starts[0], meta.seq_lens_t[nd:], scale
+                q[nd:], k_cache, v_cache, meta.block_tables[nd:], starts, meta.seq_lens_t[nd:], scale
             )
             return out
         if meta.num_sequences > nd and self.varlen and varlen.usable(q, k_cache, sum(meta.seq_lens[nd:])):
