@@ -60,7 +60,10 @@ static inline uint32_t bits32(const void *p) {
 /* Elements of one sequence's packed keys (or values): every kv head's, keys padded to a multiple of 16. */
 static int64_t pack_elements(const prompt_shape *s, int64_t len) { return s->num_kv_heads * padded(len) * s->head_dim; }
 
-static int64_t thread_bytes(int64_t longest) { return ROWS * padded(longest) * (4 + 2) + 64; }
+/* A thread's rows: their scores (fp32), probabilities (bf16) and query rows, copied together — in the prompt they lie
+ * heads × head_dim apart (8 KiB for 32 × 128 in bf16: 16 rows in one set of the L1 cache), and one base address
+ * serves all 16 in the inner loops. */
+static int64_t thread_bytes(int64_t longest) { return ROWS * padded(longest) * (4 + 2) + ROWS * MAX_DIM * 4 + 64; }
 
 /* Bytes of scratch a call needs: the packed K and V of every sequence, then each thread's rows. */
 int64_t epdmesh_prompt_scratch(prompt_shape *s, const int32_t *lens, int bf16) {
@@ -135,7 +138,7 @@ static inline void store_bf16_16(uint16_t *dst, __m512 x) {
 
 /* Rows [r0, r0 + 16) of sequence i's queries, query head `h` (rows past its last repeat it and are not stored). */
 static inline __attribute__((always_inline)) void rows_task(const prompt_call *c, const void *q, void *out, float *sc,
-                                                           uint16_t *pb, int64_t i, int64_t h, int64_t r0,
+                                                           uint16_t *pb, char *qb, int64_t i, int64_t h, int64_t r0,
                                                            const int64_t dim, const int bf16) {
     const prompt_shape *s = c->s;
     const int64_t len = c->lens[i], first = c->starts[i] - c->starts[0], n = c->starts[i + 1] - c->starts[i];
@@ -145,9 +148,10 @@ static inline __attribute__((always_inline)) void rows_task(const prompt_call *c
     const int64_t rows = n - r0 < ROWS ? n - r0 : ROWS;
     const int64_t last = s->causal ? off + r0 + rows : len; /* keys [0, last) serve some row of the task */
     const int64_t blocks = (last + 15) / 16;
-    const char *qr[ROWS];
+    const int64_t row = dim * item; /* bytes of a query row in `qb`, where the 16 rows are copied (thread_bytes) */
     for (int64_t r = 0; r < ROWS; ++r)
-        qr[r] = (const char *)q + ((first + r0 + (r < rows ? r : rows - 1)) * s->q_tok + h * s->q_head) * item;
+        memcpy(qb + r * row, (const char *)q + ((first + r0 + (r < rows ? r : rows - 1)) * s->q_tok + h * s->q_head) * item,
+               row);
     const __m512 scale = _mm512_set1_ps(s->scale);
     for (int64_t kb = 0; kb < blocks; ++kb) { /* scores: 16 rows × 16 keys in registers */
         __m512 acc[ROWS];
@@ -158,14 +162,14 @@ static inline __attribute__((always_inline)) void rows_task(const prompt_call *c
             for (int64_t d2 = 0; d2 < dim / 2; ++d2) {
                 const __m512bh kv = (__m512bh)_mm512_loadu_si512(kt + d2);
                 for (int r = 0; r < ROWS; ++r)
-                    acc[r] = _mm512_dpbf16_ps(acc[r], (__m512bh)_mm512_set1_epi32((int)bits32(qr[r] + 4 * d2)), kv);
+                    acc[r] = _mm512_dpbf16_ps(acc[r], (__m512bh)_mm512_set1_epi32((int)bits32(qb + r * row + 4 * d2)), kv);
             }
 #endif
         } else {
             const float *kt = (const float *)c->kp + slab + kb * 16 * dim;
             for (int64_t d = 0; d < dim; ++d) {
                 const __m512 kv = _mm512_loadu_ps(kt + d * 16);
-                for (int r = 0; r < ROWS; ++r) acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(((const float *)qr[r])[d]), kv, acc[r]);
+                for (int r = 0; r < ROWS; ++r) acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(((const float *)(qb + r * row))[d]), kv, acc[r]);
             }
         }
         for (int r = 0; r < ROWS; ++r) _mm512_storeu_ps(sc + r * lp + kb * 16, _mm512_mul_ps(acc[r], scale));
@@ -266,20 +270,21 @@ static int prompt(const prompt_shape *s, const int32_t *starts, const int32_t *l
         }
         float *sc = (float *)(rows + omp_get_thread_num() * thread_bytes(longest));
         uint16_t *pb = (uint16_t *)(sc + ROWS * padded(longest));
+        char *qb = (char *)(pb + ROWS * padded(longest));
 #pragma omp for schedule(dynamic, 1)
         for (int64_t w = 0; w < tasks * s->num_heads; ++w) {
             const task t = order[w / s->num_heads];
             const int64_t h = w % s->num_heads;
             if (s->head_dim == 64 && bf16)
-                rows_task(&c, q, out, sc, pb, t.seq, h, t.r0, 64, 1);
+                rows_task(&c, q, out, sc, pb, qb, t.seq, h, t.r0, 64, 1);
             else if (s->head_dim == 64)
-                rows_task(&c, q, out, sc, pb, t.seq, h, t.r0, 64, 0);
+                rows_task(&c, q, out, sc, pb, qb, t.seq, h, t.r0, 64, 0);
             else if (s->head_dim == 128 && bf16)
-                rows_task(&c, q, out, sc, pb, t.seq, h, t.r0, 128, 1);
+                rows_task(&c, q, out, sc, pb, qb, t.seq, h, t.r0, 128, 1);
             else if (bf16)
-                rows_task(&c, q, out, sc, pb, t.seq, h, t.r0, s->head_dim, 1);
+                rows_task(&c, q, out, sc, pb, qb, t.seq, h, t.r0, s->head_dim, 1);
             else
-                rows_task(&c, q, out, sc, pb, t.seq, h, t.r0, s->head_dim, 0);
+                rows_task(&c, q, out, sc, pb, qb, t.seq, h, t.r0, s->head_dim, 0);
         }
     }
     free(order);
