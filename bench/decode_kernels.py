@@ -57,24 +57,32 @@ def alternate(runs: dict, rounds: int) -> dict[str, float]:
     return {name: statistics.median(t) for name, t in times.items()}
 
 
-def attention_library(rev: str) -> ctypes.CDLL:
-    """The C decode attention as commit `rev` had it (with the headers of ours it includes), built like ours."""
+def library_at(rev: str, source: str, int_functions: tuple[str, ...]) -> ctypes.CDLL:
+    """`kernels/{source}` as commit `rev` had it, with the headers it includes as they were there, built as ours
+    are; `int_functions` (without their `epdmesh_` prefix) return C ints."""
 
     def show(name: str) -> bytes:
         return subprocess.run(
             ["git", "-C", str(REPO), "show", f"{rev}:kernels/{name}"], capture_output=True, check=True
         ).stdout
 
-    path = Path(tempfile.mkdtemp(prefix="epdmesh-bench-")) / "cpu_paged.c"
+    path = Path(tempfile.mkdtemp(prefix="epdmesh-bench-")) / source
     path.write_bytes(show(path.name))
     for header in cbuild.included(path.read_bytes()):
         path.with_name(header).write_bytes(show(header))
-    lib = cbuild.load(path, f"the attention of {rev}")
+    lib = cbuild.load(path, f"{source} of {rev}")
     if lib is None:
-        raise SystemExit(f"could not build {rev}'s kernels/cpu_paged.c")
-    for name in ("paged_decode_bf16", "paged_decode_f32", "write_decode_bf16", "write_decode_f32"):
+        raise SystemExit(f"could not build {rev}'s kernels/{source}")
+    for name in int_functions:
         getattr(lib, f"epdmesh_{name}").restype = ctypes.c_int
     return lib
+
+
+def attention_library(rev: str) -> ctypes.CDLL:
+    """The C decode attention as commit `rev` had it."""
+    return library_at(
+        rev, "cpu_paged.c", ("paged_decode_bf16", "paged_decode_f32", "write_decode_bf16", "write_decode_f32")
+    )
 
 
 def use_attention(lib: ctypes.CDLL | None) -> None:

@@ -1,12 +1,13 @@
 """Prompt attention on the CPU: the C kernel (`kernels/cpu_prompt.c`) against torch's SDPA, in one process.
 
-    python -m bench.prompt_attention kernel [--rounds 20]
+    python -m bench.prompt_attention kernel [--rounds 20] [--against REV]
     python -m bench.prompt_attention image  [--rounds 10] [--model DIR]
 
 kernel  each shape's attention, ours and SDPA timed in alternation, bf16 (and fp32 with --dtype float32): the
         `small` preset's text (8 heads × 64, causal) at 128 / 623 / 1024 tokens and its vision tower (4 heads × 64,
         577 patches, every patch sees every patch); LLaVA-1.5-7B's (32 heads × 128 causal at 623 tokens; vision 16
-        × 64 at 577). GFLOP/s counts the causal half only.
+        × 64 at 577). GFLOP/s counts the causal half only. --against REV: the kernel as that commit had it
+        (`bench.decode_kernels.library_at`), timed beside ours and checked bit-identical to it.
 image   what a 1-image request computes before its first token, in-process, on the `small` preset (bf16, the
         engine's compiled graphs): the vision tower on one 336 px picture, then a 623-token prompt through the
         compiled prefill graph — with the kernel and with SDPA (`cpu_prompt.ENABLED`; each has its own graph),
@@ -19,6 +20,7 @@ tens of percent within seconds); medians. 2 threads.
 from __future__ import annotations
 
 import argparse
+import ctypes
 import sys
 import time
 from pathlib import Path
@@ -28,7 +30,7 @@ if not __package__:  # run as `python bench/prompt_attention.py`: make the repo 
 
 import torch  # noqa: E402
 
-from bench.decode_kernels import alternate  # noqa: E402
+from bench.decode_kernels import alternate, library_at  # noqa: E402
 from kernels import cpu_prompt  # noqa: E402
 
 SHAPES = [  # (label, tokens, heads, head_dim, causal, repeats a round)
@@ -42,29 +44,56 @@ SHAPES = [  # (label, tokens, heads, head_dim, causal, repeats a round)
 
 
 def kernel(args: argparse.Namespace) -> None:
+    loader = cpu_prompt._library
+    try:
+        _kernel(args, loader())
+    finally:
+        cpu_prompt._library = loader  # (swapped per call below where --against is given)
+
+
+def _kernel(args: argparse.Namespace, ours_lib) -> None:
     dtype = getattr(torch, args.dtype)
+    other = args.against and library_at(args.against, "cpu_prompt.c", ("prompt_bf16", "prompt_f32", "prompt_supports"))
+    if other:
+        other.epdmesh_prompt_scratch.restype = ctypes.c_int64
     print(f"prompt attention, {args.dtype}, {torch.get_num_threads()} threads, medians of {args.rounds} rounds")
-    print(f"{'shape':<14}{'tokens':>7}{'heads×dim':>10}{'ours µs':>10}{'SDPA µs':>10}{'ours GFLOP/s':>14}{'× SDPA':>8}")
+    print(
+        f"{'shape':<14}{'tokens':>7}{'heads×dim':>10}{'ours µs':>10}{'SDPA µs':>10}{'ours GFLOP/s':>14}{'× SDPA':>8}"
+        + (f"{args.against + ' µs':>14}{'× it':>7}" if other else "")
+    )
     for label, n, heads, dim, causal, repeats in SHAPES:
         g = torch.Generator().manual_seed(0)
         q, k, v = (torch.randn(1, n, heads, dim, generator=g).to(dtype) for _ in range(3))
         scale = dim**-0.5
 
-        def ours():
-            for _ in range(repeats):
-                cpu_prompt.prompt_attention(q, k, v, scale, causal)
+        def through(lib):
+            def run():
+                cpu_prompt._library = lambda: lib  # (the module's cached loader, swapped for the call)
+                for _ in range(repeats):
+                    cpu_prompt.prompt_attention(q, k, v, scale, causal)
+
+            return run
 
         def sdpa():
             for _ in range(repeats):
                 cpu_prompt.sdpa(q, k, v, scale, causal)
 
-        ours(), sdpa()
-        t = alternate({"ours": ours, "sdpa": sdpa}, args.rounds)
+        runs = {"ours": through(ours_lib), "sdpa": sdpa} | ({"it": through(other)} if other else {})
+        if other:
+            cpu_prompt._library = lambda: ours_lib
+            mine = cpu_prompt.prompt_attention(q, k, v, scale, causal)
+            cpu_prompt._library = lambda: other
+            if not torch.equal(mine, cpu_prompt.prompt_attention(q, k, v, scale, causal)):
+                print(f"{label} {n}: ours and {args.against}'s differ", file=sys.stderr)
+        for run in runs.values():
+            run()
+        t = alternate(runs, args.rounds)
         flops = 4 * heads * n * n * dim * (0.5 if causal else 1.0)
         us = {name: s / repeats * 1e6 for name, s in t.items()}
         print(
             f"{label:<14}{n:>7}{f'{heads}×{dim}':>10}{us['ours']:>10.0f}{us['sdpa']:>10.0f}"
             f"{flops / us['ours'] / 1e3:>14.0f}{us['sdpa'] / us['ours']:>7.2f}×"
+            + (f"{us['it']:>14.0f}{us['it'] / us['ours']:>6.2f}×" if other else "")
         )
 
 
@@ -116,6 +145,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16", help="kernel: inputs' dtype")
     parser.add_argument("--model", help="image: a llava-1.5 checkpoint (default: the `small` preset's, made once)")
     parser.add_argument("--prompt-len", type=int, default=623, help="image: the prompt's tokens, the image's included")
+    parser.add_argument("--against", metavar="REV", help="kernel: that commit's kernel beside ours")
     args = parser.parse_args(argv)
     args.rounds = args.rounds or (20 if args.what == "kernel" else 10)
     torch.set_num_threads(2)
