@@ -33,6 +33,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import textwrap
 import time
 from pathlib import Path
 
@@ -290,7 +291,7 @@ def plot(results: list[dict], path: Path, args) -> None:
     ax.set_xlabel("request rate (req/s, Poisson)")
     ax.set_ylabel("SLO attainment (%)")
     slos = f"TTFT ≤ {args.slo_ttft_ms:g} ms, P90 TBT ≤ {args.slo_tbt_ms:g} ms"
-    ax.set_title(f"{workload_label(args)}, bf16 CPU, {slos}", fontsize=9)
+    ax.set_title(f"{textwrap.fill(workload_label(args), 80)}\nbf16 CPU, {slos}", fontsize=9)
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
