@@ -297,6 +297,8 @@ static int write_rows(const decode_shape *s, const new_rows *w, const void *k, c
     for (int64_t i = 0; i < s->num_seqs; ++i)
         if (blocks[i] < 0 || blocks[i] >= w->num_blocks || offsets[i] < 0 || offsets[i] >= s->block_size) return -2;
     const int64_t bytes = s->head_dim * item;
+    /* a prompt's rows (hundreds) on every thread; a decode step's few on the calling one */
+#pragma omp parallel for schedule(static) if (s->num_seqs * s->num_kv_heads * bytes >= (1 << 16))
     for (int64_t i = 0; i < s->num_seqs; ++i)
         for (int64_t h = 0; h < s->num_kv_heads; ++h) {
             memcpy((char *)kc + (blocks[i] * s->k_block + offsets[i] * s->k_token + h * s->k_head) * item,
@@ -305,6 +307,13 @@ static int write_rows(const decode_shape *s, const new_rows *w, const void *k, c
                    (const char *)v + (i * w->v_seq + h * w->v_head) * item, bytes);
         }
     return 0;
+}
+
+/* A prompt's K/V rows (`num_seqs` of them) into their slots alone: what the engine's prefills write before their
+ * attention. `item`: bytes of an element (2 or 4). */
+int epdmesh_write_rows(const decode_shape *s, const new_rows *w, const void *k, const void *v, const int64_t *blocks,
+                       const int64_t *offsets, void *kc, void *vc, const int64_t item) {
+    return write_rows(s, w, k, v, blocks, offsets, kc, vc, item);
 }
 
 /* Sequences x head ranges, as many ranges per sequence as keep every thread busy. */

@@ -79,7 +79,12 @@ def _pack(meta: AttentionMetadata, first: int, block_size: int) -> ContextPack:
 def write_kv(
     k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata
 ) -> None:
-    """Store the new tokens' K/V ([tokens, kv_heads, head_dim]) into their paged slots."""
+    """Store the new tokens' K/V ([tokens, kv_heads, head_dim]) into their paged slots (on the CPU by the C
+    kernel's memcpy where it can, `cpu_paged.write_rows`)."""
+    from kernels import cpu_paged
+
+    if k.device.type == "cpu" and cpu_paged.write_rows(k, v, k_cache, v_cache, meta.slot_blocks, meta.slot_offsets):
+        return
     k_cache[meta.slot_blocks, meta.slot_offsets] = k
     v_cache[meta.slot_blocks, meta.slot_offsets] = v
 

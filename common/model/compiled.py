@@ -174,10 +174,13 @@ def _write_kv_layer(
 ) -> None:
     """K/V [tokens, kv_heads, head_dim] into their slots of one layer of the whole cache ([blocks, layers, 2,
     block_size, kv_heads, head_dim]), in place: as an index_put in the graph, functionalisation would copy the
-    layer's whole cache."""
+    layer's whole cache. On the CPU by the C kernel's memcpy where it can (`cpu_paged.write_rows`)."""
+    k_cache, v_cache = cache.select(1, layer).select(1, 0), cache.select(1, layer).select(1, 1)
+    if cache.device.type == "cpu" and cpu_paged.write_rows(k, v, k_cache, v_cache, slot_blocks, slot_offsets):
+        return
     index = (slot_blocks, slot_offsets)
-    cache.select(1, layer).select(1, 0).index_put_(index, k)
-    cache.select(1, layer).select(1, 1).index_put_(index, v)
+    k_cache.index_put_(index, k)
+    v_cache.index_put_(index, v)
 
 
 write_kv_layer = define(
