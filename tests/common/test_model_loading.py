@@ -181,3 +181,23 @@ def test_a_transformers_models_state_builds_the_same_model_as_its_checkpoint(tin
         assert torch.equal(param, loaded[name]), name
     embed = hf.state_dict()["model.language_model.embed_tokens.weight"]
     assert ours.text.embed_tokens.weight.data_ptr() == embed.data_ptr()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_rotary_is_transformers_to_the_bit(dtype):
+    """Our RoPE (cos/sin from integer positions, each half of the rotation written out) against transformers'
+    Llama rotary embedding and `apply_rotary_pos_emb`, eager: the same values bit for bit."""
+    from transformers import LlamaConfig
+    from transformers.models.llama import modeling_llama as hf
+
+    from common.model.layers import RotaryEmbedding, apply_rotary
+
+    config = LlamaConfig(hidden_size=256, num_attention_heads=4, rope_theta=10000.0, max_position_embeddings=4096)
+    positions = torch.tensor([0, 1, 2, 17, 500, 3000, 4095])
+    x = torch.randn(len(positions), 4, 64, generator=torch.Generator().manual_seed(0)).to(dtype)
+    cos, sin = RotaryEmbedding(64, 10000.0, torch.device("cpu")).cos_sin(positions, dtype)
+    hf_cos, hf_sin = hf.LlamaRotaryEmbedding(config)(x, positions[None])
+    assert torch.equal(cos, hf_cos[0]) and torch.equal(sin, hf_sin[0])
+    heads_first = x.transpose(0, 1)[None]  # [1, heads, tokens, dim], as transformers holds q and k
+    q, _ = hf.apply_rotary_pos_emb(heads_first, heads_first, hf_cos, hf_sin)
+    assert torch.equal(apply_rotary(x, cos, sin), q[0].transpose(0, 1))
