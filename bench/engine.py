@@ -7,7 +7,8 @@ Both sides load the same checkpoint and get the same text-only prompts (B random
 exactly --output-len tokens (EOS ignored). Per batch size B, prompt length P, output length N:
   prefill tok/s = B·P / time to the first token (max_tokens=1)
   decode tok/s  = B·(N−1) / (time for N tokens − time for 1 token)
-Each time is the median of --repeats runs after one warm-up. Goal: ≥ 2× HF at batch 8, ≥ 1.5× at batch 1.
+Each time is the median of --repeats runs after one warm-up, the two sides alternating (the order flipped every
+round). Goal: ≥ 2× HF at batch 8, ≥ 1.5× at batch 1.
 
 `--workload mixed` (or `both`, the default) adds what a server actually sees: --mixed-requests-per-batch × B
 requests with prompt and output lengths drawn (seeded) from --mixed-prompt-lens and --mixed-output-lens, run
@@ -243,17 +244,23 @@ def run_hf(model, input_ids: torch.Tensor, max_tokens: int, pad_id: int) -> floa
     return elapsed
 
 
-def measure(run, output_len: int, repeats: int, bar: tqdm) -> tuple[float, float]:
-    """(median seconds to the first token, median seconds for all output_len tokens), after one warm-up."""
-    run(output_len)
-    bar.update()
-    firsts, fulls = [], []
-    for _ in range(repeats):
-        firsts.append(run(1))
+def measure(runs: dict, output_len: int, repeats: int, bar: tqdm, label: str) -> dict[str, tuple[float, float]]:
+    """Per side of `runs` (name → run(tokens) → seconds): (median seconds to the first token, median seconds for
+    all output_len tokens), after one warm-up each. The sides alternate, the order flipped every round: this host
+    kind drifts by tens of percent within a minute, and a slow spell then hits both sides alike."""
+    for name, run in runs.items():
+        bar.set_postfix_str(f"{label}: warm-up {name}")
+        run(output_len)
         bar.update()
-        fulls.append(run(output_len))
-        bar.update()
-    return statistics.median(firsts), statistics.median(fulls)
+    times = {name: ([], []) for name in runs}
+    for r in range(repeats):
+        for name in list(runs)[:: 1 if r % 2 == 0 else -1]:
+            bar.set_postfix_str(f"{label}: {name}")
+            firsts, fulls = times[name]
+            firsts.append(runs[name](1))
+            fulls.append(runs[name](output_len))
+            bar.update(2)
+    return {name: (statistics.median(f), statistics.median(g)) for name, (f, g) in times.items()}
 
 
 def rates(batch: int, args: argparse.Namespace, first: float, full: float) -> tuple[float, float]:
@@ -265,16 +272,18 @@ def rates(batch: int, args: argparse.Namespace, first: float, full: float) -> tu
 def bench_batch(batch, args, model_dir, ours_model, hf_model, pad_id, bar) -> dict:
     prompts = make_prompts(batch, args.prompt_len, seed=batch)
     engine, ids = make_engine(model_dir, ours_model, args, batch), itertools.count()
-    bar.set_postfix_str(f"batch {batch}: ours")
-    ours = measure(functools.partial(run_ours, engine, ids, prompts), args.output_len, args.repeats, bar)
+    input_ids = torch.tensor(prompts, dtype=torch.long, device=hf_model.device)
+    runs = {
+        "ours": functools.partial(run_ours, engine, ids, prompts),
+        "HF": lambda n: run_hf(hf_model, input_ids, n, pad_id),
+    }
+    medians = measure(runs, args.output_len, args.repeats, bar, f"batch {batch}")
+    ours, hf = medians["ours"], medians["HF"]
     if args.profile:
         for name, tokens in (("prefill", 1), ("full", args.output_len)):
             run = functools.partial(run_ours, engine, ids, prompts, tokens)
             profile(run, f"{args.profile}-b{batch}-{name}.txt", args)
-    del engine
-    bar.set_postfix_str(f"batch {batch}: HF")
-    input_ids = torch.tensor(prompts, dtype=torch.long, device=hf_model.device)
-    hf = measure(lambda n: run_hf(hf_model, input_ids, n, pad_id), args.output_len, args.repeats, bar)
+    del runs, engine
     (op, od), (hp, hd) = rates(batch, args, *ours), rates(batch, args, *hf)
     return dict(
         batch=batch,
