@@ -283,6 +283,7 @@ def bench_batch(batch, args, model_dir, ours_model, hf_model, pad_id, bar) -> di
     medians = measure(runs, args.output_len, args.repeats, bar, f"batch {batch}")
     ours, hf = medians["ours"], medians["HF"]
     if args.profile:
+        runs["ours"](1)  # untimed, as each timed turn starts: HF may have run last
         for name, tokens in (("prefill", 1), ("full", args.output_len)):
             run = functools.partial(run_ours, engine, ids, prompts, tokens)
             profile(run, f"{args.profile}-b{batch}-{name}.txt", args)

@@ -120,11 +120,12 @@ def write_rows(
     n, kv_heads, dim = k.shape
     if not (
         n >= 16
-        and k.device.type == "cpu"
+        and all(t.device.type == "cpu" for t in (k, v, k_cache, v_cache, slot_blocks, slot_offsets))
         and k.dtype == v.dtype == k_cache.dtype == v_cache.dtype
         and k.dtype in (torch.bfloat16, torch.float32)
         and v.shape == k.shape
-        and k_cache.shape[2:] == v_cache.shape[2:] == (kv_heads, dim)
+        and k_cache.shape == v_cache.shape
+        and k_cache.shape[2:] == (kv_heads, dim)
         and k.stride(-1) == v.stride(-1) == k_cache.stride(-1) == v_cache.stride(-1) == 1
         and slot_blocks.dtype == slot_offsets.dtype == torch.int64
         and slot_blocks.shape == slot_offsets.shape == (n,)

@@ -116,14 +116,16 @@ def test_a_layer_writes_its_new_rows_as_index_put_does_then_decodes_over_them(dt
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_a_prompts_rows_are_written_by_memcpy_as_index_put_writes_them(dtype):
+@pytest.mark.parametrize("n, kv, dim", [(37, 2, 32), (300, 4, 64)], ids=["one-thread", "threads"])
+def test_a_prompts_rows_are_written_by_memcpy_as_index_put_writes_them(dtype, n, kv, dim):
     """`write_rows` (what a prefill's K/V writes go through on the CPU): the cache ends bit for bit as index_put
-    leaves it, from strided k/v (a fused qkv) into scattered blocks of a whole cache's layer; a slot outside the
-    cache writes nothing and raises; fewer than 16 rows are left to the caller (False, nothing written)."""
+    leaves it, from strided k/v (a fused qkv) into scattered blocks of a whole cache's layer — on the calling
+    thread, and over OpenMP's threads from 64 KiB of rows up; a slot outside the cache writes nothing and raises;
+    fewer than 16 rows, or two caches of different shapes, are left to the caller (False, nothing written)."""
     g = torch.Generator().manual_seed(5)
-    blocks, layers, bs, kv, dim, n = 9, 2, 16, 2, 32, 37
+    blocks, layers, bs = -(-n // 16) + 6, 2, 16
     cache = torch.randn(blocks, layers, 2, bs, kv, dim, generator=g).to(dtype)
-    table = torch.tensor([6, 1, 8])
+    table = torch.randperm(blocks - 1, generator=g)[: -(-n // 16)] + 1  # scattered, block 0 unused
     slot_blocks, slot_offsets = table[torch.arange(n) // bs], torch.arange(n) % bs
     fused = torch.randn(n, 3 * kv * dim, generator=g).to(dtype)
     k, v = (fused[:, i * kv * dim : (i + 1) * kv * dim].view(n, kv, dim) for i in (1, 2))
@@ -135,9 +137,10 @@ def test_a_prompts_rows_are_written_by_memcpy_as_index_put_writes_them(dtype):
 
     before = cache.clone()
     with pytest.raises(IndexError, match="outside the cache"):
-        cpu_paged.write_rows(k, v, cache[:, 0, 0], cache[:, 0, 1], slot_blocks.clamp(max=8) + 1, slot_offsets)
+        cpu_paged.write_rows(k, v, cache[:, 0, 0], cache[:, 0, 1], slot_blocks + (blocks - table.max()), slot_offsets)
     assert torch.equal(cache, before)
     assert not cpu_paged.write_rows(k[:15], v[:15], cache[:, 0, 0], cache[:, 0, 1], slot_blocks[:15], slot_offsets[:15])
+    assert not cpu_paged.write_rows(k, v, cache[:, 0, 0], cache[:-1, 0, 1], slot_blocks, slot_offsets)
     assert torch.equal(cache, before)
 
 
