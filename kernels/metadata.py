@@ -83,7 +83,7 @@ def write_kv(
     kernel's memcpy where it can, `cpu_paged.write_rows`)."""
     from kernels import cpu_paged
 
-    if k.device.type == "cpu" and cpu_paged.write_rows(k, v, k_cache, v_cache, meta.slot_blocks, meta.slot_offsets):
+    if cpu_paged.write_rows(k, v, k_cache, v_cache, meta.slot_blocks, meta.slot_offsets):
         return
     k_cache[meta.slot_blocks, meta.slot_offsets] = k
     v_cache[meta.slot_blocks, meta.slot_offsets] = v

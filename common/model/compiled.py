@@ -176,7 +176,7 @@ def _write_kv_layer(
     block_size, kv_heads, head_dim]), in place: as an index_put in the graph, functionalisation would copy the
     layer's whole cache. On the CPU by the C kernel's memcpy where it can (`cpu_paged.write_rows`)."""
     k_cache, v_cache = cache.select(1, layer).select(1, 0), cache.select(1, layer).select(1, 1)
-    if cache.device.type == "cpu" and cpu_paged.write_rows(k, v, k_cache, v_cache, slot_blocks, slot_offsets):
+    if cpu_paged.write_rows(k, v, k_cache, v_cache, slot_blocks, slot_offsets):
         return
     index = (slot_blocks, slot_offsets)
     k_cache.index_put_(index, k)
