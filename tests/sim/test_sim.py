@@ -126,6 +126,31 @@ def test_the_same_inputs_give_the_same_run_and_more_load_meets_fewer_slos(emulat
     assert quiet["prefill_paths"] == {"colocated": 40}
 
 
+def test_the_pages_own_bytes_change_nothing_but_the_caches_size(emulated_dir, monkeypatch):
+    """The simulator's emulated pages carry 8 / 4 bytes a token (`sim.build.PAGE_KV_BYTES`), not serve's 256 / 64:
+    capacity and transfer times count the model's bytes, the tokens come from the stamps — a burst through a split
+    mesh (page pulls, waits for room) runs the same at both sizes, on caches 32× smaller."""
+    import sim.build
+
+    setup = setup_of(emulated_dir, "E1+P1+D1", "--kv-cache-gib", "1")
+    prompts, times = prompts_of(setup, 24), [i * 0.02 for i in range(24)]
+
+    def run() -> tuple[list, int]:
+        loop = Loop()
+        mesh = setup.mesh(loop)
+        timelines = [mesh.submit(at, p) for at, p in zip(times, prompts)]
+        loop.run(until=lambda: mesh.unfinished == 0)
+        caches = sum(w.engine.kv_cache.data.nbytes for w in mesh.workers.values())
+        return [(t.token_times, t.path, t.error) for t in timelines], caches
+
+    small, small_bytes = run()
+    monkeypatch.setattr(sim.build, "PAGE_KV_BYTES", 256)
+    monkeypatch.setattr(sim.build, "PAGE_IMAGE_BYTES", 64)
+    large, large_bytes = run()
+    assert small == large and all(not error and len(times) == 32 for times, _, error in small)
+    assert large_bytes == 32 * small_bytes
+
+
 def test_a_burst_spreads_over_the_workers_before_any_heartbeat_reports_it(emulated_dir):
     """The router books each route on its workers at once (the live `RouteBook`): ten requests within one
     millisecond, long before a heartbeat, go to both instances."""
