@@ -183,7 +183,7 @@ class Scheduler:
             timing, tokens = self.config.gap_slack.long, self.config.gap_slack.token_budget
         tokens -= len(out.decodes)
         context = sum(r.num_computed_tokens for r in out.decodes) if timing else 0
-        if timing is not None and tokens > 0:
+        if timing is not None and tokens > 0 and self._work_waits:  # (what decodes leave matters only to such work)
             tokens = self._tokens_beside(out, timing, context, tokens)
         joining = False
         if self.joined:  # none left once every joiner has decoded: nothing to look up
@@ -235,11 +235,14 @@ class Scheduler:
         if counted:  # forget those that decoded here or whose import was cancelled
             counted.intersection_update(r.request_id for r in self._joining())
 
+    @property
+    def _work_waits(self) -> bool:
+        """Prompt or image work is queued here: an encode, a prefill or the rest of one."""
+        return bool(self.waiting or self.encoding or self.ready or self.prefilling)
+
     def _runs_long(self, out: SchedulerOutput) -> bool:
         """With `gap_slack`: prompt work waits and every decode of the step (if any) can spare a slow gap."""
-        if not (self.waiting or self.encoding or self.ready or self.prefilling):
-            return False
-        return self._may_run_long(out.decodes)
+        return self._work_waits and self._may_run_long(out.decodes)
 
     def _may_run_long(self, decodes: list[Request]) -> bool:
         """Every decode can spare a slow gap, and so can every request handed over whose KV is on its way here (a

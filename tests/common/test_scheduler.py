@@ -249,6 +249,36 @@ def test_with_an_iteration_time_the_decodes_context_shrinks_the_prompt_chunk_bes
     assert [(c.request.request_id, c.num_tokens) for c in plan.prefills] == [("second", 3)]
 
 
+def test_what_the_decodes_leave_is_priced_only_while_prompt_work_waits(monkeypatch):
+    """The chunk beside the decodes (`IterationTime.tokens_beside`, a search over the latency model) is worked out
+    only in iterations with an encode or a prompt to place: a decode-only batch needs none (every decoder's usual
+    iteration), and its plan and predicted time are the same."""
+    from common.latency import LatencyProfile, StageCost
+
+    flat = StageCost(per_unit_ms=1.0)
+    p = LatencyProfile(
+        "t", "measured", "cpu", "m", flat, flat, StageCost(per_unit_ms=1.0, quadratic_ms=0.1), 0.0, 1.0, 4
+    )
+    s = Scheduler(
+        SchedulerConfig(token_budget=40, iteration_time=IterationTime(p, 40.0)),
+        KVBlockManager(64, 4),
+        ImageBlockManager(16, 4),
+    )
+    priced, tokens_beside = [], IterationTime.tokens_beside
+    monkeypatch.setattr(IterationTime, "tokens_beside", lambda *a, **k: priced.append(1) or tokens_beside(*a, **k))
+    first = req("first", prompt=10, max_tokens=8)
+    s.add(first)
+    step(s)  # its prompt, no decodes beside it
+    n = len(priced)
+    for _ in range(3):  # decode-only
+        plan = step(s)
+        assert plan.decodes == [first] and not plan.prefills and plan.predicted_ms > 0
+    assert len(priced) == n
+    s.add(req("second", prompt=20))
+    plan = step(s)
+    assert len(priced) > n and [c.num_tokens for c in plan.prefills] == [20]
+
+
 def test_iterations_that_encode_and_overrun_more_than_the_others_make_an_image_cost_more_tokens():
     from common.latency import LatencyProfile, StageCost
 
