@@ -222,18 +222,21 @@ def test_with_an_image_token_cost_images_and_prompt_chunks_share_one_iteration()
         SchedulerConfig(image_token_cost=-1)
 
 
-def test_with_an_iteration_time_the_decodes_context_shrinks_the_prompt_chunk_beside_them():
+def timed_scheduler() -> Scheduler:
+    """τ_t 40 tokens from a 40 ms iteration limit: 1 ms per token, a decode also reading its context at 0.1 ms per KV
+    token."""
     from common.latency import LatencyProfile, StageCost
 
-    flat = StageCost(per_unit_ms=1.0)  # 1 ms per token; a decode also reads its context at 0.1 ms per KV token
+    flat = StageCost(per_unit_ms=1.0)
     p = LatencyProfile(
         "t", "measured", "cpu", "m", flat, flat, StageCost(per_unit_ms=1.0, quadratic_ms=0.1), 0.0, 1.0, 4
     )
-    s = Scheduler(
-        SchedulerConfig(token_budget=40, iteration_time=IterationTime(p, 40.0)),
-        KVBlockManager(64, 4),
-        ImageBlockManager(16, 4),
-    )
+    config = SchedulerConfig(token_budget=40, iteration_time=IterationTime(p, 40.0))
+    return Scheduler(config, KVBlockManager(64, 4), ImageBlockManager(16, 4))
+
+
+def test_with_an_iteration_time_the_decodes_context_shrinks_the_prompt_chunk_beside_them():
+    s = timed_scheduler()
     first = req("first", prompt=50, max_tokens=8)
     s.add(first)
     assert [c.num_tokens for c in step(s).prefills] == [40]  # no decodes: τ_t
@@ -253,17 +256,7 @@ def test_what_the_decodes_leave_is_priced_only_while_prompt_work_waits(monkeypat
     """The chunk beside the decodes (`IterationTime.tokens_beside`, a search over the latency model) is worked out
     only in iterations with an encode or a prompt to place: a decode-only batch needs none (every decoder's usual
     iteration), and its plan and predicted time are the same."""
-    from common.latency import LatencyProfile, StageCost
-
-    flat = StageCost(per_unit_ms=1.0)
-    p = LatencyProfile(
-        "t", "measured", "cpu", "m", flat, flat, StageCost(per_unit_ms=1.0, quadratic_ms=0.1), 0.0, 1.0, 4
-    )
-    s = Scheduler(
-        SchedulerConfig(token_budget=40, iteration_time=IterationTime(p, 40.0)),
-        KVBlockManager(64, 4),
-        ImageBlockManager(16, 4),
-    )
+    s = timed_scheduler()
     priced, tokens_beside = [], IterationTime.tokens_beside
     monkeypatch.setattr(IterationTime, "tokens_beside", lambda *a, **k: priced.append(1) or tokens_beside(*a, **k))
     first = req("first", prompt=10, max_tokens=8)
