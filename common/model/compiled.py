@@ -27,7 +27,6 @@ import torch
 from torch._dynamo.decorators import mark_unbacked
 
 from common.model.clip import VisionLayer
-from common.model.layers import RotaryEmbedding
 from common.model.llama import DecoderLayer, LlamaDecoder
 from common.model.llava import LlavaModel
 from kernels import cpu_paged
@@ -61,9 +60,7 @@ class CompiledModel:
                 self.decode = torch.compile(decode_step, dynamic=True)
                 # only the token count dynamic (marked at the warm-up): SDPA takes its GQA flag as a plain bool
                 self.prefill = torch.compile(prefill_step)
-                text = model.text
-                if text.rotary is None:  # (made inside the graph, it would be a guard that fails once)
-                    text.rotary = RotaryEmbedding(text.cfg.head_dim, text.cfg.rope_theta, weight.device)
+                model.text.rotary_for(weight)  # (made inside the graph, it would be a guard that fails once)
 
     @torch.inference_mode()
     def warm_up(self, text: bool = True, vision: bool = True) -> float:

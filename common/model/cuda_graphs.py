@@ -22,7 +22,6 @@ import time
 
 import torch
 
-from common.model.layers import RotaryEmbedding
 from common.model.llama import DecoderLayer, LlamaDecoder
 from kernels.torch_ref import paged_decode
 
@@ -89,8 +88,7 @@ class DecodeGraphs:
         self.text, self.kv_layers, self.block_size = text, kv_layers, block_size
         weight = text.embed_tokens.weight
         self.device = weight.device
-        if text.rotary is None:
-            text.rotary = RotaryEmbedding(text.cfg.head_dim, text.cfg.rope_theta, self.device)
+        text.rotary_for(weight)
         k_cache = kv_layers[0][0]
         token_bytes = 2 * k_cache[0, 0].numel() * k_cache.element_size()  # one token's K and V, one layer
         self.batches = batch_buckets(max_seqs)

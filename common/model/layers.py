@@ -33,13 +33,43 @@ def activation(name: str):
 
 
 class RotaryEmbedding:
-    """Llama's default RoPE: cos/sin computed in float32 from integer positions, then cast."""
+    """Llama's default RoPE: cos/sin computed in float32 from integer positions, then cast. Given the dtype they are
+    cast to and `max_positions`, they are computed once for every position (the table; in slices of positions that
+    the vectorised kernel computes whole, as it does one call's) and gathered by position after: the same values
+    without evaluating them per call — which inductor otherwise does inside each layer's rotary kernel of a compiled
+    step, for every head (~51 µs a layer of a 128-token prompt on a Zen 4, on one thread)."""
 
-    def __init__(self, head_dim: int, theta: float, device: torch.device):
+    TABLE_SLICE = 256  # positions computed at once when the table is made
+
+    def __init__(
+        self,
+        head_dim: int,
+        theta: float,
+        device: torch.device,
+        dtype: torch.dtype | None = None,
+        max_positions: int = 0,
+    ):
         exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device=device).to(torch.float32) / head_dim
         self.inv_freq = 1.0 / (theta**exponents)
+        self.dtype = dtype
+        self.table: tuple[torch.Tensor, torch.Tensor] | None = None
+        if dtype is not None and max_positions > 0:
+            with torch.inference_mode(False):  # (a plain tensor, whatever mode the model is first run in)
+                parts = [
+                    self.computed(
+                        torch.arange(start, min(start + self.TABLE_SLICE, max_positions), device=device), dtype
+                    )
+                    for start in range(0, max_positions, self.TABLE_SLICE)
+                ]
+                self.table = torch.cat([c for c, _ in parts]), torch.cat([s for _, s in parts])
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.table is not None and dtype == self.dtype:
+            cos, sin = self.table
+            return cos[positions], sin[positions]
+        return self.computed(positions, dtype)
+
+    def computed(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         freqs = positions.to(torch.float32)[:, None] * self.inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
         return emb.cos().to(dtype), emb.sin().to(dtype)

@@ -63,13 +63,21 @@ class LlamaDecoder(nn.Module):
     def forward(self, embeds, positions, kv_layers, meta: AttentionMetadata, attention, dense=None) -> torch.Tensor:
         """embeds [tokens, hidden], positions [tokens] → final hidden states (before the last norm). `dense`: the
         layers' two halves compiled (`common.model.compiled.CompiledModel.text`); None: eager."""
-        if self.rotary is None:
-            self.rotary = RotaryEmbedding(self.cfg.head_dim, self.cfg.rope_theta, embeds.device)
-        cos, sin = self.rotary.cos_sin(positions, embeds.dtype)
+        cos, sin = self.rotary_for(embeds).cos_sin(positions, embeds.dtype)
         x = embeds
         for layer, (k_cache, v_cache) in zip(self.layers, kv_layers):
             x = layer(x, cos, sin, k_cache, v_cache, meta, attention, dense)
         return x
+
+    def rotary_for(self, like: torch.Tensor) -> RotaryEmbedding:
+        """The decoder's RoPE, made at its first use with the table of every position in `like`'s dtype and device
+        (the engine's: a compiled graph that finds it there gathers instead of evaluating cos and sin)."""
+        if self.rotary is None:
+            cfg = self.cfg
+            self.rotary = RotaryEmbedding(
+                cfg.head_dim, cfg.rope_theta, like.device, like.dtype, cfg.max_position_embeddings
+            )
+        return self.rotary
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(rms_norm(hidden, self.norm, self.cfg.rms_norm_eps)).float()

@@ -183,10 +183,29 @@ def test_a_transformers_models_state_builds_the_same_model_as_its_checkpoint(tin
     assert ours.text.embed_tokens.weight.data_ptr() == embed.data_ptr()
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_the_rotary_table_holds_what_each_call_would_compute(dtype):
+    """Every position's cos and sin in the table equal what a call computes for it, whether that call's positions
+    are a whole prompt's or one decode's; a dtype other than the table's is computed as before."""
+    from common.model.layers import RotaryEmbedding
+
+    rotary = RotaryEmbedding(128, 10000.0, torch.device("cpu"), dtype, 1000)  # 1000: the last slice is partial
+    everything = torch.arange(1000)
+    for positions in (everything, everything[:37], everything[999:], torch.tensor([5, 5, 998, 0])):
+        for got, want in zip(rotary.cos_sin(positions, dtype), rotary.computed(positions, dtype)):
+            assert got.dtype == dtype and torch.equal(got, want)
+    other = torch.float32 if dtype != torch.float32 else torch.bfloat16
+    assert torch.equal(rotary.cos_sin(everything[:9], other)[0], rotary.computed(everything[:9], other)[0])
+    with pytest.raises(IndexError):
+        rotary.cos_sin(torch.tensor([1000]), dtype)
+
+
+@pytest.mark.parametrize("table", [False, True], ids=["computed", "table"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_rotary_is_transformers_to_the_bit(dtype):
-    """Our RoPE (cos/sin from integer positions, each half of the rotation written out) against transformers'
-    Llama rotary embedding and `apply_rotary_pos_emb`, eager: the same values bit for bit."""
+def test_rotary_is_transformers_to_the_bit(dtype, table):
+    """Our RoPE (cos/sin from integer positions, each half of the rotation written out; or gathered from the table
+    of every position the engine's decoder makes) against transformers' Llama rotary embedding and
+    `apply_rotary_pos_emb`, eager: the same values bit for bit."""
     from transformers import LlamaConfig
     from transformers.models.llama import modeling_llama as hf
 
@@ -195,7 +214,9 @@ def test_rotary_is_transformers_to_the_bit(dtype):
     config = LlamaConfig(hidden_size=256, num_attention_heads=4, rope_theta=10000.0, max_position_embeddings=4096)
     positions = torch.tensor([0, 1, 2, 17, 500, 3000, 4095])
     x = torch.randn(len(positions), 4, 64, generator=torch.Generator().manual_seed(0)).to(dtype)
-    cos, sin = RotaryEmbedding(64, 10000.0, torch.device("cpu")).cos_sin(positions, dtype)
+    rotary = RotaryEmbedding(64, 10000.0, torch.device("cpu"), *((dtype, 4096) if table else ()))
+    assert (rotary.table is not None) == table
+    cos, sin = rotary.cos_sin(positions, dtype)
     hf_cos, hf_sin = hf.LlamaRotaryEmbedding(config)(x, positions[None])
     assert torch.equal(cos, hf_cos[0]) and torch.equal(sin, hf_sin[0])
     heads_first = x.transpose(0, 1)[None]  # [1, heads, tokens, dim], as transformers holds q and k
