@@ -79,14 +79,26 @@ def _pack(meta: AttentionMetadata, first: int, block_size: int) -> ContextPack:
 def write_kv(
     k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata
 ) -> None:
-    """Store the new tokens' K/V ([tokens, kv_heads, head_dim]) into their paged slots (on the CPU by the C
-    kernel's memcpy where it can, `cpu_paged.write_rows`)."""
+    """Store the new tokens' K/V ([tokens, kv_heads, head_dim]) into their paged slots."""
+    write_slots(k, v, k_cache, v_cache, meta.slot_blocks, meta.slot_offsets)
+
+
+def write_slots(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_blocks: torch.Tensor,
+    slot_offsets: torch.Tensor,
+) -> None:
+    """K/V rows into the slots (block, offset) of a layer's caches: on the CPU by the C kernel's memcpy where it can
+    (`cpu_paged.write_rows`), else by indexing."""
     from kernels import cpu_paged
 
-    if cpu_paged.write_rows(k, v, k_cache, v_cache, meta.slot_blocks, meta.slot_offsets):
+    if cpu_paged.write_rows(k, v, k_cache, v_cache, slot_blocks, slot_offsets):
         return
-    k_cache[meta.slot_blocks, meta.slot_offsets] = k
-    v_cache[meta.slot_blocks, meta.slot_offsets] = v
+    k_cache[slot_blocks, slot_offsets] = k
+    v_cache[slot_blocks, slot_offsets] = v
 
 
 def gather_context(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:

@@ -30,6 +30,7 @@ from common.model.clip import VisionLayer
 from common.model.llama import DecoderLayer, LlamaDecoder
 from common.model.llava import LlavaModel
 from kernels import cpu_paged
+from kernels.metadata import write_slots
 from kernels.ops import define
 from kernels.torch_ref import causal_attention
 
@@ -171,13 +172,9 @@ def _write_kv_layer(
 ) -> None:
     """K/V [tokens, kv_heads, head_dim] into their slots of one layer of the whole cache ([blocks, layers, 2,
     block_size, kv_heads, head_dim]), in place: as an index_put in the graph, functionalisation would copy the
-    layer's whole cache. On the CPU by the C kernel's memcpy where it can (`cpu_paged.write_rows`)."""
-    k_cache, v_cache = cache.select(1, layer).select(1, 0), cache.select(1, layer).select(1, 1)
-    if cpu_paged.write_rows(k, v, k_cache, v_cache, slot_blocks, slot_offsets):
-        return
-    index = (slot_blocks, slot_offsets)
-    k_cache.index_put_(index, k)
-    v_cache.index_put_(index, v)
+    layer's whole cache."""
+    layer_cache = cache.select(1, layer)
+    write_slots(k, v, layer_cache.select(1, 0), layer_cache.select(1, 1), slot_blocks, slot_offsets)
 
 
 write_kv_layer = define(
