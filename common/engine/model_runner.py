@@ -80,10 +80,10 @@ class ModelRunner:
         if self.prefill_graph is not None and self._whole_prompt_alone(plan):
             args = (self.kv_cache.data, meta.slot_blocks, meta.slot_offsets)
             return sampling, self.prefill_graph(self.model.text, embeds, positions, *args)
-        hidden = self.model.text(
-            embeds, positions, self.kv_cache.layers, meta, self.attention, self.compiled.text if self.compiled else None
-        )
-        return sampling, self.model.text.logits(hidden[sample_rows])
+        dense = self.compiled.text if self.compiled else None
+        rows = None if len(sample_rows) == len(ids) else torch.tensor(sample_rows, device=self.device)
+        hidden = self.model.text(embeds, positions, self.kv_cache.layers, meta, self.attention, dense, rows)
+        return sampling, self.model.text.logits(hidden)
 
     @staticmethod
     def _whole_prompt_alone(plan: SchedulerOutput) -> bool:

@@ -151,15 +151,20 @@ def prefill_step(
 ) -> torch.Tensor:
     """One prompt from its first token, nothing cached before it (embeds [tokens, hidden], images already in) → the
     logits of its last position [1, vocab] (float32). Each layer's K/V go into the whole cache in place; attention
-    is causal over the prompt's own K/V, which is what the eager path reads back from the cache."""
+    is causal over the prompt's own K/V, which is what the eager path reads back from the cache. The last layer
+    computes its K/V for every position and the rest for the last one only: nothing reads the other positions'
+    outputs (a 128-token prompt's last layer is then ~1/8 of its products fewer)."""
     cos, sin = text.rotary.cos_sin(positions, embeds.dtype)
     scale = text.cfg.head_dim**-0.5
-    x = embeds
+    x, last = embeds, len(text.layers) - 1
     for i, layer in enumerate(text.layers):
         q, k, v = DecoderLayer.qkv(layer, x, cos, sin)
         torch.ops.epdmesh.write_kv_layer(cache, i, k, v, slot_blocks, slot_offsets)
-        x = DecoderLayer.finish(layer, x, causal_attention(q, k, v, scale, whole=True))
-    return text.logits(x[-1:])
+        if i == last:
+            x = DecoderLayer.finish(layer, x[-1:], causal_attention(q[-1:], k, v, scale))
+        else:
+            x = DecoderLayer.finish(layer, x, causal_attention(q, k, v, scale, whole=True))
+    return text.logits(x)
 
 
 def _write_kv_layer(

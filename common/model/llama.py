@@ -28,12 +28,20 @@ class DecoderLayer(nn.Module):
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
         self.act = activation(cfg.hidden_act)
 
-    def forward(self, x, cos, sin, k_cache, v_cache, meta: AttentionMetadata, attention, dense=None) -> torch.Tensor:
-        """`dense`: this class's two dense halves, compiled (`common/model/compiled.py`); None runs them eagerly."""
+    def forward(
+        self, x, cos, sin, k_cache, v_cache, meta: AttentionMetadata, attention, dense=None, rows=None
+    ) -> torch.Tensor:
+        """`dense`: this class's two dense halves, compiled (`common/model/compiled.py`); None runs them eagerly.
+        `rows` (an index tensor): K/V written for every position, the output computed for these positions only."""
         qkv, finish = dense or (DecoderLayer.qkv, DecoderLayer.finish)
         q, k, v = qkv(self, x, cos, sin)
         write_kv(k, v, k_cache, v_cache, meta)
-        return finish(self, x, attention.forward(q, k_cache, v_cache, meta, self.cfg.head_dim**-0.5))
+        attn = attention.forward(q, k_cache, v_cache, meta, self.cfg.head_dim**-0.5)
+        if rows is not None:
+            if len(rows) == 0:  # nothing samples: the layer's K/V were all that was needed
+                return x[:0]
+            x, attn = x[rows], attn[rows]
+        return finish(self, x, attn)
 
     def qkv(self, x, cos, sin) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Everything before attention: norm, projection, rotary → q [n, heads, D], k and v [n, kv_heads, D]."""
@@ -60,13 +68,18 @@ class LlamaDecoder(nn.Module):
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.rotary: RotaryEmbedding | None = None
 
-    def forward(self, embeds, positions, kv_layers, meta: AttentionMetadata, attention, dense=None) -> torch.Tensor:
+    def forward(
+        self, embeds, positions, kv_layers, meta: AttentionMetadata, attention, dense=None, rows=None
+    ) -> torch.Tensor:
         """embeds [tokens, hidden], positions [tokens] → final hidden states (before the last norm). `dense`: the
-        layers' two halves compiled (`common.model.compiled.CompiledModel.text`); None: eager."""
+        layers' two halves compiled (`common.model.compiled.CompiledModel.text`); None: eager. `rows` (an index
+        tensor): the positions whose hidden states are wanted (those that sample), in that order; the last layer
+        computes its K/V at every position and the rest at these only — nothing reads the others' outputs, and a
+        prompt's last layer is then mostly skipped. None: every position."""
         cos, sin = self.rotary_for(embeds).cos_sin(positions, embeds.dtype)
-        x = embeds
-        for layer, (k_cache, v_cache) in zip(self.layers, kv_layers):
-            x = layer(x, cos, sin, k_cache, v_cache, meta, attention, dense)
+        x, last = embeds, len(self.layers) - 1
+        for i, (layer, (k_cache, v_cache)) in enumerate(zip(self.layers, kv_layers)):
+            x = layer(x, cos, sin, k_cache, v_cache, meta, attention, dense, rows if i == last else None)
         return x
 
     def rotary_for(self, like: torch.Tensor) -> RotaryEmbedding:

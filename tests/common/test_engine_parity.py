@@ -8,11 +8,14 @@ import torch
 
 from common.engine.config import EngineConfig
 from common.engine.engine import Engine
+from common.model import compiled
 from common.model.cuda_graphs import DecodeGraphs
+from common.model.llama import DecoderLayer
 from common.model.loader import load_model
 from common.request import Request, Stage
 from common.scheduler import SchedulerConfig
 from kernels import cpu_paged
+from kernels.torch_ref import causal_attention
 from tests.conftest import SHAPES
 from tests.support import (
     Case,
@@ -97,6 +100,72 @@ def test_concurrent_batch_matches_transformers(
     assert_pools_full(engine)
     # compiled, the steps of decodes only ran as one graph (where the C attention kernel is built)
     assert (graph_steps[0] > 10) == (compile and cpu_paged.available()), graph_steps
+
+
+def test_the_last_layer_computes_beyond_its_kv_only_the_rows_that_sample(
+    model_dirs, processors, fp32_models, references
+):
+    """Chunked, a step holds decodes, chunks that end a prompt and chunks that do not: every layer computes K/V at
+    every row, the last one its output (projection, MLP) at the rows that sample only — tokens still the
+    reference's."""
+    shape = SHAPES[0]
+    engine = make_engine(model_dirs, fp32_models, shape, token_budget=64, enable_chunked_prefill=True)
+    layers = fp32_models[shape].text.layers
+    rows, steps = {}, []  # steps: (rows into the first layer's o_proj, into the last's, requests that sample)
+    hooks = [
+        m.register_forward_hook(lambda _m, args, _out, key=key: rows.__setitem__(key, args[0].shape[0]))
+        for key, m in (("first", layers[0].o_proj), ("last", layers[-1].o_proj))
+    ]
+    run_plan = engine.runner.run
+
+    def run(plan):
+        rows.clear()
+        sampling, logits = run_plan(plan)
+        if plan.decodes or plan.prefills:
+            steps.append((rows["first"], rows.get("last", 0), len(sampling)))
+        return sampling, logits
+
+    engine.runner.run = run
+    requests = build_requests(processors[shape], CASES)
+    longest = max(requests, key=lambda r: len(r.prompt_token_ids))
+    try:
+        finals = engine.generate([longest], capture_logits=True)  # alone: its first chunks sample nothing
+        finals |= engine.generate([r for r in requests if r is not longest], capture_logits=True)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    outputs = {rid: out.output_token_ids for rid, out in finals.items()}
+    assert_matches_reference(outputs, engine.captured_logits, references(shape, torch.float32))
+    assert all(last == sampled for _, last, sampled in steps), steps
+    assert any(sampled == 0 for _, _, sampled in steps), steps  # a step of a prompt's chunk only
+    assert any(first > sampled > 0 for first, _, sampled in steps), steps
+
+
+def test_the_prefill_graphs_last_layer_computes_beyond_its_kv_the_last_position_only(model_dirs, fp32_models):
+    """`prefill_step` (run eagerly here: the graph is its trace): the last layer's projection and MLP see one row,
+    the logits are those of the full computation's last position, and every layer's K/V are in the cache."""
+    text = fp32_models[SHAPES[0]].text
+    cfg, n = text.cfg, 37
+    text.rotary_for(text.embed_tokens.weight)
+    embeds = torch.randn(n, cfg.hidden_size, generator=torch.Generator().manual_seed(0))
+    positions = torch.arange(n)
+    cache = torch.zeros(-(-n // 16), cfg.num_layers, 2, 16, cfg.num_kv_heads, cfg.head_dim)
+    rows = []
+    hook = text.layers[-1].o_proj.register_forward_hook(lambda _m, args, _out: rows.append(args[0].shape[0]))
+    try:
+        with torch.inference_mode():
+            logits = compiled.prefill_step(text, embeds, positions, cache, positions // 16, positions % 16)
+    finally:
+        hook.remove()
+    assert rows == [1] and logits.shape == (1, cfg.vocab_size)
+    # the same from every position's outputs, layer by layer (the K/V each layer wrote, read back)
+    x, (cos, sin) = embeds, text.rotary.cos_sin(positions, embeds.dtype)
+    for i, layer in enumerate(text.layers):
+        q, k, v = DecoderLayer.qkv(layer, x, cos, sin)
+        torch.testing.assert_close(cache[:, i, 0].flatten(0, 1)[:n], k, rtol=0, atol=0)
+        torch.testing.assert_close(cache[:, i, 1].flatten(0, 1)[:n], v, rtol=0, atol=0)
+        x = DecoderLayer.finish(layer, x, causal_attention(q, k, v, cfg.head_dim**-0.5))
+    torch.testing.assert_close(logits, text.logits(x[-1:]), rtol=1e-5, atol=1e-5)
 
 
 def count_graph_steps(engine, graph_name: str = "decode_graph") -> list[int]:
