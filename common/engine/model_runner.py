@@ -81,7 +81,7 @@ class ModelRunner:
             args = (self.kv_cache.data, meta.slot_blocks, meta.slot_offsets)
             return sampling, self.prefill_graph(self.model.text, embeds, positions, *args)
         dense = self.compiled.text if self.compiled else None
-        rows = None if len(sample_rows) == len(ids) else torch.tensor(sample_rows, device=self.device)
+        rows = None if len(sample_rows) == len(ids) else sample_rows  # (every row samples: none to pick)
         hidden = self.model.text(embeds, positions, self.kv_cache.layers, meta, self.attention, dense, rows)
         return sampling, self.model.text.logits(hidden)
 
