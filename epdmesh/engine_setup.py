@@ -22,6 +22,7 @@ def engine_config(args, roles: str = "encode,prefill,decode"):
         device=args.device,
         roles=parse_roles(roles),
         kv_cache_gib=kv_cache_gib(args),
+        image_cache_gib=getattr(args, "image_cache_gib", 0.25),
         gpu_memory_utilization=args.gpu_memory_utilization,
         max_model_len=args.max_model_len,
         attention_backend=args.attention_backend,

@@ -63,15 +63,22 @@ def die_with_parent() -> None:
 
 def stop_process(proc: subprocess.Popen, timeout: float, name: str = "") -> None:
     """SIGTERM (graceful drain), then SIGKILL if it has not exited after `timeout` seconds."""
-    if proc.poll() is not None:
-        return
-    proc.send_signal(signal.SIGTERM)
-    try:
-        proc.wait(timeout)
-    except subprocess.TimeoutExpired:
-        log.warning("%s did not stop in %.0f s; killing it", name or proc.args, timeout)
-        proc.kill()
-        proc.wait()
+    stop_processes([(name, proc)], timeout)
+
+
+def stop_processes(named: list[tuple[str, subprocess.Popen]], timeout: float) -> None:
+    """SIGTERM to each (they drain side by side), then SIGKILL to any that has not exited `timeout` seconds after."""
+    running = [(name, proc) for name, proc in named if proc.poll() is None]
+    for _, proc in running:
+        proc.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + timeout
+    for name, proc in running:
+        try:
+            proc.wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            log.warning("%s did not stop in %.0f s; killing it", name or proc.args, timeout)
+            proc.kill()
+            proc.wait()
 
 
 class Mesh:
@@ -130,8 +137,16 @@ class Mesh:
             raise RuntimeError(f"{name} exited with code {proc.returncode} during start-up")
 
     def stop(self, timeout: float = 15.0) -> None:
-        for name, proc in reversed(self.procs):  # gateway first, redis last
-            stop_process(proc, timeout, name)
+        """Gateway first, then every worker at once (each drains its own requests), then the toggle, Redis last."""
+        tiers: list[list[tuple[str, subprocess.Popen]]] = []
+        for name, proc in reversed(self.procs):
+            worker = name.startswith("worker ")
+            if worker and tiers and tiers[-1][0][0].startswith("worker "):
+                tiers[-1].append((name, proc))
+            else:
+                tiers.append([(name, proc)])
+        for tier in tiers:
+            stop_processes(tier, timeout)
         self.tmp.cleanup()
 
 
@@ -409,6 +424,7 @@ def worker_argv(group: WorkerGroup, toggle: str, args, threads: int) -> list[str
         argv += ["--max-model-len", str(args.max_model_len)]
     if args.kv_cache_gib is not None:  # else each sizes its own from its GPU's memory
         argv += ["--kv-cache-gib", str(args.kv_cache_gib)]
+    argv += ["--image-cache-gib", str(args.image_cache_gib)]
     for flag, value in (
         ("--token-budget", args.token_budget),
         ("--image-budget", args.image_budget),
@@ -458,7 +474,8 @@ def serve_mesh(args) -> int:
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
     try:
-        # the gateway binds --port last: nothing started before it may take that port (a test saw the toggle do so)
+        # --port is the gateway's: the toggle's port avoids it (a test saw the toggle take it); workers bind ephemeral
+        # ports, which a --port below the ephemeral range (the default's) never is
         mesh_tls = _mesh_tls(args, mesh)
         redis_url = start_redis(mesh, args.redis_url, avoid=frozenset({args.port}), mesh_tls=mesh_tls)
         redis_argv, redis_env = _redis_to_children(redis_url)
@@ -481,8 +498,8 @@ def serve_mesh(args) -> int:
             ],
             env=redis_env,
         )
-        _wait(lambda: _registered(toggle) >= 0, mesh, "the toggle", 60)
-        mesh.toggle = toggle
+        # the workers and the gateway start beside the toggle (each takes seconds of imports and loading); a worker
+        # registers once the toggle answers, the gateway answers /health once workers cover every role
         shares = iter(memory_shares(gpu_envs, args.gpu_memory_utilization, args.device))
         gpu_envs = iter(gpu_envs)
         for group in groups:
@@ -492,7 +509,6 @@ def serve_mesh(args) -> int:
                 mesh.spawn(
                     f"worker {group.label}#{i}", worker_argv(group, toggle, args, threads) + memory, next(gpu_envs)
                 )
-        _wait(lambda: _registered(toggle) == num_workers, mesh, f"{num_workers} workers", 600)
         gateway_argv = [
             sys.executable,
             "-m",
@@ -510,6 +526,8 @@ def serve_mesh(args) -> int:
             args.served_model_name,
             "--stage-calls",
             args.stage_calls,
+            "--wait-for-workers",
+            str(num_workers),
             *routing,
             *planner_argv(args),
         ]
@@ -530,6 +548,9 @@ def serve_mesh(args) -> int:
         if keys:
             gateway_env[API_KEY_ENV] = ",".join(keys)
         mesh.spawn("gateway", gateway_argv, env=gateway_env or None)
+        _wait(lambda: _registered(toggle) >= 0, mesh, "the toggle", 60)
+        mesh.toggle = toggle
+        _wait(lambda: _registered(toggle) == num_workers, mesh, f"{num_workers} workers", 600)
         # from here on a child may die (or be killed) without stopping the mesh: `Restarts` brings it back — even
         # while the gateway starts (its /health may answer a client before the probe here sees it) — except the
         # gateway itself, which fails the start-up if it exits before answering (a bad flag, a missing file)

@@ -324,6 +324,13 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         "counted in the model's real page bytes)",
     )
     p.add_argument(
+        "--image-cache-gib",
+        type=float,
+        default=0.25,
+        help="image cache per worker that encodes or prefills: encoded images held until their prompt is prefilled, "
+        "or for a prefix cache's reuse (a worker that only decodes has one block)",
+    )
+    p.add_argument(
         "--gpu-memory-utilization",
         type=float,
         default=0.9,

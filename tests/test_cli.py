@@ -143,6 +143,18 @@ def test_gap_slack_is_on_by_default_and_serve_hands_the_choice_to_its_workers(fl
     assert (engine_config(worker, worker.roles).scheduler.gap_slack is not None) is on
 
 
+@pytest.mark.parametrize("flag, gib", [([], 0.25), (["--image-cache-gib", "0.5"], 0.5)])
+def test_serve_hands_its_image_cache_size_to_every_worker(flag, gib):
+    from common.topology import parse_topology
+    from epdmesh.launch import worker_argv
+
+    serve = build_parser().parse_args(["serve", "--topology", "E1+P1+D1", "--model", "/nowhere", *flag])
+    for spec in parse_topology("E1+P1+D1"):
+        argv = worker_argv(spec, "127.0.0.1:1", serve, 1)
+        worker = build_parser().parse_args(argv[argv.index("worker") :])
+        assert engine_config(worker, worker.roles).image_cache_gib == gib
+
+
 @pytest.mark.parametrize("option", ["amx-tiles", "prompt-kernel"])
 @pytest.mark.parametrize("off", [False, True])
 def test_cpu_kernels_are_on_by_default_and_serve_hands_the_choice_to_its_workers(option, off):

@@ -65,6 +65,57 @@ def test_a_respawned_worker_keeps_its_place_in_the_stopping_order(mesh):
     assert [name for name, _ in mesh.procs] == ["toggle", "worker D#0", "gateway"]
 
 
+# a stand-in service: says it is up, and on SIGTERM writes `term`; a worker then waits (≤ 10 s) until every worker
+# has had its SIGTERM before it writes `exit` — drained side by side, each worker exits having seen the others' term
+STOPS = """
+import os, signal, sys, time
+log, name, workers = sys.argv[1], sys.argv[2], int(sys.argv[3])
+
+def write(line):
+    fd = os.open(log, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
+    os.write(fd, (line + "\\n").encode())
+    os.close(fd)
+
+def lines():
+    return open(log).read().split()
+
+def on_term(*_):
+    write("term:" + name)
+    deadline = time.monotonic() + 10
+    while name.startswith("worker") and time.monotonic() < deadline:
+        if sum(line.startswith("term:worker") for line in lines()) == workers:
+            break
+        time.sleep(0.05)
+    write("exit:" + name)
+    os._exit(0)
+
+signal.signal(signal.SIGTERM, on_term)
+write("up:" + name)
+while True:
+    time.sleep(1)
+"""
+
+
+def test_the_gateway_stops_first_then_every_worker_at_once_then_the_toggle(tmp_path):
+    log = tmp_path / "stops.log"
+    names = ["toggle", "worker EP#0", "worker EP#1", "worker D#0", "gateway"]
+    mesh = Mesh()
+    for name in names:
+        mesh.spawn(name, [sys.executable, "-c", STOPS, str(log), name.replace(" ", ""), "3"])
+    deadline = time.monotonic() + 30
+    while not (log.exists() and sum(line.startswith("up:") for line in log.read_text().split()) == len(names)):
+        assert time.monotonic() < deadline, "the stand-ins did not start"
+        time.sleep(0.05)
+    mesh.stop(timeout=30)
+    events = [line for line in log.read_text().split() if not line.startswith("up:")]
+    assert events[:2] == ["term:gateway", "exit:gateway"], events
+    workers = events[2:8]
+    assert sorted(e.split(":")[0] for e in workers[:3]) == ["term"] * 3, events  # every worker told before any left
+    assert {e.split(":")[1] for e in workers} == {"workerEP#0", "workerEP#1", "workerD#0"}, events
+    assert events[8:] == ["term:toggle", "exit:toggle"], events
+    assert all(proc.returncode == 0 for _, proc in mesh.procs)  # none killed: each drained in time
+
+
 def test_dead_workers_restart_after_a_backoff_up_to_the_limit(mesh, monkeypatch, caplog):
     monkeypatch.setattr(launch, "RESTART_BACKOFF_S", (0.2, 0.4))
     forgotten = []

@@ -8,10 +8,10 @@ the positions that sample: each decode, and each chunk that completes its prompt
 from __future__ import annotations
 
 import logging
+from typing import TYPE_CHECKING
 
 import torch
 
-from common.model.compiled import CompiledModel
 from common.model.cuda_graphs import DecodeGraphs
 from common.model.llava import LlavaModel
 from common.paged_cache import PagedImageCache, PagedKVCache
@@ -19,6 +19,9 @@ from common.request import Request
 from common.scheduler import SchedulerOutput
 from kernels import AttentionMetadata
 from kernels.torch_ref import TorchPagedAttention
+
+if TYPE_CHECKING:  # (compiled imports torch._dynamo, ~1.3 s: only an engine that compiles needs it)
+    from common.model.compiled import CompiledModel
 
 log = logging.getLogger(__name__)
 

@@ -65,6 +65,7 @@ class Registration:
         self.info = info
         self.runtime = runtime
         self.registered = False
+        self._ever = False  # registered once
         self.away = False
         self._call = asyncio.Lock()  # one registry call at a time: a beat in flight cannot undo a `leave`
 
@@ -90,8 +91,9 @@ class Registration:
             reply = await self.toggle.Register(
                 pb.RegisterRequest(info=wire.info_to_pb(self.info), load=wire.load_to_pb(self.runtime.load())),
                 timeout=5,
+                wait_for_ready=not self._ever,  # the first: a toggle started beside this worker may not answer yet
             )
-            self.registered = True
+            self.registered = self._ever = True
             log.info("registered %s (%s) with the toggle", self.info.worker_id, self.info.role_label)
             return reply.heartbeat_interval_s or interval
         beat = pb.HeartbeatRequest(

@@ -55,6 +55,9 @@ def running_server(
         "256",
         "--threads",
         "1",
+        # the tiny model's images take a few KiB: 20 MiB hold hundreds, and each encoding worker faults in 20 MiB at
+        # start instead of the default's 256 (the emulated backend counts LLaVA-1.5-7B's real image bytes: its own)
+        *(() if "emulated" in extra else ("--image-cache-gib", "0.02")),
         *extra,
     ]
     env = {**{k: v for k, v in os.environ.items() if k not in ("REDIS_URL", "EPDMESH_API_KEY")}, **(env or {})}

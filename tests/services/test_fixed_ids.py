@@ -58,6 +58,8 @@ def test_a_stream_goes_on_from_its_only_decoder_restarted_under_the_same_id(tiny
         "float32",
         "--kv-cache-gib",
         "0.05",
+        "--image-cache-gib",
+        "0.02",
         "--token-budget",
         "256",
         "--threads",

@@ -655,3 +655,30 @@ def test_no_encode_is_skipped_before_a_prefill_covering_the_images_has_finished_
             await client.aclose()
 
     asyncio.run(main())
+
+
+def test_a_gateway_told_to_wait_for_workers_opens_once_the_toggle_lists_that_many():
+    """serve starts its gateway beside its workers (`--wait-for-workers N`): it opens its port only once N are
+    registered, as if it had started after them."""
+    from epdmesh.cli import _wait_for_workers
+
+    async def main():
+        stop, bound = asyncio.Event(), []
+        options = ToggleOptions(REDIS_URL, f"epdmesh-test:{uuid.uuid4().hex}:", routing=RoutingConfig())
+        task = asyncio.create_task(run_toggle(options, stop=stop, bound=bound))
+        while not bound:
+            await asyncio.sleep(0.02)
+        waiting = asyncio.create_task(asyncio.to_thread(_wait_for_workers, bound[0], 2, None))
+        async with grpc.aio.insecure_channel(bound[0]) as channel:
+            toggle = pb_grpc.ToggleStub(channel)
+            for wid, roles in [("p-1", {P}), ("d-1", {D})]:
+                await asyncio.sleep(0.5)
+                assert not waiting.done()  # fewer than two registered
+                await toggle.Register(pb.RegisterRequest(info=wire.info_to_pb(info(wid, roles))))
+            await asyncio.wait_for(waiting, 10)
+            for wid in ("p-1", "d-1"):
+                await toggle.Deregister(pb.DeregisterRequest(worker_id=wid))
+        stop.set()
+        await task
+
+    asyncio.run(main())

@@ -109,7 +109,18 @@ CLIENT = textwrap.dedent(
 def _mesh(tiny_dir, tmp_path, ns_a, ns_b, transfer: str, env_a: dict, env_b: dict) -> Processes:
     procs = Processes(tmp_path)
     python = [sys.executable, "-m", "epdmesh.cli"]
-    engine = ["--model", str(tiny_dir), "--dtype", "float32", "--kv-cache-gib", "0.05", "--token-budget", "256"]
+    engine = [
+        "--model",
+        str(tiny_dir),
+        "--dtype",
+        "float32",
+        "--kv-cache-gib",
+        "0.05",
+        "--image-cache-gib",
+        "0.02",
+        "--token-budget",
+        "256",
+    ]
     engine += ["--threads", "1", "--transfer", transfer, "--toggle", f"{A}:50051", "--port", "50061"]
     password = uuid.uuid4().hex  # a Redis reachable from another host asks for one
     url = f"redis://:{password}@{A}:6379/0"
