@@ -82,7 +82,7 @@ def test_a_heartbeat_that_fails_once_keeps_beating():
     beats = []
 
     class Toggle:
-        async def Register(self, request, timeout):
+        async def Register(self, request, timeout, wait_for_ready=None):
             return pb.RegisterResponse(heartbeat_interval_s=0.01)
 
         async def Heartbeat(self, request, timeout):
@@ -158,7 +158,7 @@ def test_a_worker_that_frees_pages_while_nearly_full_heartbeats_at_once():
     beats: list[float] = []
 
     class Toggle:
-        async def Register(self, request, timeout):
+        async def Register(self, request, timeout, wait_for_ready=None):
             return pb.RegisterResponse(heartbeat_interval_s=0.5)
 
         async def Heartbeat(self, request, timeout):
@@ -187,7 +187,7 @@ def test_a_worker_that_frees_pages_while_nearly_full_heartbeats_at_once():
         task.cancel()
         return regular, early
 
-    regular, early = asyncio.run(main())
+    regular, early = asyncio.run(asyncio.wait_for(main(), 30))  # (a registration that never beats: a failure)
     assert regular >= 0.45 and early < 0.3, (regular, early)
 
 

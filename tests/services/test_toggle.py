@@ -682,3 +682,50 @@ def test_a_gateway_told_to_wait_for_workers_opens_once_the_toggle_lists_that_man
         await task
 
     asyncio.run(main())
+
+
+def test_a_worker_started_before_its_toggle_registers_once_it_answers_without_a_warning(caplog):
+    """serve starts the workers beside the toggle: a worker's first registration waits for the toggle to answer (up
+    to its 5 s deadline) instead of failing at once and warning that the toggle is unreachable."""
+    import logging
+
+    from common.ports import free_port
+    from services.worker.switch import Registration
+
+    class Runtime:
+        freed = asyncio.Event()
+
+        def load(self):
+            return WorkerLoad()
+
+        def take_admitted(self):
+            return []
+
+    async def main():
+        address = f"127.0.0.1:{free_port()}"
+        async with grpc.aio.insecure_channel(address) as channel:
+            registration = Registration(pb_grpc.ToggleStub(channel), info("d-1", {D}), Runtime())
+            beating = asyncio.create_task(registration.run())
+            await asyncio.sleep(1.0)  # nothing listens yet
+            assert not registration.registered
+            stop = asyncio.Event()
+            options = ToggleOptions(
+                REDIS_URL,
+                f"epdmesh-test:{uuid.uuid4().hex}:",
+                port=int(address.rsplit(":", 1)[1]),
+                routing=RoutingConfig(),
+            )
+            toggle = asyncio.create_task(run_toggle(options, stop=stop))
+            for _ in range(200):
+                if registration.registered:
+                    break
+                await asyncio.sleep(0.05)
+            assert registration.registered
+            beating.cancel()
+            await pb_grpc.ToggleStub(channel).Deregister(pb.DeregisterRequest(worker_id="d-1"))
+        stop.set()
+        await toggle
+
+    with caplog.at_level(logging.WARNING, logger="services.worker.switch"):
+        asyncio.run(main())
+    assert not [r for r in caplog.records if "unreachable" in r.getMessage()]
