@@ -220,3 +220,21 @@ def assert_pools_full(*engines: Engine) -> None:
         assert stats.kv_blocks_free == stats.kv_blocks_total, stats
         assert stats.image_blocks_free == stats.image_blocks_total, stats
         assert not engine.requests and not engine.pages.handed_off
+
+
+class IdleRuntime:
+    """What a worker's heartbeat (`Registration`) reads of its runtime, idle: no load, nothing admitted; `freed` set
+    asks for a beat at once."""
+
+    def __init__(self):
+        import asyncio
+
+        self.freed = asyncio.Event()
+
+    def load(self):
+        from common.workers import WorkerLoad
+
+        return WorkerLoad()
+
+    def take_admitted(self):
+        return []

@@ -16,6 +16,10 @@ from common.ports import free_port
 from epdmesh.launch import stop_process
 
 MODEL = "tiny"
+# what every tiny-model server of the tests runs with, and its small image cache (the tiny model's images take a few
+# KiB: 20 MiB hold hundreds, and each encoding worker faults in 20 MiB at start instead of the default's 256)
+TINY_ENGINE = ("--dtype", "float32", "--kv-cache-gib", "0.05", "--token-budget", "256", "--threads", "1")
+TINY_IMAGE_CACHE = ("--image-cache-gib", "0.02")
 REDIS_URL = os.environ.get("EPDMESH_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
 
 
@@ -45,19 +49,12 @@ def running_server(
         MODEL,
         "--topology",
         topology,
-        "--dtype",
-        "float32",
         "--port",
         str(port),
-        "--kv-cache-gib",
-        "0.05",
-        "--token-budget",
-        "256",
-        "--threads",
-        "1",
-        # the tiny model's images take a few KiB: 20 MiB hold hundreds, and each encoding worker faults in 20 MiB at
-        # start instead of the default's 256 (the emulated backend counts LLaVA-1.5-7B's real image bytes: its own)
-        *(() if "emulated" in extra else ("--image-cache-gib", "0.02")),
+        *TINY_ENGINE,
+        # not for an emulated mesh (it counts LLaVA-1.5-7B's real image bytes) nor another checkout's serve (an older
+        # one may not know the flag)
+        *(() if "emulated" in extra or source is not None else TINY_IMAGE_CACHE),
         *extra,
     ]
     env = {**{k: v for k, v in os.environ.items() if k not in ("REDIS_URL", "EPDMESH_API_KEY")}, **(env or {})}

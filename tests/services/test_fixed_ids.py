@@ -14,7 +14,7 @@ import httpx
 import pytest
 
 from common.ports import free_port
-from tests.services.servers import MODEL, REDIS_URL, stop_process, streamed_token_ids
+from tests.services.servers import MODEL, REDIS_URL, TINY_ENGINE, TINY_IMAGE_CACHE, stop_process, streamed_token_ids
 
 
 @contextlib.contextmanager
@@ -54,16 +54,8 @@ def test_a_stream_goes_on_from_its_only_decoder_restarted_under_the_same_id(tiny
     engine = [
         "--model",
         str(tiny_dir),
-        "--dtype",
-        "float32",
-        "--kv-cache-gib",
-        "0.05",
-        "--image-cache-gib",
-        "0.02",
-        "--token-budget",
-        "256",
-        "--threads",
-        "1",
+        *TINY_ENGINE,
+        *TINY_IMAGE_CACHE,
         "--transfer",
         "grpc",
         "--toggle",

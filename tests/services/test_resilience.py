@@ -21,6 +21,7 @@ from services.gateway.mesh import MeshBackend
 from services.gateway.mesh.route_client import Route
 from services.worker.runtime import WorkerRuntime
 from services.worker.switch import Registration
+from tests.support import IdleRuntime
 
 WAIT_S = 10
 
@@ -165,17 +166,8 @@ def test_a_worker_that_frees_pages_while_nearly_full_heartbeats_at_once():
             beats.append(time.monotonic())
             return pb.HeartbeatResponse(known=True)
 
-    class Runtime:
-        freed = asyncio.Event()
-
-        def load(self):
-            return WorkerLoad()
-
-        def take_admitted(self):
-            return []
-
     async def main():
-        runtime = Runtime()
+        runtime = IdleRuntime()
         task = asyncio.ensure_future(Registration(Toggle(), _info(), runtime).run())
         while len(beats) < 2:
             await asyncio.sleep(0.01)

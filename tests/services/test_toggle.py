@@ -45,6 +45,23 @@ def info(wid, roles):
     return WorkerInfo(wid, f"127.0.0.1:{abs(hash(wid)) % 50000 + 10000}", frozenset(roles), "m", 4096)
 
 
+@contextlib.asynccontextmanager
+async def running_toggle(port: int = 0, **options):
+    """A toggle in this event loop on a fresh key prefix; yields its address, stops it at the end."""
+    stop, bound = asyncio.Event(), []
+    prefix = f"epdmesh-test:{uuid.uuid4().hex}:"
+    task = asyncio.create_task(
+        run_toggle(ToggleOptions(REDIS_URL, prefix, port=port, **options), stop=stop, bound=bound)
+    )
+    while not bound:
+        await asyncio.sleep(0.02)
+    try:
+        yield bound[0]
+    finally:
+        stop.set()
+        await task
+
+
 def test_more_redis_calls_at_once_than_connections_wait_for_one_instead_of_failing():
     """An overloaded gateway routes every waiting request again, each a Redis call: past its pool's connections a
     call waits for one (redis-py's default pool failed it with MaxConnectionsError, and the client got a 500)."""
@@ -97,12 +114,7 @@ def test_registry_heartbeats_expire_and_deregister():
 
 def test_route_over_grpc_and_unavailable_without_workers():
     async def main():
-        stop, bound = asyncio.Event(), []
-        options = ToggleOptions(REDIS_URL, f"epdmesh-test:{uuid.uuid4().hex}:", routing=RoutingConfig())
-        task = asyncio.create_task(run_toggle(options, stop=stop, bound=bound))
-        while not bound:
-            await asyncio.sleep(0.02)
-        async with grpc.aio.insecure_channel(bound[0]) as channel:
+        async with running_toggle(routing=RoutingConfig()) as address, grpc.aio.insecure_channel(address) as channel:
             toggle = pb_grpc.ToggleStub(channel)
             ask = pb.RouteRequest(request_id="r", num_prompt_tokens=40, num_images=1, max_tokens=8)
             with pytest.raises(grpc.aio.AioRpcError) as err:
@@ -132,8 +144,6 @@ def test_route_over_grpc_and_unavailable_without_workers():
             assert "an encoder" in err.value.details()
             for wid in ("p-1", "d-1", "d-2"):
                 await toggle.Deregister(pb.DeregisterRequest(worker_id=wid))
-        stop.set()
-        await task
 
     asyncio.run(main())
 
@@ -663,13 +673,8 @@ def test_a_gateway_told_to_wait_for_workers_opens_once_the_toggle_lists_that_man
     from epdmesh.cli import _wait_for_workers
 
     async def main():
-        stop, bound = asyncio.Event(), []
-        options = ToggleOptions(REDIS_URL, f"epdmesh-test:{uuid.uuid4().hex}:", routing=RoutingConfig())
-        task = asyncio.create_task(run_toggle(options, stop=stop, bound=bound))
-        while not bound:
-            await asyncio.sleep(0.02)
-        waiting = asyncio.create_task(asyncio.to_thread(_wait_for_workers, bound[0], 2, None))
-        async with grpc.aio.insecure_channel(bound[0]) as channel:
+        async with running_toggle() as address, grpc.aio.insecure_channel(address) as channel:
+            waiting = asyncio.create_task(asyncio.to_thread(_wait_for_workers, address, 2, None))
             toggle = pb_grpc.ToggleStub(channel)
             for wid, roles in [("p-1", {P}), ("d-1", {D})]:
                 await asyncio.sleep(0.5)
@@ -678,8 +683,6 @@ def test_a_gateway_told_to_wait_for_workers_opens_once_the_toggle_lists_that_man
             await asyncio.wait_for(waiting, 10)
             for wid in ("p-1", "d-1"):
                 await toggle.Deregister(pb.DeregisterRequest(worker_id=wid))
-        stop.set()
-        await task
 
     asyncio.run(main())
 
@@ -691,40 +694,23 @@ def test_a_worker_started_before_its_toggle_registers_once_it_answers_without_a_
 
     from common.ports import free_port
     from services.worker.switch import Registration
-
-    class Runtime:
-        freed = asyncio.Event()
-
-        def load(self):
-            return WorkerLoad()
-
-        def take_admitted(self):
-            return []
+    from tests.support import IdleRuntime
 
     async def main():
-        address = f"127.0.0.1:{free_port()}"
-        async with grpc.aio.insecure_channel(address) as channel:
-            registration = Registration(pb_grpc.ToggleStub(channel), info("d-1", {D}), Runtime())
+        port = free_port()
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            registration = Registration(pb_grpc.ToggleStub(channel), info("d-1", {D}), IdleRuntime())
             beating = asyncio.create_task(registration.run())
             await asyncio.sleep(1.0)  # nothing listens yet
             assert not registration.registered
-            stop = asyncio.Event()
-            options = ToggleOptions(
-                REDIS_URL,
-                f"epdmesh-test:{uuid.uuid4().hex}:",
-                port=int(address.rsplit(":", 1)[1]),
-                routing=RoutingConfig(),
-            )
-            toggle = asyncio.create_task(run_toggle(options, stop=stop))
-            for _ in range(200):
-                if registration.registered:
-                    break
-                await asyncio.sleep(0.05)
-            assert registration.registered
-            beating.cancel()
-            await pb_grpc.ToggleStub(channel).Deregister(pb.DeregisterRequest(worker_id="d-1"))
-        stop.set()
-        await toggle
+            async with running_toggle(port=port):
+                for _ in range(200):
+                    if registration.registered:
+                        break
+                    await asyncio.sleep(0.05)
+                assert registration.registered
+                beating.cancel()
+                await pb_grpc.ToggleStub(channel).Deregister(pb.DeregisterRequest(worker_id="d-1"))
 
     with caplog.at_level(logging.WARNING, logger="services.worker.switch"):
         asyncio.run(main())

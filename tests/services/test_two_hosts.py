@@ -18,7 +18,7 @@ import uuid
 
 import pytest
 
-from tests.services.servers import MODEL
+from tests.services.servers import MODEL, TINY_ENGINE, TINY_IMAGE_CACHE
 from tests.services.test_gateway import to_openai
 
 A, B = "192.0.2.1", "192.0.2.2"
@@ -112,16 +112,15 @@ def _mesh(tiny_dir, tmp_path, ns_a, ns_b, transfer: str, env_a: dict, env_b: dic
     engine = [
         "--model",
         str(tiny_dir),
-        "--dtype",
-        "float32",
-        "--kv-cache-gib",
-        "0.05",
-        "--image-cache-gib",
-        "0.02",
-        "--token-budget",
-        "256",
+        *TINY_ENGINE,
+        *TINY_IMAGE_CACHE,
+        "--transfer",
+        transfer,
+        "--toggle",
+        f"{A}:50051",
+        "--port",
+        "50061",
     ]
-    engine += ["--threads", "1", "--transfer", transfer, "--toggle", f"{A}:50051", "--port", "50061"]
     password = uuid.uuid4().hex  # a Redis reachable from another host asks for one
     url = f"redis://:{password}@{A}:6379/0"
     redis = ["redis-server", "--bind", A, "--port", "6379", "--save", "", "--appendonly", "no"]
