@@ -499,7 +499,7 @@ def serve_mesh(args) -> int:
             env=redis_env,
         )
         # the workers and the gateway start beside the toggle (each takes seconds of imports and loading); a worker
-        # registers once the toggle answers, the gateway answers /health once workers cover every role
+        # registers once the toggle answers, the gateway opens its port once every worker has (--wait-for-workers)
         shares = iter(memory_shares(gpu_envs, args.gpu_memory_utilization, args.device))
         gpu_envs = iter(gpu_envs)
         for group in groups:
