@@ -47,6 +47,7 @@ from common.paged_cache import PagedKVCache  # noqa: E402
 from common.request import Request  # noqa: E402
 from common.sampling import SamplingParams  # noqa: E402
 from common.scheduler import SchedulerConfig  # noqa: E402
+from kernels import cpu_prompt  # noqa: E402
 
 BACKEND = "real engine (torch)"  # on --device: the report states it
 ABLATIONS = {
@@ -57,6 +58,7 @@ ABLATIONS = {
     "prefill-varlen",
     "amx-tiles",
     "prompt-attention",
+    "prompt-tiles",
 }
 
 
@@ -80,7 +82,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="ablation, ours only (comma list): c-attention (decode attention in torch: gathers and bmm), "
         "decode-graph (decodes through the per-layer compiled halves), prefill-graph (a lone whole prompt too); "
         "c-attention takes both graphs out (they call the kernel); amx-tiles (decode products through oneDNN, not "
-        "the AMX tiles); prompt-attention (prompts' and images' attention through SDPA, not the C kernel); on CUDA: "
+        "the AMX tiles); prompt-attention (prompts' and images' attention through SDPA, not the C kernel); "
+        "prompt-tiles (the C kernel's bf16 products on the vector units, not the AMX tiles); on CUDA: "
         "cuda-graphs (decode steps eager), "
         "prefill-varlen (the torch backend's prompt chunks one SDPA call each instead of one varlen call a layer)",
     )
@@ -188,6 +191,7 @@ def make_engine(
                 if isinstance(module, PackedLinear):
                     module.tiles = None
         engine.runner.attention.varlen = "prefill-varlen" not in args.without
+    cpu_prompt.use_tiles("prompt-tiles" not in args.without)
     return engine
 
 

@@ -31,6 +31,7 @@ from kernels.ops import define
 
 SOURCE = Path(__file__).with_name("cpu_prompt.c")
 ENABLED = True
+TILES = True  # bf16 products on the AMX tiles where the host has them (`use_tiles`)
 
 
 _Shape = cbuild.shape_struct(
@@ -45,10 +46,20 @@ def _library() -> ctypes.CDLL | None:
     lib = cbuild.load(SOURCE, "CPU prompt attention stays torch's SDPA")
     if lib is None:
         return None
-    for name in ("prompt_bf16", "prompt_f32", "prompt_supports"):
+    for name in ("prompt_bf16", "prompt_f32", "prompt_supports", "prompt_tiles"):
         getattr(lib, f"epdmesh_{name}").restype = ctypes.c_int
     lib.epdmesh_prompt_scratch.restype = ctypes.c_int64
+    lib.epdmesh_prompt_tiles(int(TILES))
     return lib
+
+
+def use_tiles(want: bool) -> bool:
+    """bf16 prompts on the AMX tiles where the host has them (the default) or on the vector units; returns whether
+    they now run on the tiles. For A/B runs (`bench/prompt_attention.py`, `bench/engine.py --without prompt-tiles`)."""
+    global TILES
+    TILES = want
+    lib = _library()
+    return lib is not None and bool(lib.epdmesh_prompt_tiles(int(want)))
 
 
 @functools.cache

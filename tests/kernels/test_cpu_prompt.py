@@ -12,6 +12,19 @@ pytestmark = pytest.mark.skipif(
     not cpu_prompt.supports(torch.empty(1, 64)), reason="no AVX-512 on this host (or no C compiler)"
 )
 BF16 = cpu_prompt.supports(torch.empty(1, 64, dtype=torch.bfloat16))
+TILES = BF16 and cpu_prompt.use_tiles(True)  # bf16 on the AMX tiles (head_dim % 32 == 0)
+
+
+@pytest.fixture(params=["tiles", "vectors"])
+def units(request):
+    """bf16's products on the AMX tiles, then on the vector units (where the host has no AMX, only the latter)."""
+    tiles = request.param == "tiles"
+    if tiles and not TILES:
+        pytest.skip("no AMX on this host")
+    assert cpu_prompt.use_tiles(tiles) == tiles
+    yield request.param
+    cpu_prompt.use_tiles(True)
+
 
 SHAPES = [  # (batch, query rows, keys, heads, kv heads, head_dim, causal)
     (1, 128, 128, 8, 8, 64, True),  # a whole prompt
@@ -21,6 +34,7 @@ SHAPES = [  # (batch, query rows, keys, heads, kv heads, head_dim, causal)
     (1, 100, 700, 4, 4, 32, True),
     (2, 50, 50, 6, 6, 48, False),  # the vision tower: every row sees every key, several images
     (1, 257, 257, 4, 4, 64, False),
+    (2, 33, 45, 4, 2, 96, True),  # two tiles of rows' worth of keys past a cached prefix; dims in 64 + 32
 ]
 
 
@@ -49,7 +63,7 @@ def test_fp32_is_sdpa_but_for_the_order_of_its_sums(shape):
 
 @pytest.mark.skipif(not BF16, reason="no AVX512_BF16 on this host")
 @pytest.mark.parametrize("shape", SHAPES, ids=str)
-def test_bf16_is_as_close_to_exact_as_sdpa(shape):
+def test_bf16_is_as_close_to_exact_as_sdpa(shape, units):
     """Both round the probabilities to bf16 before their product with V and the output once: against attention
     computed in fp32 from the same bf16 inputs, the kernel's error is SDPA's, and the two differ by a rounding."""
     q, k, v = case(shape, torch.bfloat16, seed=1)
@@ -59,6 +73,22 @@ def test_bf16_is_as_close_to_exact_as_sdpa(shape):
     exact = cpu_prompt.sdpa(q.float(), k.float(), v.float(), scale, causal)
     assert (out - exact).abs().max() <= 1.25 * (ref - exact).abs().max() + 1e-4
     torch.testing.assert_close(out, ref, atol=2e-3, rtol=2 * 2**-8)
+
+
+@pytest.mark.skipif(not TILES, reason="no AMX on this host")
+def test_tiles_and_vectors_differ_in_few_outputs_by_a_rounding():
+    """The same arithmetic on either unit (fp32 scores and sums, bf16 probabilities): only the order of the fp32
+    sums differs, which flips a probability's or an output's bf16 rounding now and then — in a few outputs, by a
+    rounding's worth — and shows that the tiles did run."""
+    q, k, v = case((1, 200, 200, 4, 4, 64, True), torch.bfloat16, seed=2)
+    outs = []
+    for tiles in (True, False):
+        cpu_prompt.use_tiles(tiles)
+        outs.append(cpu_prompt.prompt_attention(q, k, v, 0.125, True).float())
+    cpu_prompt.use_tiles(True)
+    differ = (outs[0] != outs[1]).float().mean()
+    assert 0 < differ < 0.01
+    torch.testing.assert_close(outs[0], outs[1], atol=1e-3, rtol=2**-7)
 
 
 def test_causal_rows_see_no_later_key():
@@ -142,7 +172,7 @@ def test_a_vision_layer_attends_through_the_kernel(monkeypatch):
 @pytest.mark.parametrize("heads, kv_heads, dim, block_size", [(8, 2, 32, 16), (4, 4, 64, 32), (6, 3, 16, 8)])
 @pytest.mark.parametrize("enabled", [True, False], ids=["kernel", "sdpa"])
 def test_a_steps_prompt_chunks_in_one_call_read_the_paged_cache_in_place(
-    dtype, heads, kv_heads, dim, block_size, enabled, monkeypatch
+    dtype, heads, kv_heads, dim, block_size, enabled, monkeypatch, units
 ):
     """Decodes, then two chunks (one after a cached prefix), blocks scattered: the torch backend's prompt rows are the
     kernel's paged call — one per layer — and match attention computed densely from scratch; with `ENABLED` off,
