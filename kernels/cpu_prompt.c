@@ -122,6 +122,32 @@ static inline int64_t key_row(const prompt_call *c, int64_t i, int64_t j, const 
 
 /* Keys [kb·16, kb·16 + 16) of sequence i, kv head h, packed: bf16 as [dim / 2][16 keys][2], fp32 as [dim][16 keys];
  * their values as [keys / 2][dim][2] (bf16) or [keys][dim] (fp32); keys past the sequence's are zeros. */
+/* r[i][j] → r[j][i] for 16 rows of 16 32-bit lanes: pairs of rows interleaved by 32 then 64 bits (a 4 × 4
+ * transpose within each 128-bit lane), then the lanes of every fourth row transposed 4 × 4. */
+static inline void transpose16(__m512i r[16]) {
+    __m512i t[16];
+    for (int i = 0; i < 16; i += 2) {
+        t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+        t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+    }
+    for (int i = 0; i < 16; i += 4) { /* r[i + c], lane L: rows i..i+3 at column 4L + c */
+        r[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+        r[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+        r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+        r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+    }
+    for (int c = 0; c < 4; ++c) {
+        const __m512i u0 = _mm512_shuffle_i32x4(r[c], r[4 + c], 0x44), u1 = _mm512_shuffle_i32x4(r[c], r[4 + c], 0xee);
+        const __m512i u2 = _mm512_shuffle_i32x4(r[8 + c], r[12 + c], 0x44);
+        const __m512i u3 = _mm512_shuffle_i32x4(r[8 + c], r[12 + c], 0xee);
+        t[c] = _mm512_shuffle_i32x4(u0, u2, 0x88);
+        t[4 + c] = _mm512_shuffle_i32x4(u0, u2, 0xdd);
+        t[8 + c] = _mm512_shuffle_i32x4(u1, u3, 0x88);
+        t[12 + c] = _mm512_shuffle_i32x4(u1, u3, 0xdd);
+    }
+    for (int i = 0; i < 16; ++i) r[i] = t[i];
+}
+
 static void pack_block(const prompt_call *c, const void *k, const void *v, int64_t i, int64_t h, int64_t kb,
                        const int bf16) {
     const prompt_shape *s = c->s;
@@ -139,7 +165,7 @@ static void pack_block(const prompt_call *c, const void *k, const void *v, int64
         const char *vrow = j < len ? (const char *)v + (at[t][1] + h * s->v_head) * item : NULL;
         if (bf16) {
             uint32_t *dst = (uint32_t *)c->kp + (slab + kb * 16 * dim) / 2 + t;
-            for (int64_t d2 = 0; d2 < dim / 2; ++d2) dst[d2 * 16] = krow ? bits32(krow + 4 * d2) : 0;
+            for (int64_t d2 = dim / 32 * 16; d2 < dim / 2; ++d2) dst[d2 * 16] = krow ? bits32(krow + 4 * d2) : 0;
             if (t & 1) continue;
             /* values of tokens j, j + 1 interleaved: (v[j][d], v[j + 1][d]) as one 32-bit pair */
             const uint16_t *next = j + 1 < len ? (const uint16_t *)v + at[t + 1][1] + h * s->v_head : NULL;
@@ -158,6 +184,16 @@ static void pack_block(const prompt_call *c, const void *k, const void *v, int64
             for (int64_t d = 0; d < dim; ++d) vdst[d] = vrow ? ((const float *)vrow)[d] : 0.0f;
         }
     }
+    if (bf16) /* the keys' pairs of dims 16 at a time: a 16 × 16 transpose of 32-bit pairs (the rest above) */
+        for (int64_t ch = 0; ch < dim / 32; ++ch) {
+            __m512i r[16];
+            for (int64_t t = 0; t < 16; ++t)
+                r[t] = kb * 16 + t < len ? _mm512_loadu_si512((const char *)k + (at[t][0] + h * s->k_head) * 2 + ch * 64)
+                                         : _mm512_setzero_si512();
+            transpose16(r);
+            uint32_t *dst = (uint32_t *)c->kp + (slab + kb * 16 * dim) / 2 + ch * 256;
+            for (int p = 0; p < 16; ++p) _mm512_storeu_si512(dst + p * 16, r[p]);
+        }
 }
 
 /* 16 fp32 values rounded to bf16 as torch rounds them, stored at `dst`. */
