@@ -36,6 +36,8 @@ from kernels.torch_ref import causal_attention
 
 log = logging.getLogger(__name__)
 
+WARM_TOKENS = 128  # the token count the warm-up compiles the dynamic text graphs at (their size hint)
+
 
 def cache_dir() -> Path:
     return Path(os.environ.get("EPDMESH_HOME", Path.home() / ".cache" / "epdmesh")) / "inductor"
@@ -73,7 +75,10 @@ class CompiledModel:
         if text:
             cfg, layer = model.text.cfg, model.text.layers[0]
             qkv, finish = self.text
-            for n in (1, 2):
+            # the second size is the dynamic graph's size hint, from which inductor decides which loops run on
+            # every thread: at 2, a rotary of 8 heads looked too small to split and ran on one (~0.5 ms a layer at
+            # 1,024 tokens); WARM_TOKENS is a prompt's order of size
+            for n in (1, WARM_TOKENS):
                 x = torch.zeros(n, cfg.hidden_size, **like)
                 cos = torch.ones(n, cfg.head_dim, **like)
                 q, _, _ = qkv(layer, x, cos, torch.zeros_like(cos))
@@ -96,12 +101,14 @@ class CompiledModel:
                 # takes the halves: its own graph would cost ~8 s of cold compile); the cache made as the engine
                 # makes its own (outside inference mode: another dispatch key set)
                 with torch.inference_mode(False):
-                    cache = torch.zeros(9, cfg.num_layers, 2, 16, cfg.num_kv_heads, cfg.head_dim, **like)
-                for n in (3, 2):
+                    cache = torch.zeros(
+                        WARM_TOKENS // 16 + 1, cfg.num_layers, 2, 16, cfg.num_kv_heads, cfg.head_dim, **like
+                    )
+                for n in (WARM_TOKENS, 2):  # (the first, dynamic, size the hint, as above)
                     embeds = torch.zeros(n, cfg.hidden_size, **like)
                     positions = torch.arange(n)
                     slots = torch.arange(n) // 16, torch.arange(n) % 16
-                    if n == 3:
+                    if n == WARM_TOKENS:
                         for t in (embeds, positions, *slots):
                             torch._dynamo.mark_dynamic(t, 0)
                         torch._dynamo.mark_dynamic(cache, 0)  # any number of blocks
