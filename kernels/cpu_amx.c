@@ -16,25 +16,10 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "cpu_tiles.h"
+
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512F__)
-#include <immintrin.h>
-#include <sys/syscall.h>
-#include <unistd.h>
-
-long syscall(long number, ...);
-
-#define ARCH_REQ_XCOMP_PERM 0x1023
-#define XFEATURE_XTILEDATA 18
-
-typedef struct {
-    uint8_t palette, start;
-    uint8_t reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} tile_config;
-
-/* Linux hands a process the tiles' state only on request (oneDNN asks too; asking twice is harmless). */
-int epdmesh_amx_init(void) { return (int)syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA); }
+int epdmesh_amx_init(void) { return tiles_request(); }
 
 /* 16 fp32 → bf16, to nearest even; a NaN stays a quiet NaN (as f32_to_bf16 in cpu_paged.c). */
 static inline __m256i to_bf16(__m512 f) {

@@ -52,20 +52,18 @@ typedef struct {
 
 #if BF16 && defined(__AMX_TILE__) && defined(__AMX_BF16__)
 #define AMX 1
-#include <sys/syscall.h>
-#include <unistd.h>
-long syscall(long number, ...);
+#include "cpu_tiles.h"
 #else
 #define AMX 0
 #endif
 
 /* Whether bf16 prompts of head_dim % 32 == 0 run on the tiles: asked for (`want`), compiled for, and granted by Linux
- * (which hands a process the tiles' state only on request; oneDNN asks too, asking twice is harmless). */
+ * (cpu_tiles.h). */
 static int tiles = 0;
 
 int epdmesh_prompt_tiles(int want) {
 #if AMX
-    tiles = want && syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XFEATURE_XTILEDATA */) == 0;
+    tiles = want && tiles_request() == 0;
 #else
     (void)want;
 #endif
@@ -291,13 +289,6 @@ static inline __attribute__((always_inline)) void rows_task(const prompt_call *c
 }
 
 #if AMX
-typedef struct {
-    uint8_t palette, start;
-    uint8_t reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} tile_config;
-
 /* rows_task's bf16 work on the tiles, every tile 16 rows × 64 bytes: 0-3 sums, 2 and 4 the queries' and
  * probabilities' tiles, 5-7 keys' and values'. Scores two blocks of 16 keys at a time (the second of zeros where the
  * padding holds it), stored for the softmax, then scaled there as rows_task scales them; the products with V 32 keys

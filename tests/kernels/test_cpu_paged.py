@@ -211,3 +211,22 @@ def test_a_changed_header_is_a_new_build(tmp_path, monkeypatch):
     second = cbuild.build(source, compiler)
     assert first != second and first.is_file() and second.is_file()
     assert ctypes.CDLL(str(first)).value() == 1 and ctypes.CDLL(str(second)).value() == 2
+
+
+def test_every_header_a_kernel_includes_is_installed_with_it():
+    """`pip install .` (the Docker image) ships only the files pyproject.toml's package data names: a kernel whose
+    header stays behind fails to build there and its caller falls back."""
+    import fnmatch
+    import tomllib
+    from pathlib import Path
+
+    from kernels import cbuild
+
+    root = Path(cbuild.__file__).parent
+    shipped = tomllib.loads((root.parent / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]
+    patterns = shipped["kernels"]
+    sources = sorted(root.glob("*.c"))
+    headers = {h for s in sources for h in cbuild.included(s.read_bytes())}
+    assert sources and {"cpu_vec.h", "cpu_tiles.h"} <= headers
+    for name in [s.name for s in sources] + sorted(headers):
+        assert any(fnmatch.fnmatch(name, p) for p in patterns), f"{name} is not in the package data {patterns}"
