@@ -18,8 +18,9 @@
  * On a CPU with AMX (bf16, head_dim a multiple of 32) the two products run on the tile unit instead
  * (`rows_task_amx`): the same packed keys and values are its tiles' second operands — 16 keys × 32 dims a tile for
  * the scores, 32 keys × 16 dims for the values — the 16 rows' scores go through memory for the softmax, and the same
- * arithmetic holds (fp32 scores and sums, bf16 probabilities). Intel's cores run VDPBF16PS at half Zen 5's rate: on a
- * 2-core Xeon the vector loops ran at 92–159 GFLOP/s, below SDPA (whose products are oneDNN's, on the tiles).
+ * arithmetic holds (fp32 scores and sums, bf16 probabilities). On a Xeon VDPBF16PS runs at a fifth of a Zen 5's
+ * rate (independent ones: 104 against 525 GFLOP/s a core), and the vector loops at 92–159 GFLOP/s on two cores,
+ * below SDPA (whose products are oneDNN's, on the tiles).
  *
  * AVX-512 only (bf16 also needs AVX512_BF16): `epdmesh_prompt_supports` says whether this build computes a dtype
  * and head_dim; elsewhere the caller keeps SDPA.
