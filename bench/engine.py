@@ -59,6 +59,7 @@ ABLATIONS = {
     "amx-tiles",
     "prompt-attention",
     "prompt-tiles",
+    "prompts-graph",
 }
 
 
@@ -83,7 +84,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "decode-graph (decodes through the per-layer compiled halves), prefill-graph (a lone whole prompt too); "
         "c-attention takes both graphs out (they call the kernel); amx-tiles (decode products through oneDNN, not "
         "the AMX tiles); prompt-attention (prompts' and images' attention through SDPA, not the C kernel); "
-        "prompt-tiles (the C kernel's bf16 products on the vector units, not the AMX tiles); on CUDA: "
+        "prompt-tiles (the C kernel's bf16 products on the vector units, not the AMX tiles); prompts-graph (a step of "
+        "several prompts through the per-layer compiled halves, not as one graph); on CUDA: "
         "cuda-graphs (decode steps eager), "
         "prefill-varlen (the torch backend's prompt chunks one SDPA call each instead of one varlen call a layer)",
     )
@@ -185,6 +187,8 @@ def make_engine(
             engine.runner.decode_graph = None
         if {"prefill-graph", "c-attention"} & set(args.without):
             engine.runner.prefill_graph = None
+        if "prompts-graph" in args.without:
+            engine.runner.prompts_graph = None
         engine.runner.attention.use_c = "c-attention" not in args.without
         if "amx-tiles" in args.without:
             for module in engine.model.modules():

@@ -46,6 +46,7 @@ class ModelRunner:
         graphs = compiled is not None and isinstance(attention, TorchPagedAttention) and attention.use_c
         self.decode_graph = compiled.decode if graphs else None
         self.prefill_graph = compiled.prefill if graphs else None  # a step of one whole prompt, as one graph
+        self.prompts_graph = compiled.prompts if graphs else None  # a step of other prompt chunks only, as one graph
         self.decode_graphs: DecodeGraphs | None = None  # CUDA: decode steps as captured graphs (capture_graphs)
 
     def capture_graphs(self, max_seqs: int, max_model_len: int) -> float | None:
@@ -83,6 +84,11 @@ class ModelRunner:
         if self.prefill_graph is not None and self._whole_prompt_alone(plan):
             args = (self.kv_cache.data, meta.slot_blocks, meta.slot_offsets)
             return sampling, self.prefill_graph(self.model.text, embeds, positions, *args)
+        if self.prompts_graph is not None and not plan.decodes and len(sample_rows):  # (its graph samples ≥ 1 row)
+            args = (meta.block_tables, meta.query_start_loc, meta.seq_lens_t, meta.slot_blocks, meta.slot_offsets)
+            return sampling, self.prompts_graph(
+                self.model.text, embeds, positions, self.kv_cache.data, *args, sample_rows
+            )
         dense = self.compiled.text if self.compiled else None
         rows = None if len(sample_rows) == len(ids) else sample_rows  # (every row samples: none to pick)
         hidden = self.model.text(embeds, positions, self.kv_cache.layers, meta, self.attention, dense, rows)

@@ -9,7 +9,10 @@ size, so one graph per half serves every batch (1 token has a graph of its own).
 A step of decodes only on the CPU (most steps of a server) runs as one compiled graph instead
 (`decode_step`): the embedding, every layer with its K/V write and attention (`kernels/cpu_paged.py`'s C kernel,
 one op per layer that mutates the cache in place), the last norm and the logits. One graph per step keeps Python
-and dynamo's guards out of the gaps between oneDNN's products, whose threads otherwise go cold between them.
+and dynamo's guards out of the gaps between oneDNN's products, whose threads otherwise go cold between them. A
+step of one whole prompt alone runs as another (`prefill_step`), and a step of other prompt chunks only (several
+prompts, or chunks after a cached prefix) as a third (`prompts_step`, attention through the C prompt kernel over the
+cache); steps of prompt chunks beside decodes take the halves.
 
 The model is not changed: an engine holds a `CompiledModel` and passes its functions to the forward, so an eager
 engine and a compiled one can share one model. Compiled code is C++ built by the host's compiler on first use; its
@@ -29,7 +32,7 @@ from torch._dynamo.decorators import mark_unbacked
 from common.model.clip import VisionLayer
 from common.model.llama import DecoderLayer, LlamaDecoder
 from common.model.llava import LlavaModel
-from kernels import cpu_paged
+from kernels import cpu_paged, cpu_prompt
 from kernels.metadata import write_slots
 from kernels.ops import define
 from kernels.torch_ref import causal_attention
@@ -58,12 +61,17 @@ class CompiledModel:
         weight = model.text.embed_tokens.weight
         self.decode = None  # a step of decodes only, as one graph (CPU, where the C attention kernel is built)
         self.prefill = None  # a step of one whole prompt and nothing else, as one graph (same hosts)
+        self.prompts = None  # a step of prompt chunks only, several or with a cached prefix (the C prompt kernel's)
         if weight.device.type == "cpu" and weight.dtype in (torch.bfloat16, torch.float32):
             if model.text.cfg.head_dim <= cpu_paged.MAX_HEAD_DIM and cpu_paged.available():
                 self.decode = torch.compile(decode_step, dynamic=True)
                 # only the token count dynamic (marked at the warm-up): SDPA takes its GQA flag as a plain bool
                 self.prefill = torch.compile(prefill_step)
                 model.text.rotary_for(weight)  # (made inside the graph, it would be a guard that fails once)
+            probe = torch.empty(1, model.text.cfg.head_dim, dtype=weight.dtype)
+            if cpu_prompt.ENABLED and cpu_prompt.supports(probe):
+                self.prompts = torch.compile(prompts_step, dynamic=True)
+                model.text.rotary_for(weight)
 
     @torch.inference_mode()
     def warm_up(self, text: bool = True, vision: bool = True) -> float:
@@ -113,6 +121,8 @@ class CompiledModel:
                             torch._dynamo.mark_dynamic(t, 0)
                         torch._dynamo.mark_dynamic(cache, 0)  # any number of blocks
                     self.prefill(model.text, embeds, positions, cache, *slots)
+            if self.prompts is not None:
+                self._warm_prompts(like)
         if vision:
             vcfg = model.cfg.vision
             for images in (1, 2):
@@ -122,6 +132,37 @@ class CompiledModel:
         seconds = time.perf_counter() - start
         log.info("compiled model warmed up in %.1f s (cache %s)", seconds, os.environ["TORCHINDUCTOR_CACHE_DIR"])
         return seconds
+
+    def _warm_prompts(self, like: dict) -> None:
+        """The prompts graph at three sequences (one after a cached block), every size unbacked at that first call:
+        one graph for every count of sequences, rows, blocks and sampled rows, 1 included; then at one sequence."""
+        cfg = self.model.text.cfg
+        with torch.inference_mode(False):  # (the cache as the engine makes its own)
+            cache = torch.zeros(9, cfg.num_layers, 2, 16, cfg.num_kv_heads, cfg.head_dim, **like)
+        for query_lens, seq_lens, tables in (([5, 3, 4], [5, 19, 4], [[0, 8], [1, 2], [3, 8]]), ([2], [2], [[4]])):
+            rows = sum(query_lens)
+            starts = torch.tensor([0, *query_lens], dtype=torch.int32).cumsum(0, dtype=torch.int32)
+            positions = torch.cat([torch.arange(s - q, s) for q, s in zip(query_lens, seq_lens)])
+            slots = [(tables[i][p // 16], p % 16) for i, (q, s) in enumerate(zip(query_lens, seq_lens))
+                     for p in range(s - q, s)]  # fmt: skip
+            args = (
+                torch.zeros(rows, cfg.hidden_size, **like),
+                positions,
+                cache,
+                torch.tensor(tables, dtype=torch.int32),
+                starts,
+                torch.tensor(seq_lens, dtype=torch.int32),
+                torch.tensor([b for b, _ in slots]),
+                torch.tensor([o for _, o in slots]),
+                starts[1:].long() - 1,
+            )
+            if len(query_lens) == 3:
+                for t in (*args[:2], *args[4:]):
+                    mark_unbacked(t, 0)
+                mark_unbacked(args[3], 0)
+                mark_unbacked(args[3], 1)
+                torch._dynamo.mark_dynamic(cache, 0)
+            self.prompts(self.model.text, *args)
 
 
 def decode_step(
@@ -171,6 +212,39 @@ def prefill_step(
             x = DecoderLayer.finish(layer, x[-1:], causal_attention(q[-1:], k, v, scale))
         else:
             x = DecoderLayer.finish(layer, x, causal_attention(q, k, v, scale, whole=True))
+    return text.logits(x)
+
+
+def prompts_step(
+    text: LlamaDecoder,
+    embeds: torch.Tensor,
+    positions: torch.Tensor,
+    cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_starts: torch.Tensor,
+    seq_lens: torch.Tensor,
+    slot_blocks: torch.Tensor,
+    slot_offsets: torch.Tensor,
+    sample_rows: torch.Tensor,
+) -> torch.Tensor:
+    """Prompt chunks and nothing else (embeds [tokens, hidden], images already in; sequence i's rows [query_starts[i],
+    query_starts[i + 1]), the last of its seq_lens[i] positions, earlier ones already in the cache) → the logits of
+    `sample_rows` [rows, vocab] (float32). What the eager path computes with the C prompt kernel, as one graph: each
+    layer's K/V into the whole cache in place, then the step's attention in one call over the cache
+    (`cpu_prompt.paged_prompt_attention`); the last layer past its attention at the sampled rows only."""
+    cos, sin = text.rotary.cos_sin(positions, embeds.dtype)
+    scale = text.cfg.head_dim**-0.5
+    x, last = embeds, len(text.layers) - 1
+    for i, layer in enumerate(text.layers):
+        q, k, v = DecoderLayer.qkv(layer, x, cos, sin)
+        torch.ops.epdmesh.write_kv_layer(cache, i, k, v, slot_blocks, slot_offsets)
+        kv = cache.select(1, i)
+        attn = torch.ops.epdmesh.paged_prompt_attention(
+            q, kv.select(1, 0), kv.select(1, 1), block_tables, query_starts, seq_lens, scale
+        )
+        if i == last:
+            x, attn = x[sample_rows], attn[sample_rows]
+        x = DecoderLayer.finish(layer, x, attn)
     return text.logits(x)
 
 

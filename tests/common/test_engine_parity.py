@@ -14,7 +14,7 @@ from common.model.llama import DecoderLayer
 from common.model.loader import load_model
 from common.request import Request, Stage
 from common.scheduler import SchedulerConfig
-from kernels import cpu_paged
+from kernels import cpu_paged, cpu_prompt
 from kernels.torch_ref import causal_attention
 from tests.conftest import SHAPES
 from tests.support import (
@@ -90,7 +90,7 @@ def test_concurrent_batch_matches_transformers(
     scheduler = dict(token_budget=64, enable_chunked_prefill=True) if chunked else dict(enable_chunked_prefill=False)
     engine = make_engine(model_dirs, fp32_models, shape, compile=compile, **scheduler)
     assert (engine.compiled is not None) == compile
-    graph_steps = count_graph_steps(engine)
+    graph_steps, prompt_steps = count_graph_steps(engine), count_graph_steps(engine, "prompts_graph")
     requests = build_requests(processors[shape], CASES)
     for r, case in zip(requests, CASES):
         assert r.prompt_token_ids == references(shape, torch.float32)[case.name].prompt_ids, case.name
@@ -98,8 +98,10 @@ def test_concurrent_batch_matches_transformers(
     outputs = {rid: out.output_token_ids for rid, out in finals.items()}
     assert_matches_reference(outputs, engine.captured_logits, references(shape, torch.float32))
     assert_pools_full(engine)
-    # compiled, the steps of decodes only ran as one graph (where the C attention kernel is built)
+    # compiled, the steps of decodes only ran as one graph (where the C attention kernel is built), and the steps of
+    # several prompts (or chunks) with nothing beside them as another (where the C prompt kernel is)
     assert (graph_steps[0] > 10) == (compile and cpu_paged.available()), graph_steps
+    assert (prompt_steps[0] > 0) == (compile and cpu_prompt.supports(torch.empty(1, 64))), prompt_steps
 
 
 def test_the_last_layer_computes_beyond_its_kv_only_the_rows_that_sample(
