@@ -670,11 +670,11 @@ def test_no_encode_is_skipped_before_a_prefill_covering_the_images_has_finished_
 def test_a_gateway_told_to_wait_for_workers_opens_once_the_toggle_lists_that_many():
     """serve starts its gateway beside its workers (`--wait-for-workers N`): it opens its port only once N are
     registered, as if it had started after them."""
-    from epdmesh.cli import _wait_for_workers
+    from epdmesh.gateway_process import wait_for_workers
 
     async def main():
         async with running_toggle() as address, grpc.aio.insecure_channel(address) as channel:
-            waiting = asyncio.create_task(asyncio.to_thread(_wait_for_workers, address, 2, None))
+            waiting = asyncio.create_task(asyncio.to_thread(wait_for_workers, address, 2, None))
             toggle = pb_grpc.ToggleStub(channel)
             for wid, roles in [("p-1", {P}), ("d-1", {D})]:
                 await asyncio.sleep(0.5)
