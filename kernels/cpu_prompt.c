@@ -325,20 +325,19 @@ static inline __attribute__((always_inline)) void rows_task_amx(const prompt_cal
     }
     const __m512 scale = _mm512_set1_ps(s->scale);
     float sums[ROWS];
-    for (int64_t r = 0; r < ROWS; ++r) { /* rows_task's softmax, the scores scaled first; zeros up to `keys` */
-        float *p = sc + r * lp;
+    for (int64_t r = 0; r < ROWS; ++r) { /* rows_task's softmax, each score scaled as read; zeros up to `keys` */
+        const float *p = sc + r * lp;
         const int64_t valid = s->causal ? (off + r0 + (r < rows ? r : rows - 1) + 1) : len;
         __m512 top = _mm512_set1_ps(-INFINITY), sum = _mm512_setzero_ps();
         for (int64_t t = 0; t < valid; t += 16) {
             const __mmask16 m = valid - t >= 16 ? 0xffff : (__mmask16)((1u << (valid - t)) - 1);
-            const __m512 x = _mm512_mul_ps(_mm512_loadu_ps(p + t), scale);
-            _mm512_storeu_ps(p + t, x);
-            top = _mm512_max_ps(top, _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), m, x));
+            top = _mm512_max_ps(top, _mm512_mask_mul_ps(_mm512_set1_ps(-INFINITY), m, _mm512_loadu_ps(p + t), scale));
         }
         const __m512 most = _mm512_set1_ps(_mm512_reduce_max_ps(top));
         for (int64_t t = 0; t < keys; t += 16) {
             const __mmask16 m = t >= valid ? 0 : valid - t >= 16 ? 0xffff : (__mmask16)((1u << (valid - t)) - 1);
-            const __m512 e = _mm512_maskz_mov_ps(m, exp16(_mm512_sub_ps(_mm512_loadu_ps(p + t), most)));
+            const __m512 x = _mm512_mul_ps(_mm512_loadu_ps(p + t), scale);
+            const __m512 e = _mm512_maskz_mov_ps(m, exp16(_mm512_sub_ps(x, most)));
             sum = _mm512_add_ps(sum, e);
             store_bf16_16(pb + r * lp + t, e);
         }
