@@ -1,13 +1,13 @@
 """A workload's request bodies and what a report keeps of its shape: a dataset shape of `bench/workloads.py` (every
 request new to the server), a `conversation` window of the Mooncake trace planned on the server's own tokenizer
-(`bench/conversation.py`), or a shifting load's phases (`A>B>A`, each trace phase its own window). `bench goodput`,
-`sim goodput` and `epdmesh plan` send the same bodies."""
+(`bench/conversation.py`), a trace file (`trace:PATH`, `bench/recorded.py`) or a shifting load's phases (`A>B>A`,
+each trace phase its own window). `bench goodput`, `sim goodput` and `epdmesh plan` send the same bodies."""
 
 from __future__ import annotations
 
 import statistics
 
-from bench import conversation
+from bench import conversation, recorded
 from bench.workloads import (
     SHAPES,
     TracePhase,
@@ -23,6 +23,9 @@ def workload_of(workload: str, calibrate, model: str, args) -> tuple:
     """(variant → the workload's `--num-prompts` request bodies, what the report keeps of its shape). A
     `conversation` is planned on the server's own tokenizer (`bench/conversation.py`): `calibrate()` gives its
     `Vocabulary`."""
+    path = recorded.path_of(workload)
+    if path is not None:  # a trace file: its own requests and arrivals (`bench/recorded.py`)
+        return recorded.workload(path, args.num_prompts, args.seed, calibrate(), model)
     scale = trace_scale_of(workload, args.trace_scale)
     phases = phases_of(workload, args.trace_scale)
     if phases:

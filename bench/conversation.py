@@ -169,6 +169,7 @@ class Vocabulary:
     words: tuple[str, ...]
     chat_tokens: int
     max_model_len: int
+    count: object = dataclasses.field(default=None, compare=False, repr=False)  # the server's `/tokenize`
 
     def __post_init__(self):
         if len(self.words) < 8:
@@ -197,7 +198,7 @@ def calibrate_with(count) -> Vocabulary:
         raise ValueError("the server's tokenizer makes no candidate word one token")
     probe = chat_messages(" " + words[0], " " + words[0], images(_SHAPE, 1, 0)[0])
     answer = count({"messages": probe})
-    return Vocabulary(words, answer["count"] - 2, answer["max_model_len"])
+    return Vocabulary(words, answer["count"] - 2, answer["max_model_len"], count)
 
 
 def chat_messages(system: str, user: str, image: str) -> list[dict]:

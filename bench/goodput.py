@@ -23,7 +23,9 @@ Writes JSON (every configuration, workload and rate) and a PNG of SLO attainment
 Workloads: the dataset shapes of `bench/workloads.py` (every request new to the server), and `conversation`
 (`bench/conversation.py`: the trace window's own prompt and output lengths, ÷ `--trace-scale`, and its shared
 prefixes — a system prompt and earlier turns —, each conversation with one image); `conversation/8` is the same
-at its own scale, so one launch can compare two (`--workload conversation,conversation/8`).
+at its own scale, so one launch can compare two (`--workload conversation,conversation/8`); `trace:PATH` replays a
+trace file (`bench/recorded.py`: one a gateway recorded with `serve --record-trace`, or Mooncake's), its own
+arrivals, lengths, shared prefixes and pictures.
 """
 
 from __future__ import annotations
@@ -43,7 +45,7 @@ from pathlib import Path
 if not __package__:
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench import conversation  # noqa: E402
+from bench import conversation, recorded  # noqa: E402
 from bench.bodies import workload_of  # noqa: E402
 from bench.goodput_launch import launched, log_path, serve_args_of  # noqa: E402
 from bench.goodput_report import add_bound, finish, instances_of, replot  # noqa: E402
@@ -267,6 +269,7 @@ def sweep(base: str, model: str, workload: str, rates: list[float], args, label:
     from tqdm import tqdm
 
     bodies_of, shape = workload_of(workload, lambda: conversation.calibrate(base), model, args)
+    trace_gaps = recorded.arrivals_of(workload, args.num_prompts, args.seed, gaps)
     bodies = bodies_of(0)
     asyncio.run(run_rate(base, bodies[: args.warmup], [0.0] * args.warmup, args.time_scale))  # warm every path once
     points, below = [], 0
@@ -274,7 +277,7 @@ def sweep(base: str, model: str, workload: str, rates: list[float], args, label:
         # each point's images (and a conversation's words) are its own: a server that caches prefixes must not
         # answer a point from what an earlier one left in its cache
         bodies = bodies_of(k + 1)
-        times = arrivals(args.num_prompts, rate, args.arrival, args.seed, gaps)
+        times = arrivals(args.num_prompts, rate, args.arrival, args.seed, trace_gaps)
         with tqdm(
             total=len(bodies), desc=f"{label} {workload} @ {rate:g} req/s", unit="req", file=sys.stderr, leave=False
         ) as bar:
@@ -364,7 +367,8 @@ def parse_args(argv=None, prog: str = "epdmesh bench goodput", description: str 
         help=f"comma-separated: {', '.join(WORKLOADS)} (conversation: "
         "the trace's own lengths and shared prefixes, bench/conversation.py; conversation/8: with its "
         "own --trace-scale, so one launch can sweep two; document>detail>document: a load that shifts, the "
-        "requests in equal runs of those shapes, conversation[/N] among them, bench/workloads.phases_of)",
+        "requests in equal runs of those shapes, conversation[/N] among them, bench/workloads.phases_of; "
+        "trace:PATH: a trace file's requests and arrivals, bench/recorded.py)",
     )
     p.add_argument(
         "--trace-scale",

@@ -279,14 +279,18 @@ def trace_scale_of(workload: str, default: int) -> int | None:
     """A conversation workload's trace scale: `conversation/8` names its own, `conversation` takes `default`;
     None for a dataset shape or a shift between them (`phases_of`). Raises ValueError for a name that is neither,
     or a scale that does not divide the trace's 512-token blocks."""
+    if workload.startswith("trace:"):  # a trace file (`bench/recorded.py`): replayed at its own lengths
+        if not Path(workload[len("trace:") :]).expanduser().is_file():
+            raise ValueError(f"{workload!r}: no such trace file")
+        return None
     if phases_of(workload):
         return None
     name, slash, scale = workload.partition("/")
     if name != "conversation":
         if name not in SHAPES or slash:
             raise ValueError(
-                f"unknown workload {workload!r}; choose from {', '.join(WORKLOADS)}, conversation/N or A>B>… "
-                "(a shift between shapes)"
+                f"unknown workload {workload!r}; choose from {', '.join(WORKLOADS)}, conversation/N, A>B>… "
+                "(a shift between shapes) or trace:PATH (a recorded trace)"
             )
         return None
     value = default if not slash else int(scale) if scale.isdigit() else 0

@@ -30,6 +30,7 @@ from epdmesh.options import (
     add_slo_args,
     add_stage_calls_arg,
     add_tls_arg,
+    add_trace_args,
     profile_spec,
     routing_policy,
 )
@@ -73,6 +74,15 @@ def nothing_held(args) -> bool:
 
 
 def _cmd_serve(args) -> int:
+    if args.record_trace == "redis" and not args.redis_url:
+        args.redis_url = os.environ.get("REDIS_URL")
+    if args.record_trace == "redis" and not args.redis_url:
+        raise SystemExit(
+            "--record-trace redis: serve's own Redis ends with the mesh; give --redis-url (a Redis that outlives it) "
+            "or record to a file"
+        )
+    if args.record_trace == "redis" and args.topology != "local" and args.route_in != "gateway":
+        raise SystemExit("--record-trace redis: the gateway reaches Redis with --route-in gateway only")
     setup.resolve_model(args)
     if nothing_held(args):
         logging.getLogger("epdmesh").warning(
@@ -102,8 +112,11 @@ def _cmd_serve(args) -> int:
     logging.getLogger("epdmesh").info(
         "serving %s (%s) in one process on http://%s:%d/v1", args.served_model_name, args.model, args.host, args.port
     )
+    from services.gateway.trace_record import recorder_of
+
+    recorder = recorder_of(args, processor.config.image_token_id)
     try:
-        gateway_process.serve_http(LocalBackend(processor, engine), args, metrics, tracing, "info")
+        gateway_process.serve_http(LocalBackend(processor, engine, recorder), args, metrics, tracing, "info")
     finally:
         engine.shutdown()
     return 0
@@ -216,6 +229,19 @@ def _cmd_tls_init(args) -> int:
         f"Kubernetes: kubectl create secret generic epdmesh-tls --from-file={made.directory}/ca.crt "
         f"--from-file={made.directory}/tls.crt --from-file={made.directory}/tls.key"
     )
+    return 0
+
+
+def _cmd_trace_export(args) -> int:
+    from services.gateway.trace_record import export
+
+    if args.last < 0:
+        raise SystemExit("--last must be ≥ 0")
+    count, first, last = export(args.redis_url, args.key, args.out, args.last, tls.load(args.tls_dir))
+    if not count:
+        print(f"{args.key}: no requests recorded; nothing written", file=sys.stderr)
+        return 1
+    print(f"wrote {count} requests to {args.out} (arrivals over {(last - first) / 1e3:.1f} s)")
     return 0
 
 
@@ -381,6 +407,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_slo_args(serve)
     add_budget_args(serve)
     add_planner_args(serve)
+    add_trace_args(serve)
     serve.set_defaults(func=_cmd_serve)
 
     worker = sub.add_parser("worker", help="one worker: an engine and the gRPC services of its roles")
@@ -442,6 +469,24 @@ def build_parser() -> argparse.ArgumentParser:
     )
     init.add_argument("--days", type=int, default=365)
     init.set_defaults(func=_cmd_tls_init)
+
+    traces = sub.add_parser("trace", help="a recorded trace (serve --record-trace): epdmesh trace export --help")
+    traces_sub = traces.add_subparsers(dest="trace_command", required=True)
+    export = traces_sub.add_parser(
+        "export",
+        help="write the requests of a Redis stream that gateways record (--record-trace redis) to a trace file, "
+        "oldest first, for `--workload trace:PATH`",
+    )
+    export.add_argument(
+        "--redis-url",
+        default=os.environ.get("EPDMESH_REDIS_URL") or os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0"),
+        help="default: $EPDMESH_REDIS_URL, else $REDIS_URL, else redis://127.0.0.1:6379/0",
+    )
+    export.add_argument("--key", default="epdmesh:trace", help="the stream (the gateways' --record-trace-key)")
+    export.add_argument("--last", type=int, default=0, metavar="N", help="only the N most recent requests")
+    export.add_argument("--out", required=True, help="the trace file to write (JSON lines)")
+    add_tls_arg(export)
+    export.set_defaults(func=_cmd_trace_export)
 
     profile = sub.add_parser("profile", help="write a latency profile: measured on this machine, or analytic")
     add_model_args(profile)
@@ -512,6 +557,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_slo_args(gateway)
     add_router_args(gateway)
     add_planner_args(gateway)
+    add_trace_args(gateway)
     gateway.set_defaults(func=gateway_process.run)
     return parser
 

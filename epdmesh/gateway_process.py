@@ -74,6 +74,9 @@ def run(args) -> int:
     backend = MeshBackend(
         processor, args.toggle, max_model_len, metrics, tracing, router, args.stage_calls, mesh_tls, hold
     )
+    from services.gateway.trace_record import recorder_of
+
+    backend.recorder = recorder_of(args, config.image_token_id, mesh_tls)
     if args.planner:
         if not args.latency_profile:
             raise SystemExit("--planner needs a latency profile (--latency-profile; serve measures one by default)")

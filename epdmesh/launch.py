@@ -39,7 +39,7 @@ from common.ports import free_port
 from common.tls import MeshTls
 from common.topology import WorkerGroup, decoders_join, parse_topology
 from epdmesh.gpus import gpu_devices, memory_shares, worker_envs
-from epdmesh.options import planner_argv, reserved_output_tokens, router_argv
+from epdmesh.options import planner_argv, reserved_output_tokens, router_argv, trace_argv
 from services.gateway.edge import ENV as API_KEY_ENV
 from services.gateway.edge import api_keys
 
@@ -530,6 +530,7 @@ def serve_mesh(args) -> int:
             str(num_workers),
             *routing,
             *planner_argv(args),
+            *trace_argv(args),
         ]
         gateway_env = {}
         if args.route_in == "gateway":

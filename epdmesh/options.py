@@ -203,6 +203,45 @@ def planner_config(args):
         raise SystemExit(f"--planner: {e}") from None
 
 
+def add_trace_args(p: argparse.ArgumentParser) -> None:
+    """The gateway's recorded trace (`services/gateway/trace_record.py`), which the simulator and the topology search
+    replay (`--workload trace:PATH`)."""
+    p.add_argument(
+        "--record-trace",
+        metavar="PATH|redis",
+        help="record every request (arrival, prompt and answer lengths, prefix blocks and pictures as hashes — no "
+        "text) as a line of a Mooncake-format trace: appended to the file PATH, or `redis`: to a Redis stream that "
+        "every gateway of a mesh shares (`epdmesh trace export` writes it to a file); replay it with "
+        "`epdmesh plan --workload trace:PATH`",
+    )
+    p.add_argument(
+        "--record-trace-key", default="epdmesh:trace", help="with --record-trace redis: the stream's Redis key"
+    )
+    p.add_argument(
+        "--record-trace-max",
+        type=int,
+        default=100_000,
+        help="with --record-trace redis: the requests the stream keeps (its oldest trimmed past that, roughly)",
+    )
+
+
+def trace_argv(args) -> list[str]:
+    """The recorded trace's options, for the gateway process `serve` starts (a file's path made absolute)."""
+    if not args.record_trace:
+        return []
+    import os
+
+    spec = args.record_trace if args.record_trace == "redis" else os.path.abspath(args.record_trace)
+    return [
+        "--record-trace",
+        spec,
+        "--record-trace-key",
+        args.record_trace_key,
+        "--record-trace-max",
+        str(args.record_trace_max),
+    ]
+
+
 def add_slo_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--slo-ttft-ms", type=float, default=2000.0, help="default TTFT target (SLO attainment metrics)")
     p.add_argument("--slo-tbt-ms", type=float, default=200.0, help="default P90 time-between-tokens target")

@@ -24,7 +24,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench import conversation
+from bench import conversation, recorded
 from bench.bodies import workload_of
 from bench.goodput import Result, goodput_of, parse_args, summarize
 from bench.goodput_launch import serve_args_of
@@ -90,13 +90,14 @@ def sweep(setup: Setup, workload: str, rates: list[float], args, label: str, gap
     from tqdm import tqdm
 
     bodies_of, shape = workload_of(workload, lambda: conversation.calibrate_with(setup.count_tokens), setup.model, args)
+    trace_gaps = recorded.arrivals_of(workload, args.num_prompts, args.seed, gaps)
     points, below = [], 0
     for k, rate in enumerate(sorted(rates)):
         key = (setup.args.model, workload, k, args.num_prompts, args.seed)  # each point its own images, as the bench's
         if key not in _PROMPTS:  # the same for every configuration of the model: made once
             _PROMPTS[key] = [setup.prompt(body) for body in bodies_of(k + 1)]
         prompts = _PROMPTS[key]
-        times = arrivals(args.num_prompts, rate, args.arrival, args.seed, gaps)
+        times = arrivals(args.num_prompts, rate, args.arrival, args.seed, trace_gaps)
         with tqdm(total=len(prompts), desc=f"{label} {workload} @ {rate:g} req/s", unit="req", leave=False) as bar:
             point = run_point(setup, prompts, times, rate, args, bar, control_scale)
         points.append(point)

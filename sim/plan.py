@@ -36,7 +36,7 @@ import sys
 import time
 from pathlib import Path
 
-from bench import conversation
+from bench import conversation, recorded
 from bench.bodies import workload_of
 from bench.goodput import crossing
 from bench.workloads import arrivals, phase_sizes, phases_of, trace_scale_of, trace_times
@@ -164,12 +164,13 @@ def goodput_search(job: dict) -> dict:
             slo_ttft_ms=job["slo_ttft_ms"], slo_tbt_ms=job["slo_tbt_ms"], arrival=job["arrival"], seed=job["seed"]
         ),
     )
-    gaps = trace_times(seed=job["seed"]) if job["arrival"] == "mooncake" else None
+    own = job.get("arrivals")  # a trace file's: its window's own, each run their first as many as it sends
+    gaps = trace_times(seed=job["seed"]) if job["arrival"] == "mooncake" and own is None else None
     points = []
 
     def attained(rate: float) -> float:
         sent = sent_at(prompts, max(MIN_REQUESTS, math.ceil(rate * job["duration"])))
-        times = arrivals(len(sent), rate, job["arrival"], job["seed"], gaps)
+        times = arrivals(len(sent), rate, job["arrival"], job["seed"], own[: len(sent)] if own else gaps)
         point = run_point(setup, sent, times, rate, ns)
         points.append({k: point[k] for k in _KEPT})
         return point["slo_attainment"]
@@ -230,11 +231,13 @@ def main(argv=None) -> int:
     topologies = args.topologies or deployments(args.instances, args.space)
     logging.getLogger("epdmesh").setLevel(logging.WARNING)
     probe = Setup.of(fill(serve_args("EPD1", args.routings[0], args)))
-    prompts, loads, bounds = {}, {}, {}
+    prompts, loads, bounds, trace_gaps = {}, {}, {}, {}
     for workload in args.workloads:
-        args.num_prompts = SAMPLE  # the bound from a sample, then as many requests as a run at the bound sends
+        held = recorded.requests_in(workload) or math.inf  # a trace file's requests: a run sends at most those
+        args.num_prompts = min(SAMPLE, held)  # the bound from a sample, then as many as a run at the bound sends
         loads[workload], bounds[workload] = load_and_bound(workload, probe, hardware, args)
-        args.num_prompts = max(SAMPLE, math.ceil(bounds[workload] * args.duration))
+        args.num_prompts = min(max(SAMPLE, math.ceil(bounds[workload] * args.duration)), held)
+        trace_gaps[workload] = recorded.arrivals_of(workload, args.num_prompts, args.seed, None)
         bodies_of, _ = workload_of(workload, lambda: conversation.calibrate_with(probe.count_tokens), probe.model, args)
         made = iter([probe.prompt(body) for body in bodies_of(0)])
         runs = phase_sizes(args.num_prompts, len(phases_of(workload) or [workload]))
@@ -249,7 +252,7 @@ def main(argv=None) -> int:
         "duration": args.duration,
     }
     jobs = [
-        {"topology": t, "routing": r, "workload": w, "bound": bounds[w]}
+        {"topology": t, "routing": r, "workload": w, "bound": bounds[w], "arrivals": trace_gaps[w]}
         | {"serve_args": fill(serve_args(t, r, args, profile=args.budgets))}
         | common
         for w in args.workloads
@@ -262,7 +265,7 @@ def main(argv=None) -> int:
         vllm_args += ["--token-budget", str(tokens), "--image-budget", str(max(tokens // hardware.image_tokens, 1))]
         jobs += [
             {"topology": colocated, "routing": "least-loaded", "workload": w, "serve_args": fill(vllm_args)}
-            | {"bound": bounds[w], "baseline": label}
+            | {"bound": bounds[w], "baseline": label, "arrivals": trace_gaps[w]}
             | common
             for w in args.workloads
         ]

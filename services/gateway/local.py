@@ -18,9 +18,11 @@ from services.gateway.responses import Prepended
 class LocalBackend:
     """One colocated worker (all roles) in this process."""
 
-    def __init__(self, processor: ChatProcessor, engine: AsyncEngine):
+    def __init__(self, processor: ChatProcessor, engine: AsyncEngine, recorder=None):
+        """`recorder`: the recorded trace (`services/gateway/trace_record.py`), with `--record-trace`."""
         self.processor = processor
         self.engine = engine
+        self.recorder = recorder
 
     @property
     def max_model_len(self) -> int:
@@ -44,6 +46,8 @@ class LocalBackend:
         check_length(len(ids), sampling.max_tokens, self.max_model_len, chat.max_tokens_given)
         request = Request(request_id, ids, sampling, images, cache_salt=chat.cache_salt)
         stream = self.engine.generate(request)
+        if self.recorder is not None:
+            stream = self.recorder.observe(request, stream)
         try:
             first = await anext(stream)
         except RequestRejected as e:
@@ -60,6 +64,10 @@ class LocalBackend:
 
     def detokenize(self, ids: list[int]) -> str:
         return self.processor.detokenize(ids)
+
+    async def close(self) -> None:
+        if self.recorder is not None:
+            await self.recorder.close()
 
     async def stats(self) -> dict:
         return _asdict(self.engine.stats())

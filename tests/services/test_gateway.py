@@ -5,7 +5,9 @@ import base64
 import concurrent.futures
 import io
 import json
+import tempfile
 import time
+from pathlib import Path
 
 import httpx
 import openai
@@ -14,6 +16,9 @@ from PIL import Image
 
 from tests.services.servers import MODEL, assert_pools_full
 from tests.support import image, text_of
+
+TRACE = Path(tempfile.mkdtemp(prefix="epdmesh-test-")) / "trace.jsonl"
+SERVER_ARGS = ("--record-trace", str(TRACE))  # every request of this module recorded, local and mesh
 
 
 def data_uri(img) -> str:
@@ -672,3 +677,75 @@ def test_an_unknown_endpoint_or_method_is_an_openai_error_that_names_what_is_ser
     wrong = httpx.get(f"{server}/v1/chat/completions", timeout=60)
     assert wrong.status_code == 405 and wrong.headers["allow"] == "POST"
     assert "takes POST, not GET" in wrong.json()["error"]["message"]
+
+
+def _new_lines(seen: int, want: int, timeout: float = 20.0) -> list[dict]:
+    """The trace's lines after its first `seen`, once there are `want` of them (a line is written as a request's
+    stream ends)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        lines = TRACE.read_text().splitlines()[seen:] if TRACE.exists() else []
+        if len(lines) >= want or time.monotonic() > deadline:
+            return [json.loads(line) for line in lines]
+        time.sleep(0.05)
+
+
+def test_the_recorded_trace_has_every_request_as_served_and_replays_to_the_same_prompts(server):
+    from bench import conversation, recorded
+    from common import trace
+
+    seen = len(TRACE.read_text().splitlines()) if TRACE.exists() else 0
+    client = openai.OpenAI(base_url=f"{server}/v1", api_key="none")
+    words = text_of(40, 3)
+    chat = lambda img: [  # noqa: E731
+        {"role": "user", "content": [{"type": "text", "text": words}, {"type": "image", "image": img}]}
+    ]
+    conversations = [chat(image(1, 64, 48)), chat(image(1, 64, 48)), chat(image(2, 64, 48))]
+    conversations.append([{"role": "user", "content": [{"type": "text", "text": words}]}])
+    answers = [
+        client.chat.completions.create(model=MODEL, messages=to_openai(c), max_tokens=3 + i, temperature=0)
+        for i, c in enumerate(conversations)
+    ]
+    lines = _new_lines(seen, 4)
+    assert len(lines) == 4
+    rows = [trace.row_of(line) for line in lines]
+    for row, answer, i in zip(rows, answers, range(4)):
+        assert (row.input_length, row.output_length) == (answer.usage.prompt_tokens, answer.usage.completion_tokens)
+        assert row.max_tokens == 3 + i and row.finish_reason == answer.choices[0].finish_reason and row.ttft_ms > 0
+        assert len(row.hash_ids) == -(-row.input_length // trace.BLOCK_TOKENS)
+    ids = httpx.post(f"{server}/tokenize", json={"messages": to_openai(conversations[0])}, timeout=60).json()["tokens"]
+    image_token = max(set(ids), key=ids.count)  # the placeholders outnumber every word here
+    (picture,) = rows[0].images
+    assert picture.at == ids.index(image_token) > 0 and picture.tokens == ids.count(image_token)
+    assert rows[0].hash_ids == rows[1].hash_ids and rows[0].images == rows[1].images  # the same chat twice
+    assert rows[2].images[0].id != picture.id and rows[2].hash_ids != rows[0].hash_ids  # another picture
+    assert rows[3].images == () and rows[3].hash_ids != rows[0].hash_ids
+    assert [r.timestamp_ms for r in rows] == sorted(r.timestamp_ms for r in rows)
+
+    vocab = conversation.calibrate(server)  # replayed on the server that recorded them: the same prompt lengths
+    planned = recorded.plan(rows, vocab, recorded.Overheads(vocab.count, vocab))
+    bodies = recorded.request_bodies(planned, vocab, MODEL)
+    for row, body in zip(rows, bodies):
+        body = {**body, "stream": False, "max_tokens": 1}
+        body.pop("stream_options")
+        got = httpx.post(f"{server}/v1/chat/completions", json=body, timeout=120).json()
+        assert got["usage"]["prompt_tokens"] == row.input_length
+    assert len(_new_lines(seen, 8)) == 8  # the replayed ones are recorded too
+
+
+def test_a_request_whose_client_leaves_mid_answer_is_recorded_as_aborted(server):
+    seen = len(TRACE.read_text().splitlines()) if TRACE.exists() else 0
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "Tell a long story"}],
+        "max_tokens": 400,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    with httpx.stream("POST", f"{server}/v1/chat/completions", json=body, timeout=60) as response:
+        for line in response.iter_lines():
+            if line.startswith("data: ") and '"content"' in line:
+                break  # a token came: leave
+    (line,) = _new_lines(seen, 1)
+    assert line["finish_reason"] == "abort" and 0 < line["output_length"] < 400 and line["max_tokens"] == 400
+    assert_pools_full(server)

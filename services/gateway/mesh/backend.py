@@ -66,6 +66,7 @@ class MeshBackend:
         self.stages = Stages(self.channels, self.calls, self.tracing, spawn=self._spawn)
         self.failover = Failover(self.routes, self.stages, self.route_stats, self.prompts, metrics, hold_ttft_ms)
         self.planner = None  # the planner's task (`services/gateway/planner.py`), when it runs here
+        self.recorder = None  # the recorded trace (`services/gateway/trace_record.py`), with `--record-trace`
 
     async def start(self, chat: ChatRequest, request_id: str, span=None) -> tuple[int, AsyncIterator[RequestOutput]]:
         """The prompt's length and the request's outputs, its first one already come. `span`: the request's root
@@ -82,6 +83,8 @@ class MeshBackend:
         stream = self.failover.outputs(request, span, (chat.slo_ttft_ms, chat.slo_tbt_ms), route)
         if self.planner is not None:
             stream = self.planner.observe(request, stream)
+        if self.recorder is not None:
+            stream = self.recorder.observe(request, stream)
         first = await anext(stream)  # errors before the first token surface here, as an HTTP status
         return len(ids), Prepended(first, stream)
 
@@ -156,6 +159,8 @@ class MeshBackend:
     async def close(self) -> None:
         if self.planner is not None:
             await self.planner.stop()
+        if self.recorder is not None:
+            await self.recorder.close()
         await self.routes.close()
         await self.calls.close()
         await self.channels.close()

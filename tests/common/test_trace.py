@@ -1,0 +1,94 @@
+"""The trace format (`common/trace.py`): prefix-block ids, reading a recorded or a Mooncake trace, writing one."""
+
+import json
+
+import pytest
+
+from common import trace
+from common.request import image_marks
+
+IMAGE = 32000
+
+
+def test_one_id_a_block_the_last_partial_and_equal_prefixes_equal_ids():
+    a = list(range(1, 1201))  # 2 full blocks and 176 tokens
+    b = a[:1100] + [7] * 100  # differs in the third block only
+    ids_a, ids_b = trace.hash_ids(a), trace.hash_ids(b)
+    assert len(ids_a) == 3 and len(trace.hash_ids(a[:1024])) == 2 and len(trace.hash_ids(a[:1025])) == 3
+    assert ids_a[:2] == ids_b[:2] and ids_a[2] != ids_b[2]
+    assert trace.hash_ids(a[:1100])[:2] == ids_a[:2] and trace.hash_ids(a[:1100])[2] != ids_a[2]  # a shorter tail
+    assert all(0 <= h < 2**53 for h in ids_a)  # exact in every JSON reader
+    assert trace.hash_ids(a) == ids_a  # stable: a hash of the content, not of the process
+
+
+def test_a_picture_changes_its_block_and_every_block_after_and_a_salt_changes_all():
+    ids = list(range(1, 600)) + [IMAGE] * 10 + list(range(600, 1200))
+    marks_x = image_marks(ids, IMAGE, [("x", 10)])
+    marks_y = image_marks(ids, IMAGE, [("y", 10)])
+    x, y = trace.hash_ids(ids, marks_x), trace.hash_ids(ids, marks_y)
+    assert x[0] == y[0] and x[1] != y[1] and x[2] != y[2]  # the picture sits in the second block
+    assert set(trace.hash_ids(ids, marks_x, salt="tenant")).isdisjoint(x)
+    assert trace.image_id("x") == trace.image_id("x") != trace.image_id("y")
+
+
+def test_a_trace_reads_in_arrival_order_from_its_first_arrival_and_writes_back(tmp_path):
+    path = tmp_path / "t.jsonl"
+    lines = [
+        {"timestamp": 1_700_000_002_000, "input_length": 600, "output_length": 4, "hash_ids": [5, 6]},
+        {
+            "timestamp": 1_700_000_000_500,
+            "input_length": 700,
+            "output_length": 9,
+            "hash_ids": [5, 7],
+            "images": [{"id": 11, "tokens": 576, "at": 3}],
+            "max_tokens": 9,
+            "finish_reason": "length",
+            "ttft_ms": 81.5,
+        },
+    ]
+    path.write_text("# a comment\n" + "\n".join(json.dumps(x) for x in lines) + "\n\n")
+    rows = trace.read(path)
+    assert [r.timestamp_ms for r in rows] == [0.0, 1500.0] and [r.input_length for r in rows] == [700, 600]
+    assert rows[0].images == (trace.TraceImage(11, 576, 3),) and rows[0].ttft_ms == 81.5 and rows[1].images == ()
+    again = tmp_path / "again.jsonl"
+    assert trace.write(rows, again) == 2
+    assert trace.read(again) == rows
+
+
+def test_the_mooncake_trace_reads_as_it_is():
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "bench" / "data" / "mooncake_sample.jsonl"
+    rows = trace.read(path)
+    assert len(rows) == 40 and rows[0].timestamp_ms == 0 and all(r.images == () for r in rows)
+    assert all(len(r.hash_ids) == -(-r.input_length // trace.BLOCK_TOKENS) for r in rows)
+
+
+@pytest.mark.parametrize(
+    "line, fragment",
+    [
+        ("not json", ":2: not JSON"),
+        ("[1, 2]", ":2: not a JSON object"),
+        ('{"timestamp": 0, "output_length": 3}', ":2: no 'input_length' field"),
+        ('{"timestamp": 0, "input_length": 0, "output_length": 3}', "input_length must be ≥ 1"),
+        ('{"timestamp": 0, "input_length": 9, "output_length": 1, "images": [{"id": 1, "tokens": 10}]}', "exceed"),
+        (
+            '{"timestamp": 0, "input_length": 900, "output_length": 1, '
+            '"images": [{"id": 1, "tokens": 10, "at": 50}, {"id": 2, "tokens": 10, "at": 5}]}',
+            "must rise",
+        ),
+        ('{"timestamp": "soon", "input_length": 9, "output_length": 1}', ":2:"),
+    ],
+)
+def test_a_bad_line_is_an_error_that_names_the_line_and_the_field(tmp_path, line, fragment):
+    path = tmp_path / "bad.jsonl"
+    path.write_text('{"timestamp": 0, "input_length": 5, "output_length": 1, "hash_ids": [1]}\n' + line + "\n")
+    with pytest.raises(ValueError, match=fragment):
+        trace.read(path)
+
+
+def test_an_empty_trace_is_an_error(tmp_path):
+    path = tmp_path / "empty.jsonl"
+    path.write_text("\n# nothing\n")
+    with pytest.raises(ValueError, match="no requests"):
+        trace.read(path)
