@@ -157,10 +157,10 @@ def _parts(row: trace.TraceRow, words: int, output: int, prompt_tokens: int) -> 
             continue
         stop = min(position + left, next_image) if next_image is not None else position + left
         while position < stop:  # a run of words within one block
-            block = position // trace.BLOCK_TOKENS
-            end = min(stop, (block + 1) * trace.BLOCK_TOKENS)
+            block = position // row.block_tokens
+            end = min(stop, (block + 1) * row.block_tokens)
             block_id = row.hash_ids[block] if block < len(row.hash_ids) else -1 - block
-            text.append((block_id, position - block * trace.BLOCK_TOKENS, end - position))
+            text.append((block_id, position - block * row.block_tokens, end - position))
             left -= end - position
             position = end
     flush()
@@ -208,16 +208,16 @@ def request_bodies(
 def shared_prefixes(rows) -> list[int]:
     """Per request, the recorded prompt tokens it shares with an earlier request of the window: its leading block
     ids that an earlier request had at the same places (the last block not counted unless full)."""
-    seen: set[tuple[int, int]] = set()  # (block index, id): a chained id equal at an index is an equal prefix
+    seen: set[tuple[int, int, int]] = set()  # (block size, index, id): equal there, an equal prefix
     out = []
     for row in rows:
         shared = 0
         for index, block_id in enumerate(row.hash_ids):
-            if (index, block_id) not in seen:
+            if (row.block_tokens, index, block_id) not in seen:
                 break
-            shared = min((index + 1) * trace.BLOCK_TOKENS, row.input_length - 1)
+            shared = min((index + 1) * row.block_tokens, row.input_length - 1)
         out.append(max(shared, 0))
-        seen.update(enumerate(row.hash_ids))
+        seen.update((row.block_tokens, i, h) for i, h in enumerate(row.hash_ids))
     return out
 
 

@@ -8,8 +8,10 @@ a recorded trace or Mooncake's own. Fields of a line:
 - `timestamp`: arrival, in milliseconds (a recorded trace: since the Unix epoch; Mooncake's: since its first request);
 - `input_length`: the prompt's tokens as served, its images' placeholder tokens included;
 - `output_length`: the tokens generated;
-- `hash_ids`: one id per block of `BLOCK_TOKENS` prompt tokens (the last block may be partial), each chained on the
-  ones before: equal ids are an equal prefix, images included;
+- `hash_ids`: one id per block of prompt tokens (the last block may be partial), each chained on the ones before:
+  equal ids are an equal prefix, images included;
+- `block_tokens` (recorded traces): the tokens a block holds — 16 as a gateway records them by default, the engines'
+  KV block, so that every prefix the engines can share shows —; absent: Mooncake's 512;
 - `images` (recorded traces): per image in prompt order, `id` (equal ids, equal pictures), `tokens` (its
   placeholders) and `at` (the first one's position);
 - `max_tokens`, `finish_reason`, `ttft_ms` (recorded traces): what the client asked for and what it got.
@@ -29,7 +31,8 @@ from pathlib import Path
 
 from common.block_pool import chain_hashes
 
-BLOCK_TOKENS = 512  # Mooncake's block: a hash id per 512 prompt tokens
+MOONCAKE_BLOCK = 512  # Mooncake's block: a hash id per 512 prompt tokens (a line without `block_tokens`)
+RECORD_BLOCK = 16  # a recorded trace's, by default: the engines' KV block, the steps in which prefixes are cached
 ID_BITS = 53  # ids a JSON number keeps exactly (a double's mantissa)
 _PAD = -1  # a token id no tokenizer makes: pads the last, partial block so that it gets an id of its own
 
@@ -53,6 +56,7 @@ class TraceRow:
     max_tokens: int | None = None
     finish_reason: str | None = None
     ttft_ms: float | None = None
+    block_tokens: int = MOONCAKE_BLOCK
 
     def as_json(self) -> dict:
         out = {
@@ -61,6 +65,8 @@ class TraceRow:
             "output_length": self.output_length,
             "hash_ids": list(self.hash_ids),
         }
+        if self.block_tokens != MOONCAKE_BLOCK:
+            out["block_tokens"] = self.block_tokens
         if self.images:
             out["images"] = [
                 {"id": i.id, "tokens": i.tokens, **({"at": i.at} if i.at is not None else {})} for i in self.images
@@ -71,12 +77,14 @@ class TraceRow:
         return out
 
 
-def hash_ids(token_ids: Sequence[int], marks: Sequence[tuple[int, int]] = (), salt: str = "") -> tuple[int, ...]:
-    """One id per `BLOCK_TOKENS` of the prompt, the last block partial, each a prefix identity (`chain_hashes`, the
+def hash_ids(
+    token_ids: Sequence[int], marks: Sequence[tuple[int, int]] = (), salt: str = "", block: int = RECORD_BLOCK
+) -> tuple[int, ...]:
+    """One id per `block` tokens of the prompt, the last block partial, each a prefix identity (`chain_hashes`, the
     prefix cache's own hashing: `marks` are its images' (position, identity), `salt` the request's `cache_salt`)."""
-    padded = list(token_ids) + [_PAD] * (-len(token_ids) % BLOCK_TOKENS)
+    padded = list(token_ids) + [_PAD] * (-len(token_ids) % block)
     mask = (1 << ID_BITS) - 1
-    return tuple(h & mask for h in chain_hashes(padded, BLOCK_TOKENS, marks, salt))
+    return tuple(h & mask for h in chain_hashes(padded, block, marks, salt))
 
 
 def image_id(content_hash: str) -> int:
@@ -104,13 +112,14 @@ def row_of(obj: dict, where: str = "") -> TraceRow:
             int(obj["max_tokens"]) if obj.get("max_tokens") is not None else None,
             obj.get("finish_reason"),
             float(obj["ttft_ms"]) if obj.get("ttft_ms") is not None else None,
+            int(obj.get("block_tokens") or MOONCAKE_BLOCK),
         )
     except KeyError as e:
         raise ValueError(f"{where}: no {e.args[0]!r} field") from None
     except (TypeError, ValueError) as e:
         raise ValueError(f"{where}: {e}") from None
-    if row.input_length < 1 or row.output_length < 0:
-        raise ValueError(f"{where}: input_length must be ≥ 1 and output_length ≥ 0")
+    if row.input_length < 1 or row.output_length < 0 or row.block_tokens < 1:
+        raise ValueError(f"{where}: input_length and block_tokens must be ≥ 1, output_length ≥ 0")
     if sum(i.tokens for i in row.images) > row.input_length:
         raise ValueError(f"{where}: its images' tokens exceed its input_length")
     ats = [i.at for i in row.images if i.at is not None]

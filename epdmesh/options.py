@@ -220,8 +220,16 @@ def add_trace_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--record-trace-max",
         type=int,
-        default=100_000,
-        help="with --record-trace redis: the requests the stream keeps (its oldest trimmed past that, roughly)",
+        default=50_000,
+        help="with --record-trace redis: the requests the stream keeps (its oldest trimmed past that, roughly; a "
+        "request's line is ~1 KB at 1,000 prompt tokens)",
+    )
+    p.add_argument(
+        "--record-trace-block",
+        type=int,
+        default=16,
+        help="prompt tokens per prefix id: 16, the engines' KV block, shows every prefix they can share; 512 is "
+        "Mooncake's (shorter lines, shared prefixes only in whole 512-token blocks)",
     )
 
 
@@ -239,6 +247,8 @@ def trace_argv(args) -> list[str]:
         args.record_trace_key,
         "--record-trace-max",
         str(args.record_trace_max),
+        "--record-trace-block",
+        str(args.record_trace_block),
     ]
 
 

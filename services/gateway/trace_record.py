@@ -71,9 +71,11 @@ class RedisSink:
 
 
 class TraceRecorder:
-    def __init__(self, sink, image_token_id: int | None):
+    def __init__(self, sink, image_token_id: int | None, block: int = trace.RECORD_BLOCK):
+        """`block`: the tokens a prefix id stands for (`--record-trace-block`)."""
         self.sink = sink
         self.image_token_id = image_token_id
+        self.block = block
         self.recorded = 0
 
     async def observe(self, request: Request, outputs: AsyncIterator[RequestOutput]) -> AsyncIterator[RequestOutput]:
@@ -106,7 +108,7 @@ class TraceRecorder:
                 round(arrival_ms, 3),
                 len(ids),
                 len(final.output_token_ids) if final is not None else 0,
-                trace.hash_ids(ids, marks, request.cache_salt),
+                trace.hash_ids(ids, marks, request.cache_salt, self.block),
                 tuple(
                     trace.TraceImage(trace.image_id(i.content_hash), i.num_tokens, at)
                     for i, (at, _) in zip(request.images, marks)
@@ -114,6 +116,7 @@ class TraceRecorder:
                 request.sampling.max_tokens,
                 reason,
                 round((first_at - request.arrival_time) * 1e3, 3) if first_at is not None else None,
+                self.block,
             )
             self.sink.write(json.dumps(row.as_json(), separators=(",", ":")))
             self.recorded += 1
@@ -130,6 +133,8 @@ def recorder_of(args, image_token_id: int | None, mesh_tls=None) -> TraceRecorde
     spec = args.record_trace
     if not spec:
         return None
+    if args.record_trace_block < 1:
+        raise SystemExit("--record-trace-block must be at least 1")
     if spec == "redis":
         if not getattr(args, "redis_url", None):
             raise SystemExit("--record-trace redis: this gateway has no Redis (--redis-url); record to a file instead")
@@ -138,9 +143,9 @@ def recorder_of(args, image_token_id: int | None, mesh_tls=None) -> TraceRecorde
         from services.routing.registry import redis_client
 
         sink = RedisSink(redis_client(args.redis_url, mesh_tls), args.record_trace_key, args.record_trace_max)
-        return TraceRecorder(sink, image_token_id)
+        return TraceRecorder(sink, image_token_id, args.record_trace_block)
     try:
-        return TraceRecorder(FileSink(spec), image_token_id)
+        return TraceRecorder(FileSink(spec), image_token_id, args.record_trace_block)
     except OSError as e:
         raise SystemExit(f"--record-trace: cannot append to {spec}: {e.strerror}") from None
 

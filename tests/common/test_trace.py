@@ -11,23 +11,27 @@ IMAGE = 32000
 
 
 def test_one_id_a_block_the_last_partial_and_equal_prefixes_equal_ids():
-    a = list(range(1, 1201))  # 2 full blocks and 176 tokens
+    a = list(range(1, 1201))  # 2 full blocks of 512 and 176 tokens
     b = a[:1100] + [7] * 100  # differs in the third block only
-    ids_a, ids_b = trace.hash_ids(a), trace.hash_ids(b)
-    assert len(ids_a) == 3 and len(trace.hash_ids(a[:1024])) == 2 and len(trace.hash_ids(a[:1025])) == 3
+    ids_a, ids_b = trace.hash_ids(a, block=512), trace.hash_ids(b, block=512)
+    assert len(ids_a) == 3 and len(trace.hash_ids(a[:1024], block=512)) == 2
+    assert len(trace.hash_ids(a[:1025], block=512)) == 3
     assert ids_a[:2] == ids_b[:2] and ids_a[2] != ids_b[2]
-    assert trace.hash_ids(a[:1100])[:2] == ids_a[:2] and trace.hash_ids(a[:1100])[2] != ids_a[2]  # a shorter tail
+    shorter = trace.hash_ids(a[:1100], block=512)
+    assert shorter[:2] == ids_a[:2] and shorter[2] != ids_a[2]  # a shorter tail
     assert all(0 <= h < 2**53 for h in ids_a)  # exact in every JSON reader
-    assert trace.hash_ids(a) == ids_a  # stable: a hash of the content, not of the process
+    assert trace.hash_ids(a, block=512) == ids_a  # stable: a hash of the content, not of the process
+    fine, fine_b = trace.hash_ids(a), trace.hash_ids(b)  # the recorder's default: the engines' 16-token KV block
+    assert len(fine) == 75 and fine[:68] == fine_b[:68] and fine[68] != fine_b[68]  # 1100 = 68 × 16 + 12
 
 
 def test_a_picture_changes_its_block_and_every_block_after_and_a_salt_changes_all():
     ids = list(range(1, 600)) + [IMAGE] * 10 + list(range(600, 1200))
     marks_x = image_marks(ids, IMAGE, [("x", 10)])
     marks_y = image_marks(ids, IMAGE, [("y", 10)])
-    x, y = trace.hash_ids(ids, marks_x), trace.hash_ids(ids, marks_y)
+    x, y = trace.hash_ids(ids, marks_x, block=512), trace.hash_ids(ids, marks_y, block=512)
     assert x[0] == y[0] and x[1] != y[1] and x[2] != y[2]  # the picture sits in the second block
-    assert set(trace.hash_ids(ids, marks_x, salt="tenant")).isdisjoint(x)
+    assert set(trace.hash_ids(ids, marks_x, salt="tenant", block=512)).isdisjoint(x)
     assert trace.image_id("x") == trace.image_id("x") != trace.image_id("y")
 
 
@@ -44,12 +48,14 @@ def test_a_trace_reads_in_arrival_order_from_its_first_arrival_and_writes_back(t
             "max_tokens": 9,
             "finish_reason": "length",
             "ttft_ms": 81.5,
+            "block_tokens": 16,
         },
     ]
     path.write_text("# a comment\n" + "\n".join(json.dumps(x) for x in lines) + "\n\n")
     rows = trace.read(path)
     assert [r.timestamp_ms for r in rows] == [0.0, 1500.0] and [r.input_length for r in rows] == [700, 600]
     assert rows[0].images == (trace.TraceImage(11, 576, 3),) and rows[0].ttft_ms == 81.5 and rows[1].images == ()
+    assert (rows[0].block_tokens, rows[1].block_tokens) == (16, trace.MOONCAKE_BLOCK)
     again = tmp_path / "again.jsonl"
     assert trace.write(rows, again) == 2
     assert trace.read(again) == rows
@@ -61,7 +67,7 @@ def test_the_mooncake_trace_reads_as_it_is():
     path = Path(__file__).resolve().parents[2] / "bench" / "data" / "mooncake_sample.jsonl"
     rows = trace.read(path)
     assert len(rows) == 40 and rows[0].timestamp_ms == 0 and all(r.images == () for r in rows)
-    assert all(len(r.hash_ids) == -(-r.input_length // trace.BLOCK_TOKENS) for r in rows)
+    assert all(r.block_tokens == 512 and len(r.hash_ids) == -(-r.input_length // 512) for r in rows)
 
 
 @pytest.mark.parametrize(
@@ -70,7 +76,8 @@ def test_the_mooncake_trace_reads_as_it_is():
         ("not json", ":2: not JSON"),
         ("[1, 2]", ":2: not a JSON object"),
         ('{"timestamp": 0, "output_length": 3}', ":2: no 'input_length' field"),
-        ('{"timestamp": 0, "input_length": 0, "output_length": 3}', "input_length must be ≥ 1"),
+        ('{"timestamp": 0, "input_length": 0, "output_length": 3}', "input_length and block_tokens must be ≥ 1"),
+        ('{"timestamp": 0, "input_length": 5, "output_length": 3, "block_tokens": -4}', "block_tokens must be ≥ 1"),
         ('{"timestamp": 0, "input_length": 9, "output_length": 1, "images": [{"id": 1, "tokens": 10}]}', "exceed"),
         (
             '{"timestamp": 0, "input_length": 900, "output_length": 1, '

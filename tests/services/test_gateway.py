@@ -712,7 +712,7 @@ def test_the_recorded_trace_has_every_request_as_served_and_replays_to_the_same_
     for row, answer, i in zip(rows, answers, range(4)):
         assert (row.input_length, row.output_length) == (answer.usage.prompt_tokens, answer.usage.completion_tokens)
         assert row.max_tokens == 3 + i and row.finish_reason == answer.choices[0].finish_reason and row.ttft_ms > 0
-        assert len(row.hash_ids) == -(-row.input_length // trace.BLOCK_TOKENS)
+        assert row.block_tokens == 16 and len(row.hash_ids) == -(-row.input_length // 16)
     ids = httpx.post(f"{server}/tokenize", json={"messages": to_openai(conversations[0])}, timeout=60).json()["tokens"]
     image_token = max(set(ids), key=ids.count)  # the placeholders outnumber every word here
     (picture,) = rows[0].images
