@@ -7,8 +7,10 @@ workload is):
 
 1. The window: `--num-prompts` consecutive requests, its start drawn by `--seed` as the arrivals' window is
    (`workloads.window_start`); arrivals are the trace's own times, rescaled to each rate point's mean rate.
-2. One user message: the request's pictures where the trace has them (a recorded trace keeps each picture's first
-   placeholder position; Mooncake's traces have none), and between them words, one token each. Its prompt length is
+2. Words, one token each, and the request's pictures where the trace has them (a recorded trace keeps each picture's
+   first placeholder position; Mooncake's traces have none): the words before the first picture as the system
+   message (a template such as LLaVA's renders the user's pictures before the user's text: a system message is what
+   comes before them), the pictures and the words after them as the user's message, in order. Its prompt length is
    the trace's `input_length` — the server's template and picture tokens counted (`/tokenize` on the replaying
    server; pictures are synthetic 640 × 480 JPEGs, equal trace ids the same picture) — so on the model that
    recorded it the replay is that long, on another model each picture takes that model's tokens.
@@ -85,14 +87,9 @@ class Overheads:
         if layout not in self._of:
             uris = iter(images(_SHAPE, layout.count("image"), 0))
             word = " " + self.vocab.words[0]
-            content = [
-                {"type": "image_url", "image_url": {"url": next(uris)}}
-                if kind == "image"
-                else {"type": "text", "text": word}
-                for kind in layout
-            ]
-            body = {"messages": [{"role": "user", "content": content}]}
-            self._of[layout] = self.count(body)["count"] - layout.count("text")
+            parts = [("image", next(uris)) if kind == "image" else (kind, word) for kind in layout]
+            body = {"messages": _messages(parts)}
+            self._of[layout] = self.count(body)["count"] - len(layout) + layout.count("image")
         return self._of[layout]
 
 
@@ -164,6 +161,8 @@ def _parts(row: trace.TraceRow, words: int, output: int, prompt_tokens: int) -> 
             left -= end - position
             position = end
     flush()
+    if len(parts) > 1 and parts[0][0] == "text":  # words before the first picture: a system message, which a
+        parts[0] = ("system", parts[0][1])  # template renders before the user's turn (LLaVA's puts pictures first)
     return Planned(tuple(parts), output, prompt_tokens, tuple(ends))
 
 
@@ -183,13 +182,10 @@ def request_bodies(
     uris = dict(zip(ids, images(_SHAPE, len(ids), seed, variant))) if ids else {}
     bodies = []
     for p in planned:
-        content = []
-        for kind, value in p.parts:
-            if kind == "image":
-                content.append({"type": "image_url", "image_url": {"url": uris[value]}})
-            else:
-                words = "".join(block_words(vocab, b, o, n, seed, variant) for b, o, n in value)
-                content.append({"type": "text", "text": words})
+        parts = [
+            (kind, uris[value] if kind == "image" else "".join(block_words(vocab, *b, seed, variant) for b in value))
+            for kind, value in p.parts
+        ]
         bodies.append(
             {
                 "model": model,
@@ -199,10 +195,24 @@ def request_bodies(
                 "ignore_eos": True,
                 "temperature": 0.0,
                 "return_token_ids": True,
-                "messages": [{"role": "user", "content": content}],
+                "messages": _messages(parts),
             }
         )
     return bodies
+
+
+def _messages(parts: list[tuple[str, str]]) -> list[dict]:
+    """(kind, text or picture URI) parts as chat messages: a leading "system" part the system message, the rest the
+    user's, in order."""
+    out = []
+    if parts and parts[0][0] == "system":
+        out.append({"role": "system", "content": parts[0][1]})
+        parts = parts[1:]
+    content = [
+        {"type": "image_url", "image_url": {"url": value}} if kind == "image" else {"type": "text", "text": value}
+        for kind, value in parts
+    ]
+    return out + [{"role": "user", "content": content}]
 
 
 def shared_prefixes(rows) -> list[int]:

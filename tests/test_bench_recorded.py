@@ -19,12 +19,16 @@ SAMPLE = Path(__file__).resolve().parents[1] / "bench" / "data" / "mooncake_samp
 
 
 def fake_count(body: dict) -> dict:
-    """A server's `/tokenize`: 3 template tokens, a picture `IMAGE_TOKENS` and a newline, a word a token, and a
-    separator between two parts of a message."""
-    content = body["messages"][0]["content"]
-    count = 3 + max(len(content) - 1, 0)
-    for part in content:
-        count += IMAGE_TOKENS + 1 if part["type"] == "image_url" else len(part["text"].split())
+    """A server's `/tokenize`: 3 template tokens, 2 a message, a picture `IMAGE_TOKENS` and a newline, a word a
+    token, and a separator between two parts of a message."""
+    count = 3
+    for message in body["messages"]:
+        content = message["content"]
+        if isinstance(content, str):
+            content = [{"type": "text", "text": content}]
+        count += 2 + max(len(content) - 1, 0)
+        for part in content:
+            count += IMAGE_TOKENS + 1 if part["type"] == "image_url" else len(part["text"].split())
     return {"count": count, "max_model_len": 2000}
 
 
@@ -41,12 +45,20 @@ def row(ids, length, output=5, images=(), at=None):
     )
 
 
+def parts_of(body: dict) -> list[dict]:
+    out = []
+    for message in body["messages"]:
+        content = message["content"]
+        out += [{"type": "text", "text": content}] if isinstance(content, str) else content
+    return out
+
+
 def words_of(body: dict) -> list[str]:
-    return [w for part in body["messages"][0]["content"] if part["type"] == "text" for w in part["text"].split()]
+    return [w for part in parts_of(body) if part["type"] == "text" for w in part["text"].split()]
 
 
 def pictures_of(body: dict) -> list[str]:
-    return [p["image_url"]["url"] for p in body["messages"][0]["content"] if p["type"] == "image_url"]
+    return [p["image_url"]["url"] for p in parts_of(body) if p["type"] == "image_url"]
 
 
 def plan(rows):
@@ -66,7 +78,9 @@ def test_each_request_is_as_long_as_the_trace_says_on_the_servers_count_pictures
         [fake_count(b)["count"] for b in bodies] == [r.input_length for r in rows] == [p.prompt_tokens for p in planned]
     )
     layouts = [[kind for kind, _ in p.parts] for p in planned]
-    assert layouts == [["text", "image", "text"], ["text"], ["image", "image", "text"], ["image", "text"]]
+    assert layouts == [["system", "image", "text"], ["text"], ["image", "image", "text"], ["image", "text"]]
+    assert [m["role"] for m in bodies[0]["messages"]] == ["system", "user"]  # words before a picture: rendered first
+    assert [m["role"] for m in bodies[1]["messages"]] == ["user"]
     assert planned[0].parts[0][1] == ((1, 0, 512), (2, 0, 88))  # the words before the picture, by recorded position
     assert planned[0].image_ends == (620,)
     assert (
@@ -79,7 +93,7 @@ def test_equal_leading_ids_are_equal_leading_words_and_each_rate_point_has_its_o
     a, b, c = row([1, 2, 3], 1300), row([1, 2, 4], 1300), row([5, 2, 3], 1300)
     bodies = recorded.request_bodies(plan([a, b, c]), VOCAB, "m")
     wa, wb, wc = (words_of(x) for x in bodies)
-    first_two = 1024 - (3 + 0)  # the template's tokens are words here: the blocks shift by them, alike everywhere
+    first_two = 1024 - (3 + 2)  # the template's tokens are words here: the blocks shift by them, alike everywhere
     assert wa[:first_two] == wb[:first_two] and wa[first_two:] != wb[first_two:]
     assert wa[:512] != wc[:512]
     other = recorded.request_bodies(plan([a]), VOCAB, "m", variant=1)

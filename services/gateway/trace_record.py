@@ -90,12 +90,12 @@ class TraceRecorder:
                     first_at = time.monotonic()
                 final = out
                 yield out
-            if final is not None and final.finished:
-                reason = final.finish_reason or "stop"
         except Exception:
             reason = "error"
             raise
         finally:
+            if final is not None and final.finished:  # a stream its reader closes at its last output ended well
+                reason = final.finish_reason or "stop"
             self._record(request, arrival_ms, final, reason, first_at)
             if hasattr(outputs, "aclose"):  # the request ends now (the client gone), not when it is collected
                 await outputs.aclose()

@@ -733,8 +733,14 @@ def test_the_recorded_trace_has_every_request_as_served_and_replays_to_the_same_
     assert len(_new_lines(seen, 8)) == 8  # the replayed ones are recorded too
 
 
-def test_a_request_whose_client_leaves_mid_answer_is_recorded_as_aborted(server):
+def test_a_request_whose_client_leaves_mid_answer_is_recorded_as_aborted_and_a_streamed_answer_as_finished(server):
     seen = len(TRACE.read_text().splitlines()) if TRACE.exists() else 0
+    streamed = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 6, "stream": True}
+    with httpx.stream("POST", f"{server}/v1/chat/completions", json={**streamed, "ignore_eos": True}) as response:
+        assert sum(1 for line in response.iter_lines() if line.startswith("data: ")) > 1
+    (line,) = _new_lines(seen, 1)
+    assert (line["finish_reason"], line["output_length"]) == ("length", 6)
+    seen += 1
     body = {
         "model": MODEL,
         "messages": [{"role": "user", "content": "Tell a long story"}],
