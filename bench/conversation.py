@@ -32,7 +32,7 @@ import gzip
 import random
 from pathlib import Path
 
-from bench.workloads import TRACE_BLOCK_TOKENS, Shape, images, window_start
+from bench.workloads import TRACE_BLOCK_TOKENS, Shape, chat_body, images, window_start
 
 BLOCKS = Path(__file__).resolve().parent / "data" / "mooncake_conversation_blocks.txt.gz"
 IMAGE_SIZE = (640, 480)
@@ -277,18 +277,8 @@ def request_bodies(
     for p in planned:
         (h0, n0), rest = p.blocks[0], p.blocks[1:]
         user = "".join(block_text(vocab, h, k, seed, variant) for h, k in rest)
-        bodies.append(
-            {
-                "model": model,
-                "stream": True,
-                "stream_options": {"include_usage": True},
-                "max_tokens": p.output_tokens,
-                "ignore_eos": True,
-                "temperature": 0.0,
-                "return_token_ids": True,
-                "messages": chat_messages(block_text(vocab, h0, n0, seed, variant), user, uris[p.conversation]),
-            }
-        )
+        system = block_text(vocab, h0, n0, seed, variant)
+        bodies.append(chat_body(model, p.output_tokens, chat_messages(system, user, uris[p.conversation])))
     return bodies
 
 

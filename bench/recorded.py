@@ -31,7 +31,7 @@ import statistics
 from pathlib import Path
 
 from bench.conversation import IMAGE_SIZE, Vocabulary
-from bench.workloads import Shape, images, window_start
+from bench.workloads import Shape, chat_body, images, window_start
 from common import trace
 
 PREFIX = "trace:"
@@ -186,18 +186,7 @@ def request_bodies(
             (kind, uris[value] if kind == "image" else "".join(block_words(vocab, *b, seed, variant) for b in value))
             for kind, value in p.parts
         ]
-        bodies.append(
-            {
-                "model": model,
-                "stream": True,
-                "stream_options": {"include_usage": True},
-                "max_tokens": p.output_tokens,
-                "ignore_eos": True,
-                "temperature": 0.0,
-                "return_token_ids": True,
-                "messages": _messages(parts),
-            }
-        )
+        bodies.append(chat_body(model, p.output_tokens, _messages(parts)))
     return bodies
 
 

@@ -353,15 +353,10 @@ def request_bodies(
     k = shape.images
     uris = images(shape, min(n * k, distinct_images or n * k), seed, variant)
     return [
-        {
-            "model": model,
-            "stream": True,
-            "stream_options": {"include_usage": True},
-            "max_tokens": shape.output_tokens,
-            "ignore_eos": True,
-            "temperature": 0.0,
-            "return_token_ids": True,
-            "messages": [
+        chat_body(
+            model,
+            shape.output_tokens,
+            [
                 {
                     "role": "user",
                     "content": [
@@ -370,9 +365,24 @@ def request_bodies(
                     ],
                 }
             ],
-        }
+        )
         for i in range(n)
     ]
+
+
+def chat_body(model: str, max_tokens: int, messages: list[dict]) -> dict:
+    """A workload's chat request: streamed with the usage last and the token ids of each chunk, greedy, exactly
+    `max_tokens` tokens (EOS ignored)."""
+    return {
+        "model": model,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "max_tokens": max_tokens,
+        "ignore_eos": True,
+        "temperature": 0.0,
+        "return_token_ids": True,
+        "messages": messages,
+    }
 
 
 def trace_times(path: Path = TRACE, seed: int = 0) -> list[float]:
