@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator
 
 from common.engine.async_engine import AsyncEngine
@@ -35,6 +36,7 @@ class LocalBackend:
         return min(self.max_model_len, kv.pool.num_blocks * kv.block_size)
 
     async def start(self, chat: ChatRequest, request_id: str, span=None) -> tuple[int, AsyncIterator[RequestOutput]]:
+        arrival = time.monotonic()
         try:
             if not chat.num_images and chat.short_text:  # on the loop: a thread hop costs more than tokenizing
                 ids, images = self._inputs(chat)
@@ -47,7 +49,7 @@ class LocalBackend:
         request = Request(request_id, ids, sampling, images, cache_salt=chat.cache_salt)
         stream = self.engine.generate(request)
         if self.recorder is not None:
-            stream = self.recorder.observe(request, stream)
+            stream = self.recorder.observe(request, stream, arrival)
         try:
             first = await anext(stream)
         except RequestRejected as e:

@@ -78,9 +78,13 @@ class TraceRecorder:
         self.block = block
         self.recorded = 0
 
-    async def observe(self, request: Request, outputs: AsyncIterator[RequestOutput]) -> AsyncIterator[RequestOutput]:
-        """The request's outputs, passed through; its line written when they end."""
-        arrival_ms = time.time() * 1e3 - (time.monotonic() - request.arrival_time) * 1e3  # wall clock at arrival
+    async def observe(
+        self, request: Request, outputs: AsyncIterator[RequestOutput], arrival: float | None = None
+    ) -> AsyncIterator[RequestOutput]:
+        """The request's outputs, passed through; its line written when they end. `arrival` (monotonic): when the
+        backend got it, where that is before `request.arrival_time` (the local engine's: once its prompt is made)."""
+        arrival = request.arrival_time if arrival is None else arrival
+        arrival_ms = time.time() * 1e3 - (time.monotonic() - arrival) * 1e3  # wall clock at arrival
         first_at = None
         final = None
         reason = "abort"
@@ -96,11 +100,13 @@ class TraceRecorder:
         finally:
             if final is not None and final.finished:  # a stream its reader closes at its last output ended well
                 reason = final.finish_reason or "stop"
-            self._record(request, arrival_ms, final, reason, first_at)
+            self._record(request, arrival, arrival_ms, final, reason, first_at)
             if hasattr(outputs, "aclose"):  # the request ends now (the client gone), not when it is collected
                 await outputs.aclose()
 
-    def _record(self, request: Request, arrival_ms: float, final, reason: str, first_at: float | None) -> None:
+    def _record(
+        self, request: Request, arrival: float, arrival_ms: float, final, reason: str, first_at: float | None
+    ) -> None:
         try:
             ids = request.prompt_token_ids
             marks = image_marks(ids, self.image_token_id, [(i.content_hash, i.num_tokens) for i in request.images])
@@ -115,7 +121,7 @@ class TraceRecorder:
                 ),
                 request.sampling.max_tokens,
                 reason,
-                round((first_at - request.arrival_time) * 1e3, 3) if first_at is not None else None,
+                round((first_at - arrival) * 1e3, 3) if first_at is not None else None,
                 self.block,
             )
             self.sink.write(json.dumps(row.as_json(), separators=(",", ":")))
