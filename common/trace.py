@@ -159,3 +159,46 @@ def write(rows: Iterable[TraceRow | dict], path: str | Path) -> int:
             f.write(json.dumps(row.as_json() if isinstance(row, TraceRow) else row, separators=(",", ":")) + "\n")
             count += 1
     return count
+
+
+def summary(rows: Sequence[TraceRow]) -> dict:
+    """What a trace holds, as `epdmesh trace stats` prints it: its span and rates (mean, and the busiest minute's),
+    prompt and answer lengths, pictures, the prompt tokens an earlier request of the trace shares (what a prefix
+    cache that never evicts could skip), finish reasons and the recorded TTFTs."""
+    import collections
+    import statistics
+
+    def quantiles(values: list[float]) -> dict:
+        if not values:
+            return {}
+        values = sorted(values)
+        pick = lambda q: values[min(len(values) - 1, int(q * len(values)))]  # noqa: E731
+        return {"mean": statistics.fmean(values), "p50": pick(0.5), "p90": pick(0.9), "p99": pick(0.99)}
+
+    times = [r.timestamp_ms / 1e3 for r in rows]
+    span = times[-1] - times[0] if rows else 0.0
+    per_minute = collections.Counter(int((t - times[0]) // 60) for t in times)
+    seen: set[tuple[int, int, int]] = set()
+    shared = 0
+    for r in rows:
+        run = 0
+        for index, block_id in enumerate(r.hash_ids):
+            if (r.block_tokens, index, block_id) not in seen:
+                break
+            run = min((index + 1) * r.block_tokens, r.input_length)
+        shared += run
+        seen.update((r.block_tokens, i, h) for i, h in enumerate(r.hash_ids))
+    prompts = sum(r.input_length for r in rows)
+    return {
+        "requests": len(rows),
+        "span_s": span,
+        "mean_rate": (len(rows) - 1) / span if span > 0 else None,
+        "busiest_minute_rate": max(per_minute.values()) / 60 if span >= 60 else None,
+        "prompt_tokens": quantiles([r.input_length for r in rows]),
+        "output_tokens": quantiles([r.output_length for r in rows]),
+        "images_per_request": statistics.fmean(len(r.images) for r in rows) if rows else 0.0,
+        "shared_prefix_fraction": shared / prompts if prompts else 0.0,
+        "finish_reasons": dict(collections.Counter(r.finish_reason or "unrecorded" for r in rows)),
+        "ttft_ms": quantiles([r.ttft_ms for r in rows if r.ttft_ms is not None]),
+        "block_tokens": sorted({r.block_tokens for r in rows}),
+    }

@@ -245,6 +245,40 @@ def _cmd_trace_export(args) -> int:
     return 0
 
 
+def _cmd_trace_stats(args) -> int:
+    import json
+
+    from common import trace
+
+    try:
+        rows = trace.read(args.path)
+    except (OSError, ValueError) as e:
+        raise SystemExit(f"epdmesh trace stats: {e}") from None
+    s = trace.summary(rows)
+    if args.json:
+        print(json.dumps(s, indent=2))
+        return 0
+
+    def spread(q: dict, unit: str = "") -> str:
+        if not q:
+            return "not recorded"
+        return ", ".join(f"{k} {q[k]:.1f}{unit}" if unit else f"{k} {q[k]:.0f}" for k in ("mean", "p50", "p90", "p99"))
+
+    rate = f"{s['mean_rate']:.2f} req/s" if s["mean_rate"] else "—"
+    busiest = f", busiest minute {s['busiest_minute_rate']:.2f} req/s" if s["busiest_minute_rate"] else ""
+    print(f"{args.path}: {s['requests']} requests over {s['span_s']:.1f} s ({rate}{busiest})")
+    print(f"  prompt tokens  {spread(s['prompt_tokens'])}")
+    print(f"  output tokens  {spread(s['output_tokens'])}")
+    print(f"  pictures       {s['images_per_request']:.2f} a request")
+    print(
+        f"  shared prefix  {s['shared_prefix_fraction']:.1%} of prompt tokens an earlier request of the trace holds "
+        f"(blocks of {', '.join(str(b) for b in s['block_tokens'])} tokens)"
+    )
+    print(f"  finished       {', '.join(f'{k} {v}' for k, v in sorted(s['finish_reasons'].items()))}")
+    print(f"  TTFT           {spread(s['ttft_ms'], ' ms')}")
+    return 0
+
+
 def _cmd_toggle(args) -> int:
     import uvloop
 
@@ -487,6 +521,12 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("--out", required=True, help="the trace file to write (JSON lines)")
     add_tls_arg(export)
     export.set_defaults(func=_cmd_trace_export)
+    stats = traces_sub.add_parser(
+        "stats", help="what a trace file holds: span, rates, lengths, pictures, shared prefixes, finish reasons, TTFT"
+    )
+    stats.add_argument("path")
+    stats.add_argument("--json", action="store_true", help="print the summary as JSON")
+    stats.set_defaults(func=_cmd_trace_stats)
 
     profile = sub.add_parser("profile", help="write a latency profile: measured on this machine, or analytic")
     add_model_args(profile)

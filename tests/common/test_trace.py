@@ -99,3 +99,34 @@ def test_an_empty_trace_is_an_error(tmp_path):
     path.write_text("\n# nothing\n")
     with pytest.raises(ValueError, match="no requests"):
         trace.read(path)
+
+
+def test_a_summary_counts_rates_lengths_shared_prefixes_and_outcomes(tmp_path, capsys):
+    from epdmesh.cli import main
+
+    rows = [
+        trace.TraceRow(0.0, 40, 5, (1, 2, 3), (trace.TraceImage(9, 8, 0),), 5, "length", 50.0, 16),
+        trace.TraceRow(30_000.0, 40, 3, (1, 2, 4), (), 5, "stop", 70.0, 16),  # shares its first 32 tokens
+        trace.TraceRow(90_000.0, 20, 0, (1, 7), (), 5, "abort", None, 16),  # and its first 16
+        trace.TraceRow(91_000.0, 20, 4, (8, 2), (), 5, "length", 90.0, 16),
+    ]
+    s = trace.summary(rows)
+    assert s["requests"] == 4 and s["span_s"] == 91.0 and s["mean_rate"] == pytest.approx(3 / 91)
+    assert s["busiest_minute_rate"] == pytest.approx(2 / 60)  # the second minute holds two
+    assert s["prompt_tokens"]["mean"] == 30 and s["output_tokens"]["p50"] == 4 and s["images_per_request"] == 0.25
+    assert s["shared_prefix_fraction"] == pytest.approx((32 + 16) / 120)
+    assert s["finish_reasons"] == {"length": 2, "stop": 1, "abort": 1} and s["ttft_ms"]["p90"] == 90.0
+    path = tmp_path / "t.jsonl"
+    trace.write(rows, path)
+    assert main(["trace", "stats", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "4 requests over 91.0 s (0.03 req/s, busiest minute 0.03 req/s)" in out and "40.0% of prompt" in out
+    assert "abort 1, length 2, stop 1" in out and "p90 90.0 ms" in out
+    with pytest.raises(SystemExit, match="no requests"):
+        main(["trace", "stats", str(_empty(tmp_path))])
+
+
+def _empty(tmp_path):
+    path = tmp_path / "empty.jsonl"
+    path.write_text("")
+    return path
