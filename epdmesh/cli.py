@@ -114,7 +114,7 @@ def _cmd_serve(args) -> int:
     )
     from services.gateway.trace_record import recorder_of
 
-    recorder = recorder_of(args, processor.config.image_token_id)
+    recorder = recorder_of(args, processor.config.image_token_id, metrics=metrics)
     try:
         gateway_process.serve_http(LocalBackend(processor, engine, recorder), args, metrics, tracing, "info")
     finally:

@@ -76,7 +76,7 @@ def run(args) -> int:
     )
     from services.gateway.trace_record import recorder_of
 
-    backend.recorder = recorder_of(args, config.image_token_id, mesh_tls)
+    backend.recorder = recorder_of(args, config.image_token_id, mesh_tls, metrics)
     if args.planner:
         if not args.latency_profile:
             raise SystemExit("--planner needs a latency profile (--latency-profile; serve measures one by default)")

@@ -127,6 +127,12 @@ class GatewayMetrics:
             P + "request_errors", "Requests answered with an error, by HTTP status.", m + ["status"], registry=r
         )
         self.paths = Counter(P + "route_decisions", "Routing decisions by prefill path.", m + ["path"], registry=r)
+        self.trace_lines = Counter(
+            P + "trace_lines",
+            "Requests the recorded trace took (--record-trace), and lines its file or Redis lost.",
+            m + ["outcome"],
+            registry=r,
+        )
         self.retries = Counter(
             P + "request_retries", "Times a request was routed again around a failed worker.", m, registry=r
         )

@@ -31,11 +31,13 @@ class FileSink:
         self.path = path
         self._file = open(path, "a", buffering=1)  # noqa: SIM115 — open for the gateway's life; a line at a time
         self._failed = False
+        self.lost = lambda: None  # called for each line lost (the recorder counts them)
 
     def write(self, line: str) -> None:
         try:
             self._file.write(line + "\n")
         except OSError as e:
+            self.lost()
             if not self._failed:
                 log.warning("the trace's file %s took no more lines (%s); the requests go on unrecorded", self.path, e)
                 self._failed = True
@@ -49,6 +51,7 @@ class RedisSink:
         self.redis, self.key, self.maxlen = redis, key, maxlen
         self._pending: set[asyncio.Task] = set()
         self._failed = False
+        self.lost = lambda: None  # called for each line lost (the recorder counts them)
 
     def write(self, line: str) -> None:
         task = asyncio.ensure_future(self._add(line))
@@ -60,6 +63,7 @@ class RedisSink:
             await self.redis.xadd(self.key, {FIELD: line}, maxlen=self.maxlen, approximate=True)
             self._failed = False
         except Exception as e:  # Redis down or refusing: routing degrades elsewhere; here a line is lost
+            self.lost()
             if not self._failed:
                 log.warning("the trace's Redis stream %s took no line (%s); requests go on unrecorded", self.key, e)
                 self._failed = True
@@ -71,12 +75,15 @@ class RedisSink:
 
 
 class TraceRecorder:
-    def __init__(self, sink, image_token_id: int | None, block: int = trace.RECORD_BLOCK):
-        """`block`: the tokens a prefix id stands for (`--record-trace-block`)."""
+    def __init__(self, sink, image_token_id: int | None, block: int = trace.RECORD_BLOCK, metrics=None):
+        """`block`: the tokens a prefix id stands for (`--record-trace-block`); `metrics`: the gateway's, whose
+        `epdmesh:trace_lines_total{outcome=recorded|lost}` counts the lines."""
         self.sink = sink
         self.image_token_id = image_token_id
         self.block = block
-        self.recorded = 0
+        self.recorded = self.lost = 0
+        self._metrics = metrics
+        sink.lost = self._lost
 
     async def observe(
         self, request: Request, outputs: AsyncIterator[RequestOutput], arrival: float | None = None
@@ -124,16 +131,23 @@ class TraceRecorder:
                 round((first_at - arrival) * 1e3, 3) if first_at is not None else None,
                 self.block,
             )
-            self.sink.write(json.dumps(row.as_json(), separators=(",", ":")))
             self.recorded += 1
+            if self._metrics is not None:
+                self._metrics.trace_lines.labels(self._metrics.model, "recorded").inc()
+            self.sink.write(json.dumps(row.as_json(), separators=(",", ":")))
         except Exception:  # a bug here must not fail the request that has been answered
             log.exception("could not record request %s in the trace", request.request_id)
+
+    def _lost(self) -> None:
+        self.lost += 1
+        if self._metrics is not None:
+            self._metrics.trace_lines.labels(self._metrics.model, "lost").inc()
 
     async def close(self) -> None:
         await self.sink.close()
 
 
-def recorder_of(args, image_token_id: int | None, mesh_tls=None) -> TraceRecorder | None:
+def recorder_of(args, image_token_id: int | None, mesh_tls=None, metrics=None) -> TraceRecorder | None:
     """`--record-trace`'s recorder: None without one; "redis": the stream `--record-trace-key` in the gateway's
     Redis (`--redis-url`); else a file's path (its folder must exist)."""
     spec = args.record_trace
@@ -149,9 +163,9 @@ def recorder_of(args, image_token_id: int | None, mesh_tls=None) -> TraceRecorde
         from services.routing.registry import redis_client
 
         sink = RedisSink(redis_client(args.redis_url, mesh_tls), args.record_trace_key, args.record_trace_max)
-        return TraceRecorder(sink, image_token_id, args.record_trace_block)
+        return TraceRecorder(sink, image_token_id, args.record_trace_block, metrics)
     try:
-        return TraceRecorder(FileSink(spec), image_token_id, args.record_trace_block)
+        return TraceRecorder(FileSink(spec), image_token_id, args.record_trace_block, metrics)
     except OSError as e:
         raise SystemExit(f"--record-trace: cannot append to {spec}: {e.strerror}") from None
 

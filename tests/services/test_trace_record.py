@@ -13,6 +13,7 @@ from common import trace
 from common.engine.outputs import RequestOutput
 from common.request import ImageInput, Request, RequestStatus
 from common.sampling import SamplingParams
+from common.telemetry.metrics import GatewayMetrics
 from epdmesh.cli import main
 from services.gateway.trace_record import FileSink, RedisSink, TraceRecorder, export
 from services.routing.registry import redis_client
@@ -92,8 +93,11 @@ def test_an_empty_stream_exports_nothing_and_says_so(key, tmp_path, capsys):
 
 
 def test_a_sink_that_fails_loses_its_lines_and_warns_once_while_every_answer_goes_through(tmp_path, caplog):
+    metrics = GatewayMetrics("m", 1.0, 0.1)
+
     async def record():
-        recorder = TraceRecorder(RedisSink(redis_client("redis://127.0.0.1:1/0"), "k", 10), IMAGE)  # nobody there
+        sink = RedisSink(redis_client("redis://127.0.0.1:1/0"), "k", 10)  # nobody there
+        recorder = TraceRecorder(sink, IMAGE, metrics=metrics)
         got = []
         for i in range(3):
             async for out in recorder.observe(request(i), answer(4)):
@@ -104,6 +108,10 @@ def test_a_sink_that_fails_loses_its_lines_and_warns_once_while_every_answer_goe
     with caplog.at_level(logging.WARNING, logger="services.gateway.trace_record"):
         assert asyncio.run(record()) == [0, 1, 2, 3] * 3
     assert sum("took no line" in r.message for r in caplog.records) == 1
+    counted = {
+        s.labels["outcome"]: s.value for s in metrics.trace_lines.collect()[0].samples if s.name.endswith("_total")
+    }
+    assert counted == {"recorded": 3.0, "lost": 3.0}
 
 
 def test_a_file_sink_appends_a_line_a_request_and_a_failed_request_is_recorded_as_an_error(tmp_path):
