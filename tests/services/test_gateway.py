@@ -731,6 +731,9 @@ def test_the_recorded_trace_has_every_request_as_served_and_replays_to_the_same_
         got = httpx.post(f"{server}/v1/chat/completions", json=body, timeout=120).json()
         assert got["usage"]["prompt_tokens"] == row.input_length
     assert len(_new_lines(seen, 8)) == 8  # the replayed ones are recorded too
+    metrics = httpx.get(f"{server}/metrics").text  # this server's lines (the file has the other server's too)
+    assert _counter(metrics, 'epdmesh:trace_lines_total{model_name="tiny",outcome="recorded"}') >= 8
+    assert _counter(metrics, 'epdmesh:trace_lines_total{model_name="tiny",outcome="lost"}') == 0
 
 
 def test_a_request_whose_client_leaves_mid_answer_is_recorded_as_aborted_and_a_streamed_answer_as_finished(server):
