@@ -387,7 +387,13 @@ def parse_args(argv=None, prog: str = "epdmesh bench goodput", description: str 
     )
     p.add_argument("--num-prompts", type=int, default=100, help="requests per rate")
     p.add_argument("--warmup", type=int, default=4)
-    p.add_argument("--arrival", default="mooncake", choices=["mooncake", "poisson"])
+    p.add_argument(
+        "--arrival",
+        default="mooncake",
+        choices=["mooncake", "poisson"],
+        help="mooncake: the Mooncake trace's arrival times (a trace:PATH workload: that trace's own), rescaled to "
+        "each rate; poisson: a Poisson process",
+    )
     p.add_argument("--slo-ttft-ms", type=float, default=1000.0)
     p.add_argument("--slo-tbt-ms", type=float, default=100.0)
     p.add_argument("--attainment", type=float, default=0.9)

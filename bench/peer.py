@@ -64,7 +64,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument(
         "--workload",
         default="textcaps",
-        help="what `epdmesh bench goodput` sends: a dataset shape (textcaps, detail, …) or conversation[/N]",
+        help="what `epdmesh bench goodput` sends: a dataset shape (textcaps, detail, …), conversation[/N], or "
+        "trace:PATH (a recorded trace, at its own arrivals: the others arrive as a Poisson process)",
     )
     p.add_argument("--trace-scale", type=int, default=16, help="conversation: the trace's lengths ÷ this")
     p.add_argument("--num-prompts", type=int, default=80, help="requests per rate")
@@ -227,7 +228,7 @@ def goodput(args, url: str, work: Path, name: str) -> dict:
         "--trace-scale",
         str(args.trace_scale),
         "--arrival",
-        "poisson",
+        "mooncake" if args.workload.startswith("trace:") else "poisson",  # mooncake: a trace file's own arrivals
         "--rates",
         args.rates,
         "--num-prompts",

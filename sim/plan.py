@@ -86,7 +86,13 @@ def parse_args(argv=None) -> argparse.Namespace:
         "--duration", type=float, default=10.0, help="seconds of arrivals per simulated point (rate × this requests)"
     )
     p.add_argument("--steps", type=int, default=6, help="simulated rates per deployment (bisection)")
-    p.add_argument("--arrival", default="mooncake", choices=["mooncake", "poisson"])
+    p.add_argument(
+        "--arrival",
+        default="mooncake",
+        choices=["mooncake", "poisson"],
+        help="mooncake: the Mooncake trace's arrival times (a trace:PATH workload: that trace's own), rescaled to "
+        "each rate; poisson: a Poisson process",
+    )
     p.add_argument(
         "--trace-scale", type=int, default=16, help="conversation: the trace's lengths ÷ this (bench goodput's)"
     )
