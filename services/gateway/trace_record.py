@@ -24,6 +24,7 @@ from common.request import Request, image_marks
 log = logging.getLogger(__name__)
 
 FIELD = "r"  # each stream entry: one field holding the line
+MAX_PENDING = 1000  # lines on their way to Redis at once; more are dropped (and counted lost)
 
 
 class FileSink:
@@ -54,6 +55,9 @@ class RedisSink:
         self.lost = lambda: None  # called for each line lost (the recorder counts them)
 
     def write(self, line: str) -> None:
+        if len(self._pending) >= MAX_PENDING:  # Redis slower than the requests end: lines lost, not memory
+            self.lost()
+            return
         task = asyncio.ensure_future(self._add(line))
         self._pending.add(task)
         task.add_done_callback(self._pending.discard)

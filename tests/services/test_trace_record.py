@@ -155,3 +155,30 @@ def test_serve_refuses_a_redis_trace_it_would_lose_with_its_own_redis(monkeypatc
                 "toggle",
             ]
         )
+
+
+def test_lines_past_those_on_their_way_to_a_slow_redis_are_counted_lost_not_queued():
+    from services.gateway import trace_record
+
+    class Stuck:
+        def __init__(self):
+            self.release = asyncio.Event()
+
+        async def xadd(self, *args, **kwargs):
+            await self.release.wait()
+
+        async def aclose(self):
+            pass
+
+    async def record():
+        redis = Stuck()
+        sink = RedisSink(redis, "k", 10)
+        recorder = TraceRecorder(sink, IMAGE)
+        for i in range(trace_record.MAX_PENDING + 5):
+            await drain(recorder, request(i), answer(1))
+        held = len(sink._pending)
+        redis.release.set()
+        await recorder.close()
+        return recorder.recorded, recorder.lost, held
+
+    assert asyncio.run(record()) == (trace_record.MAX_PENDING + 5, 5, trace_record.MAX_PENDING)
