@@ -205,6 +205,8 @@ class Mesh:
             command += ["--served-model-name", a.served_model_name]
         if a.first_token_hold:
             command.append("--first-token-hold")
+        if a.record_trace:  # every replica into the mesh Redis's one stream (its Redis URL in the environment)
+            command += ["--record-trace", "redis"]
         env = self._env("epdmesh-gateway", redis=True)
         key = {"secretKeyRef": {"name": API_KEY_SECRET, "key": "key", "optional": True}}
         env.append({"name": "EPDMESH_API_KEY", "valueFrom": key})
@@ -359,6 +361,8 @@ def command_line(args: argparse.Namespace) -> str:
         parts.append(f"--gateways {args.gateways}")
     if args.first_token_hold:
         parts.append("--first-token-hold")
+    if args.record_trace:
+        parts.append("--record-trace")
     parts += [f"--slo-ttft-ms {args.slo_ttft_ms:g}", f"--slo-tbt-ms {args.slo_tbt_ms:g}"]
     return " ".join(parts)
 
@@ -402,6 +406,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--first-token-hold",
         action="store_true",
         help="the gateway sends a handed-over request's first token with its second (`epdmesh serve --help`)",
+    )
+    p.add_argument(
+        "--record-trace",
+        action="store_true",
+        help="every gateway records its requests into one Redis stream, epdmesh:trace (`epdmesh serve --help`; "
+        "this Redis keeps nothing on disk: `epdmesh trace export` it, e.g. from a gateway pod)",
     )
     p.add_argument("--slo-ttft-ms", type=float, default=2000.0)
     p.add_argument("--slo-tbt-ms", type=float, default=200.0)

@@ -161,3 +161,14 @@ def test_the_mesh_is_wired(path):
 def test_a_bad_topology_is_a_clear_error(capsys):
     assert deploy_k8s.main(["--topology", "E1+P1"]) == 2
     assert "no worker for ['decode']" in capsys.readouterr().err
+
+
+def test_a_recorded_trace_goes_from_every_gateway_into_the_mesh_redis():
+    args = deploy_k8s.build_parser().parse_args(["--topology", "EPD2", "--gateways", "2", "--record-trace"])
+    objects = _objects(deploy_k8s.render_yaml(args))
+    (gateway,) = [c for d, _, c in _containers(objects) if d["metadata"]["name"] == "gateway"]
+    command = gateway["command"] + gateway.get("args", [])
+    assert command[command.index("--record-trace") + 1] == "redis"
+    assert any(e["name"] == "EPDMESH_REDIS_URL" for e in gateway["env"])  # the gateway's --redis-url default
+    plain = deploy_k8s.build_parser().parse_args(["--topology", "EPD2"])
+    assert "--record-trace" not in deploy_k8s.render_yaml(plain)
