@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
@@ -202,3 +203,22 @@ def summary(rows: Sequence[TraceRow]) -> dict:
         "ttft_ms": quantiles([r.ttft_ms for r in rows if r.ttft_ms is not None]),
         "block_tokens": sorted({r.block_tokens for r in rows}),
     }
+
+
+def cut(rows: Sequence[TraceRow], start_s: float | None = None, end_s: float | None = None) -> list[TraceRow]:
+    """The rows that arrived in [start_s, end_s) seconds from the trace's first arrival (either end open)."""
+    lo = -math.inf if start_s is None else start_s * 1e3
+    hi = math.inf if end_s is None else end_s * 1e3
+    return [r for r in rows if lo <= r.timestamp_ms < hi]
+
+
+def busiest(rows: Sequence[TraceRow], span_s: float) -> tuple[float, float]:
+    """The [start, end) seconds of the `span_s`-second window holding the most arrivals (the earliest such)."""
+    times = [r.timestamp_ms / 1e3 for r in rows]
+    best, best_start, j = 0, times[0] if times else 0.0, 0
+    for i, t in enumerate(times):  # windows that start at an arrival
+        while j < len(times) and times[j] < t + span_s:
+            j += 1
+        if j - i > best:
+            best, best_start = j - i, t
+    return best_start, best_start + span_s

@@ -279,6 +279,27 @@ def _cmd_trace_stats(args) -> int:
     return 0
 
 
+def _cmd_trace_cut(args) -> int:
+    from common import trace
+
+    if args.busiest is not None and (args.start is not None or args.end is not None):
+        raise SystemExit("epdmesh trace cut: --busiest or --from/--to, not both")
+    if args.busiest is not None and args.busiest <= 0:
+        raise SystemExit("epdmesh trace cut: --busiest takes a positive number of seconds")
+    try:
+        rows = trace.read(args.path)
+    except (OSError, ValueError) as e:
+        raise SystemExit(f"epdmesh trace cut: {e}") from None
+    start, end = trace.busiest(rows, args.busiest) if args.busiest is not None else (args.start, args.end)
+    kept = trace.cut(rows, start, end)
+    if not kept:
+        raise SystemExit(f"epdmesh trace cut: no request of {args.path} arrived in that window")
+    trace.write(kept, args.out)
+    first, last = kept[0].timestamp_ms / 1e3, kept[-1].timestamp_ms / 1e3
+    print(f"wrote {len(kept)} of {len(rows)} requests to {args.out} (arrivals {first:.1f}-{last:.1f} s)")
+    return 0
+
+
 def _cmd_toggle(args) -> int:
     import uvloop
 
@@ -527,6 +548,15 @@ def build_parser() -> argparse.ArgumentParser:
     stats.add_argument("path")
     stats.add_argument("--json", action="store_true", help="print the summary as JSON")
     stats.set_defaults(func=_cmd_trace_stats)
+    cutting = traces_sub.add_parser(
+        "cut", help="a part of a trace file, by time or its busiest window, as a file of its own (for trace:PATH)"
+    )
+    cutting.add_argument("path")
+    cutting.add_argument("--from", dest="start", type=float, help="seconds after the trace's first arrival")
+    cutting.add_argument("--to", dest="end", type=float, help="seconds after the trace's first arrival (excluded)")
+    cutting.add_argument("--busiest", type=float, metavar="S", help="the S-second window with the most arrivals")
+    cutting.add_argument("--out", required=True)
+    cutting.set_defaults(func=_cmd_trace_cut)
 
     profile = sub.add_parser("profile", help="write a latency profile: measured on this machine, or analytic")
     add_model_args(profile)

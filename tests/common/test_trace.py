@@ -130,3 +130,22 @@ def _empty(tmp_path):
     path = tmp_path / "empty.jsonl"
     path.write_text("")
     return path
+
+
+def test_a_trace_is_cut_by_time_or_to_its_busiest_window(tmp_path, capsys):
+    from epdmesh.cli import main
+
+    stamps = [0, 1_000, 10_000, 10_500, 11_000, 11_400, 30_000]  # ms: a burst of four in 1.4 s at 10 s
+    rows = [trace.TraceRow(float(t), 10, 2, (i,)) for i, t in enumerate(stamps)]
+    assert [r.timestamp_ms for r in trace.cut(rows, 1, 11)] == [1_000, 10_000, 10_500]
+    assert len(trace.cut(rows, None, 10.5)) == 3 and len(trace.cut(rows, 11)) == 3
+    assert trace.busiest(rows, 2.0) == (10.0, 12.0) and trace.busiest(rows, 100.0) == (0.0, 100.0)
+    path, out = tmp_path / "t.jsonl", tmp_path / "cut.jsonl"
+    trace.write(rows, path)
+    assert main(["trace", "cut", str(path), "--busiest", "2", "--out", str(out)]) == 0
+    assert [r.hash_ids for r in trace.read(out)] == [(2,), (3,), (4,), (5,)]  # read back from its own first arrival
+    assert "wrote 4 of 7 requests" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="no request"):
+        main(["trace", "cut", str(path), "--from", "40", "--out", str(out)])
+    with pytest.raises(SystemExit, match="not both"):
+        main(["trace", "cut", str(path), "--busiest", "2", "--from", "1", "--out", str(out)])
