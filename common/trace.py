@@ -163,7 +163,8 @@ def write(rows: Iterable[TraceRow | dict], path: str | Path) -> int:
 
 
 def summary(rows: Sequence[TraceRow]) -> dict:
-    """What a trace holds, as `epdmesh trace stats` prints it: its span and rates (mean, and the busiest minute's),
+    """What a trace holds, as `epdmesh trace stats` prints it: its span and rates (mean, and its busiest minute's,
+    minutes counted from its first arrival),
     prompt and answer lengths, pictures, the prompt tokens an earlier request of the trace shares (what a prefix
     cache that never evicts could skip), finish reasons and the recorded TTFTs."""
     import collections

@@ -40,6 +40,7 @@ from bench import conversation, recorded
 from bench.bodies import workload_of
 from bench.goodput import crossing
 from bench.workloads import arrivals, phase_sizes, phases_of, trace_scale_of, trace_times
+from common import trace
 from common.latency.model import request_cost_ms
 from common.latency.roofline import load_profile
 from common.policy import placement
@@ -319,7 +320,7 @@ def main(argv=None) -> int:
             "heuristic": heuristic,
             "baselines": _against_best(baselines[workload], ranked),
             "ranking": ranked,
-        }
+        } | _recorded_rates(workload)
     out.write_text(json.dumps(report, indent=2) + "\n")
     _print(report, args.top)
     _plot(report, out.with_suffix(".png"))
@@ -403,6 +404,17 @@ def _print(report: dict, top: int) -> None:
         for name, goodput in named:
             ratio = f"{best / goodput:.2f}×" if goodput else "∞"
             print(f"  {name:<30} {goodput:8.2f}  (best: {ratio})")
+        if entry.get("recorded"):  # a trace file: the load it recorded against what the best deployment holds
+            r = entry["recorded"]
+            busiest = r["busiest_minute_rate"]
+            peak = f", its busiest minute {busiest:.2f}" if busiest else ""
+            verdict = (
+                f"{best / r['mean_rate']:.2f}× its mean rate"
+                + (f", {best / busiest:.2f}× the busiest minute's" if busiest else "")
+                if r["mean_rate"]
+                else ""
+            )
+            print(f"  the trace arrived at {r['mean_rate'] or 0:.2f} req/s{peak}: the best holds {verdict}")
         pick = entry["heuristic"].get("pick")
         if pick:
             stage_s = ", ".join(f"{k} {v * 1e3:.1f}" for k, v in entry["heuristic"]["stage_seconds"].items())
@@ -411,6 +423,16 @@ def _print(report: dict, top: int) -> None:
                 f"{', '.join(entry['heuristic']['candidates'])} → {pick['topology']} "
                 f"({pick['routing']}) {pick['goodput']:.2f} req/s, rank {pick['rank']} of {entry['heuristic']['of']}"
             )
+
+
+def _recorded_rates(workload: str) -> dict:
+    """A trace file's own rates (its mean and its busiest minute's), to read the ranking's goodputs against; {} for
+    any other workload."""
+    path = recorded.path_of(workload)
+    if path is None:
+        return {}
+    summary = trace.summary(recorded.rows_of(path))
+    return {"recorded": {k: summary[k] for k in ("requests", "span_s", "mean_rate", "busiest_minute_rate")}}
 
 
 def _references(ranked: list[dict], n: int) -> list[dict]:

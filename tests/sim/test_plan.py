@@ -111,3 +111,22 @@ def test_a_point_of_a_shifting_load_sends_each_phase_its_share():
     runs = [["a1", "a2", "a3"], ["b1", "b2", "b3"], ["c1", "c2", "c3"]]
     assert sent_at(runs, 5) == ["a1", "a2", "b1", "b2", "c1"]
     assert sent_at([["x1", "x2", "x3"]], 2) == ["x1", "x2"]
+
+
+def test_plan_ranks_deployments_on_a_recorded_trace_and_reads_them_against_its_rates(emulated_dir, tmp_path, capsys):
+    from common import trace
+
+    rows = [  # 70 requests: one a second for a minute, then ten within the second minute's first second
+        trace.TraceRow(float(i * 1000 if i < 60 else 60_000 + (i - 60) * 100), 300, 8, (i,)) for i in range(70)
+    ]
+    path, out = tmp_path / "traffic.jsonl", tmp_path / "plan.json"
+    trace.write(rows, path)
+    workload = f"trace:{path}"
+    argv = ["--instances", "2", "--profile", H20, "--model", str(emulated_dir), "--workload", workload]
+    argv += ["--topologies", "EPD2", "--routing", "slo", "--no-baselines", "--steps", "2", "--jobs", "1"]
+    assert plan([*argv, "--out", str(out)]) == 0
+    entry = json.loads(out.read_text())["workloads"][workload]
+    assert entry["recorded"]["requests"] == 70 and entry["recorded"]["mean_rate"] == pytest.approx(69 / 60.9)
+    assert entry["recorded"]["busiest_minute_rate"] == pytest.approx(1.0)  # minutes from the first arrival: 60, 10
+    assert entry["ranking"][0]["goodput"] > 0
+    assert "the trace arrived at 1.13 req/s, its busiest minute 1.00: the best holds" in capsys.readouterr().out
