@@ -51,6 +51,7 @@ from bench.goodput_launch import launched, log_path, serve_args_of  # noqa: E402
 from bench.goodput_report import add_bound, finish, instances_of, replot  # noqa: E402
 from bench.workloads import (  # noqa: E402
     WORKLOADS,
+    add_arrival_arg,
     arrivals,
     trace_scale_of,
     trace_times,
@@ -387,13 +388,7 @@ def parse_args(argv=None, prog: str = "epdmesh bench goodput", description: str 
     )
     p.add_argument("--num-prompts", type=int, default=100, help="requests per rate")
     p.add_argument("--warmup", type=int, default=4)
-    p.add_argument(
-        "--arrival",
-        default="mooncake",
-        choices=["mooncake", "poisson"],
-        help="mooncake: the Mooncake trace's arrival times (a trace:PATH workload: that trace's own), rescaled to "
-        "each rate; poisson: a Poisson process",
-    )
+    add_arrival_arg(p)
     p.add_argument("--slo-ttft-ms", type=float, default=1000.0)
     p.add_argument("--slo-tbt-ms", type=float, default=100.0)
     p.add_argument("--attainment", type=float, default=0.9)

@@ -405,6 +405,17 @@ def window_start(n: int, seed: int, total: int) -> int:
     return random.Random(seed).randrange(0, total - n + 1)
 
 
+def add_arrival_arg(p) -> None:
+    """`--arrival`, as `bench goodput`, `sim goodput` and `plan` take it (`arrivals`' kind)."""
+    p.add_argument(
+        "--arrival",
+        default="mooncake",
+        choices=["mooncake", "poisson"],
+        help="mooncake: the Mooncake trace's arrival times (a trace:PATH workload: that trace's own), rescaled to "
+        "each rate; poisson: a Poisson process",
+    )
+
+
 def arrivals(
     n: int, rate: float, kind: str = "mooncake", seed: int = 0, trace: list[float] | None = None
 ) -> list[float]:

@@ -39,7 +39,7 @@ from pathlib import Path
 from bench import conversation, recorded
 from bench.bodies import workload_of
 from bench.goodput import crossing
-from bench.workloads import arrivals, phase_sizes, phases_of, trace_scale_of, trace_times
+from bench.workloads import add_arrival_arg, arrivals, phase_sizes, phases_of, trace_scale_of, trace_times
 from common import trace
 from common.latency.model import request_cost_ms
 from common.latency.roofline import load_profile
@@ -87,13 +87,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         "--duration", type=float, default=10.0, help="seconds of arrivals per simulated point (rate × this requests)"
     )
     p.add_argument("--steps", type=int, default=6, help="simulated rates per deployment (bisection)")
-    p.add_argument(
-        "--arrival",
-        default="mooncake",
-        choices=["mooncake", "poisson"],
-        help="mooncake: the Mooncake trace's arrival times (a trace:PATH workload: that trace's own), rescaled to "
-        "each rate; poisson: a Poisson process",
-    )
+    add_arrival_arg(p)
     p.add_argument(
         "--trace-scale", type=int, default=16, help="conversation: the trace's lengths ÷ this (bench goodput's)"
     )
