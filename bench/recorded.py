@@ -14,10 +14,10 @@ workload is):
    the trace's `input_length` — the server's template and picture tokens counted (`/tokenize` on the replaying
    server; pictures are synthetic 640 × 480 JPEGs, equal trace ids the same picture) — so on the model that
    recorded it the replay is that long, on another model each picture takes that model's tokens.
-3. Shared prefixes: each word is drawn by the trace's block id at the word's position in the recorded prompt (its
-   position among the prompt's text tokens, skipping the pictures'), so requests with equal leading ids get equal
-   leading words and pictures. The template's own tokens are words here: the words shift by those few tokens
-   against the recorded blocks, alike in every request.
+3. Shared prefixes: each word is drawn by the trace's block id at the word's position in the recorded prompt (the
+   pictures' tokens counted), so requests with equal leading ids get equal leading words and pictures. The
+   template's own tokens are words here: the words shift by those few tokens against the recorded blocks, alike in
+   every request.
 4. The answer: `max_tokens` = the trace's `output_length` (at least 1), EOS ignored. A prompt that would not fit the
    server's context with its answer loses words from its end; one whose pictures alone do not fit is an error.
 """
@@ -48,11 +48,6 @@ def rows_of(path: Path) -> tuple[trace.TraceRow, ...]:
     if not path.is_file():
         raise ValueError(f"trace:{path}: no such file")
     return tuple(trace.read(path))
-
-
-def arrival_times(path: Path) -> list[float]:
-    """The trace's arrival times, seconds from its first (what `workloads.arrivals` rescales to a rate)."""
-    return [r.timestamp_ms / 1e3 for r in rows_of(path)]
 
 
 def window(path: Path, n: int, seed: int) -> tuple[trace.TraceRow, ...]:
