@@ -14,7 +14,7 @@ from common import tls
 from common.model.tiny import PRESETS
 from common.topology import hands_over, parse_topology
 from epdmesh import engine_setup as setup
-from epdmesh import gateway_process
+from epdmesh import gateway_process, trace_cli
 from epdmesh.checkpoints import make_model
 from epdmesh.options import (
     add_budget_args,
@@ -229,74 +229,6 @@ def _cmd_tls_init(args) -> int:
         f"Kubernetes: kubectl create secret generic epdmesh-tls --from-file={made.directory}/ca.crt "
         f"--from-file={made.directory}/tls.crt --from-file={made.directory}/tls.key"
     )
-    return 0
-
-
-def _cmd_trace_export(args) -> int:
-    from services.gateway.trace_record import export
-
-    if args.last < 0:
-        raise SystemExit("--last must be ≥ 0")
-    count, first, last = export(args.redis_url, args.key, args.out, args.last, tls.load(args.tls_dir))
-    if not count:
-        print(f"{args.key}: no requests recorded; nothing written", file=sys.stderr)
-        return 1
-    print(f"wrote {count} requests to {args.out} (arrivals over {(last - first) / 1e3:.1f} s)")
-    return 0
-
-
-def _cmd_trace_stats(args) -> int:
-    import json
-
-    from common import trace
-
-    try:
-        rows = trace.read(args.path)
-    except (OSError, ValueError) as e:
-        raise SystemExit(f"epdmesh trace stats: {e}") from None
-    s = trace.summary(rows)
-    if args.json:
-        print(json.dumps(s, indent=2))
-        return 0
-
-    def spread(q: dict, unit: str = "") -> str:
-        if not q:
-            return "not recorded"
-        return ", ".join(f"{k} {q[k]:.1f}{unit}" if unit else f"{k} {q[k]:.0f}" for k in ("mean", "p50", "p90", "p99"))
-
-    rate = f"{s['mean_rate']:.2f} req/s" if s["mean_rate"] else "—"
-    busiest = f", busiest minute {s['busiest_minute_rate']:.2f} req/s" if s["busiest_minute_rate"] else ""
-    print(f"{args.path}: {s['requests']} requests over {s['span_s']:.1f} s ({rate}{busiest})")
-    print(f"  prompt tokens  {spread(s['prompt_tokens'])}")
-    print(f"  output tokens  {spread(s['output_tokens'])}")
-    print(f"  pictures       {s['images_per_request']:.2f} a request")
-    print(
-        f"  shared prefix  {s['shared_prefix_fraction']:.1%} of prompt tokens an earlier request of the trace holds "
-        f"(blocks of {', '.join(str(b) for b in s['block_tokens'])} tokens)"
-    )
-    print(f"  finished       {', '.join(f'{k} {v}' for k, v in sorted(s['finish_reasons'].items()))}")
-    print(f"  TTFT           {spread(s['ttft_ms'], ' ms')}")
-    return 0
-
-
-def _cmd_trace_cut(args) -> int:
-    from common import trace
-
-    if args.busiest is not None and (args.start is not None or args.end is not None):
-        raise SystemExit("epdmesh trace cut: --busiest or --from/--to, not both")
-    if args.busiest is not None and args.busiest <= 0:
-        raise SystemExit("epdmesh trace cut: --busiest takes a positive number of seconds")
-    try:
-        rows = trace.read(args.path)
-    except (OSError, ValueError) as e:
-        raise SystemExit(f"epdmesh trace cut: {e}") from None
-    start, end = trace.busiest(rows, args.busiest) if args.busiest is not None else (args.start, args.end)
-    kept = trace.cut(rows, start, end)
-    if not kept:
-        raise SystemExit(f"epdmesh trace cut: no request of {args.path} arrived in that window")
-    trace.write(kept, args.out)
-    first, last = kept[0].timestamp_ms / 1e3, kept[-1].timestamp_ms / 1e3
-    print(f"wrote {len(kept)} of {len(rows)} requests to {args.out} (arrivals {first:.1f}-{last:.1f} s)")
     return 0
 
 
@@ -525,38 +457,7 @@ def build_parser() -> argparse.ArgumentParser:
     init.add_argument("--days", type=int, default=365)
     init.set_defaults(func=_cmd_tls_init)
 
-    traces = sub.add_parser("trace", help="a recorded trace (serve --record-trace): epdmesh trace export --help")
-    traces_sub = traces.add_subparsers(dest="trace_command", required=True)
-    export = traces_sub.add_parser(
-        "export",
-        help="write the requests of a Redis stream that gateways record (--record-trace redis) to a trace file, "
-        "oldest first, for `--workload trace:PATH`",
-    )
-    export.add_argument(
-        "--redis-url",
-        default=os.environ.get("EPDMESH_REDIS_URL") or os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0"),
-        help="default: $EPDMESH_REDIS_URL, else $REDIS_URL, else redis://127.0.0.1:6379/0",
-    )
-    export.add_argument("--key", default="epdmesh:trace", help="the stream (the gateways' --record-trace-key)")
-    export.add_argument("--last", type=int, default=0, metavar="N", help="only the N most recent requests")
-    export.add_argument("--out", required=True, help="the trace file to write (JSON lines)")
-    add_tls_arg(export)
-    export.set_defaults(func=_cmd_trace_export)
-    stats = traces_sub.add_parser(
-        "stats", help="what a trace file holds: span, rates, lengths, pictures, shared prefixes, finish reasons, TTFT"
-    )
-    stats.add_argument("path")
-    stats.add_argument("--json", action="store_true", help="print the summary as JSON")
-    stats.set_defaults(func=_cmd_trace_stats)
-    cutting = traces_sub.add_parser(
-        "cut", help="a part of a trace file, by time or its busiest window, as a file of its own (for trace:PATH)"
-    )
-    cutting.add_argument("path")
-    cutting.add_argument("--from", dest="start", type=float, help="seconds after the trace's first arrival")
-    cutting.add_argument("--to", dest="end", type=float, help="seconds after the trace's first arrival (excluded)")
-    cutting.add_argument("--busiest", type=float, metavar="S", help="the S-second window with the most arrivals")
-    cutting.add_argument("--out", required=True)
-    cutting.set_defaults(func=_cmd_trace_cut)
+    trace_cli.add_parser(sub)
 
     profile = sub.add_parser("profile", help="write a latency profile: measured on this machine, or analytic")
     add_model_args(profile)
