@@ -200,19 +200,9 @@ def _messages(parts: list[tuple[str, str]]) -> list[dict]:
 
 
 def shared_prefixes(rows) -> list[int]:
-    """Per request, the recorded prompt tokens it shares with an earlier request of the window: its leading block
-    ids that an earlier request had at the same places (the last block not counted unless full)."""
-    seen: set[tuple[int, int, int]] = set()  # (block size, index, id): equal there, an equal prefix
-    out = []
-    for row in rows:
-        shared = 0
-        for index, block_id in enumerate(row.hash_ids):
-            if (row.block_tokens, index, block_id) not in seen:
-                break
-            shared = min((index + 1) * row.block_tokens, row.input_length - 1)
-        out.append(max(shared, 0))
-        seen.update((row.block_tokens, i, h) for i, h in enumerate(row.hash_ids))
-    return out
+    """Per request, the recorded prompt tokens it shares with an earlier request of the window (`trace.
+    shared_prefixes`), less its last token, which a prefix cache never skips."""
+    return [max(min(s, r.input_length - 1), 0) for s, r in zip(trace.shared_prefixes(rows), rows)]
 
 
 def workload(path: Path, n: int, seed: int, vocab: Vocabulary, model: str) -> tuple:

@@ -162,6 +162,22 @@ def write(rows: Iterable[TraceRow | dict], path: str | Path) -> int:
     return count
 
 
+def shared_prefixes(rows: Sequence[TraceRow]) -> list[int]:
+    """Per request, the prompt tokens it shares with an earlier request of `rows`: its leading block ids that an
+    earlier request had at the same places (a chained id equal at an index is an equal prefix)."""
+    seen: set[tuple[int, int, int]] = set()  # (block size, index, id)
+    out = []
+    for row in rows:
+        shared = 0
+        for index, block_id in enumerate(row.hash_ids):
+            if (row.block_tokens, index, block_id) not in seen:
+                break
+            shared = min((index + 1) * row.block_tokens, row.input_length)
+        out.append(shared)
+        seen.update((row.block_tokens, i, h) for i, h in enumerate(row.hash_ids))
+    return out
+
+
 def summary(rows: Sequence[TraceRow]) -> dict:
     """What a trace holds, as `epdmesh trace stats` prints it: its span and rates (mean, and its busiest minute's,
     minutes counted from its first arrival),
@@ -180,16 +196,7 @@ def summary(rows: Sequence[TraceRow]) -> dict:
     times = [r.timestamp_ms / 1e3 for r in rows]
     span = times[-1] - times[0] if rows else 0.0
     per_minute = collections.Counter(int((t - times[0]) // 60) for t in times)
-    seen: set[tuple[int, int, int]] = set()
-    shared = 0
-    for r in rows:
-        run = 0
-        for index, block_id in enumerate(r.hash_ids):
-            if (r.block_tokens, index, block_id) not in seen:
-                break
-            run = min((index + 1) * r.block_tokens, r.input_length)
-        shared += run
-        seen.update((r.block_tokens, i, h) for i, h in enumerate(r.hash_ids))
+    shared = sum(shared_prefixes(rows))
     prompts = sum(r.input_length for r in rows)
     return {
         "requests": len(rows),
