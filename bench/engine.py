@@ -47,7 +47,7 @@ from common.paged_cache import PagedKVCache  # noqa: E402
 from common.request import Request  # noqa: E402
 from common.sampling import SamplingParams  # noqa: E402
 from common.scheduler import SchedulerConfig  # noqa: E402
-from kernels import cpu_prompt  # noqa: E402
+from kernels import cpu_amx, cpu_prompt  # noqa: E402
 
 BACKEND = "real engine (torch)"  # on --device: the report states it
 ABLATIONS = {
@@ -59,6 +59,7 @@ ABLATIONS = {
     "amx-tiles",
     "prompt-attention",
     "prompt-tiles",
+    "prefill-tiles",
     "prompts-graph",
 }
 
@@ -82,8 +83,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default="",
         help="ablation, ours only (comma list): c-attention (decode attention in torch: gathers and bmm), "
         "decode-graph (decodes through the per-layer compiled halves), prefill-graph (a lone whole prompt too); "
-        "c-attention takes both graphs out (they call the kernel); amx-tiles (decode products through oneDNN, not "
-        "the AMX tiles); prompt-attention (prompts' and images' attention through SDPA, not the C kernel); "
+        "c-attention takes both graphs out (they call the kernel); amx-tiles (every text product through oneDNN, "
+        "not the AMX tiles); prefill-tiles (a prompt's products through oneDNN, decode's on the tiles); "
+        "prompt-attention (prompts' and images' attention through SDPA, not the C kernel); "
         "prompt-tiles (the C kernel's bf16 products on the vector units, not the AMX tiles); prompts-graph (a step of "
         "several prompts through the per-layer compiled halves, not as one graph); on CUDA: "
         "cuda-graphs (decode steps eager), "
@@ -196,6 +198,7 @@ def make_engine(
                     module.tiles = None
         engine.runner.attention.varlen = "prefill-varlen" not in args.without
     cpu_prompt.use_tiles("prompt-tiles" not in args.without)
+    cpu_amx.use_gemm("prefill-tiles" not in args.without)
     return engine
 
 

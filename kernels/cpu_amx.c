@@ -11,8 +11,19 @@
  * The arithmetic is the tile unit's, the unit oneDNN's products use on these hosts: each output is the fp32 sum
  * along K in chunks of 32, in order, rounded once — bit-identical to oneDNN's at the same row count up to 32 rows
  * (tests); beyond, oneDNN splits its sums otherwise and the two differ within bf16's rounding. Where the compiler
- * does not target AMX, `epdmesh_amx_linear` returns -3.
+ * does not target AMX, `epdmesh_amx_linear` and `epdmesh_amx_gemm` return -3.
+ *
+ * A prompt's products (`epdmesh_amx_gemm`, hundreds of rows) are bound by the tile loads, not the reads from memory:
+ * the tile unit computes at ~6 TFLOP/s on two cores of these Xeons when its operands come from L1, ~2 from L2 (the
+ * rate oneDNN's products reach, 2026-12-07). There the input is first copied into tiles too (each 16 rows × 32 of K
+ * one contiguous 1 KiB, as the weights), the weights of two column blocks (K ≤ 512: 32 KiB) stay in L1 while the
+ * rows' tiles stream past them (loaded with the non-temporal hint, so that they do not evict the weights), longer
+ * K runs in parts whose fp32 sums wait in a per-thread buffer, and the rows run in blocks of ≤ 512 KiB of input so
+ * that a block stays in L2 for every column block. Each finished 32 × 32 block is rounded by the hardware's
+ * conversion (to nearest even, as oneDNN's) and written a whole line a row with non-temporal stores, spread over
+ * the next block's loop (reading the tile's fp32 right after storing it stalls).
  */
+#include <omp.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -183,12 +194,156 @@ int epdmesh_amx_linear(const uint16_t *x, int64_t M, int64_t xs, int64_t K, cons
     return 0;
 }
 
+
+/* ---- a prompt's products ---- */
+#define GEMM_KC 16              /* chunks of 32 of K a pass at most: two column blocks' weights, 32 KiB, in L1 */
+#define GEMM_BLOCK (512 * 1024) /* bytes of packed input a block of rows at most */
+
+/* Bytes of scratch `epdmesh_amx_gemm` needs for M rows of K: the input as tiles, then each thread's fp32 sums. */
+int64_t epdmesh_amx_gemm_scratch(int64_t M, int64_t K) {
+    const int64_t pairs = (M + 31) / 32;
+    return pairs * 32 * K * 2 + (int64_t)omp_get_max_threads() * pairs * 1024 * 4 + 64;
+}
+
+/* Rows of slabs [s0, s1) of x (16 rows each) into `ap`: per slab, K/32 tiles of 16 rows × 32, zeros past row M. */
+static void pack_rows(const uint16_t *x, int64_t M, int64_t xs, int64_t K, uint16_t *ap, int64_t s0, int64_t s1) {
+    const int64_t chunks = K / 32;
+    for (int64_t s = s0; s < s1; ++s)
+        for (int64_t r = 0; r < 16; ++r) {
+            const int64_t m = s * 16 + r;
+            uint16_t *d = ap + (s * chunks * 16 + r) * 32;
+            for (int64_t c = 0; c < chunks; ++c)
+                _mm512_store_si512(d + c * 512, m < M ? _mm512_loadu_si512(x + m * xs + c * 32) : _mm512_setzero_si512());
+        }
+}
+
+/* Row r (0-31) of a finished 32 × 32 block q (four fp32 tiles: rows 0-15 × columns 0-15, 16-31; rows 16-31 × …)
+ * as 32 bf16, one line. */
+static inline void block_row(uint16_t *y, float (*q)[256], int64_t r) {
+    const int64_t h = r >> 4, i = (r & 15) * 16;
+    const __m512bh v = _mm512_cvtne2ps_pbh(_mm512_load_ps(q[2 * h + 1] + i), _mm512_load_ps(q[2 * h] + i));
+    _mm512_stream_si512((void *)y, (__m512i)v);
+}
+
+/* x [M][K] (row stride xs), tiles as above, y [M][N] (row stride ys, 64-byte aligned rows), in elements; scratch of
+ * `epdmesh_amx_gemm_scratch` bytes, 64-byte aligned. -1: a shape it does not take (N % 32, K % 32); -2: too little
+ * scratch. */
+int epdmesh_amx_gemm(const uint16_t *x, int64_t M, int64_t xs, int64_t K, const uint16_t *tiles, int64_t N,
+                     uint16_t *y, int64_t ys, void *scratch, int64_t scratch_bytes) {
+    if (M < 1 || N % 32 || K % 32 || ys % 32 || ((uintptr_t)y | (uintptr_t)scratch) % 64) return -1;
+    if (scratch_bytes < epdmesh_amx_gemm_scratch(M, K)) return -2;
+    const int64_t pairs = (M + 31) / 32, groups = N / 32, chunks = K / 32, tsz = chunks * 512;
+    const int64_t parts = (chunks + GEMM_KC - 1) / GEMM_KC, kc = (chunks + parts - 1) / parts;
+    int64_t per = GEMM_BLOCK / (K * 2 * 32); /* pairs of rows a block */
+    per = per < 1 ? 1 : per;
+    const int64_t blocks = (pairs + per - 1) / per;
+    per = (pairs + blocks - 1) / blocks;
+    uint16_t *ap = scratch;
+    float *spill = (float *)(ap + pairs * 32 * K);
+#pragma omp parallel
+    {
+        const int64_t threads = omp_get_num_threads(), me = omp_get_thread_num(), share = (2 * pairs + threads - 1) / threads;
+        const int64_t s0 = me * share, s1 = s0 + share < 2 * pairs ? s0 + share : 2 * pairs;
+        if (s0 < s1) pack_rows(x, M, xs, K, ap, s0, s1);
+        float *sums = spill + me * pairs * 1024;
+        tile_config cfg;
+        memset(&cfg, 0, sizeof cfg);
+        cfg.palette = 1;
+        for (int t = 0; t < 8; ++t) cfg.rows[t] = 16, cfg.colsb[t] = 64; /* 0-3 sums, 4-5 rows, 6-7 weights */
+        __asm__ volatile("" : : "r"(&cfg) : "memory"); /* gcc 12 has dropped the stores above before ldtilecfg */
+        _tile_loadconfig(&cfg);
+        float ready[2][4][256] __attribute__((aligned(64))); /* the last block's sums, and the one before */
+        int64_t pm = -1, pn = 0; /* the block whose rows are still to write, -1: none */
+        int cur = 0;
+#pragma omp barrier
+        for (int64_t b = 0; b < blocks; ++b) {
+            const int64_t p0 = b * per, p1 = p0 + per < pairs ? p0 + per : pairs;
+#pragma omp for schedule(static) nowait
+            for (int64_t g = 0; g < groups; ++g) {
+                const uint16_t *w0 = tiles + 2 * g * tsz, *w1 = w0 + tsz;
+                for (int64_t part = 0; part < parts; ++part) {
+                    const int64_t c0 = part * kc, c1 = c0 + kc < chunks ? c0 + kc : chunks, last = part + 1 == parts;
+                    for (int64_t p = p0; p < p1; ++p) {
+                        const uint16_t *a0 = ap + 2 * p * tsz, *a1 = a0 + tsz;
+                        float *kept = sums + p * 1024;
+                        if (part == 0) {
+                            _tile_zero(0);
+                            _tile_zero(1);
+                            _tile_zero(2);
+                            _tile_zero(3);
+                        } else {
+                            _tile_loadd(0, kept, 64);
+                            _tile_loadd(1, kept + 256, 64);
+                            _tile_loadd(2, kept + 512, 64);
+                            _tile_loadd(3, kept + 768, 64);
+                        }
+                        float(*q)[256] = ready[cur ^ 1];
+                        int64_t r = 0; /* rows of block pm written */
+                        for (int64_t c = c0; c < c1; ++c) {
+                            if (p == p0) { /* the first pair reads the weights from memory */
+                                AHEAD(w0 + (c + PF) * 512);
+                                AHEAD(w1 + (c + PF) * 512);
+                            }
+                            _tile_stream_loadd(4, a0 + c * 512, 64);
+                            _tile_loadd(6, w0 + c * 512, 64);
+                            _tile_dpbf16ps(0, 4, 6);
+                            _tile_stream_loadd(5, a1 + c * 512, 64);
+                            _tile_dpbf16ps(2, 5, 6);
+                            _tile_loadd(7, w1 + c * 512, 64);
+                            _tile_dpbf16ps(1, 4, 7);
+                            _tile_dpbf16ps(3, 5, 7);
+                            if (pm >= 0 && r < 32) { /* a row of the previous block while these run */
+                                if (pm + r < M) block_row(y + (pm + r) * ys + pn, q, r);
+                                ++r;
+                            }
+                        }
+                        if (pm >= 0) {
+                            for (; r < 32; ++r)
+                                if (pm + r < M) block_row(y + (pm + r) * ys + pn, q, r);
+                            pm = -1;
+                        }
+                        if (!last) {
+                            _tile_stored(0, kept, 64);
+                            _tile_stored(1, kept + 256, 64);
+                            _tile_stored(2, kept + 512, 64);
+                            _tile_stored(3, kept + 768, 64);
+                        } else {
+                            _tile_stored(0, ready[cur][0], 64);
+                            _tile_stored(1, ready[cur][1], 64);
+                            _tile_stored(2, ready[cur][2], 64);
+                            _tile_stored(3, ready[cur][3], 64);
+                            pm = 32 * p, pn = 32 * g, cur ^= 1;
+                        }
+                    }
+                }
+            }
+        }
+        if (pm >= 0)
+            for (int64_t r = 0; r < 32; ++r)
+                if (pm + r < M) block_row(y + (pm + r) * ys + pn, ready[cur ^ 1], r);
+        _tile_release();
+    }
+    _mm_sfence(); /* the non-temporal stores visible before the caller reads y */
+    return 0;
+}
+
 #else
 int epdmesh_amx_init(void) { return -3; }
 
 int epdmesh_amx_linear(const uint16_t *x, int64_t M, int64_t xs, int64_t K, const uint16_t *tiles, int64_t N,
                        uint16_t *y, int64_t ys) {
     (void)x, (void)M, (void)xs, (void)K, (void)tiles, (void)N, (void)y, (void)ys;
+    return -3;
+}
+
+int64_t epdmesh_amx_gemm_scratch(int64_t M, int64_t K) {
+    (void)M, (void)K;
+    return 0;
+}
+
+int epdmesh_amx_gemm(const uint16_t *x, int64_t M, int64_t xs, int64_t K, const uint16_t *tiles, int64_t N,
+                     uint16_t *y, int64_t ys, void *scratch, int64_t scratch_bytes) {
+    (void)x, (void)M, (void)xs, (void)K, (void)tiles, (void)N, (void)y, (void)ys, (void)scratch, (void)scratch_bytes;
     return -3;
 }
 #endif

@@ -1,9 +1,12 @@
-"""bf16 products of a few rows on Intel AMX (`cpu_amx.c`): a decode step's linears, weights read as tiles.
+"""bf16 products on Intel AMX (`cpu_amx.c`), weights laid out as tiles: a decode step's few rows, a prompt's many.
 
 oneDNN computes these products on the same tile unit, bit for bit up to 32 rows, but reads its packed weights at
 ~15 GB/s (~8 at 17–32 rows) where the host streams ~36 (2-core Xeon, 2026-12-06): at a decode batch every weight
 is read once a step, so the read is the step. `pack` lays a weight out as the tiles the kernel reads, in order;
-`linear` computes with them. Built like the decode attention (`kernels/cbuild.py`); `available()` is False where
+`linear` computes with them. A prompt's products (`gemm`, rows above `MAX_ROWS`) are bound by the tile unit's loads
+instead: oneDNN's run at ~2 TFLOP/s where the unit computes ~6 from L1; `gemm` copies the rows into tiles too and
+blocks the product so that most loads hit L1 (~1.4× oneDNN's on the `small` preset's products, bench/README.md).
+Built like the decode attention (`kernels/cbuild.py`); `available()` is False where
 the compiler does not target AMX, the kernel is not built, or Linux refuses the process the tiles' state.
 """
 
@@ -16,11 +19,14 @@ from pathlib import Path
 import torch
 
 from kernels import cbuild
+from kernels.scratch import scratch
 
 SOURCE = Path(__file__).with_name("cpu_amx.c")
 # Products of up to this many rows go to the tiles (`packed_linear`); the kernel takes any count, but at 49–64 rows
 # it runs as fast as oneDNN, and from ~96 rows oneDNN's blocking for compute-bound products wins (bench/README.md).
 MAX_ROWS = 48
+# Products of more rows go to `gemm` while this is True (`use_gemm`; `bench/engine.py --without prefill-tiles`).
+GEMM = True
 
 
 @functools.cache
@@ -29,6 +35,20 @@ def _library() -> ctypes.CDLL | None:
     if lib is None:
         return None
     lib.epdmesh_amx_init.restype = ctypes.c_int
+    lib.epdmesh_amx_gemm_scratch.restype = ctypes.c_int64
+    lib.epdmesh_amx_gemm_scratch.argtypes = [ctypes.c_int64, ctypes.c_int64]
+    gemm = lib.epdmesh_amx_gemm
+    gemm.restype = ctypes.c_int
+    gemm.argtypes = [
+        ctypes.c_void_p,
+        *[ctypes.c_int64] * 3,
+        ctypes.c_void_p,
+        ctypes.c_int64,
+        ctypes.c_void_p,
+        ctypes.c_int64,
+        ctypes.c_void_p,
+        ctypes.c_int64,
+    ]
     fn = lib.epdmesh_amx_linear
     fn.restype = ctypes.c_int
     fn.argtypes = [
@@ -73,4 +93,37 @@ def linear(x: torch.Tensor, tiles: torch.Tensor) -> torch.Tensor:
     rc = _library().epdmesh_amx_linear(x2.data_ptr(), rows, x2.stride(0), k, tiles.data_ptr(), n, y.data_ptr(), n)
     if rc != 0:
         raise ValueError(f"amx_linear: {rows} rows of {k} against [{n}, {k}] (≥ 1 row, K % 32, N % 16)")
+    return y if x.dim() == 2 else y.view(*x.shape[:-1], n)
+
+
+def use_gemm(want: bool) -> bool:
+    """A prompt's products (> `MAX_ROWS` rows) on `gemm` (the default) or oneDNN's, for A/B runs; returns whether
+    they now run on `gemm`."""
+    global GEMM
+    GEMM = want
+    return want and available()
+
+
+def gemm_supports(tiles: torch.Tensor) -> bool:
+    """Whether `gemm` takes this packed weight: N a multiple of 32 (two column blocks at a time)."""
+    return tiles.shape[0] % 2 == 0
+
+
+def gemm(x: torch.Tensor, tiles: torch.Tensor) -> torch.Tensor:
+    """x [..., K] bf16 (any number of rows) → x · Wᵀ [..., N] for a packed W with N a multiple of 32 (`gemm_supports`):
+    the same sums as `linear` (fp32 along K in chunks of 32, in order), rounded by the hardware's conversion."""
+    n, k = tiles.shape[0] * 16, tiles.shape[1] * 32
+    x2 = x if x.dim() == 2 else x.reshape(-1, k)
+    if x2.stride(1) != 1:
+        x2 = x2.contiguous()
+    rows = x2.shape[0]
+    y = torch.empty(rows, n, dtype=torch.bfloat16)
+    lib = _library()
+    size = lib.epdmesh_amx_gemm_scratch(rows, k)
+    buffer = scratch(size)
+    rc = lib.epdmesh_amx_gemm(
+        x2.data_ptr(), rows, x2.stride(0), k, tiles.data_ptr(), n, y.data_ptr(), n, buffer.data_ptr(), buffer.numel()
+    )
+    if rc != 0:
+        raise ValueError(f"amx_gemm: {rows} rows of {k} against [{n}, {k}] (K % 32, N % 32; rc {rc})")
     return y if x.dim() == 2 else y.view(*x.shape[:-1], n)

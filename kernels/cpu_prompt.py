@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import threading
 from pathlib import Path
 
 import torch
@@ -28,6 +27,7 @@ import torch.nn.functional as F
 
 from kernels import cbuild
 from kernels.ops import define
+from kernels.scratch import scratch as kept_scratch
 
 SOURCE = Path(__file__).with_name("cpu_prompt.c")
 ENABLED = True
@@ -176,7 +176,7 @@ def _call(q, k, v, starts, lens, tables, block_size: int, scale: float, causal: 
     bf16 = q.dtype == torch.bfloat16
     ptr = ctypes.c_void_p
     seqs = [ptr(t.data_ptr()) for t in (starts, lens, tables)]
-    scratch = _scratch(lib.epdmesh_prompt_scratch(ctypes.byref(shape), seqs[1], int(bf16)))
+    scratch = kept_scratch(lib.epdmesh_prompt_scratch(ctypes.byref(shape), seqs[1], int(bf16)))
     fn = lib.epdmesh_prompt_bf16 if bf16 else lib.epdmesh_prompt_f32
     rc = fn(ctypes.byref(shape), *seqs, *(ptr(t.data_ptr()) for t in (q, k, v, out, scratch)))
     if rc == -2:
@@ -184,23 +184,6 @@ def _call(q, k, v, starts, lens, tables, block_size: int, scale: float, causal: 
     if rc != 0:
         raise ValueError(f"prompt_attention: {q.dtype} with head_dim {q.shape[2]} is not computed on this host")
     return out
-
-
-_KEPT = threading.local()
-
-
-def _scratch(size: int) -> torch.Tensor:
-    """The calling thread's scratch, grown to `size` bytes and kept: the packed K/V of a long context are tens of MB
-        a layer (a 7B shape at 4k tokens: 64 MB), which fresh from the allocator would be fresh pages each call — on
-        these VMs ~3 ms per 2 MiB page first written (bench/README.md, the peer section). It never shrinks: a thread
-    holds the most one call has needed."""
-    kept = getattr(_KEPT, "buffer", None)
-    if kept is None or kept.numel() < size:  # by half again at least: a context that grows step by step
-        with torch.inference_mode(False):  # (kept across calls, in inference mode or not)
-            _KEPT.buffer = kept = torch.empty(
-                max(size, int(1.5 * (0 if kept is None else kept.numel()))), dtype=torch.uint8
-            )
-    return kept
 
 
 def _like(q, *_):

@@ -17,6 +17,10 @@ Decode products on AMX hosts (`kernels/cpu_amx.py`). A decode step's products (a
 once, and oneDNN reads its packed layout at ~15 GB/s (~8 at 17–32 rows) where the host streams ~36: the text
 model's linears also keep their weights as AMX tiles, and a product of ≤ `cpu_amx.MAX_ROWS` (48) rows runs on them
 (the same tile unit: bit-identical to oneDNN's up to 32 rows, within bf16's rounding beyond).
+A prompt's products run on the same tiles (`cpu_amx.gemm`, any row count, N a multiple of 32): there oneDNN's
+reach ~2 TFLOP/s of the unit's ~6, bound by loading its tiles from L2, and `gemm` blocks them to load from L1
+(~1.4× on the `small` preset's products, bench/README.md); its sums are `cpu_amx.linear`'s, bit for bit, and
+within bf16's rounding of oneDNN's.
 That is a second copy of the text model's linear weights; `pack_linears` makes it only while it takes at most
 `TILES_SHARE` of the host's memory (the `small` preset: 60 MB; a 7B model's 13 GB: not on a 24 GiB host), and not
 with `--no-amx-tiles` (`EngineConfig.amx_tiles`).
@@ -61,10 +65,13 @@ TILES_SHARE = 0.1  # of the host's memory, at most, for the decode products' sec
 def _packed_linear(
     x: torch.Tensor, weight: torch.Tensor, tiles: torch.Tensor | None, bias: torch.Tensor | None, out_features: int
 ) -> torch.Tensor:
-    """oneDNN's product with a packed weight, rows padded to their bucket; ≤ 48 rows on the AMX tiles if given."""
+    """oneDNN's product with a packed weight, rows padded to their bucket; on the AMX tiles if given (≤ 48 rows
+    `cpu_amx.linear`, more `cpu_amx.gemm` where N is a multiple of 32)."""
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
     if tiles is not None and 0 < rows <= cpu_amx.MAX_ROWS:
         return cpu_amx.linear(x, tiles)
+    if tiles is not None and rows and cpu_amx.GEMM and cpu_amx.gemm_supports(tiles):
+        return cpu_amx.gemm(x, tiles)
     bucket = row_bucket(rows)
     if bucket == rows:
         return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
@@ -90,7 +97,7 @@ packed_linear = define(
 
 class PackedLinear(nn.Module):
     """`nn.Linear` with its weight in oneDNN's blocked layout; the weight is a buffer (the layout is opaque).
-    `tiles`: also as AMX tiles, for products of ≤ 48 rows (a bias-free weight the kernel takes)."""
+    `tiles`: also as AMX tiles (a bias-free weight the kernels take), for decode's products and a prompt's."""
 
     def __init__(self, linear: nn.Linear, tiles: bool = False):
         super().__init__()

@@ -1,4 +1,5 @@
-"""bf16 products of a few rows on AMX tiles against oneDNN's, and where a model uses them."""
+"""bf16 products on AMX tiles (a decode step's few rows, a prompt's many) against oneDNN's, and where a model uses
+them."""
 
 import pytest
 import torch
@@ -62,16 +63,57 @@ def test_shapes_it_does_not_take():
     assert not cpu_amx.supports(torch.randn(64, 64))  # fp32
 
 
-def test_a_packed_linear_takes_its_tiles_up_to_48_rows_and_onednn_beyond(monkeypatch):
+@pytest.mark.parametrize(
+    "n,k", [(1536, 512), (512, 1408), (32, 32), (64, 4096)]
+)  # K in one pass; in two passes (sums kept in fp32 between); one chunk; blocks of two pairs of rows
+@pytest.mark.parametrize("rows", [1, 17, 33, 49, 100, 600, 1100])
+def test_a_prompts_products_are_the_tiles_sums(rows, n, k):
+    """`gemm` (a prompt's products) computes what `linear` does — each fp32 sum along K in chunks of 32, in order,
+    rounded once — bit for bit, whatever the rows (a short last pair, several blocks of rows) and K (in passes),
+    and within bf16's rounding of the exact product."""
+    g = torch.Generator().manual_seed(rows * n + k)
+    w = torch.randn(n, k, generator=g).bfloat16()
+    x = torch.randn(rows, k, generator=g).bfloat16()
+    tiles = cpu_amx.pack(w)
+    out = cpu_amx.gemm(x, tiles)
+    assert out.shape == (rows, n) and torch.equal(out, cpu_amx.linear(x, tiles))
+    exact = x.double() @ w.double().t()
+    assert ((out.double() - exact).abs() <= exact.abs().clamp_min(1.0) * 2**-8).all()
+
+
+def test_a_prompts_products_take_any_leading_shape_and_strided_rows_and_refuse_odd_blocks():
+    g = torch.Generator().manual_seed(1)
+    w = torch.randn(96, 64, generator=g).bfloat16()
+    tiles = cpu_amx.pack(w)
+    x = torch.randn(7, 11, 128, generator=g).bfloat16()[..., 32:96]  # 77 rows, 128 apart
+    out = cpu_amx.gemm(x, tiles)
+    assert out.shape == (7, 11, 96) and torch.equal(out, cpu_amx.linear(x, tiles))
+    odd = cpu_amx.pack(torch.randn(80, 64).bfloat16())  # five column blocks: not in pairs
+    assert cpu_amx.gemm_supports(tiles) and not cpu_amx.gemm_supports(odd)
+    with pytest.raises(ValueError, match="N % 32"):
+        cpu_amx.gemm(torch.randn(64, 64).bfloat16(), odd)
+
+
+def test_a_packed_linear_takes_its_tiles_for_decode_and_prompts_and_onednn_where_they_do_not_fit(monkeypatch):
     calls = []
-    kernel = cpu_amx.linear
-    monkeypatch.setattr(cpu_amx, "linear", lambda x, t: calls.append(x.shape) or kernel(x, t))
+    for name in ("linear", "gemm"):
+        kernel = getattr(cpu_amx, name)
+        monkeypatch.setattr(
+            cpu_amx, name, lambda x, t, name=name, kernel=kernel: calls.append((name, len(x))) or kernel(x, t)
+        )
     linear = nn.Linear(64, 96, bias=False).bfloat16()
     packed = pl.PackedLinear(linear, tiles=True)
     for rows in (1, 16, 17, 40, 48, 49, 130):
         x = torch.randn(rows, 64).bfloat16()
         torch.testing.assert_close(packed(x), linear(x), atol=1e-5, rtol=2**-7)
-    assert calls == [(1, 64), (16, 64), (17, 64), (40, 64), (48, 64)]
+    assert calls == [("linear", r) for r in (1, 16, 17, 40, 48)] + [("gemm", 49), ("gemm", 130)]
+    calls.clear()
+    monkeypatch.setattr(cpu_amx, "GEMM", False)  # bench/engine.py --without prefill-tiles
+    packed(torch.randn(130, 64).bfloat16())
+    monkeypatch.setattr(cpu_amx, "GEMM", True)
+    odd = nn.Linear(64, 80, bias=False).bfloat16()  # N = 80: five column blocks, not in pairs
+    torch.testing.assert_close(pl.PackedLinear(odd, tiles=True)(x), odd(x), atol=1e-5, rtol=2**-7)
+    assert calls == []  # both oneDNN's
     assert pl.PackedLinear(nn.Linear(64, 96).bfloat16(), tiles=True).tiles is None  # a bias: oneDNN adds it
 
 

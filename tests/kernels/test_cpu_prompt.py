@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from kernels import cpu_prompt
+from kernels.scratch import scratch
 from kernels.torch_ref import TorchPagedAttention, causal_attention
 
 pytestmark = pytest.mark.skipif(
@@ -196,10 +197,11 @@ def test_a_steps_prompt_chunks_in_one_call_read_the_paged_cache_in_place(
 
 
 def test_the_scratch_is_kept_per_thread_and_grows():
-    first = cpu_prompt._scratch(1000)
-    assert cpu_prompt._scratch(500).data_ptr() == first.data_ptr()
-    assert cpu_prompt._scratch(10**6).numel() >= 10**6 and cpu_prompt._scratch(10).numel() >= 10**6
+    """One buffer a thread, shared by the prompt kernel and the prompts' products (`kernels.scratch`)."""
+    first = scratch(1000)
+    assert scratch(500).data_ptr() == first.data_ptr()
+    assert scratch(10**6).numel() >= 10**6 and scratch(10).numel() >= 10**6
     other = []
-    thread = threading.Thread(target=lambda: other.append(cpu_prompt._scratch(10).numel()))
+    thread = threading.Thread(target=lambda: other.append(scratch(10).numel()))
     thread.start(), thread.join()
     assert other == [10]
