@@ -28,6 +28,7 @@
 #include <string.h>
 
 #include "cpu_tiles.h"
+#include "cpu_vec.h"
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512F__)
 int epdmesh_amx_init(void) { return tiles_request(); }
@@ -217,22 +218,39 @@ static void pack_rows(const uint16_t *x, int64_t M, int64_t xs, int64_t K, uint1
         }
 }
 
+/* gate / (1 + exp(-gate)) · up, in fp32: silu(gate) · up as inductor's fused code computes it. */
+static inline __m512 silu_times(__m512 g, __m512 u) {
+    const __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), g));
+    return _mm512_mul_ps(_mm512_div_ps(g, _mm512_add_ps(e, _mm512_set1_ps(1.0f))), u);
+}
+
 /* Row r (0-31) of a finished 32 × 32 block q (four fp32 tiles: rows 0-15 × columns 0-15, 16-31; rows 16-31 × …)
  * as 32 bf16, one line. */
-static inline void block_row(uint16_t *y, float (*q)[256], int64_t r) {
+static inline void block_row(uint16_t *y, float (*q)[256], int64_t r, int swiglu) {
     const int64_t h = r >> 4, i = (r & 15) * 16;
-    const __m512bh v = _mm512_cvtne2ps_pbh(_mm512_load_ps(q[2 * h + 1] + i), _mm512_load_ps(q[2 * h] + i));
-    _mm512_stream_si512((void *)y, (__m512i)v);
+    if (!swiglu) {
+        const __m512bh v = _mm512_cvtne2ps_pbh(_mm512_load_ps(q[2 * h + 1] + i), _mm512_load_ps(q[2 * h] + i));
+        _mm512_stream_si512((void *)y, (__m512i)v);
+        return;
+    }
+    /* the two tiles are 16 columns of the gate and the same 16 of the up projection: each rounded to bf16 (the
+     * products' outputs), then silu(gate) · up in fp32, rounded once as torch rounds (software: the hardware's
+     * conversion flushes subnormals). A 32-byte half line: stored through the cache. */
+    const __m512 g = round_bf16_16(_mm512_load_ps(q[2 * h] + i)), u = round_bf16_16(_mm512_load_ps(q[2 * h + 1] + i));
+    _mm256_store_si256((__m256i *)y, to_bf16(silu_times(g, u)));
 }
 
 /* x [M][K] (row stride xs), tiles as above, y [M][N] (row stride ys, 64-byte aligned rows), in elements; scratch of
  * `epdmesh_amx_gemm_scratch` bytes, 64-byte aligned. -1: a shape it does not take (N % 32, K % 32); -2: too little
- * scratch. */
+ * scratch. `swiglu`: the tiles are a SwiGLU's gate and up projections stacked ([2N, K]: the gate's N rows, then the
+ * up's), and y is silu(gate) · up [M][N] (N a multiple of 16): a group is the gate's and the up's same 16 columns. */
 int epdmesh_amx_gemm(const uint16_t *x, int64_t M, int64_t xs, int64_t K, const uint16_t *tiles, int64_t N,
-                     uint16_t *y, int64_t ys, void *scratch, int64_t scratch_bytes) {
-    if (M < 1 || N % 32 || K % 32 || ys % 32 || ((uintptr_t)y | (uintptr_t)scratch) % 64) return -1;
+                     uint16_t *y, int64_t ys, void *scratch, int64_t scratch_bytes, int swiglu) {
+    if (M < 1 || N % (swiglu ? 16 : 32) || K % 32 || ys % (swiglu ? 16 : 32) || ((uintptr_t)y | (uintptr_t)scratch) % 64)
+        return -1;
     if (scratch_bytes < epdmesh_amx_gemm_scratch(M, K)) return -2;
-    const int64_t pairs = (M + 31) / 32, groups = N / 32, chunks = K / 32, tsz = chunks * 512;
+    const int64_t pairs = (M + 31) / 32, groups = N / (swiglu ? 16 : 32), chunks = K / 32, tsz = chunks * 512;
+    const int64_t width = swiglu ? 16 : 32, second = swiglu ? N / 16 * tsz : tsz; /* a group's columns; w1 - w0 */
     const int64_t parts = (chunks + GEMM_KC - 1) / GEMM_KC, kc = (chunks + parts - 1) / parts;
     int64_t per = GEMM_BLOCK / (K * 2 * 32); /* pairs of rows a block */
     per = per < 1 ? 1 : per;
@@ -260,7 +278,7 @@ int epdmesh_amx_gemm(const uint16_t *x, int64_t M, int64_t xs, int64_t K, const 
             const int64_t p0 = b * per, p1 = p0 + per < pairs ? p0 + per : pairs;
 #pragma omp for schedule(static) nowait
             for (int64_t g = 0; g < groups; ++g) {
-                const uint16_t *w0 = tiles + 2 * g * tsz, *w1 = w0 + tsz;
+                const uint16_t *w0 = tiles + (swiglu ? g : 2 * g) * tsz, *w1 = w0 + second;
                 for (int64_t part = 0; part < parts; ++part) {
                     const int64_t c0 = part * kc, c1 = c0 + kc < chunks ? c0 + kc : chunks, last = part + 1 == parts;
                     for (int64_t p = p0; p < p1; ++p) {
@@ -293,13 +311,13 @@ int epdmesh_amx_gemm(const uint16_t *x, int64_t M, int64_t xs, int64_t K, const 
                             _tile_dpbf16ps(1, 4, 7);
                             _tile_dpbf16ps(3, 5, 7);
                             if (pm >= 0 && r < 32) { /* a row of the previous block while these run */
-                                if (pm + r < M) block_row(y + (pm + r) * ys + pn, q, r);
+                                if (pm + r < M) block_row(y + (pm + r) * ys + pn, q, r, swiglu);
                                 ++r;
                             }
                         }
                         if (pm >= 0) {
                             for (; r < 32; ++r)
-                                if (pm + r < M) block_row(y + (pm + r) * ys + pn, q, r);
+                                if (pm + r < M) block_row(y + (pm + r) * ys + pn, q, r, swiglu);
                             pm = -1;
                         }
                         if (!last) {
@@ -312,7 +330,7 @@ int epdmesh_amx_gemm(const uint16_t *x, int64_t M, int64_t xs, int64_t K, const 
                             _tile_stored(1, ready[cur][1], 64);
                             _tile_stored(2, ready[cur][2], 64);
                             _tile_stored(3, ready[cur][3], 64);
-                            pm = 32 * p, pn = 32 * g, cur ^= 1;
+                            pm = 32 * p, pn = width * g, cur ^= 1;
                         }
                     }
                 }
@@ -320,10 +338,22 @@ int epdmesh_amx_gemm(const uint16_t *x, int64_t M, int64_t xs, int64_t K, const 
         }
         if (pm >= 0)
             for (int64_t r = 0; r < 32; ++r)
-                if (pm + r < M) block_row(y + (pm + r) * ys + pn, ready[cur ^ 1], r);
+                if (pm + r < M) block_row(y + (pm + r) * ys + pn, ready[cur ^ 1], r, swiglu);
         _tile_release();
     }
     _mm_sfence(); /* the non-temporal stores visible before the caller reads y */
+    return 0;
+}
+
+/* silu(gate) · up of products already rounded (`epdmesh_amx_linear`'s [M][2N]: the gate's N columns, then the
+ * up's) into y [M][N], as the gemm's epilogue computes it; N a multiple of 16. For a decode step's few rows. */
+int epdmesh_swiglu(const uint16_t *gu, int64_t M, int64_t gs, int64_t N, uint16_t *y, int64_t ys) {
+    if (N % 16) return -1;
+    for (int64_t m = 0; m < M; ++m)
+        for (int64_t i = 0; i < N; i += 16) {
+            const __m512 g = load16(gu + m * gs, i, 1), u = load16(gu + m * gs, N + i, 1);
+            _mm256_storeu_si256((__m256i *)(y + m * ys + i), to_bf16(silu_times(g, u)));
+        }
     return 0;
 }
 
@@ -342,8 +372,14 @@ int64_t epdmesh_amx_gemm_scratch(int64_t M, int64_t K) {
 }
 
 int epdmesh_amx_gemm(const uint16_t *x, int64_t M, int64_t xs, int64_t K, const uint16_t *tiles, int64_t N,
-                     uint16_t *y, int64_t ys, void *scratch, int64_t scratch_bytes) {
+                     uint16_t *y, int64_t ys, void *scratch, int64_t scratch_bytes, int swiglu) {
     (void)x, (void)M, (void)xs, (void)K, (void)tiles, (void)N, (void)y, (void)ys, (void)scratch, (void)scratch_bytes;
+    (void)swiglu;
+    return -3;
+}
+
+int epdmesh_swiglu(const uint16_t *gu, int64_t M, int64_t gs, int64_t N, uint16_t *y, int64_t ys) {
+    (void)gu, (void)M, (void)gs, (void)N, (void)y, (void)ys;
     return -3;
 }
 #endif

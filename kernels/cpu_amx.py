@@ -48,7 +48,10 @@ def _library() -> ctypes.CDLL | None:
         ctypes.c_int64,
         ctypes.c_void_p,
         ctypes.c_int64,
+        ctypes.c_int,
     ]
+    lib.epdmesh_swiglu.restype = ctypes.c_int
+    lib.epdmesh_swiglu.argtypes = [ctypes.c_void_p, *[ctypes.c_int64] * 3, ctypes.c_void_p, ctypes.c_int64]
     fn = lib.epdmesh_amx_linear
     fn.restype = ctypes.c_int
     fn.argtypes = [
@@ -109,10 +112,12 @@ def gemm_supports(tiles: torch.Tensor) -> bool:
     return tiles.shape[0] % 2 == 0
 
 
-def gemm(x: torch.Tensor, tiles: torch.Tensor) -> torch.Tensor:
+def gemm(x: torch.Tensor, tiles: torch.Tensor, swiglu: bool = False) -> torch.Tensor:
     """x [..., K] bf16 (any number of rows) → x · Wᵀ [..., N] for a packed W with N a multiple of 32 (`gemm_supports`):
-    the same sums as `linear` (fp32 along K in chunks of 32, in order), rounded by the hardware's conversion."""
-    n, k = tiles.shape[0] * 16, tiles.shape[1] * 32
+    the same sums as `linear` (fp32 along K in chunks of 32, in order), rounded by the hardware's conversion.
+    `swiglu`: W is a SwiGLU's gate and up projections stacked ([2N, K], N a multiple of 16), and the result
+    silu(gate) · up [..., N] (`swiglu` below), computed as the products' blocks finish."""
+    n, k = tiles.shape[0] * 16 // (2 if swiglu else 1), tiles.shape[1] * 32
     x2 = x if x.dim() == 2 else x.reshape(-1, k)
     if x2.stride(1) != 1:
         x2 = x2.contiguous()
@@ -122,8 +127,40 @@ def gemm(x: torch.Tensor, tiles: torch.Tensor) -> torch.Tensor:
     size = lib.epdmesh_amx_gemm_scratch(rows, k)
     buffer = scratch(size)
     rc = lib.epdmesh_amx_gemm(
-        x2.data_ptr(), rows, x2.stride(0), k, tiles.data_ptr(), n, y.data_ptr(), n, buffer.data_ptr(), buffer.numel()
+        x2.data_ptr(),
+        rows,
+        x2.stride(0),
+        k,
+        tiles.data_ptr(),
+        n,
+        y.data_ptr(),
+        n,
+        buffer.data_ptr(),
+        buffer.numel(),
+        int(swiglu),
     )
     if rc != 0:
         raise ValueError(f"amx_gemm: {rows} rows of {k} against [{n}, {k}] (K % 32, N % 32; rc {rc})")
     return y if x.dim() == 2 else y.view(*x.shape[:-1], n)
+
+
+def swiglu(x: torch.Tensor, tiles: torch.Tensor) -> torch.Tensor:
+    """silu(x · Gᵀ) · (x · Uᵀ) for `tiles` packed from [G; U] (a SwiGLU's gate and up projections stacked, 2N rows,
+    N a multiple of 16): the products rounded to bf16 as a product's output, then gate / (1 + exp(−gate)) · up in
+    fp32 (as inductor's fused code computes silu(gate) · up), rounded once. Up to `MAX_ROWS` rows through `linear`
+    and then one pass; more through `gemm`, whose blocks apply it as they finish (no [rows, 2N] intermediate)."""
+    k = tiles.shape[1] * 32
+    rows = x.numel() // k
+    if rows > MAX_ROWS and GEMM:
+        return gemm(x, tiles, swiglu=True)
+    both = linear(x, tiles).reshape(rows, -1)
+    n = both.shape[1] // 2
+    y = torch.empty(rows, n, dtype=torch.bfloat16)
+    if _library().epdmesh_swiglu(both.data_ptr(), rows, both.stride(0), n, y.data_ptr(), n) != 0:
+        raise ValueError(f"swiglu: {n} columns (a multiple of 16)")
+    return y.view(*x.shape[:-1], n)
+
+
+def swiglu_supports(tiles: torch.Tensor) -> bool:
+    """Whether `swiglu` takes these tiles: the gate's and the up's columns each a multiple of 16."""
+    return tiles.shape[0] % 2 == 0

@@ -7,6 +7,7 @@ reads and writes K/V through the block tables in `AttentionMetadata`.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from common.model.config import TextConfig
@@ -54,8 +55,13 @@ class DecoderLayer(nn.Module):
     def finish(self, x, attn) -> torch.Tensor:
         """Everything after attention: output projection, residual, norm, SwiGLU MLP, residual."""
         x = x + self.o_proj(attn.reshape(x.shape[0], -1))
-        gate, up = self.gate_up_proj(rms_norm(x, self.post_attention_layernorm, self.cfg.rms_norm_eps)).chunk(2, dim=-1)
-        return x + self.down_proj(self.act(gate) * up)
+        h = rms_norm(x, self.post_attention_layernorm, self.cfg.rms_norm_eps)
+        fused = getattr(self.gate_up_proj, "swiglu", None)  # a bf16 CPU linear with AMX tiles: one call
+        mlp = fused(h) if fused is not None and self.act is F.silu else None
+        if mlp is None:
+            gate, up = self.gate_up_proj(h).chunk(2, dim=-1)
+            mlp = self.act(gate) * up
+        return x + self.down_proj(mlp)
 
 
 class LlamaDecoder(nn.Module):

@@ -95,6 +95,17 @@ packed_linear = define(
 )
 
 
+def _packed_swiglu(x: torch.Tensor, tiles: torch.Tensor) -> torch.Tensor:
+    return cpu_amx.swiglu(x, tiles)
+
+
+def _swiglu_fake(x, tiles):
+    return x.new_empty(*x.shape[:-1], tiles.shape[0] * 8)
+
+
+packed_swiglu = define("packed_swiglu(Tensor x, Tensor tiles) -> Tensor", _packed_swiglu, _swiglu_fake)
+
+
 class PackedLinear(nn.Module):
     """`nn.Linear` with its weight in oneDNN's blocked layout; the weight is a buffer (the layout is opaque).
     `tiles`: also as AMX tiles (a bias-free weight the kernels take), for decode's products and a prompt's."""
@@ -110,6 +121,14 @@ class PackedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return packed_linear(x, self.packed_weight, self.tiles, self.bias, self.out_features)
+
+    def swiglu(self, x: torch.Tensor) -> torch.Tensor | None:
+        """silu(gate) · up of this linear's output halves (a SwiGLU's stacked gate and up projections) on the AMX
+        tiles in one call (`cpu_amx.swiglu`: a prompt's blocks apply it as the products finish); None where this
+        linear has no tiles (the caller computes the product, then the activation)."""
+        if self.tiles is None or not cpu_amx.swiglu_supports(self.tiles):
+            return None
+        return packed_swiglu(x, self.tiles)
 
     def extra_repr(self) -> str:
         return (

@@ -135,3 +135,58 @@ def test_the_decoders_linears_get_tiles_while_the_copy_is_a_small_share_of_memor
     small = load_model(tiny_dir, torch.bfloat16)
     pl.pack_linears(small)
     assert not any(m.tiles is not None for m in small.modules() if isinstance(m, pl.PackedLinear))
+
+
+@pytest.mark.parametrize("i,k", [(1408, 512), (16, 32), (48, 1408)])  # 48: an odd number of 32-column pairs
+@pytest.mark.parametrize("rows", [1, 8, 48, 49, 100, 1100])
+def test_swiglu_is_silu_of_the_rounded_gate_times_the_up_rounded_once(rows, i, k):
+    """A SwiGLU's gate and up products and silu(gate) · up in one call: the products rounded to bf16 as a product's
+    output, the rest in fp32 as torch's silu (and inductor's fused code) computes it, rounded once — the decode path (≤ 48 rows:
+    `linear`, then one pass) and a prompt's (`gemm`, applied as its blocks finish) alike."""
+    g = torch.Generator().manual_seed(rows * i + k)
+    w = (torch.randn(2 * i, k, generator=g) * 0.1).bfloat16()
+    x = torch.randn(rows, k, generator=g).bfloat16()
+    tiles = cpu_amx.pack(w)
+    both = cpu_amx.linear(x, tiles).float()
+    expected = (nn.functional.silu(both[:, :i]) * both[:, i:]).bfloat16()
+    out = cpu_amx.swiglu(x, tiles)
+    assert out.shape == (rows, i)
+    # torch's silu and ours (Cephes' exp, a division) may part in fp32's last bit, which moves a value lying on a
+    # bf16 rounding boundary one step: at most that, and rarely (1 of 140,800 values at 100 × 1408)
+    assert ((out.float() - expected.float()).abs() <= expected.float().abs() * 2**-7).all()
+    assert (out != expected).sum() <= max(2, out.numel() // 10_000)
+
+
+def test_a_decoder_layer_takes_the_fused_swiglu_where_its_linear_has_tiles(monkeypatch):
+    from common.model.config import TextConfig
+    from common.model.llama import DecoderLayer
+
+    cfg = TextConfig(
+        vocab_size=64,
+        hidden_size=64,
+        intermediate_size=96,
+        num_layers=1,
+        num_heads=2,
+        num_kv_heads=2,
+        head_dim=32,
+        rms_norm_eps=1e-5,
+        rope_theta=10000.0,
+        max_position_embeddings=128,
+        hidden_act="silu",
+        tie_word_embeddings=False,
+    )
+    layer = DecoderLayer(cfg).bfloat16()
+    for p in layer.parameters():
+        nn.init.normal_(p, std=0.2)
+    x, attn = torch.randn(70, 64).bfloat16(), torch.randn(70, 64).bfloat16()
+    plain = layer.finish(x, attn)
+    calls = []
+    kernel = cpu_amx.swiglu
+    monkeypatch.setattr(cpu_amx, "swiglu", lambda x, t: calls.append(len(x)) or kernel(x, t))
+    holder = nn.Module()
+    holder.text = layer  # the decoder's linears get tiles (`pack_linears`' tiles_under)
+    pl.pack_linears(holder)
+    assert layer.gate_up_proj.tiles is not None
+    fused = layer.finish(x, attn)
+    assert calls == [70]
+    torch.testing.assert_close(fused, plain, atol=0.05, rtol=2**-6)
