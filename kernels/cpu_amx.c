@@ -200,10 +200,11 @@ int epdmesh_amx_linear(const uint16_t *x, int64_t M, int64_t xs, int64_t K, cons
 #define GEMM_KC 16              /* chunks of 32 of K a pass at most: two column blocks' weights, 32 KiB, in L1 */
 #define GEMM_BLOCK (512 * 1024) /* bytes of packed input a block of rows at most */
 
-/* Bytes of scratch `epdmesh_amx_gemm` needs for M rows of K: the input as tiles, then each thread's fp32 sums. */
+/* Bytes of scratch `epdmesh_amx_gemm` needs for M rows of K: the input as tiles, then each thread's fp32 sums and
+ * its SwiGLU half lines. */
 int64_t epdmesh_amx_gemm_scratch(int64_t M, int64_t K) {
     const int64_t pairs = (M + 31) / 32;
-    return pairs * 32 * K * 2 + (int64_t)omp_get_max_threads() * pairs * 1024 * 4 + 64;
+    return pairs * 32 * K * 2 + (int64_t)omp_get_max_threads() * pairs * 1024 * (4 + 1) + 64;
 }
 
 /* Rows of slabs [s0, s1) of x (16 rows each) into `ap`: per slab, K/32 tiles of 16 rows × 32, zeros past row M. */
@@ -224,20 +225,31 @@ static inline __m512 silu_times(__m512 g, __m512 u) {
     return _mm512_mul_ps(_mm512_div_ps(g, _mm512_add_ps(e, _mm512_set1_ps(1.0f))), u);
 }
 
-/* Row r (0-31) of a finished 32 × 32 block q (four fp32 tiles: rows 0-15 × columns 0-15, 16-31; rows 16-31 × …)
- * as 32 bf16, one line. */
-static inline void block_row(uint16_t *y, float (*q)[256], int64_t r, int swiglu) {
+enum { PLAIN, FIRST_HALF, SECOND_HALF, LONE_HALF }; /* what a finished block's rows become */
+
+/* Row r (0-31) of a finished block q (four fp32 tiles: rows 0-15 × the two column blocks, rows 16-31 × the two).
+ * PLAIN: a 32 × 32 block of the product, the row one line of 32 bf16, rounded by the hardware's conversion and
+ * written around the cache. Otherwise the two column blocks are 16 columns of a SwiGLU's gate and the same 16 of
+ * its up projection: each rounded to bf16 (the products' outputs), then silu(gate) · up in fp32, rounded once as
+ * torch rounds (software: the hardware's conversion flushes subnormals) — 16 bf16, half a line: FIRST_HALF keeps
+ * them in `half` (the thread's buffer) until SECOND_HALF, the next 16 columns' block, writes the whole line around
+ * the cache (half lines written so were slower than through the cache); LONE_HALF (where N is not a multiple of 32
+ * and rows do not start on a line) writes its half line through the cache. */
+static inline void block_row(uint16_t *y, float (*q)[256], int64_t r, int kind, uint16_t *half) {
     const int64_t h = r >> 4, i = (r & 15) * 16;
-    if (!swiglu) {
+    if (kind == PLAIN) {
         const __m512bh v = _mm512_cvtne2ps_pbh(_mm512_load_ps(q[2 * h + 1] + i), _mm512_load_ps(q[2 * h] + i));
         _mm512_stream_si512((void *)y, (__m512i)v);
         return;
     }
-    /* the two tiles are 16 columns of the gate and the same 16 of the up projection: each rounded to bf16 (the
-     * products' outputs), then silu(gate) · up in fp32, rounded once as torch rounds (software: the hardware's
-     * conversion flushes subnormals). A 32-byte half line: stored through the cache. */
     const __m512 g = round_bf16_16(_mm512_load_ps(q[2 * h] + i)), u = round_bf16_16(_mm512_load_ps(q[2 * h + 1] + i));
-    _mm256_store_si256((__m256i *)y, to_bf16(silu_times(g, u)));
+    const __m256i v = to_bf16(silu_times(g, u));
+    if (kind == FIRST_HALF)
+        _mm256_store_si256((__m256i *)(half + r * 16), v);
+    else if (kind == SECOND_HALF)
+        _mm512_stream_si512((void *)y, _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_load_si256((const __m256i *)(half + r * 16))), v, 1));
+    else
+        _mm256_storeu_si256((__m256i *)y, v);
 }
 
 /* x [M][K] (row stride xs), tiles as above, y [M][N] (row stride ys, 64-byte aligned rows), in elements; scratch of
@@ -258,12 +270,16 @@ int epdmesh_amx_gemm(const uint16_t *x, int64_t M, int64_t xs, int64_t K, const 
     per = (pairs + blocks - 1) / blocks;
     uint16_t *ap = scratch;
     float *spill = (float *)(ap + pairs * 32 * K);
+    uint16_t *halves = (uint16_t *)(spill + (int64_t)omp_get_max_threads() * pairs * 1024);
+    /* the work shared out: plain, a group of 32 columns; SwiGLU, two groups of 16 (one line) */
+    const int64_t units = swiglu ? (groups + 1) / 2 : groups;
 #pragma omp parallel
     {
         const int64_t threads = omp_get_num_threads(), me = omp_get_thread_num(), share = (2 * pairs + threads - 1) / threads;
         const int64_t s0 = me * share, s1 = s0 + share < 2 * pairs ? s0 + share : 2 * pairs;
         if (s0 < s1) pack_rows(x, M, xs, K, ap, s0, s1);
         float *sums = spill + me * pairs * 1024;
+        uint16_t *half = halves + me * pairs * 512;
         tile_config cfg;
         memset(&cfg, 0, sizeof cfg);
         cfg.palette = 1;
@@ -271,14 +287,20 @@ int epdmesh_amx_gemm(const uint16_t *x, int64_t M, int64_t xs, int64_t K, const 
         __asm__ volatile("" : : "r"(&cfg) : "memory"); /* gcc 12 has dropped the stores above before ldtilecfg */
         _tile_loadconfig(&cfg);
         float ready[2][4][256] __attribute__((aligned(64))); /* the last block's sums, and the one before */
-        int64_t pm = -1, pn = 0; /* the block whose rows are still to write, -1: none */
-        int cur = 0;
+        int64_t pm = -1, pn = 0; /* the block whose rows are still to write (-1: none), its kind and half line */
+        int cur = 0, kind = PLAIN;
+        uint16_t *ph = half;
 #pragma omp barrier
         for (int64_t b = 0; b < blocks; ++b) {
             const int64_t p0 = b * per, p1 = p0 + per < pairs ? p0 + per : pairs;
 #pragma omp for schedule(static) nowait
-            for (int64_t g = 0; g < groups; ++g) {
+            for (int64_t unit = 0; unit < units; ++unit)
+            for (int64_t g = swiglu ? 2 * unit : unit; g < (swiglu ? 2 * unit + 2 : unit + 1) && g < groups; ++g) {
                 const uint16_t *w0 = tiles + (swiglu ? g : 2 * g) * tsz, *w1 = w0 + second;
+                const int done_kind = !swiglu ? PLAIN
+                                      : N % 32 ? LONE_HALF /* rows not whole lines */
+                                      : g % 2  ? SECOND_HALF
+                                               : FIRST_HALF;
                 for (int64_t part = 0; part < parts; ++part) {
                     const int64_t c0 = part * kc, c1 = c0 + kc < chunks ? c0 + kc : chunks, last = part + 1 == parts;
                     for (int64_t p = p0; p < p1; ++p) {
@@ -311,13 +333,13 @@ int epdmesh_amx_gemm(const uint16_t *x, int64_t M, int64_t xs, int64_t K, const 
                             _tile_dpbf16ps(1, 4, 7);
                             _tile_dpbf16ps(3, 5, 7);
                             if (pm >= 0 && r < 32) { /* a row of the previous block while these run */
-                                if (pm + r < M) block_row(y + (pm + r) * ys + pn, q, r, swiglu);
+                                if (pm + r < M) block_row(y + (pm + r) * ys + pn, q, r, kind, ph);
                                 ++r;
                             }
                         }
                         if (pm >= 0) {
                             for (; r < 32; ++r)
-                                if (pm + r < M) block_row(y + (pm + r) * ys + pn, q, r, swiglu);
+                                if (pm + r < M) block_row(y + (pm + r) * ys + pn, q, r, kind, ph);
                             pm = -1;
                         }
                         if (!last) {
@@ -330,7 +352,9 @@ int epdmesh_amx_gemm(const uint16_t *x, int64_t M, int64_t xs, int64_t K, const 
                             _tile_stored(1, ready[cur][1], 64);
                             _tile_stored(2, ready[cur][2], 64);
                             _tile_stored(3, ready[cur][3], 64);
-                            pm = 32 * p, pn = width * g, cur ^= 1;
+                            pm = 32 * p, cur ^= 1, kind = done_kind;
+                            pn = kind == SECOND_HALF ? width * (g - 1) : width * g; /* a line from its start */
+                            ph = half + (p - p0) * 512;
                         }
                     }
                 }
@@ -338,7 +362,7 @@ int epdmesh_amx_gemm(const uint16_t *x, int64_t M, int64_t xs, int64_t K, const 
         }
         if (pm >= 0)
             for (int64_t r = 0; r < 32; ++r)
-                if (pm + r < M) block_row(y + (pm + r) * ys + pn, ready[cur ^ 1], r, swiglu);
+                if (pm + r < M) block_row(y + (pm + r) * ys + pn, ready[cur ^ 1], r, kind, ph);
         _tile_release();
     }
     _mm_sfence(); /* the non-temporal stores visible before the caller reads y */
