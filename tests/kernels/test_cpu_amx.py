@@ -141,8 +141,9 @@ def test_the_decoders_linears_get_tiles_while_the_copy_is_a_small_share_of_memor
 @pytest.mark.parametrize("rows", [1, 8, 48, 49, 100, 1100])
 def test_swiglu_is_silu_of_the_rounded_gate_times_the_up_rounded_once(rows, i, k):
     """A SwiGLU's gate and up products and silu(gate) · up in one call: the products rounded to bf16 as a product's
-    output, the rest in fp32 as torch's silu (and inductor's fused code) computes it, rounded once — the decode path (≤ 48 rows:
-    `linear`, then one pass) and a prompt's (`gemm`, applied as its blocks finish) alike."""
+    output, the rest in fp32 as torch's silu (and inductor's fused code) computes it, rounded once — the decode
+    path (≤ 48 rows: `linear`, then one pass) and a prompt's (`gemm`, applied as its blocks finish) alike; whole
+    lines (N % 32 == 0) and half lines."""
     g = torch.Generator().manual_seed(rows * i + k)
     w = (torch.randn(2 * i, k, generator=g) * 0.1).bfloat16()
     x = torch.randn(rows, k, generator=g).bfloat16()
