@@ -40,6 +40,7 @@ from tqdm import tqdm  # noqa: E402
 
 from common.engine.config import EngineConfig  # noqa: E402
 from common.engine.engine import Engine  # noqa: E402
+from common.model import compiled  # noqa: E402
 from common.model.llava import LlavaModel  # noqa: E402
 from common.model.loader import load_model, model_from_state  # noqa: E402
 from common.model.packed_linear import PackedLinear  # noqa: E402
@@ -60,6 +61,7 @@ ABLATIONS = {
     "prompt-attention",
     "prompt-tiles",
     "prefill-tiles",
+    "rotary-kv",
     "prompts-graph",
 }
 
@@ -85,6 +87,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "decode-graph (decodes through the per-layer compiled halves), prefill-graph (a lone whole prompt too); "
         "c-attention takes both graphs out (they call the kernel); amx-tiles (every text product through oneDNN, "
         "not the AMX tiles); prefill-tiles (a prompt's products through oneDNN, decode's on the tiles); "
+        "rotary-kv (prompt chunks' RoPE compiled and their K/V written apart, not in one C pass); "
         "prompt-attention (prompts' and images' attention through SDPA, not the C kernel); "
         "prompt-tiles (the C kernel's bf16 products on the vector units, not the AMX tiles); prompts-graph (a step of "
         "several prompts through the per-layer compiled halves, not as one graph); on CUDA: "
@@ -199,6 +202,8 @@ def make_engine(
         engine.runner.attention.varlen = "prefill-varlen" not in args.without
     cpu_prompt.use_tiles("prompt-tiles" not in args.without)
     cpu_amx.use_gemm("prefill-tiles" not in args.without)
+    if "rotary-kv" in args.without:
+        compiled.ROTARY_KV = False
     return engine
 
 

@@ -364,3 +364,47 @@ int epdmesh_write_decode_f32(const decode_shape *s, const new_rows *w, const flo
     const int rc = write_rows(s, w, k, v, blocks, offsets, kc, vc, 4);
     return rc ? rc : paged_decode(s, q, kc, vc, tables, seq_lens, out, scratch, 0);
 }
+
+/* A prompt's rotary and K/V write in one pass (bf16, AVX-512, head_dim a multiple of 32): the rows of its qkv
+ * projection ([tokens][(num_heads + 2·num_kv_heads)·head_dim], row stride `qkv_stride`) → q with RoPE applied
+ * ([tokens][num_heads][head_dim], contiguous), K with RoPE applied and V into their slots of a layer's caches. RoPE
+ * as common/model/layers.py `apply_rotary` (transformers' x·cos + rotate_half(x)·sin): per half, x1·c − x2·s and
+ * x2·c + x1·s in fp32 (products and the difference or sum each rounded to fp32, no fused multiply-add), rounded
+ * once to bf16 — what inductor's fused kernel computes. cos and sin: [tokens][head_dim] bf16 (row stride
+ * `cs_stride`). -1: a shape it does not take; -2: a slot outside the cache (nothing written then). */
+int epdmesh_rotary_kv_bf16(const decode_shape *s, const new_rows *w, const uint16_t *qkv, int64_t qkv_stride,
+                           const uint16_t *cos, const uint16_t *sin, int64_t cs_stride, const int64_t *blocks,
+                           const int64_t *offsets, uint16_t *q, uint16_t *kc, uint16_t *vc) {
+#if VEC
+    const int64_t n = s->num_seqs, heads = s->num_heads, kv = s->num_kv_heads, dim = s->head_dim, half = dim / 2;
+    if (dim % 32) return -1;
+    for (int64_t i = 0; i < n; ++i)
+        if (blocks[i] < 0 || blocks[i] >= w->num_blocks || offsets[i] < 0 || offsets[i] >= s->block_size) return -2;
+#pragma omp parallel for schedule(static) if (n * (heads + 2 * kv) * dim >= (1 << 15))
+    for (int64_t t = 0; t < n; ++t) {
+        const uint16_t *row = qkv + t * qkv_stride, *c = cos + t * cs_stride, *sn = sin + t * cs_stride;
+        for (int64_t h = 0; h < heads + kv; ++h) {
+            const uint16_t *x = row + h * dim;
+            uint16_t *o = h < heads ? q + (t * heads + h) * dim
+                                    : kc + blocks[t] * s->k_block + offsets[t] * s->k_token + (h - heads) * s->k_head;
+            for (int64_t j = 0; j < half; j += 16) {
+                const __m512 x1 = load16(x, j, 1), x2 = load16(x, half + j, 1);
+                const __m512 lo = _mm512_sub_ps(_mm512_mul_ps(x1, load16(c, j, 1)), _mm512_mul_ps(x2, load16(sn, j, 1)));
+                const __m512 hi =
+                    _mm512_add_ps(_mm512_mul_ps(x2, load16(c, half + j, 1)), _mm512_mul_ps(x1, load16(sn, half + j, 1)));
+                _mm256_storeu_si256((__m256i *)(o + j), _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(round_bf16_16(lo)), 16)));
+                _mm256_storeu_si256((__m256i *)(o + half + j),
+                                    _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(round_bf16_16(hi)), 16)));
+            }
+        }
+        for (int64_t h = 0; h < kv; ++h)
+            memcpy(vc + blocks[t] * s->v_block + offsets[t] * s->v_token + h * s->v_head, row + (heads + kv + h) * dim,
+                   dim * 2);
+    }
+    return 0;
+#else
+    (void)s, (void)w, (void)qkv, (void)qkv_stride, (void)cos, (void)sin, (void)cs_stride, (void)blocks, (void)offsets;
+    (void)q, (void)kc, (void)vc;
+    return -1;
+#endif
+}

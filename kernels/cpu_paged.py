@@ -45,7 +45,14 @@ def _library(scalar: bool = False) -> ctypes.CDLL | None:
     lib = cbuild.load(SOURCE, "CPU decode attention stays the torch reference", ("EPDMESH_SCALAR",) if scalar else ())
     if lib is None:
         return None
-    for name in ("paged_decode_bf16", "paged_decode_f32", "write_decode_bf16", "write_decode_f32", "write_rows"):
+    for name in (
+        "paged_decode_bf16",
+        "paged_decode_f32",
+        "write_decode_bf16",
+        "write_decode_f32",
+        "write_rows",
+        "rotary_kv_bf16",
+    ):
         getattr(lib, f"epdmesh_{name}").restype = ctypes.c_int
     return lib
 
@@ -150,6 +157,69 @@ def write_rows(
     if rc == -2:
         raise IndexError(f"write_rows: a slot outside the cache ({k_cache.shape[0]} blocks of {k_cache.shape[1]})")
     return True
+
+
+def rotary_kv_supported(dtype: torch.dtype, head_dim: int) -> bool:
+    """Whether `rotary_kv` runs here: bf16, a head_dim that is a multiple of 32, the kernel built for AVX-512."""
+    return dtype == torch.bfloat16 and head_dim % 32 == 0 and available() and _vector()
+
+
+@functools.cache
+def _vector() -> bool:
+    """Whether the kernel was built with its 16-lane passes (the compiler targets AVX-512)."""
+    lib = _library()
+    if lib is None:
+        return False
+    shape = _Shape(0, 1, 1, 32, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0.0)
+    rows = _NewRows(0, 0, 0, 0, 0)
+    return lib.epdmesh_rotary_kv_bf16(ctypes.byref(shape), ctypes.byref(rows), *[None] * 10) == 0
+
+
+def rotary_kv(
+    qkv: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_blocks: torch.Tensor,
+    slot_offsets: torch.Tensor,
+    num_heads: int,
+    num_kv_heads: int,
+) -> torch.Tensor:
+    """A prompt's RoPE and K/V write in one pass (where `rotary_kv_supported`): the rows of its qkv projection
+    ([tokens, (num_heads + 2·num_kv_heads)·head_dim]) → q [tokens, num_heads, head_dim] with RoPE applied; K (RoPE
+    applied) and V into their slots of a layer's caches ([blocks, block_size, kv_heads, head_dim]), as
+    `apply_rotary` and `write_slots` would — one read of the projection instead of inductor's rotary kernel, its
+    copies and the slots' writes. IndexError for a slot outside the cache."""
+    n = qkv.shape[0]
+    dim = k_cache.shape[-1]
+    assert qkv.stride(-1) == cos.stride(-1) == sin.stride(-1) == 1 and cos.stride(0) == sin.stride(0)
+    assert k_cache.stride(-1) == v_cache.stride(-1) == 1 and qkv.shape[1] == (num_heads + 2 * num_kv_heads) * dim
+    blocks, offsets = slot_blocks.contiguous(), slot_offsets.contiguous()
+    q = torch.empty(n, num_heads, dim, dtype=qkv.dtype)
+    shape = _Shape(
+        n, num_heads, num_kv_heads, dim, k_cache.shape[1], 0, 0, 0, 0, 0, 0,
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        0.0,
+    )  # fmt: skip
+    rows = _NewRows(0, 0, 0, 0, k_cache.shape[0])
+    ptr = ctypes.c_void_p
+    rc = _library().epdmesh_rotary_kv_bf16(
+        ctypes.byref(shape),
+        ctypes.byref(rows),
+        ptr(qkv.data_ptr()),
+        ctypes.c_int64(qkv.stride(0)),
+        ptr(cos.data_ptr()),
+        ptr(sin.data_ptr()),
+        ctypes.c_int64(cos.stride(0)),
+        *(ptr(t.data_ptr()) for t in (blocks, offsets, q, k_cache, v_cache)),
+    )
+    if rc == -2:
+        raise IndexError(f"rotary_kv: a slot outside the cache ({k_cache.shape[0]} blocks of {k_cache.shape[1]})")
+    if rc != 0:
+        raise ValueError(f"rotary_kv: head_dim {dim} in bf16 is not computed on this host")
+    return q
 
 
 def _paged_decode(

@@ -40,6 +40,10 @@ from kernels.torch_ref import causal_attention
 log = logging.getLogger(__name__)
 
 WARM_TOKENS = 128  # the token count the warm-up compiles the dynamic text graphs at (their size hint)
+# Whether this host's C kernel applies RoPE and writes K/V in one pass (`cpu_paged.rotary_kv`, bf16 on AVX-512): set
+# when a CompiledModel is made; `prompts_step` reads it (a host's property, the same for every engine); False for
+# A/B runs (`bench/engine.py --without rotary-kv`).
+ROTARY_KV = False
 
 
 def cache_dir() -> Path:
@@ -70,6 +74,8 @@ class CompiledModel:
                 model.text.rotary_for(weight)  # (made inside the graph, it would be a guard that fails once)
             probe = torch.empty(1, model.text.cfg.head_dim, dtype=weight.dtype)
             if cpu_prompt.ENABLED and cpu_prompt.supports(probe):
+                global ROTARY_KV
+                ROTARY_KV = ROTARY_KV or cpu_paged.rotary_kv_supported(torch.bfloat16, 32)
                 self.prompts = torch.compile(prompts_step, dynamic=True)
                 model.text.rotary_for(weight)
 
@@ -231,13 +237,20 @@ def prompts_step(
     query_starts[i + 1]), the last of its seq_lens[i] positions, earlier ones already in the cache) → the logits of
     `sample_rows` [rows, vocab] (float32). What the eager path computes with the C prompt kernel, as one graph: each
     layer's K/V into the whole cache in place, then the step's attention in one call over the cache
-    (`cpu_prompt.paged_prompt_attention`); the last layer past its attention at the sampled rows only."""
+    (`cpu_prompt.paged_prompt_attention`); the last layer past its attention at the sampled rows only. In bf16 on
+    hosts where `ROTARY_KV`, each layer's RoPE and K/V write are one C pass over its qkv projection."""
     cos, sin = text.rotary.cos_sin(positions, embeds.dtype)
     scale = text.cfg.head_dim**-0.5
     x, last = embeds, len(text.layers) - 1
+    fused = ROTARY_KV and cache.dtype == torch.bfloat16 and text.cfg.head_dim % 32 == 0
     for i, layer in enumerate(text.layers):
-        q, k, v = DecoderLayer.qkv(layer, x, cos, sin)
-        torch.ops.epdmesh.write_kv_layer(cache, i, k, v, slot_blocks, slot_offsets)
+        if fused:  # RoPE and the K/V write in one C pass (`cpu_paged.rotary_kv`)
+            q = torch.ops.epdmesh.rotary_kv_layer(
+                DecoderLayer.project(layer, x), cos, sin, cache, i, slot_blocks, slot_offsets
+            )
+        else:
+            q, k, v = DecoderLayer.qkv(layer, x, cos, sin)
+            torch.ops.epdmesh.write_kv_layer(cache, i, k, v, slot_blocks, slot_offsets)
         kv = cache.select(1, i)
         attn = torch.ops.epdmesh.paged_prompt_attention(
             q, kv.select(1, 0), kv.select(1, 1), block_tables, query_starts, seq_lens, scale
@@ -262,6 +275,37 @@ def _write_kv_layer(
     layer_cache = cache.select(1, layer)
     write_slots(k, v, layer_cache.select(1, 0), layer_cache.select(1, 1), slot_blocks, slot_offsets)
 
+
+def _rotary_kv_layer(
+    qkv: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    cache: torch.Tensor,
+    layer: int,
+    slot_blocks: torch.Tensor,
+    slot_offsets: torch.Tensor,
+) -> torch.Tensor:
+    """`cpu_paged.rotary_kv` on one layer of the whole cache: q [tokens, heads, head_dim] returned, K and V written
+    in place."""
+    layer_cache = cache.select(1, layer)
+    kv_heads, dim = cache.shape[-2], cache.shape[-1]
+    heads = qkv.shape[-1] // dim - 2 * kv_heads
+    return cpu_paged.rotary_kv(
+        qkv, cos, sin, layer_cache.select(1, 0), layer_cache.select(1, 1), slot_blocks, slot_offsets, heads, kv_heads
+    )
+
+
+def _rotary_kv_fake(qkv, cos, sin, cache, layer, slot_blocks, slot_offsets):
+    kv_heads, dim = cache.shape[-2], cache.shape[-1]
+    return qkv.new_empty(qkv.shape[0], qkv.shape[-1] // dim - 2 * kv_heads, dim)
+
+
+rotary_kv_layer = define(
+    "rotary_kv_layer(Tensor qkv, Tensor cos, Tensor sin, Tensor(a!) cache, int layer, Tensor slot_blocks,"
+    " Tensor slot_offsets) -> Tensor",
+    _rotary_kv_layer,
+    _rotary_kv_fake,
+)
 
 write_kv_layer = define(
     "write_kv_layer(Tensor(a!) cache, int layer, Tensor k, Tensor v, Tensor slot_blocks, Tensor slot_offsets) -> ()",

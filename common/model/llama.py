@@ -44,10 +44,14 @@ class DecoderLayer(nn.Module):
             x, attn = x[rows], attn[rows]
         return finish(self, x, attn)
 
+    def project(self, x) -> torch.Tensor:
+        """The norm and the qkv projection: [n, (heads + 2·kv_heads)·D], q's columns, then k's, then v's."""
+        return self.qkv_proj(rms_norm(x, self.input_layernorm, self.cfg.rms_norm_eps))
+
     def qkv(self, x, cos, sin) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Everything before attention: norm, projection, rotary → q [n, heads, D], k and v [n, kv_heads, D]."""
         cfg, n = self.cfg, x.shape[0]
-        q, k, v = self.qkv_proj(rms_norm(x, self.input_layernorm, cfg.rms_norm_eps)).split(self.split, dim=-1)
+        q, k, v = DecoderLayer.project(self, x).split(self.split, dim=-1)
         q = apply_rotary(q.view(n, cfg.num_heads, cfg.head_dim), cos, sin)
         k = apply_rotary(k.view(n, cfg.num_kv_heads, cfg.head_dim), cos, sin)
         return q, k, v.view(n, cfg.num_kv_heads, cfg.head_dim)

@@ -144,6 +144,40 @@ def test_a_prompts_rows_are_written_by_memcpy_as_index_put_writes_them(dtype, n,
     assert torch.equal(cache, before)
 
 
+@pytest.mark.skipif(not cpu_paged.rotary_kv_supported(torch.bfloat16, 32), reason="needs the AVX-512 build")
+@pytest.mark.parametrize("heads,kv,dim,n", [(8, 2, 32, 300), (4, 4, 64, 17), (8, 8, 128, 1)])
+def test_a_prompts_rope_and_kv_write_in_one_pass_are_apply_rotary_and_write_slots(heads, kv, dim, n):
+    """`rotary_kv`: q with RoPE as `apply_rotary` computes it compiled (fp32, rounded once) — bit for bit — and K
+    with RoPE, V as they are, in their slots; every other slot untouched."""
+    from common.model.layers import apply_rotary
+
+    g = torch.Generator().manual_seed(n * dim + kv)
+    width = (heads + 2 * kv) * dim
+    qkv = torch.randn(n, width + 64, generator=g).bfloat16()[:, :width]  # rows apart: a view of a wider output
+    cos, sin = (torch.randn(n, dim, generator=g).bfloat16() for _ in range(2))
+    k_cache = torch.randn(40, 16, kv, dim, generator=g).bfloat16()
+    v_cache, before = torch.randn_like(k_cache), k_cache.clone()
+    slots = torch.randperm(40 * 16, generator=g)[:n]
+    blocks, offsets = slots // 16, slots % 16
+    v_before = v_cache.clone()
+    q = cpu_paged.rotary_kv(qkv, cos, sin, k_cache, v_cache, blocks, offsets, heads, kv)
+    q_rows, k_rows, v_rows = qkv.float().split([heads * dim, kv * dim, kv * dim], dim=-1)
+    assert torch.equal(q, apply_rotary(q_rows.view(n, heads, dim), cos.float(), sin.float()).bfloat16())
+    assert torch.equal(
+        k_cache[blocks, offsets], apply_rotary(k_rows.view(n, kv, dim), cos.float(), sin.float()).bfloat16()
+    )
+    assert torch.equal(v_cache[blocks, offsets], v_rows.bfloat16().view(n, kv, dim))
+    untouched = torch.ones(40, 16, dtype=torch.bool)
+    untouched[blocks, offsets] = False
+    assert torch.equal(k_cache[untouched], before[untouched]) and torch.equal(v_cache[untouched], v_before[untouched])
+    with pytest.raises(IndexError, match="outside the cache"):
+        cpu_paged.rotary_kv(qkv, cos, sin, k_cache, v_cache, blocks + 40, offsets, heads, kv)
+    assert torch.equal(v_cache[untouched], v_before[untouched])
+    assert not cpu_paged.rotary_kv_supported(torch.float32, 32) and not cpu_paged.rotary_kv_supported(
+        torch.bfloat16, 48
+    )
+
+
 def test_the_backend_decodes_through_it_and_matches_dense_attention_with_prefills_beside():
     q, k_cache, v_cache, meta, expected = build_case("cpu", torch.float32)
     with_c = TorchPagedAttention().forward(q, k_cache, v_cache, meta, 32**-0.5)
