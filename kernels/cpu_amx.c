@@ -18,7 +18,7 @@
  * rate oneDNN's products reach, 2026-12-07). There the input is first copied into tiles too (each 16 rows × 32 of K
  * one contiguous 1 KiB, as the weights), the weights of two column blocks (K ≤ 512: 32 KiB) stay in L1 while the
  * rows' tiles stream past them (loaded with the non-temporal hint, so that they do not evict the weights), longer
- * K runs in parts whose fp32 sums wait in a per-thread buffer, and the rows run in blocks of ≤ 512 KiB of input so
+ * K runs in parts whose fp32 sums wait in a per-thread buffer, and the rows run in blocks of ≤ 1 MiB of input so
  * that a block stays in L2 for every column block. Each finished 32 × 32 block is rounded by the hardware's
  * conversion (to nearest even, as oneDNN's) and written a whole line a row with non-temporal stores, spread over
  * the next block's loop (reading the tile's fp32 right after storing it stalls).
@@ -198,7 +198,7 @@ int epdmesh_amx_linear(const uint16_t *x, int64_t M, int64_t xs, int64_t K, cons
 
 /* ---- a prompt's products ---- */
 #define GEMM_KC 16              /* chunks of 32 of K a pass at most: two column blocks' weights, 32 KiB, in L1 */
-#define GEMM_BLOCK (512 * 1024) /* bytes of packed input a block of rows at most */
+#define GEMM_BLOCK (1024 * 1024) /* bytes of packed input a block of rows at most (a core's L2 is 2 MiB) */
 
 /* Bytes of scratch `epdmesh_amx_gemm` needs for M rows of K: the input as tiles, then each thread's fp32 sums and
  * its SwiGLU half lines. */
