@@ -116,7 +116,7 @@ def gemm(x: torch.Tensor, tiles: torch.Tensor, swiglu: bool = False) -> torch.Te
     """x [..., K] bf16 (any number of rows) → x · Wᵀ [..., N] for a packed W with N a multiple of 32 (`gemm_supports`):
     the same sums as `linear` (fp32 along K in chunks of 32, in order), rounded by the hardware's conversion.
     `swiglu`: W is a SwiGLU's gate and up projections stacked ([2N, K], N a multiple of 16), and the result
-    silu(gate) · up [..., N] (`swiglu` below), computed as the products' blocks finish."""
+    silu(gate) · up [..., N] (as `silu_mul` below), computed as the products' blocks finish."""
     n, k = tiles.shape[0] * 16 // (2 if swiglu else 1), tiles.shape[1] * 32
     x2 = x if x.dim() == 2 else x.reshape(-1, k)
     if x2.stride(1) != 1:
@@ -144,23 +144,20 @@ def gemm(x: torch.Tensor, tiles: torch.Tensor, swiglu: bool = False) -> torch.Te
     return y if x.dim() == 2 else y.view(*x.shape[:-1], n)
 
 
-def swiglu(x: torch.Tensor, tiles: torch.Tensor) -> torch.Tensor:
-    """silu(x · Gᵀ) · (x · Uᵀ) for `tiles` packed from [G; U] (a SwiGLU's gate and up projections stacked, 2N rows,
-    N a multiple of 16): the products rounded to bf16 as a product's output, then gate / (1 + exp(−gate)) · up in
-    fp32 (as inductor's fused code computes silu(gate) · up), rounded once. Up to `MAX_ROWS` rows through `linear`
-    and then one pass; more through `gemm`, whose blocks apply it as they finish (no [rows, 2N] intermediate)."""
-    k = tiles.shape[1] * 32
-    rows = x.numel() // k
-    if rows > MAX_ROWS and GEMM:
-        return gemm(x, tiles, swiglu=True)
-    both = linear(x, tiles).reshape(rows, -1)
-    n = both.shape[1] // 2
+def silu_mul(both: torch.Tensor) -> torch.Tensor:
+    """[rows, 2N] bf16 (a SwiGLU's gate and up products side by side, N a multiple of 16) → silu(gate) · up [rows, N]:
+    gate / (1 + exp(−gate)) · up in fp32 (as torch's silu and inductor's fused code compute it), rounded once — what
+    `gemm(..., swiglu=True)` applies to its blocks, for products computed otherwise (a decode step's few rows)."""
+    rows, n = both.shape[0], both.shape[1] // 2
+    if both.stride(1) != 1:
+        both = both.contiguous()
     y = torch.empty(rows, n, dtype=torch.bfloat16)
     if _library().epdmesh_swiglu(both.data_ptr(), rows, both.stride(0), n, y.data_ptr(), n) != 0:
-        raise ValueError(f"swiglu: {n} columns (a multiple of 16)")
-    return y.view(*x.shape[:-1], n)
+        raise ValueError(f"silu_mul: {n} columns (a multiple of 16)")
+    return y
 
 
 def swiglu_supports(tiles: torch.Tensor) -> bool:
-    """Whether `swiglu` takes these tiles: the gate's and the up's columns each a multiple of 16."""
+    """Whether `gemm(..., swiglu=True)` and `silu_mul` take these tiles: the gate's and the up's columns each a
+    multiple of 16."""
     return tiles.shape[0] % 2 == 0

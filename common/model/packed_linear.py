@@ -95,15 +95,24 @@ packed_linear = define(
 )
 
 
-def _packed_swiglu(x: torch.Tensor, tiles: torch.Tensor) -> torch.Tensor:
-    return cpu_amx.swiglu(x, tiles)
+def _packed_swiglu(x: torch.Tensor, weight: torch.Tensor, tiles: torch.Tensor, out_features: int) -> torch.Tensor:
+    """silu(gate) · up of a stacked gate and up projection with AMX tiles: a prompt's (> 48 rows) in one pass of
+    `cpu_amx.gemm`, whose blocks apply it as they finish; otherwise the product as `_packed_linear` computes it, then
+    `cpu_amx.silu_mul`."""
+    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    if rows > cpu_amx.MAX_ROWS and cpu_amx.GEMM:
+        return cpu_amx.gemm(x, tiles, swiglu=True)
+    both = _packed_linear(x, weight, tiles, None, out_features)
+    return cpu_amx.silu_mul(both.reshape(-1, out_features)).view(*x.shape[:-1], out_features // 2)
 
 
-def _swiglu_fake(x, tiles):
-    return x.new_empty(*x.shape[:-1], tiles.shape[0] * 8)
+def _swiglu_fake(x, weight, tiles, out_features):
+    return x.new_empty(*x.shape[:-1], out_features // 2)
 
 
-packed_swiglu = define("packed_swiglu(Tensor x, Tensor tiles) -> Tensor", _packed_swiglu, _swiglu_fake)
+packed_swiglu = define(
+    "packed_swiglu(Tensor x, Tensor weight, Tensor tiles, int out_features) -> Tensor", _packed_swiglu, _swiglu_fake
+)
 
 
 class PackedLinear(nn.Module):
@@ -123,12 +132,12 @@ class PackedLinear(nn.Module):
         return packed_linear(x, self.packed_weight, self.tiles, self.bias, self.out_features)
 
     def swiglu(self, x: torch.Tensor) -> torch.Tensor | None:
-        """silu(gate) · up of this linear's output halves (a SwiGLU's stacked gate and up projections) on the AMX
-        tiles in one call (`cpu_amx.swiglu`: a prompt's blocks apply it as the products finish); None where this
+        """silu(gate) · up of this linear's output halves (a SwiGLU's stacked gate and up projections) in one call
+        where it has AMX tiles (`_packed_swiglu`: a prompt's blocks apply it as the products finish); None where this
         linear has no tiles (the caller computes the product, then the activation)."""
         if self.tiles is None or not cpu_amx.swiglu_supports(self.tiles):
             return None
-        return packed_swiglu(x, self.tiles)
+        return packed_swiglu(x, self.packed_weight, self.tiles, self.out_features)
 
     def extra_repr(self) -> str:
         return (

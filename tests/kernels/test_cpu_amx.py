@@ -142,7 +142,7 @@ def test_the_decoders_linears_get_tiles_while_the_copy_is_a_small_share_of_memor
 def test_swiglu_is_silu_of_the_rounded_gate_times_the_up_rounded_once(rows, i, k):
     """A SwiGLU's gate and up products and silu(gate) · up in one call: the products rounded to bf16 as a product's
     output, the rest in fp32 as torch's silu (and inductor's fused code) computes it, rounded once — the decode
-    path (≤ 48 rows: `linear`, then one pass) and a prompt's (`gemm`, applied as its blocks finish) alike; whole
+    path (≤ 48 rows: `linear`, then `silu_mul`) and a prompt's (`gemm`, applied as its blocks finish) alike; whole
     lines (N % 32 == 0) and half lines."""
     g = torch.Generator().manual_seed(rows * i + k)
     w = (torch.randn(2 * i, k, generator=g) * 0.1).bfloat16()
@@ -150,7 +150,7 @@ def test_swiglu_is_silu_of_the_rounded_gate_times_the_up_rounded_once(rows, i, k
     tiles = cpu_amx.pack(w)
     both = cpu_amx.linear(x, tiles).float()
     expected = (nn.functional.silu(both[:, :i]) * both[:, i:]).bfloat16()
-    out = cpu_amx.swiglu(x, tiles)
+    out = cpu_amx.gemm(x, tiles, swiglu=True) if rows > cpu_amx.MAX_ROWS else cpu_amx.silu_mul(cpu_amx.linear(x, tiles))
     assert out.shape == (rows, i)
     # torch's silu and ours (Cephes' exp, a division) may part in fp32's last bit, which moves a value lying on a
     # bf16 rounding boundary one step: at most that, and rarely (1 of 140,800 values at 100 × 1408)
@@ -182,12 +182,18 @@ def test_a_decoder_layer_takes_the_fused_swiglu_where_its_linear_has_tiles(monke
     x, attn = torch.randn(70, 64).bfloat16(), torch.randn(70, 64).bfloat16()
     plain = layer.finish(x, attn)
     calls = []
-    kernel = cpu_amx.swiglu
-    monkeypatch.setattr(cpu_amx, "swiglu", lambda x, t: calls.append(len(x)) or kernel(x, t))
+    kernel = cpu_amx.gemm
+    monkeypatch.setattr(
+        cpu_amx, "gemm", lambda x, t, swiglu=False: calls.append((len(x), swiglu)) or kernel(x, t, swiglu)
+    )
     holder = nn.Module()
     holder.text = layer  # the decoder's linears get tiles (`pack_linears`' tiles_under)
     pl.pack_linears(holder)
     assert layer.gate_up_proj.tiles is not None
     fused = layer.finish(x, attn)
-    assert calls == [70]
+    assert (70, True) in calls  # the gate and up products and the activation in one call
     torch.testing.assert_close(fused, plain, atol=0.05, rtol=2**-6)
+    calls.clear()
+    monkeypatch.setattr(cpu_amx, "GEMM", False)  # --without prefill-tiles: oneDNN's product, then the activation
+    torch.testing.assert_close(layer.finish(x, attn), fused, atol=0.05, rtol=2**-6)
+    assert calls == []
