@@ -196,6 +196,65 @@ int epdmesh_amx_linear(const uint16_t *x, int64_t M, int64_t xs, int64_t K, cons
 }
 
 
+static inline __m512 silu_times(__m512 g, __m512 u);
+
+/* A decode step's SwiGLU (≤ 16 rows): the gate's and the up's products of `tiles` packed from [2N, K] (the gate's N
+ * rows, then the up's) and silu(gate) · up [M][N] in one call, as `epdmesh_amx_gemm`'s SwiGLU computes it: per group
+ * two output blocks, four weight tiles (the gate's two, the up's same two) sharing the input's tile. -1: a shape it
+ * does not take (M > 16, N % 16, K % 32). */
+int epdmesh_amx_swiglu_rows(const uint16_t *x, int64_t M, int64_t xs, int64_t K, const uint16_t *tiles, int64_t N,
+                            uint16_t *y, int64_t ys) {
+    if (M < 1 || M > 16 || N % 16 || K % 32) return -1;
+    const int64_t blocks = N / 16, groups = (blocks + 1) / 2, chunks = K / 32, up = blocks * 16 * K;
+#pragma omp parallel
+    {
+        tile_config cfg;
+        memset(&cfg, 0, sizeof cfg);
+        cfg.palette = 1;
+        for (int t = 0; t < 5; ++t) cfg.rows[t] = (uint8_t)M, cfg.colsb[t] = 64; /* 0-1 gate, 2-3 up sums; 4: x */
+        for (int t = 5; t < 8; ++t) cfg.rows[t] = 16, cfg.colsb[t] = 64;
+        __asm__ volatile("" : : "r"(&cfg) : "memory");
+        _tile_loadconfig(&cfg);
+        float out[4][256] __attribute__((aligned(64)));
+#pragma omp for schedule(static)
+        for (int64_t g = 0; g < groups; ++g) {
+            const int64_t b0 = 2 * g, two = blocks - b0 > 1;
+            const uint16_t *w = tiles + b0 * 16 * K;
+            _tile_zero(0);
+            _tile_zero(1);
+            _tile_zero(2);
+            _tile_zero(3);
+            for (int64_t c = 0; c < chunks; ++c) {
+                _tile_loadd(4, x + c * 32, xs * 2);
+                _tile_loadd(5, w + c * 512, 64);
+                _tile_dpbf16ps(0, 4, 5);
+                _tile_loadd(6, w + up + c * 512, 64);
+                _tile_dpbf16ps(2, 4, 6);
+                if (two) {
+                    _tile_loadd(7, w + 16 * K + c * 512, 64);
+                    _tile_dpbf16ps(1, 4, 7);
+                    _tile_loadd(5, w + up + 16 * K + c * 512, 64);
+                    _tile_dpbf16ps(3, 4, 5);
+                }
+            }
+            _tile_stored(0, out[0], 64);
+            _tile_stored(2, out[2], 64);
+            if (two) {
+                _tile_stored(1, out[1], 64);
+                _tile_stored(3, out[3], 64);
+            }
+            for (int64_t m = 0; m < M; ++m)
+                for (int64_t b = 0; b <= two; ++b) {
+                    const __m512 gate = round_bf16_16(_mm512_load_ps(out[b] + m * 16));
+                    const __m512 upv = round_bf16_16(_mm512_load_ps(out[2 + b] + m * 16));
+                    _mm256_storeu_si256((__m256i *)(y + m * ys + (b0 + b) * 16), to_bf16(silu_times(gate, upv)));
+                }
+        }
+        _tile_release();
+    }
+    return 0;
+}
+
 /* ---- a prompt's products ---- */
 #define GEMM_KC 16              /* chunks of 32 of K a pass at most: two column blocks' weights, 32 KiB, in L1 */
 #define GEMM_BLOCK (1024 * 1024) /* bytes of packed input a block of rows at most (a core's L2 is 2 MiB) */
@@ -393,6 +452,12 @@ int epdmesh_amx_linear(const uint16_t *x, int64_t M, int64_t xs, int64_t K, cons
 int64_t epdmesh_amx_gemm_scratch(int64_t M, int64_t K) {
     (void)M, (void)K;
     return 0;
+}
+
+int epdmesh_amx_swiglu_rows(const uint16_t *x, int64_t M, int64_t xs, int64_t K, const uint16_t *tiles, int64_t N,
+                            uint16_t *y, int64_t ys) {
+    (void)x, (void)M, (void)xs, (void)K, (void)tiles, (void)N, (void)y, (void)ys;
+    return -3;
 }
 
 int epdmesh_amx_gemm(const uint16_t *x, int64_t M, int64_t xs, int64_t K, const uint16_t *tiles, int64_t N,

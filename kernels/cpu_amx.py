@@ -50,6 +50,15 @@ def _library() -> ctypes.CDLL | None:
         ctypes.c_int64,
         ctypes.c_int,
     ]
+    lib.epdmesh_amx_swiglu_rows.restype = ctypes.c_int
+    lib.epdmesh_amx_swiglu_rows.argtypes = [
+        ctypes.c_void_p,
+        *[ctypes.c_int64] * 3,
+        ctypes.c_void_p,
+        ctypes.c_int64,
+        ctypes.c_void_p,
+        ctypes.c_int64,
+    ]
     lib.epdmesh_swiglu.restype = ctypes.c_int
     lib.epdmesh_swiglu.argtypes = [ctypes.c_void_p, *[ctypes.c_int64] * 3, ctypes.c_void_p, ctypes.c_int64]
     fn = lib.epdmesh_amx_linear
@@ -141,6 +150,25 @@ def gemm(x: torch.Tensor, tiles: torch.Tensor, swiglu: bool = False) -> torch.Te
     )
     if rc != 0:
         raise ValueError(f"amx_gemm: {rows} rows of {k} against [{n}, {k}] (K % 32, N % 32; rc {rc})")
+    return y if x.dim() == 2 else y.view(*x.shape[:-1], n)
+
+
+SWIGLU_ROWS = 16  # a SwiGLU of up to this many rows runs as one call of `swiglu_rows`
+
+
+def swiglu_rows(x: torch.Tensor, tiles: torch.Tensor) -> torch.Tensor:
+    """x [..., K] bf16, ≤ `SWIGLU_ROWS` rows (a decode step's) → silu(gate) · up [..., N] for `tiles` packed from a
+    stacked gate and up projection ([2N, K], N a multiple of 16) in one call: `linear`'s products, then what
+    `silu_mul` computes, without the [rows, 2N] intermediate (`gemm(..., swiglu=True)` for a prompt's rows)."""
+    n, k = tiles.shape[0] * 8, tiles.shape[1] * 32
+    x2 = x if x.dim() == 2 else x.reshape(-1, k)
+    if x2.stride(1) != 1:
+        x2 = x2.contiguous()
+    rows = x2.shape[0]
+    y = torch.empty(rows, n, dtype=torch.bfloat16)
+    rc = _library().epdmesh_amx_swiglu_rows(x2.data_ptr(), rows, x2.stride(0), k, tiles.data_ptr(), n, y.data_ptr(), n)
+    if rc != 0:
+        raise ValueError(f"swiglu_rows: {rows} rows of {k} against [{2 * n}, {k}] (1–{SWIGLU_ROWS} rows, N % 16)")
     return y if x.dim() == 2 else y.view(*x.shape[:-1], n)
 
 

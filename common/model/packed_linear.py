@@ -96,10 +96,12 @@ packed_linear = define(
 
 
 def _packed_swiglu(x: torch.Tensor, weight: torch.Tensor, tiles: torch.Tensor, out_features: int) -> torch.Tensor:
-    """silu(gate) · up of a stacked gate and up projection with AMX tiles: a prompt's (> 48 rows) in one pass of
-    `cpu_amx.gemm`, whose blocks apply it as they finish; otherwise the product as `_packed_linear` computes it, then
-    `cpu_amx.silu_mul`."""
+    """silu(gate) · up of a stacked gate and up projection with AMX tiles: a decode step's (≤ 16 rows) in one call of
+    `cpu_amx.swiglu_rows`, a prompt's (> 48 rows) in one pass of `cpu_amx.gemm`, whose blocks apply it as they
+    finish; otherwise the product as `_packed_linear` computes it, then `cpu_amx.silu_mul`."""
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    if 0 < rows <= cpu_amx.SWIGLU_ROWS:
+        return cpu_amx.swiglu_rows(x, tiles)
     if rows > cpu_amx.MAX_ROWS and cpu_amx.GEMM:
         return cpu_amx.gemm(x, tiles, swiglu=True)
     both = _packed_linear(x, weight, tiles, None, out_features)

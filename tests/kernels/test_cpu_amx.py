@@ -142,15 +142,24 @@ def test_the_decoders_linears_get_tiles_while_the_copy_is_a_small_share_of_memor
 def test_swiglu_is_silu_of_the_rounded_gate_times_the_up_rounded_once(rows, i, k):
     """A SwiGLU's gate and up products and silu(gate) · up in one call: the products rounded to bf16 as a product's
     output, the rest in fp32 as torch's silu (and inductor's fused code) computes it, rounded once — the decode
-    path (≤ 48 rows: `linear`, then `silu_mul`) and a prompt's (`gemm`, applied as its blocks finish) alike; whole
-    lines (N % 32 == 0) and half lines."""
+    path (≤ 16 rows: `swiglu_rows`, one call; ≤ 48: `linear`, then `silu_mul`) and a prompt's (`gemm`, applied as its
+    blocks finish) alike; whole lines (N % 32 == 0) and half lines, an odd last column block."""
     g = torch.Generator().manual_seed(rows * i + k)
     w = (torch.randn(2 * i, k, generator=g) * 0.1).bfloat16()
     x = torch.randn(rows, k, generator=g).bfloat16()
     tiles = cpu_amx.pack(w)
     both = cpu_amx.linear(x, tiles).float()
     expected = (nn.functional.silu(both[:, :i]) * both[:, i:]).bfloat16()
-    out = cpu_amx.gemm(x, tiles, swiglu=True) if rows > cpu_amx.MAX_ROWS else cpu_amx.silu_mul(cpu_amx.linear(x, tiles))
+    for out in (
+        cpu_amx.gemm(x, tiles, swiglu=True) if rows > cpu_amx.MAX_ROWS else cpu_amx.silu_mul(cpu_amx.linear(x, tiles)),
+        *([cpu_amx.swiglu_rows(x, tiles)] if rows <= cpu_amx.SWIGLU_ROWS else []),
+    ):
+        assert_swiglu(out, expected, rows, i)
+    if rows <= cpu_amx.SWIGLU_ROWS:  # one call, and the same as the product then silu_mul
+        assert torch.equal(cpu_amx.swiglu_rows(x, tiles), cpu_amx.silu_mul(cpu_amx.linear(x, tiles)))
+
+
+def assert_swiglu(out, expected, rows, i):
     assert out.shape == (rows, i)
     # torch's silu and ours (Cephes' exp, a division) may part in fp32's last bit, which moves a value lying on a
     # bf16 rounding boundary one step: at most that, and rarely (1 of 140,800 values at 100 × 1408)
