@@ -94,18 +94,26 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
     return weight.detach().view(n // 16, 16, k // 32, 16, 2).permute(0, 2, 3, 1, 4).contiguous()
 
 
-def linear(x: torch.Tensor, tiles: torch.Tensor) -> torch.Tensor:
-    """x [..., K] bf16 (≥ 1 row) → x · Wᵀ [..., N], W the weight `tiles` was packed from."""
-    n, k = tiles.shape[0] * 16, tiles.shape[1] * 32
+def _rows_call(fn, x: torch.Tensor, tiles: torch.Tensor, n: int, extra=lambda rows, k: ()) -> tuple:
+    """Calls a kernel of ours on x's rows: fn(x, rows, row stride, K, tiles, n, y, n, *extra(rows, K)) with y a fresh
+    [rows, n] bf16 → (y shaped as x's leading dimensions, its return code, rows)."""
+    k = tiles.shape[1] * 32
     x2 = x if x.dim() == 2 else x.reshape(-1, k)
     if x2.stride(1) != 1:
         x2 = x2.contiguous()
     rows = x2.shape[0]
     y = torch.empty(rows, n, dtype=torch.bfloat16)
-    rc = _library().epdmesh_amx_linear(x2.data_ptr(), rows, x2.stride(0), k, tiles.data_ptr(), n, y.data_ptr(), n)
+    rc = fn(x2.data_ptr(), rows, x2.stride(0), k, tiles.data_ptr(), n, y.data_ptr(), n, *extra(rows, k))
+    return (y if x.dim() == 2 else y.view(*x.shape[:-1], n)), rc, rows
+
+
+def linear(x: torch.Tensor, tiles: torch.Tensor) -> torch.Tensor:
+    """x [..., K] bf16 (≥ 1 row) → x · Wᵀ [..., N], W the weight `tiles` was packed from."""
+    n, k = tiles.shape[0] * 16, tiles.shape[1] * 32
+    y, rc, rows = _rows_call(_library().epdmesh_amx_linear, x, tiles, n)
     if rc != 0:
         raise ValueError(f"amx_linear: {rows} rows of {k} against [{n}, {k}] (≥ 1 row, K % 32, N % 16)")
-    return y if x.dim() == 2 else y.view(*x.shape[:-1], n)
+    return y
 
 
 def use_gemm(want: bool) -> bool:
@@ -127,30 +135,16 @@ def gemm(x: torch.Tensor, tiles: torch.Tensor, swiglu: bool = False) -> torch.Te
     `swiglu`: W is a SwiGLU's gate and up projections stacked ([2N, K], N a multiple of 16), and the result
     silu(gate) · up [..., N] (as `silu_mul` below), computed as the products' blocks finish."""
     n, k = tiles.shape[0] * 16 // (2 if swiglu else 1), tiles.shape[1] * 32
-    x2 = x if x.dim() == 2 else x.reshape(-1, k)
-    if x2.stride(1) != 1:
-        x2 = x2.contiguous()
-    rows = x2.shape[0]
-    y = torch.empty(rows, n, dtype=torch.bfloat16)
     lib = _library()
-    size = lib.epdmesh_amx_gemm_scratch(rows, k)
-    buffer = scratch(size)
-    rc = lib.epdmesh_amx_gemm(
-        x2.data_ptr(),
-        rows,
-        x2.stride(0),
-        k,
-        tiles.data_ptr(),
-        n,
-        y.data_ptr(),
-        n,
-        buffer.data_ptr(),
-        buffer.numel(),
-        int(swiglu),
-    )
+
+    def extra(rows: int, k: int) -> tuple:
+        buffer = scratch(lib.epdmesh_amx_gemm_scratch(rows, k))
+        return buffer.data_ptr(), buffer.numel(), int(swiglu)
+
+    y, rc, rows = _rows_call(lib.epdmesh_amx_gemm, x, tiles, n, extra)
     if rc != 0:
         raise ValueError(f"amx_gemm: {rows} rows of {k} against [{n}, {k}] (K % 32, N % 32; rc {rc})")
-    return y if x.dim() == 2 else y.view(*x.shape[:-1], n)
+    return y
 
 
 SWIGLU_ROWS = 16  # a SwiGLU of up to this many rows runs as one call of `swiglu_rows`
@@ -161,15 +155,10 @@ def swiglu_rows(x: torch.Tensor, tiles: torch.Tensor) -> torch.Tensor:
     stacked gate and up projection ([2N, K], N a multiple of 16) in one call: `linear`'s products, then what
     `silu_mul` computes, without the [rows, 2N] intermediate (`gemm(..., swiglu=True)` for a prompt's rows)."""
     n, k = tiles.shape[0] * 8, tiles.shape[1] * 32
-    x2 = x if x.dim() == 2 else x.reshape(-1, k)
-    if x2.stride(1) != 1:
-        x2 = x2.contiguous()
-    rows = x2.shape[0]
-    y = torch.empty(rows, n, dtype=torch.bfloat16)
-    rc = _library().epdmesh_amx_swiglu_rows(x2.data_ptr(), rows, x2.stride(0), k, tiles.data_ptr(), n, y.data_ptr(), n)
+    y, rc, rows = _rows_call(_library().epdmesh_amx_swiglu_rows, x, tiles, n)
     if rc != 0:
         raise ValueError(f"swiglu_rows: {rows} rows of {k} against [{2 * n}, {k}] (1–{SWIGLU_ROWS} rows, N % 16)")
-    return y if x.dim() == 2 else y.view(*x.shape[:-1], n)
+    return y
 
 
 def silu_mul(both: torch.Tensor) -> torch.Tensor:

@@ -111,6 +111,16 @@ def _decode(q, k_cache, v_cache, block_tables, seq_lens, scale: float, new=None,
     return out
 
 
+def _slots_shape(rows: int, heads: int, kv_heads: int, k_cache: torch.Tensor, v_cache: torch.Tensor) -> _Shape:
+    """The kernel's shape for writing `rows` tokens' K/V into their slots: the caches' sizes and strides."""
+    return _Shape(
+        rows, heads, kv_heads, k_cache.shape[-1], k_cache.shape[1], 0, 0, 0, 0, 0, 0,
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        0.0,
+    )  # fmt: skip
+
+
 def write_rows(
     k: torch.Tensor,
     v: torch.Tensor,
@@ -140,12 +150,7 @@ def write_rows(
     ):
         return False
     blocks, offsets = slot_blocks.contiguous(), slot_offsets.contiguous()
-    shape = _Shape(
-        n, kv_heads, kv_heads, dim, k_cache.shape[1], 0, 0, 0, 0, 0, 0,
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        0.0,
-    )  # fmt: skip
+    shape = _slots_shape(n, kv_heads, kv_heads, k_cache, v_cache)
     rows = _NewRows(k.stride(0), k.stride(1), v.stride(0), v.stride(1), k_cache.shape[0])
     ptr = ctypes.c_void_p
     rc = _library().epdmesh_write_rows(
@@ -197,12 +202,7 @@ def rotary_kv(
     assert k_cache.stride(-1) == v_cache.stride(-1) == 1 and qkv.shape[1] == (num_heads + 2 * num_kv_heads) * dim
     blocks, offsets = slot_blocks.contiguous(), slot_offsets.contiguous()
     q = torch.empty(n, num_heads, dim, dtype=qkv.dtype)
-    shape = _Shape(
-        n, num_heads, num_kv_heads, dim, k_cache.shape[1], 0, 0, 0, 0, 0, 0,
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        0.0,
-    )  # fmt: skip
+    shape = _slots_shape(n, num_heads, num_kv_heads, k_cache, v_cache)
     rows = _NewRows(0, 0, 0, 0, k_cache.shape[0])
     ptr = ctypes.c_void_p
     rc = _library().epdmesh_rotary_kv_bf16(
