@@ -37,40 +37,13 @@ def _library() -> ctypes.CDLL | None:
     lib.epdmesh_amx_init.restype = ctypes.c_int
     lib.epdmesh_amx_gemm_scratch.restype = ctypes.c_int64
     lib.epdmesh_amx_gemm_scratch.argtypes = [ctypes.c_int64, ctypes.c_int64]
-    gemm = lib.epdmesh_amx_gemm
-    gemm.restype = ctypes.c_int
-    gemm.argtypes = [
-        ctypes.c_void_p,
-        *[ctypes.c_int64] * 3,
-        ctypes.c_void_p,
-        ctypes.c_int64,
-        ctypes.c_void_p,
-        ctypes.c_int64,
-        ctypes.c_void_p,
-        ctypes.c_int64,
-        ctypes.c_int,
-    ]
-    lib.epdmesh_amx_swiglu_rows.restype = ctypes.c_int
-    lib.epdmesh_amx_swiglu_rows.argtypes = [
-        ctypes.c_void_p,
-        *[ctypes.c_int64] * 3,
-        ctypes.c_void_p,
-        ctypes.c_int64,
-        ctypes.c_void_p,
-        ctypes.c_int64,
-    ]
+    ptr, i64 = ctypes.c_void_p, ctypes.c_int64
+    rows_args = [ptr, i64, i64, i64, ptr, i64, ptr, i64]  # x, rows, row stride, K, tiles, N, y, y's row stride
+    for name, extra in (("amx_linear", []), ("amx_swiglu_rows", []), ("amx_gemm", [ptr, i64, ctypes.c_int])):
+        fn = getattr(lib, f"epdmesh_{name}")
+        fn.restype, fn.argtypes = ctypes.c_int, rows_args + extra  # gemm: scratch, its bytes, swiglu
     lib.epdmesh_swiglu.restype = ctypes.c_int
-    lib.epdmesh_swiglu.argtypes = [ctypes.c_void_p, *[ctypes.c_int64] * 3, ctypes.c_void_p, ctypes.c_int64]
-    fn = lib.epdmesh_amx_linear
-    fn.restype = ctypes.c_int
-    fn.argtypes = [
-        ctypes.c_void_p,
-        *[ctypes.c_int64] * 3,
-        ctypes.c_void_p,
-        ctypes.c_int64,
-        ctypes.c_void_p,
-        ctypes.c_int64,
-    ]
+    lib.epdmesh_swiglu.argtypes = [ptr, i64, i64, i64, ptr, i64]
     return lib if lib.epdmesh_amx_init() == 0 else None
 
 
