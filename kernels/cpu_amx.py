@@ -22,8 +22,8 @@ from kernels import cbuild
 from kernels.scratch import scratch
 
 SOURCE = Path(__file__).with_name("cpu_amx.c")
-# Products of up to this many rows go to the tiles (`packed_linear`); the kernel takes any count, but at 49–64 rows
-# it runs as fast as oneDNN, and from ~96 rows oneDNN's blocking for compute-bound products wins (bench/README.md).
+# Products of up to this many rows go to `linear` (`packed_linear`), more to `gemm`: `linear` takes any count, but
+# at 49–64 rows it runs as fast as oneDNN, and from ~96 rows oneDNN's blocking wins over it (bench/README.md).
 MAX_ROWS = 48
 # Products of more rows go to `gemm` while this is True (`use_gemm`; `bench/engine.py --without prefill-tiles`).
 GEMM = True
