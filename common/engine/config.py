@@ -61,7 +61,7 @@ class EngineConfig:
     attention_backend: str = "auto"
     enable_prefix_caching: bool = False
     share_weights: bool = False  # CPU: one read-only copy of the weights per host, mapped by every worker
-    # CPU with AMX: the decoder's linears also as AMX tiles for decode and prompt products (common/model/packed_linear.py)
+    # CPU with AMX: the decoder's linears also as AMX tiles, for decode's and prompts' products (packed_linear.py)
     amx_tiles: bool = True
     # CPU with AVX-512: prompts' and images' attention through the C kernel, not SDPA (kernels/cpu_prompt.py; it is
     # a process-wide switch: the engine sets it before it compiles)
