@@ -1,4 +1,5 @@
-/* bf16 products of a few rows on Intel AMX: y [M, N] = x [M, K] · Wᵀ, for a decode step's linears.
+/* bf16 products on Intel AMX, y [M, N] = x [M, K] · Wᵀ: a decode step's linears (a few rows), a prompt's (many rows,
+ * below), and a SwiGLU's gate and up products with its activation (both).
  *
  * oneDNN's product at these row counts reads its packed weights at ~15 GB/s on a 2-core Xeon (AMX), where a plain
  * stream of the same bytes reads at ~36 (at 17–32 rows ~8): a decode step is bound by reading every weight once.
@@ -11,7 +12,8 @@
  * The arithmetic is the tile unit's, the unit oneDNN's products use on these hosts: each output is the fp32 sum
  * along K in chunks of 32, in order, rounded once — bit-identical to oneDNN's at the same row count up to 32 rows
  * (tests); beyond, oneDNN splits its sums otherwise and the two differ within bf16's rounding. Where the compiler
- * does not target AMX, `epdmesh_amx_linear` and `epdmesh_amx_gemm` return -3.
+ * does not target AMX, `epdmesh_amx_linear`, `epdmesh_amx_swiglu_rows`, `epdmesh_amx_gemm` and `epdmesh_swiglu`
+ * return -3.
  *
  * A prompt's products (`epdmesh_amx_gemm`, hundreds of rows) are bound by the tile loads, not the reads from memory:
  * the tile unit computes at ~6 TFLOP/s on two cores of these Xeons when its operands come from L1, ~2 from L2 (the
