@@ -286,7 +286,8 @@ static inline __m512 silu_times(__m512 g, __m512 u) {
     return _mm512_mul_ps(_mm512_div_ps(g, _mm512_add_ps(e, _mm512_set1_ps(1.0f))), u);
 }
 
-enum { PLAIN, FIRST_HALF, SECOND_HALF, LONE_HALF }; /* what a finished block's rows become */
+enum { PLAIN, FIRST_HALF, SECOND_HALF, SECOND_HALF_KEPT, LONE_HALF }; /* what a finished block's rows become */
+enum { GEMM_SWIGLU = 1, GEMM_PACKED_IN = 2, GEMM_PACKED_OUT = 4 }; /* epdmesh_amx_gemm's flags */
 
 /* Row r (0-31) of a finished block q (four fp32 tiles: rows 0-15 × the two column blocks, rows 16-31 × the two).
  * PLAIN: a 32 × 32 block of the product, the row one line of 32 bf16, rounded by the hardware's conversion and
@@ -307,8 +308,13 @@ static inline void block_row(uint16_t *y, float (*q)[256], int64_t r, int kind, 
     const __m256i v = to_bf16(silu_times(g, u));
     if (kind == FIRST_HALF)
         _mm256_store_si256((__m256i *)(half + r * 16), v);
-    else if (kind == SECOND_HALF)
-        _mm512_stream_si512((void *)y, _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_load_si256((const __m256i *)(half + r * 16))), v, 1));
+    else if (kind == SECOND_HALF || kind == SECOND_HALF_KEPT) {
+        const __m512i line = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_load_si256((const __m256i *)(half + r * 16))), v, 1);
+        if (kind == SECOND_HALF)
+            _mm512_stream_si512((void *)y, line);
+        else /* the next product's input, read soon: through the cache */
+            _mm512_store_si512((void *)y, line);
+    }
     else
         _mm256_storeu_si256((__m256i *)y, v);
 }
@@ -316,11 +322,16 @@ static inline void block_row(uint16_t *y, float (*q)[256], int64_t r, int kind, 
 /* x [M][K] (row stride xs), tiles as above, y [M][N] (row stride ys, 64-byte aligned rows), in elements; scratch of
  * `epdmesh_amx_gemm_scratch` bytes, 64-byte aligned. -1: a shape it does not take (N % 32, K % 32); -2: too little
  * scratch. `swiglu`: the tiles are a SwiGLU's gate and up projections stacked ([2N, K]: the gate's N rows, then the
- * up's), and y is silu(gate) · up [M][N] (N a multiple of 16): a group is the gate's and the up's same 16 columns. */
+ * up's), and y is silu(gate) · up [M][N] (N a multiple of 16): a group is the gate's and the up's same 16 columns.
+ * `flags`: GEMM_SWIGLU for that; GEMM_PACKED_OUT (with it, N a multiple of 32) writes y as the next product's copy of
+ * its input into tiles ([ceil(M/32)·2 slabs][N/32][16][32], through the cache; rows past M left as they were), and
+ * GEMM_PACKED_IN takes x so (64-byte aligned, xs unused): a SwiGLU MLP's two products with no [M][N] between. */
 int epdmesh_amx_gemm(const uint16_t *x, int64_t M, int64_t xs, int64_t K, const uint16_t *tiles, int64_t N,
-                     uint16_t *y, int64_t ys, void *scratch, int64_t scratch_bytes, int swiglu) {
+                     uint16_t *y, int64_t ys, void *scratch, int64_t scratch_bytes, int flags) {
+    const int swiglu = flags & GEMM_SWIGLU, packed_in = flags & GEMM_PACKED_IN, packed_out = flags & GEMM_PACKED_OUT;
     if (M < 1 || N % (swiglu ? 16 : 32) || K % 32 || ys % (swiglu ? 16 : 32) || ((uintptr_t)y | (uintptr_t)scratch) % 64)
         return -1;
+    if ((packed_out && (!swiglu || N % 32)) || (packed_in && (uintptr_t)x % 64)) return -1;
     if (scratch_bytes < epdmesh_amx_gemm_scratch(M, K)) return -2;
     const int64_t pairs = (M + 31) / 32, groups = N / (swiglu ? 16 : 32), chunks = K / 32, tsz = chunks * 512;
     const int64_t width = swiglu ? 16 : 32, second = swiglu ? N / 16 * tsz : tsz; /* a group's columns; w1 - w0 */
@@ -329,16 +340,21 @@ int epdmesh_amx_gemm(const uint16_t *x, int64_t M, int64_t xs, int64_t K, const 
     per = per < 1 ? 1 : per;
     const int64_t blocks = (pairs + per - 1) / per;
     per = (pairs + blocks - 1) / blocks;
-    uint16_t *ap = scratch;
-    float *spill = (float *)(ap + pairs * 32 * K);
+    uint16_t *ap = packed_in ? (uint16_t *)x : scratch;
+    float *spill = (float *)((uint16_t *)scratch + pairs * 32 * K);
     uint16_t *halves = (uint16_t *)(spill + (int64_t)omp_get_max_threads() * pairs * 1024);
+    /* row m's line from column pn: in y's rows, or (GEMM_PACKED_OUT) where the next product's copy of its input into
+     * tiles would put it — slab m / 16, chunk pn / 32, row m % 16 */
+#define DST(m)                                                                                                    \
+    (packed_out ? y + (((m) / 16 * (N / 32) + pn / 32) * 16 + (m) % 16) * 32 : y + (m) * ys + pn)
+    const int second_kind = packed_out ? SECOND_HALF_KEPT : SECOND_HALF;
     /* the work shared out: plain, a group of 32 columns; SwiGLU, two groups of 16 (one line) */
     const int64_t units = swiglu ? (groups + 1) / 2 : groups;
 #pragma omp parallel
     {
         const int64_t threads = omp_get_num_threads(), me = omp_get_thread_num(), share = (2 * pairs + threads - 1) / threads;
         const int64_t s0 = me * share, s1 = s0 + share < 2 * pairs ? s0 + share : 2 * pairs;
-        if (s0 < s1) pack_rows(x, M, xs, K, ap, s0, s1);
+        if (s0 < s1 && !packed_in) pack_rows(x, M, xs, K, ap, s0, s1);
         float *sums = spill + me * pairs * 1024;
         uint16_t *half = halves + me * pairs * 512;
         tile_config cfg;
@@ -360,7 +376,7 @@ int epdmesh_amx_gemm(const uint16_t *x, int64_t M, int64_t xs, int64_t K, const 
                 const uint16_t *w0 = tiles + (swiglu ? g : 2 * g) * tsz, *w1 = w0 + second;
                 const int done_kind = !swiglu ? PLAIN
                                       : N % 32 ? LONE_HALF /* rows not whole lines */
-                                      : g % 2  ? SECOND_HALF
+                                      : g % 2  ? second_kind
                                                : FIRST_HALF;
                 for (int64_t part = 0; part < parts; ++part) {
                     const int64_t c0 = part * kc, c1 = c0 + kc < chunks ? c0 + kc : chunks, last = part + 1 == parts;
@@ -394,13 +410,13 @@ int epdmesh_amx_gemm(const uint16_t *x, int64_t M, int64_t xs, int64_t K, const 
                             _tile_dpbf16ps(1, 4, 7);
                             _tile_dpbf16ps(3, 5, 7);
                             if (pm >= 0 && r < 32) { /* a row of the previous block while these run */
-                                if (pm + r < M) block_row(y + (pm + r) * ys + pn, q, r, kind, ph);
+                                if (pm + r < M) block_row(DST(pm + r), q, r, kind, ph);
                                 ++r;
                             }
                         }
                         if (pm >= 0) {
                             for (; r < 32; ++r)
-                                if (pm + r < M) block_row(y + (pm + r) * ys + pn, q, r, kind, ph);
+                                if (pm + r < M) block_row(DST(pm + r), q, r, kind, ph);
                             pm = -1;
                         }
                         if (!last) {
@@ -414,7 +430,7 @@ int epdmesh_amx_gemm(const uint16_t *x, int64_t M, int64_t xs, int64_t K, const 
                             _tile_stored(2, ready[cur][2], 64);
                             _tile_stored(3, ready[cur][3], 64);
                             pm = 32 * p, cur ^= 1, kind = done_kind;
-                            pn = kind == SECOND_HALF ? width * (g - 1) : width * g; /* a line from its start */
+                            pn = kind == second_kind ? width * (g - 1) : width * g; /* a line from its start */
                             ph = half + (p - p0) * 512;
                         }
                     }
@@ -423,11 +439,12 @@ int epdmesh_amx_gemm(const uint16_t *x, int64_t M, int64_t xs, int64_t K, const 
         }
         if (pm >= 0)
             for (int64_t r = 0; r < 32; ++r)
-                if (pm + r < M) block_row(y + (pm + r) * ys + pn, ready[cur ^ 1], r, kind, ph);
+                if (pm + r < M) block_row(DST(pm + r), ready[cur ^ 1], r, kind, ph);
         _tile_release();
     }
     _mm_sfence(); /* the non-temporal stores visible before the caller reads y */
     return 0;
+#undef DST
 }
 
 /* silu(gate) · up of products already rounded (`epdmesh_amx_linear`'s [M][2N]: the gate's N columns, then the
@@ -463,9 +480,9 @@ int epdmesh_amx_swiglu_rows(const uint16_t *x, int64_t M, int64_t xs, int64_t K,
 }
 
 int epdmesh_amx_gemm(const uint16_t *x, int64_t M, int64_t xs, int64_t K, const uint16_t *tiles, int64_t N,
-                     uint16_t *y, int64_t ys, void *scratch, int64_t scratch_bytes, int swiglu) {
+                     uint16_t *y, int64_t ys, void *scratch, int64_t scratch_bytes, int flags) {
     (void)x, (void)M, (void)xs, (void)K, (void)tiles, (void)N, (void)y, (void)ys, (void)scratch, (void)scratch_bytes;
-    (void)swiglu;
+    (void)flags;
     return -3;
 }
 

@@ -112,12 +112,47 @@ def gemm(x: torch.Tensor, tiles: torch.Tensor, swiglu: bool = False) -> torch.Te
 
     def extra(rows: int, k: int) -> tuple:
         buffer = scratch(lib.epdmesh_amx_gemm_scratch(rows, k))
-        return buffer.data_ptr(), buffer.numel(), int(swiglu)
+        return buffer.data_ptr(), buffer.numel(), SWIGLU if swiglu else 0
 
     y, rc, rows = _rows_call(lib.epdmesh_amx_gemm, x, tiles, n, extra)
     if rc != 0:
         raise ValueError(f"amx_gemm: {rows} rows of {k} against [{n}, {k}] (K % 32, N % 32; rc {rc})")
     return y
+
+
+SWIGLU, PACKED_IN, PACKED_OUT = 1, 2, 4  # epdmesh_amx_gemm's flags
+
+
+def mlp(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+    """A SwiGLU MLP's products for a prompt's rows: down(silu(gate) · up) for the tiles of a stacked gate and up
+    projection ([2I, H]) and of the down projection ([H, I]), I and H multiples of 32 (`mlp_supports`). The first
+    product writes silu(gate) · up as the second's copy of its input into tiles would (`gemm` flags PACKED_OUT /
+    PACKED_IN): no [rows, I] intermediate, no second copy. The same results as `gemm(x, gate_up, swiglu=True)`
+    then `gemm(…, down)`."""
+    i, k, h = gate_up.shape[0] * 8, gate_up.shape[1] * 32, down.shape[0] * 16
+    lib = _library()
+    x2 = x if x.dim() == 2 else x.reshape(-1, k)
+    if x2.stride(1) != 1:
+        x2 = x2.contiguous()
+    rows = x2.shape[0]
+    middle = -(-rows // 32) * 32 * i * 2  # bytes: whole pairs of 16-row slabs, a multiple of 64
+    work = max(lib.epdmesh_amx_gemm_scratch(rows, k), lib.epdmesh_amx_gemm_scratch(rows, i))
+    buffer = scratch(middle + work)
+    mid, rest = buffer.data_ptr(), buffer.data_ptr() + middle
+    rc = lib.epdmesh_amx_gemm(x2.data_ptr(), rows, x2.stride(0), k, gate_up.data_ptr(), i, mid, i, rest, work,
+                              SWIGLU | PACKED_OUT)  # fmt: skip
+    y = torch.empty(rows, h, dtype=torch.bfloat16)
+    if rc == 0:
+        rc = lib.epdmesh_amx_gemm(mid, rows, 0, i, down.data_ptr(), h, y.data_ptr(), h, rest, work, PACKED_IN)
+    if rc != 0:
+        raise ValueError(f"amx mlp: {rows} rows, hidden {k}, intermediate {i} (multiples of 32; rc {rc})")
+    return y if x.dim() == 2 else y.view(*x.shape[:-1], h)
+
+
+def mlp_supports(gate_up: torch.Tensor, down: torch.Tensor) -> bool:
+    """Whether `mlp` takes these tiles: a stacked gate and up projection and a down projection whose intermediate
+    and hidden sizes are multiples of 32, one's output the other's input."""
+    return gate_up.shape[0] % 4 == 0 and down.shape[0] % 2 == 0 and gate_up.shape[0] * 8 == down.shape[1] * 32
 
 
 SWIGLU_ROWS = 16  # a SwiGLU of up to this many rows runs as one call of `swiglu_rows`

@@ -60,12 +60,12 @@ class DecoderLayer(nn.Module):
         """Everything after attention: output projection, residual, norm, SwiGLU MLP, residual."""
         x = x + self.o_proj(attn.reshape(x.shape[0], -1))
         h = rms_norm(x, self.post_attention_layernorm, self.cfg.rms_norm_eps)
-        fused = getattr(self.gate_up_proj, "swiglu", None)  # a bf16 CPU linear with AMX tiles: one call
-        mlp = fused(h) if fused is not None and self.act is F.silu else None
-        if mlp is None:
+        fused = getattr(self.gate_up_proj, "mlp", None)  # bf16 CPU linears with AMX tiles: the MLP in one op
+        out = fused(h, self.down_proj) if fused is not None and self.act is F.silu else None
+        if out is None:
             gate, up = self.gate_up_proj(h).chunk(2, dim=-1)
-            mlp = self.act(gate) * up
-        return x + self.down_proj(mlp)
+            out = self.down_proj(self.act(gate) * up)
+        return x + out
 
 
 class LlamaDecoder(nn.Module):

@@ -108,12 +108,34 @@ def _packed_swiglu(x: torch.Tensor, weight: torch.Tensor, tiles: torch.Tensor, o
     return cpu_amx.silu_mul(both.reshape(-1, out_features)).view(*x.shape[:-1], out_features // 2)
 
 
-def _swiglu_fake(x, weight, tiles, out_features):
-    return x.new_empty(*x.shape[:-1], out_features // 2)
+def _packed_mlp(
+    x: torch.Tensor,
+    gate_up_weight: torch.Tensor,
+    gate_up_tiles: torch.Tensor,
+    down_weight: torch.Tensor,
+    down_tiles: torch.Tensor,
+    gate_up_features: int,
+    down_features: int,
+) -> torch.Tensor:
+    """down(silu(gate) · up) of linears with AMX tiles: a prompt's rows (> 48) through `cpu_amx.mlp` (the two
+    products, the activation applied as the first's blocks finish, its output written as the second's input);
+    otherwise `_packed_swiglu`, then the down projection as `_packed_linear` computes it."""
+    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    if rows > cpu_amx.MAX_ROWS and cpu_amx.GEMM and cpu_amx.mlp_supports(gate_up_tiles, down_tiles):
+        return cpu_amx.mlp(x, gate_up_tiles, down_tiles)
+    middle = _packed_swiglu(x, gate_up_weight, gate_up_tiles, gate_up_features)
+    return _packed_linear(middle, down_weight, down_tiles, None, down_features)
 
 
-packed_swiglu = define(
-    "packed_swiglu(Tensor x, Tensor weight, Tensor tiles, int out_features) -> Tensor", _packed_swiglu, _swiglu_fake
+def _mlp_fake(x, gate_up_weight, gate_up_tiles, down_weight, down_tiles, gate_up_features, down_features):
+    return x.new_empty(*x.shape[:-1], down_features)
+
+
+packed_mlp = define(
+    "packed_mlp(Tensor x, Tensor gate_up_weight, Tensor gate_up_tiles, Tensor down_weight, Tensor down_tiles,"
+    " int gate_up_features, int down_features) -> Tensor",
+    _packed_mlp,
+    _mlp_fake,
 )
 
 
@@ -133,13 +155,20 @@ class PackedLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return packed_linear(x, self.packed_weight, self.tiles, self.bias, self.out_features)
 
-    def swiglu(self, x: torch.Tensor) -> torch.Tensor | None:
-        """silu(gate) · up of this linear's output halves (a SwiGLU's stacked gate and up projections) in one call
-        where it has AMX tiles (`_packed_swiglu`: a prompt's blocks apply it as the products finish); None where this
-        linear has no tiles (the caller computes the product, then the activation)."""
-        if self.tiles is None or not cpu_amx.swiglu_supports(self.tiles):
+    def mlp(self, x: torch.Tensor, down: nn.Module) -> torch.Tensor | None:
+        """down(silu(gate) · up) for this linear as a SwiGLU's stacked gate and up projections, in one op where it
+        and `down` have AMX tiles (`_packed_mlp`); None otherwise (the caller computes the products and the
+        activation)."""
+        if (
+            self.tiles is None
+            or not isinstance(down, PackedLinear)
+            or down.tiles is None
+            or not cpu_amx.swiglu_supports(self.tiles)
+        ):
             return None
-        return packed_swiglu(x, self.packed_weight, self.tiles, self.out_features)
+        return packed_mlp(
+            x, self.packed_weight, self.tiles, down.packed_weight, down.tiles, self.out_features, down.out_features
+        )
 
     def extra_repr(self) -> str:
         return (

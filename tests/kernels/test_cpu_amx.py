@@ -167,8 +167,9 @@ def assert_swiglu(out, expected, rows, i):
     assert (out != expected).sum() <= max(2, out.numel() // 10_000)
 
 
-def test_a_decoder_layer_takes_the_fused_swiglu_where_its_linear_has_tiles(monkeypatch):
+def test_a_decoder_layer_takes_the_fused_mlp_where_its_linears_have_tiles(monkeypatch):
     from common.model.config import TextConfig
+    from common.model.layers import rms_norm
     from common.model.llama import DecoderLayer
 
     cfg = TextConfig(
@@ -191,18 +192,27 @@ def test_a_decoder_layer_takes_the_fused_swiglu_where_its_linear_has_tiles(monke
     x, attn = torch.randn(70, 64).bfloat16(), torch.randn(70, 64).bfloat16()
     plain = layer.finish(x, attn)
     calls = []
-    kernel = cpu_amx.gemm
-    monkeypatch.setattr(
-        cpu_amx, "gemm", lambda x, t, swiglu=False: calls.append((len(x), swiglu)) or kernel(x, t, swiglu)
-    )
+    for name in ("mlp", "gemm"):
+        kernel = getattr(cpu_amx, name)
+        monkeypatch.setattr(cpu_amx, name, lambda *a, n=name, k=kernel, **kw: calls.append(n) or k(*a, **kw))
     holder = nn.Module()
     holder.text = layer  # the decoder's linears get tiles (`pack_linears`' tiles_under)
     pl.pack_linears(holder)
-    assert layer.gate_up_proj.tiles is not None
+    assert layer.gate_up_proj.tiles is not None and layer.down_proj.tiles is not None
     fused = layer.finish(x, attn)
-    assert (70, True) in calls  # the gate and up products and the activation in one call
+    assert calls.count("mlp") == 1  # the MLP's two products and the activation in one op
     torch.testing.assert_close(fused, plain, atol=0.05, rtol=2**-6)
+    # the same bits as the two products apart (the activation in the first's blocks, its output rows copied in)
+    residual = x + layer.o_proj(attn)
+    middle = cpu_amx.gemm(
+        rms_norm(residual, layer.post_attention_layernorm, 1e-5), layer.gate_up_proj.tiles, swiglu=True
+    )
+    assert torch.equal(fused, residual + cpu_amx.gemm(middle, layer.down_proj.tiles))
     calls.clear()
-    monkeypatch.setattr(cpu_amx, "GEMM", False)  # --without prefill-tiles: oneDNN's product, then the activation
+    monkeypatch.setattr(cpu_amx, "GEMM", False)  # --without prefill-tiles: oneDNN's products, then the activation
     torch.testing.assert_close(layer.finish(x, attn), fused, atol=0.05, rtol=2**-6)
+    assert calls == []
+    monkeypatch.setattr(cpu_amx, "GEMM", True)
+    calls.clear()
+    layer.finish(x[:8], attn[:8])  # a decode step's rows: the SwiGLU in one call, then the down product
     assert calls == []
