@@ -67,13 +67,17 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
     return weight.detach().view(n // 16, 16, k // 32, 16, 2).permute(0, 2, 3, 1, 4).contiguous()
 
 
+def _as_rows(x: torch.Tensor, k: int) -> torch.Tensor:
+    """x [..., K] as [rows, K] with contiguous columns (a view where it can be)."""
+    x2 = x if x.dim() == 2 else x.reshape(-1, k)
+    return x2 if x2.stride(1) == 1 else x2.contiguous()
+
+
 def _rows_call(fn, x: torch.Tensor, tiles: torch.Tensor, n: int, extra=lambda rows, k: ()) -> tuple:
     """Calls a kernel of ours on x's rows: fn(x, rows, row stride, K, tiles, n, y, n, *extra(rows, K)) with y a fresh
     [rows, n] bf16 → (y shaped as x's leading dimensions, its return code, rows)."""
     k = tiles.shape[1] * 32
-    x2 = x if x.dim() == 2 else x.reshape(-1, k)
-    if x2.stride(1) != 1:
-        x2 = x2.contiguous()
+    x2 = _as_rows(x, k)
     rows = x2.shape[0]
     y = torch.empty(rows, n, dtype=torch.bfloat16)
     rc = fn(x2.data_ptr(), rows, x2.stride(0), k, tiles.data_ptr(), n, y.data_ptr(), n, *extra(rows, k))
@@ -131,9 +135,7 @@ def mlp(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Ten
     then `gemm(…, down)`."""
     i, k, h = gate_up.shape[0] * 8, gate_up.shape[1] * 32, down.shape[0] * 16
     lib = _library()
-    x2 = x if x.dim() == 2 else x.reshape(-1, k)
-    if x2.stride(1) != 1:
-        x2 = x2.contiguous()
+    x2 = _as_rows(x, k)
     rows = x2.shape[0]
     middle = -(-rows // 32) * 32 * i * 2  # bytes: whole pairs of 16-row slabs, a multiple of 64
     work = max(lib.epdmesh_amx_gemm_scratch(rows, k), lib.epdmesh_amx_gemm_scratch(rows, i))

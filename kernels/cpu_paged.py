@@ -165,13 +165,13 @@ def write_rows(
 
 
 def rotary_kv_supported(dtype: torch.dtype, head_dim: int) -> bool:
-    """Whether `rotary_kv` runs here: bf16, a head_dim that is a multiple of 32, the kernel built for AVX-512."""
-    return dtype == torch.bfloat16 and head_dim % 32 == 0 and available() and _vector()
+    """Whether `rotary_kv` runs here for this dtype and head_dim: bf16, a multiple of 32, on `rotary_kv_host()`."""
+    return dtype == torch.bfloat16 and head_dim % 32 == 0 and rotary_kv_host()
 
 
 @functools.cache
-def _vector() -> bool:
-    """Whether the kernel was built with its 16-lane passes (the compiler targets AVX-512)."""
+def rotary_kv_host() -> bool:
+    """Whether this host runs `rotary_kv` at all: the kernel built with its 16-lane passes (AVX-512)."""
     lib = _library()
     if lib is None:
         return False

@@ -75,7 +75,7 @@ class CompiledModel:
             probe = torch.empty(1, model.text.cfg.head_dim, dtype=weight.dtype)
             if cpu_prompt.ENABLED and cpu_prompt.supports(probe):
                 global ROTARY_KV
-                ROTARY_KV = ROTARY_KV or cpu_paged.rotary_kv_supported(torch.bfloat16, 32)
+                ROTARY_KV = ROTARY_KV or cpu_paged.rotary_kv_host()
                 self.prompts = torch.compile(prompts_step, dynamic=True)
                 model.text.rotary_for(weight)
 
