@@ -392,9 +392,8 @@ int epdmesh_rotary_kv_bf16(const decode_shape *s, const new_rows *w, const uint1
                 const __m512 lo = _mm512_sub_ps(_mm512_mul_ps(x1, load16(c, j, 1)), _mm512_mul_ps(x2, load16(sn, j, 1)));
                 const __m512 hi =
                     _mm512_add_ps(_mm512_mul_ps(x2, load16(c, half + j, 1)), _mm512_mul_ps(x1, load16(sn, half + j, 1)));
-                _mm256_storeu_si256((__m256i *)(o + j), _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(round_bf16_16(lo)), 16)));
-                _mm256_storeu_si256((__m256i *)(o + half + j),
-                                    _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(round_bf16_16(hi)), 16)));
+                store_bf16_16(o + j, lo);
+                store_bf16_16(o + half + j, hi);
             }
         }
         for (int64_t h = 0; h < kv; ++h)

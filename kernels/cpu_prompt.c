@@ -195,11 +195,6 @@ static void pack_block(const prompt_call *c, const void *k, const void *v, int64
         }
 }
 
-/* 16 fp32 values rounded to bf16 as torch rounds them, stored at `dst`. */
-static inline void store_bf16_16(uint16_t *dst, __m512 x) {
-    _mm256_storeu_si256((__m256i *)dst, _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(round_bf16_16(x)), 16)));
-}
-
 /* Rows [r0, r0 + 16) of sequence i's queries, query head `h` (rows past its last repeat it and are not stored). */
 static inline __attribute__((always_inline)) void rows_task(const prompt_call *c, const void *q, void *out, float *sc,
                                                            uint16_t *pb, char *qb, int64_t i, int64_t h, int64_t r0,

@@ -59,6 +59,11 @@ static inline __m512 round_bf16_16(__m512 f) {
     const __m512i nan = _mm512_and_si512(_mm512_or_si512(u, _mm512_set1_epi32(0x400000)), high);
     return _mm512_castsi512_ps(_mm512_mask_blend_epi32(_mm512_cmp_ps_mask(f, f, _CMP_UNORD_Q), even, nan));
 }
+
+/* 16 fp32 rounded to bf16 (to nearest even, a NaN kept quiet) and stored at dst. */
+static inline void store_bf16_16(uint16_t *dst, __m512 f) {
+    _mm256_storeu_si256((__m256i *)dst, _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(round_bf16_16(f)), 16)));
+}
 #else
 #define VEC 0
 #endif
