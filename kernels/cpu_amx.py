@@ -39,24 +39,52 @@ def _library() -> ctypes.CDLL | None:
     lib.epdmesh_amx_gemm_scratch.argtypes = [ctypes.c_int64, ctypes.c_int64]
     ptr, i64 = ctypes.c_void_p, ctypes.c_int64
     rows_args = [ptr, i64, i64, i64, ptr, i64, ptr, i64]  # x, rows, row stride, K, tiles, N, y, y's row stride
-    for name, extra in (("amx_linear", []), ("amx_swiglu_rows", []), ("amx_gemm", [ptr, i64, ctypes.c_int])):
+    for name, extra in (
+        ("amx_linear", []),
+        ("amx_swiglu_rows", []),
+        ("amx_gemm", [ptr, i64, ctypes.c_int]),
+        ("vec_linear", []),
+    ):
         fn = getattr(lib, f"epdmesh_{name}")
         fn.restype, fn.argtypes = ctypes.c_int, rows_args + extra  # gemm: scratch, its bytes, swiglu
     lib.epdmesh_swiglu.restype = ctypes.c_int
     lib.epdmesh_swiglu.argtypes = [ptr, i64, i64, i64, ptr, i64]
-    return lib if lib.epdmesh_amx_init() == 0 else None
+    return lib
 
 
+@functools.cache
 def available() -> bool:
-    """Whether this host runs the kernel (AMX compiled in and granted); builds it on first call."""
-    return _library() is not None
+    """Whether this host runs the AMX kernels (AMX compiled in and granted); builds them on first call."""
+    lib = _library()
+    return lib is not None and lib.epdmesh_amx_init() == 0
+
+
+@functools.cache
+def vector_available() -> bool:
+    """Whether this host, without AMX, runs `linear` on its vector units instead (AVX512-BF16: the EPYCs)."""
+    lib = _library()
+    return lib is not None and not available() and lib.epdmesh_vec_linear(None, 0, 0, 32, None, 16, None, 16) == -1
+
+
+VECTOR_ROWS = 16  # without AMX, products of up to this many rows go to `linear` (beyond, oneDNN's blocking wins)
+
+
+def linear_rows() -> int:
+    """The most rows `linear` computes here, where `packed_linear` sends a product to it: `MAX_ROWS` on AMX,
+    `VECTOR_ROWS` on the vector units."""
+    return MAX_ROWS if available() else VECTOR_ROWS
 
 
 def supports(weight: torch.Tensor) -> bool:
-    """Weights the kernel takes: bf16 [N, K] on the CPU with N a multiple of 16 and K of 32, on a host with AMX."""
+    """Weights `linear` takes: bf16 [N, K] on the CPU with N a multiple of 16 and K of 32, on a host with AMX or
+    AVX512-BF16."""
     n, k = weight.shape
     return (
-        weight.device.type == "cpu" and weight.dtype == torch.bfloat16 and n % 16 == 0 and k % 32 == 0 and available()
+        weight.device.type == "cpu"
+        and weight.dtype == torch.bfloat16
+        and n % 16 == 0
+        and k % 32 == 0
+        and (available() or vector_available())
     )
 
 
@@ -85,11 +113,13 @@ def _rows_call(fn, x: torch.Tensor, tiles: torch.Tensor, n: int, extra=lambda ro
 
 
 def linear(x: torch.Tensor, tiles: torch.Tensor) -> torch.Tensor:
-    """x [..., K] bf16 (≥ 1 row) → x · Wᵀ [..., N], W the weight `tiles` was packed from."""
+    """x [..., K] bf16 (≥ 1 row) → x · Wᵀ [..., N], W the weight `tiles` was packed from: on the AMX tiles, or on a
+    host without them on its AVX512-BF16 vector units (`vector_available`)."""
     n, k = tiles.shape[0] * 16, tiles.shape[1] * 32
-    y, rc, rows = _rows_call(_library().epdmesh_amx_linear, x, tiles, n)
+    lib = _library()
+    y, rc, rows = _rows_call(lib.epdmesh_amx_linear if available() else lib.epdmesh_vec_linear, x, tiles, n)
     if rc != 0:
-        raise ValueError(f"amx_linear: {rows} rows of {k} against [{n}, {k}] (≥ 1 row, K % 32, N % 16)")
+        raise ValueError(f"linear: {rows} rows of {k} against [{n}, {k}] (≥ 1 row, K % 32, N % 16; rc {rc})")
     return y
 
 
@@ -102,8 +132,8 @@ def use_gemm(want: bool) -> bool:
 
 
 def gemm_supports(tiles: torch.Tensor) -> bool:
-    """Whether `gemm` takes this packed weight: N a multiple of 32 (two column blocks at a time)."""
-    return tiles.shape[0] % 2 == 0
+    """Whether `gemm` takes this packed weight: N a multiple of 32 (two column blocks at a time), on AMX."""
+    return tiles.shape[0] % 2 == 0 and available()
 
 
 def gemm(x: torch.Tensor, tiles: torch.Tensor, swiglu: bool = False) -> torch.Tensor:
@@ -154,7 +184,12 @@ def mlp(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Ten
 def mlp_supports(gate_up: torch.Tensor, down: torch.Tensor) -> bool:
     """Whether `mlp` takes these tiles: a stacked gate and up projection and a down projection whose intermediate
     and hidden sizes are multiples of 32, one's output the other's input."""
-    return gate_up.shape[0] % 4 == 0 and down.shape[0] % 2 == 0 and gate_up.shape[0] * 8 == down.shape[1] * 32
+    return (
+        gate_up.shape[0] % 4 == 0
+        and down.shape[0] % 2 == 0
+        and gate_up.shape[0] * 8 == down.shape[1] * 32
+        and available()
+    )
 
 
 SWIGLU_ROWS = 16  # a SwiGLU of up to this many rows runs as one call of `swiglu_rows`
@@ -185,6 +220,6 @@ def silu_mul(both: torch.Tensor) -> torch.Tensor:
 
 
 def swiglu_supports(tiles: torch.Tensor) -> bool:
-    """Whether `gemm(..., swiglu=True)` and `silu_mul` take these tiles: the gate's and the up's columns each a
-    multiple of 16."""
-    return tiles.shape[0] % 2 == 0
+    """Whether `gemm(..., swiglu=True)`, `swiglu_rows` and `silu_mul` take these tiles: the gate's and the up's
+    columns each a multiple of 16, on AMX."""
+    return tiles.shape[0] % 2 == 0 and available()

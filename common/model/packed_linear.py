@@ -17,6 +17,8 @@ Decode products on AMX hosts (`kernels/cpu_amx.py`). A decode step's products (a
 once, and oneDNN reads its packed layout at ~15 GB/s (~8 at 17–32 rows) where the host streams ~36: the text
 model's linears also keep their weights as AMX tiles, and a product of ≤ `cpu_amx.MAX_ROWS` (48) rows runs on them
 (the same tile unit: bit-identical to oneDNN's up to 32 rows, within bf16's rounding beyond).
+On hosts with AVX512-BF16 and no AMX (the EPYCs) the same tiles serve a decode step's products of ≤ 16 rows on the
+vector units (`cpu_amx.linear` there: oneDNN's sums bit for bit, read at the host's streaming rate).
 A prompt's products run on the same tiles (`cpu_amx.gemm`, any row count, N a multiple of 32): there oneDNN's
 reach ~2 TFLOP/s of the unit's ~6, bound by loading its tiles from L2, and `gemm` blocks them to load from L1
 (~1.4× on the `small` preset's products, bench/README.md); its sums are `cpu_amx.linear`'s, bit for bit, and
@@ -68,7 +70,7 @@ def _packed_linear(
     """oneDNN's product with a packed weight, rows padded to their bucket; on the AMX tiles if given (≤ 48 rows
     `cpu_amx.linear`, more `cpu_amx.gemm` where N is a multiple of 32)."""
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-    if tiles is not None and 0 < rows <= cpu_amx.MAX_ROWS:
+    if tiles is not None and 0 < rows <= cpu_amx.linear_rows():
         return cpu_amx.linear(x, tiles)
     if tiles is not None and rows and cpu_amx.GEMM and cpu_amx.gemm_supports(tiles):
         return cpu_amx.gemm(x, tiles)
@@ -184,7 +186,8 @@ def _host_memory() -> int:
 def pack_linears(model: nn.Module, tiles: bool = True, tiles_under: str = "text") -> int:
     """Replace every bf16 CPU `nn.Linear` of `model` by a `PackedLinear`, in place; returns how many. Idempotent.
     With `tiles`, the linears under `tiles_under` (the decoder's, which decode steps run) also get AMX tiles, where
-    the host has AMX and the copy takes ≤ `TILES_SHARE` of its memory."""
+    the host has AMX — or AVX512-BF16, whose vector units then read them (`cpu_amx.vector_available`) — and the copy
+    takes ≤ `TILES_SHARE` of its memory."""
     targets = [
         (f"{prefix}.{name}" if prefix else name, parent, name, child)
         for prefix, parent in model.named_modules()
@@ -193,7 +196,7 @@ def pack_linears(model: nn.Module, tiles: bool = True, tiles_under: str = "text"
     ]
     decode = [t for t in targets if t[0].startswith(f"{tiles_under}.") and t[3].bias is None]
     copy = sum(t[3].weight.numel() * t[3].weight.element_size() for t in decode)
-    wanted = tiles and bool(decode) and cpu_amx.available()
+    wanted = tiles and bool(decode) and (cpu_amx.available() or cpu_amx.vector_available())
     tiles = wanted and copy <= TILES_SHARE * _host_memory()
     if wanted and not tiles:
         log.info("decode products stay oneDNN's: their AMX tiles (%.1f GiB) would take over %d%% of this host's "
