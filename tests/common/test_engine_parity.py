@@ -350,7 +350,7 @@ def test_bfloat16_within_the_references_own_rounding(compile, model_dirs, proces
     from kernels import cpu_amx, cpu_paged
 
     calls = {"linear": 0, "gemm": 0, "mlp": 0, "swiglu_rows": 0, "rotary_kv": 0}
-    kernels = [(cpu_amx, "linear"), (cpu_amx, "gemm"), (cpu_amx, "mlp"), (cpu_amx, "swiglu_rows"), (cpu_paged, "rotary_kv")]
+    kernels = [(cpu_amx, name) for name in ("linear", "gemm", "mlp", "swiglu_rows")] + [(cpu_paged, "rotary_kv")]
     for module, name in kernels:
         kernel = getattr(module, name)
         monkeypatch.setattr(
