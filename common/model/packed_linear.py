@@ -153,6 +153,10 @@ class PackedLinear(nn.Module):
         self.register_buffer("bias", None if linear.bias is None else linear.bias.detach())
         tiles = tiles and linear.bias is None and cpu_amx.supports(weight)
         self.register_buffer("tiles", cpu_amx.pack(weight) if tiles else None)
+        # AMX's kernels take the tiles (a decode step's SwiGLU, a prompt's products and MLP); where only the vector
+        # units read them, `mlp` offers nothing. A plain attribute: compiled graphs read it as a constant, where a
+        # call into the kernels' library would break them
+        self.amx = self.tiles is not None and cpu_amx.available()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return packed_linear(x, self.packed_weight, self.tiles, self.bias, self.out_features)
@@ -163,6 +167,7 @@ class PackedLinear(nn.Module):
         activation)."""
         if (
             self.tiles is None
+            or not self.amx
             or not isinstance(down, PackedLinear)
             or down.tiles is None
             or not cpu_amx.swiglu_supports(self.tiles)

@@ -49,7 +49,8 @@ def test_a_models_decode_products_take_it_and_its_prompts_stay_onednns(monkeypat
     assert pl.pack_linears(model) == 1
     linear = model.text[0]
     assert isinstance(linear, pl.PackedLinear) and linear.tiles is not None
-    assert not cpu_amx.gemm_supports(linear.tiles) and not cpu_amx.swiglu_supports(linear.tiles)  # AMX's alone
+    assert not cpu_amx.gemm_supports(linear.tiles) and not linear.amx  # AMX's prompt and SwiGLU kernels: not here
+    assert linear.mlp(torch.randn(2, 512).bfloat16(), linear) is None
     calls = []
     kernel = cpu_amx.linear
     monkeypatch.setattr(cpu_amx, "linear", lambda *a: calls.append(a[0].shape[0]) or kernel(*a))
