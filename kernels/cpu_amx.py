@@ -8,6 +8,9 @@ instead: oneDNN's run at ~2 TFLOP/s where the unit computes ~6 from L1; `gemm` c
 blocks the product so that most loads hit L1 (~1.4× oneDNN's on the `small` preset's products, bench/README.md).
 Built like the decode attention (`kernels/cbuild.py`); `available()` is False where
 the compiler does not target AMX, the kernel is not built, or Linux refuses the process the tiles' state.
+On a host with AVX512-BF16 and no AMX (`vector_available()`: the EPYCs), `linear` reads the same tiles with vector
+dot products instead (`epdmesh_vec_linear`, up to `VECTOR_ROWS` rows: a decode step); the prompt kernels (`gemm`,
+`mlp`, `swiglu_rows`) are AMX's alone.
 """
 
 from __future__ import annotations
