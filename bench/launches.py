@@ -24,21 +24,26 @@ def crossings(report: dict) -> dict[tuple[str, str], tuple[float, str]]:
     """(configuration, workload) → its interpolated goodput in one report and what it is: `=` a crossing between two
     swept rates, `<` below the lowest rate swept (the value is that rate), `≥` at or above the highest (ditto)."""
     target = report.get("attainment", 0.9)
-    out = {}
-    for name, workloads in report["configs"].items():
-        for workload, run in workloads.items():
-            rates = sorted((p["request_rate"], p["slo_attainment"]) for p in run["points"])
-            if rates and rates[0][1] < target:
-                out[(name, workload)] = (rates[0][0], "<")
-            elif rates and rates[-1][1] >= target:
-                out[(name, workload)] = (rates[-1][0], "≥")
-            else:
-                out[(name, workload)] = (crossing(run["points"], target), "=")
-    return out
+    return {
+        (name, workload): bounded_crossing(run["points"], target)
+        for name, workloads in report["configs"].items()
+        for workload, run in workloads.items()
+    }
 
 
-def _shown(value: float, kind: str) -> str:
-    return f"{value:.1f}" if kind == "=" else f"{kind} {value:.1f}"
+def bounded_crossing(points: list[dict], target: float = 0.9) -> tuple[float, str]:
+    """One sweep's goodput and what it is: `=` interpolated between two swept rates, `<` below the lowest rate swept
+    (the value is that rate), `≥` at or above the highest (ditto)."""
+    rates = sorted((p["request_rate"], p["slo_attainment"]) for p in points)
+    if rates and rates[0][1] < target:
+        return rates[0][0], "<"
+    if rates and rates[-1][1] >= target:
+        return rates[-1][0], "≥"
+    return crossing(points, target), "="
+
+
+def shown(value: float, kind: str, digits: int = 1) -> str:
+    return f"{value:.{digits}f}" if kind == "=" else f"{kind} {value:.{digits}f}"
 
 
 def combine(reports: list[dict], versus: str | None = None) -> list[dict]:
@@ -54,12 +59,12 @@ def combine(reports: list[dict], versus: str | None = None) -> list[dict]:
         if all(k == "=" for k in kinds):
             row |= {"mean": statistics.fmean(values), "min": min(values), "max": max(values)}
         if versus and name != versus and all((versus, workload) in c for c in per_launch):
-            row["ratio"] = [_ratio(c[(versus, workload)], (v, k)) for c, v, k in zip(per_launch, values, kinds)]
+            row["ratio"] = [ratio(c[(versus, workload)], (v, k)) for c, v, k in zip(per_launch, values, kinds)]
         rows.append(row)
     return rows
 
 
-def _ratio(num: tuple[float, str], den: tuple[float, str]) -> tuple[float, str]:
+def ratio(num: tuple[float, str], den: tuple[float, str]) -> tuple[float, str]:
     """num ÷ den, and whether it is exact (`=`), a lower bound (`>`) or an upper one (`<`), or unknown (`?`)."""
     (a, ka), (b, kb) = num, den
     lower = ka in "=≥" and kb in "=<"  # num at least a, den at most b
@@ -87,8 +92,8 @@ def markdown(rows: list[dict], versus: str | None = None) -> str:
         rule += "---|"
     lines = [head, rule]
     for r in rows:
-        shown = " / ".join(_shown(v, k) for v, k in zip(r["goodput"], r["kinds"]))
-        line = f"| {r['workload']} | `{r['config']}` | {shown} | "
+        goodputs = " / ".join(shown(v, k) for v, k in zip(r["goodput"], r["kinds"]))
+        line = f"| {r['workload']} | `{r['config']}` | {goodputs} | "
         line += f"{r['mean']:.1f} | {r['min']:.1f}–{r['max']:.1f} |" if "mean" in r else "— | — |"
         if versus:
             ratios = " / ".join(f"{'' if k == '=' else k + ' '}{x:.2f}×" for x, k in r.get("ratio", []))

@@ -14,9 +14,11 @@
    - `epdmesh bench goodput --url …` on --workload (default the `textcaps` shape: one fresh JPEG a request, 32
      output tokens, EOS ignored; `conversation`: the Mooncake trace's lengths ÷ --trace-scale and its shared
      prefixes; `detail`: 384-token answers), Poisson arrivals, over --rates; goodput = the highest rate with ≥ 90%
-     SLO attainment, and the rate where attainment crosses 90%, interpolated;
+     SLO attainment, and the rate where attainment crosses 90%, interpolated — or, where --rates did not bracket
+     it, the bound the sweep gives (`< 1.50`: below the lowest rate; `≥ 6.00`: at or past the highest);
    and stops it.
-3. Writes JSON (every point of both) and a PNG (attainment vs rate), and prints the ratios.
+3. Writes JSON (every point of both) and a PNG (attainment vs rate), and prints the ratios (a bound where a
+   crossing is one).
 
 vLLM is not a dependency of epdmesh: install it beside the repo with `../shared/peer/setup_vllm_cpu.sh`.
 This is a benchmark, not a test; CI never runs it.
@@ -42,7 +44,7 @@ if not __package__:
 
 import httpx  # noqa: E402
 
-from bench.goodput import crossing  # noqa: E402
+from bench.launches import bounded_crossing, ratio, shown  # noqa: E402
 from bench.workloads import SHAPES, request_bodies  # noqa: E402
 from common.ports import free_port  # noqa: E402
 
@@ -245,7 +247,10 @@ def goodput(args, url: str, work: Path, name: str) -> dict:
     subprocess.run(argv, check=True, cwd=ROOT)
     report = json.loads(out.read_text())
     (result,) = [w for c in report["configs"].values() for w in c.values()]
-    return dict(goodput=result["goodput"], crossing=crossing(result["points"]), points=result["points"])
+    value, kind = bounded_crossing(result["points"])
+    # crossing: the 90% crossing, or the swept rate it lies beyond (`crossing_kind` `<`: below the lowest; `≥`: at
+    # or above the highest)
+    return dict(goodput=result["goodput"], crossing=value, crossing_kind=kind, points=result["points"])
 
 
 def run_server(args, name: str, start, work: Path) -> dict:
@@ -286,7 +291,7 @@ def plot(results: list[dict], path: Path, args) -> None:
             [p["request_rate"] for p in pts],
             [100 * p["slo_attainment"] for p in pts],
             marker="o",
-            label=f"{r['name']} (goodput {r['goodput']:g}, 90% at {r['crossing']:.2f})",
+            label=f"{r['name']} (90% at {shown(r['crossing'], r.get('crossing_kind', '='), 2)} req/s)",
         )
     ax.axhline(90, color="grey", linestyle="--", linewidth=1)
     ax.set_xlabel("request rate (req/s, Poisson)")
@@ -296,6 +301,34 @@ def plot(results: list[dict], path: Path, args) -> None:
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
+
+
+def summary(results: list[dict]) -> str:
+    """The table printed at the end: each server's low-load latencies and its 90% crossing — a bound where the sweep
+    did not bracket it (`< 1.50`: below the lowest rate swept) — and each epdmesh server's ratios to vLLM's, the
+    goodput's a bound (`≥`, `≤`) or unknown (`?`) where either crossing is."""
+    width = max([len("server"), *(len(r["name"]) for r in results)])
+    lines = [f"{'server':<{width}} {'TTFT p50':>9} {'TPOT p50':>9} {'goodput':>8} {'90% at':>8}"]
+    for r in results:
+        low = r["low_load"]
+        at = shown(r["crossing"], r.get("crossing_kind", "="), 2)
+        lines.append(
+            f"{r['name']:<{width}} {low['ttft_p50_ms']:>7.0f}ms {low['tpot_p50_ms']:>7.1f}ms {r['goodput']:>8g} {at:>8}"
+        )
+    base = next((r for r in results if r["name"] == "vLLM"), None)
+    for r in results:
+        if base is None or r is base:
+            continue
+        x, kind = ratio(
+            (r["crossing"], r.get("crossing_kind", "=")), (base["crossing"], base.get("crossing_kind", "="))
+        )
+        goodput = {"=": f"{x:.2f}x", ">": f"≥ {x:.2f}x", "<": f"≤ {x:.2f}x"}.get(kind, "? (neither crossing bracketed)")
+        lines.append(
+            f"{r['name']} / vLLM: goodput {goodput} (interpolated), "
+            f"TTFT {r['low_load']['ttft_p50_ms'] / base['low_load']['ttft_p50_ms']:.2f}x, "
+            f"TPOT {r['low_load']['tpot_p50_ms'] / base['low_load']['tpot_p50_ms']:.2f}x"
+        )
+    return "\n".join(lines)
 
 
 def main(argv=None) -> int:
@@ -332,21 +365,7 @@ def main(argv=None) -> int:
     )
     out.write_text(json.dumps(dict(meta, results=results), indent=2) + "\n")
     plot(results, out.with_suffix(".png"), args)
-    print(f"{'server':<16} {'TTFT p50':>9} {'TPOT p50':>9} {'goodput':>8} {'90% at':>7}")
-    for r in results:
-        low = r["low_load"]
-        print(
-            f"{r['name']:<16} {low['ttft_p50_ms']:>7.0f}ms {low['tpot_p50_ms']:>7.1f}ms {r['goodput']:>8g} "
-            f"{r['crossing']:>7.2f}"
-        )
-    base = next((r for r in results if r["name"] == "vLLM"), None)
-    for r in results:
-        if base and r is not base and base["crossing"]:
-            print(
-                f"{r['name']} / vLLM: goodput {r['crossing'] / base['crossing']:.2f}x (interpolated), "
-                f"TTFT {r['low_load']['ttft_p50_ms'] / base['low_load']['ttft_p50_ms']:.2f}x, "
-                f"TPOT {r['low_load']['tpot_p50_ms'] / base['low_load']['tpot_p50_ms']:.2f}x"
-            )
+    print(summary(results))
     print(f"wrote {out} and {out.with_suffix('.png')}")
     return 0
 
