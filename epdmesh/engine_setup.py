@@ -75,6 +75,7 @@ def budgets(args, roles) -> dict[str, int]:
     profile_path = getattr(args, "latency_profile", None)
     if profile_path and (token is None or image is None):
         from common.latency.budgets import IterationTime, budgets_for
+        from common.latency.model import encode_ms
         from common.latency.roofline import load_profile
         from common.request import Stage
 
@@ -100,10 +101,20 @@ def budgets(args, roles) -> dict[str, int]:
             derived.image_budget,
             derived.image_token_cost,
         )
-        if not derived.fits:
+        if not derived.tokens_fit:
             log.warning(
-                "even a batch of one exceeds the %.0f ms limit on this profile: the SLOs cannot be met",
+                "even one prompt token's iteration exceeds the %.0f ms limit on this profile: the SLOs cannot be met",
                 derived.limit_ms,
+            )
+        elif not derived.images_fit:
+            log.warning(
+                "one image's encode (%.0f ms) exceeds the %.0f ms limit of an iteration here: an iteration that "
+                "encodes runs past it%s",
+                encode_ms(profile, 1),
+                derived.limit_ms,
+                " — a slow gap for every request decoding here (with gap slack, only where each can spare one)"
+                if Stage.DECODE in roles
+                else ", and the TTFT share it was sized to",
             )
         derived_tokens = token is None
         token = derived.token_budget if token is None else token

@@ -149,8 +149,30 @@ def serve_args(topology: str, routing: str, args, profile: bool = True) -> list[
 _PROMPTS: dict[str, list[list]] = {}  # workload → its prompts, a run per phase (set in each process by `_init`)
 
 
+class _Once(logging.Filter):
+    """Each distinct warning once per process: every deployment whose workers share a role set derives the same
+    budgets, and would repeat the same warning about them dozens of times."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: set[str] = set()
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        fresh = message not in self.seen
+        self.seen.add(message)
+        return fresh
+
+
+def _quiet() -> None:
+    log = logging.getLogger("epdmesh")
+    log.setLevel(logging.WARNING)  # each deployment's budgets: in the report, not the log
+    if not any(isinstance(f, _Once) for f in log.filters):
+        log.addFilter(_Once())
+
+
 def _init(prompts: dict[str, list]) -> None:
-    logging.getLogger("epdmesh").setLevel(logging.WARNING)  # each deployment's budgets: in the report, not the log
+    _quiet()
     _PROMPTS.update(prompts)
 
 
@@ -230,7 +252,7 @@ def main(argv=None) -> int:
     hardware.save(profile_path)
     fill = lambda argv: [a.replace("{profile}", str(profile_path)) for a in argv]  # noqa: E731
     topologies = args.topologies or deployments(args.instances, args.space)
-    logging.getLogger("epdmesh").setLevel(logging.WARNING)
+    _quiet()
     probe = Setup.of(fill(serve_args("EPD1", args.routings[0], args)))
     prompts, loads, bounds, trace_gaps = {}, {}, {}, {}
     for workload in args.workloads:

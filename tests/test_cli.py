@@ -54,6 +54,28 @@ def test_budgets_come_from_the_profile_and_the_slos(tmp_path):
     assert shorter.token_budget < prefill.token_budget
 
 
+def test_a_budget_that_cannot_fit_is_named_in_the_warning(tmp_path, caplog):
+    from common.latency.roofline import QWEN2_VL_7B_1344
+
+    path = tmp_path / "qwen.json"
+    heavy = analytic_profile("H20", QWEN2_VL_7B_1344)  # an image's encode ~253 ms: over a 100 ms TBT, under 500 ms
+    heavy.save(path)
+    slos = ("--latency-profile", str(path), "--slo-ttft-ms", "1000", "--slo-tbt-ms", "100")
+    assert budgets_for(heavy, True, 1000, 100).tokens_fit and not budgets_for(heavy, True, 1000, 100).images_fit
+    with caplog.at_level("WARNING", logger="epdmesh"):
+        config_for("--roles", "encode,prefill,decode", *slos)
+    (warning,) = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert warning.startswith("one image's encode (253 ms) exceeds the 100 ms limit") and "slow gap" in warning
+    assert "cannot be met" not in warning  # prompts still fit: only the iterations that encode run long
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="epdmesh"):
+        config_for("--roles", "encode,prefill", *slos)  # α·TTFT = 500 ms: an image fits
+        assert not [r for r in caplog.records if r.levelname == "WARNING"]
+        config_for("--roles", "encode,prefill,decode", "--latency-profile", str(path), "--slo-tbt-ms", "1")
+    (warning,) = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert warning == "even one prompt token's iteration exceeds the 1 ms limit on this profile: the SLOs cannot be met"
+
+
 def test_serve_passes_its_routing_policy_to_toggle_and_gateway_alike():
     from epdmesh.options import router_argv, routing_policy
 

@@ -33,8 +33,13 @@ class Budgets:
     image_budget: int  # τ_e
     token_budget: int  # τ_t
     limit_ms: float  # the iteration-time limit they were derived for
-    fits: bool  # False: even a batch of one exceeds the limit (budgets are 1)
+    tokens_fit: bool  # False: even one prompt token's iteration exceeds the limit (τ_t is 1)
+    images_fit: bool  # False: one image's encode alone exceeds it (τ_e is 1: an iteration that encodes runs past it)
     image_token_cost: int = 0  # tokens of τ_t one image's encode takes in the same iteration
+
+    @property
+    def fits(self) -> bool:
+        return self.tokens_fit and self.images_fit
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -225,6 +230,7 @@ def budgets_for(
         max(images, 1),
         max(tokens, 1),
         limit,
-        fits=images > 0 and tokens > 0,
+        tokens_fit=tokens > 0,
+        images_fit=images > 0,
         image_token_cost=max(tokens - beside_image, 1),
     )

@@ -80,6 +80,7 @@ def test_budgets_are_the_largest_batches_under_the_stage_limit(has_decode):
     assert encode_ms(p, 1) + prefill_chunk_ms(p, beside) <= limit < encode_ms(p, 1) + prefill_chunk_ms(p, beside + 1)
     tight = budgets_for(p, has_decode, ttft_ms=2, tbt_ms=1)
     assert (tight.image_budget, tight.token_budget, tight.fits) == (1, 1, False)
+    assert not tight.tokens_fit and not tight.images_fit
 
 
 def test_an_iterations_decodes_leave_fewer_prompt_tokens_the_longer_their_context():

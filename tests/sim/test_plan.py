@@ -130,3 +130,26 @@ def test_plan_ranks_deployments_on_a_recorded_trace_and_reads_them_against_its_r
     assert entry["recorded"]["busiest_minute_rate"] == pytest.approx(1.0)  # minutes from the first arrival: 60, 10
     assert entry["ranking"][0]["goodput"] > 0
     assert "the trace arrived at 1.13 req/s, its busiest minute 1.00: the best holds" in capsys.readouterr().out
+
+
+def test_a_warning_every_deployment_would_repeat_is_logged_once_per_process(caplog):
+    import logging
+
+    from sim import plan as plan_module
+
+    log = logging.getLogger("epdmesh")
+    before = list(log.filters)
+    try:
+        plan_module._quiet()
+        plan_module._quiet()  # idempotent: one filter
+        assert sum(isinstance(f, plan_module._Once) for f in log.filters) == 1
+        with caplog.at_level("WARNING", logger="epdmesh"):
+            for _ in range(3):
+                log.warning("one image's encode (%d ms) exceeds the %d ms limit", 253, 100)
+            log.warning("one image's encode (%d ms) exceeds the %d ms limit", 253, 50)
+        assert [r.getMessage() for r in caplog.records] == [
+            "one image's encode (253 ms) exceeds the 100 ms limit",
+            "one image's encode (253 ms) exceeds the 50 ms limit",
+        ]
+    finally:
+        log.filters[:] = before
