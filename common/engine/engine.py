@@ -321,9 +321,10 @@ class Engine:
         if not self.scheduler.kv.pool.num_blocks >= blocks_for(kv_tokens, self.config.block_size):
             fix = "lower max_tokens" if request.last_stage == Stage.DECODE else "shorten the prompt"
             raise RequestRejected(f"{kv_tokens} tokens do not fit this engine's KV cache; {fix}")
-        bad = [t for t in request.prompt_token_ids if not 0 <= t < cfg.text.vocab_size]
-        if bad:
-            raise RequestRejected(f"token id {bad[0]} is outside the vocabulary (0..{cfg.text.vocab_size - 1})")
+        ids = request.prompt_token_ids
+        if ids and not 0 <= min(ids) <= max(ids) < cfg.text.vocab_size:  # (a Python loop over them: 10× slower)
+            bad = next(t for t in ids if not 0 <= t < cfg.text.vocab_size)
+            raise RequestRejected(f"token id {bad} is outside the vocabulary (0..{cfg.text.vocab_size - 1})")
         placeholders = request.prompt_token_ids.count(cfg.image_token_id)
         if placeholders != request.num_image_tokens or any(
             i.num_tokens != cfg.image_tokens_per_image for i in request.images

@@ -99,8 +99,10 @@ def test_eos_ends_a_request_unless_ignored(engine):
 def test_bad_requests_are_rejected_with_a_reason_and_leave_nothing_behind(engine):
     with pytest.raises(RequestRejected, match="over the model's limit"):
         engine.add_request(Request("long", PROMPT * 500, SamplingParams(max_tokens=10)))
-    with pytest.raises(RequestRejected, match="outside the vocabulary"):
+    with pytest.raises(RequestRejected, match="token id 999999 is outside the vocabulary"):
         engine.add_request(Request("vocab", [1, 999999], SamplingParams()))
+    with pytest.raises(RequestRejected, match="token id -3 is outside the vocabulary"):  # the first bad one named
+        engine.add_request(Request("negative", [1, -3, 999999], SamplingParams()))
     image_token = engine.model_config.image_token_id
     with pytest.raises(RequestRejected, match="image placeholder"):
         engine.add_request(Request("img", [1, image_token, 5], SamplingParams()))
