@@ -312,9 +312,8 @@ def summary(results: list[dict]) -> str:
     for r in results:
         low = r["low_load"]
         at = shown(r["crossing"], r.get("crossing_kind", "="), 2)
-        lines.append(
-            f"{r['name']:<{width}} {low['ttft_p50_ms']:>7.0f}ms {low['tpot_p50_ms']:>7.1f}ms {r['goodput']:>8g} {at:>8}"
-        )
+        met = f"{r['goodput']:g}" if r["goodput"] else "none"  # the highest rate swept that met 90%
+        lines.append(f"{r['name']:<{width}} {low['ttft_p50_ms']:>7.0f}ms {low['tpot_p50_ms']:>7.1f}ms {met:>8} {at:>8}")
     base = next((r for r in results if r["name"] == "vLLM"), None)
     for r in results:
         if base is None or r is base:

@@ -22,6 +22,7 @@ def test_summary_shows_bounds_where_the_sweep_missed_a_crossing():
     ours = _server("epdmesh local", [(1.5, 1.0), (4, 0.95), (6, 0.74)], 145, 5.8)
     text = peer.summary([vllm_below, ours])
     assert "< 1.50" in text and "0.00" not in text  # not a crossing at 0 req/s
+    assert text.splitlines()[1].split()[-3:] == ["none", "<", "1.50"]  # no rate swept met 90%
     assert "4.48" in text  # interpolated: 4 + (0.95 − 0.9) / (0.95 − 0.74) · 2
     assert "goodput ≥ 2.98x" in text  # 4.48 over at most 1.5
     assert "TTFT 0.50x, TPOT 0.58x" in text
