@@ -502,40 +502,41 @@ int epdmesh_swiglu(const uint16_t *gu, int64_t M, int64_t gs, int64_t N, uint16_
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
 #define VB 4 /* column blocks of 16 a pass */
 #define VR 4 /* rows a pass */
+/* One pass: rows [m0, m0 + mr) × column blocks [b0, b0 + nb) over every pair of k. Inlined with constant nb and mr
+ * for a whole pass (the compiler unrolls it), with the counts left over for the last blocks of N or the last rows. */
+static inline __attribute__((always_inline)) void vec_pass(const uint16_t *x, int64_t xs, int64_t K,
+                                                           const uint16_t *w, uint16_t *y, int64_t ys, int64_t m0,
+                                                           int64_t b0, const int nb, const int mr) {
+    __m512 acc[VR][VB];
+    for (int i = 0; i < VR; ++i)
+        for (int j = 0; j < VB; ++j) acc[i][j] = _mm512_setzero_ps();
+    for (int64_t p = 0; p < K / 2; ++p) {
+        __m512bh wv[VB];
+        for (int j = 0; j < nb; ++j) wv[j] = (__m512bh)_mm512_loadu_si512(w + j * 16 * K + p * 32);
+        for (int i = 0; i < mr; ++i) {
+            const __m512bh xb = (__m512bh)_mm512_set1_epi32(*(const int32_t *)(x + (m0 + i) * xs + 2 * p));
+            for (int j = 0; j < nb; ++j) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], xb, wv[j]);
+        }
+    }
+    for (int i = 0; i < mr; ++i)
+        for (int j = 0; j < nb; ++j) store_bf16_16(y + (m0 + i) * ys + (b0 + j) * 16, acc[i][j]);
+}
+
 int epdmesh_vec_linear(const uint16_t *x, int64_t M, int64_t xs, int64_t K, const uint16_t *tiles, int64_t N,
                        uint16_t *y, int64_t ys) {
     if (M < 1 || N % 16 || K % 32) return -1;
-    const int64_t blocks = N / 16, pairs = K / 2, groups = (blocks + VB - 1) / VB;
+    const int64_t blocks = N / 16, groups = (blocks + VB - 1) / VB;
 #pragma omp parallel for schedule(static)
     for (int64_t g = 0; g < groups; ++g) {
-        const int64_t b0 = g * VB, nb = blocks - b0 < VB ? blocks - b0 : VB;
+        const int64_t b0 = g * VB;
+        const int nb = blocks - b0 < VB ? (int)(blocks - b0) : VB;
         const uint16_t *w = tiles + b0 * 16 * K;
         for (int64_t m0 = 0; m0 < M; m0 += VR) {
-            const int64_t mr = M - m0 < VR ? M - m0 : VR;
-            __m512 acc[VR][VB];
-            for (int i = 0; i < VR; ++i)
-                for (int j = 0; j < VB; ++j) acc[i][j] = _mm512_setzero_ps();
-            if (nb == VB && mr == VR) { /* the whole pass unrolled */
-                for (int64_t p = 0; p < pairs; ++p) {
-                    __m512bh wv[VB];
-                    for (int j = 0; j < VB; ++j) wv[j] = (__m512bh)_mm512_loadu_si512(w + j * 16 * K + p * 32);
-                    for (int i = 0; i < VR; ++i) {
-                        const __m512bh xb = (__m512bh)_mm512_set1_epi32(*(const int32_t *)(x + (m0 + i) * xs + 2 * p));
-                        for (int j = 0; j < VB; ++j) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], xb, wv[j]);
-                    }
-                }
-            } else { /* the last blocks of N, or the last rows */
-                for (int64_t p = 0; p < pairs; ++p) {
-                    __m512bh wv[VB];
-                    for (int j = 0; j < nb; ++j) wv[j] = (__m512bh)_mm512_loadu_si512(w + j * 16 * K + p * 32);
-                    for (int i = 0; i < mr; ++i) {
-                        const __m512bh xb = (__m512bh)_mm512_set1_epi32(*(const int32_t *)(x + (m0 + i) * xs + 2 * p));
-                        for (int j = 0; j < nb; ++j) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], xb, wv[j]);
-                    }
-                }
-            }
-            for (int i = 0; i < mr; ++i)
-                for (int j = 0; j < nb; ++j) store_bf16_16(y + (m0 + i) * ys + (b0 + j) * 16, acc[i][j]);
+            const int mr = M - m0 < VR ? (int)(M - m0) : VR;
+            if (nb == VB && mr == VR)
+                vec_pass(x, xs, K, w, y, ys, m0, b0, VB, VR);
+            else
+                vec_pass(x, xs, K, w, y, ys, m0, b0, nb, mr);
         }
     }
     return 0;
