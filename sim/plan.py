@@ -164,11 +164,15 @@ class _Once(logging.Filter):
         return fresh
 
 
-def _quiet() -> None:
+def _quiet() -> _Once | None:
+    """The filter it added to the package's logger, None where one was there already."""
     log = logging.getLogger("epdmesh")
     log.setLevel(logging.WARNING)  # each deployment's budgets: in the report, not the log
-    if not any(isinstance(f, _Once) for f in log.filters):
-        log.addFilter(_Once())
+    if any(isinstance(f, _Once) for f in log.filters):
+        return None
+    once = _Once()
+    log.addFilter(once)
+    return once
 
 
 def _init(prompts: dict[str, list]) -> None:
@@ -242,6 +246,15 @@ _KEPT = (
 
 
 def main(argv=None) -> int:
+    once = _quiet()  # for this search only: a process that goes on (a test run, say) logs as before
+    try:
+        return _plan(argv)
+    finally:
+        if once is not None:
+            logging.getLogger("epdmesh").removeFilter(once)
+
+
+def _plan(argv) -> int:
     from tqdm import tqdm
 
     args = parse_args(list(sys.argv[1:] if argv is None else argv))
@@ -252,7 +265,6 @@ def main(argv=None) -> int:
     hardware.save(profile_path)
     fill = lambda argv: [a.replace("{profile}", str(profile_path)) for a in argv]  # noqa: E731
     topologies = args.topologies or deployments(args.instances, args.space)
-    _quiet()
     probe = Setup.of(fill(serve_args("EPD1", args.routings[0], args)))
     prompts, loads, bounds, trace_gaps = {}, {}, {}, {}
     for workload in args.workloads:

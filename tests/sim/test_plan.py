@@ -2,6 +2,7 @@
 
 import itertools
 import json
+import logging
 from pathlib import Path
 
 import pytest
@@ -94,6 +95,7 @@ def test_given_deployments_without_budgets_are_ranked_as_given(emulated_dir, tmp
     argv = ["--instances", "3", "--profile", H20, "--model", str(emulated_dir), "--topologies", "E1+P1+D1,EPD3"]
     argv += ["--no-budgets", "--routing", "least-loaded", "--no-baselines", "--duration", "0.5", "--steps", "2"]
     assert plan([*argv, "--jobs", "2", "--out", str(out)]) == 0  # two processes, spawned
+    assert not [f for f in logging.getLogger("epdmesh").filters if type(f).__name__ == "_Once"]  # its own, removed
     report = json.loads(out.read_text())
     assert report["deployments"] == 2 and report["space"] == "given"
     ranking = report["workloads"]["textcaps"]["ranking"]
@@ -133,15 +135,12 @@ def test_plan_ranks_deployments_on_a_recorded_trace_and_reads_them_against_its_r
 
 
 def test_a_warning_every_deployment_would_repeat_is_logged_once_per_process(caplog):
-    import logging
-
     from sim import plan as plan_module
 
     log = logging.getLogger("epdmesh")
     before = list(log.filters)
     try:
-        plan_module._quiet()
-        plan_module._quiet()  # idempotent: one filter
+        assert plan_module._quiet() is not None and plan_module._quiet() is None  # idempotent: one filter
         assert sum(isinstance(f, plan_module._Once) for f in log.filters) == 1
         with caplog.at_level("WARNING", logger="epdmesh"):
             for _ in range(3):
