@@ -56,6 +56,8 @@ def _kernel(args: argparse.Namespace, ours_lib) -> None:
     other = args.against and library_at(args.against, "cpu_prompt.c", ("prompt_bf16", "prompt_f32", "prompt_supports"))
     if other:
         other.epdmesh_prompt_scratch.restype = ctypes.c_int64
+        if hasattr(other, "epdmesh_prompt_tiles"):  # on the tiles where ours are (a commit before them has none)
+            other.epdmesh_prompt_tiles(int(cpu_prompt.TILES))
     print(f"prompt attention, {args.dtype}, {torch.get_num_threads()} threads, medians of {args.rounds} rounds")
     print(
         f"{'shape':<14}{'tokens':>7}{'heads×dim':>10}{'ours µs':>10}{'SDPA µs':>10}{'ours GFLOP/s':>14}{'× SDPA':>8}"

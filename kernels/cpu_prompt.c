@@ -3,8 +3,10 @@
  *
  * The arithmetic is that of torch's fused CPU kernel (SDPA's flash attention) with one block of keys: the scores q·k
  * accumulated in fp32 and scaled in fp32; the softmax's exponentials in fp32, their sum in fp32; for bf16, the
- * exponentials rounded to bf16 before their product with V, accumulated in fp32, divided by the sum and rounded
- * once. Only the order of the fp32 sums differs. SDPA runs ~50–110 GFLOP/s on these shapes (head_dim 64, 128–1024
+ * exponentials rounded to bf16 before their product with V, accumulated in fp32, multiplied by the reciprocal of
+ * the sum and rounded once. Only the order of the fp32 sums differs, and the rounding to bf16 is the hardware's
+ * conversion (to nearest even as torch rounds, but subnormals flushed to zero). The scale must be positive: a row's
+ * largest score is taken before it is scaled. SDPA runs ~50–110 GFLOP/s on these shapes (head_dim 64, 128–1024
  * tokens) where the cores do ~500 a core: it works a row block at a time through generic GEMM calls.
  *
  * A call takes a step's prompts at once, each sequence's queries rows of q one after another and its keys read where
@@ -18,7 +20,12 @@
  * On a CPU with AMX (bf16, head_dim a multiple of 32) the two products run on the tile unit instead
  * (`rows_task_amx`): the same packed keys and values are its tiles' second operands — 16 keys × 32 dims a tile for
  * the scores, 32 keys × 16 dims for the values — the 16 rows' scores go through memory for the softmax, and the same
- * arithmetic holds (fp32 scores and sums, bf16 probabilities). On a Xeon VDPBF16PS runs at a fifth of a Zen 5's
+ * arithmetic holds (fp32 scores and sums, bf16 probabilities). For head_dim ≤ 64 the query's tiles stay loaded
+ * (read in place where the task has all 16 rows) and four blocks of 16 keys run at once (four independent sums,
+ * where two waited on each other); the 16 rows' maxima and sums are reduced together (`max16_rows`, `add16_rows`:
+ * 15 steps where 16 separate reductions took ~64, in chains the out-of-order core could not overlap). Tasks go to
+ * the threads round-robin, largest first (`schedule(static, 1)`: OpenMP's dynamic dispatch cost ~0.35 µs a task,
+ * 15% of the call, 2026-12-07). On a Xeon VDPBF16PS runs at a fifth of a Zen 5's
  * rate (independent ones: 104 against 525 GFLOP/s a core), and the vector loops at 92–159 GFLOP/s on two cores,
  * below SDPA (whose products are oneDNN's, on the tiles).
  *
@@ -105,6 +112,15 @@ int64_t epdmesh_prompt_scratch(prompt_shape *s, const int32_t *lens, int bf16) {
 }
 
 #if VEC
+/* 16 fp32 rounded to bf16 by the hardware's conversion (to nearest even; subnormals flushed to zero) and stored. */
+static inline void round16(uint16_t *dst, __m512 f) {
+#if BF16
+    _mm256_storeu_si256((__m256i *)dst, (__m256i)_mm512_cvtneps_pbh(f));
+#else
+    store_bf16_16(dst, f); /* (not reached: bf16 runs where BF16) */
+#endif
+}
+
 typedef struct {
     const prompt_shape *s;
     const int32_t *starts, *lens, *tables;
@@ -248,11 +264,11 @@ static inline __attribute__((always_inline)) void rows_task(const prompt_call *c
             const __m512 e = _mm512_maskz_mov_ps(m, exp16(_mm512_sub_ps(_mm512_loadu_ps(p + t), most)));
             sum = _mm512_add_ps(sum, e);
             if (bf16)
-                store_bf16_16(pb + r * lp + t, e);
+                round16(pb + r * lp + t, e);
             else
                 _mm512_storeu_ps(p + t, e);
         }
-        sums[r] = _mm512_reduce_add_ps(sum);
+        sums[r] = 1.0f / _mm512_reduce_add_ps(sum);
     }
     for (int64_t d = 0; d < dim; d += 16) { /* the 16 rows' sums for dims [d, d + 16), over every key */
         __m512 acc[ROWS];
@@ -274,10 +290,10 @@ static inline __attribute__((always_inline)) void rows_task(const prompt_call *c
             }
         }
         for (int64_t r = 0; r < rows; ++r) {
-            const __m512 o = _mm512_div_ps(acc[r], _mm512_set1_ps(sums[r]));
+            const __m512 o = _mm512_mul_ps(acc[r], _mm512_set1_ps(sums[r]));
             const int64_t at = (first + r0 + r) * s->o_tok + h * s->o_head + d;
             if (bf16)
-                store_bf16_16((uint16_t *)out + at, o);
+                round16((uint16_t *)out + at, o);
             else
                 _mm512_storeu_ps((float *)out + at, o);
         }
@@ -285,6 +301,23 @@ static inline __attribute__((always_inline)) void rows_task(const prompt_call *c
 }
 
 #if AMX
+/* out lane r = op over the 16 lanes of v[r], for 16 vectors at once: halves, quarters, pairs, then single lanes
+ * folded together (15 steps where 16 separate reductions take ~64), the lanes then put back in row order. */
+#define REDUCE16(name, op)                                                                                            \
+    static inline __m512 name(__m512 v[16]) {                                                                         \
+        __m512 w[8], x[4], y[2];                                                                                      \
+        for (int r = 0; r < 8; ++r)                                                                                   \
+            w[r] = op(_mm512_shuffle_f32x4(v[r], v[r + 8], 0x44), _mm512_shuffle_f32x4(v[r], v[r + 8], 0xee));        \
+        for (int r = 0; r < 4; ++r)                                                                                   \
+            x[r] = op(_mm512_shuffle_f32x4(w[r], w[r + 4], 0x88), _mm512_shuffle_f32x4(w[r], w[r + 4], 0xdd));        \
+        for (int r = 0; r < 2; ++r)                                                                                   \
+            y[r] = op(_mm512_shuffle_ps(x[r], x[r + 2], 0x44), _mm512_shuffle_ps(x[r], x[r + 2], 0xee));              \
+        const __m512 z = op(_mm512_shuffle_ps(y[0], y[1], 0x88), _mm512_shuffle_ps(y[0], y[1], 0xdd));                \
+        return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 2, 1, 3, 8, 10, 9, 11, 4, 6, 5, 7, 12, 14, 13, 15), z);     \
+    }
+REDUCE16(max16_rows, _mm512_max_ps)
+REDUCE16(add16_rows, _mm512_add_ps)
+
 /* rows_task's bf16 work on the tiles, every tile 16 rows × 64 bytes: 0-3 sums, 2 and 4 the queries' and
  * probabilities' tiles, 5-7 keys' and values'. Scores two blocks of 16 keys at a time (the second of zeros where the
  * padding holds it), stored for the softmax, then scaled there as rows_task scales them; the products with V 32 keys
@@ -300,16 +333,49 @@ static inline __attribute__((always_inline)) void rows_task_amx(const prompt_cal
     const int64_t rows = n - r0 < ROWS ? n - r0 : ROWS;
     const int64_t last = s->causal ? off + r0 + rows : len;
     const int64_t keys = (last + 31) / 32 * 32; /* scores and probabilities computed: whole tiles of 32 keys */
-    const int64_t row = dim * 2;
-    for (int64_t r = 0; r < ROWS; ++r)
-        memcpy(qb + r * row, (const uint16_t *)q + (first + r0 + (r < rows ? r : rows - 1)) * s->q_tok + h * s->q_head,
-               row);
+    /* the 16 query rows: read in place (a whole task's rows) or copied, the last repeated past the task's */
+    const uint16_t *qa = (const uint16_t *)q + (first + r0) * s->q_tok + h * s->q_head;
+    int64_t qs = s->q_tok * 2;
+    if (rows < ROWS) {
+        for (int64_t r = 0; r < ROWS; ++r)
+            memcpy(qb + r * dim * 2, qa + (r < rows ? r : rows - 1) * s->q_tok, dim * 2);
+        qa = (const uint16_t *)qb, qs = dim * 2;
+    }
     const uint16_t *kt = (const uint16_t *)c->kp + slab, *vt = (const uint16_t *)c->vp + slab;
-    for (int64_t kb = 0; kb < keys / 16; kb += 2) {
+    int64_t kb = 0;
+    if (dim <= 64) { /* the query's one or two tiles held (4, 5); four blocks of 16 keys at a time, four sums */
+        _tile_loadd(4, qa, qs);
+        if (dim > 32) _tile_loadd(5, qa + 32, qs);
+        for (; kb + 4 <= keys / 16; kb += 4) {
+            _tile_zero(0);
+            _tile_zero(1);
+            _tile_zero(2);
+            _tile_zero(3);
+#define KEYS4(qt, k0)                                                                                                 \
+    do {                                                                                                              \
+        _tile_loadd(6, k0, 64);                                                                                       \
+        _tile_dpbf16ps(0, qt, 6);                                                                                     \
+        _tile_loadd(7, (k0) + 16 * dim, 64);                                                                          \
+        _tile_dpbf16ps(1, qt, 7);                                                                                     \
+        _tile_loadd(6, (k0) + 32 * dim, 64);                                                                          \
+        _tile_dpbf16ps(2, qt, 6);                                                                                     \
+        _tile_loadd(7, (k0) + 48 * dim, 64);                                                                          \
+        _tile_dpbf16ps(3, qt, 7);                                                                                     \
+    } while (0)
+            KEYS4(4, kt + kb * 16 * dim);
+            if (dim > 32) KEYS4(5, kt + kb * 16 * dim + 512);
+#undef KEYS4
+            _tile_stored(0, sc + kb * 16, lp * 4);
+            _tile_stored(1, sc + kb * 16 + 16, lp * 4);
+            _tile_stored(2, sc + kb * 16 + 32, lp * 4);
+            _tile_stored(3, sc + kb * 16 + 48, lp * 4);
+        }
+    }
+    for (; kb < keys / 16; kb += 2) {
         _tile_zero(0);
         _tile_zero(1);
         for (int64_t d = 0; d < dim / 32; ++d) {
-            _tile_loadd(2, qb + d * 64, row);
+            _tile_loadd(2, qa + d * 32, qs);
             _tile_loadd(6, kt + kb * 16 * dim + d * 512, 64);
             _tile_dpbf16ps(0, 2, 6);
             _tile_loadd(7, kt + (kb + 1) * 16 * dim + d * 512, 64);
@@ -319,25 +385,34 @@ static inline __attribute__((always_inline)) void rows_task_amx(const prompt_cal
         _tile_stored(1, sc + kb * 16 + 16, lp * 4);
     }
     const __m512 scale = _mm512_set1_ps(s->scale);
-    float sums[ROWS];
+    __m512 part[ROWS];
+    int64_t valid[ROWS];
     for (int64_t r = 0; r < ROWS; ++r) { /* rows_task's softmax, each score scaled as read; zeros up to `keys` */
         const float *p = sc + r * lp;
-        const int64_t valid = s->causal ? (off + r0 + (r < rows ? r : rows - 1) + 1) : len;
-        __m512 top = _mm512_set1_ps(-INFINITY), sum = _mm512_setzero_ps();
-        for (int64_t t = 0; t < valid; t += 16) {
-            const __mmask16 m = valid - t >= 16 ? 0xffff : (__mmask16)((1u << (valid - t)) - 1);
-            top = _mm512_max_ps(top, _mm512_mask_mul_ps(_mm512_set1_ps(-INFINITY), m, _mm512_loadu_ps(p + t), scale));
+        valid[r] = s->causal ? (off + r0 + (r < rows ? r : rows - 1) + 1) : len;
+        __m512 top = _mm512_set1_ps(-INFINITY);
+        for (int64_t t = 0; t < valid[r]; t += 16) {
+            const __mmask16 m = valid[r] - t >= 16 ? 0xffff : (__mmask16)((1u << (valid[r] - t)) - 1);
+            top = _mm512_max_ps(top, _mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), m, p + t));
         }
-        const __m512 most = _mm512_set1_ps(_mm512_reduce_max_ps(top));
-        for (int64_t t = 0; t < keys; t += 16) {
-            const __mmask16 m = t >= valid ? 0 : valid - t >= 16 ? 0xffff : (__mmask16)((1u << (valid - t)) - 1);
-            const __m512 x = _mm512_mul_ps(_mm512_loadu_ps(p + t), scale);
-            const __m512 e = _mm512_maskz_mov_ps(m, exp16(_mm512_sub_ps(x, most)));
-            sum = _mm512_add_ps(sum, e);
-            store_bf16_16(pb + r * lp + t, e);
-        }
-        sums[r] = _mm512_reduce_add_ps(sum);
+        part[r] = top;
     }
+    float most[ROWS], inv[ROWS];
+    _mm512_storeu_ps(most, _mm512_mul_ps(max16_rows(part), scale));
+    for (int64_t r = 0; r < ROWS; ++r) {
+        const float *p = sc + r * lp;
+        const __m512 top = _mm512_set1_ps(most[r]);
+        __m512 sum = _mm512_setzero_ps();
+        for (int64_t t = 0; t < keys; t += 16) {
+            const __mmask16 m = t >= valid[r] ? 0 : valid[r] - t >= 16 ? 0xffff : (__mmask16)((1u << (valid[r] - t)) - 1);
+            const __m512 x = _mm512_mul_ps(_mm512_loadu_ps(p + t), scale);
+            const __m512 e = _mm512_maskz_mov_ps(m, exp16(_mm512_sub_ps(x, top)));
+            sum = _mm512_add_ps(sum, e);
+            round16(pb + r * lp + t, e);
+        }
+        part[r] = sum;
+    }
+    _mm512_storeu_ps(inv, _mm512_div_ps(_mm512_set1_ps(1.0f), add16_rows(part)));
     float o[ROWS * 64];
     for (int64_t d0 = 0; d0 < dim; d0 += 64) {
         const int64_t nd = dim - d0 < 64 ? (dim - d0) / 16 : 4; /* sums of 16 dims each */
@@ -369,8 +444,8 @@ static inline __attribute__((always_inline)) void rows_task_amx(const prompt_cal
         if (nd > 3) _tile_stored(3, o + 48, 256);
         for (int64_t r = 0; r < rows; ++r)
             for (int64_t d = 0; d < nd * 16; d += 16)
-                store_bf16_16((uint16_t *)out + (first + r0 + r) * s->o_tok + h * s->o_head + d0 + d,
-                              _mm512_div_ps(_mm512_loadu_ps(o + r * 64 + d), _mm512_set1_ps(sums[r])));
+                round16((uint16_t *)out + (first + r0 + r) * s->o_tok + h * s->o_head + d0 + d,
+                        _mm512_mul_ps(_mm512_loadu_ps(o + r * 64 + d), _mm512_set1_ps(inv[r])));
     }
 }
 #endif
@@ -387,6 +462,7 @@ static int most_keys_first(const void *a, const void *b) {
 static int prompt(const prompt_shape *s, const int32_t *starts, const int32_t *lens, const int32_t *tables,
                   const void *q, const void *k, const void *v, void *out, char *scratch, const int bf16) {
     if (!epdmesh_prompt_supports(bf16, s->head_dim)) return -1;
+    if (!(s->scale > 0)) return -3;
     for (int64_t i = 0; i < s->num_seqs; ++i) /* rows in order, never more than the keys they end */
         if (starts[i + 1] < starts[i] || starts[i + 1] - starts[i] > lens[i] || lens[i] < 0) return -2;
     const int64_t item = bf16 ? 2 : 4, seqs = s->num_seqs, kvh = s->num_kv_heads;
@@ -431,7 +507,7 @@ static int prompt(const prompt_shape *s, const int32_t *starts, const int32_t *l
             _tile_loadconfig(&cfg);
         }
 #endif
-#pragma omp for schedule(dynamic, 1)
+#pragma omp for schedule(static, 1)
         for (int64_t w = 0; w < tasks * s->num_heads; ++w) {
             const task t = order[w / s->num_heads];
             const int64_t h = w % s->num_heads;

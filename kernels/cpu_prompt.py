@@ -109,7 +109,7 @@ def sdpa(
 def _prompt_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool) -> torch.Tensor:
     """`attend` on the CPU: the kernel where it runs (head_dim contiguous, other strides any; out contiguous), else
     `sdpa`."""
-    if not supports(q):
+    if not supports(q) or not scale > 0:  # (the kernel takes a row's largest score before scaling it)
         return sdpa(q, k, v, scale, causal).contiguous()
     batch, n, heads, dim = q.shape
     length, kv_heads = k.shape[1], k.shape[2]
@@ -181,6 +181,8 @@ def _call(q, k, v, starts, lens, tables, block_size: int, scale: float, causal: 
     rc = fn(ctypes.byref(shape), *seqs, *(ptr(t.data_ptr()) for t in (q, k, v, out, scratch)))
     if rc == -2:
         raise ValueError("prompt_attention: a sequence has more query rows than keys (or its rows out of order)")
+    if rc == -3:
+        raise ValueError(f"prompt_attention: the scale must be positive, not {scale}")
     if rc != 0:
         raise ValueError(f"prompt_attention: {q.dtype} with head_dim {q.shape[2]} is not computed on this host")
     return out

@@ -120,11 +120,15 @@ def test_causal_attention_runs_the_kernel_and_falls_back_to_sdpa(monkeypatch):
         tables = torch.arange(20)[None]  # int64
         cpu_prompt.paged_prompt_attention(qt, kt[:, None], vt[:, None], tables, *int32([0, 9], [20]), 0.3)
     assert cpu_prompt.prompt_attention(q[:, :0], k, v, 0.3, True).shape == (1, 0, 4, 32)  # no rows: nothing to do
+    # the kernel takes a row's largest score before scaling it: a scale not above 0 is SDPA's, or an error in place
+    assert torch.equal(cpu_prompt.prompt_attention(q, k, v, -0.3, True), cpu_prompt.sdpa(q, k, v, -0.3, True))
     paged = (kt[:, None], vt[:, None], torch.arange(20, dtype=torch.int32)[None])
     with pytest.raises(ValueError, match="more query rows than keys"):
         cpu_prompt.paged_prompt_attention(qt, *paged, *int32([0, 9], [5]), 0.3)
     with pytest.raises(ValueError, match="one more than sequences"):
         cpu_prompt.paged_prompt_attention(qt, *paged, *int32([0, 4, 9], [20]), 0.3)
+    with pytest.raises(ValueError, match="scale must be positive"):
+        cpu_prompt.paged_prompt_attention(qt, *paged, *int32([0, 9], [20]), 0.0)
     strided = qt.transpose(1, 2).contiguous().transpose(1, 2)  # head_dim not contiguous: copied, not misread
     expected = cpu_prompt.paged_prompt_attention(qt, *paged, *int32([0, 9], [20]), 0.3)
     assert torch.equal(cpu_prompt.paged_prompt_attention(strided, *paged, *int32([0, 9], [20]), 0.3), expected)
