@@ -88,6 +88,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "c-attention takes both graphs out (they call the kernel); amx-tiles (every text product through oneDNN, "
         "not the AMX tiles); prefill-tiles (a prompt's products through oneDNN, decode's on the tiles); "
         "rotary-kv (prompt chunks' RoPE compiled and their K/V written apart, not in one C pass); "
+        "qkv-rope (on AMX, a prompt's RoPE and K/V write in their own pass after the qkv product, not in it); "
         "prompt-attention (prompts' and images' attention through SDPA, not the C kernel); "
         "prompt-tiles (the C kernel's bf16 products on the vector units, not the AMX tiles); prompts-graph (a step of "
         "several prompts through the per-layer compiled halves, not as one graph); on CUDA: "
@@ -204,6 +205,7 @@ def make_engine(
     cpu_amx.use_gemm("prefill-tiles" not in args.without)
     if "rotary-kv" in args.without:
         compiled.ROTARY_KV = False
+    cpu_amx.QKV_ROPE = "qkv-rope" not in args.without
     return engine
 
 

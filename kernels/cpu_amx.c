@@ -261,11 +261,11 @@ int epdmesh_amx_swiglu_rows(const uint16_t *x, int64_t M, int64_t xs, int64_t K,
 #define GEMM_KC 16              /* chunks of 32 of K a pass at most: two column blocks' weights, 32 KiB, in L1 */
 #define GEMM_BLOCK (1024 * 1024) /* bytes of packed input a block of rows at most (a core's L2 is 2 MiB) */
 
-/* Bytes of scratch `epdmesh_amx_gemm` needs for M rows of K: the input as tiles, then each thread's fp32 sums and
- * its SwiGLU half lines. */
+/* Bytes of scratch `epdmesh_amx_gemm` (and `epdmesh_amx_qkv_rope`) needs for M rows of K: the input as tiles, then
+ * each thread's fp32 sums and its kept halves (SwiGLU's half lines; a rotary's first halves, head_dim ≤ 128). */
 int64_t epdmesh_amx_gemm_scratch(int64_t M, int64_t K) {
     const int64_t pairs = (M + 31) / 32;
-    return pairs * 32 * K * 2 + (int64_t)omp_get_max_threads() * pairs * 1024 * (4 + 1) + 64;
+    return pairs * 32 * K * 2 + (int64_t)omp_get_max_threads() * pairs * 1024 * (4 + 4) + 64;
 }
 
 /* Rows of slabs [s0, s1) of x (16 rows each) into `ap`: per slab, K/32 tiles of 16 rows × 32, zeros past row M. */
@@ -286,7 +286,20 @@ static inline __m512 silu_times(__m512 g, __m512 u) {
     return _mm512_mul_ps(_mm512_div_ps(g, _mm512_add_ps(e, _mm512_set1_ps(1.0f))), u);
 }
 
-enum { PLAIN, FIRST_HALF, SECOND_HALF, SECOND_HALF_KEPT, LONE_HALF }; /* what a finished block's rows become */
+enum { PLAIN, FIRST_HALF, SECOND_HALF, SECOND_HALF_KEPT, LONE_HALF, ROPE_FIRST, ROPE_SECOND, ROPE_WHOLE, ROPE_V };
+/* (what a finished block's rows become) */
+
+/* Where `epdmesh_amx_qkv_rope` puts a qkv projection's outputs: RoPE applied to q's and k's heads, q into `q`
+ * ([M][heads][dim]), K and V into their slots of a layer's caches (blocks[m] · block + offsets[m] · token + head ·
+ * kv head, in elements), as `epdmesh_rotary_kv_bf16` (cpu_paged.c) puts them from the projection's rows. */
+typedef struct {
+    int64_t heads, kv_heads, dim;
+    const uint16_t *cos, *sin; /* [M][dim] bf16, row stride cs_stride */
+    int64_t cs_stride;
+    const int64_t *blocks, *offsets;
+    uint16_t *q, *kc, *vc;
+    int64_t k_block, k_token, k_head, v_block, v_token, v_head;
+} rope_out;
 enum { GEMM_SWIGLU = 1, GEMM_PACKED_IN = 2, GEMM_PACKED_OUT = 4 }; /* epdmesh_amx_gemm's flags */
 
 /* Row r (0-31) of a finished block q (four fp32 tiles: rows 0-15 × the two column blocks, rows 16-31 × the two).
@@ -319,6 +332,45 @@ static inline void block_row(uint16_t *y, float (*q)[256], int64_t r, int kind, 
         _mm256_storeu_si256((__m256i *)y, v);
 }
 
+/* Row r (0-31) of a finished block q of a qkv projection (32 columns: group g of its head hh, `j` = g's place in
+ * the head) as `epdmesh_amx_qkv_rope` writes it, for row m. The products rounded to bf16 as `block_row` rounds them
+ * (the hardware's conversion), then as cpu_paged.c's `epdmesh_rotary_kv_bf16`: per half, x1·c − x2·s and x2·c +
+ * x1·s in fp32 (no fused multiply-add), rounded once (software, as torch). ROPE_FIRST keeps the rounded group (a
+ * head's first half) in `kept`; ROPE_SECOND, its second half's group, writes both halves' results; ROPE_WHOLE (head_dim
+ * 32: both halves in the group) writes them at once; ROPE_V writes the rounded values into V's slot. */
+static inline void rope_row(const rope_out *ro, float (*q)[256], int64_t r, int64_t m, int kind, int64_t hh,
+                            int64_t j, uint16_t *kept) {
+    const int64_t h = r >> 4, i = (r & 15) * 16;
+    const __m512bh v = _mm512_cvtne2ps_pbh(_mm512_load_ps(q[2 * h + 1] + i), _mm512_load_ps(q[2 * h] + i));
+    if (kind == ROPE_FIRST) {
+        _mm512_store_si512((void *)(kept + r * 32), (__m512i)v);
+        return;
+    }
+    if (kind == ROPE_V) {
+        const int64_t head = hh - ro->heads - ro->kv_heads;
+        _mm512_storeu_si512((void *)(ro->vc + ro->blocks[m] * ro->v_block + ro->offsets[m] * ro->v_token +
+                                     head * ro->v_head + j * 32), (__m512i)v);
+        return;
+    }
+    const int64_t half = ro->dim / 2; /* the pair's columns in each half from c0 */
+    const int64_t c0 = kind == ROPE_WHOLE ? 0 : (j - ro->dim / 64) * 32;
+    uint16_t *out = hh < ro->heads ? ro->q + (m * ro->heads + hh) * ro->dim
+                                   : ro->kc + ro->blocks[m] * ro->k_block + ro->offsets[m] * ro->k_token +
+                                         (hh - ro->heads) * ro->k_head;
+    const uint16_t *c = ro->cos + m * ro->cs_stride, *sn = ro->sin + m * ro->cs_stride;
+    uint16_t x2[32] __attribute__((aligned(64)));
+    _mm512_store_si512((void *)x2, (__m512i)v);
+    const uint16_t *x1 = kind == ROPE_WHOLE ? x2 : kept + r * 32, *x2h = kind == ROPE_WHOLE ? x2 + 16 : x2;
+    for (int64_t t = 0; t < (kind == ROPE_WHOLE ? 16 : 32); t += 16) {
+        const __m512 a = load16(x1, t, 1), b = load16(x2h, t, 1);
+        const __m512 lo = _mm512_sub_ps(_mm512_mul_ps(a, load16(c, c0 + t, 1)), _mm512_mul_ps(b, load16(sn, c0 + t, 1)));
+        const __m512 hi =
+            _mm512_add_ps(_mm512_mul_ps(b, load16(c, half + c0 + t, 1)), _mm512_mul_ps(a, load16(sn, half + c0 + t, 1)));
+        store_bf16_16(out + c0 + t, lo);
+        store_bf16_16(out + half + c0 + t, hi);
+    }
+}
+
 /* x [M][K] (row stride xs), tiles as above, y [M][N] (row stride ys, 64-byte aligned rows), in elements; scratch of
  * `epdmesh_amx_gemm_scratch` bytes, 64-byte aligned. -1: a shape it does not take (N % 32, K % 32); -2: too little
  * scratch. `swiglu`: the tiles are a SwiGLU's gate and up projections stacked ([2N, K]: the gate's N rows, then the
@@ -326,8 +378,8 @@ static inline void block_row(uint16_t *y, float (*q)[256], int64_t r, int kind, 
  * `flags`: GEMM_SWIGLU for that; GEMM_PACKED_OUT (with it, N a multiple of 32) writes y as the next product's copy of
  * its input into tiles ([ceil(M/32)·2 slabs][N/32][16][32], through the cache; rows past M left as they were), and
  * GEMM_PACKED_IN takes x so (64-byte aligned, xs unused): a SwiGLU MLP's two products with no [M][N] between. */
-int epdmesh_amx_gemm(const uint16_t *x, int64_t M, int64_t xs, int64_t K, const uint16_t *tiles, int64_t N,
-                     uint16_t *y, int64_t ys, void *scratch, int64_t scratch_bytes, int flags) {
+static int gemm(const uint16_t *x, int64_t M, int64_t xs, int64_t K, const uint16_t *tiles, int64_t N, uint16_t *y,
+                int64_t ys, void *scratch, int64_t scratch_bytes, int flags, const rope_out *ro) {
     const int swiglu = flags & GEMM_SWIGLU, packed_in = flags & GEMM_PACKED_IN, packed_out = flags & GEMM_PACKED_OUT;
     if (M < 1 || N % (swiglu ? 16 : 32) || K % 32 || ys % (swiglu ? 16 : 32) || ((uintptr_t)y | (uintptr_t)scratch) % 64)
         return -1;
@@ -348,15 +400,18 @@ int epdmesh_amx_gemm(const uint16_t *x, int64_t M, int64_t xs, int64_t K, const 
 #define DST(m)                                                                                                    \
     (packed_out ? y + (((m) / 16 * (N / 32) + pn / 32) * 16 + (m) % 16) * 32 : y + (m) * ys + pn)
     const int second_kind = packed_out ? SECOND_HALF_KEPT : SECOND_HALF;
-    /* the work shared out: plain, a group of 32 columns; SwiGLU, two groups of 16 (one line) */
-    const int64_t units = swiglu ? (groups + 1) / 2 : groups;
+#define DONE_ROW(qq, r)                                                                                           \
+    (ro ? rope_row(ro, qq, r, pm + (r), kind, ph_head, ph_j, ph) : block_row(DST(pm + (r)), qq, r, kind, ph))
+    /* the work shared out: plain, a group of 32 columns; SwiGLU, two groups of 16 (one line); a rotary, a head's
+     * groups (its first half's kept until its second half's finish) */
+    const int64_t per_unit = ro ? ro->dim / 32 : swiglu ? 2 : 1, units = (groups + per_unit - 1) / per_unit;
 #pragma omp parallel
     {
         const int64_t threads = omp_get_num_threads(), me = omp_get_thread_num(), share = (2 * pairs + threads - 1) / threads;
         const int64_t s0 = me * share, s1 = s0 + share < 2 * pairs ? s0 + share : 2 * pairs;
         if (s0 < s1 && !packed_in) pack_rows(x, M, xs, K, ap, s0, s1);
         float *sums = spill + me * pairs * 1024;
-        uint16_t *half = halves + me * pairs * 512;
+        uint16_t *half = halves + me * pairs * 2048;
         tile_config cfg;
         memset(&cfg, 0, sizeof cfg);
         cfg.palette = 1;
@@ -364,7 +419,8 @@ int epdmesh_amx_gemm(const uint16_t *x, int64_t M, int64_t xs, int64_t K, const 
         __asm__ volatile("" : : "r"(&cfg) : "memory"); /* gcc 12 has dropped the stores above before ldtilecfg */
         _tile_loadconfig(&cfg);
         float ready[2][4][256] __attribute__((aligned(64))); /* the last block's sums, and the one before */
-        int64_t pm = -1, pn = 0; /* the block whose rows are still to write (-1: none), its kind and half line */
+        int64_t pm = -1, pn = 0, ph_head = 0, ph_j = 0; /* the block whose rows are still to write (-1: none), its
+                                                           kind and half line; a rotary's head and group in it */
         int cur = 0, kind = PLAIN;
         uint16_t *ph = half;
 #pragma omp barrier
@@ -372,12 +428,17 @@ int epdmesh_amx_gemm(const uint16_t *x, int64_t M, int64_t xs, int64_t K, const 
             const int64_t p0 = b * per, p1 = p0 + per < pairs ? p0 + per : pairs;
 #pragma omp for schedule(static) nowait
             for (int64_t unit = 0; unit < units; ++unit)
-            for (int64_t g = swiglu ? 2 * unit : unit; g < (swiglu ? 2 * unit + 2 : unit + 1) && g < groups; ++g) {
+            for (int64_t g = per_unit * unit; g < per_unit * (unit + 1) && g < groups; ++g) {
                 const uint16_t *w0 = tiles + (swiglu ? g : 2 * g) * tsz, *w1 = w0 + second;
-                const int done_kind = !swiglu ? PLAIN
-                                      : N % 32 ? LONE_HALF /* rows not whole lines */
-                                      : g % 2  ? second_kind
-                                               : FIRST_HALF;
+                const int64_t gj = ro ? g % per_unit : 0, gh = ro ? g / per_unit : 0; /* a rotary's group, head */
+                const int done_kind = ro      ? (gh >= ro->heads + ro->kv_heads ? ROPE_V
+                                                 : per_unit == 1               ? ROPE_WHOLE
+                                                 : gj < per_unit / 2           ? ROPE_FIRST
+                                                                               : ROPE_SECOND)
+                                      : !swiglu ? PLAIN
+                                      : N % 32  ? LONE_HALF /* rows not whole lines */
+                                      : g % 2   ? second_kind
+                                                : FIRST_HALF;
                 for (int64_t part = 0; part < parts; ++part) {
                     const int64_t c0 = part * kc, c1 = c0 + kc < chunks ? c0 + kc : chunks, last = part + 1 == parts;
                     for (int64_t p = p0; p < p1; ++p) {
@@ -410,13 +471,13 @@ int epdmesh_amx_gemm(const uint16_t *x, int64_t M, int64_t xs, int64_t K, const 
                             _tile_dpbf16ps(1, 4, 7);
                             _tile_dpbf16ps(3, 5, 7);
                             if (pm >= 0 && r < 32) { /* a row of the previous block while these run */
-                                if (pm + r < M) block_row(DST(pm + r), q, r, kind, ph);
+                                if (pm + r < M) DONE_ROW(q, r);
                                 ++r;
                             }
                         }
                         if (pm >= 0) {
                             for (; r < 32; ++r)
-                                if (pm + r < M) block_row(DST(pm + r), q, r, kind, ph);
+                                if (pm + r < M) DONE_ROW(q, r);
                             pm = -1;
                         }
                         if (!last) {
@@ -431,7 +492,9 @@ int epdmesh_amx_gemm(const uint16_t *x, int64_t M, int64_t xs, int64_t K, const 
                             _tile_stored(3, ready[cur][3], 64);
                             pm = 32 * p, cur ^= 1, kind = done_kind;
                             pn = kind == second_kind ? width * (g - 1) : width * g; /* a line from its start */
-                            ph = half + (p - p0) * 512;
+                            ph = ro ? half + ((p - p0) * 2 + gj % (per_unit / 2 ? per_unit / 2 : 1)) * 1024
+                                    : half + (p - p0) * 512;
+                            ph_head = gh, ph_j = gj;
                         }
                     }
                 }
@@ -439,12 +502,35 @@ int epdmesh_amx_gemm(const uint16_t *x, int64_t M, int64_t xs, int64_t K, const 
         }
         if (pm >= 0)
             for (int64_t r = 0; r < 32; ++r)
-                if (pm + r < M) block_row(DST(pm + r), ready[cur ^ 1], r, kind, ph);
+                if (pm + r < M) DONE_ROW(ready[cur ^ 1], r);
         _tile_release();
     }
     _mm_sfence(); /* the non-temporal stores visible before the caller reads y */
     return 0;
+#undef DONE_ROW
 #undef DST
+}
+
+int epdmesh_amx_gemm(const uint16_t *x, int64_t M, int64_t xs, int64_t K, const uint16_t *tiles, int64_t N,
+                     uint16_t *y, int64_t ys, void *scratch, int64_t scratch_bytes, int flags) {
+    return gemm(x, M, xs, K, tiles, N, y, ys, scratch, scratch_bytes, flags, NULL);
+}
+
+/* A prompt's qkv projection with its RoPE and K/V write (`rope_out`): `epdmesh_amx_gemm`'s product of x [M][K] and
+ * the projection's tiles (N = (heads + 2 · kv_heads) · dim: q's columns, k's, v's), each head's outputs written
+ * where `epdmesh_rotary_kv_bf16` writes them from the product's rows — the same bits, with no [M][N] between. -1: a
+ * shape it does not take (dim 32, 64 or 128, N as the heads make it); -2: a slot outside the cache
+ * (`num_blocks`: the caches' blocks), nothing written then; -3: no AMX in this build. */
+int epdmesh_amx_qkv_rope(const uint16_t *x, int64_t M, int64_t xs, int64_t K, const uint16_t *tiles, int64_t N,
+                         const rope_out *ro, int64_t num_blocks, int64_t block_size, void *scratch,
+                         int64_t scratch_bytes) {
+    if ((ro->dim != 32 && ro->dim != 64 && ro->dim != 128) || N != (ro->heads + 2 * ro->kv_heads) * ro->dim)
+        return -1;
+    for (int64_t m = 0; m < M; ++m)
+        if (ro->blocks[m] < 0 || ro->blocks[m] >= num_blocks || ro->offsets[m] < 0 || ro->offsets[m] >= block_size)
+            return -2;
+    static uint16_t none[32] __attribute__((aligned(64))); /* y: unused (every row goes through `ro`) */
+    return gemm(x, M, xs, K, tiles, N, none, 32, scratch, scratch_bytes, 0, ro);
 }
 
 /* silu(gate) · up of products already rounded (`epdmesh_amx_linear`'s [M][2N]: the gate's N columns, then the
@@ -483,6 +569,14 @@ int epdmesh_amx_gemm(const uint16_t *x, int64_t M, int64_t xs, int64_t K, const 
                      uint16_t *y, int64_t ys, void *scratch, int64_t scratch_bytes, int flags) {
     (void)x, (void)M, (void)xs, (void)K, (void)tiles, (void)N, (void)y, (void)ys, (void)scratch, (void)scratch_bytes;
     (void)flags;
+    return -3;
+}
+
+int epdmesh_amx_qkv_rope(const uint16_t *x, int64_t M, int64_t xs, int64_t K, const uint16_t *tiles, int64_t N,
+                         const void *ro, int64_t num_blocks, int64_t block_size, void *scratch,
+                         int64_t scratch_bytes) {
+    (void)x, (void)M, (void)xs, (void)K, (void)tiles, (void)N, (void)ro, (void)num_blocks, (void)block_size;
+    (void)scratch, (void)scratch_bytes;
     return -3;
 }
 

@@ -32,6 +32,19 @@ MAX_ROWS = 48
 GEMM = True
 
 
+class _RopeOut(ctypes.Structure):
+    """cpu_amx.c's `rope_out`: where `qkv_rope` writes q, K and V."""
+
+    _fields_ = [
+        *((name, ctypes.c_int64) for name in ("heads", "kv_heads", "dim")),
+        ("cos", ctypes.c_void_p),
+        ("sin", ctypes.c_void_p),
+        ("cs_stride", ctypes.c_int64),
+        *((name, ctypes.c_void_p) for name in ("blocks", "offsets", "q", "kc", "vc")),
+        *((name, ctypes.c_int64) for name in ("k_block", "k_token", "k_head", "v_block", "v_token", "v_head")),
+    ]
+
+
 @functools.cache
 def _library() -> ctypes.CDLL | None:
     lib = cbuild.load(SOURCE, "bf16 decode products stay oneDNN's")
@@ -52,6 +65,8 @@ def _library() -> ctypes.CDLL | None:
         fn.restype, fn.argtypes = ctypes.c_int, rows_args + extra  # gemm: scratch, its bytes, swiglu
     lib.epdmesh_swiglu.restype = ctypes.c_int
     lib.epdmesh_swiglu.argtypes = [ptr, i64, i64, i64, ptr, i64]
+    lib.epdmesh_amx_qkv_rope.restype = ctypes.c_int
+    lib.epdmesh_amx_qkv_rope.argtypes = [ptr, i64, i64, i64, ptr, i64, ctypes.POINTER(_RopeOut), i64, i64, ptr, i64]
     return lib
 
 
@@ -226,3 +241,60 @@ def swiglu_supports(tiles: torch.Tensor) -> bool:
     """Whether `gemm(..., swiglu=True)`, `swiglu_rows` and `silu_mul` take these tiles: the gate's and the up's
     columns each a multiple of 16 (a shape check alone: compiled graphs trace it; `available()` is the caller's)."""
     return tiles.shape[0] % 2 == 0
+
+
+# A prompt's qkv projection, RoPE and K/V write in one pass (`qkv_rope`) where it runs; False for A/B runs
+# (`bench/engine.py --without qkv-rope`: the product, then `cpu_paged.rotary_kv` on its rows).
+QKV_ROPE = True
+
+
+def qkv_rope_supports(tiles: torch.Tensor, head_dim: int, num_heads: int, num_kv_heads: int) -> bool:
+    """Whether `qkv_rope` takes this projection: its columns q's heads, k's and v's, head_dim 32, 64 or 128, on AMX."""
+    return (
+        QKV_ROPE
+        and head_dim in (32, 64, 128)
+        and tiles.shape[0] * 16 == (num_heads + 2 * num_kv_heads) * head_dim
+        and available()
+    )
+
+
+def qkv_rope(
+    x: torch.Tensor,
+    tiles: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_blocks: torch.Tensor,
+    slot_offsets: torch.Tensor,
+    num_heads: int,
+    num_kv_heads: int,
+) -> torch.Tensor:
+    """A prompt's qkv projection (x [rows, K] bf16 against the projection's tiles: q's heads, then k's, then v's)
+    with RoPE applied to q and k (cos, sin [rows, head_dim]) and K and V written into their slots of a layer's caches
+    ([blocks, block_size, kv_heads, head_dim]) → q [rows, num_heads, head_dim]: what `cpu_paged.rotary_kv` makes of
+    `gemm(x, tiles)`, bit for bit, as each block of the product finishes — no [rows, N] between. Where
+    `qkv_rope_supports`; IndexError for a slot outside the cache."""
+    n, k, dim = tiles.shape[0] * 16, tiles.shape[1] * 32, k_cache.shape[-1]
+    x2 = _as_rows(x, k)
+    rows = x2.shape[0]
+    assert cos.stride(-1) == sin.stride(-1) == 1 and cos.stride(0) == sin.stride(0)
+    assert k_cache.stride(-1) == v_cache.stride(-1) == 1
+    blocks, offsets = slot_blocks.contiguous(), slot_offsets.contiguous()
+    q = torch.empty(rows, num_heads, dim, dtype=torch.bfloat16)
+    ptrs = [t.data_ptr() for t in (cos, sin, blocks, offsets, q, k_cache, v_cache)]
+    out = _RopeOut(
+        num_heads, num_kv_heads, dim, ptrs[0], ptrs[1], cos.stride(0), *ptrs[2:], *k_cache.stride()[:3],
+        *v_cache.stride()[:3],
+    )  # fmt: skip
+    lib = _library()
+    work = scratch(lib.epdmesh_amx_gemm_scratch(rows, k))
+    rc = lib.epdmesh_amx_qkv_rope(
+        x2.data_ptr(), rows, x2.stride(0), k, tiles.data_ptr(), n, ctypes.byref(out), k_cache.shape[0],
+        k_cache.shape[1], work.data_ptr(), work.numel(),
+    )  # fmt: skip
+    if rc == -2:
+        raise IndexError(f"qkv_rope: a slot outside the cache ({k_cache.shape[0]} blocks of {k_cache.shape[1]})")
+    if rc != 0:
+        raise ValueError(f"qkv_rope: {rows} rows of {k} against [{n}, {k}], head_dim {dim} (rc {rc})")
+    return q

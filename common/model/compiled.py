@@ -30,9 +30,11 @@ import torch
 from torch._dynamo.decorators import mark_unbacked
 
 from common.model.clip import VisionLayer
+from common.model.layers import rms_norm
 from common.model.llama import DecoderLayer, LlamaDecoder
 from common.model.llava import LlavaModel
-from kernels import cpu_paged, cpu_prompt
+from common.model.packed_linear import _packed_linear as packed_linear_impl
+from kernels import cpu_amx, cpu_paged, cpu_prompt
 from kernels.metadata import write_slots
 from kernels.ops import define
 from kernels.torch_ref import causal_attention
@@ -238,13 +240,20 @@ def prompts_step(
     `sample_rows` [rows, vocab] (float32). What the eager path computes with the C prompt kernel, as one graph: each
     layer's K/V into the whole cache in place, then the step's attention in one call over the cache
     (`cpu_prompt.paged_prompt_attention`); the last layer past its attention at the sampled rows only. In bf16 on
-    hosts where `ROTARY_KV`, each layer's RoPE and K/V write are one C pass over its qkv projection."""
+    hosts where `ROTARY_KV`, each layer's RoPE and K/V write are one C pass over its qkv projection — on AMX hosts
+    part of the projection's own product (`qkv_rotary_kv_layer`)."""
     cos, sin = text.rotary.cos_sin(positions, embeds.dtype)
     scale = text.cfg.head_dim**-0.5
     x, last = embeds, len(text.layers) - 1
     fused = ROTARY_KV and cache.dtype == torch.bfloat16 and text.cfg.head_dim % 32 == 0
     for i, layer in enumerate(text.layers):
-        if fused:  # RoPE and the K/V write in one C pass (`cpu_paged.rotary_kv`)
+        proj = layer.qkv_proj
+        if fused and getattr(proj, "amx", False):  # the product, RoPE and K/V write in one pass where it runs
+            h = rms_norm(x, layer.input_layernorm, layer.cfg.rms_norm_eps)
+            q = torch.ops.epdmesh.qkv_rotary_kv_layer(
+                h, proj.packed_weight, proj.tiles, cos, sin, cache, i, slot_blocks, slot_offsets
+            )
+        elif fused:  # RoPE and the K/V write in one C pass (`cpu_paged.rotary_kv`)
             q = torch.ops.epdmesh.rotary_kv_layer(
                 DecoderLayer.project(layer, x), cos, sin, cache, i, slot_blocks, slot_offsets
             )
@@ -299,6 +308,46 @@ def _rotary_kv_fake(qkv, cos, sin, cache, layer, slot_blocks, slot_offsets):
     kv_heads, dim = cache.shape[-2], cache.shape[-1]
     return qkv.new_empty(qkv.shape[0], qkv.shape[-1] // dim - 2 * kv_heads, dim)
 
+
+def _qkv_rotary_kv_layer(
+    h: torch.Tensor,
+    weight: torch.Tensor,
+    tiles: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    cache: torch.Tensor,
+    layer: int,
+    slot_blocks: torch.Tensor,
+    slot_offsets: torch.Tensor,
+) -> torch.Tensor:
+    """A layer's qkv projection of the normed rows h ([tokens, hidden]; a `PackedLinear`'s weight and AMX tiles),
+    RoPE and K/V write into the whole cache: q [tokens, heads, head_dim] returned. A prompt's rows (above
+    `cpu_amx.MAX_ROWS`) in one pass, `cpu_amx.qkv_rope` (the product's blocks rotated and written as they finish);
+    fewer rows, or where it does not run, the product then `_rotary_kv_layer` — the same bits either way."""
+    kv_heads, dim = cache.shape[-2], cache.shape[-1]
+    n = tiles.shape[0] * 16
+    heads = n // dim - 2 * kv_heads
+    if h.shape[0] > cpu_amx.MAX_ROWS and cpu_amx.GEMM and cpu_amx.qkv_rope_supports(tiles, dim, heads, kv_heads):
+        layer_cache = cache.select(1, layer)
+        return cpu_amx.qkv_rope(
+            h, tiles, cos, sin, layer_cache.select(1, 0), layer_cache.select(1, 1), slot_blocks, slot_offsets,
+            heads, kv_heads,
+        )  # fmt: skip
+    qkv = packed_linear_impl(h, weight, tiles, None, n)
+    return _rotary_kv_layer(qkv, cos, sin, cache, layer, slot_blocks, slot_offsets)
+
+
+def _qkv_rotary_kv_fake(h, weight, tiles, cos, sin, cache, layer, slot_blocks, slot_offsets):
+    kv_heads, dim = cache.shape[-2], cache.shape[-1]
+    return h.new_empty(h.shape[0], tiles.shape[0] * 16 // dim - 2 * kv_heads, dim)
+
+
+qkv_rotary_kv_layer = define(
+    "qkv_rotary_kv_layer(Tensor h, Tensor weight, Tensor tiles, Tensor cos, Tensor sin, Tensor(a!) cache, int layer,"
+    " Tensor slot_blocks, Tensor slot_offsets) -> Tensor",
+    _qkv_rotary_kv_layer,
+    _qkv_rotary_kv_fake,
+)
 
 rotary_kv_layer = define(
     "rotary_kv_layer(Tensor qkv, Tensor cos, Tensor sin, Tensor(a!) cache, int layer, Tensor slot_blocks,"

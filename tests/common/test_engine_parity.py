@@ -349,8 +349,8 @@ def test_a_system_prompt_before_an_image_is_cached_for_chats_with_other_images(m
 def test_bfloat16_within_the_references_own_rounding(compile, model_dirs, processors, references, monkeypatch):
     from kernels import cpu_amx, cpu_paged
 
-    calls = {"linear": 0, "gemm": 0, "mlp": 0, "swiglu_rows": 0, "rotary_kv": 0}
-    kernels = [(cpu_amx, name) for name in ("linear", "gemm", "mlp", "swiglu_rows")] + [(cpu_paged, "rotary_kv")]
+    calls = {"linear": 0, "gemm": 0, "mlp": 0, "swiglu_rows": 0, "qkv_rope": 0, "rotary_kv": 0}
+    kernels = [(cpu_amx, n) for n in ("linear", "gemm", "mlp", "swiglu_rows", "qkv_rope")] + [(cpu_paged, "rotary_kv")]
     for module, name in kernels:
         kernel = getattr(module, name)
         monkeypatch.setattr(
@@ -360,13 +360,16 @@ def test_bfloat16_within_the_references_own_rounding(compile, model_dirs, proces
     assert_bf16_within_rounding(engine, processors, references)
     # the CPU's fast paths were on the way where this host has them: a decode step's products on the weights' tiles
     # (AMX, or the vector units of a host with AVX512-BF16 and no AMX); on AMX a prompt's products too (its MLP in
-    # one op) and a decode step's SwiGLU in one call; compiled, prompt chunks' RoPE and K/V write in one pass
+    # one op) and a decode step's SwiGLU in one call; compiled, prompt chunks' RoPE and K/V write in one pass — on
+    # AMX, a prompt's (> 48 rows) in its qkv product's pass
     tiles = any(getattr(m, "tiles", None) is not None for m in engine.model.modules())
     assert tiles == (cpu_amx.available() or cpu_amx.vector_available())
     assert (calls["linear"] > 0) == tiles
     amx = tiles and cpu_amx.available()
     assert (calls["gemm"] > 0 and calls["mlp"] > 0 and calls["swiglu_rows"] > 0) == amx  # prompts'; decode steps'
-    assert (calls["rotary_kv"] > 0) == (compile and cpu_paged.rotary_kv_supported(torch.bfloat16, 32))
+    fused = compile and cpu_paged.rotary_kv_supported(torch.bfloat16, 32)
+    assert (calls["qkv_rope"] > 0) == (fused and amx)
+    assert (calls["rotary_kv"] + calls["qkv_rope"] > 0) == fused
 
 
 def assert_bf16_within_rounding(engine: Engine, processors, references) -> None:

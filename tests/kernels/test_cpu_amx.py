@@ -216,3 +216,45 @@ def test_a_decoder_layer_takes_the_fused_mlp_where_its_linears_have_tiles(monkey
     calls.clear()
     layer.finish(x[:8], attn[:8])  # a decode step's rows: the SwiGLU in one call, then the down product
     assert calls == []
+
+
+@pytest.mark.parametrize(
+    "rows,heads,kv_heads,dim,k",
+    [
+        (1024, 8, 8, 64, 512),
+        (77, 4, 2, 64, 96),
+        (49, 2, 1, 128, 256),
+        (130, 3, 1, 128, 64),
+        (33, 1, 1, 64, 32),
+        (100, 4, 2, 32, 64),
+    ],
+)
+def test_a_prompts_qkv_rope_is_the_product_then_rotary_kv_bit_for_bit(rows, heads, kv_heads, dim, k):
+    """`qkv_rope` (the product's blocks through RoPE and into the slots as they finish) against `gemm` then
+    `cpu_paged.rotary_kv` on its rows: the same q, the same cache, every other slot untouched; GQA, head_dim 32, 64
+    and 128, row counts off the 32-row blocks, slots in any order."""
+    from kernels import cpu_paged
+
+    g = torch.Generator().manual_seed(rows)
+    n = (heads + 2 * kv_heads) * dim
+    x = torch.randn(rows, k, generator=g).bfloat16()
+    tiles = cpu_amx.pack((torch.randn(n, k, generator=g) * 0.1).bfloat16())
+    angles = torch.randn(rows, dim // 2, generator=g) * 3
+    cos, sin = (torch.cat([f(angles)] * 2, dim=-1).bfloat16() for f in (torch.cos, torch.sin))
+    block_size, blocks = 16, -(-rows // 16) + 3
+    slots = torch.randperm(blocks * block_size, generator=g)[:rows]
+    slot_blocks, slot_offsets = slots // block_size, slots % block_size
+    cache = torch.randn(2, blocks, block_size, kv_heads, dim, generator=g).bfloat16()
+    caches = [cache, cache.clone()]
+    q = cpu_amx.qkv_rope(x, tiles, cos, sin, caches[0][0], caches[0][1], slot_blocks, slot_offsets, heads, kv_heads)
+    expected = cpu_paged.rotary_kv(
+        cpu_amx.gemm(x, tiles), cos, sin, caches[1][0], caches[1][1], slot_blocks, slot_offsets, heads, kv_heads
+    )
+    assert torch.equal(q, expected) and torch.equal(caches[0], caches[1])
+    with pytest.raises(IndexError, match="outside the cache"):
+        cpu_amx.qkv_rope(
+            x, tiles, cos, sin, caches[0][0], caches[0][1], slot_blocks + blocks, slot_offsets, heads, kv_heads
+        )
+    assert torch.equal(caches[0], caches[1])  # nothing written then
+    assert cpu_amx.qkv_rope_supports(tiles, dim, heads, kv_heads)
+    assert not cpu_amx.qkv_rope_supports(tiles, dim, heads + 1, kv_heads)
