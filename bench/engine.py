@@ -62,6 +62,7 @@ ABLATIONS = {
     "prompt-tiles",
     "prefill-tiles",
     "rotary-kv",
+    "qkv-rope",
     "prompts-graph",
 }
 
