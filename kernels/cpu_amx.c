@@ -23,7 +23,9 @@
  * K runs in parts whose fp32 sums wait in a per-thread buffer, and the rows run in blocks of ≤ 1 MiB of input so
  * that a block stays in L2 for every column block. Each finished 32 × 32 block is rounded by the hardware's
  * conversion (to nearest even, as oneDNN's) and written a whole line a row with non-temporal stores, spread over
- * the next block's loop (reading the tile's fp32 right after storing it stalls).
+ * the next block's loop (reading the tile's fp32 right after storing it stalls). A prompt's qkv projection can take
+ * its RoPE and K/V write the same way (`epdmesh_amx_qkv_rope`): a head's groups run in order on one thread, its
+ * first half's blocks kept (rounded) until its second half's finish, then both rotated into q or K's slot.
  */
 #include <omp.h>
 #include <stdint.h>
