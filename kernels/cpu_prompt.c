@@ -21,11 +21,11 @@
  * (`rows_task_amx`): the same packed keys and values are its tiles' second operands — 16 keys × 32 dims a tile for
  * the scores, 32 keys × 16 dims for the values — the 16 rows' scores go through memory for the softmax, and the same
  * arithmetic holds (fp32 scores and sums, bf16 probabilities). For head_dim ≤ 64 the query's tiles stay loaded
- * (read in place where the task has all 16 rows) and four blocks of 16 keys run at once (four independent sums,
- * where two waited on each other); the 16 rows' maxima and sums are reduced together (`max16_rows`, `add16_rows`:
- * 15 steps where 16 separate reductions took ~64, in chains the out-of-order core could not overlap). Tasks go to
- * the threads round-robin, largest first (`schedule(static, 1)`: OpenMP's dynamic dispatch cost ~0.35 µs a task,
- * 15% of the call, 2026-12-07). On a Xeon VDPBF16PS runs at a fifth of a Zen 5's
+ * (read in place where the task has all 16 rows) and four blocks of 16 keys run at once: four independent sums, so
+ * that the unit is not waiting on one. The 16 rows' maxima and sums are reduced together (`max16_rows`,
+ * `add16_rows`: 15 shuffle steps, not 16 separate reductions' ~64 in chains the core cannot overlap). Tasks go to
+ * the threads round-robin, largest first (`schedule(static, 1)`: OpenMP's dynamic dispatch costs more than a small
+ * task's imbalance, bench/README.md). On a Xeon VDPBF16PS runs at a fifth of a Zen 5's
  * rate (independent ones: 104 against 525 GFLOP/s a core), and the vector loops at 92–159 GFLOP/s on two cores,
  * below SDPA (whose products are oneDNN's, on the tiles).
  *
@@ -259,8 +259,9 @@ static inline __attribute__((always_inline)) void rows_task(const prompt_call *c
             top = _mm512_max_ps(top, _mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), m, p + t));
         }
         const __m512 most = _mm512_set1_ps(_mm512_reduce_max_ps(top));
-        for (int64_t t = 0; t < blocks * 16; t += 16) {
-            const __mmask16 m = t >= valid ? 0 : valid - t >= 16 ? 0xffff : (__mmask16)((1u << (valid - t)) - 1);
+        int64_t t = 0;
+        for (; t < valid; t += 16) { /* (past the row's keys, zeros: no exponentials) */
+            const __mmask16 m = valid - t >= 16 ? 0xffff : (__mmask16)((1u << (valid - t)) - 1);
             const __m512 e = _mm512_maskz_mov_ps(m, exp16(_mm512_sub_ps(_mm512_loadu_ps(p + t), most)));
             sum = _mm512_add_ps(sum, e);
             if (bf16)
@@ -268,6 +269,11 @@ static inline __attribute__((always_inline)) void rows_task(const prompt_call *c
             else
                 _mm512_storeu_ps(p + t, e);
         }
+        for (; t < blocks * 16; t += 16)
+            if (bf16)
+                _mm256_storeu_si256((__m256i *)(pb + r * lp + t), _mm256_setzero_si256());
+            else
+                _mm512_storeu_ps(p + t, _mm512_setzero_ps());
         sums[r] = 1.0f / _mm512_reduce_add_ps(sum);
     }
     for (int64_t d = 0; d < dim; d += 16) { /* the 16 rows' sums for dims [d, d + 16), over every key */
@@ -403,13 +409,15 @@ static inline __attribute__((always_inline)) void rows_task_amx(const prompt_cal
         const float *p = sc + r * lp;
         const __m512 top = _mm512_set1_ps(most[r]);
         __m512 sum = _mm512_setzero_ps();
-        for (int64_t t = 0; t < keys; t += 16) {
-            const __mmask16 m = t >= valid[r] ? 0 : valid[r] - t >= 16 ? 0xffff : (__mmask16)((1u << (valid[r] - t)) - 1);
+        int64_t t = 0;
+        for (; t < valid[r]; t += 16) { /* (past a row's keys, zeros: no exponentials) */
+            const __mmask16 m = valid[r] - t >= 16 ? 0xffff : (__mmask16)((1u << (valid[r] - t)) - 1);
             const __m512 x = _mm512_mul_ps(_mm512_loadu_ps(p + t), scale);
             const __m512 e = _mm512_maskz_mov_ps(m, exp16(_mm512_sub_ps(x, top)));
             sum = _mm512_add_ps(sum, e);
             round16(pb + r * lp + t, e);
         }
+        for (; t < keys; t += 16) _mm256_storeu_si256((__m256i *)(pb + r * lp + t), _mm256_setzero_si256());
         part[r] = sum;
     }
     _mm512_storeu_ps(inv, _mm512_div_ps(_mm512_set1_ps(1.0f), add16_rows(part)));
