@@ -365,9 +365,9 @@ static inline void rope_row(const rope_out *ro, float (*q)[256], int64_t r, int6
     const uint16_t *x1 = kind == ROPE_WHOLE ? x2 : kept + r * 32, *x2h = kind == ROPE_WHOLE ? x2 + 16 : x2;
     for (int64_t t = 0; t < (kind == ROPE_WHOLE ? 16 : 32); t += 16) {
         const __m512 a = load16(x1, t, 1), b = load16(x2h, t, 1);
-        const __m512 lo = _mm512_sub_ps(_mm512_mul_ps(a, load16(c, c0 + t, 1)), _mm512_mul_ps(b, load16(sn, c0 + t, 1)));
-        const __m512 hi =
-            _mm512_add_ps(_mm512_mul_ps(b, load16(c, half + c0 + t, 1)), _mm512_mul_ps(a, load16(sn, half + c0 + t, 1)));
+        const int64_t at = c0 + t, up = half + c0 + t;
+        const __m512 lo = _mm512_sub_ps(_mm512_mul_ps(a, load16(c, at, 1)), _mm512_mul_ps(b, load16(sn, at, 1)));
+        const __m512 hi = _mm512_add_ps(_mm512_mul_ps(b, load16(c, up, 1)), _mm512_mul_ps(a, load16(sn, up, 1)));
         store_bf16_16(out + c0 + t, lo);
         store_bf16_16(out + half + c0 + t, hi);
     }
