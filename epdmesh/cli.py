@@ -109,6 +109,10 @@ def _cmd_serve(args) -> int:
     processor = gateway_process.chat_processor(args)
     config, emulation = setup.engine_config(args), setup.emulation(args)
     engine = AsyncEngine(build=lambda: build_engine(config, emulation), threads=_engine_threads(args))
+    from common.memory import freeze_heap
+
+    frozen = freeze_heap()  # the engine is up: its objects out of the collector's full collections
+    logging.getLogger("epdmesh").info("%d objects frozen out of the garbage collector's full collections", frozen)
     logging.getLogger("epdmesh").info(
         "serving %s (%s) in one process on http://%s:%d/v1", args.served_model_name, args.model, args.host, args.port
     )
@@ -145,6 +149,7 @@ def _cmd_worker(args) -> int:
         threads=_engine_threads(args),
         tls=tls.load(args.tls_dir),
         configure=lambda roles: setup.engine_config(args, "".join(s.name[0] for s in sorted(roles))),
+        freeze_heap=True,
     )
     uvloop.run(run_worker(options))
     _quick_exit()

@@ -62,6 +62,7 @@ class WorkerOptions:
     # the engine configuration a role switch (`Worker.SwitchRoles`) takes for a role set: its budgets from the
     # worker's flags; None: `engine` with the roles replaced (its budgets kept)
     configure: Callable[[frozenset[Stage]], EngineConfig] | None = None
+    freeze_heap: bool = False  # a serving process: its objects out of the collector's sight once up (common/memory.py)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -189,6 +190,10 @@ async def run_worker(
     switch = RoleSwitch(runtime, registration, health_servicer, configure)
     pb_grpc.add_WorkerServicer_to_server(WorkerServicer(runtime, switch), server)
     await server.start()
+    if options.freeze_heap:
+        from common.memory import freeze_heap
+
+        log.info("%d objects frozen out of the garbage collector's full collections", freeze_heap())
     for name in ["", "epdmesh.v1.Worker", "epdmesh.v1.StageCalls", *ALL_SERVICES]:
         await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
     for name in ["", "epdmesh.v1.Worker", "epdmesh.v1.StageCalls", *services_of(config.roles)]:

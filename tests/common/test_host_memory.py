@@ -118,3 +118,32 @@ def test_a_committed_buffer_is_written_without_page_faults_and_stays_zeroed():
     assert faults_fresh >= size // HUGE_PAGE and faults_committed < faults_fresh // 4
     with pytest.raises(ValueError, match="contiguous"):
         commit(committed.view(2, -1)[:, ::2])
+
+
+_FREEZE = """
+import gc, sys, weakref
+from common.memory import freeze_heap
+class Node:
+    pass
+kept = [Node() for _ in range(50_000)]  # what a process holds when it is up: frozen, never walked again
+for a, b in zip(kept, kept[1:]):
+    a.next = b
+dropped = Node()  # garbage in a cycle, made before: collected first, not frozen with the rest
+dropped.me = dropped
+gone = weakref.ref(dropped)
+del dropped
+frozen = freeze_heap()
+later = Node()  # garbage made after: still collected
+later.me = later
+after = weakref.ref(later)
+del later
+gc.collect()
+print(frozen >= len(kept), gone() is None, after() is None)
+"""
+
+
+def test_a_frozen_heap_keeps_what_it_held_and_still_collects_what_comes_after():
+    import subprocess
+
+    out = subprocess.run([sys.executable, "-c", _FREEZE], capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["True"] * 3
