@@ -227,12 +227,14 @@ def test_a_decoder_layer_takes_the_fused_mlp_where_its_linears_have_tiles(monkey
         (130, 3, 1, 128, 64),
         (33, 1, 1, 64, 32),
         (100, 4, 2, 32, 64),
+        (3000, 2, 2, 64, 512),  # several blocks of rows
+        (200, 4, 4, 128, 1024),  # K in passes
     ],
 )
 def test_a_prompts_qkv_rope_is_the_product_then_rotary_kv_bit_for_bit(rows, heads, kv_heads, dim, k):
     """`qkv_rope` (the product's blocks through RoPE and into the slots as they finish) against `gemm` then
     `cpu_paged.rotary_kv` on its rows: the same q, the same cache, every other slot untouched; GQA, head_dim 32, 64
-    and 128, row counts off the 32-row blocks, slots in any order."""
+    and 128, row counts off the 32-row blocks, several blocks of rows, K in passes, slots in any order."""
     from kernels import cpu_paged
 
     g = torch.Generator().manual_seed(rows)
