@@ -251,10 +251,7 @@ QKV_ROPE = True
 def qkv_rope_supports(tiles: torch.Tensor, head_dim: int, num_heads: int, num_kv_heads: int) -> bool:
     """Whether `qkv_rope` takes this projection: its columns q's heads, k's and v's, head_dim 32, 64 or 128, on AMX."""
     return (
-        QKV_ROPE
-        and head_dim in (32, 64, 128)
-        and tiles.shape[0] * 16 == (num_heads + 2 * num_kv_heads) * head_dim
-        and available()
+        head_dim in (32, 64, 128) and tiles.shape[0] * 16 == (num_heads + 2 * num_kv_heads) * head_dim and available()
     )
 
 

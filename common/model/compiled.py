@@ -327,7 +327,8 @@ def _qkv_rotary_kv_layer(
     kv_heads, dim = cache.shape[-2], cache.shape[-1]
     n = tiles.shape[0] * 16
     heads = n // dim - 2 * kv_heads
-    if h.shape[0] > cpu_amx.MAX_ROWS and cpu_amx.GEMM and cpu_amx.qkv_rope_supports(tiles, dim, heads, kv_heads):
+    fused = cpu_amx.QKV_ROPE and cpu_amx.GEMM and cpu_amx.qkv_rope_supports(tiles, dim, heads, kv_heads)
+    if h.shape[0] > cpu_amx.MAX_ROWS and fused:
         layer_cache = cache.select(1, layer)
         return cpu_amx.qkv_rope(
             h, tiles, cos, sin, layer_cache.select(1, 0), layer_cache.select(1, 1), slot_blocks, slot_offsets,
