@@ -17,6 +17,7 @@ def _run(rates_and_attainments, bound=10.0):
 def _report(tmp_path, configs):
     report = {
         "attainment": 0.9,
+        "slo_ttft_ms": 1000.0,
         "slo_tbt_ms": 50.0,
         "workloads": ["conversation"],
         "serve_args": {name: args for name, (args, _) in configs.items()},
@@ -66,7 +67,7 @@ def test_the_goals_need_the_largest_of_the_three_and_the_table_says_it(tmp_path,
     assert cell.ratio("colocated") == "1.68×"
     assert regimes.main([str(path)]) == 0
     row = capsys.readouterr().out.splitlines()[-1]
-    assert row.startswith("| 2 | 50 | conversation | seed 7 | 2.5 | 1.5 | 2.1 | 4.2 `toggle` | 10.0 | 1.68× | ")
+    assert row.startswith("| 2 | 1000 | 50 | conversation | seed 7 | 2.5 | 1.5 | 2.1 | 4.2 `toggle` | 10.0 | 1.68× | ")
     assert row.endswith("| 3.6 (vLLM-style) | 36% | 42% |")
 
 
@@ -91,4 +92,4 @@ def test_a_report_without_a_toggle_is_left_out_and_none_left_is_refused(tmp_path
     out = capsys.readouterr()
     assert "left out, no toggle configuration in: sim-x-n2-seed7.json" in out.err
     (row,) = out.out.splitlines()[2:]
-    assert row.split(" | ")[3:5] == ["seed 8", "≥ 1.0"] and row.split(" | ")[7] == "≥ 2.0 `toggle`"
+    assert row.split(" | ")[4:6] == ["seed 8", "≥ 1.0"] and row.split(" | ")[8] == "≥ 2.0 `toggle`"
