@@ -101,10 +101,12 @@ def _kernel(args: argparse.Namespace, ours_lib) -> None:
 
 def image(args: argparse.Namespace) -> None:
     from bench.engine import resolve_model
+    from common.model import compiled as compiled_module
     from common.model.compiled import CompiledModel
     from common.model.loader import load_model
 
     model = load_model(resolve_model(argparse.Namespace(model=args.model, preset="small")), torch.bfloat16)
+    compiled_module.LONE_PROMPT_GRAPH = True  # (an engine on an AMX host runs a lone prompt through its prompts graph)
     compiled = CompiledModel(model)
     cfg, n = model.text.cfg, args.prompt_len
     with torch.inference_mode(False):  # made as the engine makes its cache

@@ -10,9 +10,10 @@ A step of decodes only on the CPU (most steps of a server) runs as one compiled 
 (`decode_step`): the embedding, every layer with its K/V write and attention (`kernels/cpu_paged.py`'s C kernel,
 one op per layer that mutates the cache in place), the last norm and the logits. One graph per step keeps Python
 and dynamo's guards out of the gaps between oneDNN's products, whose threads otherwise go cold between them. A
-step of one whole prompt alone runs as another (`prefill_step`), and a step of other prompt chunks only (several
-prompts, or chunks after a cached prefix) as a third (`prompts_step`, attention through the C prompt kernel over the
-cache); steps of prompt chunks beside decodes take the halves.
+step of one whole prompt alone runs as another (`prefill_step`; not where bf16 prompts run on the AMX tiles, whose
+prompts graph computes it as fast: `LONE_PROMPT_GRAPH`), and a step of other prompt chunks only (several prompts, or
+chunks after a cached prefix) as a third (`prompts_step`, attention through the C prompt kernel over the cache);
+steps of prompt chunks beside decodes take the halves.
 
 The model is not changed: an engine holds a `CompiledModel` and passes its functions to the forward, so an eager
 engine and a compiled one can share one model. Compiled code is C++ built by the host's compiler on first use; its
@@ -46,6 +47,11 @@ WARM_TOKENS = 128  # the token count the warm-up compiles the dynamic text graph
 # when a CompiledModel is made; `prompts_step` reads it (a host's property, the same for every engine); False for
 # A/B runs (`bench/engine.py --without rotary-kv`).
 ROTARY_KV = False
+# Whether a step of one whole prompt alone gets a graph of its own (`prefill_step`). None: by host — not where bf16
+# prompts run on the AMX tiles, whose prompts graph (its qkv product with RoPE in one pass, attention on the tiles)
+# computes a lone prompt as fast (bench/README.md, "Prompt attention in C") and the graph would only add its compile
+# to a cold start; True / False for A/B runs.
+LONE_PROMPT_GRAPH: bool | None = None
 
 
 def cache_dir() -> Path:
@@ -80,6 +86,11 @@ class CompiledModel:
                 ROTARY_KV = ROTARY_KV or cpu_paged.rotary_kv_host()
                 self.prompts = torch.compile(prompts_step, dynamic=True)
                 model.text.rotary_for(weight)
+            lone = LONE_PROMPT_GRAPH
+            if lone is None:
+                lone = not (self.prompts is not None and weight.dtype == torch.bfloat16 and cpu_amx.available())
+            if not lone:
+                self.prefill = None  # a lone prompt runs through the prompts graph
 
     @torch.inference_mode()
     def warm_up(self, text: bool = True, vision: bool = True) -> float:
@@ -113,22 +124,8 @@ class CompiledModel:
                             mark_unbacked(t, 0)
                         mark_unbacked(tables, 1)
                     self.decode(model.text, ids, positions, cache, tables, lens, *slots)
-                # one prompt: one graph for every length from 2 (the first call's length dynamic; a 1-token prompt
-                # takes the halves: its own graph would cost ~8 s of cold compile); the cache made as the engine
-                # makes its own (outside inference mode: another dispatch key set)
-                with torch.inference_mode(False):
-                    cache = torch.zeros(
-                        WARM_TOKENS // 16 + 1, cfg.num_layers, 2, 16, cfg.num_kv_heads, cfg.head_dim, **like
-                    )
-                for n in (WARM_TOKENS, 2):  # (the first, dynamic, size the hint, as above)
-                    embeds = torch.zeros(n, cfg.hidden_size, **like)
-                    positions = torch.arange(n)
-                    slots = torch.arange(n) // 16, torch.arange(n) % 16
-                    if n == WARM_TOKENS:
-                        for t in (embeds, positions, *slots):
-                            torch._dynamo.mark_dynamic(t, 0)
-                        torch._dynamo.mark_dynamic(cache, 0)  # any number of blocks
-                    self.prefill(model.text, embeds, positions, cache, *slots)
+            if self.prefill is not None:
+                self._warm_lone_prompt(like)
             if self.prompts is not None:
                 self._warm_prompts(like)
         if vision:
@@ -140,6 +137,23 @@ class CompiledModel:
         seconds = time.perf_counter() - start
         log.info("compiled model warmed up in %.1f s (cache %s)", seconds, os.environ["TORCHINDUCTOR_CACHE_DIR"])
         return seconds
+
+    def _warm_lone_prompt(self, like: dict) -> None:
+        """The lone-prompt graph: one graph for every length from 2 (the first call's length dynamic; a 1-token
+        prompt takes the halves: its own graph would cost ~8 s of cold compile)."""
+        cfg, text = self.model.text.cfg, self.model.text
+        # the cache made as the engine makes its own (outside inference mode: another dispatch key set)
+        with torch.inference_mode(False):
+            cache = torch.zeros(WARM_TOKENS // 16 + 1, cfg.num_layers, 2, 16, cfg.num_kv_heads, cfg.head_dim, **like)
+        for n in (WARM_TOKENS, 2):  # (the first, dynamic, size the hint, as above)
+            embeds = torch.zeros(n, cfg.hidden_size, **like)
+            positions = torch.arange(n)
+            slots = torch.arange(n) // 16, torch.arange(n) % 16
+            if n == WARM_TOKENS:
+                for t in (embeds, positions, *slots):
+                    torch._dynamo.mark_dynamic(t, 0)
+                torch._dynamo.mark_dynamic(cache, 0)  # any number of blocks
+            self.prefill(text, embeds, positions, cache, *slots)
 
     def _warm_prompts(self, like: dict) -> None:
         """The prompts graph at three sequences (one after a cached block), every size unbacked at that first call:

@@ -372,15 +372,38 @@ def test_bfloat16_within_the_references_own_rounding(compile, model_dirs, proces
     assert (calls["rotary_kv"] + calls["qkv_rope"] > 0) == fused
 
 
-def assert_bf16_within_rounding(engine: Engine, processors, references) -> None:
+def test_a_lone_bf16_prompt_runs_through_the_graph_its_host_gives_it(model_dirs, processors, references):
+    """Compiled bf16, one request at a time: a whole prompt alone runs through the prompts graph where bf16 prompts
+    run on the AMX tiles (no lone-prompt graph is made there: it computes a lone prompt no faster and only adds its
+    compile to a cold start), elsewhere through the lone-prompt graph where the host has one — within the
+    reference's rounding either way."""
+    from kernels import cpu_amx
+
+    engine = make_engine(model_dirs, None, "tiny", dtype="bfloat16", compile=True, enable_chunked_prefill=False)
+    runner = engine.runner
+    tiles = runner.prompts_graph is not None and cpu_amx.available()
+    assert (runner.prefill_graph is None) == (tiles or runner.decode_graph is None)
+    lone, prompts = count_graph_steps(engine, "prefill_graph"), count_graph_steps(engine, "prompts_graph")
+    assert_bf16_within_rounding(engine, processors, references, alone=True)
+    if tiles:
+        assert (lone[0], prompts[0]) == (0, len(CASES))
+    elif runner.decode_graph is not None:
+        assert lone[0] == len(CASES) and prompts[0] == 0
+
+
+def assert_bf16_within_rounding(engine: Engine, processors, references, alone: bool = False) -> None:
     """bf16 tolerance: our bf16 logits may differ from transformers' bf16 logits by at most twice as much as
     transformers' bf16 differs from its own fp32 (plus 0.05) — i.e. we are within bf16's own rounding noise.
     Greedy tokens must agree at every step whose reference top-1/top-2 margin exceeds it; a step under it may
-    legitimately pick the runner-up, and from there on the two continuations have different prefixes."""
+    legitimately pick the runner-up, and from there on the two continuations have different prefixes.
+    `alone`: the requests one at a time (each prompt computed alone), else all at once."""
     ref32, ref16 = references("tiny", torch.float32), references("tiny", torch.bfloat16)
     own_noise = max((ref16[c.name].logits[0] - ref32[c.name].logits[0]).abs().max().item() for c in CASES)
     tolerance = 2 * own_noise + 0.05
-    finals = engine.generate(build_requests(processors["tiny"], CASES), capture_logits=True)
+    requests = build_requests(processors["tiny"], CASES)
+    finals = {}
+    for batch in [[r] for r in requests] if alone else [requests]:
+        finals.update(engine.generate(batch, capture_logits=True))
     compared = 0
     for case in CASES:
         ref, ours = ref16[case.name], finals[case.name].output_token_ids
