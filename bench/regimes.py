@@ -102,8 +102,8 @@ def cells(path: Path) -> list[Cell]:
 
 def table(all_cells: list[Cell]) -> str:
     head = (
-        "| N | TTFT (ms) | TBT (ms) | workload | report | colocated | vLLM-style | static | toggle | bound | ÷ colocated "
-        "| ÷ static | ÷ vLLM | the goals need | of the bound | the toggle reaches |"
+        "| N | TTFT (ms) | TBT (ms) | workload | report | colocated | vLLM-style | static | toggle | bound "
+        "| ÷ colocated | ÷ static | ÷ vLLM | the goals need | of the bound | the toggle reaches |"
     )
     lines = [head, "|---:|---:|---:|---|---|" + "---:|" * 11]
     for c in sorted(all_cells, key=lambda c: (-c.instances, c.ttft_ms, -c.tbt_ms, c.workload, c.source)):
