@@ -85,7 +85,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--without",
         default="",
         help="ablation, ours only (comma list): c-attention (decode attention in torch: gathers and bmm), "
-        "decode-graph (decodes through the per-layer compiled halves), prefill-graph (a lone whole prompt too); "
+        "decode-graph (decodes through the per-layer compiled halves), prefill-graph (a lone whole prompt too; "
+        "where bf16 prompts run on the AMX tiles it has none: its prompts graph takes it); "
         "c-attention takes both graphs out (they call the kernel); amx-tiles (every text product through oneDNN, "
         "not the AMX tiles); prefill-tiles (a prompt's products through oneDNN, decode's on the tiles); "
         "rotary-kv (prompt chunks' RoPE compiled and their K/V written apart, not in one C pass); "
